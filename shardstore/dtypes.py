@@ -1,0 +1,66 @@
+"""The dtype table shared by every stage.
+
+The store keeps raw bits: dtypes numpy cannot represent (bfloat16, float8) are held as unsigned integers
+of the same width, and the torch dtype name is recorded beside them so export can reproduce the bits.
+Keeping this in one table is what lets read/ stay free of torch: a worker process ingesting a rank file
+never imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DTypeInfo:
+    name: str  # torch name without the "torch." prefix, e.g. "bfloat16"
+    raw: np.dtype  # what the store holds: same width, exact bits
+    safetensors: str | None  # safetensors dtype code, None if it has none
+    storage_class: str | None  # legacy typed storage class torch pickles (None: UntypedStorage + _v3)
+
+    @property
+    def itemsize(self) -> int:
+        return self.raw.itemsize
+
+
+_TABLE = [
+    DTypeInfo("float64", np.dtype("<f8"), "F64", "DoubleStorage"),
+    DTypeInfo("float32", np.dtype("<f4"), "F32", "FloatStorage"),
+    DTypeInfo("float16", np.dtype("<f2"), "F16", "HalfStorage"),
+    DTypeInfo("bfloat16", np.dtype("<u2"), "BF16", "BFloat16Storage"),
+    DTypeInfo("float8_e4m3fn", np.dtype("u1"), "F8_E4M3", None),
+    DTypeInfo("float8_e5m2", np.dtype("u1"), "F8_E5M2", None),
+    DTypeInfo("int64", np.dtype("<i8"), "I64", "LongStorage"),
+    DTypeInfo("int32", np.dtype("<i4"), "I32", "IntStorage"),
+    DTypeInfo("int16", np.dtype("<i2"), "I16", "ShortStorage"),
+    DTypeInfo("int8", np.dtype("i1"), "I8", "CharStorage"),
+    DTypeInfo("uint8", np.dtype("u1"), "U8", "ByteStorage"),
+    DTypeInfo("uint16", np.dtype("<u2"), "U16", None),
+    DTypeInfo("uint32", np.dtype("<u4"), "U32", None),
+    DTypeInfo("uint64", np.dtype("<u8"), "U64", None),
+    DTypeInfo("bool", np.dtype("?"), "BOOL", "BoolStorage"),
+    DTypeInfo("complex64", np.dtype("<c8"), "C64", "ComplexFloatStorage"),
+    DTypeInfo("complex128", np.dtype("<c16"), None, "ComplexDoubleStorage"),
+]
+
+BY_NAME: dict[str, DTypeInfo] = {d.name: d for d in _TABLE}
+BY_STORAGE_CLASS: dict[str, DTypeInfo] = {d.storage_class: d for d in _TABLE if d.storage_class}
+# Aliases torch also exposes as module attributes and may pickle under.
+_ALIASES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32",
+            "short": "int16", "cfloat": "complex64", "cdouble": "complex128"}
+
+
+def info(name: str) -> DTypeInfo:
+    """Look a torch dtype name up; unknown dtypes are a user-facing error, not a KeyError."""
+    from .errors import CheckpointError
+
+    try:
+        return BY_NAME[_ALIASES.get(name, name)]
+    except KeyError:
+        raise CheckpointError(f"unsupported tensor dtype torch.{name}") from None
+
+
+def is_dtype_name(name: str) -> bool:
+    return _ALIASES.get(name, name) in BY_NAME

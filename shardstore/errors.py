@@ -1,0 +1,27 @@
+"""Errors a user can cause.
+
+Every one of them carries a single line that names the file or key involved, so the CLI can print it
+without a traceback. Anything else escaping the API is a bug in shardstore, and is left to crash loudly.
+"""
+
+from __future__ import annotations
+
+
+class ShardstoreError(Exception):
+    """Base class: the message is one complete, user-facing line."""
+
+
+class CheckpointError(ShardstoreError):
+    """The rank files are missing, corrupt, truncated, or do not belong together."""
+
+
+class UnsafePickleError(CheckpointError):
+    """A pickle asked for a global outside the allowlist; nothing from it was run."""
+
+
+class StoreError(ShardstoreError):
+    """The store is missing, incomplete for the requested operation, or from another version."""
+
+
+class ExportError(ShardstoreError):
+    """The export cannot be produced as requested (bad selection, dtype, output path)."""

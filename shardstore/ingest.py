@@ -1,0 +1,198 @@
+"""Ingestion: rank files in, shards written straight into their cells, one worker process per file.
+
+The coordinator plans the store from the first rank file it reads; each worker then reads one rank
+file (mmap, allowlisted unpickle), checks it against the plan, copies every local shard into the cells
+it owns (kernel-side where the bytes are contiguous), stages small pieces, and commits a record. No
+chunk has two writers, so workers never coordinate.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from . import dtypes
+from .errors import CheckpointError
+from .plan import plan_checkpoint
+from .read.rankfile import LocalPiece, RankFile, ShardedLeaf, read_rank_file
+from .read.unpickle import TensorRef
+from . import values
+from .store.backend import FileRange, Part
+from .store.manifest import ArrayEntry
+from .store.store import Store
+
+
+@dataclass(frozen=True)
+class Ingested:
+    rank: int
+    path: str
+    nbytes: int
+
+
+def _piece_region(rf: RankFile, entry: ArrayEntry, piece: LocalPiece,
+                  index: tuple[int, ...]) -> tuple[list[Part], int]:
+    """The bytes of cell `index` that `piece` holds, as (parts, valid rows of the cell)."""
+    bounds = entry.cell_bounds(index)
+    rel = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(bounds, piece.offsets))
+    valid_rows = bounds[0][1] - bounds[0][0]
+    trailing_full = all(hi - lo == c for (lo, hi), c in zip(bounds[1:], entry.cell[1:]))
+    if trailing_full and tuple(entry.cell[1:]) == tuple(piece.sizes[1:]):
+        span = rf.byte_range(piece.tensor)
+        if span is not None:
+            row = math.prod(piece.sizes[1:]) * dtypes.info(entry.dtype).itemsize
+            start = span[0] + rel[0].start * row
+            return [FileRange(rf.zip.fileno(), start, valid_rows * row)], valid_rows
+    region = rf.array(piece.tensor)[rel]
+    buf = np.zeros((valid_rows,) + tuple(entry.cell[1:]), dtype=region.dtype)
+    buf[tuple(slice(0, n) for n in region.shape)] = region
+    return [buf.data], valid_rows
+
+
+def _check_against(store: Store, rf: RankFile) -> None:
+    m = store.manifest
+    if rf.world_size != m.world_size:
+        raise CheckpointError(f"{rf.path}: from a world of {rf.world_size} ranks, but the store holds a checkpoint "
+                              f"of {m.world_size} (a rank file from another checkpoint?)")
+    if not 0 <= rf.rank < m.world_size:
+        raise CheckpointError(f"{rf.path}: rank {rf.rank} outside world size {m.world_size}")
+    if rf.skeleton != m.tree:
+        raise CheckpointError(f"{rf.path}: its keys differ from the checkpoint in the store (another checkpoint?)")
+    for path, entry in m.arrays.items():
+        leaf = rf.leaves.get(path)
+        if not isinstance(leaf, ShardedLeaf):
+            raise CheckpointError(f"{rf.path}: {path} is not a ShardedTensor here, but is in the store")
+        if (leaf.spec.dtype, leaf.spec.shape) != (entry.dtype, entry.shape):
+            raise CheckpointError(f"{rf.path}: {path} is {leaf.spec.dtype}{list(leaf.spec.shape)} here but "
+                                  f"{entry.dtype}{list(entry.shape)} in the store (another checkpoint?)")
+        if not entry.staged:
+            for piece in leaf.pieces:
+                if any(o % c or (s % c and o + s != d)
+                       for o, s, c, d in zip(piece.offsets, piece.sizes, entry.cell, entry.shape)):
+                    raise CheckpointError(f"{rf.path}: {path} has a shard at {list(piece.offsets)} that does not "
+                                          f"match the checkpoint's shard layout")
+
+
+def _encode_tensor(store: Store, rf: RankFile, written: list[str]) -> Callable[[TensorRef], Any]:
+    def encode(ref: TensorRef) -> Any:
+        data = np.ascontiguousarray(rf.array(ref)).tobytes()
+        out: dict[str, Any] = {"dtype": ref.dtype, "shape": list(ref.shape)}
+        if len(data) <= values.INLINE_TENSOR_BYTES:
+            out["data"] = values._b64(data)
+        else:
+            out["blob"] = store.put_blob(data)
+            written.append(f"__shardstore__/blobs/{out['blob']}")
+        return out
+
+    return encode
+
+
+def ingest_file(store: Store, path: str | os.PathLike[str]) -> Ingested:
+    """Ingest one rank file into an existing store: the whole job of one worker."""
+    rf = read_rank_file(path, encode_key=values.encode)
+    try:
+        _check_against(store, rf)
+        written: list[str] = []
+        cells: dict[str, list[int]] = {}
+        staged: dict[str, list[list[Any]]] = {}
+        staging: list[Part] = []
+        staged_bytes = 0
+        objects: dict[str, Any] = {}
+        encode_tensor = _encode_tensor(store, rf, written)
+        for leaf_path, leaf in rf.leaves.items():
+            entry = store.manifest.arrays.get(leaf_path)
+            if entry is None:
+                objects[leaf_path] = values.encode(leaf, tensor=encode_tensor)
+                continue
+            for piece in leaf.pieces:
+                if not all(piece.sizes):
+                    continue
+                if entry.staged:
+                    span = rf.byte_range(piece.tensor)
+                    part: Part = (FileRange(rf.zip.fileno(), *span) if span is not None
+                                  else np.ascontiguousarray(rf.array(piece.tensor)).data)
+                    nbytes = span[1] if span is not None else part.nbytes  # type: ignore[union-attr]
+                    staging.append(part)
+                    staged.setdefault(leaf_path, []).append([list(piece.offsets), list(piece.sizes), staged_bytes, nbytes])
+                    staged_bytes += nbytes
+                    continue
+                for index in entry.cells_of(piece.offsets, piece.sizes):
+                    parts, valid_rows = _piece_region(rf, entry, piece, index)
+                    written.append(store.write_cell(entry, index, parts, valid_rows))
+                    cells.setdefault(leaf_path, []).append(entry.flat_index(index))
+        if staging:
+            written.append(store.write_staging(rf.rank, staging))
+        record = {"rank": rf.rank, "world_size": rf.world_size, "group_rank": rf.group_rank,
+                  "group_size": rf.group_size, "file": os.path.basename(rf.path), "bytes": rf.zip.size,
+                  "cells": cells, "staged": staged, "objects": objects}
+        store.commit_rank(record, written)
+        return Ingested(rf.rank, rf.path, rf.zip.size)
+    finally:
+        rf.close()
+
+
+_WORKER_STORES: dict[str, Store] = {}
+
+
+def _worker(location: str, path: str) -> Ingested:
+    store = _WORKER_STORES.get(location)
+    if store is None:
+        store = _WORKER_STORES[location] = Store.open(location)
+    return ingest_file(store, path)
+
+
+def create_store(location: str | os.PathLike[str], first_file: str | os.PathLike[str]) -> Store:
+    """Create (or reopen, after checking it matches) the store for the checkpoint `first_file` belongs to."""
+    rf = read_rank_file(first_file, encode_key=values.encode)
+    try:
+        return Store.create(location, plan_checkpoint(rf))
+    finally:
+        rf.close()
+
+
+def default_jobs() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[str]], jobs: int | None = None,
+           on_done: Callable[[Ingested], None] | None = None) -> Store:
+    """Ingest rank files into the store at `location` (created from the first file if it does not exist).
+
+    `jobs` worker processes (default: one per core) each take one file at a time; with jobs=1 everything
+    runs in this process. Ingesting a rank that is already in the store simply rewrites the same bytes.
+    """
+    if not files:
+        raise CheckpointError("no rank files to ingest")
+    store = create_store(location, files[0])
+    jobs = max(1, min(jobs or default_jobs(), len(files)))
+    if jobs == 1:
+        for f in files:
+            done = ingest_file(store, f)
+            if on_done:
+                on_done(done)
+    else:
+        _run_pool(store.location, [os.fspath(f) for f in files], jobs, on_done)
+    store.assemble_ready()
+    return store
+
+
+def _run_pool(location: str, files: Iterable[str], jobs: int, on_done: Callable[[Ingested], None] | None) -> None:
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold Zarr's event-loop thread
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        pending: set[Future[Ingested]] = {pool.submit(_worker, location, f) for f in files}
+        try:
+            while pending:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    done = fut.result()
+                    if on_done:
+                        on_done(done)
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise

@@ -1,0 +1,108 @@
+"""From ShardedTensor metadata to a Zarr layout where every chunk has exactly one writer.
+
+Each array's outer grid (Zarr's *shard* shape) is cut at every shard boundary the metadata names, so a
+grid cell never straddles two ranks' shards and whoever holds a shard can write its cells whole, without
+a read-modify-write. For FSDP that grid is simply ceil(d0 / W) rows. Inside a cell, small inner chunks
+(~1 MiB) make slices cheap to read. Tensors too small to deserve one file per rank are *staged*: each
+rank appends its pieces to one per-rank file, and the single cell is assembled once every piece is in.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import reduce
+
+from . import dtypes
+from .errors import CheckpointError
+from .read.rankfile import RankFile, ShardedLeaf, ShardedSpec
+from .store.manifest import ArrayEntry, Manifest
+
+CHUNK_TARGET_BYTES = 1 << 20  # inner chunk: the unit a lazy read fetches
+MIN_CHUNK_BYTES = 64 << 10
+SMALL_ARRAY_BYTES = 1 << 20  # at or below this, one cell for the whole tensor, assembled from staging
+MIN_CELL_BYTES = 64 << 10  # per-rank cells smaller than this are staged too ...
+MAX_STAGED_BYTES = 64 << 20  # ... unless the whole tensor is larger than this
+MAX_CELLS = 1 << 20
+
+
+def _grid(spec: ShardedSpec) -> tuple[int, ...]:
+    cell = []
+    for dim, size in enumerate(spec.shape):
+        cuts = {b for s in spec.shards if all(spec.shape) and all(s.sizes)
+                for b in (s.offsets[dim], s.offsets[dim] + s.sizes[dim])} - {0, size}
+        cell.append(reduce(math.gcd, cuts) if cuts else max(size, 1))
+    return tuple(cell)
+
+
+def _inner_chunk(cell: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    if not cell:
+        return cell
+    row = math.prod(cell[1:]) * itemsize
+    rows = cell[0]
+    best = 1
+    for d in range(1, math.isqrt(rows) + 1):
+        if rows % d == 0:
+            for cand in (d, rows // d):
+                if cand * row <= CHUNK_TARGET_BYTES and cand > best:
+                    best = cand
+    if best * row < MIN_CHUNK_BYTES or rows // best > 65536:
+        best = rows  # no divisor gives a sensible chunk: read the cell whole
+    return (best,) + cell[1:]
+
+
+def check_tiling(path: str, spec: ShardedSpec, cell: tuple[int, ...]) -> None:
+    """Every element of the tensor is covered by exactly one shard (per replica group)."""
+    plan = ArrayEntry(path, spec.dtype, spec.shape, cell, cell, False)
+    if plan.ncells > MAX_CELLS:
+        raise CheckpointError(f"{path}: shard boundaries cut the tensor into {plan.ncells} pieces; too irregular")
+    covered = bytearray(plan.ncells)
+    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+    for s in spec.shards:
+        if len(s.offsets) != len(spec.shape) or len(s.sizes) != len(spec.shape):
+            raise CheckpointError(f"{path}: shard rank {s.rank} has the wrong number of dimensions")
+        if any(o < 0 or o + n > d for o, n, d in zip(s.offsets, s.sizes, spec.shape)):
+            raise CheckpointError(f"{path}: shard at {list(s.offsets)} of rank {s.rank} lies outside {list(spec.shape)}")
+        if not all(s.sizes) or (s.offsets, s.sizes) in seen:
+            continue  # empty, or the same shard once more (another replica group)
+        seen.add((s.offsets, s.sizes))
+        for idx in plan.cells_of(s.offsets, s.sizes):
+            flat = plan.flat_index(idx)
+            if covered[flat]:
+                raise CheckpointError(f"{path}: shards overlap at cell {list(idx)}")
+            covered[flat] = 1
+    if all(spec.shape) and not all(covered):
+        missing = plan.cell_index(covered.index(0))
+        raise CheckpointError(f"{path}: no shard covers cell {list(missing)} of {list(spec.shape)}")
+
+
+def plan_array(path: str, spec: ShardedSpec) -> ArrayEntry:
+    info = dtypes.info(spec.dtype)
+    cell = _grid(spec)
+    check_tiling(path, spec, cell)
+    nbytes = math.prod(spec.shape) * info.itemsize
+    cell_bytes = math.prod(cell) * info.itemsize
+    staged = nbytes <= SMALL_ARRAY_BYTES or (cell_bytes < MIN_CELL_BYTES and nbytes <= MAX_STAGED_BYTES)
+    if staged:
+        cell = tuple(max(d, 1) for d in spec.shape)
+    return ArrayEntry(path, spec.dtype, spec.shape, cell, _inner_chunk(cell, info.itemsize), staged)
+
+
+def detect_layout(tree: dict) -> str:
+    """Which trainer wrote this: decides where the model weights are and how torch export splits files."""
+    top = {k for k, _ in tree.get("dict", tree.get("odict", []))}
+    if {"'model'", "'optim'"} <= top or {'"model"', '"optim"'} <= top:
+        return "olmo"
+    return "generic"
+
+
+def plan_checkpoint(rank_file: RankFile, layout: str | None = None) -> Manifest:
+    """Plan the whole store from one rank file: every rank file carries the global metadata of every tensor."""
+
+    arrays, objects = {}, []
+    for path, leaf in rank_file.leaves.items():
+        if isinstance(leaf, ShardedLeaf):
+            arrays[path] = plan_array(path, leaf.spec)
+        else:
+            objects.append(path)
+    return Manifest(layout or detect_layout(rank_file.skeleton), rank_file.world_size, rank_file.skeleton,
+                    arrays, objects)

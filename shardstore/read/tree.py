@@ -1,0 +1,57 @@
+"""Flatten a rank's state dict into a tree skeleton plus leaves addressed by path.
+
+Only containers that hold a tensor somewhere below are descended into; any other subtree (param_groups,
+an RNG tuple, a config dict) is one opaque leaf. That keeps per-rank records small at large world sizes
+while every tensor still gets its own path.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from .. import paths
+from ..errors import CheckpointError
+from .unpickle import ShardedTensor, TensorRef
+
+Skeleton = dict[str, Any]
+
+
+def _holds_tensor(obj: Any) -> bool:
+    if isinstance(obj, (ShardedTensor, TensorRef)):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensor(v) for v in obj)
+    return False
+
+
+def flatten(obj: Any, encode_key: Any) -> tuple[Skeleton, dict[str, Any]]:
+    """Return (skeleton, {path: leaf}) in state-dict order. `encode_key` turns a dict key into JSON."""
+    leaves: dict[str, Any] = {}
+
+    def walk(node: Any, path: str) -> Skeleton:
+        if (type(node) in (dict, collections.OrderedDict) or isinstance(node, (list, tuple))) and _holds_tensor(node):
+            if isinstance(node, dict):
+                kind = "odict" if isinstance(node, collections.OrderedDict) else "dict"
+                items = list(node.items())
+            else:
+                kind = "tuple" if isinstance(node, tuple) else "list"
+                items = list(enumerate(node))
+            children = []
+            seen: set[str] = set()
+            for key, value in items:
+                name = paths.escape(key)
+                if name in seen:
+                    raise CheckpointError(f"two keys of {path or 'the state dict'} map to the same path {name!r}")
+                seen.add(name)
+                child = walk(value, paths.join(path, name))
+                children.append([encode_key(key), child] if kind in ("dict", "odict") else child)
+            return {kind: children}
+        if path == "":
+            raise CheckpointError("the checkpoint holds no tensors")
+        leaves[path] = node
+        return {"leaf": path}
+
+    return walk(obj, ""), leaves

@@ -1,0 +1,286 @@
+"""The allowlisted unpickler and the light stand-ins it builds.
+
+A rank file is a pickle, and a pickle is a program. This unpickler resolves only the globals listed in
+`ALLOWED` and maps each one to an inert stand-in (no torch, no torch.distributed, no process group);
+any other global is refused before anything runs, with an error that names it. Storages become
+`StorageRef`s that point into the zip, so tensor bytes stay on disk until a writer copies them.
+"""
+
+from __future__ import annotations
+
+import _codecs
+import collections
+import datetime
+import gc
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import CheckpointError, UnsafePickleError
+
+
+class TorchDType(str):
+    """A torch dtype, by name ("bfloat16")."""
+
+
+class TorchDevice(str):
+    """A torch device, by its string form ("cuda:3")."""
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    key: str  # the record "data/<key>" in the zip
+    dtype: str  # element dtype of the storage (uint8 for an untyped storage)
+    numel: int
+
+
+@dataclass
+class TensorRef:
+    """A plain tensor: a strided view into a storage that still lives in the rank file."""
+
+    storage: StorageRef
+    offset: int  # in elements of `dtype`
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+
+
+class _Record:
+    """Base for stand-ins that pickle rebuilds with NEWOBJ + BUILD (dict state, or (dict, slots) state)."""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:
+            for part in state:
+                if part:
+                    self.__dict__.update(part)
+        elif isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            raise CheckpointError(f"unexpected pickled state for {type(self).__name__}")
+
+
+class RemoteDevice(_Record):
+    """torch.distributed._remote_device: "rank:R/device"."""
+
+    def rank(self) -> int | None:
+        return self.__dict__.get("_rank")
+
+    def device(self) -> str:
+        return str(self.__dict__.get("_device"))
+
+
+class ShardMetadata(_Record):
+    shard_offsets: list[int]
+    shard_sizes: list[int]
+    placement: RemoteDevice | None
+
+
+class Shard(_Record):
+    tensor: TensorRef
+    metadata: ShardMetadata
+
+
+class TensorProperties(_Record):
+    dtype: TorchDType
+
+    def __setstate__(self, state: Any) -> None:
+        # TensorProperties pickles a bare tuple: (dtype, layout, requires_grad, memory_format, pin_memory).
+        if isinstance(state, tuple) and len(state) == 5:
+            self.dtype = state[0]
+        else:
+            super().__setstate__(state)
+
+
+class ShardedTensorMetadata(_Record):
+    shards_metadata: list[ShardMetadata]
+    size: tuple[int, ...]
+    tensor_properties: TensorProperties
+
+
+class ProcessGroupState(_Record):
+    local_rank: int
+    global_rank: int
+    local_world_size: int
+    global_world_size: int
+
+
+class ChunkShardingSpec(_Record):
+    pass
+
+
+class EnumerableShardingSpec(_Record):
+    pass
+
+
+class ShardedTensor(_Record):
+    """The stand-in for torch's ShardedTensor: its local shards, the global metadata, the group state."""
+
+    local_shards: list[Shard]
+    metadata: ShardedTensorMetadata
+    pg_state: ProcessGroupState | None
+
+    ProcessGroupState = ProcessGroupState
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and len(state) >= 2):
+            raise CheckpointError("unexpected pickled state for ShardedTensor")
+        self.local_shards = list(state[0])
+        self.metadata = state[1]
+        self.pg_state = state[2] if len(state) > 2 else None
+
+
+class _TensorType:
+    """Marker for `torch.Tensor` / `torch.nn.Parameter` when they appear as rebuild targets."""
+
+
+def _wrapper_subclass(cls: Any, dtype: Any, size: Any, *rest: Any) -> Any:
+    if cls is ShardedTensor:
+        return ShardedTensor.__new__(ShardedTensor)
+    raise UnsafePickleError(f"tensor subclass {getattr(cls, '__name__', cls)!r} is not supported")
+
+
+def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: tuple, state: Any) -> Any:
+    ret = func(*args)
+    if isinstance(ret, ShardedTensor):
+        ret.__setstate__(state)
+    return ret
+
+
+def _rebuild_tensor_v2(storage: StorageRef, storage_offset: int, size: Any, stride: Any, *rest: Any) -> TensorRef:
+    return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride), storage.dtype)
+
+
+def _rebuild_tensor_v3(storage: StorageRef, storage_offset: int, size: Any, stride: Any, requires_grad: Any,
+                       backward_hooks: Any, dtype: TorchDType, *rest: Any) -> TensorRef:
+    # v3 pairs an untyped (byte) storage with an explicit dtype; offsets are in elements of that dtype.
+    return TensorRef(storage, int(storage_offset), tuple(size), tuple(stride), str(dtype))
+
+
+def _rebuild_parameter(data: Any, *rest: Any) -> Any:
+    return data
+
+
+def _safe_getattr(obj: Any, name: str) -> Any:
+    if obj is ShardedTensor and name == "ProcessGroupState":
+        return ProcessGroupState
+    raise UnsafePickleError(f"refusing getattr({getattr(obj, '__name__', type(obj).__name__)}, {name!r})")
+
+
+def _mem_format(value: int) -> int:
+    return int(value)
+
+
+class _StorageType:
+    """A storage class global (torch.FloatStorage, torch.UntypedStorage): only its dtype matters."""
+
+    def __init__(self, dtype: str):
+        self.dtype = dtype
+
+
+_SHARD = "torch.distributed._shard"
+ALLOWED: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "complex"): complex,
+    ("builtins", "slice"): slice,
+    ("builtins", "bytearray"): bytearray,
+    ("builtins", "getattr"): _safe_getattr,
+    ("datetime", "timedelta"): datetime.timedelta,
+    ("datetime", "datetime"): datetime.datetime,
+    ("datetime", "date"): datetime.date,
+    ("_codecs", "encode"): _codecs.encode,
+    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_wrapper_subclass"): _wrapper_subclass,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch._tensor", "_rebuild_from_type"): lambda func, new_type, args, state: func(*args),
+    ("torch", "Tensor"): _TensorType,
+    ("torch.nn.parameter", "Parameter"): _TensorType,
+    ("torch", "Size"): tuple,
+    ("torch", "device"): lambda *a: TorchDevice(":".join(str(x) for x in a)),
+    ("torch.serialization", "_get_layout"): str,
+    ("torch.storage", "UntypedStorage"): _StorageType("uint8"),
+    ("torch", "UntypedStorage"): _StorageType("uint8"),
+    (f"{_SHARD}.sharded_tensor.api", "ShardedTensor"): ShardedTensor,
+    (f"{_SHARD}.sharded_tensor", "ShardedTensor"): ShardedTensor,
+    (f"{_SHARD}.sharded_tensor.shard", "Shard"): Shard,
+    (f"{_SHARD}.metadata", "ShardMetadata"): ShardMetadata,
+    (f"{_SHARD}.sharded_tensor.metadata", "ShardedTensorMetadata"): ShardedTensorMetadata,
+    (f"{_SHARD}.sharded_tensor.metadata", "TensorProperties"): TensorProperties,
+    (f"{_SHARD}.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"): _mem_format,
+    (f"{_SHARD}.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec"): ChunkShardingSpec,
+    (f"{_SHARD}.sharding_spec.api", "EnumerableShardingSpec"): EnumerableShardingSpec,
+    ("torch.distributed.remote_device", "_remote_device"): RemoteDevice,
+}
+try:
+    from numpy._core import multiarray as _multiarray
+except ImportError:  # numpy 1.x
+    from numpy.core import multiarray as _multiarray  # type: ignore[no-redef]
+for _np in ("numpy.core", "numpy._core"):
+    ALLOWED[(f"{_np}.multiarray", "_reconstruct")] = _multiarray._reconstruct
+    ALLOWED[(f"{_np}.multiarray", "scalar")] = _multiarray.scalar
+ALLOWED[("numpy", "ndarray")] = np.ndarray
+ALLOWED[("numpy", "dtype")] = np.dtype
+for _info in dtypes.BY_NAME.values():
+    ALLOWED[("torch", _info.name)] = TorchDType(_info.name)
+    if _info.storage_class:
+        ALLOWED[("torch", _info.storage_class)] = _StorageType(_info.name)
+for _alias, _name in dtypes._ALIASES.items():
+    ALLOWED[("torch", _alias)] = TorchDType(_name)
+# numpy dtype classes numpy 2 pickles for dtypes (numpy.dtypes.Float64DType and friends).
+for _cls in ("Float64DType", "Float32DType", "Float16DType", "Int64DType", "Int32DType", "Int16DType", "Int8DType",
+             "UInt64DType", "UInt32DType", "UInt16DType", "UInt8DType", "BoolDType"):
+    if hasattr(np, "dtypes") and hasattr(np.dtypes, _cls):
+        ALLOWED[("numpy.dtypes", _cls)] = getattr(np.dtypes, _cls)
+
+
+# Protocol-2 pickles name builtins the Python 2 way; the C unpickler hands find_class the raw name.
+for (_module, _name), _value in list(ALLOWED.items()):
+    if _module == "builtins":
+        ALLOWED[("__builtin__", _name)] = _value
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: io.BytesIO, source: str):
+        super().__init__(data)
+        self._source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return ALLOWED[(module, name)]
+        except KeyError:
+            raise UnsafePickleError(
+                f"{self._source}: refusing to load global {module}.{name} (not on the allowlist; nothing was run)"
+            ) from None
+
+    def persistent_load(self, pid: Any) -> StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise CheckpointError(f"{self._source}: unknown persistent id {pid!r:.80}")
+        _, storage_type, key, _location, numel = pid
+        if not isinstance(storage_type, _StorageType):
+            raise CheckpointError(f"{self._source}: storage of unknown type {storage_type!r:.80}")
+        return StorageRef(str(key), storage_type.dtype, int(numel))
+
+
+def load(data: bytes | memoryview, source: str) -> Any:
+    """Unpickle `data` through the allowlist. `source` names the file in every error."""
+    # The cyclic GC adds 2-3x to unpickling hundreds of thousands of metadata objects, none of them cyclic.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _Unpickler(io.BytesIO(data), source).load()
+    except CheckpointError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+        raise CheckpointError(f"{source}: corrupt pickle ({type(exc).__name__}: {exc})") from None
+    finally:
+        if enabled:
+            gc.enable()

@@ -1,0 +1,103 @@
+"""The manifest: what the store holds, written once, before any data, and read by every other stage.
+
+It is the contract between ingestion and export: the tree of the state dict (container kinds and real
+keys, so torch export rebuilds the exact nesting), the plan of every sharded array, and which paths
+hold per-rank values. Zarr's own metadata says how to read each array; this says what it means.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import StoreError
+from .. import dtypes
+
+FORMAT_VERSION = 1
+MANIFEST_KEY = "__shardstore__/manifest.json"
+
+
+@dataclass(frozen=True)
+class ArrayEntry:
+    """One sharded tensor: its dtype and shape, and the grid it is written and read in (see plan.py)."""
+
+    path: str
+    dtype: str  # torch dtype name
+    shape: tuple[int, ...]
+    cell: tuple[int, ...]  # outer chunk (Zarr shard) shape: the unit of writing
+    chunk: tuple[int, ...]  # inner chunk shape: the unit of reading
+    staged: bool  # pieces go through per-rank staging; the one cell is assembled when all are in
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.info(self.dtype).itemsize
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        """Number of cells along each dimension."""
+        return tuple(-(-d // c) if d else 0 for d, c in zip(self.shape, self.cell))
+
+    @property
+    def ncells(self) -> int:
+        return math.prod(self.grid)
+
+    def cell_index(self, flat: int) -> tuple[int, ...]:
+        idx = []
+        for n in reversed(self.grid):
+            idx.append(flat % n)
+            flat //= n
+        return tuple(reversed(idx))
+
+    def flat_index(self, index: tuple[int, ...]) -> int:
+        flat = 0
+        for i, n in zip(index, self.grid):
+            flat = flat * n + i
+        return flat
+
+    def cell_bounds(self, index: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """[start, stop) of a cell along each dimension, clipped to the array."""
+        return tuple((i * c, min((i + 1) * c, d)) for i, c, d in zip(index, self.cell, self.shape))
+
+    def cells_of(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The cells a shard covers, in C order (the shard is aligned to the grid by construction)."""
+        ranges = [range(o // c, -(-(o + s) // c)) for o, s, c in zip(offsets, sizes, self.cell)]
+        out: list[tuple[int, ...]] = [()]
+        for r in ranges:
+            out = [prefix + (i,) for prefix in out for i in r]
+        return out
+
+    def to_json(self) -> dict:
+        return {"dtype": self.dtype, "shape": list(self.shape), "cell": list(self.cell),
+                "chunk": list(self.chunk), "staged": self.staged}
+
+    @classmethod
+    def from_json(cls, path: str, d: dict) -> "ArrayEntry":
+        return cls(path, d["dtype"], tuple(d["shape"]), tuple(d["cell"]), tuple(d["chunk"]), d["staged"])
+
+
+@dataclass
+class Manifest:
+    layout: str
+    world_size: int
+    tree: dict[str, Any]
+    arrays: dict[str, ArrayEntry]
+    objects: list[str]  # paths of every leaf that is not a sharded tensor
+    extra: dict[str, Any] = field(default_factory=dict)  # layout-specific facts (replica groups, ...)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": "shardstore", "version": FORMAT_VERSION, "layout": self.layout,
+            "world_size": self.world_size, "extra": self.extra, "tree": self.tree,
+            "arrays": {p: a.to_json() for p, a in self.arrays.items()}, "objects": self.objects,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], where: str) -> "Manifest":
+        if d.get("format") != "shardstore":
+            raise StoreError(f"{where}: not a shardstore store")
+        if d.get("version", 0) > FORMAT_VERSION:
+            raise StoreError(f"{where}: written by a newer shardstore (store format {d.get('version')}, "
+                             f"this one reads up to {FORMAT_VERSION}); upgrade shardstore")
+        arrays = {p: ArrayEntry.from_json(p, a) for p, a in d["arrays"].items()}
+        return cls(d["layout"], d["world_size"], d["tree"], arrays, d["objects"], d.get("extra", {}))

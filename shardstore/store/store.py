@@ -1,0 +1,255 @@
+"""The store: one Zarr v3 group per checkpoint, plus shardstore's own records beside it.
+
+    <store>/zarr.json, <path>/zarr.json, <path>/c/...     Zarr: one array per sharded tensor
+    <store>/__shardstore__/manifest.json                 what the store holds (written before any data)
+    <store>/__shardstore__/ranks/<r>.json                one commit record per ingested rank, written last
+    <store>/__shardstore__/staging/<r>.bin               a rank's pieces of small tensors
+    <store>/__shardstore__/blobs/<digest>                plain-tensor bytes, content-addressed
+
+Zarr names may not start with "__", so nothing here can collide with a state-dict path. A rank counts as
+ingested only once its commit record exists, and that record is written after everything it lists is
+durable, so a crash at any moment leaves nothing that looks finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import zarr
+
+from .. import dtypes
+from ..errors import StoreError
+from .backend import Backend, FileRange, Part, open_backend
+from .manifest import MANIFEST_KEY, ArrayEntry, Manifest
+from .shardfile import shard_parts
+
+RANKS = "__shardstore__/ranks"
+STAGING = "__shardstore__/staging"
+BLOBS = "__shardstore__/blobs"
+
+
+def cell_key(path: str, index: tuple[int, ...]) -> str:
+    return f"{path}/c/" + "/".join(str(i) for i in index) if index else f"{path}/c"
+
+
+@dataclass
+class Status:
+    """What an export needs, and what is still missing."""
+
+    world_size: int
+    ranks_done: list[int]
+    ranks_missing: list[int]
+    complete: list[str]
+    partial: dict[str, float]  # path -> fraction of cells present
+
+    @property
+    def ok(self) -> bool:
+        return not self.ranks_missing and not self.partial
+
+
+class Store:
+    """An open store. Create one with `Store.create` (ingestion) or `shardstore.open` (everyone else)."""
+
+    def __init__(self, backend: Backend, manifest: Manifest):
+        self.backend = backend
+        self.manifest = manifest
+        self._zarr_root: zarr.Group | None = None
+        self._records: dict[int, dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ opening and creating
+    @classmethod
+    def open(cls, location: str | os.PathLike[str]) -> "Store":
+        backend = open_backend(location)
+        try:
+            raw = backend.read(MANIFEST_KEY)
+        except KeyError:
+            if backend.exists("zarr.json") or backend.exists("."):
+                raise StoreError(f"{location}: not a shardstore store (no {MANIFEST_KEY})") from None
+            raise StoreError(f"{location}: no such store") from None
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            raise StoreError(f"{location}: corrupt manifest {MANIFEST_KEY}") from None
+        return cls(backend, Manifest.from_json(data, str(location)))
+
+    @classmethod
+    def create(cls, location: str | os.PathLike[str], manifest: Manifest) -> "Store":
+        """Create the store for `manifest`, or open it if it exists and holds the same checkpoint layout."""
+        backend = open_backend(location)
+        if backend.exists(MANIFEST_KEY):
+            store = cls.open(location)
+            store.check_compatible(manifest, str(location))
+            return store
+        zstore = backend.zarr_store(read_only=False)
+        root = zarr.open_group(store=zstore, mode="a", zarr_format=3)
+        root.attrs.update({"shardstore": {"layout": manifest.layout, "world_size": manifest.world_size}})
+        for plan in manifest.arrays.values():
+            info = dtypes.info(plan.dtype)
+            zarr.create_array(
+                store=zstore, name=plan.path, shape=plan.shape, chunks=tuple(max(c, 1) for c in plan.chunk),
+                shards=tuple(max(c, 1) for c in plan.cell), dtype=info.raw, fill_value=0, compressors=None,
+                filters=None, attributes={"torch_dtype": plan.dtype}, zarr_format=3, overwrite=True,
+            )
+        backend.write(MANIFEST_KEY, [json.dumps(manifest.to_json()).encode()], durable=True)
+        return cls(backend, manifest)
+
+    def check_compatible(self, other: Manifest, where: str) -> None:
+        mine = self.manifest
+        if other.world_size != mine.world_size:
+            raise StoreError(f"{where}: holds a checkpoint of world size {mine.world_size}, not {other.world_size}")
+        if other.tree != mine.tree or other.arrays.keys() != mine.arrays.keys():
+            raise StoreError(f"{where}: holds a checkpoint with different keys")
+        for path, plan in other.arrays.items():
+            if (plan.dtype, plan.shape) != (mine.arrays[path].dtype, mine.arrays[path].shape):
+                raise StoreError(f"{where}: {path} is {mine.arrays[path].dtype}{list(mine.arrays[path].shape)} "
+                                 f"in the store, {plan.dtype}{list(plan.shape)} in the new files")
+
+    # ------------------------------------------------------------------ writing (ingestion)
+    def write_cell(self, plan: ArrayEntry, index: tuple[int, ...], data: list[Part], valid_rows: int) -> str:
+        """Write one cell as a complete Zarr shard file; `data` are its valid rows' bytes in order."""
+        itemsize = dtypes.info(plan.dtype).itemsize
+        nbytes = sum(p.length if isinstance(p, FileRange) else memoryview(p).nbytes for p in data)
+        key = cell_key(plan.path, index)
+        self.backend.write(key, shard_parts(data, nbytes, plan.cell, plan.chunk, valid_rows, itemsize))
+        return key
+
+    def write_staging(self, rank: int, parts: list[Part]) -> str:
+        key = f"{STAGING}/{rank}.bin"
+        self.backend.write(key, parts)
+        return key
+
+    def put_blob(self, data: bytes | memoryview) -> str:
+        digest = hashlib.blake2b(data, digest_size=20).hexdigest()
+        key = f"{BLOBS}/{digest}"
+        if not self.backend.exists(key):
+            self.backend.write(key, [data])
+        return digest
+
+    def commit_rank(self, record: dict[str, Any], written: list[str]) -> None:
+        """Make everything the rank wrote durable, then write its record: the rank now counts as done."""
+        self.backend.sync(written)
+        self.backend.write(f"{RANKS}/{record['rank']}.json", [json.dumps(record).encode()], durable=True)
+        self._records[record["rank"]] = record
+
+    # ------------------------------------------------------------------ records and status
+    def records(self, refresh: bool = True) -> dict[int, dict[str, Any]]:
+        """Commit records by rank (cached: a committed record never changes)."""
+        if refresh:
+            for key in self.backend.list(RANKS):
+                name = key.rsplit("/", 1)[-1]
+                if not name.endswith(".json"):
+                    continue
+                rank = int(name[:-5])
+                if rank not in self._records:
+                    self._records[rank] = json.loads(self.backend.read(key))
+        return dict(sorted(self._records.items()))
+
+    def cells_present(self, path: str) -> set[int]:
+        plan = self.manifest.arrays[path]
+        if plan.staged:
+            return {0} if self.backend.exists(cell_key(path, (0,) * len(plan.shape))) else set()
+        cells: set[int] = set()
+        for rec in self._records.values():
+            cells.update(rec["cells"].get(path, ()))
+        return cells
+
+    def status(self) -> Status:
+        records = self.records()
+        done = sorted(records)
+        missing = sorted(set(range(self.manifest.world_size)) - set(done))
+        complete, partial = [], {}
+        for path, plan in self.manifest.arrays.items():
+            have = len(self.cells_present(path))
+            if have >= plan.ncells:
+                complete.append(path)
+            else:
+                partial[path] = have / plan.ncells
+        return Status(self.manifest.world_size, done, missing, complete, partial)
+
+    # ------------------------------------------------------------------ staged (small) arrays
+    def assemble_ready(self) -> list[str]:
+        """Assemble every staged array whose pieces are all committed. Idempotent; returns what it wrote."""
+        records = self.records()
+        written = []
+        for path, plan in self.manifest.arrays.items():
+            if not plan.staged or self.backend.exists(cell_key(path, (0,) * len(plan.shape))):
+                continue
+            pieces = {}
+            for rank, rec in records.items():
+                for offsets, sizes, start, nbytes in rec["staged"].get(path, ()):
+                    pieces.setdefault((tuple(offsets), tuple(sizes)), (rank, start, nbytes))
+            if sum(math.prod(s) for _, s in pieces) < math.prod(plan.shape):
+                continue
+            info = dtypes.info(plan.dtype)
+            full = np.zeros(plan.shape, dtype=info.raw)
+            for (offsets, sizes), (rank, start, nbytes) in pieces.items():
+                raw = self.backend.read(f"{STAGING}/{rank}.bin", start, nbytes)
+                full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = np.frombuffer(raw, info.raw).reshape(sizes)
+            if full.ndim:
+                self.write_cell(plan, (0,) * full.ndim, [full.tobytes()], plan.shape[0])
+            written.append(path)
+        return written
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def zarr(self) -> zarr.Group:
+        if self._zarr_root is None:
+            self._zarr_root = zarr.open_group(store=self.backend.zarr_store(), mode="r", zarr_format=3)
+        return self._zarr_root
+
+    def read(self, path: str, selection: Any = slice(None)) -> np.ndarray:
+        """Raw (store dtype) values of a slice of one array; Zarr fetches only the inner chunks it needs."""
+        return self.zarr[path][selection]
+
+    def stream(self, path: str, max_bytes: int = 16 << 20) -> Iterator[Part]:
+        """The array's bytes in C order, as parts: file ranges where the backend has files (zero copy)."""
+        plan = self.manifest.arrays[path]
+        if not plan.shape or 0 in plan.shape:
+            return
+        info = dtypes.info(plan.dtype)
+        row_bytes = math.prod(plan.shape[1:]) * info.itemsize
+        if tuple(plan.cell[1:]) == tuple(plan.shape[1:]):
+            for i in range(plan.grid[0]):
+                key = cell_key(path, (i,) + (0,) * (len(plan.shape) - 1))
+                lo, hi = plan.cell_bounds((i,) + (0,) * (len(plan.shape) - 1))[0]
+                yield from self._file_parts(key, (hi - lo) * row_bytes, max_bytes)
+        else:  # the grid cuts trailing dimensions: let Zarr gather full rows
+            rows = max(1, max_bytes // max(row_bytes, 1))
+            for lo in range(0, plan.shape[0], rows):
+                yield np.ascontiguousarray(self.read(path, slice(lo, lo + rows))).data
+
+    def _file_parts(self, key: str, nbytes: int, max_bytes: int) -> Iterator[Part]:
+        local = self.backend.local_path(key)
+        if local is not None:
+            try:
+                fd = os.open(local, os.O_RDONLY)
+            except FileNotFoundError:
+                raise StoreError(f"{self.backend.root}: missing data file {key}; is the store complete?") from None
+            try:
+                yield FileRange(fd, 0, nbytes)
+            finally:
+                os.close(fd)
+            return
+        for start in range(0, nbytes, max_bytes):
+            yield self.backend.read(key, start, min(max_bytes, nbytes - start))
+
+    def object_values(self, path: str) -> dict[int, Any]:
+        """The encoded value of an object leaf, by rank."""
+        return {r: rec["objects"][path] for r, rec in self.records(refresh=False).items() if path in rec["objects"]}
+
+    def blob(self, digest: str) -> bytes:
+        return self.backend.read(f"{BLOBS}/{digest}")
+
+    @property
+    def location(self) -> str:
+        return self.backend.root
+
+    def local_path(self) -> Path | None:
+        return self.backend.local_path("")
