@@ -89,8 +89,8 @@ def plan_array(path: str, spec: ShardedSpec) -> ArrayEntry:
 
 def detect_layout(tree: dict) -> str:
     """Which trainer wrote this: decides where the model weights are and how torch export splits files."""
-    top = {k for k, _ in tree.get("dict", tree.get("odict", []))}
-    if {"'model'", "'optim'"} <= top or {'"model"', '"optim"'} <= top:
+    top = {c["p"] for _, c in tree.get("c", ())}
+    if {"model", "optim"} <= top:
         return "olmo"
     return "generic"
 

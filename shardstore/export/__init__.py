@@ -1,0 +1,60 @@
+"""Export: one module per output format, each reading only through the store's API, all streaming."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import ExportError, StoreError
+from ..store.store import Store
+from .resolve import node_at
+from .safetensors import export_safetensors
+from .torch import export_torch
+
+FORMATS = ("safetensors", "torch")
+CAST_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass
+class ExportResult:
+    files: list[Path]
+    skipped: list[str] = field(default_factory=list)  # non-tensor leaves a safetensors file cannot hold
+
+
+def model_subtree(store: Store) -> str:
+    """Where the model weights are, by layout: `model` (OLMo), `state/model` (Composer), else the root."""
+    for candidate in ("model", "state/model"):
+        try:
+            node_at(store.manifest.tree, candidate)
+            return candidate
+        except ExportError:
+            continue
+    return ""
+
+
+def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safetensors", select: str | None = None,
+           strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
+           progress: Callable[[int], None] | None = None) -> ExportResult:
+    """Write the unsharded checkpoint from `store` into `out_dir` (see the README for the formats)."""
+    if format not in FORMATS:
+        raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in CAST_DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, not {dtype!r}")
+    status = store.status()
+    if not status.ok:
+        missing = ", ".join(map(str, status.ranks_missing[:20])) + (" ..." if len(status.ranks_missing) > 20 else "")
+        raise StoreError(f"{store.location}: incomplete store, cannot export; ranks missing: {missing or 'none'}"
+                         f"; tensors incomplete: {len(status.partial)}")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    if format == "torch":
+        if select or strip_prefix or dtype:
+            raise ExportError("--select, --strip-prefix and --dtype apply to safetensors output only")
+        return ExportResult(export_torch(store, out, progress))
+    node = node_at(store.manifest.tree, model_subtree(store) if select is None else select)
+    files, skipped = export_safetensors(store, out, node, strip_prefix, dtype, max_shard_size, progress)
+    return ExportResult(files, skipped)

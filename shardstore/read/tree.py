@@ -28,7 +28,11 @@ def _holds_tensor(obj: Any) -> bool:
 
 
 def flatten(obj: Any, encode_key: Any) -> tuple[Skeleton, dict[str, Any]]:
-    """Return (skeleton, {path: leaf}) in state-dict order. `encode_key` turns a dict key into JSON."""
+    """Return (skeleton, {path: leaf}) in state-dict order. `encode_key` turns a key into JSON.
+
+    A skeleton node is {"t": kind, "p": path, "c": [[key, child], ...]} for a container (kind is dict,
+    odict, list or tuple; a list's keys are its indices) and {"t": "leaf", "p": path} for a leaf.
+    """
     leaves: dict[str, Any] = {}
 
     def walk(node: Any, path: str) -> Skeleton:
@@ -46,12 +50,11 @@ def flatten(obj: Any, encode_key: Any) -> tuple[Skeleton, dict[str, Any]]:
                 if name in seen:
                     raise CheckpointError(f"two keys of {path or 'the state dict'} map to the same path {name!r}")
                 seen.add(name)
-                child = walk(value, paths.join(path, name))
-                children.append([encode_key(key), child] if kind in ("dict", "odict") else child)
-            return {kind: children}
+                children.append([encode_key(key), walk(value, paths.join(path, name))])
+            return {"t": kind, "p": path, "c": children}
         if path == "":
             raise CheckpointError("the checkpoint holds no tensors")
         leaves[path] = node
-        return {"leaf": path}
+        return {"t": "leaf", "p": path}
 
     return walk(obj, ""), leaves

@@ -28,6 +28,7 @@ from .. import dtypes
 from ..errors import StoreError
 from .backend import Backend, FileRange, Part, open_backend
 from .manifest import MANIFEST_KEY, ArrayEntry, Manifest
+from .handle import TensorHandle, decode_value
 from .shardfile import shard_parts
 
 RANKS = "__shardstore__/ranks"
@@ -240,9 +241,51 @@ class Store:
         for start in range(0, nbytes, max_bytes):
             yield self.backend.read(key, start, min(max_bytes, nbytes - start))
 
+    # ------------------------------------------------------------------ the user-facing read API
+    def keys(self) -> list[str]:
+        """Every leaf path, in state-dict order: sharded tensors and all other values."""
+        out: list[str] = []
+
+        def walk(node: dict[str, Any]) -> None:
+            if node["t"] == "leaf":
+                out.append(node["p"])
+            for _, child in node.get("c", ()):
+                walk(child)
+
+        walk(self.manifest.tree)
+        return out
+
+    def __contains__(self, path: object) -> bool:
+        return path in self.manifest.arrays or path in self.manifest.objects
+
+    def __getitem__(self, path: str) -> Any:
+        """A lazy `TensorHandle` for a sharded tensor; the value itself for anything else.
+
+        A value that differs between ranks (an RNG state) comes from the lowest rank; `values(path)`
+        has all of them.
+        """
+        entry = self.manifest.arrays.get(path)
+        if entry is not None:
+            return TensorHandle(self, entry)
+        if path not in self.manifest.objects:
+            raise KeyError(path)
+        by_rank = self.values(path)
+        if not by_rank:
+            raise StoreError(f"{path}: no rank holding it has been ingested yet")
+        return by_rank[min(by_rank)]
+
+    def values(self, path: str) -> dict[int, Any]:
+        """A non-tensor leaf's value on every ingested rank."""
+        return {r: decode_value(self, v) for r, v in self.object_values(path).items()}
+
+    def contributors(self, path: str) -> list[int]:
+        """Ranks whose data is in this array so far."""
+        self.records()
+        return sorted(r for r, rec in self._records.items() if path in rec["cells"] or path in rec["staged"])
+
     def object_values(self, path: str) -> dict[int, Any]:
         """The encoded value of an object leaf, by rank."""
-        return {r: rec["objects"][path] for r, rec in self.records(refresh=False).items() if path in rec["objects"]}
+        return {r: rec["objects"][path] for r, rec in self.records().items() if path in rec["objects"]}
 
     def blob(self, digest: str) -> bytes:
         return self.backend.read(f"{BLOBS}/{digest}")

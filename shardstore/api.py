@@ -1,0 +1,64 @@
+"""The Python API: the four things a user does. The CLI is a thin layer over exactly these."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Sequence
+
+from . import export as _export
+from . import ingest as _ingest
+from .errors import CheckpointError
+from .read.layouts import discover, missing_ranks
+from .store.store import Store
+
+PathLike = str | os.PathLike[str]
+
+
+def open(location: PathLike) -> Store:  # noqa: A001 - shardstore.open mirrors zarr.open
+    """Open an existing store for reading (lazy tensors, values, status)."""
+    return Store.open(location)
+
+
+def ingest(store: PathLike, files: Sequence[PathLike], jobs: int | None = None,
+           on_done: Callable[[_ingest.Ingested], None] | None = None) -> Store:
+    """Ingest rank files into `store` (created on first use); any subset, in any order, any number of times."""
+    return _ingest.ingest(store, files, jobs=jobs, on_done=on_done)
+
+
+def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensors", select: str | None = None,
+           strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
+           progress: Callable[[int], None] | None = None) -> _export.ExportResult:
+    """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style) or `"torch"`."""
+    st = store if isinstance(store, Store) else Store.open(store)
+    return _export.export(st, out_dir, format=format, select=select, strip_prefix=strip_prefix, dtype=dtype,
+                          max_shard_size=max_shard_size, progress=progress)
+
+
+def rank_files(src_dir: PathLike, tag: str | None = None) -> list[Path]:
+    """The rank files of the checkpoint in `src_dir`, by rank."""
+    return discover(src_dir, tag)
+
+
+def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None, tag: str | None = None,
+            jobs: int | None = None, on_ingested: Callable[[_ingest.Ingested], None] | None = None,
+            **export_options: object) -> _export.ExportResult:
+    """Ingest every rank file in `src_dir`, then export. Without `store`, a scratch store inside
+    `out_dir` is used and removed afterwards (same file system, so copies stay kernel-side)."""
+    files = discover(src_dir, tag)
+    out = Path(out_dir)
+    location = Path(store) if store is not None else out / ".shardstore-scratch"
+    first = _ingest.create_store(location, files[0])
+    missing = missing_ranks(files, first.manifest.world_size)
+    if missing:
+        raise CheckpointError(f"{src_dir}: world size is {first.manifest.world_size} but rank files are missing "
+                              f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
+    st = _ingest.ingest(location, files, jobs=jobs, on_done=on_ingested)
+    result = export(st, out, **export_options)  # type: ignore[arg-type]
+    if store is None:
+        shutil.rmtree(location, ignore_errors=True)
+    return result
+
+
+__all__ = ["open", "ingest", "export", "unshard", "rank_files"]

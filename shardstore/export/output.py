@@ -1,0 +1,80 @@
+"""Output files: written under a temporary name and renamed into place only when complete.
+
+A crash or an error mid-export therefore never leaves a file that looks finished. Parts are the store's
+(bytes, or file ranges that are copied kernel-side); `checksum` lets the torch writer see every byte it
+copies, which the zip format needs.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import zlib
+from pathlib import Path
+from typing import Callable, Iterable
+
+from ..store.backend import FileRange, Part, _copy_range
+
+COPY_BLOCK = 16 << 20
+
+
+class OutputFile:
+    def __init__(self, path: Path, progress: Callable[[int], None] | None = None):
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self.pos = 0
+        self.progress = progress
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        while view:
+            view = view[os.write(self.fd, view):]
+        self.pos += n
+        if self.progress:
+            self.progress(n)
+
+    def write_parts(self, parts: Iterable[Part], crc: int | None = None) -> int | None:
+        """Append parts; with `crc` given, also return the running CRC-32 over everything written."""
+        for part in parts:
+            if isinstance(part, FileRange):
+                if crc is None:
+                    _copy_range(part, self.fd)
+                    self.pos += part.length
+                    if self.progress:
+                        self.progress(part.length)
+                    continue
+                for off in range(part.offset, part.offset + part.length, COPY_BLOCK):
+                    block = os.pread(part.fd, min(COPY_BLOCK, part.offset + part.length - off), off)
+                    crc = zlib.crc32(block, crc)
+                    self.write(block)
+            else:
+                if crc is not None:
+                    crc = zlib.crc32(part, crc)
+                self.write(part)
+        return crc
+
+    def pwrite(self, data: bytes, offset: int) -> None:
+        os.pwrite(self.fd, data, offset)
+
+    def commit(self) -> None:
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "OutputFile":
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()

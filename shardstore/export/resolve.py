@@ -1,0 +1,90 @@
+"""Turn the store back into a state dict whose big tensors are still on disk.
+
+Sharded arrays become `ArrayRef`s (a path, a dtype, a shape) that the writers stream from the store;
+everything else is decoded from its typed JSON. A leaf whose value differs between ranks (RNG states,
+per-rank counters) resolves to the lowest rank's value, which is what every rank-0 writer does; the
+store keeps all of them (`Store.values(path)`).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from .. import dtypes, values
+from ..errors import ExportError
+from ..store.handle import decode_value
+from ..store.store import Store
+
+
+@dataclass(frozen=True)
+class ArrayRef:
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = dtypes.info(self.dtype).itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def object_value(store: Store, path: str) -> Any:
+    by_rank = store.object_values(path)
+    if not by_rank:
+        raise ExportError(f"{path}: no rank holding it has been ingested")
+    return decode_value(store, by_rank[min(by_rank)])
+
+
+def node_at(tree: dict[str, Any], select: str) -> dict[str, Any]:
+    """The skeleton node at a store path ("state/model"), or the root for ""."""
+    node, target = tree, select.strip("/")
+    while node["p"] != target:
+        prefix = [c for _, c in node.get("c", ()) if target == c["p"] or target.startswith(c["p"] + "/")]
+        if not prefix:
+            raise ExportError(f"no subtree {select!r} in the store")
+        node = prefix[0]
+    return node
+
+
+def build(store: Store, node: dict[str, Any], plain_dicts: bool = False) -> Any:
+    """The state dict below `node`, with ArrayRefs for sharded tensors."""
+    if node["t"] == "leaf":
+        entry = store.manifest.arrays.get(node["p"])
+        if entry is not None:
+            return ArrayRef(node["p"], entry.dtype, entry.shape)
+        value = object_value(store, node["p"])
+        return _plain(value) if plain_dicts else value
+    items = [(values.decode(k, tensor=_no_tensor), build(store, c, plain_dicts)) for k, c in node["c"]]
+    if node["t"] == "odict" and not plain_dicts:
+        return collections.OrderedDict(items)
+    if node["t"] in ("dict", "odict"):
+        return dict(items)
+    seq = [v for _, v in items]
+    return tuple(seq) if node["t"] == "tuple" else seq
+
+
+def leaves(node: dict[str, Any]) -> Iterator[tuple[list[Any], str]]:
+    """(keys from `node` down, store path) of every leaf below `node`, in state-dict order."""
+    if node["t"] == "leaf":
+        yield [], node["p"]
+        return
+    for key, child in node["c"]:
+        for keys, path in leaves(child):
+            yield [values.decode(key, tensor=_no_tensor)] + keys, path
+
+
+def _plain(value: Any) -> Any:
+    """OrderedDict -> dict all the way down: what the OLMo unsharder returns."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _no_tensor(record: Any) -> Any:
+    raise ExportError("a tensor used as a dict key")

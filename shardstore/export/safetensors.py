@@ -1,0 +1,145 @@
+"""`--format safetensors`: the model weights, HF-style, streamed tensor by tensor.
+
+All shapes are known up front, so each file's header is written first and the data follows; without a
+dtype cast, bytes go from the store's shard files to the output kernel-side (copy_file_range). Files
+above `max_shard_size` are split `model-00001-of-0000N.safetensors` with a `model.safetensors.index.json`
+written last, as transformers' `save_pretrained` does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import ExportError
+from ..store.store import Store
+from .output import OutputFile
+from .resolve import ArrayRef, build, leaves
+
+CAST_ROWS_BYTES = 16 << 20
+
+
+@dataclass
+class _Item:
+    key: str
+    source: Any  # ArrayRef, or a torch.Tensor decoded from the store
+    dtype: str  # output dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.info(self.dtype).itemsize
+
+
+def collect(store: Store, node: dict[str, Any], strip_prefix: str | None, cast: str | None) -> tuple[list[_Item], list[str]]:
+    """The tensors below `node` with their output keys, and the non-tensor leaves that were left out."""
+    import torch
+
+    items, skipped, seen = [], [], set()
+    for keys, path in leaves(node):
+        key = ".".join(str(k) for k in keys)
+        if strip_prefix and key.startswith(strip_prefix):
+            key = key[len(strip_prefix):]
+        entry = store.manifest.arrays.get(path)
+        if entry is not None:
+            source: Any = ArrayRef(path, entry.dtype, entry.shape)
+            dtype, shape = entry.dtype, entry.shape
+        else:
+            source = build(store, {"t": "leaf", "p": path})
+            if not isinstance(source, torch.Tensor):
+                skipped.append(path)
+                continue
+            dtype, shape = str(source.dtype).removeprefix("torch."), tuple(source.shape)
+        if key in seen:
+            raise ExportError(f"two tensors would both be named {key!r} in the output")
+        seen.add(key)
+        if dtypes.info(dtype).safetensors is None:
+            raise ExportError(f"{path}: torch.{dtype} has no safetensors dtype")
+        floating = dtype in ("float64", "float32", "float16", "bfloat16")
+        items.append(_Item(key, source, cast if cast and floating else dtype, shape))
+    if not items:
+        raise ExportError("no tensors to export in the selected subtree")
+    return items, skipped
+
+
+def _header(items: list[_Item]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for it in items:
+        header[it.key] = {"dtype": dtypes.info(it.dtype).safetensors, "shape": list(it.shape),
+                          "data_offsets": [offset, offset + it.nbytes]}
+        offset += it.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((-len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _tensor_bytes(store: Store, it: _Item) -> Iterator[Any]:
+    import torch
+
+    if isinstance(it.source, torch.Tensor):
+        t = it.source.to(getattr(torch, it.dtype)).contiguous()
+        if t.numel():
+            yield t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return
+    src = dtypes.info(it.source.dtype)
+    if it.dtype == it.source.dtype:
+        yield from store.stream(it.source.path)
+        return
+    if not it.shape or 0 in it.shape:
+        if not it.shape:
+            yield _cast(store.read(it.source.path, ()), src, it.dtype)
+        return
+    row = max(1, math.prod(it.shape[1:]) * src.itemsize)
+    step = max(1, CAST_ROWS_BYTES // row)
+    for lo in range(0, it.shape[0], step):
+        yield _cast(store.read(it.source.path, slice(lo, lo + step)), src, it.dtype)
+
+
+def _cast(raw: np.ndarray, src: dtypes.DTypeInfo, dst: str) -> bytes:
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(raw)).view(getattr(torch, src.name))
+    return t.to(getattr(torch, dst)).reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _split(items: list[_Item], max_shard_size: int) -> list[list[_Item]]:
+    files: list[list[_Item]] = [[]]
+    size = 0
+    for it in items:
+        if files[-1] and size + it.nbytes > max_shard_size:
+            files.append([])
+            size = 0
+        files[-1].append(it)
+        size += it.nbytes
+    return files
+
+
+def export_safetensors(store: Store, out_dir: Path, node: dict[str, Any], strip_prefix: str | None = None,
+                       cast: str | None = None, max_shard_size: int = 5_000_000_000,
+                       progress: Callable[[int], None] | None = None) -> tuple[list[Path], list[str]]:
+    items, skipped = collect(store, node, strip_prefix, cast)
+    groups = _split(items, max_shard_size)
+    names = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    written = []
+    for name, group in zip(names, groups):
+        with OutputFile(out_dir / name, progress) as out:
+            out.write(_header(group))
+            for it in group:
+                out.write_parts(_tensor_bytes(store, it))
+        written.append(out_dir / name)
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(it.nbytes for it in items)},
+                 "weight_map": {it.key: name for name, group in zip(names, groups) for it in group}}
+        with OutputFile(out_dir / "model.safetensors.index.json") as out:
+            out.write(json.dumps(index, indent=2).encode() + b"\n")
+        written.append(out_dir / "model.safetensors.index.json")
+    return written, skipped

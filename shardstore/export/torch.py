@@ -1,0 +1,131 @@
+"""`--format torch`: state dicts `torch.load` reads, written without ever holding a whole tensor set.
+
+For an OLMo-style checkpoint (top-level `model` and `optim`) this writes model.pt, optim.pt and
+train.pt exactly as OLMo's own unsharder does (plain dicts, `rng` left out of train.pt), so they are
+drop-in; any other layout gets one checkpoint.pt in the input's own nesting.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import secrets
+from pathlib import Path
+from typing import Any, Callable
+
+from .. import dtypes
+from ..store.store import Store
+from .output import OutputFile
+from .resolve import ArrayRef, build, node_at
+from .torchzip import TorchZipWriter
+
+# torch.save's own pickle protocol; also what the OLMo files are.
+PROTOCOL = 2
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles tensors and ArrayRefs the way torch.save does, collecting their storages for later."""
+
+    def __init__(self, buf: io.BytesIO):
+        super().__init__(buf, protocol=PROTOCOL)
+        self.storages: list[Any] = []  # ArrayRef or torch.Tensor, in storage-key order
+        self._ids: dict[int, str] = {}
+
+    def _storage(self, source: Any) -> "_Storage":
+        key = self._ids.setdefault(id(source), str(len(self.storages)))
+        if int(key) == len(self.storages):
+            self.storages.append(source)
+        return _Storage(key, source)
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if isinstance(obj, ArrayRef):
+            return _rebuild(self._storage(obj), obj.dtype, obj.shape)
+        if isinstance(obj, torch.Tensor):
+            tensor = obj.detach().contiguous()
+            return _rebuild(self._storage(tensor), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+        return NotImplemented
+
+    def persistent_id(self, obj: Any) -> Any:
+        import torch
+
+        if not isinstance(obj, _Storage):
+            return None
+        info = dtypes.info(obj.dtype)
+        numel = _numel(obj.source)
+        if info.storage_class:
+            return ("storage", getattr(torch, info.storage_class), obj.key, "cpu", numel)
+        return ("storage", torch.UntypedStorage, obj.key, "cpu", numel * info.itemsize)
+
+
+class _Storage:
+    def __init__(self, key: str, source: Any):
+        self.key, self.source = key, source
+        self.dtype = source.dtype if isinstance(source, ArrayRef) else str(source.dtype).removeprefix("torch.")
+
+
+def _numel(source: Any) -> int:
+    n = 1
+    for d in source.shape:
+        n *= d
+    return n
+
+
+def _rebuild(storage: _Storage, dtype: str, shape: tuple[int, ...]) -> tuple:
+    import torch
+
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    stride = tuple(reversed(stride))
+    if dtypes.info(dtype).storage_class:
+        return torch._utils._rebuild_tensor_v2, (storage, 0, torch.Size(shape), stride, False, collections.OrderedDict())
+    return (torch._utils._rebuild_tensor_v3,
+            (storage, 0, torch.Size(shape), stride, False, collections.OrderedDict(), getattr(torch, dtype)))
+
+
+def save(store: Store, obj: Any, path: Path, progress: Callable[[int], None] | None = None,
+         force_zip64: bool = False) -> None:
+    """Write `obj` (ArrayRefs streamed from `store`) as a torch.save-compatible file at `path`."""
+    import torch
+
+    buf = io.BytesIO()
+    pickler = _Pickler(buf)
+    pickler.dump(obj)
+    with OutputFile(path, progress) as out:
+        zw = TorchZipWriter(out, path.stem, force_zip64=force_zip64)
+        zw.add_bytes("data.pkl", buf.getvalue())
+        zw.add_bytes(".format_version", b"1")
+        zw.add_bytes(".storage_alignment", str(64).encode())
+        zw.add_bytes("byteorder", b"little")
+        for key, source in enumerate(pickler.storages):
+            if isinstance(source, ArrayRef):
+                zw.add(f"data/{key}", store.stream(source.path), source.nbytes)
+            else:
+                raw = source.cpu().reshape(-1).view(torch.uint8).numpy().tobytes() if source.numel() else b""
+                zw.add_bytes(f"data/{key}", raw)
+        zw.add_bytes("version", b"3\n")
+        zw.add_bytes(".data/serialization_id", secrets.token_hex(20).encode())
+        zw.close()
+
+
+def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | None = None) -> list[Path]:
+    tree = store.manifest.tree
+    if store.manifest.layout == "olmo":
+        top = {c["p"]: c for _, c in tree["c"]}
+        written = []
+        for name in ("model", "optim"):
+            target = out_dir / f"{name}.pt"
+            save(store, build(store, top[name], plain_dicts=True), target, progress)
+            written.append(target)
+        rest = dict(build(store, tree, plain_dicts=True))
+        for name in ("model", "optim", "rng"):
+            rest.pop(name, None)
+        save(store, rest, out_dir / "train.pt", progress)
+        return written + [out_dir / "train.pt"]
+    target = out_dir / "checkpoint.pt"
+    save(store, build(store, node_at(tree, "")), target, progress)
+    return [target]

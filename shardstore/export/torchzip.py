@@ -1,0 +1,65 @@
+"""A streaming writer for torch's zip container (what `torch.save` writes and `torch.load` reads).
+
+torch.save needs the whole state dict in memory; this writes the pickle first (tensors as persistent
+storage ids) and then streams each storage's bytes from the store, patching CRC and sizes in each local
+header afterwards. Entries are STORED and 64-byte aligned like torch's own, with ZIP64 records where
+sizes or offsets need them.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import Iterable
+
+from ..store.backend import Part
+from .output import OutputFile
+
+ALIGN = 64
+_LIMIT = 0xFFFFFFFF
+
+
+class TorchZipWriter:
+    def __init__(self, out: OutputFile, archive: str, force_zip64: bool = False):
+        self.out = out
+        self.archive = archive
+        self.force_zip64 = force_zip64
+        self.central: list[tuple[bytes, int, int, int]] = []  # name, crc, size, header offset
+
+    def add(self, name: str, parts: Iterable[Part], size: int) -> None:
+        full = f"{self.archive}/{name}".encode()
+        zip64 = self.force_zip64 or size >= _LIMIT
+        header_at = self.out.pos
+        z64 = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
+        base = header_at + 30 + len(full) + len(z64) + 4
+        pad = (-base) % ALIGN
+        extra = z64 + struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB" padding field, as torch writes
+        shown = _LIMIT if zip64 else size
+        self.out.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21, 0, shown, shown,
+                                   len(full), len(extra)) + full + extra)
+        crc = self.out.write_parts(parts, crc=0)
+        if self.out.pos - header_at - 30 - len(full) - len(extra) != size:
+            raise ValueError(f"{name}: wrote {self.out.pos - header_at - 30 - len(full) - len(extra)} of {size} bytes")
+        self.out.pwrite(struct.pack("<I", crc), header_at + 14)
+        self.central.append((full, crc, size, header_at))
+
+    def add_bytes(self, name: str, data: bytes) -> None:
+        self.add(name, [data], len(data))
+
+    def close(self) -> None:
+        start = self.out.pos
+        for name, crc, size, offset in self.central:
+            big = self.force_zip64 or size >= _LIMIT or offset >= _LIMIT
+            extra = struct.pack("<HHQQQ", 1, 24, size, size, offset) if big else b""
+            self.out.write(struct.pack(
+                "<IHHHHHHIIIHHHHHII", 0x02014B50, 45 if big else 20, 45 if big else 20, 0, 0, 0, 0x21, crc,
+                _LIMIT if big else size, _LIMIT if big else size, len(name), len(extra), 0, 0, 0, 0,
+                _LIMIT if big else offset) + name + extra)
+        end = self.out.pos
+        count, cd_size = len(self.central), end - start
+        if self.force_zip64 or count >= 0xFFFF or start >= _LIMIT or cd_size >= _LIMIT:
+            self.out.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, start))
+            self.out.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
+            self.out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _LIMIT, _LIMIT, 0))
+        else:
+            self.out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, cd_size, start, 0))
