@@ -65,6 +65,10 @@ def _check_against(store: Store, rf: RankFile) -> None:
         raise CheckpointError(f"{rf.path}: its keys differ from the checkpoint in the store (another checkpoint?)")
     for path, entry in m.arrays.items():
         leaf = rf.leaves.get(path)
+        if entry.replicated:
+            if not isinstance(leaf, TensorRef) or (leaf.dtype, tuple(leaf.shape)) != (entry.dtype, entry.shape):
+                raise CheckpointError(f"{rf.path}: {path} differs from the plain tensor in the store (another checkpoint?)")
+            continue
         if not isinstance(leaf, ShardedLeaf):
             raise CheckpointError(f"{rf.path}: {path} is not a ShardedTensor here, but is in the store")
         if (leaf.spec.dtype, leaf.spec.shape) != (entry.dtype, entry.shape):
@@ -109,6 +113,8 @@ def ingest_file(store: Store, path: str | os.PathLike[str]) -> Ingested:
             if entry is None:
                 objects[leaf_path] = values.encode(leaf, tensor=encode_tensor)
                 continue
+            if entry.replicated:
+                leaf = ShardedLeaf(None, [LocalPiece((0,) * len(entry.shape), entry.shape, leaf)])  # type: ignore[arg-type]
             for piece in leaf.pieces:
                 if not all(piece.sizes):
                     continue
@@ -122,9 +128,11 @@ def ingest_file(store: Store, path: str | os.PathLike[str]) -> Ingested:
                     staged_bytes += nbytes
                     continue
                 for index in entry.cells_of(piece.offsets, piece.sizes):
+                    cells.setdefault(leaf_path, []).append(entry.flat_index(index))
+                    if entry.replicated and store.has_cell(entry, index):
+                        continue  # another rank's identical copy is already in (atomically written)
                     parts, valid_rows = _piece_region(rf, entry, piece, index)
                     written.append(store.write_cell(entry, index, parts, valid_rows))
-                    cells.setdefault(leaf_path, []).append(entry.flat_index(index))
         if staging:
             written.append(store.write_staging(rf.rank, staging))
         record = {"rank": rf.rank, "world_size": rf.world_size, "group_rank": rf.group_rank,

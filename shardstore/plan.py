@@ -15,6 +15,7 @@ from functools import reduce
 from . import dtypes
 from .errors import CheckpointError
 from .read.rankfile import RankFile, ShardedLeaf, ShardedSpec
+from .read.unpickle import TensorRef
 from .store.manifest import ArrayEntry, Manifest
 
 CHUNK_TARGET_BYTES = 1 << 20  # inner chunk: the unit a lazy read fetches
@@ -23,6 +24,7 @@ SMALL_ARRAY_BYTES = 1 << 20  # at or below this, one cell for the whole tensor, 
 MIN_CELL_BYTES = 64 << 10  # per-rank cells smaller than this are staged too ...
 MAX_STAGED_BYTES = 64 << 20  # ... unless the whole tensor is larger than this
 MAX_CELLS = 1 << 20
+REPLICATED_ARRAY_BYTES = 64 << 10  # plain (unsharded) tensors this large get an array of their own
 
 
 def _grid(spec: ShardedSpec) -> tuple[int, ...]:
@@ -87,6 +89,17 @@ def plan_array(path: str, spec: ShardedSpec) -> ArrayEntry:
     return ArrayEntry(path, spec.dtype, spec.shape, cell, _inner_chunk(cell, info.itemsize), staged)
 
 
+def plain_nbytes(ref: TensorRef) -> int:
+    return math.prod(ref.shape) * dtypes.info(ref.dtype).itemsize
+
+
+def plan_replicated(path: str, ref: TensorRef) -> ArrayEntry:
+    """A plain tensor (every rank holds all of it, as FSDP's NO_SHARD at world size 1 does): one cell."""
+    cell = tuple(max(d, 1) for d in ref.shape)
+    return ArrayEntry(path, ref.dtype, tuple(ref.shape), cell, _inner_chunk(cell, dtypes.info(ref.dtype).itemsize),
+                      staged=False, replicated=True)
+
+
 def detect_layout(tree: dict) -> str:
     """Which trainer wrote this: decides where the model weights are and how torch export splits files."""
     top = {c["p"] for _, c in tree.get("c", ())}
@@ -102,6 +115,8 @@ def plan_checkpoint(rank_file: RankFile, layout: str | None = None) -> Manifest:
     for path, leaf in rank_file.leaves.items():
         if isinstance(leaf, ShardedLeaf):
             arrays[path] = plan_array(path, leaf.spec)
+        elif isinstance(leaf, TensorRef) and leaf.shape and plain_nbytes(leaf) >= REPLICATED_ARRAY_BYTES:
+            arrays[path] = plan_replicated(path, leaf)
         else:
             objects.append(path)
     return Manifest(layout or detect_layout(rank_file.skeleton), rank_file.world_size, rank_file.skeleton,

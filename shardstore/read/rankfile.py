@@ -124,12 +124,14 @@ def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr) -> Rank
             else:
                 leaves[p] = leaf
         if pg is None:
-            raise CheckpointError(f"{name}: holds no ShardedTensor; not a sharded (per-rank) checkpoint")
-        try:
-            rank, world = int(pg.global_rank), int(pg.global_world_size)
-            group_rank, group_size = int(pg.local_rank), int(pg.local_world_size)
-        except AttributeError:
-            raise CheckpointError(f"{name}: ShardedTensor carries no process-group state") from None
+            # No ShardedTensor at all: FSDP at world size 1 (NO_SHARD) saves whole tensors.
+            rank, world, group_rank, group_size = 0, 1, 0, 1
+        else:
+            try:
+                rank, world = int(pg.global_rank), int(pg.global_world_size)
+                group_rank, group_size = int(pg.local_rank), int(pg.local_world_size)
+            except AttributeError:
+                raise CheckpointError(f"{name}: ShardedTensor carries no process-group state") from None
         return RankFile(name, rank, world, group_rank, group_size, skeleton, leaves, zf)
     except BaseException:
         zf.close()

@@ -62,9 +62,7 @@ def to_torch(raw: np.ndarray, dtype: str) -> "torch.Tensor":
     """Store bits (raw numpy dtype) -> a torch tensor of the recorded dtype, bit for bit."""
     import torch
 
-    arr = np.ascontiguousarray(raw)
-    if not arr.flags.writeable:
-        arr = arr.copy()
+    arr = raw if raw.flags.c_contiguous and raw.flags.writeable else raw.copy(order="C")  # keeps 0-d shapes
     return torch.from_numpy(arr).view(getattr(torch, dtypes.info(dtype).name))
 
 

@@ -28,6 +28,7 @@ class ArrayEntry:
     cell: tuple[int, ...]  # outer chunk (Zarr shard) shape: the unit of writing
     chunk: tuple[int, ...]  # inner chunk shape: the unit of reading
     staged: bool  # pieces go through per-rank staging; the one cell is assembled when all are in
+    replicated: bool = False  # a plain tensor every rank holds whole: the first rank to arrive writes it
 
     @property
     def nbytes(self) -> int:
@@ -69,11 +70,12 @@ class ArrayEntry:
 
     def to_json(self) -> dict:
         return {"dtype": self.dtype, "shape": list(self.shape), "cell": list(self.cell),
-                "chunk": list(self.chunk), "staged": self.staged}
+                "chunk": list(self.chunk), "staged": self.staged, "replicated": self.replicated}
 
     @classmethod
     def from_json(cls, path: str, d: dict) -> "ArrayEntry":
-        return cls(path, d["dtype"], tuple(d["shape"]), tuple(d["cell"]), tuple(d["chunk"]), d["staged"])
+        return cls(path, d["dtype"], tuple(d["shape"]), tuple(d["cell"]), tuple(d["chunk"]), d["staged"],
+                   d.get("replicated", False))
 
 
 @dataclass

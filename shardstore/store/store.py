@@ -121,6 +121,9 @@ class Store:
         self.backend.write(key, shard_parts(data, nbytes, plan.cell, plan.chunk, valid_rows, itemsize))
         return key
 
+    def has_cell(self, entry: ArrayEntry, index: tuple[int, ...]) -> bool:
+        return self.backend.exists(cell_key(entry.path, index))
+
     def write_staging(self, rank: int, parts: list[Part]) -> str:
         key = f"{STAGING}/{rank}.bin"
         self.backend.write(key, parts)

@@ -1,0 +1,172 @@
+"""The command line: argument parsing, progress bars and error lines. Every command calls the API."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import click
+from tqdm import tqdm
+
+from . import api
+from .errors import ShardstoreError
+from .export import CAST_DTYPES, FORMATS
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """"5GB" -> 5_000_000_000 (decimal, as transformers reads it); "2GiB" -> 2 * 2**30; "123" -> 123."""
+    m = _SIZE.match(text)
+    if not m:
+        raise click.BadParameter(f"not a size: {text!r} (try 5GB, 500MB or 2GiB)")
+    power = "KMGT".find(m.group(2).upper()) + 1 if m.group(2) else 0
+    return int(float(m.group(1)) * ((1024 if m.group(3) else 1000) ** power))
+
+
+@contextmanager
+def _bar(quiet: bool, total: int | None, desc: str) -> Iterator[Callable[[int], None]]:
+    if quiet:
+        yield lambda n: None
+        return
+    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+              dynamic_ncols=True, leave=True) as bar:
+        yield bar.update
+
+
+def _ingest_bar(quiet: bool, files: list[Any]) -> Any:
+    return _bar(quiet, sum(os.path.getsize(f) for f in files), "ingest")
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ShardstoreError as exc:
+            click.echo(f"shardstore: error: {exc}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("shardstore: interrupted; nothing half-written is marked done, rerun to continue", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="shardstore")
+def main() -> None:
+    """Unshard per-rank FSDP ShardedTensor checkpoints (rank0.pt ... rankN.pt) through a Zarr store."""
+
+
+_quiet = click.option("--quiet", "-q", is_flag=True, help="No progress bars (for scripts).")
+_jobs = click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
+                     help="Worker processes, one rank file each at a time [default: number of cores].")
+
+
+def _export_options(f: Any) -> Any:
+    for opt in reversed([
+        click.option("--format", "fmt", type=click.Choice(FORMATS), default="safetensors", show_default=True,
+                     help="safetensors: model weights, HF-style. torch: model.pt/optim.pt/train.pt (OLMo) "
+                          "or checkpoint.pt."),
+        click.option("--select", default=None, help="Store path of the subtree to export as the model "
+                                                    "[default: detected, e.g. model or state/model]."),
+        click.option("--strip-prefix", default=None, help="Drop this prefix from output keys (e.g. 'model.')."),
+        click.option("--dtype", type=click.Choice(CAST_DTYPES), default=None, help="Cast floating tensors."),
+        click.option("--max-shard-size", default="5GB", show_default=True, type=parse_size,
+                     help="Split safetensors output above this size (decimal units, like transformers)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _report(result: Any, quiet: bool) -> None:
+    if quiet:
+        return
+    for path in result.files:
+        click.echo(f"wrote {path}")
+    if result.skipped:
+        click.echo(f"left out {len(result.skipped)} non-tensor value(s): {', '.join(result.skipped[:5])}"
+                   f"{' ...' if len(result.skipped) > 5 else ''}", err=True)
+
+
+@main.command()
+@click.argument("store", type=click.Path())
+@click.argument("files", nargs=-1, required=True, type=click.Path())
+@_jobs
+@_quiet
+def ingest(store: str, files: tuple[str, ...], jobs: int | None, quiet: bool) -> None:
+    """Ingest rank FILES into STORE (created if needed). Any subset, any order, any number of times."""
+    with _ingest_bar(quiet, [f for f in files if os.path.isfile(f)]) as update:
+        st = api.ingest(store, list(files), jobs=jobs, on_done=lambda d: update(d.nbytes))
+    status = st.status()
+    if not quiet:
+        click.echo(f"{store}: {len(status.ranks_done)}/{status.world_size} ranks ingested"
+                   + ("" if status.ok else f"; missing {_ranks(status.ranks_missing)}"))
+
+
+@main.command()
+@click.argument("store", type=click.Path())
+@click.argument("out", type=click.Path(file_okay=False))
+@_export_options
+@_quiet
+def export(store: str, out: str, fmt: str, select: str | None, strip_prefix: str | None, dtype: str | None,
+           max_shard_size: int, quiet: bool) -> None:
+    """Export the unsharded checkpoint in STORE to the folder OUT."""
+    st = api.open(store)
+    total = sum(a.nbytes for a in st.manifest.arrays.values())
+    with _bar(quiet, total, "export") as update:
+        result = api.export(st, out, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
+                            max_shard_size=max_shard_size, progress=update)
+    _report(result, quiet)
+
+
+@main.command()
+@click.argument("src", type=click.Path())
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--store", "store", type=click.Path(), default=None,
+              help="Keep the Zarr store here (for lazy inspection or more exports) instead of a scratch one.")
+@click.option("--tag", default=None, help="Which checkpoint, when SRC holds several (e.g. ep0-ba20).")
+@_export_options
+@_jobs
+@_quiet
+def unshard(src: str, out: str, store: str | None, tag: str | None, fmt: str, select: str | None,
+            strip_prefix: str | None, dtype: str | None, max_shard_size: int, jobs: int | None, quiet: bool) -> None:
+    """Unshard the checkpoint in folder SRC into folder OUT: ingest, then export."""
+    files = api.rank_files(src, tag)
+    with _ingest_bar(quiet, files) as update:
+        result = api.unshard(src, out, store=store, tag=tag, jobs=jobs, on_ingested=lambda d: update(d.nbytes),
+                             format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
+                             max_shard_size=max_shard_size)
+    _report(result, quiet)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:20])) + (" ..." if len(ranks) > 20 else "")
+
+
+@main.command(name="ls")
+@click.argument("store", type=click.Path())
+def ls(store: str) -> None:
+    """List STORE: layout, ranks, and every key with its shape, dtype and completeness."""
+    st = api.open(store)
+    status = st.status()
+    m = st.manifest
+    click.echo(f"layout: {m.layout}   world size: {m.world_size}   ranks ingested: "
+               f"{len(status.ranks_done)}/{m.world_size}" + ("" if not status.ranks_missing else
+                                                             f" (missing {_ranks(status.ranks_missing)})"))
+    width = max((len(k) for k in st.keys()), default=0)
+    for key in st.keys():
+        entry = m.arrays.get(key)
+        if entry is not None:
+            done = "complete" if key not in status.partial else f"{status.partial[key]:.0%}"
+            click.echo(f"{key:<{width}}  {entry.dtype:<13} {str(list(entry.shape)):<18} {done}")
+        else:
+            ranks = st.object_values(key)
+            same = len({json.dumps(v) for v in ranks.values()}) <= 1
+            click.echo(f"{key:<{width}}  {'value':<13} {'':<18} {'same on all ranks' if same else 'differs per rank'}")
+
+
+if __name__ == "__main__":
+    main()

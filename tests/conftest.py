@@ -1,0 +1,58 @@
+"""Shared fixtures: real FSDP checkpoints, made once per test session and cached on disk."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.fixtures.fsdp import make_checkpoint
+
+CACHE = Path(os.environ.get("SHARDSTORE_TEST_CACHE", "")) if os.environ.get("SHARDSTORE_TEST_CACHE") else None
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    """checkpoints(world_size, kind="tiny", dtype="float32") -> folder of rank files + expected.pt.ref."""
+    base = CACHE or tmp_path_factory.mktemp("checkpoints")
+    made: dict[tuple[int, str, str], Path] = {}
+
+    def get(world_size: int, kind: str = "tiny", dtype: str = "float32") -> Path:
+        key = (world_size, kind, dtype)
+        if key not in made:
+            out = base / f"{kind}-{dtype}-w{world_size}"
+            if not (out / "expected.pt.ref").exists():
+                make_checkpoint(out, world_size, kind, dtype)
+            made[key] = out
+        return made[key]
+
+    return get
+
+
+def expected(folder: Path) -> dict[str, Any]:
+    return torch.load(folder / "expected.pt.ref", weights_only=True)
+
+
+def assert_bitwise_equal(actual: Any, want: Any, where: str = "") -> None:
+    """Same structure, same container types, and every tensor identical bit for bit."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{where}: {type(actual).__name__}, want a tensor"
+        assert actual.dtype == want.dtype and actual.shape == want.shape, \
+            f"{where}: {actual.dtype}{list(actual.shape)} != {want.dtype}{list(want.shape)}"
+        a = actual.contiguous().reshape(-1).view(torch.uint8)
+        b = want.contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(a, b), f"{where}: values differ"
+    elif isinstance(want, dict):
+        assert isinstance(actual, dict), f"{where}: {type(actual).__name__}, want a dict"
+        assert set(actual) == set(want), f"{where}: keys {sorted(map(str, set(actual) ^ set(want)))} differ"
+        for k in want:
+            assert_bitwise_equal(actual[k], want[k], f"{where}/{k}")
+    elif isinstance(want, (list, tuple)):
+        assert type(actual) is type(want) and len(actual) == len(want), f"{where}: {actual!r} != {want!r}"
+        for i, (a, b) in enumerate(zip(actual, want)):
+            assert_bitwise_equal(a, b, f"{where}/{i}")
+    else:
+        assert actual == want, f"{where}: {actual!r} != {want!r}"

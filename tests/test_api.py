@@ -1,0 +1,94 @@
+"""End to end: real FSDP checkpoints -> shardstore -> both export formats, against torch's own gather."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import shardstore
+from tests.conftest import assert_bitwise_equal, expected
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 6, 8])
+def test_unshard_matches_torch_gather_in_both_formats(checkpoints, tmp_path: Path, world_size: int) -> None:
+    src = checkpoints(world_size)
+    want = expected(src)
+
+    shardstore.unshard(src, tmp_path / "st", store=tmp_path / "store", jobs=2)
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), want["model"], "safetensors")
+    with safe_open(tmp_path / "st" / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert list(f.keys()) == sorted(want["model"])  # safetensors lists keys sorted
+
+    shardstore.export(tmp_path / "store", tmp_path / "pt", format="torch")
+    model = torch.load(tmp_path / "pt" / "model.pt", weights_only=True)
+    optim = torch.load(tmp_path / "pt" / "optim.pt", weights_only=True)
+    assert type(model) is dict and list(model) == list(want["model"])  # OLMo writes plain dicts, in order
+    assert_bitwise_equal(model, want["model"], "model.pt")
+    assert_bitwise_equal(optim, want["optim"], "optim.pt")
+    train = torch.load(tmp_path / "pt" / "train.pt", weights_only=True)
+    assert train == {"trainer": {"global_step": 1, "world_size": world_size, "tokens_seen": [12 * world_size]}}
+
+
+def test_bfloat16_bits_survive(checkpoints, tmp_path: Path) -> None:
+    src = checkpoints(3, dtype="bfloat16")
+    want = expected(src)
+    shardstore.unshard(src, tmp_path / "out", store=tmp_path / "store", jobs=1)
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in got.values())
+    assert_bitwise_equal(got, want["model"])
+    store = shardstore.open(tmp_path / "store")
+    assert store["model/wte.weight"].dtype == torch.bfloat16
+    assert_bitwise_equal(store["model/wte.weight"][10:20], want["model"]["wte.weight"][10:20])
+
+
+def test_lazy_handles_and_values(checkpoints, tmp_path: Path) -> None:
+    src = checkpoints(3)
+    want = expected(src)
+    store = shardstore.ingest(tmp_path / "store", sorted(src.glob("rank*.pt")), jobs=1)
+    wte = store["model/wte.weight"]
+    assert wte.shape == torch.Size([1000, 300]) and wte.dtype == torch.float32 and len(wte) == 1000
+    for sel in [slice(0, 4), slice(330, 340), (slice(995, 1000), slice(7, 9)), 999]:
+        assert_bitwise_equal(wte[sel], want["model"]["wte.weight"][sel], str(sel))
+    assert wte.ranks == [0, 1, 2]
+    assert store["optim/state/wte.weight/step"].item() == want["optim"]["state"]["wte.weight"]["step"].item()
+    assert store["optim/param_groups"] == want["optim"]["param_groups"]
+    seeds = store.values("rng/python_seed")
+    assert seeds == {0: 1000, 1: 1001, 2: 1002}  # differs per rank: every rank's value is kept
+    assert store["rng/python_seed"] == 1000
+    assert "model/wte.weight" in store.keys() and "rng/torch" in store
+
+
+def test_safetensors_options(checkpoints, tmp_path: Path) -> None:
+    src = checkpoints(2)
+    want = expected(src)["model"]
+    store = shardstore.ingest(tmp_path / "store", sorted(src.glob("rank*.pt")), jobs=1)
+
+    result = shardstore.export(store, tmp_path / "split", max_shard_size=600_000)
+    index = json.loads((tmp_path / "split" / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in (tmp_path / "split").glob("model-*.safetensors"))
+    assert len(shards) == len(set(index["weight_map"].values())) >= 2
+    assert all(name.endswith(f"-of-{len(shards):05d}.safetensors") for name in shards)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in want.values())
+    merged = {}
+    for name in shards:
+        merged.update(load_file(tmp_path / "split" / name))
+    assert_bitwise_equal(merged, want)
+    assert {k: v for k, v in index["weight_map"].items()} == {
+        k: n for n in shards for k in load_file(tmp_path / "split" / n)}
+    assert result.files[-1].name == "model.safetensors.index.json"
+
+    shardstore.export(store, tmp_path / "bf16", dtype="bfloat16", strip_prefix="wte.")
+    got = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert set(got) == {"weight"} | {k for k in want if not k.startswith("wte.")}
+    assert_bitwise_equal(got["weight"], want["wte.weight"].to(torch.bfloat16))
+    assert_bitwise_equal(got["proj.bias"], want["proj.bias"].to(torch.bfloat16))
+
+    shardstore.export(store, tmp_path / "optim", select="optim/state/wte.weight")
+    got = load_file(tmp_path / "optim" / "model.safetensors")
+    assert_bitwise_equal(got, {k: v for k, v in expected(src)["optim"]["state"]["wte.weight"].items()})
