@@ -9,6 +9,7 @@ any other global is refused before anything runs, with an error that names it. S
 from __future__ import annotations
 
 import _codecs
+import _compat_pickle
 import collections
 import datetime
 import gc
@@ -242,18 +243,14 @@ for _cls in ("Float64DType", "Float32DType", "Float16DType", "Int64DType", "Int3
         ALLOWED[("numpy.dtypes", _cls)] = getattr(np.dtypes, _cls)
 
 
-# Protocol-2 pickles name builtins the Python 2 way; the C unpickler hands find_class the raw name.
-for (_module, _name), _value in list(ALLOWED.items()):
-    if _module == "builtins":
-        ALLOWED[("__builtin__", _name)] = _value
-
-
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: io.BytesIO, source: str):
         super().__init__(data)
         self._source = source
 
     def find_class(self, module: str, name: str) -> Any:
+        # Protocol-2 pickles use Python 2 names (__builtin__); the C unpickler hands them over raw.
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         try:
             return ALLOWED[(module, name)]
         except KeyError:
