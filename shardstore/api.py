@@ -49,16 +49,17 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     files = discover(src_dir, tag)
     out = Path(out_dir)
     location = Path(store) if store is not None else out / ".shardstore-scratch"
-    first = _ingest.create_store(location, files[0])
-    missing = missing_ranks(files, first.manifest.world_size)
-    if missing:
-        raise CheckpointError(f"{src_dir}: world size is {first.manifest.world_size} but rank files are missing "
-                              f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
-    st = _ingest.ingest(location, files, jobs=jobs, on_done=on_ingested)
-    result = export(st, out, **export_options)  # type: ignore[arg-type]
-    if store is None:
-        shutil.rmtree(location, ignore_errors=True)
-    return result
+    try:
+        st = _ingest.create_store(location, files[0])
+        missing = missing_ranks(files, st.manifest.world_size)
+        if missing:
+            raise CheckpointError(f"{src_dir}: world size is {st.manifest.world_size} but rank files are missing "
+                                  f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
+        _ingest.ingest(location, files, jobs=jobs, on_done=on_ingested, store=st)
+        return export(st, out, **export_options)  # type: ignore[arg-type]
+    finally:
+        if store is None:  # a scratch store is never left behind, finished or not
+            shutil.rmtree(location, ignore_errors=True)
 
 
 __all__ = ["open", "ingest", "export", "unshard", "rank_files"]

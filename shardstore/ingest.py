@@ -168,15 +168,16 @@ def default_jobs() -> int:
 
 
 def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[str]], jobs: int | None = None,
-           on_done: Callable[[Ingested], None] | None = None) -> Store:
+           on_done: Callable[[Ingested], None] | None = None, store: Store | None = None) -> Store:
     """Ingest rank files into the store at `location` (created from the first file if it does not exist).
 
     `jobs` worker processes (default: one per core) each take one file at a time; with jobs=1 everything
     runs in this process. Ingesting a rank that is already in the store simply rewrites the same bytes.
+    `store`, if given, is the already created store at `location` (saves reading the first file twice).
     """
     if not files:
         raise CheckpointError("no rank files to ingest")
-    store = create_store(location, files[0])
+    store = store or create_store(location, files[0])
     jobs = max(1, min(jobs or default_jobs(), len(files)))
     if jobs == 1:
         for f in files:

@@ -144,8 +144,9 @@ class Store:
 
     # ------------------------------------------------------------------ records and status
     def records(self, refresh: bool = True) -> dict[int, dict[str, Any]]:
-        """Commit records by rank (cached: a committed record never changes)."""
-        if refresh:
+        """Commit records by rank (cached: a committed record never changes). `refresh=False` looks
+        for newly committed ranks only if none were seen yet."""
+        if refresh or not self._records:
             for key in self.backend.list(RANKS):
                 name = key.rsplit("/", 1)[-1]
                 if not name.endswith(".json"):
@@ -288,7 +289,7 @@ class Store:
 
     def object_values(self, path: str) -> dict[int, Any]:
         """The encoded value of an object leaf, by rank."""
-        return {r: rec["objects"][path] for r, rec in self.records().items() if path in rec["objects"]}
+        return {r: rec["objects"][path] for r, rec in self.records(refresh=False).items() if path in rec["objects"]}
 
     def blob(self, digest: str) -> bytes:
         return self.backend.read(f"{BLOBS}/{digest}")
