@@ -46,3 +46,18 @@ def test_partial_store_reads_what_has_arrived(checkpoints, tmp_path: Path) -> No
     assert store["model/wte.weight"].ranks == [2]
     with pytest.raises(CheckpointError, match="no rank files to ingest"):
         shardstore.ingest(tmp_path / "s", [])
+
+
+def test_two_processes_ingesting_into_one_new_store_at_once(checkpoints, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    src = checkpoints(6)
+    files = [str(f) for f in sorted(src.glob("rank*.pt"))]
+    shardstore.ingest(tmp_path / "clean", files, jobs=1)
+    script = "import sys, shardstore; shardstore.ingest(sys.argv[1], sys.argv[2:], jobs=1)"
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "both"), *files[i::2], *files])
+             for i in range(2)]  # each creates the store, ingests its half first, then everything again
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    assert content(tmp_path / "both") == content(tmp_path / "clean")
+    assert shardstore.open(tmp_path / "both").status().ok

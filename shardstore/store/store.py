@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import zarr
+from zarr.errors import ContainsArrayError
 
 from .. import dtypes
 from ..errors import StoreError
@@ -93,11 +94,23 @@ class Store:
         root.attrs.update({"shardstore": {"layout": manifest.layout, "world_size": manifest.world_size}})
         for plan in manifest.arrays.values():
             info = dtypes.info(plan.dtype)
-            zarr.create_array(
-                store=zstore, name=plan.path, shape=plan.shape, chunks=tuple(max(c, 1) for c in plan.chunk),
-                shards=tuple(max(c, 1) for c in plan.cell), dtype=info.raw, fill_value=0, compressors=None,
-                filters=None, attributes={"torch_dtype": plan.dtype}, zarr_format=3, overwrite=True,
-            )
+            try:
+                zarr.create_array(
+                    store=zstore, name=plan.path, shape=plan.shape, chunks=tuple(max(c, 1) for c in plan.chunk),
+                    shards=tuple(max(c, 1) for c in plan.cell), dtype=info.raw, fill_value=0, compressors=None,
+                    filters=None, attributes={"torch_dtype": plan.dtype}, zarr_format=3,
+                )
+            except ContainsArrayError:
+                # Another process is creating the same store right now, or an earlier creation was cut
+                # short. Never overwrite: that would delete cells already written.
+                existing = zarr.open_array(store=zstore, path=plan.path, mode="r")
+                if (existing.shape, existing.dtype, existing.shards) != (plan.shape, info.raw, tuple(max(c, 1) for c in plan.cell)):
+                    raise StoreError(f"{location}: already holds a different array at {plan.path}; "
+                                     f"use an empty folder for a new store") from None
+        if backend.exists(MANIFEST_KEY):
+            store = cls.open(location)
+            store.check_compatible(manifest, str(location))
+            return store
         backend.write(MANIFEST_KEY, [json.dumps(manifest.to_json()).encode()], durable=True)
         return cls(backend, manifest)
 
