@@ -22,9 +22,12 @@ def open(location: PathLike) -> Store:  # noqa: A001 - shardstore.open mirrors z
 
 
 def ingest(store: PathLike, files: Sequence[PathLike], jobs: int | None = None,
-           on_done: Callable[[_ingest.Ingested], None] | None = None) -> Store:
-    """Ingest rank files into `store` (created on first use); any subset, in any order, any number of times."""
-    return _ingest.ingest(store, files, jobs=jobs, on_done=on_done)
+           on_done: Callable[[_ingest.Ingested], None] | None = None, verify_replicas: bool = False) -> Store:
+    """Ingest rank files into `store` (created on first use); any subset, in any order, any number of times.
+
+    With hybrid sharding (HSDP) each shard is written once; `verify_replicas` checks the other copies match.
+    """
+    return _ingest.ingest(store, files, jobs=jobs, on_done=on_done, verify_replicas=verify_replicas)
 
 
 def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensors", select: str | None = None,
@@ -36,17 +39,18 @@ def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensor
                           max_shard_size=max_shard_size, progress=progress)
 
 
-def rank_files(src_dir: PathLike, tag: str | None = None) -> list[Path]:
-    """The rank files of the checkpoint in `src_dir`, by rank."""
-    return discover(src_dir, tag)
+def rank_files(src_dir: PathLike, tag: str | None = None, step: int | None = None) -> list[Path]:
+    """The rank files of the checkpoint in `src_dir` (or of the one `tag`/`step` names), by rank."""
+    return discover(src_dir, tag, step)
 
 
 def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None, tag: str | None = None,
-            jobs: int | None = None, on_ingested: Callable[[_ingest.Ingested], None] | None = None,
+            step: int | None = None, jobs: int | None = None, verify_replicas: bool = False,
+            on_ingested: Callable[[_ingest.Ingested], None] | None = None,
             **export_options: object) -> _export.ExportResult:
     """Ingest every rank file in `src_dir`, then export. Without `store`, a scratch store inside
     `out_dir` is used and removed afterwards (same file system, so copies stay kernel-side)."""
-    files = discover(src_dir, tag)
+    files = discover(src_dir, tag, step)
     out = Path(out_dir)
     location = Path(store) if store is not None else out / ".shardstore-scratch"
     try:
@@ -55,7 +59,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
         if missing:
             raise CheckpointError(f"{src_dir}: world size is {st.manifest.world_size} but rank files are missing "
                                   f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
-        _ingest.ingest(location, files, jobs=jobs, on_done=on_ingested, store=st)
+        _ingest.ingest(location, files, jobs=jobs, on_done=on_ingested, store=st, verify_replicas=verify_replicas)
         return export(st, out, **export_options)  # type: ignore[arg-type]
     finally:
         if store is None:  # a scratch store is never left behind, finished or not

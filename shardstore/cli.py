@@ -61,6 +61,8 @@ def main() -> None:
 
 
 _quiet = click.option("--quiet", "-q", is_flag=True, help="No progress bars (for scripts).")
+_verify = click.option("--verify-replicas", is_flag=True,
+                       help="Hybrid sharding: check every replica group's copy of a shard is bit-identical.")
 _jobs = click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
                      help="Worker processes, one rank file each at a time [default: number of cores].")
 
@@ -94,12 +96,14 @@ def _report(result: Any, quiet: bool) -> None:
 @main.command()
 @click.argument("store", type=click.Path())
 @click.argument("files", nargs=-1, required=True, type=click.Path())
+@_verify
 @_jobs
 @_quiet
-def ingest(store: str, files: tuple[str, ...], jobs: int | None, quiet: bool) -> None:
+def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, jobs: int | None, quiet: bool) -> None:
     """Ingest rank FILES into STORE (created if needed). Any subset, any order, any number of times."""
     with _ingest_bar(quiet, [f for f in files if os.path.isfile(f)]) as update:
-        st = api.ingest(store, list(files), jobs=jobs, on_done=lambda d: update(d.nbytes))
+        st = api.ingest(store, list(files), jobs=jobs, on_done=lambda d: update(d.nbytes),
+                        verify_replicas=verify_replicas)
     status = st.status()
     if not quiet:
         click.echo(f"{store}: {len(status.ranks_done)}/{status.world_size} ranks ingested"
@@ -127,16 +131,21 @@ def export(store: str, out: str, fmt: str, select: str | None, strip_prefix: str
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--store", "store", type=click.Path(), default=None,
               help="Keep the Zarr store here (for lazy inspection or more exports) instead of a scratch one.")
-@click.option("--tag", default=None, help="Which checkpoint, when SRC holds several (e.g. ep0-ba20).")
+@click.option("--tag", default=None,
+              help="Which checkpoint, when SRC holds several: a file prefix or sub-folder (ep0-ba20), or 'latest'.")
+@click.option("--step", type=int, default=None, help="Which checkpoint, by step (matches ba<N> or step<N>).")
 @_export_options
+@_verify
 @_jobs
 @_quiet
-def unshard(src: str, out: str, store: str | None, tag: str | None, fmt: str, select: str | None,
-            strip_prefix: str | None, dtype: str | None, max_shard_size: int, jobs: int | None, quiet: bool) -> None:
+def unshard(src: str, out: str, store: str | None, tag: str | None, step: int | None, fmt: str, select: str | None,
+            strip_prefix: str | None, dtype: str | None, max_shard_size: int, verify_replicas: bool,
+            jobs: int | None, quiet: bool) -> None:
     """Unshard the checkpoint in folder SRC into folder OUT: ingest, then export."""
-    files = api.rank_files(src, tag)
+    files = api.rank_files(src, tag, step)
     with _ingest_bar(quiet, files) as update:
-        result = api.unshard(src, out, store=store, tag=tag, jobs=jobs, on_ingested=lambda d: update(d.nbytes),
+        result = api.unshard(src, out, store=store, tag=tag, step=step, jobs=jobs, verify_replicas=verify_replicas,
+                             on_ingested=lambda d: update(d.nbytes),
                              format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
                              max_shard_size=max_shard_size)
     _report(result, quiet)
@@ -153,7 +162,9 @@ def ls(store: str) -> None:
     st = api.open(store)
     status = st.status()
     m = st.manifest
-    click.echo(f"layout: {m.layout}   world size: {m.world_size}   ranks ingested: "
+    replicas = m.extra.get("replicas", 1)
+    groups = f"   replica groups: {replicas} x {m.extra.get('group_size')} ranks" if replicas > 1 else ""
+    click.echo(f"layout: {m.layout}   world size: {m.world_size}{groups}   ranks ingested: "
                f"{len(status.ranks_done)}/{m.world_size}" + ("" if not status.ranks_missing else
                                                              f" (missing {_ranks(status.ranks_missing)})"))
     width = max((len(k) for k in st.keys()), default=0)

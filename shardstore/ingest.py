@@ -20,12 +20,13 @@ import numpy as np
 from . import dtypes
 from .errors import CheckpointError
 from .plan import plan_checkpoint
+from .read.layouts import name_rank
 from .read.rankfile import LocalPiece, RankFile, ShardedLeaf, read_rank_file
 from .read.unpickle import TensorRef
 from . import values
 from .store.backend import FileRange, Part
 from .store.manifest import ArrayEntry
-from .store.store import Store
+from .store.store import Store, first_difference
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,33 @@ def _piece_region(rf: RankFile, entry: ArrayEntry, piece: LocalPiece,
     return [buf.data], valid_rows
 
 
+def _part_bytes(part: Part) -> bytes:
+    if isinstance(part, FileRange):
+        return os.pread(part.fd, part.length, part.offset)
+    return bytes(part)
+
+
+def _verify_replica(store: Store, rf: RankFile, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part]) -> None:
+    """Compare this rank's copy of a cell with the one already in the store; name the first difference."""
+    mine = b"".join(_part_bytes(p) for p in parts)
+    theirs = store.read_cell_bytes(entry, index, len(mine))
+    if mine == theirs:
+        return
+    bounds = entry.cell_bounds(index)
+    element = first_difference(mine, theirs, dtypes.info(entry.dtype).itemsize,
+                               (bounds[0][1] - bounds[0][0],) + tuple(entry.cell[1:]), tuple(lo for lo, _ in bounds))
+    raise CheckpointError(f"{rf.path}: replica of {entry.path} differs from the copy already in the store, "
+                          f"first at element {element}")
+
+
 def _check_against(store: Store, rf: RankFile) -> None:
     m = store.manifest
+    claimed = name_rank(rf.path)
+    if claimed is not None and claimed != rf.rank:
+        raise CheckpointError(f"{rf.path}: named rank {claimed} but holds rank {rf.rank} (renamed file?)")
+    if rf.group_size != m.extra.get("group_size", rf.group_size):
+        raise CheckpointError(f"{rf.path}: sharded over groups of {rf.group_size} ranks, but the store holds a "
+                              f"checkpoint sharded over {m.extra['group_size']} (another checkpoint?)")
     if rf.world_size != m.world_size:
         raise CheckpointError(f"{rf.path}: from a world of {rf.world_size} ranks, but the store holds a checkpoint "
                               f"of {m.world_size} (a rank file from another checkpoint?)")
@@ -96,8 +122,12 @@ def _encode_tensor(store: Store, rf: RankFile, written: list[str]) -> Callable[[
     return encode
 
 
-def ingest_file(store: Store, path: str | os.PathLike[str]) -> Ingested:
-    """Ingest one rank file into an existing store: the whole job of one worker."""
+def ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: bool = False) -> Ingested:
+    """Ingest one rank file into an existing store: the whole job of one worker.
+
+    Under hybrid sharding every shard exists once per replica group: the first copy to arrive is written,
+    later ones are skipped (or, with `verify_replicas`, compared bit for bit).
+    """
     rf = read_rank_file(path, encode_key=values.encode)
     try:
         _check_against(store, rf)
@@ -108,6 +138,7 @@ def ingest_file(store: Store, path: str | os.PathLike[str]) -> Ingested:
         staged_bytes = 0
         objects: dict[str, Any] = {}
         encode_tensor = _encode_tensor(store, rf, written)
+        replicas = store.manifest.extra.get("replicas", 1)
         for leaf_path, leaf in rf.leaves.items():
             entry = store.manifest.arrays.get(leaf_path)
             if entry is None:
@@ -129,9 +160,12 @@ def ingest_file(store: Store, path: str | os.PathLike[str]) -> Ingested:
                     continue
                 for index in entry.cells_of(piece.offsets, piece.sizes):
                     cells.setdefault(leaf_path, []).append(entry.flat_index(index))
-                    if entry.replicated and store.has_cell(entry, index):
-                        continue  # another rank's identical copy is already in (atomically written)
                     parts, valid_rows = _piece_region(rf, entry, piece, index)
+                    if (entry.replicated or replicas > 1) and store.has_cell(entry, index):
+                        # Another replica's copy is already in (written atomically): first arrival wins.
+                        if verify_replicas:
+                            _verify_replica(store, rf, entry, index, parts)
+                        continue
                     written.append(store.write_cell(entry, index, parts, valid_rows))
         if staging:
             written.append(store.write_staging(rf.rank, staging))
@@ -147,11 +181,11 @@ def ingest_file(store: Store, path: str | os.PathLike[str]) -> Ingested:
 _WORKER_STORES: dict[str, Store] = {}
 
 
-def _worker(location: str, path: str) -> Ingested:
+def _worker(location: str, path: str, verify_replicas: bool) -> Ingested:
     store = _WORKER_STORES.get(location)
     if store is None:
         store = _WORKER_STORES[location] = Store.open(location)
-    return ingest_file(store, path)
+    return ingest_file(store, path, verify_replicas)
 
 
 def create_store(location: str | os.PathLike[str], first_file: str | os.PathLike[str]) -> Store:
@@ -168,7 +202,8 @@ def default_jobs() -> int:
 
 
 def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[str]], jobs: int | None = None,
-           on_done: Callable[[Ingested], None] | None = None, store: Store | None = None) -> Store:
+           on_done: Callable[[Ingested], None] | None = None, store: Store | None = None,
+           verify_replicas: bool = False) -> Store:
     """Ingest rank files into the store at `location` (created from the first file if it does not exist).
 
     `jobs` worker processes (default: one per core) each take one file at a time; with jobs=1 everything
@@ -179,28 +214,34 @@ def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[s
         raise CheckpointError("no rank files to ingest")
     store = store or create_store(location, files[0])
     jobs = max(1, min(jobs or default_jobs(), len(files)))
+    seen: dict[int, str] = {}
+
+    def done(result: Ingested) -> None:
+        if result.rank in seen and seen[result.rank] != result.path:
+            raise CheckpointError(f"two files hold rank {result.rank}: {seen[result.rank]} and {result.path}")
+        seen[result.rank] = result.path
+        if on_done:
+            on_done(result)
+
     if jobs == 1:
         for f in files:
-            done = ingest_file(store, f)
-            if on_done:
-                on_done(done)
+            done(ingest_file(store, f, verify_replicas))
     else:
-        _run_pool(store.location, [os.fspath(f) for f in files], jobs, on_done)
-    store.assemble_ready()
+        _run_pool(store.location, [os.fspath(f) for f in files], jobs, done, verify_replicas)
+    store.assemble_ready(verify=verify_replicas)
     return store
 
 
-def _run_pool(location: str, files: Iterable[str], jobs: int, on_done: Callable[[Ingested], None] | None) -> None:
+def _run_pool(location: str, files: Iterable[str], jobs: int, on_done: Callable[[Ingested], None],
+              verify_replicas: bool) -> None:
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold Zarr's event-loop thread
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        pending: set[Future[Ingested]] = {pool.submit(_worker, location, f) for f in files}
+        pending: set[Future[Ingested]] = {pool.submit(_worker, location, f, verify_replicas) for f in files}
         try:
             while pending:
                 finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                 for fut in finished:
-                    done = fut.result()
-                    if on_done:
-                        on_done(done)
+                    on_done(fut.result())
         except BaseException:
             for fut in pending:
                 fut.cancel()

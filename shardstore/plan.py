@@ -105,6 +105,9 @@ def detect_layout(tree: dict) -> str:
     top = {c["p"] for _, c in tree.get("c", ())}
     if {"model", "optim"} <= top:
         return "olmo"
+    state = next((c for _, c in tree.get("c", ()) if c["p"] == "state"), None)
+    if state is not None and any(c["p"] == "state/model" for _, c in state.get("c", ())):
+        return "composer"
     return "generic"
 
 
@@ -119,5 +122,6 @@ def plan_checkpoint(rank_file: RankFile, layout: str | None = None) -> Manifest:
             arrays[path] = plan_replicated(path, leaf)
         else:
             objects.append(path)
+    extra = {"group_size": rank_file.group_size, "replicas": max(1, rank_file.world_size // rank_file.group_size)}
     return Manifest(layout or detect_layout(rank_file.skeleton), rank_file.world_size, rank_file.skeleton,
-                    arrays, objects)
+                    arrays, objects, extra)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.fixtures.fsdp import make_checkpoint
+from tests.fixtures.layouts import make_layout_checkpoint
 
 CACHE = Path(os.environ.get("SHARDSTORE_TEST_CACHE", "")) if os.environ.get("SHARDSTORE_TEST_CACHE") else None
 
@@ -28,6 +29,25 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
                 make_checkpoint(out, world_size, kind, dtype)
             made[key] = out
         return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def layout_checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    """layout_checkpoints(name, world_size, layout, **options) -> folder (see tests/fixtures/layouts.py)."""
+    base = CACHE or tmp_path_factory.mktemp("layouts")
+    made: dict[str, Path] = {}
+
+    def get(name: str, world_size: int, layout: str, steps: tuple[int, ...] = (10,), **options: Any) -> Path:
+        if name not in made:
+            out = base / f"layout-{name}"
+            if not (out / ".done").exists():
+                for step in steps:
+                    make_layout_checkpoint(out, world_size, layout, step=step, **options)
+                (out / ".done").touch()
+            made[name] = out
+        return made[name]
 
     return get
 

@@ -32,11 +32,14 @@ class ArrayRef:
         return n
 
 
-def object_value(store: Store, path: str) -> Any:
+def object_value(store: Store, path: str, rank: int | None = None) -> Any:
+    """A leaf's value: the lowest rank's, or `rank`'s."""
     by_rank = store.object_values(path)
     if not by_rank:
         raise ExportError(f"{path}: no rank holding it has been ingested")
-    return decode_value(store, by_rank[min(by_rank)])
+    if rank is not None and rank not in by_rank:
+        raise ExportError(f"{path}: rank {rank} has not been ingested")
+    return decode_value(store, by_rank[min(by_rank) if rank is None else rank])
 
 
 def node_at(tree: dict[str, Any], select: str) -> dict[str, Any]:
@@ -50,15 +53,16 @@ def node_at(tree: dict[str, Any], select: str) -> dict[str, Any]:
     return node
 
 
-def build(store: Store, node: dict[str, Any], plain_dicts: bool = False) -> Any:
-    """The state dict below `node`, with ArrayRefs for sharded tensors."""
+def build(store: Store, node: dict[str, Any], plain_dicts: bool = False, rank: int | None = None) -> Any:
+    """The state dict below `node`, with ArrayRefs for sharded tensors; per-rank values from `rank`
+    (default: the lowest rank)."""
     if node["t"] == "leaf":
         entry = store.manifest.arrays.get(node["p"])
         if entry is not None:
             return ArrayRef(node["p"], entry.dtype, entry.shape)
-        value = object_value(store, node["p"])
+        value = object_value(store, node["p"], rank)
         return _plain(value) if plain_dicts else value
-    items = [(values.decode(k, tensor=_no_tensor), build(store, c, plain_dicts)) for k, c in node["c"]]
+    items = [(values.decode(k, tensor=_no_tensor), build(store, c, plain_dicts, rank)) for k, c in node["c"]]
     if node["t"] == "odict" and not plain_dicts:
         return collections.OrderedDict(items)
     if node["t"] in ("dict", "odict"):

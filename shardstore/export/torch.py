@@ -2,7 +2,9 @@
 
 For an OLMo-style checkpoint (top-level `model` and `optim`) this writes model.pt, optim.pt and
 train.pt exactly as OLMo's own unsharder does (plain dicts, `rng` left out of train.pt), so they are
-drop-in; any other layout gets one checkpoint.pt in the input's own nesting.
+drop-in; any other layout gets one checkpoint.pt in the input's own nesting. For Composer, whose rank
+files each hold a one-element `rng` list, the monolithic file's `rng` lists every rank's state in rank
+order, as Composer's own monolithic checkpoints do.
 """
 
 from __future__ import annotations
@@ -127,5 +129,9 @@ def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | 
         save(store, rest, out_dir / "train.pt", progress)
         return written + [out_dir / "train.pt"]
     target = out_dir / "checkpoint.pt"
-    save(store, build(store, node_at(tree, "")), target, progress)
+    state = build(store, tree)
+    if store.manifest.layout == "composer" and isinstance(state.get("rng"), list):
+        rng_node = node_at(tree, "rng")
+        state["rng"] = [item for rank in sorted(store.records()) for item in build(store, rng_node, rank=rank)]
+    save(store, state, target, progress)
     return [target]

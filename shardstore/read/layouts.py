@@ -1,7 +1,10 @@
 """Finding the rank files of one checkpoint in a folder, whichever trainer named them.
 
-OLMo writes rank{r}.pt; Composer writes ep{E}-ba{B}-rank{r}.pt (often in a folder ep{E}-ba{B}/) beside
-latest-rank{r}.pt symlinks. A folder holding two checkpoints is never mixed: the caller must pick one.
+OLMo writes rank{r}.pt; Composer writes ep{E}-ba{B}-rank{r}.pt, often in a folder ep{E}-ba{B}/, next to
+latest-rank{r}.pt symlinks. Files are looked for in the folder and one level down; a symlink to a file
+already found is not counted twice. A folder holding two checkpoints is never mixed: the caller picks one
+with a tag (the file-name prefix or sub-folder, e.g. "ep0-ba20", or "latest" to follow the symlinks).
+The rank a file names is only a hint: ingestion checks it against the rank pickled inside.
 """
 
 from __future__ import annotations
@@ -15,55 +18,67 @@ from ..errors import CheckpointError
 RANK_FILE = re.compile(r"^(?P<tag>.*?)[-_.]?rank(?P<rank>\d+)\.pt$")
 
 
+def name_rank(path: str | os.PathLike[str]) -> int | None:
+    """The rank a file's name claims, if it follows a known pattern."""
+    m = RANK_FILE.match(Path(path).name)
+    return int(m.group("rank")) if m else None
+
+
 def _candidates(src: Path) -> list[Path]:
-    found = [p for p in sorted(src.iterdir()) if p.is_file() and RANK_FILE.match(p.name)]
-    if not found:  # a Composer save folder one level down
-        found = [p for d in sorted(src.iterdir()) if d.is_dir()
-                 for p in sorted(d.iterdir()) if p.is_file() and RANK_FILE.match(p.name)]
-    return found
+    top = sorted(src.iterdir())
+    below = [p for d in top if d.is_dir() and not d.is_symlink() for p in sorted(d.iterdir())]
+    return [p for p in top + below if RANK_FILE.match(p.name) and p.is_file()]
 
 
-def discover(src: str | os.PathLike[str], tag: str | None = None) -> list[Path]:
-    """The rank files of the one checkpoint in `src` (or the one `tag` names), ordered by rank."""
+def _group_of(path: Path, src: Path) -> str:
+    tag = RANK_FILE.match(path.name).group("tag")  # type: ignore[union-attr]
+    return path.parent.name if path.parent != src and (not tag or tag == path.parent.name) else tag
+
+
+def discover(src: str | os.PathLike[str], tag: str | None = None, step: int | None = None) -> list[Path]:
+    """The rank files of the one checkpoint in `src` (or the one `tag` or `step` names), ordered by rank."""
     src = Path(src)
     if not src.exists():
         raise CheckpointError(f"{src}: no such directory")
     if not src.is_dir():
         raise CheckpointError(f"{src}: not a directory")
+    files = _candidates(src)
+    real = {p.resolve() for p in files if not p.is_symlink()}
+    links = [p for p in files if p.is_symlink()]
+    if tag == "latest":
+        targets = {p.resolve() for p in links}
+        if not targets:
+            raise CheckpointError(f"{src}: no latest-*rank<N>.pt symlinks to follow")
+        files = sorted(targets)
+    else:
+        # A link to a file already found is the same rank file again (Composer's latest-rank{r}.pt).
+        files = [p for p in files if not p.is_symlink() or p.resolve() not in real]
     groups: dict[str, dict[int, Path]] = {}
-    real: dict[Path, Path] = {}
-    for path in _candidates(src):
-        target = path.resolve()
-        if target in real and (path.is_symlink() or real[target].is_symlink()):
-            if real[target].is_symlink() and not path.is_symlink():
-                real[target] = path  # prefer the real name over a latest-* link
-            continue
-        real[target] = path
-    for path in real.values():
-        m = RANK_FILE.match(path.name)
-        assert m is not None
-        name = m.group("tag")
-        if path.is_symlink() and name.startswith("latest"):
-            continue  # a latest-* link whose target is outside the folder: it names another checkpoint
-        group = f"{path.parent.name}/{name}" if path.parent != src else name
-        ranks = groups.setdefault(group, {})
-        rank = int(m.group("rank"))
+    for path in files:
+        ranks = groups.setdefault(_group_of(path, path.parent if tag == "latest" else src), {})
+        rank = name_rank(path)
+        assert rank is not None
         if rank in ranks:
-            raise CheckpointError(f"{src}: two files for rank {rank}: {ranks[rank].name} and {path.name}")
+            raise CheckpointError(f"{src}: two files claim rank {rank}: {ranks[rank]} and {path}")
         ranks[rank] = path
-    if tag is not None:
-        groups = {g: r for g, r in groups.items() if tag in (g, g.split("/")[0], g.split("/")[-1])}
+    if tag not in (None, "latest"):
+        groups = {g: r for g, r in groups.items() if g == tag}
         if not groups:
             raise CheckpointError(f"{src}: no rank files tagged {tag!r}")
+    if step is not None:
+        at_step = re.compile(rf"(?:^|[-_/])(?:ba|step)0*{step}$")
+        groups = {g: r for g, r in groups.items() if at_step.search(g)}
+        if not groups:
+            raise CheckpointError(f"{src}: no checkpoint of step {step} (looked for ba{step} / step{step})")
     if not groups:
         raise CheckpointError(f"{src}: no rank files (*rank<N>.pt) found")
     if len(groups) > 1:
-        names = ", ".join(repr(g or "(untagged)") for g in sorted(groups))
-        raise CheckpointError(f"{src}: holds more than one checkpoint ({names}); pick one with --tag")
+        names = ", ".join(repr(g) if g else "(untagged)" for g in sorted(groups))
+        raise CheckpointError(f"{src}: holds more than one checkpoint ({names}); pick one with --tag or --step")
     (ranks,) = groups.values()
     return [ranks[r] for r in sorted(ranks)]
 
 
 def missing_ranks(files: list[Path], world_size: int) -> list[int]:
-    have = {int(m.group("rank")) for f in files if (m := RANK_FILE.match(f.name))}
+    have = {name_rank(f) for f in files}
     return [r for r in range(world_size) if r not in have]

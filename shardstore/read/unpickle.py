@@ -208,6 +208,9 @@ ALLOWED: dict[tuple[str, str], Any] = {
     ("torch", "Size"): tuple,
     ("torch", "device"): lambda *a: TorchDevice(":".join(str(x) for x in a)),
     ("torch.serialization", "_get_layout"): str,
+    # Layouts and memory formats pickle by name (older torch wrote them into TensorProperties).
+    **{("torch", n): f"torch.{n}" for n in ("strided", "sparse_coo", "contiguous_format", "channels_last",
+                                             "channels_last_3d", "preserve_format")},
     ("torch.storage", "UntypedStorage"): _StorageType("uint8"),
     ("torch", "UntypedStorage"): _StorageType("uint8"),
     (f"{_SHARD}.sharded_tensor.api", "ShardedTensor"): ShardedTensor,

@@ -26,7 +26,7 @@ import zarr
 from zarr.errors import ContainsArrayError
 
 from .. import dtypes
-from ..errors import StoreError
+from ..errors import CheckpointError, StoreError
 from .backend import Backend, FileRange, Part, open_backend
 from .manifest import MANIFEST_KEY, ArrayEntry, Manifest
 from .handle import TensorHandle, decode_value
@@ -35,6 +35,12 @@ from .shardfile import shard_parts
 RANKS = "__shardstore__/ranks"
 STAGING = "__shardstore__/staging"
 BLOBS = "__shardstore__/blobs"
+
+
+def first_difference(a: bytes, b: bytes, itemsize: int, shape: tuple[int, ...], origin: tuple[int, ...]) -> list[int]:
+    """The index (in the whole tensor) of the first element where two C-order copies of a block differ."""
+    at = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) // itemsize
+    return [int(o + i) for o, i in zip(origin, np.unravel_index(at, shape))]
 
 
 def cell_key(path: str, index: tuple[int, ...]) -> str:
@@ -137,6 +143,10 @@ class Store:
     def has_cell(self, entry: ArrayEntry, index: tuple[int, ...]) -> bool:
         return self.backend.exists(cell_key(entry.path, index))
 
+    def read_cell_bytes(self, entry: ArrayEntry, index: tuple[int, ...], nbytes: int) -> bytes:
+        """The first `nbytes` of a cell's data (its valid rows, in C order)."""
+        return self.backend.read(cell_key(entry.path, index), 0, nbytes)
+
     def write_staging(self, rank: int, parts: list[Part]) -> str:
         key = f"{STAGING}/{rank}.bin"
         self.backend.write(key, parts)
@@ -192,28 +202,43 @@ class Store:
         return Status(self.manifest.world_size, done, missing, complete, partial)
 
     # ------------------------------------------------------------------ staged (small) arrays
-    def assemble_ready(self) -> list[str]:
-        """Assemble every staged array whose pieces are all committed. Idempotent; returns what it wrote."""
+    def assemble_ready(self, verify: bool = False) -> list[str]:
+        """Assemble every staged array whose pieces are all committed. Idempotent; returns what it wrote.
+
+        Under hybrid sharding a piece is staged once per replica group; the lowest rank's copy is used, and
+        with `verify` every other copy must match it bit for bit.
+        """
         records = self.records()
         written = []
         for path, plan in self.manifest.arrays.items():
             if not plan.staged or self.backend.exists(cell_key(path, (0,) * len(plan.shape))):
                 continue
-            pieces = {}
+            pieces: dict[tuple, tuple[int, int, int]] = {}
             for rank, rec in records.items():
                 for offsets, sizes, start, nbytes in rec["staged"].get(path, ()):
-                    pieces.setdefault((tuple(offsets), tuple(sizes)), (rank, start, nbytes))
+                    key = (tuple(offsets), tuple(sizes))
+                    if key not in pieces:
+                        pieces[key] = (rank, start, nbytes)
+                    elif verify:
+                        mine, first = self._staged(rank, start, nbytes), self._staged(*pieces[key])
+                        if mine != first:
+                            at = first_difference(mine, first, dtypes.info(plan.dtype).itemsize, key[1], key[0])
+                            raise CheckpointError(f"{rec['file']}: replica of {path} differs from rank "
+                                                  f"{pieces[key][0]}'s copy, first at element {at}")
             if sum(math.prod(s) for _, s in pieces) < math.prod(plan.shape):
                 continue
             info = dtypes.info(plan.dtype)
             full = np.zeros(plan.shape, dtype=info.raw)
             for (offsets, sizes), (rank, start, nbytes) in pieces.items():
-                raw = self.backend.read(f"{STAGING}/{rank}.bin", start, nbytes)
+                raw = self._staged(rank, start, nbytes)
                 full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = np.frombuffer(raw, info.raw).reshape(sizes)
             if full.ndim:
                 self.write_cell(plan, (0,) * full.ndim, [full.tobytes()], plan.shape[0])
             written.append(path)
         return written
+
+    def _staged(self, rank: int, start: int, nbytes: int) -> bytes:
+        return self.backend.read(f"{STAGING}/{rank}.bin", start, nbytes)
 
     # ------------------------------------------------------------------ reading
     @property

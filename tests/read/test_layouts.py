@@ -1,0 +1,131 @@
+"""Every cluster's layout, with no layout flag: OLMo, Composer with HSDP, odd world sizes, exotic dtypes,
+two steps in one folder with latest-* symlinks, and a pickle as torch 1.x / numpy 1.x wrote it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import shardstore
+from shardstore.errors import CheckpointError
+from shardstore.read.layouts import discover
+from shardstore.read.rankfile import read_rank_file
+from tests.conftest import assert_bitwise_equal
+from tests.fixtures import legacy
+from tests.fixtures.layouts import expected
+
+
+@pytest.fixture(scope="module")
+def composer(layout_checkpoints) -> Path:
+    # 8 ranks as 2 replica groups of 4, placements on cuda with 4 devices per node, two steps + latest links.
+    return layout_checkpoints("composer-hsdp", 8, "composer", steps=(10, 20), replicas=2, device="cuda",
+                              devices_per_node=4)
+
+
+def test_olmo_layout_odd_world_size_bfloat16(layout_checkpoints, tmp_path: Path) -> None:
+    src = layout_checkpoints("olmo-w3-bf16", 3, "olmo", dtype="bfloat16")
+    want = expected("olmo", "bfloat16")
+    shardstore.unshard(src, tmp_path / "st", store=tmp_path / "store")
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), want["model"])
+    shardstore.export(tmp_path / "store", tmp_path / "pt", format="torch")
+    optim = torch.load(tmp_path / "pt" / "optim.pt", weights_only=True)
+    assert_bitwise_equal({k: {n: v[n] for n in ("exp_avg", "exp_avg_sq")} for k, v in optim["state"].items()},
+                         want["optim"])
+    assert shardstore.open(tmp_path / "store").manifest.layout == "olmo"
+
+
+def test_two_steps_and_latest_links_are_never_mixed(composer: Path) -> None:
+    with pytest.raises(CheckpointError, match="more than one checkpoint.*ep0-ba10.*ep0-ba20"):
+        discover(composer)
+    assert [p.parent.name for p in discover(composer, tag="latest")] == ["ep0-ba20"] * 8
+    assert [p.name for p in discover(composer, step=10)] == [f"ep0-ba10-rank{r}.pt" for r in range(8)]
+    assert [p.name for p in discover(composer / "ep0-ba20")] == [f"ep0-ba20-rank{r}.pt" for r in range(8)]
+    assert discover(composer, tag="ep0-ba20") == discover(composer / "ep0-ba20")
+
+
+def test_composer_hsdp_unshards_bit_exactly(composer: Path, tmp_path: Path) -> None:
+    want = expected("composer")
+    shardstore.unshard(composer, tmp_path / "hf", store=tmp_path / "store", tag="latest", verify_replicas=True,
+                       strip_prefix="model.", jobs=2)
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert_bitwise_equal(got, {k.removeprefix("model."): v for k, v in want["model"].items()})
+
+    store = shardstore.open(tmp_path / "store")
+    assert store.manifest.layout == "composer"
+    assert store.manifest.extra == {"group_size": 4, "replicas": 2}
+    assert store["state/timestamp"]["batch"] == 20  # the step --tag latest points at
+    assert store.values("state/dataset_state")[5] == {"train": {"sample_in_epoch": 645}}
+
+    shardstore.export(store, tmp_path / "pt", format="torch")
+    ckpt = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=True)
+    assert list(ckpt) == ["state", "rng"] and list(ckpt["state"])[:2] == ["model", "optimizers"]
+    assert_bitwise_equal(ckpt["state"]["model"], want["model"])
+    opt_state = ckpt["state"]["optimizers"]["DecoupledAdamW"]["state"]
+    assert_bitwise_equal({k: {"exp_avg": v["exp_avg"]} for k, v in opt_state.items()}, want["optim"])
+    assert [r["python"] for r in ckpt["rng"]] == list(range(8))  # every rank's RNG state, in rank order
+
+
+@pytest.mark.parametrize("name, width, rows, element", [
+    ("wte.weight", 24, 25, [27, 7]),  # small: staged, compared at assembly
+    ("head.big", 600, 150, [152, 7]),  # large: its own cells, compared when the second copy arrives
+])
+def test_replicas_that_differ_are_reported(composer: Path, tmp_path: Path, name, width, rows, element) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(composer / "ep0-ba10", src)
+    victim = src / "ep0-ba10-rank5.pt"  # group 1's copy of the shard rank 1 holds in group 0
+    rf = read_rank_file(victim)
+    piece = rf.leaves[f"state/model/model.transformer.{name}"].pieces[0]
+    assert piece.offsets[0] == rows
+    start, _ = rf.byte_range(piece.tensor)
+    rf.close()
+    data = bytearray(victim.read_bytes())
+    data[start + 4 * (width * 2 + 7)] ^= 0x01  # row 2 of the shard, column 7
+    victim.write_bytes(bytes(data))
+    shardstore.unshard(src, tmp_path / "ok", jobs=1)  # first arrival wins: group 0's copy
+    with pytest.raises(CheckpointError, match=rf"rank5.pt: replica of .*{name} differs .* element \[{element[0]}, 7\]"):
+        shardstore.unshard(src, tmp_path / "bad", verify_replicas=True, jobs=1)
+
+
+def test_exotic_dtypes_nesting_and_zero_d(layout_checkpoints, tmp_path: Path) -> None:
+    src = layout_checkpoints("dtypes-w3", 3, "dtypes")
+    want = expected("dtypes")
+    shardstore.unshard(src, tmp_path / "pt", format="torch")
+    ckpt = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=True)
+    assert_bitwise_equal(ckpt, {
+        "weights": {k: v for k, v in want.items() if k != "mask"},
+        "nested": [want["mask"], (want["f16"], torch.tensor(7, dtype=torch.int64)), torch.tensor(2.5)],
+        "counter": torch.tensor(123456789012, dtype=torch.int64)})
+    shardstore.unshard(src, tmp_path / "st", select="weights")
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), {k: v for k, v in want.items() if k != "mask"})
+
+
+def test_torch1_numpy1_pickle(tmp_path: Path) -> None:
+    checked_in = Path(__file__).parents[1] / "fixtures" / "data" / "legacy"
+    for path in legacy.write(tmp_path / "regenerated"):
+        assert path.read_bytes() == (checked_in / path.name).read_bytes()
+    shardstore.unshard(checked_in, tmp_path / "pt", format="torch", store=tmp_path / "store")
+    ckpt = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=False)
+    assert_bitwise_equal(ckpt["model"]["w"], torch.from_numpy(legacy.FULL))
+    assert_bitwise_equal(ckpt["model"]["scale"], torch.from_numpy(legacy.BF16_BITS).view(torch.bfloat16))
+    name, keys, pos = ckpt["rng"]["numpy"]
+    assert (name, keys.dtype.str, keys.tolist(), pos) == ("MT19937", "<u4", [0, 1, 2, 3], 624)
+    assert shardstore.open(tmp_path / "store").values("rng")[1]["numpy"][1].tolist() == [1, 2, 3, 4]
+
+
+def test_file_name_and_content_must_agree(layout_checkpoints, tmp_path: Path) -> None:
+    src = layout_checkpoints("olmo-w3-bf16", 3, "olmo", dtype="bfloat16")
+    bad = tmp_path / "src"
+    bad.mkdir()
+    shutil.copy(src / "rank0.pt", bad / "rank0.pt")
+    shutil.copy(src / "rank0.pt", bad / "rank1.pt")
+    shutil.copy(src / "rank2.pt", bad / "rank2.pt")
+    with pytest.raises(CheckpointError, match="rank1.pt: named rank 1 but holds rank 0"):
+        shardstore.unshard(bad, tmp_path / "out", jobs=1)
+    (bad / "rank1.pt").unlink()
+    shutil.copy(src / "rank2.pt", bad / "other.pt")
+    with pytest.raises(CheckpointError, match="two files hold rank 2"):
+        shardstore.ingest(tmp_path / "store", [bad / "rank0.pt", bad / "rank2.pt", bad / "other.pt"], jobs=1)
