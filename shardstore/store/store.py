@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import zarr
-from zarr.errors import ContainsArrayError
+from zarr.errors import ContainsArrayError, ContainsGroupError
 
 from .. import dtypes
 from ..errors import CheckpointError, StoreError
@@ -35,6 +35,16 @@ from .shardfile import shard_parts
 RANKS = "__shardstore__/ranks"
 STAGING = "__shardstore__/staging"
 BLOBS = "__shardstore__/blobs"
+
+
+def _retry_on_group_race(create: Any, attempts: int = 5) -> Any:
+    """Zarr checks for a parent group, then writes it; a concurrent creator can slip in between."""
+    for attempt in range(attempts):
+        try:
+            return create()
+        except ContainsGroupError:
+            if attempt == attempts - 1:
+                raise
 
 
 def first_difference(a: bytes, b: bytes, itemsize: int, shape: tuple[int, ...], origin: tuple[int, ...]) -> list[int]:
@@ -96,16 +106,19 @@ class Store:
             store.check_compatible(manifest, str(location))
             return store
         zstore = backend.zarr_store(read_only=False)
-        root = zarr.open_group(store=zstore, mode="a", zarr_format=3)
+        try:
+            root = zarr.open_group(store=zstore, mode="a", zarr_format=3)
+        except ContainsGroupError:  # another process created it between zarr's check and its write
+            root = zarr.open_group(store=zstore, mode="r+", zarr_format=3)
         root.attrs.update({"shardstore": {"layout": manifest.layout, "world_size": manifest.world_size}})
         for plan in manifest.arrays.values():
             info = dtypes.info(plan.dtype)
             try:
-                zarr.create_array(
+                _retry_on_group_race(lambda: zarr.create_array(
                     store=zstore, name=plan.path, shape=plan.shape, chunks=tuple(max(c, 1) for c in plan.chunk),
                     shards=tuple(max(c, 1) for c in plan.cell), dtype=info.raw, fill_value=0, compressors=None,
                     filters=None, attributes={"torch_dtype": plan.dtype}, zarr_format=3,
-                )
+                ))
             except ContainsArrayError:
                 # Another process is creating the same store right now, or an earlier creation was cut
                 # short. Never overwrite: that would delete cells already written.
