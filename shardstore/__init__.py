@@ -8,11 +8,11 @@
 
 from __future__ import annotations
 
-from .api import export, ingest, open, unshard
+from .api import export, ingest, open, unshard, watch
 from .errors import CheckpointError, ExportError, ShardstoreError, StoreError, UnsafePickleError
 from .store.handle import TensorHandle
 from .store.store import Status, Store
 
 __version__ = "0.1.0"
-__all__ = ["open", "ingest", "export", "unshard", "Store", "Status", "TensorHandle", "ShardstoreError",
+__all__ = ["open", "ingest", "watch", "export", "unshard", "Store", "Status", "TensorHandle", "ShardstoreError",
            "CheckpointError", "UnsafePickleError", "StoreError", "ExportError", "__version__"]

@@ -32,11 +32,25 @@ def ingest(store: PathLike, files: Sequence[PathLike], jobs: int | None = None,
 
 def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensors", select: str | None = None,
            strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
-           progress: Callable[[int], None] | None = None) -> _export.ExportResult:
-    """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style) or `"torch"`."""
+           progress: Callable[[int], None] | None = None, allow_partial: bool = False) -> _export.ExportResult:
+    """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style) or `"torch"`.
+
+    An incomplete store is refused unless `allow_partial` (holes become NaN, or zero for integers, and the
+    output's metadata says so)."""
     st = store if isinstance(store, Store) else Store.open(store)
     return _export.export(st, out_dir, format=format, select=select, strip_prefix=strip_prefix, dtype=dtype,
-                          max_shard_size=max_shard_size, progress=progress)
+                          max_shard_size=max_shard_size, progress=progress, allow_partial=allow_partial)
+
+
+def watch(store: PathLike, src_dir: PathLike, expect: int | None = None, timeout: float | None = None,
+          jobs: int | None = None, poll: float = 0.5, tag: str | None = None,
+          on_done: Callable[[_ingest.Ingested], None] | None = None,
+          on_world_size: Callable[[int], None] | None = None) -> Store:
+    """Ingest rank files as they arrive in `src_dir` until the store is complete (or `timeout` passes)."""
+    from .watch import watch as _watch
+
+    return _watch(store, src_dir, expect=expect, timeout=timeout, jobs=jobs, poll=poll, tag=tag, on_done=on_done,
+                  on_world_size=on_world_size)
 
 
 def rank_files(src_dir: PathLike, tag: str | None = None, step: int | None = None) -> list[Path]:
@@ -66,4 +80,4 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
             shutil.rmtree(location, ignore_errors=True)
 
 
-__all__ = ["open", "ingest", "export", "unshard", "rank_files"]
+__all__ = ["open", "ingest", "watch", "export", "unshard", "rank_files"]

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import sys
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -13,7 +14,7 @@ import click
 from tqdm import tqdm
 
 from . import api
-from .errors import ShardstoreError
+from .errors import ShardstoreError, StoreError
 from .export import CAST_DTYPES, FORMATS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
@@ -114,15 +115,21 @@ def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, jobs: int 
 @click.argument("store", type=click.Path())
 @click.argument("out", type=click.Path(file_okay=False))
 @_export_options
+@click.option("--allow-partial", is_flag=True,
+              help="Export an incomplete store: holes become NaN (zero for integers), recorded in the output.")
 @_quiet
 def export(store: str, out: str, fmt: str, select: str | None, strip_prefix: str | None, dtype: str | None,
-           max_shard_size: int, quiet: bool) -> None:
+           max_shard_size: int, allow_partial: bool, quiet: bool) -> None:
     """Export the unsharded checkpoint in STORE to the folder OUT."""
     st = api.open(store)
     total = sum(a.nbytes for a in st.manifest.arrays.values())
     with _bar(quiet, total, "export") as update:
         result = api.export(st, out, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
-                            max_shard_size=max_shard_size, progress=update)
+                            max_shard_size=max_shard_size, progress=update, allow_partial=allow_partial)
+    if result.partial:
+        click.echo(f"warning: partial export: ranks {result.partial['shardstore_missing_ranks'] or 'none'} missing, "
+                   f"holes filled with NaN/zero in {len(result.partial['shardstore_incomplete_tensors'].split(','))} "
+                   f"tensor(s); recorded in the output's metadata", err=True)
     _report(result, quiet)
 
 
@@ -153,6 +160,116 @@ def unshard(src: str, out: str, store: str | None, tag: str | None, step: int | 
 
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:20])) + (" ..." if len(ranks) > 20 else "")
+
+
+@main.command()
+@click.argument("store", type=click.Path())
+@click.argument("src", type=click.Path())
+@click.option("--expect", type=click.IntRange(min=1), default=None,
+              help="World size to wait for [default: what the first rank file declares].")
+@click.option("--timeout", type=click.FloatRange(min=0), default=None, help="Give up after this many seconds.")
+@click.option("--tag", default=None, help="Which checkpoint, when SRC receives several.")
+@click.option("--poll", type=click.FloatRange(min=0.05), default=0.5, show_default=True, help="Seconds between looks.")
+@_jobs
+@_quiet
+def watch(store: str, src: str, expect: int | None, timeout: float | None, tag: str | None, poll: float,
+          jobs: int | None, quiet: bool) -> None:
+    """Ingest rank files into STORE as they arrive in SRC; exit 0 once the store is complete."""
+    if quiet:
+        api.watch(store, src, expect=expect, timeout=timeout, jobs=jobs, poll=poll, tag=tag)
+        return
+    with tqdm(total=expect, desc="watch", unit="rank", file=sys.stderr, dynamic_ncols=True) as bar:
+        started, moved = time.monotonic(), [0]
+
+        def done(d: Any) -> None:
+            moved[0] += d.nbytes
+            bar.set_postfix_str(f"{moved[0] / max(time.monotonic() - started, 1e-9) / 2**20:.0f} MiB/s rank {d.rank}")
+            bar.update(1)
+
+        def world(n: int) -> None:
+            bar.total = n
+            bar.refresh()
+
+        st = api.watch(store, src, expect=expect, timeout=timeout, jobs=jobs, poll=poll, tag=tag,
+                       on_done=done, on_world_size=world)
+    click.echo(f"{store}: complete, {st.manifest.world_size} ranks")
+
+
+@main.command()
+@click.argument("store", type=click.Path())
+def status(store: str) -> None:
+    """What STORE holds and lacks; exit status 0 only when it is complete enough to export."""
+    st = api.open(store)
+    s = st.status()
+    m = st.manifest
+    replicas = m.extra.get("replicas", 1)
+    click.echo(f"layout: {m.layout}")
+    click.echo(f"world size: {m.world_size}" + (f" ({replicas} replica groups of {m.extra['group_size']})" if replicas > 1 else ""))
+    click.echo(f"ranks ingested: {len(s.ranks_done)}/{m.world_size}" + (f"; missing: {_ranks(s.ranks_missing)}" if s.ranks_missing else ""))
+    click.echo(f"tensors complete: {len(s.complete)}/{len(m.arrays)}")
+    for path, frac in list(s.partial.items())[:20]:
+        click.echo(f"  partial: {path} ({frac:.0%})")
+    if len(s.partial) > 20:
+        click.echo(f"  ... and {len(s.partial) - 20} more")
+    click.echo("ready to export" if s.ok else "not ready to export")
+    sys.exit(0 if s.ok else 1)
+
+
+@main.command()
+@click.argument("store", type=click.Path())
+@click.argument("key")
+@click.option("--slice", "selection", default=None, help='Numpy-style selection, e.g. "0:4,:" or "-1" or "..., 0:8".')
+@click.option("--stats", "with_stats", is_flag=True, help="min/max/mean/std, NaN/Inf counts and L2 norm.")
+def show(store: str, key: str, selection: str | None, with_stats: bool) -> None:
+    """Show one tensor (or value) of STORE, reading only the chunks it needs."""
+    sel = parse_selection(selection) if selection else None
+    st = api.open(store)
+    if key not in st:
+        close = [k for k in st.keys() if key in k][:5]
+        raise StoreError(f"{store}: no key {key!r}" + (f"; did you mean {', '.join(close)}?" if close else ""))
+    if key not in st.manifest.arrays:
+        by_rank = st.values(key)
+        if len({repr(v) for v in by_rank.values()}) <= 1:
+            click.echo(f"{key}: {next(iter(by_rank.values()))!r}")
+        else:
+            for rank, value in by_rank.items():
+                click.echo(f"{key} [rank {rank}]: {value!r}")
+        return
+    h = st[key]
+    status = st.status()
+    where = "complete" if key not in status.partial else f"{status.partial[key]:.0%} present"
+    click.echo(f"{key}: {h.dtype} {list(h.shape)}, {where}, from ranks {_ranks(h.ranks)}")
+    if with_stats:
+        for name, value in h.stats(sel).items():
+            click.echo(f"  {name:<6} {value:.6g}" if isinstance(value, float) else f"  {name:<6} {value}")
+        return
+    if sel is None and h.nbytes > 64 << 10:
+        sel = (slice(0, 4),) if len(h.shape) else ()
+        click.echo(f"(first {min(4, h.shape[0])} rows; use --slice for others)")
+    import torch
+
+    torch.set_printoptions(precision=6, threshold=1000, edgeitems=4, linewidth=120)
+    click.echo(h[... if sel is None else sel])
+
+
+def parse_selection(text: str) -> tuple[Any, ...]:
+    """ "0:4,:" -> (slice(0, 4), slice(None)); "-1" -> (-1,); "..." -> (Ellipsis,)."""
+    out: list[Any] = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if part == "...":
+                out.append(Ellipsis)
+            elif ":" in part:
+                bits = [int(b) if b.strip() else None for b in part.split(":")]
+                if len(bits) > 3:
+                    raise ValueError
+                out.append(slice(*bits))
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise click.BadParameter(f"not a selection: {text!r} (try \"0:4,:\")", param_hint="--slice") from None
+    return tuple(out)
 
 
 @main.command(name="ls")

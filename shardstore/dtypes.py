@@ -24,6 +24,16 @@ class DTypeInfo:
     def itemsize(self) -> int:
         return self.raw.itemsize
 
+    @property
+    def floating(self) -> bool:
+        return self.name.startswith(("float", "bfloat"))
+
+    def hole(self, count: int) -> bytes:
+        """`count` elements of what fills a hole in a partial export: NaN for floating dtypes, else zero."""
+        if not self.floating:
+            return bytes(count * self.itemsize)
+        return np.full(count, _NAN_BITS[self.name], dtype=self.raw).tobytes()
+
 
 _TABLE = [
     DTypeInfo("float64", np.dtype("<f8"), "F64", "DoubleStorage"),
@@ -44,6 +54,10 @@ _TABLE = [
     DTypeInfo("complex64", np.dtype("<c8"), "C64", "ComplexFloatStorage"),
     DTypeInfo("complex128", np.dtype("<c16"), None, "ComplexDoubleStorage"),
 ]
+
+# Quiet-NaN bit patterns, in the raw (store) dtype of each floating dtype.
+_NAN_BITS = {"float64": np.nan, "float32": np.nan, "float16": np.nan, "bfloat16": 0x7FC0, "float8_e4m3fn": 0x7F,
+             "float8_e5m2": 0x7F}
 
 BY_NAME: dict[str, DTypeInfo] = {d.name: d for d in _TABLE}
 BY_STORAGE_CLASS: dict[str, DTypeInfo] = {d.storage_class: d for d in _TABLE if d.storage_class}

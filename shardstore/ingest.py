@@ -213,6 +213,7 @@ def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[s
     if not files:
         raise CheckpointError("no rank files to ingest")
     store = store or create_store(location, files[0])
+    store.sweep_temporaries()  # what writers killed mid-write left behind
     jobs = max(1, min(jobs or default_jobs(), len(files)))
     seen: dict[int, str] = {}
 

@@ -21,6 +21,7 @@ CAST_DTYPES = ("bfloat16", "float16", "float32")
 class ExportResult:
     files: list[Path]
     skipped: list[str] = field(default_factory=list)  # non-tensor leaves a safetensors file cannot hold
+    partial: dict[str, str] | None = None  # set when holes were filled (--allow-partial)
 
 
 def model_subtree(store: Store) -> str:
@@ -36,14 +37,25 @@ def model_subtree(store: Store) -> str:
 
 def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safetensors", select: str | None = None,
            strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
-           progress: Callable[[int], None] | None = None) -> ExportResult:
-    """Write the unsharded checkpoint from `store` into `out_dir` (see the README for the formats)."""
+           progress: Callable[[int], None] | None = None, allow_partial: bool = False) -> ExportResult:
+    """Write the unsharded checkpoint from `store` into `out_dir` (see the README for the formats).
+
+    An incomplete store is refused unless `allow_partial`: then missing pieces are holes (NaN, or zero for
+    integer dtypes) and the output's metadata says which ranks and tensors were missing.
+    """
     if format not in FORMATS:
         raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
     if dtype is not None and dtype not in CAST_DTYPES:
         raise ExportError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, not {dtype!r}")
     status = store.status()
-    if not status.ok:
+    partial = None
+    if not status.ok and allow_partial:
+        if not status.ranks_done:
+            raise StoreError(f"{store.location}: no rank has been ingested; nothing to export")
+        partial = {"shardstore_partial": "true",
+                   "shardstore_missing_ranks": ",".join(map(str, status.ranks_missing)),
+                   "shardstore_incomplete_tensors": ",".join(sorted(status.partial))}
+    elif not status.ok:
         missing = ", ".join(map(str, status.ranks_missing[:20])) + (" ..." if len(status.ranks_missing) > 20 else "")
         raise StoreError(f"{store.location}: incomplete store, cannot export; ranks missing: {missing or 'none'}"
                          f"; tensors incomplete: {len(status.partial)}")
@@ -54,7 +66,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     if format == "torch":
         if select or strip_prefix or dtype:
             raise ExportError("--select, --strip-prefix and --dtype apply to safetensors output only")
-        return ExportResult(export_torch(store, out, progress))
+        return ExportResult(export_torch(store, out, progress, partial), partial=partial)
     node = node_at(store.manifest.tree, model_subtree(store) if select is None else select)
-    files, skipped = export_safetensors(store, out, node, strip_prefix, dtype, max_shard_size, progress)
-    return ExportResult(files, skipped)
+    files, skipped = export_safetensors(store, out, node, strip_prefix, dtype, max_shard_size, progress, partial)
+    return ExportResult(files, skipped, partial)

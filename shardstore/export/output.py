@@ -11,11 +11,23 @@ import os
 import secrets
 import zlib
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from ..store.backend import FileRange, Part, _copy_range
 
 COPY_BLOCK = 16 << 20
+
+
+def blocks(parts: Iterable[Part], size: int = COPY_BLOCK) -> Iterator[bytes | memoryview]:
+    """Parts as in-memory blocks of at most `size` bytes (file ranges are read piece by piece)."""
+    for part in parts:
+        if isinstance(part, FileRange):
+            for off in range(part.offset, part.offset + part.length, size):
+                yield os.pread(part.fd, min(size, part.offset + part.length - off), off)
+        else:
+            view = memoryview(part).cast("B")
+            for off in range(0, len(view), size):
+                yield view[off:off + size]
 
 
 class OutputFile:
@@ -37,23 +49,20 @@ class OutputFile:
 
     def write_parts(self, parts: Iterable[Part], crc: int | None = None) -> int | None:
         """Append parts; with `crc` given, also return the running CRC-32 over everything written."""
+        if crc is not None:
+            for block in blocks(parts):
+                crc = zlib.crc32(block, crc)
+                self.write(block)
+            return crc
         for part in parts:
             if isinstance(part, FileRange):
-                if crc is None:
-                    _copy_range(part, self.fd)
-                    self.pos += part.length
-                    if self.progress:
-                        self.progress(part.length)
-                    continue
-                for off in range(part.offset, part.offset + part.length, COPY_BLOCK):
-                    block = os.pread(part.fd, min(COPY_BLOCK, part.offset + part.length - off), off)
-                    crc = zlib.crc32(block, crc)
-                    self.write(block)
+                _copy_range(part, self.fd)
+                self.pos += part.length
+                if self.progress:
+                    self.progress(part.length)
             else:
-                if crc is not None:
-                    crc = zlib.crc32(part, crc)
                 self.write(part)
-        return crc
+        return None
 
     def pwrite(self, data: bytes, offset: int) -> None:
         os.pwrite(self.fd, data, offset)

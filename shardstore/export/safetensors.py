@@ -20,10 +20,10 @@ import numpy as np
 from .. import dtypes
 from ..errors import ExportError
 from ..store.store import Store
-from .output import OutputFile
+from .output import OutputFile, blocks
 from .resolve import ArrayRef, build, leaves
 
-CAST_ROWS_BYTES = 16 << 20
+CAST_BLOCK_BYTES = 16 << 20
 
 
 @dataclass
@@ -69,8 +69,8 @@ def collect(store: Store, node: dict[str, Any], strip_prefix: str | None, cast: 
     return items, skipped
 
 
-def _header(items: list[_Item]) -> bytes:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+def _header(items: list[_Item], metadata: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **metadata}}
     offset = 0
     for it in items:
         header[it.key] = {"dtype": dtypes.info(it.dtype).safetensors, "shape": list(it.shape),
@@ -81,7 +81,7 @@ def _header(items: list[_Item]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _tensor_bytes(store: Store, it: _Item) -> Iterator[Any]:
+def _tensor_bytes(store: Store, it: _Item, allow_partial: bool) -> Iterator[Any]:
     import torch
 
     if isinstance(it.source, torch.Tensor):
@@ -89,25 +89,20 @@ def _tensor_bytes(store: Store, it: _Item) -> Iterator[Any]:
         if t.numel():
             yield t.reshape(-1).view(torch.uint8).numpy().tobytes()
         return
-    src = dtypes.info(it.source.dtype)
+    parts = store.stream(it.source.path, allow_partial=allow_partial)
     if it.dtype == it.source.dtype:
-        yield from store.stream(it.source.path)
+        yield from parts
         return
-    if not it.shape or 0 in it.shape:
-        if not it.shape:
-            yield _cast(store.read(it.source.path, ()), src, it.dtype)
-        return
-    row = max(1, math.prod(it.shape[1:]) * src.itemsize)
-    step = max(1, CAST_ROWS_BYTES // row)
-    for lo in range(0, it.shape[0], step):
-        yield _cast(store.read(it.source.path, slice(lo, lo + step)), src, it.dtype)
+    src = dtypes.info(it.source.dtype)
+    for block in blocks(parts, CAST_BLOCK_BYTES - CAST_BLOCK_BYTES % src.itemsize):
+        yield _cast(np.frombuffer(block, dtype=src.raw), src, it.dtype)
 
 
 def _cast(raw: np.ndarray, src: dtypes.DTypeInfo, dst: str) -> bytes:
     import torch
 
-    t = torch.from_numpy(np.ascontiguousarray(raw)).view(getattr(torch, src.name))
-    return t.to(getattr(torch, dst)).reshape(-1).view(torch.uint8).numpy().tobytes()
+    t = torch.from_numpy(raw.copy()).view(getattr(torch, src.name))
+    return t.to(getattr(torch, dst)).view(torch.uint8).numpy().tobytes()
 
 
 def _split(items: list[_Item], max_shard_size: int) -> list[list[_Item]]:
@@ -124,7 +119,9 @@ def _split(items: list[_Item], max_shard_size: int) -> list[list[_Item]]:
 
 def export_safetensors(store: Store, out_dir: Path, node: dict[str, Any], strip_prefix: str | None = None,
                        cast: str | None = None, max_shard_size: int = 5_000_000_000,
-                       progress: Callable[[int], None] | None = None) -> tuple[list[Path], list[str]]:
+                       progress: Callable[[int], None] | None = None,
+                       partial: dict[str, str] | None = None) -> tuple[list[Path], list[str]]:
+    """Write the tensors below `node`. `partial` (metadata describing holes) allows an incomplete store."""
     items, skipped = collect(store, node, strip_prefix, cast)
     groups = _split(items, max_shard_size)
     names = (["model.safetensors"] if len(groups) == 1 else
@@ -132,9 +129,9 @@ def export_safetensors(store: Store, out_dir: Path, node: dict[str, Any], strip_
     written = []
     for name, group in zip(names, groups):
         with OutputFile(out_dir / name, progress) as out:
-            out.write(_header(group))
+            out.write(_header(group, partial or {}))
             for it in group:
-                out.write_parts(_tensor_bytes(store, it))
+                out.write_parts(_tensor_bytes(store, it, partial is not None))
         written.append(out_dir / name)
     if len(groups) > 1:
         index = {"metadata": {"total_size": sum(it.nbytes for it in items)},

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import io
+import json
 import pickle
 import secrets
 from pathlib import Path
@@ -90,8 +91,12 @@ def _rebuild(storage: _Storage, dtype: str, shape: tuple[int, ...]) -> tuple:
 
 
 def save(store: Store, obj: Any, path: Path, progress: Callable[[int], None] | None = None,
-         force_zip64: bool = False) -> None:
-    """Write `obj` (ArrayRefs streamed from `store`) as a torch.save-compatible file at `path`."""
+         force_zip64: bool = False, partial: dict[str, str] | None = None) -> None:
+    """Write `obj` (ArrayRefs streamed from `store`) as a torch.save-compatible file at `path`.
+
+    `partial` allows holes in an incomplete store; it is recorded as an extra record
+    (`<archive>/shardstore_partial.json`) that torch.load ignores and anyone can read with a zip tool.
+    """
     import torch
 
     buf = io.BytesIO()
@@ -105,33 +110,36 @@ def save(store: Store, obj: Any, path: Path, progress: Callable[[int], None] | N
         zw.add_bytes("byteorder", b"little")
         for key, source in enumerate(pickler.storages):
             if isinstance(source, ArrayRef):
-                zw.add(f"data/{key}", store.stream(source.path), source.nbytes)
+                zw.add(f"data/{key}", store.stream(source.path, allow_partial=partial is not None), source.nbytes)
             else:
                 raw = source.cpu().reshape(-1).view(torch.uint8).numpy().tobytes() if source.numel() else b""
                 zw.add_bytes(f"data/{key}", raw)
         zw.add_bytes("version", b"3\n")
         zw.add_bytes(".data/serialization_id", secrets.token_hex(20).encode())
+        if partial is not None:
+            zw.add_bytes("shardstore_partial.json", json.dumps(partial).encode())
         zw.close()
 
 
-def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | None = None) -> list[Path]:
+def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | None = None,
+                 partial: dict[str, str] | None = None) -> list[Path]:
     tree = store.manifest.tree
     if store.manifest.layout == "olmo":
         top = {c["p"]: c for _, c in tree["c"]}
         written = []
         for name in ("model", "optim"):
             target = out_dir / f"{name}.pt"
-            save(store, build(store, top[name], plain_dicts=True), target, progress)
+            save(store, build(store, top[name], plain_dicts=True), target, progress, partial=partial)
             written.append(target)
         rest = dict(build(store, tree, plain_dicts=True))
         for name in ("model", "optim", "rng"):
             rest.pop(name, None)
-        save(store, rest, out_dir / "train.pt", progress)
+        save(store, rest, out_dir / "train.pt", progress, partial=partial)
         return written + [out_dir / "train.pt"]
     target = out_dir / "checkpoint.pt"
     state = build(store, tree)
     if store.manifest.layout == "composer" and isinstance(state.get("rng"), list):
         rng_node = node_at(tree, "rng")
         state["rng"] = [item for rank in sorted(store.records()) for item in build(store, rng_node, rank=rank)]
-    save(store, state, target, progress)
+    save(store, state, target, progress, partial=partial)
     return [target]

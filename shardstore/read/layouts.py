@@ -37,6 +37,22 @@ def _group_of(path: Path, src: Path) -> str:
 
 def discover(src: str | os.PathLike[str], tag: str | None = None, step: int | None = None) -> list[Path]:
     """The rank files of the one checkpoint in `src` (or the one `tag` or `step` names), ordered by rank."""
+    groups = scan(src, tag, step)
+    if not groups and step is not None:
+        raise CheckpointError(f"{src}: no checkpoint of step {step} (looked for ba{step} / step{step})")
+    if not groups and tag is not None:
+        raise CheckpointError(f"{src}: no rank files tagged {tag!r}")
+    if not groups:
+        raise CheckpointError(f"{src}: no rank files (*rank<N>.pt) found")
+    if len(groups) > 1:
+        names = ", ".join(repr(g) if g else "(untagged)" for g in sorted(groups))
+        raise CheckpointError(f"{src}: holds more than one checkpoint ({names}); pick one with --tag or --step")
+    (ranks,) = groups.values()
+    return [ranks[r] for r in sorted(ranks)]
+
+
+def scan(src: str | os.PathLike[str], tag: str | None = None, step: int | None = None) -> dict[str, dict[int, Path]]:
+    """Rank files found in `src`, grouped by checkpoint (tag -> rank -> path); may be empty."""
     src = Path(src)
     if not src.exists():
         raise CheckpointError(f"{src}: no such directory")
@@ -46,10 +62,7 @@ def discover(src: str | os.PathLike[str], tag: str | None = None, step: int | No
     real = {p.resolve() for p in files if not p.is_symlink()}
     links = [p for p in files if p.is_symlink()]
     if tag == "latest":
-        targets = {p.resolve() for p in links}
-        if not targets:
-            raise CheckpointError(f"{src}: no latest-*rank<N>.pt symlinks to follow")
-        files = sorted(targets)
+        files = sorted({p.resolve() for p in links})
     else:
         # A link to a file already found is the same rank file again (Composer's latest-rank{r}.pt).
         files = [p for p in files if not p.is_symlink() or p.resolve() not in real]
@@ -63,20 +76,10 @@ def discover(src: str | os.PathLike[str], tag: str | None = None, step: int | No
         ranks[rank] = path
     if tag not in (None, "latest"):
         groups = {g: r for g, r in groups.items() if g == tag}
-        if not groups:
-            raise CheckpointError(f"{src}: no rank files tagged {tag!r}")
     if step is not None:
         at_step = re.compile(rf"(?:^|[-_/])(?:ba|step)0*{step}$")
         groups = {g: r for g, r in groups.items() if at_step.search(g)}
-        if not groups:
-            raise CheckpointError(f"{src}: no checkpoint of step {step} (looked for ba{step} / step{step})")
-    if not groups:
-        raise CheckpointError(f"{src}: no rank files (*rank<N>.pt) found")
-    if len(groups) > 1:
-        names = ", ".join(repr(g) if g else "(untagged)" for g in sorted(groups))
-        raise CheckpointError(f"{src}: holds more than one checkpoint ({names}); pick one with --tag or --step")
-    (ranks,) = groups.values()
-    return [ranks[r] for r in sorted(ranks)]
+    return groups
 
 
 def missing_ranks(files: list[Path], world_size: int) -> list[int]:

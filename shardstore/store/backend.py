@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,21 @@ class Backend(Protocol):
     def size(self, key: str) -> int: ...
     def local_path(self, key: str) -> Path | None: ...
     def sync(self, keys: Iterable[str]) -> None: ...
+    def sweep_temporaries(self) -> int: ...
     def zarr_store(self, read_only: bool = True) -> zarr.abc.store.Store: ...
+
+
+_TEMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.tmp$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _copy_range(src: FileRange, dst_fd: int) -> None:
@@ -80,6 +95,17 @@ class LocalBackend:
             raise KeyError(key) from None
 
     def write(self, key: str, parts: Iterable[Part], durable: bool = False) -> None:
+        try:
+            self._write(key, parts, durable)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreError(f"{self.root}: no space left on device while writing {key}; the rank is not "
+                                 f"marked done: free some space and run the same command again") from None
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise StoreError(f"{self.root}: cannot write {key}: {exc.strerror}") from None
+            raise
+
+    def _write(self, key: str, parts: Iterable[Part], durable: bool) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
@@ -129,6 +155,17 @@ class LocalBackend:
 
     def exists(self, key: str) -> bool:
         return self._path(key).exists()
+
+    def sweep_temporaries(self) -> int:
+        """Remove ".<name>.<pid>.<hex>.tmp" files whose writing process no longer exists."""
+        removed = 0
+        for dirpath, _, names in os.walk(self.root):
+            for name in names:
+                m = _TEMP.match(name)
+                if m and not _alive(int(m.group(1))):
+                    Path(dirpath, name).unlink(missing_ok=True)
+                    removed += 1
+        return removed
 
     def size(self, key: str) -> int:
         try:

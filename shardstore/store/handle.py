@@ -54,6 +54,42 @@ class TensorHandle:
     def read(self) -> "torch.Tensor":
         return self[...]
 
+    def stats(self, selection: Any = None, block_bytes: int = 16 << 20) -> dict[str, float | int]:
+        """min/max/mean/std/L2 norm over the finite values, and how many are NaN or infinite.
+
+        Without a selection the whole tensor is streamed in row blocks, so memory stays bounded.
+        """
+        import torch
+
+        acc = {"count": 0, "nan": 0, "inf": 0, "sum": 0.0, "sumsq": 0.0, "min": float("inf"), "max": float("-inf")}
+
+        def add(t: torch.Tensor) -> None:
+            x = t.reshape(-1).to(torch.float64)
+            finite = torch.isfinite(x)
+            acc["nan"] += int(torch.isnan(x).sum())
+            acc["inf"] += int(torch.isinf(x).sum())
+            x = x[finite]
+            if x.numel():
+                acc["count"] += x.numel()
+                acc["sum"] += float(x.sum())
+                acc["sumsq"] += float((x * x).sum())
+                acc["min"] = min(acc["min"], float(x.min()))
+                acc["max"] = max(acc["max"], float(x.max()))
+
+        if selection is not None or not self.entry.shape:
+            add(self[... if selection is None else selection])
+        else:
+            row = max(1, self.entry.nbytes // max(self.entry.shape[0], 1))
+            step = max(1, block_bytes // row)
+            for lo in range(0, self.entry.shape[0], step):
+                add(self[lo:lo + step])
+        n = acc["count"]
+        mean = acc["sum"] / n if n else float("nan")
+        var = max(acc["sumsq"] / n - mean * mean, 0.0) if n else float("nan")
+        return {"count": n, "nan": acc["nan"], "inf": acc["inf"], "min": acc["min"] if n else float("nan"),
+                "max": acc["max"] if n else float("nan"), "mean": mean, "std": var ** 0.5,
+                "norm": acc["sumsq"] ** 0.5}
+
     def __repr__(self) -> str:
         return f"TensorHandle({self.path!r}, shape={list(self.entry.shape)}, dtype=torch.{self.entry.dtype})"
 

@@ -221,34 +221,42 @@ class Store:
         Under hybrid sharding a piece is staged once per replica group; the lowest rank's copy is used, and
         with `verify` every other copy must match it bit for bit.
         """
-        records = self.records()
         written = []
-        for path, plan in self.manifest.arrays.items():
-            if not plan.staged or self.backend.exists(cell_key(path, (0,) * len(plan.shape))):
+        for path, entry in self.manifest.arrays.items():
+            if not entry.staged or self.has_cell(entry, (0,) * len(entry.shape)):
                 continue
-            pieces: dict[tuple, tuple[int, int, int]] = {}
-            for rank, rec in records.items():
-                for offsets, sizes, start, nbytes in rec["staged"].get(path, ()):
-                    key = (tuple(offsets), tuple(sizes))
-                    if key not in pieces:
-                        pieces[key] = (rank, start, nbytes)
-                    elif verify:
-                        mine, first = self._staged(rank, start, nbytes), self._staged(*pieces[key])
-                        if mine != first:
-                            at = first_difference(mine, first, dtypes.info(plan.dtype).itemsize, key[1], key[0])
-                            raise CheckpointError(f"{rec['file']}: replica of {path} differs from rank "
-                                                  f"{pieces[key][0]}'s copy, first at element {at}")
-            if sum(math.prod(s) for _, s in pieces) < math.prod(plan.shape):
+            pieces = self._staged_pieces(entry, verify)
+            if sum(math.prod(s) for _, s in pieces) < math.prod(entry.shape):
                 continue
-            info = dtypes.info(plan.dtype)
-            full = np.zeros(plan.shape, dtype=info.raw)
-            for (offsets, sizes), (rank, start, nbytes) in pieces.items():
-                raw = self._staged(rank, start, nbytes)
-                full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = np.frombuffer(raw, info.raw).reshape(sizes)
-            if full.ndim:
-                self.write_cell(plan, (0,) * full.ndim, [full.tobytes()], plan.shape[0])
+            if entry.shape:
+                self.write_cell(entry, (0,) * len(entry.shape), [self._assemble(entry, pieces).tobytes()], entry.shape[0])
             written.append(path)
         return written
+
+    def _staged_pieces(self, entry: ArrayEntry, verify: bool = False) -> dict[tuple, tuple[int, int, int]]:
+        """(offsets, sizes) -> (rank, start, nbytes) of every committed piece of a staged array."""
+        pieces: dict[tuple, tuple[int, int, int]] = {}
+        for rank, rec in self.records().items():
+            for offsets, sizes, start, nbytes in rec["staged"].get(entry.path, ()):
+                key = (tuple(offsets), tuple(sizes))
+                if key not in pieces:
+                    pieces[key] = (rank, start, nbytes)
+                elif verify:
+                    mine, first = self._staged(rank, start, nbytes), self._staged(*pieces[key])
+                    if mine != first:
+                        at = first_difference(mine, first, dtypes.info(entry.dtype).itemsize, key[1], key[0])
+                        raise CheckpointError(f"{rec['file']}: replica of {entry.path} differs from rank "
+                                              f"{pieces[key][0]}'s copy, first at element {at}")
+        return pieces
+
+    def _assemble(self, entry: ArrayEntry, pieces: dict[tuple, tuple[int, int, int]]) -> np.ndarray:
+        """A staged array from its pieces; anything no piece covers is a hole (NaN, or zero for integers)."""
+        info = dtypes.info(entry.dtype)
+        full = np.frombuffer(bytearray(info.hole(math.prod(entry.shape))), dtype=info.raw).reshape(entry.shape)
+        for (offsets, sizes), (rank, start, nbytes) in pieces.items():
+            raw = self._staged(rank, start, nbytes)
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = np.frombuffer(raw, info.raw).reshape(sizes)
+        return full
 
     def _staged(self, rank: int, start: int, nbytes: int) -> bytes:
         return self.backend.read(f"{STAGING}/{rank}.bin", start, nbytes)
@@ -264,8 +272,12 @@ class Store:
         """Raw (store dtype) values of a slice of one array; Zarr fetches only the inner chunks it needs."""
         return self.zarr[path][selection]
 
-    def stream(self, path: str, max_bytes: int = 16 << 20) -> Iterator[Part]:
-        """The array's bytes in C order, as parts: file ranges where the backend has files (zero copy)."""
+    def stream(self, path: str, max_bytes: int = 16 << 20, allow_partial: bool = False) -> Iterator[Part]:
+        """The array's bytes in C order, as parts: file ranges where the backend has files (zero copy).
+
+        With `allow_partial`, cells no rank has delivered yet come out as holes (NaN, or zero for integer
+        dtypes) instead of raising.
+        """
         plan = self.manifest.arrays[path]
         if not plan.shape or 0 in plan.shape:
             return
@@ -273,13 +285,29 @@ class Store:
         row_bytes = math.prod(plan.shape[1:]) * info.itemsize
         if tuple(plan.cell[1:]) == tuple(plan.shape[1:]):
             for i in range(plan.grid[0]):
-                key = cell_key(path, (i,) + (0,) * (len(plan.shape) - 1))
-                lo, hi = plan.cell_bounds((i,) + (0,) * (len(plan.shape) - 1))[0]
-                yield from self._file_parts(key, (hi - lo) * row_bytes, max_bytes)
+                index = (i,) + (0,) * (len(plan.shape) - 1)
+                lo, hi = plan.cell_bounds(index)[0]
+                if allow_partial and not self.has_cell(plan, index):
+                    if plan.staged:
+                        yield self._assemble(plan, self._staged_pieces(plan)).data
+                        continue
+                    rows = max(1, max_bytes // max(row_bytes, 1))
+                    for start in range(lo, hi, rows):
+                        yield info.hole((min(start + rows, hi) - start) * row_bytes // info.itemsize)
+                    continue
+                yield from self._file_parts(cell_key(path, index), (hi - lo) * row_bytes, max_bytes)
         else:  # the grid cuts trailing dimensions: let Zarr gather full rows
             rows = max(1, max_bytes // max(row_bytes, 1))
             for lo in range(0, plan.shape[0], rows):
                 yield np.ascontiguousarray(self.read(path, slice(lo, lo + rows))).data
+
+    def holes(self) -> dict[str, float]:
+        """Tensors not yet complete, with the fraction of them that is present."""
+        return self.status().partial
+
+    def sweep_temporaries(self) -> int:
+        """Delete temporary files left by writers that were killed mid-write (their process is gone)."""
+        return self.backend.sweep_temporaries()
 
     def _file_parts(self, key: str, nbytes: int, max_bytes: int) -> Iterator[Part]:
         local = self.backend.local_path(key)
