@@ -34,9 +34,15 @@ def _bar(quiet: bool, total: int | None, desc: str) -> Iterator[Callable[[int], 
     if quiet:
         yield lambda n: None
         return
-    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-              dynamic_ncols=True, leave=True) as bar:
+    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+               dynamic_ncols=True, leave=True)
+    try:
         yield bar.update
+    except BaseException:
+        bar.leave = False  # the error line, not a stalled bar, is what the user should see last
+        raise
+    finally:
+        bar.close()
 
 
 def _ingest_bar(quiet: bool, files: list[Any]) -> Any:

@@ -97,3 +97,45 @@ def test_bad_options(tmp_path: Path) -> None:
     proc = run("export", tmp_path, tmp_path / "o", "--max-shard-size", "lots")
     assert proc.returncode == 2 and "not a size" in proc.stderr and "Traceback" not in proc.stderr
     assert "--dtype" in run("export", "--help").stdout
+
+
+def test_status_show_and_partial_export(checkpoints, tmp_path: Path) -> None:
+    import json
+    import struct
+
+    import numpy as np
+
+    src = checkpoints(3)
+    want = expected(src)["model"]
+    assert run("ingest", tmp_path / "s", src / "rank0.pt", src / "rank2.pt", "-q").returncode == 0
+
+    st = run("status", tmp_path / "s")
+    assert st.returncode == 1 and "ranks ingested: 2/3; missing: 1" in st.stdout and "not ready to export" in st.stdout
+    assert "partial: model/wte.weight (67%)" in st.stdout
+
+    show = run("show", tmp_path / "s", "model/wte.weight", "--slice", "0:2,0:3")
+    assert show.returncode == 0 and "torch.float32 [1000, 300], 67% present, from ranks 0, 2" in show.stdout
+    assert f"{want['wte.weight'][0, 0].item():.6f}" in show.stdout
+    stats = run("show", tmp_path / "s", "model/wte.weight", "--slice", "0:334", "--stats")
+    assert stats.returncode == 0 and f"count  {334 * 300}" in stats.stdout
+    assert_one_line_error(run("show", tmp_path / "s", "model/wte.weight", "--slice", "400:402"),
+                          "rows 334-667 have not arrived")
+    assert_one_line_error(run("show", tmp_path / "s", "model/nope"), "no key 'model/nope'")
+    assert "same on all ranks" not in run("show", tmp_path / "s", "rng/python_seed").stdout
+    assert "[rank 2]: 1002" in run("show", tmp_path / "s", "rng/python_seed").stdout
+
+    proc = run("export", tmp_path / "s", tmp_path / "partial", "--allow-partial", "-q")
+    assert proc.returncode == 0 and "partial export: ranks 1 missing" in proc.stderr
+    raw = (tmp_path / "partial" / "model.safetensors").read_bytes()
+    header = json.loads(raw[8: 8 + struct.unpack("<Q", raw[:8])[0]])
+    assert header["__metadata__"]["shardstore_partial"] == "true"
+    assert header["__metadata__"]["shardstore_missing_ranks"] == "1"
+    got = load_file(tmp_path / "partial" / "model.safetensors")
+    assert_bitwise_equal(got["wte.weight"][:334], want["wte.weight"][:334])
+    assert torch.isnan(got["wte.weight"][334:668]).all()  # rank 1's rows are holes, marked as NaN
+    assert_bitwise_equal(got["wte.weight"][668:], want["wte.weight"][668:])
+    assert np.isnan(got["proj.weight"][2:4].numpy()).all()  # a staged tensor's missing piece, too
+
+    assert run("ingest", tmp_path / "s", src / "rank1.pt", "-q").returncode == 0
+    st = run("status", tmp_path / "s")
+    assert st.returncode == 0 and "ready to export" in st.stdout

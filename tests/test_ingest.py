@@ -61,3 +61,54 @@ def test_two_processes_ingesting_into_one_new_store_at_once(checkpoints, tmp_pat
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     assert content(tmp_path / "both") == content(tmp_path / "clean")
     assert shardstore.open(tmp_path / "both").status().ok
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+def test_sigkill_at_any_moment_then_rerun_equals_a_clean_ingest(checkpoints, tmp_path: Path, seed: int) -> None:
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = checkpoints(6)
+    files = [str(f) for f in sorted(src.glob("rank*.pt"))]
+    shardstore.ingest(tmp_path / "clean", files, jobs=1)
+    cmd = [sys.executable, "-m", "shardstore.cli", "ingest", str(tmp_path / "s"), *files, "-j", "1", "-q"]
+    proc = subprocess.Popen(cmd)
+    time.sleep(random.Random(seed).uniform(0.3, 1.6))  # from start-up to done: the kill lands anywhere
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    if (tmp_path / "s" / "__shardstore__" / "manifest.json").exists():
+        store = shardstore.open(tmp_path / "s")
+        for rank, record in store.records().items():  # whatever is marked done is really there
+            for path, cells in record["cells"].items():
+                assert set(cells) <= store.cells_present(path)
+    assert subprocess.run(cmd).returncode == 0
+    assert content(tmp_path / "s") == content(tmp_path / "clean")
+    assert not list((tmp_path / "s").rglob("*.tmp"))
+    assert shardstore.open(tmp_path / "s").status().ok
+
+
+def test_full_disk_leaves_the_rank_not_done_and_a_rerun_completes(checkpoints, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    src = checkpoints(6)
+    files = [str(f) for f in sorted(src.glob("rank*.pt"))]
+    shardstore.ingest(tmp_path / "clean", files, jobs=1)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)  # a real, tiny disk
+    try:
+        cmd = [sys.executable, "-m", "shardstore.cli", "ingest", str(disk / "s"), *files, "-j", "1", "-q"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        assert "no space left on device" in proc.stderr and proc.stderr.count("\n") == 1
+        done = shardstore.open(disk / "s").status()
+        assert not done.ok and done.ranks_missing
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # free space
+        assert subprocess.run(cmd).returncode == 0
+        assert content(disk / "s") == content(tmp_path / "clean")
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

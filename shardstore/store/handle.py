@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import dtypes, values
+from ..errors import StoreError
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +50,37 @@ class TensorHandle:
         return self._store.contributors(self.path)
 
     def __getitem__(self, selection: Any) -> "torch.Tensor":
+        self._check_arrived(selection)
         return to_torch(self._store.read(self.path, selection), self.entry.dtype)
+
+    def _check_arrived(self, selection: Any) -> None:
+        """Refuse to read rows whose cells no ingested rank has delivered (Zarr would return zeros)."""
+        entry = self.entry
+        if not entry.shape or not entry.ncells:
+            return
+        first = selection[0] if isinstance(selection, tuple) and selection else selection
+        if first is Ellipsis or (isinstance(selection, tuple) and not selection):
+            first = slice(None)
+        if isinstance(first, int):
+            n = entry.shape[0]
+            rows = range(first % n, first % n + 1) if -n <= first < n else range(0)
+        elif isinstance(first, slice):
+            rows = range(*first.indices(entry.shape[0]))
+        else:
+            rows = range(entry.shape[0])
+        if not rows:
+            return
+        lo, hi = min(rows[0], rows[-1]), max(rows[0], rows[-1])
+        per_row = entry.ncells // entry.grid[0]
+        wanted = {i * per_row + j for i in range(lo // entry.cell[0], hi // entry.cell[0] + 1) for j in range(per_row)}
+        if wanted - self._store.cells_present(self.path):
+            self._store.records()  # a rank may have been committed since we last looked
+        missing = sorted(wanted - self._store.cells_present(self.path))
+        if missing:
+            start = (missing[0] // per_row) * entry.cell[0]
+            end = min(start + entry.cell[0], entry.shape[0])
+            raise StoreError(f"{self.path}: rows {start}-{end - 1} have not arrived yet (their rank is not "
+                             f"ingested); read other rows, or wait")
 
     def read(self) -> "torch.Tensor":
         return self[...]

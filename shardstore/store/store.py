@@ -193,11 +193,12 @@ class Store:
         return dict(sorted(self._records.items()))
 
     def cells_present(self, path: str) -> set[int]:
+        """Flat indices of the cells of `path` that committed ranks have delivered."""
         plan = self.manifest.arrays[path]
         if plan.staged:
             return {0} if self.backend.exists(cell_key(path, (0,) * len(plan.shape))) else set()
         cells: set[int] = set()
-        for rec in self._records.values():
+        for rec in self.records(refresh=False).values():
             cells.update(rec["cells"].get(path, ()))
         return cells
 
@@ -210,6 +211,9 @@ class Store:
             have = len(self.cells_present(path))
             if have >= plan.ncells:
                 complete.append(path)
+            elif plan.staged:  # not assembled yet: count the elements its committed pieces cover
+                pieces = self._staged_pieces(plan)
+                partial[path] = sum(math.prod(s) for _, s in pieces) / max(math.prod(plan.shape), 1)
             else:
                 partial[path] = have / plan.ncells
         return Status(self.manifest.world_size, done, missing, complete, partial)

@@ -1,0 +1,81 @@
+"""`shardstore watch`, run as a real process while rank files arrive the ways they do in practice."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+import shardstore
+from tests.conftest import assert_bitwise_equal, expected
+
+
+def start_watch(store: Path, src: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "shardstore.cli", "watch", str(store), str(src), "--poll", "0.1",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def committed(store: Path) -> set[int]:
+    folder = store / "__shardstore__" / "ranks"
+    return {int(p.stem) for p in folder.glob("*.json")} if folder.exists() else set()
+
+
+def wait_for(condition, seconds: float = 60) -> None:
+    end = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < end, "timed out waiting"
+        time.sleep(0.05)
+
+
+def test_files_are_taken_only_once_complete(checkpoints, tmp_path: Path) -> None:
+    ckpt = checkpoints(3)
+    src, store = tmp_path / "incoming", tmp_path / "store"
+    src.mkdir()
+    proc = start_watch(store, src, "--timeout", "240", "-q")
+    try:
+        # rank 2: copied under a temporary name, then renamed into place (rsync, most copy tools)
+        shutil.copy(ckpt / "rank2.pt", src / ".rank2.pt.partial")
+        os.rename(src / ".rank2.pt.partial", src / "rank2.pt")
+        wait_for(lambda: committed(store) == {2})
+        # rank 0: written in place slowly; while it is half there it must not be taken
+        data = (ckpt / "rank0.pt").read_bytes()
+        with open(src / "rank0.pt", "wb") as f:
+            f.write(data[: len(data) // 2])
+            f.flush()
+            time.sleep(1.5)  # fifteen polls with a half-written file
+            assert committed(store) == {2}
+            f.write(data[len(data) // 2:])
+        wait_for(lambda: committed(store) == {0, 2})
+        # rank 1: a zip whose central directory is not there yet, then completed
+        data = (ckpt / "rank1.pt").read_bytes()
+        (src / "rank1.pt").write_bytes(data[:-200])
+        time.sleep(1.0)
+        assert 1 not in committed(store)
+        with open(src / "rank1.pt", "ab") as f:
+            f.write(data[-200:])
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    shardstore.export(store, tmp_path / "out")
+    assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), expected(ckpt)["model"])
+
+
+def test_timeout_names_missing_ranks(checkpoints, tmp_path: Path) -> None:
+    ckpt = checkpoints(3)
+    src = tmp_path / "incoming"
+    src.mkdir()
+    shutil.copy(ckpt / "rank0.pt", src / "rank0.pt")
+    shutil.copy(ckpt / "rank2.pt", src / "rank2.pt")
+    (src / "rank1.pt").write_bytes((ckpt / "rank1.pt").read_bytes()[:1000])  # stuck half-way
+    proc = start_watch(tmp_path / "store", src, "--timeout", "4", "-q")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert err.strip().splitlines()[-1].startswith("shardstore: error: ") and "Traceback" not in err
+    assert "timed out after 4 s; ranks still missing: 1" in err and "rank1.pt" in err
+    assert committed(tmp_path / "store") == {0, 2}
