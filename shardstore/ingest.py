@@ -22,7 +22,7 @@ from .errors import CheckpointError
 from .plan import plan_checkpoint
 from .read.layouts import name_rank
 from .read.rankfile import LocalPiece, RankFile, ShardedLeaf, read_rank_file
-from .read.unpickle import TensorRef
+from .read.unpickle import TensorRef, gc_paused
 from . import values
 from .store.backend import FileRange, Part
 from .store.manifest import ArrayEntry
@@ -97,8 +97,8 @@ def _check_against(store: Store, rf: RankFile) -> None:
             continue
         if not isinstance(leaf, ShardedLeaf):
             raise CheckpointError(f"{rf.path}: {path} is not a ShardedTensor here, but is in the store")
-        if (leaf.spec.dtype, leaf.spec.shape) != (entry.dtype, entry.shape):
-            raise CheckpointError(f"{rf.path}: {path} is {leaf.spec.dtype}{list(leaf.spec.shape)} here but "
+        if (leaf.dtype, leaf.shape) != (entry.dtype, entry.shape):
+            raise CheckpointError(f"{rf.path}: {path} is {leaf.dtype}{list(leaf.shape)} here but "
                                   f"{entry.dtype}{list(entry.shape)} in the store (another checkpoint?)")
         if not entry.staged:
             for piece in leaf.pieces:
@@ -128,6 +128,11 @@ def ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: boo
     Under hybrid sharding every shard exists once per replica group: the first copy to arrive is written,
     later ones are skipped (or, with `verify_replicas`, compared bit for bit).
     """
+    with gc_paused():
+        return _ingest_file(store, path, verify_replicas)
+
+
+def _ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: bool) -> Ingested:
     rf = read_rank_file(path, encode_key=values.encode)
     try:
         _check_against(store, rf)
@@ -145,7 +150,7 @@ def ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: boo
                 objects[leaf_path] = values.encode(leaf, tensor=encode_tensor)
                 continue
             if entry.replicated:
-                leaf = ShardedLeaf(None, [LocalPiece((0,) * len(entry.shape), entry.shape, leaf)])  # type: ignore[arg-type]
+                leaf = ShardedLeaf(entry.dtype, entry.shape, [LocalPiece((0,) * len(entry.shape), entry.shape, leaf)])
             for piece in leaf.pieces:
                 if not all(piece.sizes):
                     continue

@@ -30,8 +30,17 @@ def _b64(data: bytes | memoryview) -> str:
 
 def encode(obj: Any, tensor: Callable[[TensorRef], Json] | None = None) -> Json:
     """Encode `obj`; `tensor` encodes plain tensors (it decides inline vs blob)."""
+    return _Encoder(tensor).enc(obj)
 
-    def enc(o: Any) -> Json:
+
+class _Encoder:
+    # A class, not a recursive closure: the closure's self-reference would be a cycle holding `tensor`,
+    # and through it the whole rank file, until the cyclic GC ran.
+    def __init__(self, tensor: Callable[[TensorRef], Json] | None):
+        self.tensor = tensor
+
+    def enc(self, o: Any) -> Json:
+        enc, tensor = self.enc, self.tensor
         if o is None or type(o) in (bool, str):
             return o
         if type(o) is int:
@@ -78,8 +87,6 @@ def encode(obj: Any, tensor: Callable[[TensorRef], Json] | None = None) -> Json:
         if type(o) is slice:
             return {"$slice": [enc(o.start), enc(o.stop), enc(o.step)]}
         raise StoreError(f"cannot store a value of type {type(o).__name__}")
-
-    return enc(obj)
 
 
 def decode(data: Json, tensor: Callable[[Json], Any], torch_dtype: Callable[[str], Any] = TorchDType,

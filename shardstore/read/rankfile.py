@@ -38,10 +38,26 @@ class LocalPiece:
     tensor: TensorRef
 
 
-@dataclass
 class ShardedLeaf:
-    spec: ShardedSpec
-    pieces: list[LocalPiece]
+    """A ShardedTensor of this rank: dtype, global shape and local pieces up front; the global shard list
+    (every rank's shard, repeated in every file) only when asked for, since at hundreds of ranks turning
+    it into Python tuples for every file is where the time would go. Only the planner asks, once."""
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], pieces: list[LocalPiece], metadata: Any = None,
+                 where: str = ""):
+        self.dtype, self.shape, self.pieces = dtype, shape, pieces
+        self._metadata, self._where = metadata, where
+
+    @property
+    def spec(self) -> ShardedSpec:
+        try:
+            shards = tuple(
+                ShardSpec(tuple(map(int, m.shard_offsets)), tuple(map(int, m.shard_sizes)),
+                          -1 if m.placement is None or m.placement.rank() is None else int(m.placement.rank()))
+                for m in self._metadata.shards_metadata)
+        except AttributeError as exc:
+            raise CheckpointError(f"{self._where}: malformed ShardedTensor metadata ({exc})") from None
+        return ShardedSpec(self.dtype, self.shape, shards)
 
 
 @dataclass
@@ -90,21 +106,18 @@ def _sharded_leaf(st: ShardedTensor, where: str) -> ShardedLeaf:
     md = st.metadata
     try:
         dtype = str(md.tensor_properties.dtype)
-        shards = tuple(
-            ShardSpec(tuple(int(x) for x in m.shard_offsets), tuple(int(x) for x in m.shard_sizes),
-                      int(m.placement.rank()) if m.placement is not None and m.placement.rank() is not None else -1)
-            for m in md.shards_metadata
-        )
-        spec = ShardedSpec(dtype, tuple(int(x) for x in md.size), shards)
-        pieces = [LocalPiece(tuple(int(x) for x in s.metadata.shard_offsets),
-                             tuple(int(x) for x in s.metadata.shard_sizes), s.tensor) for s in st.local_shards]
+        shape = tuple(map(int, md.size))
+        pieces = [LocalPiece(tuple(map(int, s.metadata.shard_offsets)), tuple(map(int, s.metadata.shard_sizes)), s.tensor)
+                  for s in st.local_shards]
     except AttributeError as exc:
         raise CheckpointError(f"{where}: malformed ShardedTensor metadata ({exc})") from None
     dtypes.info(dtype)
     for piece in pieces:
         if tuple(piece.tensor.shape) != piece.sizes:
             raise CheckpointError(f"{where}: local shard has shape {piece.tensor.shape}, metadata says {piece.sizes}")
-    return ShardedLeaf(spec, pieces)
+        if len(piece.offsets) != len(shape) or any(o < 0 or o + n > d for o, n, d in zip(piece.offsets, piece.sizes, shape)):
+            raise CheckpointError(f"{where}: local shard at {list(piece.offsets)} lies outside {list(shape)}")
+    return ShardedLeaf(dtype, shape, pieces, md, where)
 
 
 def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr) -> RankFile:

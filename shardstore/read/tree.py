@@ -34,27 +34,29 @@ def flatten(obj: Any, encode_key: Any) -> tuple[Skeleton, dict[str, Any]]:
     odict, list or tuple; a list's keys are its indices) and {"t": "leaf", "p": path} for a leaf.
     """
     leaves: dict[str, Any] = {}
+    return _walk(obj, "", leaves, encode_key), leaves
 
-    def walk(node: Any, path: str) -> Skeleton:
-        if (type(node) in (dict, collections.OrderedDict) or isinstance(node, (list, tuple))) and _holds_tensor(node):
-            if isinstance(node, dict):
-                kind = "odict" if isinstance(node, collections.OrderedDict) else "dict"
-                items = list(node.items())
-            else:
-                kind = "tuple" if isinstance(node, tuple) else "list"
-                items = list(enumerate(node))
-            children = []
-            seen: set[str] = set()
-            for key, value in items:
-                name = paths.escape(key)
-                if name in seen:
-                    raise CheckpointError(f"two keys of {path or 'the state dict'} map to the same path {name!r}")
-                seen.add(name)
-                children.append([encode_key(key), walk(value, paths.join(path, name))])
-            return {"t": kind, "p": path, "c": children}
-        if path == "":
-            raise CheckpointError("the checkpoint holds no tensors")
-        leaves[path] = node
-        return {"t": "leaf", "p": path}
 
-    return walk(obj, ""), leaves
+def _walk(node: Any, path: str, leaves: dict[str, Any], encode_key: Any) -> Skeleton:
+    # A module-level function, not a closure: a recursive closure is a reference cycle, and this one
+    # would keep every object of the rank file alive until the cyclic GC ran.
+    if (type(node) in (dict, collections.OrderedDict) or isinstance(node, (list, tuple))) and _holds_tensor(node):
+        if isinstance(node, dict):
+            kind = "odict" if isinstance(node, collections.OrderedDict) else "dict"
+            items = list(node.items())
+        else:
+            kind = "tuple" if isinstance(node, tuple) else "list"
+            items = list(enumerate(node))
+        children = []
+        seen: set[str] = set()
+        for key, value in items:
+            name = paths.escape(key)
+            if name in seen:
+                raise CheckpointError(f"two keys of {path or 'the state dict'} map to the same path {name!r}")
+            seen.add(name)
+            children.append([encode_key(key), _walk(value, paths.join(path, name), leaves, encode_key)])
+        return {"t": kind, "p": path, "c": children}
+    if path == "":
+        raise CheckpointError("the checkpoint holds no tensors")
+    leaves[path] = node
+    return {"t": "leaf", "p": path}

@@ -11,12 +11,13 @@ from __future__ import annotations
 import _codecs
 import _compat_pickle
 import collections
+import contextlib
 import datetime
 import gc
 import io
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -51,17 +52,9 @@ class TensorRef:
 
 
 class _Record:
-    """Base for stand-ins that pickle rebuilds with NEWOBJ + BUILD (dict state, or (dict, slots) state)."""
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2:
-            for part in state:
-                if part:
-                    self.__dict__.update(part)
-        elif isinstance(state, dict):
-            self.__dict__.update(state)
-        else:
-            raise CheckpointError(f"unexpected pickled state for {type(self).__name__}")
+    """Base for stand-ins that pickle rebuilds with NEWOBJ + BUILD. Deliberately without __setstate__:
+    the C unpickler then applies dict state, or (dict, slots) state, itself, which is what keeps hundreds
+    of thousands of ShardMetadata per file cheap."""
 
 
 class RemoteDevice(_Record):
@@ -92,8 +85,10 @@ class TensorProperties(_Record):
         # TensorProperties pickles a bare tuple: (dtype, layout, requires_grad, memory_format, pin_memory).
         if isinstance(state, tuple) and len(state) == 5:
             self.dtype = state[0]
+        elif isinstance(state, dict):
+            self.__dict__.update(state)
         else:
-            super().__setstate__(state)
+            raise CheckpointError("unexpected pickled state for TensorProperties")
 
 
 class ShardedTensorMetadata(_Record):
@@ -171,6 +166,10 @@ def _safe_getattr(obj: Any, name: str) -> Any:
     raise UnsafePickleError(f"refusing getattr({getattr(obj, '__name__', type(obj).__name__)}, {name!r})")
 
 
+def _device(kind: str, index: int | None = None) -> TorchDevice:
+    return TorchDevice(kind if index is None else f"{kind}:{index}")
+
+
 def _mem_format(value: int) -> int:
     return int(value)
 
@@ -206,7 +205,7 @@ ALLOWED: dict[tuple[str, str], Any] = {
     ("torch", "Tensor"): _TensorType,
     ("torch.nn.parameter", "Parameter"): _TensorType,
     ("torch", "Size"): tuple,
-    ("torch", "device"): lambda *a: TorchDevice(":".join(str(x) for x in a)),
+    ("torch", "device"): _device,
     ("torch.serialization", "_get_layout"): str,
     # Layouts and memory formats pickle by name (older torch wrote them into TensorProperties).
     **{("torch", n): f"torch.{n}" for n in ("strided", "sparse_coo", "contiguous_format", "channels_last",
@@ -270,17 +269,33 @@ class _Unpickler(pickle.Unpickler):
         return StorageRef(str(key), storage_type.dtype, int(numel))
 
 
-def load(data: bytes | memoryview, source: str) -> Any:
-    """Unpickle `data` through the allowlist. `source` names the file in every error."""
-    # The cyclic GC adds 2-3x to unpickling hundreds of thousands of metadata objects, none of them cyclic.
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC. A rank file unpickles into hundreds of thousands of metadata objects, none of
+    them cyclic; while they are alive every GC pass rescans all of them, which costs more than the
+    unpickling itself. On the way out the survivors are frozen (moved out of the GC's sight; reference
+    counting still frees them), so re-enabling does not start with a pass over all of them."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _Unpickler(io.BytesIO(data), source).load()
-    except CheckpointError:
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
-        raise CheckpointError(f"{source}: corrupt pickle ({type(exc).__name__}: {exc})") from None
+        yield
     finally:
         if enabled:
+            gc.freeze()
             gc.enable()
+
+
+def load(data: bytes | memoryview, source: str) -> Any:
+    """Unpickle `data` through the allowlist. `source` names the file in every error."""
+    with gc_paused():
+        unpickler = _Unpickler(io.BytesIO(data), source)
+        try:
+            return unpickler.load()
+        except CheckpointError:
+            raise
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+            raise CheckpointError(f"{source}: corrupt pickle ({type(exc).__name__}: {exc})") from None
+        finally:
+            # The unpickler and its own bound methods form a cycle; its memo would keep every object of
+            # the file alive until a GC pass. Emptying it lets reference counting free them on time.
+            unpickler.memo.clear()

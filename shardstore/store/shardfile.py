@@ -1,4 +1,8 @@
-"""Zarr v3 shard files (the `sharding_indexed` codec), written directly.
+"""Zarr v3 files written directly: array metadata (zarr.json) and shard files (`sharding_indexed`).
+
+Array metadata is zarr-python's own: a template made once per dtype by `zarr.create_array` in memory,
+with shape, grid and attributes filled in, so creating hundreds of arrays is one small file write each
+instead of one trip through Zarr's async machinery each.
 
 With no compression and inner chunks that span the cell's trailing dimensions, inner chunk k of a cell
 is simply rows [k*r, (k+1)*r) of the cell in C order. A shard file is therefore the cell's raw bytes,
@@ -9,15 +13,42 @@ decoding and re-encoding them chunk by chunk.
 
 from __future__ import annotations
 
+import copy
+import functools
+import json
 import math
 import struct
-from typing import Iterable
+from typing import Any, Iterable
 
 import google_crc32c
+import numpy as np
 
 from .backend import Part
 
 EMPTY = 2**64 - 1
+GROUP_METADATA = json.dumps({"attributes": {}, "zarr_format": 3, "node_type": "group"}).encode()
+
+
+@functools.lru_cache(maxsize=None)
+def _template(raw: str) -> dict[str, Any]:
+    import zarr
+    import zarr.storage
+
+    mem = zarr.storage.MemoryStore()
+    zarr.create_array(store=mem, shape=(1,), chunks=(1,), shards=(1,), dtype=np.dtype(raw), fill_value=0,
+                      compressors=None, filters=None, zarr_format=3)
+    return json.loads(mem._store_dict["zarr.json"].to_bytes())
+
+
+def array_metadata(raw: np.dtype, shape: tuple[int, ...], cell: tuple[int, ...], chunk: tuple[int, ...],
+                   attributes: dict[str, Any]) -> dict[str, Any]:
+    """zarr.json of an uncompressed sharded array, exactly as zarr-python would write it."""
+    meta = copy.deepcopy(_template(raw.str))
+    meta["shape"] = list(shape)
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = list(cell)
+    meta["codecs"][0]["configuration"]["chunk_shape"] = list(chunk)
+    meta["attributes"] = attributes
+    return meta
 
 
 def index_bytes(cell_rows: int, chunk_rows: int, valid_rows: int, chunk_bytes: int) -> bytes:

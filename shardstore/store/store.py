@@ -23,28 +23,17 @@ from typing import Any, Iterator
 
 import numpy as np
 import zarr
-from zarr.errors import ContainsArrayError, ContainsGroupError
 
 from .. import dtypes
 from ..errors import CheckpointError, StoreError
 from .backend import Backend, FileRange, Part, open_backend
 from .manifest import MANIFEST_KEY, ArrayEntry, Manifest
 from .handle import TensorHandle, decode_value
-from .shardfile import shard_parts
+from .shardfile import GROUP_METADATA, array_metadata, shard_parts
 
 RANKS = "__shardstore__/ranks"
 STAGING = "__shardstore__/staging"
 BLOBS = "__shardstore__/blobs"
-
-
-def _retry_on_group_race(create: Any, attempts: int = 5) -> Any:
-    """Zarr checks for a parent group, then writes it; a concurrent creator can slip in between."""
-    for attempt in range(attempts):
-        try:
-            return create()
-        except ContainsGroupError:
-            if attempt == attempts - 1:
-                raise
 
 
 def first_difference(a: bytes, b: bytes, itemsize: int, shape: tuple[int, ...], origin: tuple[int, ...]) -> list[int]:
@@ -105,27 +94,23 @@ class Store:
             store = cls.open(location)
             store.check_compatible(manifest, str(location))
             return store
-        zstore = backend.zarr_store(read_only=False)
-        try:
-            root = zarr.open_group(store=zstore, mode="a", zarr_format=3)
-        except ContainsGroupError:  # another process created it between zarr's check and its write
-            root = zarr.open_group(store=zstore, mode="r+", zarr_format=3)
-        root.attrs.update({"shardstore": {"layout": manifest.layout, "world_size": manifest.world_size}})
-        for plan in manifest.arrays.values():
-            info = dtypes.info(plan.dtype)
-            try:
-                _retry_on_group_race(lambda: zarr.create_array(
-                    store=zstore, name=plan.path, shape=plan.shape, chunks=tuple(max(c, 1) for c in plan.chunk),
-                    shards=tuple(max(c, 1) for c in plan.cell), dtype=info.raw, fill_value=0, compressors=None,
-                    filters=None, attributes={"torch_dtype": plan.dtype}, zarr_format=3,
-                ))
-            except ContainsArrayError:
-                # Another process is creating the same store right now, or an earlier creation was cut
-                # short. Never overwrite: that would delete cells already written.
-                existing = zarr.open_array(store=zstore, path=plan.path, mode="r")
-                if (existing.shape, existing.dtype, existing.shards) != (plan.shape, info.raw, tuple(max(c, 1) for c in plan.cell)):
-                    raise StoreError(f"{location}: already holds a different array at {plan.path}; "
-                                     f"use an empty folder for a new store") from None
+        groups = {"", *(p.rsplit("/", 1)[0] if "/" in p else "" for p in manifest.arrays)}
+        groups |= {g.rsplit("/", i)[0] for g in list(groups) for i in range(1, g.count("/") + 1)}
+        for group in sorted(groups):
+            key = f"{group}/zarr.json" if group else "zarr.json"
+            if not backend.exists(key):
+                backend.write(key, [GROUP_METADATA])
+        for entry in manifest.arrays.values():
+            info = dtypes.info(entry.dtype)
+            meta = array_metadata(info.raw, entry.shape, tuple(max(c, 1) for c in entry.cell),
+                                  tuple(max(c, 1) for c in entry.chunk), {"torch_dtype": entry.dtype})
+            key = f"{entry.path}/zarr.json"
+            if not backend.exists(key):
+                backend.write(key, [json.dumps(meta).encode()])
+            elif json.loads(backend.read(key)) != meta:
+                # Never overwrite: another process may be writing this array's cells right now.
+                raise StoreError(f"{location}: already holds a different array at {entry.path}; "
+                                 f"use an empty folder for a new store")
         if backend.exists(MANIFEST_KEY):
             store = cls.open(location)
             store.check_compatible(manifest, str(location))

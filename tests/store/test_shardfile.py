@@ -33,3 +33,16 @@ def test_matches_zarr_byte_for_byte(tmp_path: Path, shape, cell, chunk) -> None:
             backend.write(cell_key("a", index), shard_parts(parts, (hi - lo) * row, cell, chunk, hi - lo, 4))
             assert (tmp_path / "mine" / cell_key("a", index)).read_bytes() == \
                 (tmp_path / "ref" / cell_key("", index).lstrip("/")).read_bytes()
+
+
+@pytest.mark.parametrize("dtype", ["<f4", "<u2", "u1", "?", "<c8", "<i8", "<f8"])
+@pytest.mark.parametrize("shape, cell, chunk", [((10, 3), (4, 3), (2, 3)), ((0, 5), (1, 5), (1, 5)), ((7,), (7,), (7,))])
+def test_array_metadata_is_what_zarr_writes(tmp_path: Path, dtype, shape, cell, chunk) -> None:
+    import json
+
+    from shardstore.store.shardfile import array_metadata
+
+    zarr.create_array(store=str(tmp_path), name="a", shape=shape, chunks=chunk, shards=cell, dtype=np.dtype(dtype),
+                      fill_value=0, compressors=None, filters=None, attributes={"torch_dtype": "x"}, zarr_format=3)
+    want = json.loads((tmp_path / "a" / "zarr.json").read_text())
+    assert array_metadata(np.dtype(dtype), shape, cell, chunk, {"torch_dtype": "x"}) == want
