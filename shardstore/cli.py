@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import click
+import numpy as np
 from tqdm import tqdm
 
 from . import api
@@ -244,18 +245,17 @@ def show(store: str, key: str, selection: str | None, with_stats: bool) -> None:
     h = st[key]
     status = st.status()
     where = "complete" if key not in status.partial else f"{status.partial[key]:.0%} present"
-    click.echo(f"{key}: {h.dtype} {list(h.shape)}, {where}, from ranks {_ranks(h.ranks)}")
+    click.echo(f"{key}: torch.{h.entry.dtype} {list(h.entry.shape)}, {where}, from ranks {_ranks(h.ranks)}")
     if with_stats:
         for name, value in h.stats(sel).items():
             click.echo(f"  {name:<6} {value:.6g}" if isinstance(value, float) else f"  {name:<6} {value}")
         return
     if sel is None and h.nbytes > 64 << 10:
-        sel = (slice(0, 4),) if len(h.shape) else ()
-        click.echo(f"(first {min(4, h.shape[0])} rows; use --slice for others)")
-    import torch
-
-    torch.set_printoptions(precision=6, threshold=1000, edgeitems=4, linewidth=120)
-    click.echo(h[... if sel is None else sel])
+        sel = (slice(0, 4),)
+        click.echo(f"(first {min(4, h.entry.shape[0])} rows; use --slice for others)")
+    # numpy, not torch, so the answer comes in well under a second (importing torch alone takes longer)
+    values_ = h.numpy(... if sel is None else sel)
+    click.echo(np.array2string(values_, precision=6, threshold=1000, edgeitems=4, max_line_width=120))
 
 
 def parse_selection(text: str) -> tuple[Any, ...]:

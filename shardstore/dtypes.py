@@ -78,3 +78,32 @@ def info(name: str) -> DTypeInfo:
 
 def is_dtype_name(name: str) -> bool:
     return _ALIASES.get(name, name) in BY_NAME
+
+
+def _fp8_table(exp_bits: int, bias: int, finite_max_exp: bool) -> np.ndarray:
+    """float32 value of every byte of an 8-bit float (IEEE-like, OCP FP8 flavours)."""
+    mant_bits = 7 - exp_bits
+    codes = np.arange(256, dtype=np.uint32)
+    sign = np.where(codes >> 7, -1.0, 1.0)
+    exp = (codes >> mant_bits) & ((1 << exp_bits) - 1)
+    mant = codes & ((1 << mant_bits) - 1)
+    frac = mant / float(1 << mant_bits)
+    value = np.where(exp == 0, frac * 2.0 ** (1 - bias), (1 + frac) * 2.0 ** (exp.astype(np.float64) - bias))
+    top = exp == (1 << exp_bits) - 1
+    if finite_max_exp:  # e4m3fn: no infinities, only S.1111.111 is NaN
+        value = np.where(top & (mant == (1 << mant_bits) - 1), np.nan, value)
+    else:  # e5m2: IEEE-style
+        value = np.where(top, np.where(mant == 0, np.inf, np.nan), value)
+    return (sign * value).astype(np.float32)
+
+
+_WIDEN = {"float8_e4m3fn": lambda: _fp8_table(4, 7, True), "float8_e5m2": lambda: _fp8_table(5, 15, False)}
+
+
+def as_numbers(raw: np.ndarray, name: str) -> np.ndarray:
+    """Store bits -> numpy values, exactly: bfloat16 and float8 widen to float32 (no torch needed)."""
+    if name == "bfloat16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    if name in _WIDEN:
+        return _WIDEN[name]()[raw]
+    return raw

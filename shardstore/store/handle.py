@@ -53,6 +53,77 @@ class TensorHandle:
         self._check_arrived(selection)
         return to_torch(self._store.read(self.path, selection), self.entry.dtype)
 
+    def numpy(self, selection: Any = ...) -> np.ndarray:
+        """The values of a selection as numpy numbers, exactly (bfloat16 and float8 as float32); no torch."""
+        self._check_arrived(selection)
+        return dtypes.as_numbers(np.asarray(self._store.read(self.path, selection)), self.entry.dtype)
+
+    def _check_arrived(self, selection: Any) -> None:
+        """Refuse to read rows whose cells no ingested rank has delivered (Zarr would return zeros)."""
+        entry = self.entry
+        if not entry.shape or not entry.ncells:
+            return
+        first = selection[0] if isinstance(selection, tuple) and selection else selection
+        if first is Ellipsis or (isinstance(selection, tuple) and not selection):
+            first = slice(None)
+        if isinstance(first, int):
+            n = entry.shape[0]
+            rows = range(first % n, first % n + 1) if -n <= first < n else range(0)
+        elif isinstance(first, slice):
+            rows = range(*first.indices(entry.shape[0]))
+        else:
+            rows = range(entry.shape[0])
+        if not rows:
+            return
+        lo, hi = min(rows[0], rows[-1]), max(rows[0], rows[-1])
+        per_row = entry.ncells // entry.grid[0]
+        wanted = {i * per_row + j for i in range(lo // entry.cell[0], hi // entry.cell[0] + 1) for j in range(per_row)}
+        if wanted - self._store.cells_present(self.path):
+            self._store.records()  # a rank may have been committed since we last looked
+        missing = sorted(wanted - self._store.cells_present(self.path))
+        if missing:
+            start = (missing[0] // per_row) * entry.cell[0]
+            end = min(start + entry.cell[0], entry.shape[0])
+            raise StoreError(f"{self.path}: rows {start}-{end - 1} have not arrived yet (their rank is not "
+                             f"ingested); read other rows, or wait")
+
+    def read(self) -> "torch.Tensor":
+        return self[...]
+
+    def stats(self, selection: Any = None, block_bytes: int = 16 << 20) -> dict[str, float | int]:
+        """min/max/mean/std (population)/L2 norm over the finite values, and how many are NaN or infinite.
+
+        Without a selection the whole tensor is streamed in row blocks, so memory stays bounded.
+        """
+        acc = {"count": 0, "nan": 0, "inf": 0, "sum": 0.0, "sumsq": 0.0, "min": np.inf, "max": -np.inf}
+
+        def add(values: np.ndarray) -> None:
+            x = np.asarray(values, dtype=np.float64).reshape(-1)
+            nan = np.isnan(x)
+            acc["nan"] += int(nan.sum())
+            acc["inf"] += int(np.isinf(x).sum())
+            x = x[np.isfinite(x)]
+            if x.size:
+                acc["count"] += int(x.size)
+                acc["sum"] += float(x.sum())
+                acc["sumsq"] += float(np.dot(x, x))
+                acc["min"] = min(acc["min"], float(x.min()))
+                acc["max"] = max(acc["max"], float(x.max()))
+
+        if selection is not None or not self.entry.shape:
+            add(self.numpy(... if selection is None else selection))
+        else:
+            row = max(1, self.entry.nbytes // max(self.entry.shape[0], 1))
+            step = max(1, block_bytes // row)
+            for lo in range(0, self.entry.shape[0], step):
+                add(self.numpy(slice(lo, lo + step)))
+        n = acc["count"]
+        mean = acc["sum"] / n if n else float("nan")
+        var = max(acc["sumsq"] / n - mean * mean, 0.0) if n else float("nan")
+        return {"count": n, "nan": acc["nan"], "inf": acc["inf"], "min": float(acc["min"]) if n else float("nan"),
+                "max": float(acc["max"]) if n else float("nan"), "mean": mean, "std": var ** 0.5,
+                "norm": acc["sumsq"] ** 0.5}
+
     def _check_arrived(self, selection: Any) -> None:
         """Refuse to read rows whose cells no ingested rank has delivered (Zarr would return zeros)."""
         entry = self.entry
