@@ -1,112 +1,228 @@
-"""A first benchmark: a real FSDP checkpoint, shardstore against the physical floor, one table.
+"""The benchmark harness: shardstore against today's unsharder and against the disk itself.
 
-    python benchmarks/bench.py [--world-size 4] [--layers 8] [--out benchmarks/out]
+    python benchmarks/bench.py [--scenarios w8,w256,w1024,large] [--out benchmarks/out] [--no-olmo]
 
-Generates an OLMo-like checkpoint (vocab 50304 x d_model 1024 embedding, `--layers` MLP blocks, fp32
-params + AdamW moments) with real gloo/FSDP processes, then times, with the page cache dropped before
-each step when running as root: `cp -r` (+ `sync`, since shardstore makes its data durable), `shardstore
-ingest`, `export` to safetensors and to torch, and `unshard` end to end; wall time and peak RSS come from
-/usr/bin/time. The comparison with OLMo's own unsharder and the metadata-heavy world sizes are open work.
+For each scenario it generates an OLMo-like checkpoint once (benchmarks/synth.py; cached under --out),
+then runs every contender with the page cache dropped before each run (when root), timing wall clock
+and peak RSS of the largest process with /usr/bin/time:
+
+- the physical floor: `cat` of every rank file to /dev/null, `cp -r` of the folder (and `cp -r` + `sync`,
+  since shardstore makes its data durable before it calls a rank done);
+- `shardstore ingest`, then `shardstore show` of one 4-row slice from that store (wall clock of the
+  whole command, and bytes it read), then `shardstore export` to safetensors;
+- `shardstore unshard` end to end, to safetensors and to torch;
+- OLMo's `TorchLegacyShardedCheckpointer` (PyPI ai2-olmo, installed with --no-deps plus what it imports),
+  thread mode and shared-memory mode, run as its own unshard script does (benchmarks/olmo_baseline.py).
+
+It prints a markdown table, writes results.json and a PNG plot to --out, and copies the plot to
+benchmarks/results.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import shutil
-import socket
 import subprocess
 import sys
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn as nn
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from synth import ModelSpec, generate  # noqa: E402
+
+OLMO_PACKAGES = ["omegaconf", "cached-path", "importlib_resources", "datasets"]
 
 
-class OlmoLike(nn.Module):
-    def __init__(self, layers: int, d_model: int = 1024, vocab: int = 50304) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d_model)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model), nn.LayerNorm(d_model))
-            for _ in range(layers))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.wte(ids)
-        for block in self.blocks:
-            h = h + block(h)
-        return h @ self.wte.weight.t()
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    world: int
+    spec: ModelSpec
+    olmo: bool = True
+    olmo_timeout: float = 3600.0
+    show_key: str = "model/transformer.wte.weight"
 
 
-def _rank(rank: int, world: int, out: str, layers: int, port: int) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = FSDP(OlmoLike(layers), device_id=torch.device("cpu"), use_orig_params=True)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.randint(0, 50304, (1, 8))).logsumexp(-1).sum().backward()
-    opt.step()
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=True),
-                              ShardedOptimStateDictConfig(offload_to_cpu=True)):
-        state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
-    torch.save(state, Path(out, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+SCENARIOS = {
+    "w8": Scenario("olmo-d1024-l28-w8", 8, ModelSpec(1024, 28)),
+    "w256": Scenario("olmo-d320-l4-w256", 256, ModelSpec(320, 4)),
+    "w1024": Scenario("olmo-d320-l1-w1024", 1024, ModelSpec(320, 1)),
+    # OLMo's unsharder needs ~2.2x the checkpoint in RAM: more than this machine's 24 GB.
+    "large": Scenario("olmo-d2048-l16-w8", 8, ModelSpec(2048, 16), olmo=False),
+}
 
 
-def generate(out: Path, world: int, layers: int) -> None:
-    if (out / f"rank{world - 1}.pt").exists():
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(world, str(out), layers, port), nprocs=world)
+@dataclass
+class Result:
+    scenario: str
+    contender: str
+    wall: float | None
+    peak_rss: int | None
+    note: str = ""
 
 
-def measure(name: str, cmd: list[str]) -> tuple[str, float, int]:
+def drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
     if os.geteuid() == 0:
-        subprocess.run(["sync"], check=True)
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    proc = subprocess.run(["/usr/bin/time", "-f", "%e %M", *cmd], capture_output=True, text=True)
+
+
+def timed(cmd: list[str], env: dict[str, str] | None = None, timeout: float | None = None) -> tuple[float, int, str]:
+    """(wall seconds, peak RSS bytes of the largest process, stderr) of `cmd`, caches dropped first."""
+    drop_caches()
+    proc = subprocess.run(["/usr/bin/time", "-f", "%e %M", *cmd], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    lines = proc.stderr.strip().splitlines()
     if proc.returncode:
-        raise SystemExit(f"{name} failed: {proc.stderr.strip()}")
-    wall, rss = proc.stderr.strip().splitlines()[-1].split()
-    return name, float(wall), int(rss) * 1024
+        raise RuntimeError(f"{' '.join(cmd[:3])} failed: {' | '.join(lines[-3:])}")
+    wall, rss = lines[-1].split()
+    return float(wall), int(rss) * 1024, proc.stderr
+
+
+def ensure_olmo() -> bool:
+    probe = [sys.executable, "-c", "from olmo.checkpoint import TorchLegacyShardedCheckpointer"]
+    if subprocess.run(probe, capture_output=True).returncode == 0:
+        return True
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "--no-deps", "ai2-olmo==0.6.0"], check=False)
+    subprocess.run([*pip, *OLMO_PACKAGES], check=False)
+    return subprocess.run(probe, capture_output=True).returncode == 0
+
+
+def run_scenario(sc: Scenario, out: Path, with_olmo: bool) -> list[Result]:
+    ckpt = generate(out / "ckpt" / sc.name, sc.world, sc.spec)
+    files = sorted(ckpt.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
+    work = out / "work"
+    shardstore = [sys.executable, "-m", "shardstore.cli"]
+    results: list[Result] = []
+
+    def run(name: str, cmd: list[str], env: dict[str, str] | None = None, timeout: float | None = None,
+            note: str = "") -> str:
+        try:
+            wall, rss, err = timed(cmd, env, timeout)
+            results.append(Result(sc.name, name, wall, rss, note))
+            print(f"  {name:<34} {wall:8.2f} s  {rss / 1e6:8.0f} MB", flush=True)
+            return err
+        except subprocess.TimeoutExpired:
+            results.append(Result(sc.name, name, None, None, f"timed out after {timeout:.0f} s"))
+        except RuntimeError as exc:
+            results.append(Result(sc.name, name, None, None, str(exc)[:200]))
+        print(f"  {name:<34} {results[-1].note}", flush=True)
+        return ""
+
+    def fresh() -> None:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+
+    print(f"{sc.name}: {sum(f.stat().st_size for f in files) / 1e9:.2f} GB in {len(files)} rank files", flush=True)
+    fresh()
+    run("cat > /dev/null", ["sh", "-c", f"cat {ckpt}/rank*.pt > /dev/null"])
+    run("cp -r", ["cp", "-r", str(ckpt), str(work / "copy")])
+    fresh()
+    run("cp -r + sync", ["sh", "-c", f"cp -r {ckpt} {work / 'copy'} && sync"])
+    fresh()
+    run("shardstore ingest", [*shardstore, "ingest", str(work / "store"), *map(str, files), "-q"])
+    show = [sys.executable, str(HERE / "show_io.py"), str(work / "store"), sc.show_key, "--slice", "1000:1004"]
+    err = run("shardstore show (4-row slice)", show)
+    if err:
+        results[-1].note = next((line for line in err.splitlines() if line.startswith("bytes read")), "")
+    run("shardstore export safetensors", [*shardstore, "export", str(work / "store"), str(work / "st"), "-q"])
+    fresh()
+    run("shardstore unshard safetensors", [*shardstore, "unshard", str(ckpt), str(work / "st"), "-q"])
+    fresh()
+    run("shardstore unshard torch", [*shardstore, "unshard", str(ckpt), str(work / "pt"), "--format", "torch", "-q"])
+    fresh()
+    if with_olmo and sc.olmo:
+        olmo = [sys.executable, str(HERE / "olmo_baseline.py"), str(ckpt), str(work / "olmo")]
+        env = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
+        run("OLMo unsharder (threads)", olmo, env, sc.olmo_timeout)
+        fresh()
+        run("OLMo unsharder (shared memory)", [*olmo, "--shared-mem"], env, sc.olmo_timeout,
+            note="its shared memory (/dev/shm) is not in RSS")
+        fresh()
+    elif not sc.olmo:
+        results.append(Result(sc.name, "OLMo unsharder (threads)", None, None,
+                              "not run: needs ~2.2x the checkpoint in RAM, more than this machine has"))
+    shutil.rmtree(work, ignore_errors=True)
+    for r in results:
+        r.note = r.note or ""
+    return results
+
+
+def table(results: list[Result], sizes: dict[str, int]) -> str:
+    rows = ["| checkpoint | contender | wall s | GB/s | peak RSS MB | vs OLMo threads | vs cp -r | note |",
+            "|---|---|---:|---:|---:|---:|---:|---|"]
+    for sc in dict.fromkeys(r.scenario for r in results):
+        mine = [r for r in results if r.scenario == sc]
+        base = {r.contender: r.wall for r in mine}
+        for r in mine:
+            if r.wall is None:
+                rows.append(f"| {sc} | {r.contender} | — | — | — | — | — | {r.note} |")
+                continue
+            olmo = base.get("OLMo unsharder (threads)")
+            cp = base.get("cp -r")
+            rows.append(f"| {sc} | {r.contender} | {r.wall:.2f} | {sizes[sc] / 1e9 / r.wall:.2f} | "
+                        f"{r.peak_rss / 1e6:.0f} | {f'{olmo / r.wall:.1f}x faster' if olmo else '—'} | "
+                        f"{f'{r.wall / cp:.2f}x' if cp else '—'} | {r.note} |")
+    return "\n".join(rows)
+
+
+def plot(results: list[Result], path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "matplotlib"], check=False)
+        import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = list(dict.fromkeys(r.scenario for r in results))
+    fig, axes = plt.subplots(len(scenarios), 2, figsize=(14, 3.2 * len(scenarios)), squeeze=False)
+    for row, sc in enumerate(scenarios):
+        mine = [r for r in results if r.scenario == sc and r.wall is not None]
+        names = [r.contender for r in mine]
+        colors = ["#999999" if n.startswith(("cp", "cat")) else "#d62728" if n.startswith("OLMo") else "#1f77b4"
+                  for n in names]
+        for col, (values, label) in enumerate([([r.wall for r in mine], "wall time (s, log)"),
+                                               ([r.peak_rss / 1e6 for r in mine], "peak RSS (MB, log)")]):
+            ax = axes[row][col]
+            ax.barh(names, values, color=colors)
+            ax.set_xscale("log")
+            ax.invert_yaxis()
+            ax.set_title(f"{sc}: {label}", fontsize=9)
+            ax.tick_params(labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world-size", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
+    ap = argparse.ArgumentParser(description="shardstore benchmark harness")
+    ap.add_argument("--scenarios", default="w8,w256,w1024,large")
+    ap.add_argument("--out", type=Path, default=HERE / "out")
+    ap.add_argument("--no-olmo", action="store_true", help="skip OLMo's unsharder")
     args = ap.parse_args()
-    ckpt = args.out / f"olmo-like-w{args.world_size}-l{args.layers}"
-    generate(ckpt, args.world_size, args.layers)
-    size = sum(f.stat().st_size for f in ckpt.glob("rank*.pt"))
-    work = args.out / "work"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    exe = [sys.executable, "-m", "shardstore.cli"]
-    files = [str(f) for f in sorted(ckpt.glob("rank*.pt"))]
-    rows = [
-        measure("cp -r", ["cp", "-r", str(ckpt), str(work / "cp")]),
-        measure("cp -r + sync", ["sh", "-c", f"cp -r {ckpt} {work / 'cp2'} && sync"]),
-        measure("shardstore ingest", [*exe, "ingest", str(work / "store"), *files, "-q"]),
-        measure("shardstore export (safetensors)", [*exe, "export", str(work / "store"), str(work / "st"), "-q"]),
-        measure("shardstore export (torch)", [*exe, "export", str(work / "store"), str(work / "pt"), "--format", "torch", "-q"]),
-        measure("shardstore unshard (safetensors)", [*exe, "unshard", str(ckpt), str(work / "un"), "-q"]),
-    ]
-    print(f"checkpoint: {ckpt.name}, {size / 1e9:.2f} GB in {len(files)} rank files; {os.cpu_count()} cores")
-    print(f"{'step':<34}{'wall s':>8}{'ckpt GB/s':>10}{'peak RSS MB':>13}")
-    for name, wall, rss in rows:
-        print(f"{name:<34}{wall:>8.2f}{size / 1e9 / wall:>10.2f}{rss / 1e6:>13.0f}")
-    shutil.rmtree(work, ignore_errors=True)
+    with_olmo = not args.no_olmo and ensure_olmo()
+    if not args.no_olmo and not with_olmo:
+        print("warning: could not import OLMo's unsharder; its rows are skipped", file=sys.stderr)
+    results: list[Result] = []
+    sizes: dict[str, int] = {}
+    for key in args.scenarios.split(","):
+        sc = SCENARIOS[key]
+        results += run_scenario(sc, args.out, with_olmo)
+        sizes[sc.name] = sum(f.stat().st_size for f in (args.out / "ckpt" / sc.name).glob("rank*.pt"))
+    machine = (f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, "
+               f"{platform.python_implementation()} {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
+    text = table(results, sizes)
+    print(f"\n{machine}\n\n{text}")
+    (args.out / "results.json").write_text(json.dumps({"machine": machine, "sizes": sizes,
+                                                       "results": [asdict(r) for r in results]}, indent=1))
+    plot(results, args.out / "bench.png")
+    shutil.copy(args.out / "bench.png", HERE / "results.png")
 
 
 if __name__ == "__main__":

@@ -67,13 +67,15 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     files = discover(src_dir, tag, step)
     out = Path(out_dir)
     location = Path(store) if store is not None else out / ".shardstore-scratch"
-    try:
-        st = _ingest.create_store(location, files[0])
+    def all_ranks_present(st: Store) -> None:
         missing = missing_ranks(files, st.manifest.world_size)
         if missing:
             raise CheckpointError(f"{src_dir}: world size is {st.manifest.world_size} but rank files are missing "
                                   f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
-        _ingest.ingest(location, files, jobs=jobs, on_done=on_ingested, store=st, verify_replicas=verify_replicas)
+
+    try:
+        st = _ingest.ingest(location, files, jobs=jobs, on_done=on_ingested, verify_replicas=verify_replicas,
+                            on_created=all_ranks_present)
         return export(st, out, **export_options)  # type: ignore[arg-type]
     finally:
         if store is None:  # a scratch store is never left behind, finished or not

@@ -8,6 +8,7 @@ chunk has two writers, so workers never coordinate.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 import os
@@ -207,48 +208,62 @@ def default_jobs() -> int:
 
 
 def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[str]], jobs: int | None = None,
-           on_done: Callable[[Ingested], None] | None = None, store: Store | None = None,
-           verify_replicas: bool = False) -> Store:
+           on_done: Callable[[Ingested], None] | None = None, verify_replicas: bool = False,
+           on_created: Callable[[Store], None] | None = None) -> Store:
     """Ingest rank files into the store at `location` (created from the first file if it does not exist).
 
     `jobs` worker processes (default: one per core) each take one file at a time; with jobs=1 everything
     runs in this process. Ingesting a rank that is already in the store simply rewrites the same bytes.
-    `store`, if given, is the already created store at `location` (saves reading the first file twice).
+    `on_created` sees the store before any rank is ingested (and may refuse it by raising).
     """
     if not files:
         raise CheckpointError("no rank files to ingest")
-    store = store or create_store(location, files[0])
-    store.sweep_temporaries()  # what writers killed mid-write left behind
     jobs = max(1, min(jobs or default_jobs(), len(files)))
-    seen: dict[int, str] = {}
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if jobs > 1:  # start the workers now: their start-up overlaps with creating the store
+            pool = stack.enter_context(ProcessPoolExecutor(max_workers=jobs, mp_context=_SPAWN))
+            for _ in range(jobs):
+                pool.submit(_warm_up)
+        store = create_store(location, files[0])
+        if on_created:
+            on_created(store)
+        store.sweep_temporaries()  # what writers killed mid-write left behind
+        seen: dict[int, str] = {}
 
-    def done(result: Ingested) -> None:
-        if result.rank in seen and seen[result.rank] != result.path:
-            raise CheckpointError(f"two files hold rank {result.rank}: {seen[result.rank]} and {result.path}")
-        seen[result.rank] = result.path
-        if on_done:
-            on_done(result)
+        def done(result: Ingested) -> None:
+            if result.rank in seen and seen[result.rank] != result.path:
+                raise CheckpointError(f"two files hold rank {result.rank}: {seen[result.rank]} and {result.path}")
+            seen[result.rank] = result.path
+            if on_done:
+                on_done(result)
 
-    if jobs == 1:
-        for f in files:
-            done(ingest_file(store, f, verify_replicas))
-    else:
-        _run_pool(store.location, [os.fspath(f) for f in files], jobs, done, verify_replicas)
+        if pool is None:
+            for f in files:
+                done(ingest_file(store, f, verify_replicas))
+        else:
+            _run_pool(pool, store.location, [os.fspath(f) for f in files], done, verify_replicas)
     store.assemble_ready(verify=verify_replicas)
     return store
 
 
-def _run_pool(location: str, files: Iterable[str], jobs: int, on_done: Callable[[Ingested], None],
+# Never fork a process that may hold Zarr's event-loop thread.
+_SPAWN = multiprocessing.get_context("spawn")
+
+
+def _warm_up() -> None:
+    """Runs in a fresh worker: importing this module (to unpickle the call) is the warm-up."""
+
+
+def _run_pool(pool: ProcessPoolExecutor, location: str, files: Iterable[str], on_done: Callable[[Ingested], None],
               verify_replicas: bool) -> None:
-    ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold Zarr's event-loop thread
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        pending: set[Future[Ingested]] = {pool.submit(_worker, location, f, verify_replicas) for f in files}
-        try:
-            while pending:
-                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in finished:
-                    on_done(fut.result())
-        except BaseException:
-            for fut in pending:
-                fut.cancel()
-            raise
+    pending: set[Future[Ingested]] = {pool.submit(_worker, location, f, verify_replicas) for f in files}
+    try:
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                on_done(fut.result())
+    except BaseException:
+        for fut in pending:
+            fut.cancel()
+        raise

@@ -8,7 +8,6 @@ they have their final name. Ranks already committed to the store are not read ag
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import CheckpointError, ShardstoreError
-from .ingest import Ingested, _worker, create_store, default_jobs
+from .ingest import _SPAWN, Ingested, _worker, create_store, default_jobs
 from .read.container import TorchZip
 from .read.layouts import name_rank, scan
 from .store.store import Store
@@ -48,7 +47,7 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
         done_ranks = set(store.records())
     except ShardstoreError:
         done_ranks = set()
-    pool = ProcessPoolExecutor(max_workers=jobs or default_jobs(), mp_context=multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(max_workers=jobs or default_jobs(), mp_context=_SPAWN)
     try:
         while True:
             for path, fut in list(submitted.items()):
