@@ -10,34 +10,40 @@ from typing import Callable, Sequence
 from . import export as _export
 from . import ingest as _ingest
 from .errors import CheckpointError
+from .locations import StorageOptions
 from .read.layouts import discover, missing_ranks
 from .store.store import Store
 
 PathLike = str | os.PathLike[str]
 
 
-def open(location: PathLike) -> Store:  # noqa: A001 - shardstore.open mirrors zarr.open
-    """Open an existing store for reading (lazy tensors, values, status)."""
-    return Store.open(location)
+def open(location: PathLike, storage_options: StorageOptions | None = None) -> Store:  # noqa: A001
+    """Open an existing store for reading (lazy tensors, values, status). `location` may be a URL."""
+    return Store.open(location, storage_options)
 
 
 def ingest(store: PathLike, files: Sequence[PathLike], jobs: int | None = None,
-           on_done: Callable[[_ingest.Ingested], None] | None = None, verify_replicas: bool = False) -> Store:
+           on_done: Callable[[_ingest.Ingested], None] | None = None, verify_replicas: bool = False,
+           storage_options: StorageOptions | None = None, scheduler: str | None = None) -> Store:
     """Ingest rank files into `store` (created on first use); any subset, in any order, any number of times.
 
     With hybrid sharding (HSDP) each shard is written once; `verify_replicas` checks the other copies match.
+    `store` and `files` may be URLs (s3://...); `scheduler` ("dask", or a Dask scheduler address) runs one
+    task per rank file on a Dask cluster instead of local worker processes.
     """
-    return _ingest.ingest(store, files, jobs=jobs, on_done=on_done, verify_replicas=verify_replicas)
+    return _ingest.ingest(store, files, jobs=jobs, on_done=on_done, verify_replicas=verify_replicas,
+                          storage_options=storage_options, scheduler=scheduler)
 
 
 def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensors", select: str | None = None,
            strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
-           progress: Callable[[int], None] | None = None, allow_partial: bool = False) -> _export.ExportResult:
+           progress: Callable[[int], None] | None = None, allow_partial: bool = False,
+           storage_options: StorageOptions | None = None) -> _export.ExportResult:
     """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style) or `"torch"`.
 
     An incomplete store is refused unless `allow_partial` (holes become NaN, or zero for integers, and the
     output's metadata says so)."""
-    st = store if isinstance(store, Store) else Store.open(store)
+    st = store if isinstance(store, Store) else Store.open(store, storage_options)
     return _export.export(st, out_dir, format=format, select=select, strip_prefix=strip_prefix, dtype=dtype,
                           max_shard_size=max_shard_size, progress=progress, allow_partial=allow_partial)
 
@@ -53,18 +59,20 @@ def watch(store: PathLike, src_dir: PathLike, expect: int | None = None, timeout
                   on_world_size=on_world_size)
 
 
-def rank_files(src_dir: PathLike, tag: str | None = None, step: int | None = None) -> list[Path]:
+def rank_files(src_dir: PathLike, tag: str | None = None, step: int | None = None,
+               storage_options: StorageOptions | None = None) -> list[Path]:
     """The rank files of the checkpoint in `src_dir` (or of the one `tag`/`step` names), by rank."""
-    return discover(src_dir, tag, step)
+    return discover(src_dir, tag, step, storage_options)
 
 
 def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None, tag: str | None = None,
             step: int | None = None, jobs: int | None = None, verify_replicas: bool = False,
             on_ingested: Callable[[_ingest.Ingested], None] | None = None,
+            storage_options: StorageOptions | None = None, scheduler: str | None = None,
             **export_options: object) -> _export.ExportResult:
     """Ingest every rank file in `src_dir`, then export. Without `store`, a scratch store inside
     `out_dir` is used and removed afterwards (same file system, so copies stay kernel-side)."""
-    files = discover(src_dir, tag, step)
+    files = discover(src_dir, tag, step, storage_options)
     out = Path(out_dir)
     location = Path(store) if store is not None else out / ".shardstore-scratch"
     def all_ranks_present(st: Store) -> None:
@@ -75,10 +83,10 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
 
     try:
         st = _ingest.ingest(location, files, jobs=jobs, on_done=on_ingested, verify_replicas=verify_replicas,
-                            on_created=all_ranks_present)
+                            on_created=all_ranks_present, storage_options=storage_options, scheduler=scheduler)
         return export(st, out, **export_options)  # type: ignore[arg-type]
     finally:
-        if store is None:  # a scratch store is never left behind, finished or not
+        if store is None:  # a scratch store is never left behind, finished or not (it is always local)
             shutil.rmtree(location, ignore_errors=True)
 
 

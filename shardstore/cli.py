@@ -17,6 +17,7 @@ from tqdm import tqdm
 from . import api
 from .errors import ShardstoreError, StoreError
 from .export import CAST_DTYPES, FORMATS
+from .locations import is_url
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
@@ -47,7 +48,7 @@ def _bar(quiet: bool, total: int | None, desc: str) -> Iterator[Callable[[int], 
 
 
 def _ingest_bar(quiet: bool, files: list[Any]) -> Any:
-    return _bar(quiet, sum(os.path.getsize(f) for f in files), "ingest")
+    return _bar(quiet, _sizes(files), "ingest")
 
 
 class _Group(click.Group):
@@ -64,13 +65,40 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="shardstore")
-def main() -> None:
-    """Unshard per-rank FSDP ShardedTensor checkpoints (rank0.pt ... rankN.pt) through a Zarr store."""
+@click.option("--storage-options", "storage_options", default=None, metavar="JSON",
+              help='fsspec options for s3:// (and other URL) stores and rank files, e.g. \'{"anon": false}\'. '
+                   "AWS_* variables and AWS_ENDPOINT_URL are read as usual.")
+@click.pass_context
+def main(ctx: click.Context, storage_options: str | None) -> None:
+    """Unshard per-rank FSDP ShardedTensor checkpoints (rank0.pt ... rankN.pt) through a Zarr store.
+
+    STORE, SRC and rank files may be local paths or URLs (s3://bucket/path, gs://..., file://...).
+    """
+    try:
+        ctx.obj = json.loads(storage_options) if storage_options else {}
+    except ValueError:
+        raise click.BadParameter("not JSON", param_hint="--storage-options") from None
+    if not isinstance(ctx.obj, dict):
+        raise click.BadParameter("must be a JSON object", param_hint="--storage-options")
+
+
+def _options() -> dict[str, Any]:
+    return click.get_current_context().find_root().obj or {}
+
+
+def _sizes(files: list[Any]) -> int | None:
+    """Total bytes of local files, for progress bars (None when any is remote)."""
+    if any(is_url(os.fspath(f)) for f in files):
+        return None
+    return sum(os.path.getsize(f) for f in files if os.path.isfile(f))
 
 
 _quiet = click.option("--quiet", "-q", is_flag=True, help="No progress bars (for scripts).")
 _verify = click.option("--verify-replicas", is_flag=True,
                        help="Hybrid sharding: check every replica group's copy of a shard is bit-identical.")
+_scheduler = click.option("--scheduler", default=None, metavar="ADDRESS",
+                          help="Run one task per rank file on Dask: a scheduler address (tcp://host:8786), or "
+                               "'dask' for a local cluster of --jobs worker processes.")
 _jobs = click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
                      help="Worker processes, one rank file each at a time [default: number of cores].")
 
@@ -105,13 +133,15 @@ def _report(result: Any, quiet: bool) -> None:
 @click.argument("store", type=click.Path())
 @click.argument("files", nargs=-1, required=True, type=click.Path())
 @_verify
+@_scheduler
 @_jobs
 @_quiet
-def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, jobs: int | None, quiet: bool) -> None:
-    """Ingest rank FILES into STORE (created if needed). Any subset, any order, any number of times."""
-    with _ingest_bar(quiet, [f for f in files if os.path.isfile(f)]) as update:
+def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, scheduler: str | None, jobs: int | None,
+           quiet: bool) -> None:
+    """Ingest rank FILES into STORE (created if needed). Any subset, any order; ranks already in are skipped."""
+    with _ingest_bar(quiet, list(files)) as update:
         st = api.ingest(store, list(files), jobs=jobs, on_done=lambda d: update(d.nbytes),
-                        verify_replicas=verify_replicas)
+                        verify_replicas=verify_replicas, storage_options=_options(), scheduler=scheduler)
     status = st.status()
     if not quiet:
         click.echo(f"{store}: {len(status.ranks_done)}/{status.world_size} ranks ingested"
@@ -128,7 +158,7 @@ def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, jobs: int 
 def export(store: str, out: str, fmt: str, select: str | None, strip_prefix: str | None, dtype: str | None,
            max_shard_size: int, allow_partial: bool, quiet: bool) -> None:
     """Export the unsharded checkpoint in STORE to the folder OUT."""
-    st = api.open(store)
+    st = api.open(store, _options())
     total = sum(a.nbytes for a in st.manifest.arrays.values())
     with _bar(quiet, total, "export") as update:
         result = api.export(st, out, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
@@ -150,15 +180,17 @@ def export(store: str, out: str, fmt: str, select: str | None, strip_prefix: str
 @click.option("--step", type=int, default=None, help="Which checkpoint, by step (matches ba<N> or step<N>).")
 @_export_options
 @_verify
+@_scheduler
 @_jobs
 @_quiet
 def unshard(src: str, out: str, store: str | None, tag: str | None, step: int | None, fmt: str, select: str | None,
             strip_prefix: str | None, dtype: str | None, max_shard_size: int, verify_replicas: bool,
-            jobs: int | None, quiet: bool) -> None:
+            scheduler: str | None, jobs: int | None, quiet: bool) -> None:
     """Unshard the checkpoint in folder SRC into folder OUT: ingest, then export."""
-    files = api.rank_files(src, tag, step)
+    files = api.rank_files(src, tag, step, _options())
     with _ingest_bar(quiet, files) as update:
         result = api.unshard(src, out, store=store, tag=tag, step=step, jobs=jobs, verify_replicas=verify_replicas,
+                             storage_options=_options(), scheduler=scheduler,
                              on_ingested=lambda d: update(d.nbytes),
                              format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
                              max_shard_size=max_shard_size)
@@ -206,7 +238,7 @@ def watch(store: str, src: str, expect: int | None, timeout: float | None, tag: 
 @click.argument("store", type=click.Path())
 def status(store: str) -> None:
     """What STORE holds and lacks; exit status 0 only when it is complete enough to export."""
-    st = api.open(store)
+    st = api.open(store, _options())
     s = st.status()
     m = st.manifest
     replicas = m.extra.get("replicas", 1)
@@ -230,7 +262,7 @@ def status(store: str) -> None:
 def show(store: str, key: str, selection: str | None, with_stats: bool) -> None:
     """Show one tensor (or value) of STORE, reading only the chunks it needs."""
     sel = parse_selection(selection) if selection else None
-    st = api.open(store)
+    st = api.open(store, _options())
     if key not in st:
         close = [k for k in st.keys() if key in k][:5]
         raise StoreError(f"{store}: no key {key!r}" + (f"; did you mean {', '.join(close)}?" if close else ""))
@@ -282,7 +314,7 @@ def parse_selection(text: str) -> tuple[Any, ...]:
 @click.argument("store", type=click.Path())
 def ls(store: str) -> None:
     """List STORE: layout, ranks, and every key with its shape, dtype and completeness."""
-    st = api.open(store)
+    st = api.open(store, _options())
     status = st.status()
     m = st.manifest
     replicas = m.extra.get("replicas", 1)

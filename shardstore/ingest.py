@@ -20,12 +20,13 @@ import numpy as np
 
 from . import dtypes
 from .errors import CheckpointError
+from .locations import StorageOptions, filesystem, is_url
 from .plan import plan_checkpoint
 from .read.layouts import name_rank
 from .read.rankfile import LocalPiece, RankFile, ShardedLeaf, read_rank_file
 from .read.unpickle import TensorRef, gc_paused
 from . import values
-from .store.backend import FileRange, Part
+from .ranges import Part, blocks
 from .store.manifest import ArrayEntry
 from .store.store import Store, first_difference
 
@@ -49,22 +50,16 @@ def _piece_region(rf: RankFile, entry: ArrayEntry, piece: LocalPiece,
         if span is not None:
             row = math.prod(piece.sizes[1:]) * dtypes.info(entry.dtype).itemsize
             start = span[0] + rel[0].start * row
-            return [FileRange(rf.zip.fileno(), start, valid_rows * row)], valid_rows
+            return [rf.zip.range(start, valid_rows * row)], valid_rows
     region = rf.array(piece.tensor)[rel]
     buf = np.zeros((valid_rows,) + tuple(entry.cell[1:]), dtype=region.dtype)
     buf[tuple(slice(0, n) for n in region.shape)] = region
     return [buf.data], valid_rows
 
 
-def _part_bytes(part: Part) -> bytes:
-    if isinstance(part, FileRange):
-        return os.pread(part.fd, part.length, part.offset)
-    return bytes(part)
-
-
 def _verify_replica(store: Store, rf: RankFile, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part]) -> None:
     """Compare this rank's copy of a cell with the one already in the store; name the first difference."""
-    mine = b"".join(_part_bytes(p) for p in parts)
+    mine = b"".join(bytes(b) for b in blocks(parts))
     theirs = store.read_cell_bytes(entry, index, len(mine))
     if mine == theirs:
         return
@@ -134,7 +129,7 @@ def ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: boo
 
 
 def _ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: bool) -> Ingested:
-    rf = read_rank_file(path, encode_key=values.encode)
+    rf = read_rank_file(path, encode_key=values.encode, storage_options=store.storage_options)
     try:
         _check_against(store, rf)
         written: list[str] = []
@@ -157,7 +152,7 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: bo
                     continue
                 if entry.staged:
                     span = rf.byte_range(piece.tensor)
-                    part: Part = (FileRange(rf.zip.fileno(), *span) if span is not None
+                    part: Part = (rf.zip.range(*span) if span is not None
                                   else np.ascontiguousarray(rf.array(piece.tensor)).data)
                     nbytes = span[1] if span is not None else part.nbytes  # type: ignore[union-attr]
                     staging.append(part)
@@ -187,18 +182,21 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: bo
 _WORKER_STORES: dict[str, Store] = {}
 
 
-def _worker(location: str, path: str, verify_replicas: bool) -> Ingested:
-    store = _WORKER_STORES.get(location)
+def _worker(location: str, path: str, verify_replicas: bool, storage_options: StorageOptions | None = None) -> Ingested:
+    """One task: a worker process (or a Dask worker) ingests one rank file."""
+    key = f"{location} {sorted((storage_options or {}).items())}"
+    store = _WORKER_STORES.get(key)
     if store is None:
-        store = _WORKER_STORES[location] = Store.open(location)
+        store = _WORKER_STORES[key] = Store.open(location, storage_options)
     return ingest_file(store, path, verify_replicas)
 
 
-def create_store(location: str | os.PathLike[str], first_file: str | os.PathLike[str]) -> Store:
+def create_store(location: str | os.PathLike[str], first_file: str | os.PathLike[str],
+                 storage_options: StorageOptions | None = None) -> Store:
     """Create (or reopen, after checking it matches) the store for the checkpoint `first_file` belongs to."""
-    rf = read_rank_file(first_file, encode_key=values.encode)
+    rf = read_rank_file(first_file, encode_key=values.encode, storage_options=storage_options)
     try:
-        return Store.create(location, plan_checkpoint(rf))
+        return Store.create(location, plan_checkpoint(rf), storage_options)
     finally:
         rf.close()
 
@@ -209,26 +207,31 @@ def default_jobs() -> int:
 
 def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[str]], jobs: int | None = None,
            on_done: Callable[[Ingested], None] | None = None, verify_replicas: bool = False,
-           on_created: Callable[[Store], None] | None = None) -> Store:
+           on_created: Callable[[Store], None] | None = None, storage_options: StorageOptions | None = None,
+           scheduler: str | None = None) -> Store:
     """Ingest rank files into the store at `location` (created from the first file if it does not exist).
 
     `jobs` worker processes (default: one per core) each take one file at a time; with jobs=1 everything
     runs in this process. Ingesting a rank that is already in the store simply rewrites the same bytes.
-    `on_created` sees the store before any rank is ingested (and may refuse it by raising).
+    `on_created` sees the store before any rank is ingested (and may refuse it by raising). Ranks already
+    committed from a file of the same name and size are skipped, so a rerun does only what is missing.
+    With `scheduler` ("dask" for a local cluster, or a scheduler address) the ranks run as Dask tasks.
     """
     if not files:
         raise CheckpointError("no rank files to ingest")
+    files = list(files)
     jobs = max(1, min(jobs or default_jobs(), len(files)))
     with contextlib.ExitStack() as stack:
         pool = None
-        if jobs > 1:  # start the workers now: their start-up overlaps with creating the store
+        if jobs > 1 and scheduler is None:  # start the workers now: their start-up overlaps creating the store
             pool = stack.enter_context(ProcessPoolExecutor(max_workers=jobs, mp_context=_SPAWN))
             for _ in range(jobs):
                 pool.submit(_warm_up)
-        store = create_store(location, files[0])
+        store = create_store(location, files[0], storage_options)
         if on_created:
             on_created(store)
         store.sweep_temporaries()  # what writers killed mid-write left behind
+        files = _not_yet_done(store, files)
         seen: dict[int, str] = {}
 
         def done(result: Ingested) -> None:
@@ -238,11 +241,15 @@ def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[s
             if on_done:
                 on_done(result)
 
-        if pool is None:
+        if scheduler is not None:
+            from .distributed import run_on_dask
+
+            run_on_dask(scheduler, store, [os.fspath(f) for f in files], done, verify_replicas, jobs)
+        elif pool is None:
             for f in files:
                 done(ingest_file(store, f, verify_replicas))
         else:
-            _run_pool(pool, store.location, [os.fspath(f) for f in files], done, verify_replicas)
+            _run_pool(pool, store, [os.fspath(f) for f in files], done, verify_replicas)
     store.assemble_ready(verify=verify_replicas)
     return store
 
@@ -255,9 +262,25 @@ def _warm_up() -> None:
     """Runs in a fresh worker: importing this module (to unpickle the call) is the warm-up."""
 
 
-def _run_pool(pool: ProcessPoolExecutor, location: str, files: Iterable[str], on_done: Callable[[Ingested], None],
+def _not_yet_done(store: Store, files: Sequence[str | os.PathLike[str]]) -> list[str | os.PathLike[str]]:
+    """The files whose rank is not committed yet from a file of the same name and size."""
+    done = {(rec["file"], rec["bytes"]) for rec in store.records().values()}
+    if not done:
+        return list(files)
+    return [f for f in files if (os.path.basename(os.fspath(f)), _size(f, store.storage_options)) not in done]
+
+
+def _size(path: str | os.PathLike[str], storage_options: StorageOptions) -> int:
+    if is_url(os.fspath(path)):
+        fs, fspath = filesystem(os.fspath(path), storage_options)
+        return int(fs.size(fspath))
+    return os.path.getsize(path)
+
+
+def _run_pool(pool: ProcessPoolExecutor, store: Store, files: Iterable[str], on_done: Callable[[Ingested], None],
               verify_replicas: bool) -> None:
-    pending: set[Future[Ingested]] = {pool.submit(_worker, location, f, verify_replicas) for f in files}
+    pending: set[Future[Ingested]] = {pool.submit(_worker, store.location, f, verify_replicas, store.storage_options)
+                                      for f in files}
     try:
         while pending:
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)

@@ -11,23 +11,10 @@ import os
 import secrets
 import zlib
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
-from ..store.backend import FileRange, Part, _copy_range
+from ..ranges import FileRange, Part, blocks, copy_range
 
-COPY_BLOCK = 16 << 20
-
-
-def blocks(parts: Iterable[Part], size: int = COPY_BLOCK) -> Iterator[bytes | memoryview]:
-    """Parts as in-memory blocks of at most `size` bytes (file ranges are read piece by piece)."""
-    for part in parts:
-        if isinstance(part, FileRange):
-            for off in range(part.offset, part.offset + part.length, size):
-                yield os.pread(part.fd, min(size, part.offset + part.length - off), off)
-        else:
-            view = memoryview(part).cast("B")
-            for off in range(0, len(view), size):
-                yield view[off:off + size]
 
 
 class OutputFile:
@@ -56,7 +43,7 @@ class OutputFile:
             return crc
         for part in parts:
             if isinstance(part, FileRange):
-                _copy_range(part, self.fd)
+                copy_range(part, self.fd)
                 self.pos += part.length
                 if self.progress:
                     self.progress(part.length)

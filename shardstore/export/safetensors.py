@@ -20,7 +20,8 @@ import numpy as np
 from .. import dtypes
 from ..errors import ExportError
 from ..store.store import Store
-from .output import OutputFile, blocks
+from ..ranges import blocks
+from .output import OutputFile
 from .resolve import ArrayRef, build, leaves
 
 CAST_BLOCK_BYTES = 16 << 20

@@ -12,7 +12,7 @@ import struct
 import zlib
 from typing import Iterable
 
-from ..store.backend import Part
+from ..ranges import Part
 from .output import OutputFile
 
 ALIGN = 64

@@ -1,7 +1,9 @@
 """The torch zip container, read without torch.
 
 `torch.save` writes a zip whose entries are all STORED (uncompressed) and 64-byte aligned, so every
-storage's bytes can be memory-mapped straight out of the file: nothing is copied until it is written.
+storage's bytes can be memory-mapped straight out of a local file: nothing is copied until it is written.
+A rank file in object storage is read with ranged requests instead: the central directory, each entry's
+local header, `data.pkl`, then only the storage byte ranges, block by block; never the whole file at once.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import CheckpointError
+from ..locations import StorageOptions, filesystem, is_url, local
+from ..ranges import FileRange, RemoteRange
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_MAGIC = b"PK\x03\x04"
@@ -29,23 +34,37 @@ class Entry:
 
 
 class TorchZip:
-    """An open rank file: its entries by record name and one read-only mmap over the whole file."""
+    """An open rank file: its entries by record name, over a read-only mmap (local) or ranged reads (URL)."""
 
-    def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike[str], storage_options: StorageOptions | None = None):
+        self.path = path if is_url(path) else Path(local(path))
+        self._map: mmap.mmap | None = None
+        self._remote: tuple[Any, str] | None = None
         try:
-            self._file = open(self.path, "rb")
+            if isinstance(self.path, Path):
+                self._file: Any = open(self.path, "rb")
+                self._size = os.fstat(self._file.fileno()).st_size
+            else:
+                fs, fspath = self._remote = filesystem(self.path, storage_options)
+                self._size = int(fs.size(fspath))
+                self._file = fs.open(fspath, "rb", block_size=1 << 16, cache_type="readahead")
         except FileNotFoundError:
             raise CheckpointError(f"{self.path}: no such file") from None
         except IsADirectoryError:
             raise CheckpointError(f"{self.path}: is a directory, not a rank file") from None
         try:
-            self._size = os.fstat(self._file.fileno()).st_size
             self.prefix, self.entries = self._index()
-            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if self._size else None
+            if isinstance(self.path, Path) and self._size:
+                self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
         except BaseException:
             self._file.close()
             raise
+
+    def _read(self, offset: int, length: int) -> bytes:
+        if self._remote is not None:
+            fs, fspath = self._remote
+            return fs.cat_file(fspath, start=offset, end=offset + length)
+        return os.pread(self._file.fileno(), length, offset)
 
     def _index(self) -> tuple[str, dict[str, Entry]]:
         try:
@@ -66,8 +85,7 @@ class TorchZip:
                 continue
             if zi.compress_type != zipfile.ZIP_STORED:
                 raise CheckpointError(f"{self.path}: record {zi.filename} is compressed; torch never writes that")
-            self._file.seek(zi.header_offset)
-            raw = self._file.read(_LOCAL_HEADER.size)
+            raw = self._read(zi.header_offset, _LOCAL_HEADER.size)
             if len(raw) < _LOCAL_HEADER.size or raw[:4] != _LOCAL_MAGIC:
                 raise CheckpointError(f"{self.path}: corrupt zip (bad local header for {zi.filename})")
             fields = _LOCAL_HEADER.unpack(raw)
@@ -78,18 +96,23 @@ class TorchZip:
         return prefix, entries
 
     def _looks_legacy(self) -> bool:
-        self._file.seek(0)
-        return self._file.read(2) == b"\x80\x02"
+        return self._read(0, 2) == b"\x80\x02"
 
     def record(self, name: str) -> memoryview:
-        """A zero-copy view of one record's bytes (e.g. "data.pkl", "data/3")."""
+        """One record's bytes (e.g. "data.pkl", "data/3"): a zero-copy view of the mmap when local."""
         try:
             entry = self.entries[name]
         except KeyError:
             raise CheckpointError(f"{self.path}: missing record {self.prefix}{name}") from None
-        if self._map is None:
-            return memoryview(b"")
-        return memoryview(self._map)[entry.offset: entry.offset + entry.size]
+        if self._map is not None:
+            return memoryview(self._map)[entry.offset: entry.offset + entry.size]
+        return memoryview(self._read(entry.offset, entry.size) if entry.size else b"")
+
+    def range(self, offset: int, length: int) -> FileRange | RemoteRange:
+        """A byte range of the file, for a writer to copy: kernel-side when local, ranged reads when not."""
+        if self._remote is not None:
+            return RemoteRange(self._read, offset, length)
+        return FileRange(self._file.fileno(), offset, length)
 
     def verify(self, name: str) -> None:
         """Check one record against the CRC-32 the zip stores for it (catches bit rot and torn copies)."""
@@ -99,9 +122,6 @@ class TorchZip:
     def storage_offset(self, key: str) -> int:
         """Absolute file offset of storage `key`: lets a writer copy it kernel-side (copy_file_range)."""
         return self.entries[f"data/{key}"].offset
-
-    def fileno(self) -> int:
-        return self._file.fileno()
 
     @property
     def size(self) -> int:

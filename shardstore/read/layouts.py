@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..locations import StorageOptions, filesystem, is_url, local
 
 RANK_FILE = re.compile(r"^(?P<tag>.*?)[-_.]?rank(?P<rank>\d+)\.pt$")
 
@@ -30,14 +31,38 @@ def _candidates(src: Path) -> list[Path]:
     return [p for p in top + below if RANK_FILE.match(p.name) and p.is_file()]
 
 
+def _remote_scan(src: str, storage_options: StorageOptions | None) -> dict[str, dict[int, Path]]:
+    """Rank files under a URL, grouped like local ones (object stores have no symlinks)."""
+    fs, base = filesystem(src, storage_options)
+    base = base.rstrip("/")
+    try:
+        found = fs.find(base, maxdepth=2)
+    except FileNotFoundError:
+        raise CheckpointError(f"{src}: no such folder") from None
+    protocol = src.split("://", 1)[0]
+    groups: dict[str, dict[int, Path]] = {}
+    for key in sorted(found):
+        rel = key[len(base):].lstrip("/")
+        name = rel.rsplit("/", 1)[-1]
+        m = RANK_FILE.match(name)
+        if not m:
+            continue
+        folder = rel.rsplit("/", 1)[0] if "/" in rel else ""
+        tag = m.group("tag")
+        group = folder if folder and (not tag or tag == folder) else tag
+        groups.setdefault(group, {})[int(m.group("rank"))] = f"{protocol}://{key}"  # type: ignore[assignment]
+    return groups
+
+
 def _group_of(path: Path, src: Path) -> str:
     tag = RANK_FILE.match(path.name).group("tag")  # type: ignore[union-attr]
     return path.parent.name if path.parent != src and (not tag or tag == path.parent.name) else tag
 
 
-def discover(src: str | os.PathLike[str], tag: str | None = None, step: int | None = None) -> list[Path]:
+def discover(src: str | os.PathLike[str], tag: str | None = None, step: int | None = None,
+             storage_options: StorageOptions | None = None) -> list[Path]:
     """The rank files of the one checkpoint in `src` (or the one `tag` or `step` names), ordered by rank."""
-    groups = scan(src, tag, step)
+    groups = scan(src, tag, step, storage_options)
     if not groups and step is not None:
         raise CheckpointError(f"{src}: no checkpoint of step {step} (looked for ba{step} / step{step})")
     if not groups and tag is not None:
@@ -51,9 +76,12 @@ def discover(src: str | os.PathLike[str], tag: str | None = None, step: int | No
     return [ranks[r] for r in sorted(ranks)]
 
 
-def scan(src: str | os.PathLike[str], tag: str | None = None, step: int | None = None) -> dict[str, dict[int, Path]]:
+def scan(src: str | os.PathLike[str], tag: str | None = None, step: int | None = None,
+         storage_options: StorageOptions | None = None) -> dict[str, dict[int, Path]]:
     """Rank files found in `src`, grouped by checkpoint (tag -> rank -> path); may be empty."""
-    src = Path(src)
+    if is_url(src):
+        return _filter(_remote_scan(str(src), storage_options), tag, step)
+    src = Path(local(src))
     if not src.exists():
         raise CheckpointError(f"{src}: no such directory")
     if not src.is_dir():
@@ -74,6 +102,10 @@ def scan(src: str | os.PathLike[str], tag: str | None = None, step: int | None =
         if rank in ranks:
             raise CheckpointError(f"{src}: two files claim rank {rank}: {ranks[rank]} and {path}")
         ranks[rank] = path
+    return _filter(groups, tag, step)
+
+
+def _filter(groups: dict[str, dict[int, Path]], tag: str | None, step: int | None) -> dict[str, dict[int, Path]]:
     if tag not in (None, "latest"):
         groups = {g: r for g, r in groups.items() if g == tag}
     if step is not None:

@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import CheckpointError
+from ..locations import StorageOptions
 from .container import TorchZip
 from .tree import Skeleton, flatten
 from .unpickle import ShardedTensor, TensorRef, load
@@ -120,9 +121,10 @@ def _sharded_leaf(st: ShardedTensor, where: str) -> ShardedLeaf:
     return ShardedLeaf(dtype, shape, pieces, md, where)
 
 
-def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr) -> RankFile:
-    """Open and unpickle one rank file (through the allowlist), leaving every tensor byte on disk."""
-    zf = TorchZip(path)
+def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr,
+                   storage_options: StorageOptions | None = None) -> RankFile:
+    """Open and unpickle one rank file (through the allowlist), leaving every tensor byte where it is."""
+    zf = TorchZip(path, storage_options)
     try:
         name = os.fspath(path)
         zf.verify("data.pkl")

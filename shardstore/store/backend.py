@@ -11,29 +11,19 @@ import errno
 import os
 import re
 import secrets
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Protocol, Union
+from typing import Iterable, Protocol
 
 import zarr.storage
 
 from ..errors import StoreError
-
-
-@dataclass(frozen=True)
-class FileRange:
-    """`length` bytes of an open file at `offset`: copied without passing through Python."""
-
-    fd: int
-    offset: int
-    length: int
-
-
-Part = Union[bytes, bytearray, memoryview, FileRange]
+from ..locations import StorageOptions, filesystem, is_url, local
+from ..ranges import BLOCK, FileRange, Part, blocks, copy_range
 
 
 class Backend(Protocol):
     root: str
+    storage_options: StorageOptions
 
     def read(self, key: str, start: int = 0, length: int | None = None) -> bytes: ...
     def write(self, key: str, parts: Iterable[Part], durable: bool = False) -> None: ...
@@ -59,29 +49,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _copy_range(src: FileRange, dst_fd: int) -> None:
-    offset, left = src.offset, src.length
-    while left:
-        try:
-            n = os.copy_file_range(src.fd, dst_fd, min(left, 1 << 30), offset)
-        except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            n = 0
-        if n == 0:  # not supported here (or a short source): fall back to plain reads
-            data = os.pread(src.fd, min(left, 16 << 20), offset)
-            if not data:
-                raise StoreError(f"source file ended {left} bytes early")
-            n = os.write(dst_fd, data)
-        offset += n
-        left -= n
-
-
 class LocalBackend:
     """A directory on a local (or network-mounted POSIX) file system."""
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = os.fspath(Path(root).absolute())
+        self.storage_options: StorageOptions = {}
 
     def _path(self, key: str) -> Path:
         return Path(self.root, key)
@@ -113,9 +86,10 @@ class LocalBackend:
         try:
             for part in parts:
                 if isinstance(part, FileRange):
-                    _copy_range(part, fd)
-                else:
-                    view = memoryview(part).cast("B")
+                    copy_range(part, fd)
+                    continue
+                for block in blocks([part]):
+                    view = memoryview(block).cast("B")
                     while view:
                         view = view[os.write(fd, view):]
             if durable:
@@ -187,5 +161,68 @@ class LocalBackend:
         return zarr.storage.LocalStore(self.root, read_only=read_only)
 
 
-def open_backend(location: str | os.PathLike[str]) -> Backend:
-    return LocalBackend(location)
+class FsspecBackend:
+    """Object storage (S3 and anything else fsspec reaches). A PUT is atomic (an object appears whole or
+    not at all), so writes need no rename, and a commit record written last is a commit record."""
+
+    def __init__(self, url: str, storage_options: StorageOptions | None = None):
+        self.root = url.rstrip("/")
+        self.storage_options = storage_options or {}
+        self.fs, self._base = filesystem(self.root, self.storage_options)
+        self._base = self._base.rstrip("/")
+
+    def _path(self, key: str) -> str:
+        return f"{self._base}/{key}" if key else self._base
+
+    def read(self, key: str, start: int = 0, length: int | None = None) -> bytes:
+        try:
+            return self.fs.cat_file(self._path(key), start=start, end=None if length is None else start + length)
+        except FileNotFoundError:
+            raise KeyError(key) from None
+
+    def write(self, key: str, parts: Iterable[Part], durable: bool = False) -> None:
+        f = self.fs.open(self._path(key), "wb", block_size=BLOCK)  # multipart: memory bounded by one block
+        try:
+            for block in blocks(parts):
+                f.write(block)
+        except BaseException:
+            discard = getattr(f, "discard", None)
+            if discard is not None:  # abort the multipart upload: nothing half-written ever appears
+                discard()
+            raise
+        f.close()
+
+    def exists(self, key: str) -> bool:
+        return bool(self.fs.exists(self._path(key)))
+
+    def size(self, key: str) -> int:
+        try:
+            return int(self.fs.size(self._path(key)))
+        except FileNotFoundError:
+            raise KeyError(key) from None
+
+    def list(self, prefix: str) -> list[str]:
+        try:
+            names = self.fs.ls(self._path(prefix), detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(f"{prefix.rstrip('/')}/{n.rstrip('/').rsplit('/', 1)[-1]}" for n in names)
+
+    def local_path(self, key: str) -> Path | None:
+        return None
+
+    def sync(self, keys: Iterable[str]) -> None:
+        """Nothing to do: an object is durable once its PUT returns."""
+
+    def sweep_temporaries(self) -> int:
+        return 0  # writes are never visible half-done, so nothing is left behind
+
+    def zarr_store(self, read_only: bool = True) -> zarr.abc.store.Store:
+        return zarr.storage.FsspecStore.from_url(self.root, storage_options=self.storage_options,
+                                                 read_only=read_only)
+
+
+def open_backend(location: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> Backend:
+    if is_url(os.fspath(location)):
+        return FsspecBackend(os.fspath(location), storage_options)
+    return LocalBackend(local(location))

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import google_crc32c
 import numpy as np
 
-from .backend import Part
+from ..ranges import Part
 
 EMPTY = 2**64 - 1
 GROUP_METADATA = json.dumps({"attributes": {}, "zarr_format": 3, "node_type": "group"}).encode()

@@ -26,7 +26,9 @@ import zarr
 
 from .. import dtypes
 from ..errors import CheckpointError, StoreError
-from .backend import Backend, FileRange, Part, open_backend
+from ..locations import StorageOptions
+from ..ranges import FileRange, Part, part_length
+from .backend import Backend, open_backend
 from .manifest import MANIFEST_KEY, ArrayEntry, Manifest
 from .handle import TensorHandle, decode_value
 from .shardfile import GROUP_METADATA, array_metadata, shard_parts
@@ -72,8 +74,8 @@ class Store:
 
     # ------------------------------------------------------------------ opening and creating
     @classmethod
-    def open(cls, location: str | os.PathLike[str]) -> "Store":
-        backend = open_backend(location)
+    def open(cls, location: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> "Store":
+        backend = open_backend(location, storage_options)
         try:
             raw = backend.read(MANIFEST_KEY)
         except KeyError:
@@ -87,11 +89,12 @@ class Store:
         return cls(backend, Manifest.from_json(data, str(location)))
 
     @classmethod
-    def create(cls, location: str | os.PathLike[str], manifest: Manifest) -> "Store":
+    def create(cls, location: str | os.PathLike[str], manifest: Manifest,
+               storage_options: StorageOptions | None = None) -> "Store":
         """Create the store for `manifest`, or open it if it exists and holds the same checkpoint layout."""
-        backend = open_backend(location)
+        backend = open_backend(location, storage_options)
         if backend.exists(MANIFEST_KEY):
-            store = cls.open(location)
+            store = cls.open(location, storage_options)
             store.check_compatible(manifest, str(location))
             return store
         groups = {"", *(p.rsplit("/", 1)[0] if "/" in p else "" for p in manifest.arrays)}
@@ -112,7 +115,7 @@ class Store:
                 raise StoreError(f"{location}: already holds a different array at {entry.path}; "
                                  f"use an empty folder for a new store")
         if backend.exists(MANIFEST_KEY):
-            store = cls.open(location)
+            store = cls.open(location, storage_options)
             store.check_compatible(manifest, str(location))
             return store
         backend.write(MANIFEST_KEY, [json.dumps(manifest.to_json()).encode()], durable=True)
@@ -133,7 +136,7 @@ class Store:
     def write_cell(self, plan: ArrayEntry, index: tuple[int, ...], data: list[Part], valid_rows: int) -> str:
         """Write one cell as a complete Zarr shard file; `data` are its valid rows' bytes in order."""
         itemsize = dtypes.info(plan.dtype).itemsize
-        nbytes = sum(p.length if isinstance(p, FileRange) else memoryview(p).nbytes for p in data)
+        nbytes = sum(part_length(p) for p in data)
         key = cell_key(plan.path, index)
         self.backend.write(key, shard_parts(data, nbytes, plan.cell, plan.chunk, valid_rows, itemsize))
         return key
@@ -365,6 +368,10 @@ class Store:
     @property
     def location(self) -> str:
         return self.backend.root
+
+    @property
+    def storage_options(self) -> StorageOptions:
+        return self.backend.storage_options
 
     def local_path(self) -> Path | None:
         return self.backend.local_path("")

@@ -1,0 +1,59 @@
+"""Ingestion on a Dask cluster: one task per rank file, each worker writing its shards into the shared store.
+
+The store must be reachable from every worker (object storage, or a shared file system); so must the rank
+files. A failed task ends the run with one line naming the rank file and the worker; since committed ranks
+are skipped, rerunning the same command retries only what is missing. A worker that dies mid-task is
+replaced and its task rerun by Dask: the task's writes are atomic and idempotent, so that is safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from typing import Callable
+
+from .errors import ShardstoreError
+from .ingest import Ingested, _worker
+from .locations import StorageOptions
+from .read.layouts import name_rank
+from .store.store import Store
+
+
+def _task(location: str, path: str, verify_replicas: bool, storage_options: StorageOptions) -> Ingested:
+    try:
+        return _worker(location, path, verify_replicas, storage_options)
+    except ShardstoreError as exc:
+        from distributed import get_worker
+
+        raise type(exc)(f"{exc} (on Dask worker {get_worker().address})") from None
+
+
+def run_on_dask(scheduler: str, store: Store, files: list[str], on_done: Callable[[Ingested], None],
+                verify_replicas: bool, jobs: int) -> None:
+    """`scheduler`: "dask" starts a LocalCluster of `jobs` worker processes; else a scheduler address."""
+    try:
+        from distributed import Client, LocalCluster, as_completed
+    except ImportError:
+        raise ShardstoreError("--scheduler needs Dask: pip install 'shardstore[dask]'") from None
+    with contextlib.ExitStack() as stack:
+        if scheduler == "dask":
+            cluster = stack.enter_context(LocalCluster(n_workers=jobs, threads_per_worker=1, processes=True,
+                                                       host="127.0.0.1", dashboard_address=None))
+            client = stack.enter_context(Client(cluster))
+        else:
+            try:
+                client = stack.enter_context(Client(scheduler, timeout="30s"))
+            except OSError as exc:
+                raise ShardstoreError(f"{scheduler}: cannot reach the Dask scheduler ({exc})") from None
+        run = uuid.uuid4().hex[:8]
+        futures = {client.submit(_task, store.location, f, verify_replicas, store.storage_options, pure=False,
+                                 retries=2, key=f"shardstore-ingest-rank{name_rank(f)}-{run}"): f for f in files}
+        for future in as_completed(futures):
+            try:
+                result = future.result()
+            except ShardstoreError:
+                raise
+            except Exception as exc:  # a worker died for good, or the task failed in a way we did not foresee
+                raise ShardstoreError(f"{futures[future]}: ingest task failed on Dask "
+                                      f"({type(exc).__name__}: {exc})") from None
+            on_done(result)

@@ -1,0 +1,76 @@
+"""Byte ranges and the parts writers take: in memory, a range of a local file, or a range of a remote one.
+
+Shared by every stage, so a writer never needs to know where its bytes come from: a local range is copied
+kernel-side (copy_file_range), a remote one is fetched in bounded blocks, memory is copied only once.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Union
+
+from .errors import StoreError
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """`length` bytes of an open local file at `offset`: copied kernel-side, never through Python."""
+
+    fd: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class RemoteRange:
+    """`length` bytes at `offset` of a remote object, fetched by ranged reads in bounded blocks."""
+
+    read: Callable[[int, int], bytes]  # (offset, length) -> bytes
+    offset: int
+    length: int
+
+
+Part = Union[bytes, bytearray, memoryview, FileRange, RemoteRange]
+BLOCK = 16 << 20
+
+
+def part_length(part: Part) -> int:
+    return part.length if isinstance(part, (FileRange, RemoteRange)) else memoryview(part).nbytes
+
+
+def blocks(parts: Iterable[Part], size: int = BLOCK) -> Iterator[bytes | memoryview]:
+    """Parts as in-memory blocks of at most `size` bytes: memory stays bounded whatever a part's size."""
+    for part in parts:
+        if isinstance(part, (FileRange, RemoteRange)):
+            for off in range(part.offset, part.offset + part.length, size):
+                n = min(size, part.offset + part.length - off)
+                data = os.pread(part.fd, n, off) if isinstance(part, FileRange) else part.read(off, n)
+                if len(data) != n:
+                    raise StoreError(f"source ended {part.offset + part.length - off - len(data)} bytes early")
+                yield data
+        else:
+            view = memoryview(part).cast("B")
+            for off in range(0, len(view), size):
+                yield view[off:off + size]
+
+
+def copy_range(src: FileRange, dst_fd: int) -> None:
+    offset, left = src.offset, src.length
+    while left:
+        try:
+            n = os.copy_file_range(src.fd, dst_fd, min(left, 1 << 30), offset)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            n = 0
+        if n == 0:  # not supported here (or a short source): fall back to plain reads
+            data = os.pread(src.fd, min(left, 16 << 20), offset)
+            if not data:
+                raise StoreError(f"source file ended {left} bytes early")
+            n = os.write(dst_fd, data)
+        offset += n
+        left -= n
+
+
