@@ -74,7 +74,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     `out_dir` is used and removed afterwards (same file system, so copies stay kernel-side)."""
     files = discover(src_dir, tag, step, storage_options)
     out = Path(out_dir)
-    location = Path(store) if store is not None else out / ".shardstore-scratch"
+    location = store if store is not None else out / ".shardstore-scratch"  # may be a URL: no Path()
     def all_ranks_present(st: Store) -> None:
         missing = missing_ranks(files, st.manifest.world_size)
         if missing:

@@ -52,6 +52,39 @@ def layout_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3 API server (moto, its own process) on loopback; AWS_* set so everything here uses it."""
+    from tests.fixtures.servers import S3Server
+
+    server = S3Server()
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+                                            "AWS_ENDPOINT_URL")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_ENDPOINT_URL=server.url)
+    yield server
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def upload(folder: Path, url: str) -> str:
+    """Copy a folder's rank files to an s3:// URL (bucket created if needed); returns the URL."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    bucket = url.removeprefix("s3://").split("/", 1)[0]
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    for f in sorted(folder.glob("rank*.pt")):
+        fs.put_file(str(f), f"{url.removeprefix('s3://')}/{f.name}")
+    fs.invalidate_cache()
+    return url
+
+
 def expected(folder: Path) -> dict[str, Any]:
     return torch.load(folder / "expected.pt.ref", weights_only=True)
 

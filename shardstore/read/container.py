@@ -50,26 +50,42 @@ class TorchZip:
                 self._file = fs.open(fspath, "rb", block_size=1 << 16, cache_type="readahead")
         except FileNotFoundError:
             raise CheckpointError(f"{self.path}: no such file") from None
+        except CheckpointError:
+            raise
+        except Exception as exc:  # a URL whose service cannot be reached
+            if isinstance(self.path, Path):
+                raise
+            raise CheckpointError(f"{self.path}: cannot open ({type(exc).__name__}: {str(exc)[:200]})") from None
         except IsADirectoryError:
             raise CheckpointError(f"{self.path}: is a directory, not a rank file") from None
         try:
             self.prefix, self.entries = self._index()
             if isinstance(self.path, Path) and self._size:
                 self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-        except BaseException:
+        except CheckpointError:
             self._file.close()
             raise
+        except Exception as exc:
+            self._file.close()
+            if isinstance(self.path, Path):
+                raise
+            raise CheckpointError(f"{self.path}: read failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                                  f"rerun to continue") from None
 
     def _read(self, offset: int, length: int) -> bytes:
-        if self._remote is not None:
-            fs, fspath = self._remote
+        if self._remote is None:
+            return os.pread(self._file.fileno(), length, offset)
+        fs, fspath = self._remote
+        try:
             return fs.cat_file(fspath, start=offset, end=offset + length)
-        return os.pread(self._file.fileno(), length, offset)
+        except Exception as exc:  # the service or the network failed mid-read
+            raise CheckpointError(f"{self.path}: read failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                                  f"rerun to continue") from None
 
     def _index(self) -> tuple[str, dict[str, Entry]]:
         try:
             infos = zipfile.ZipFile(self._file).infolist()
-        except zipfile.BadZipFile as exc:
+        except (zipfile.BadZipFile, ValueError) as exc:  # ValueError: a remote file too small to seek back in
             if self._size and self._looks_legacy():
                 raise CheckpointError(
                     f"{self.path}: a pre-1.6 (non-zip) torch.save file; re-save it with a newer torch"

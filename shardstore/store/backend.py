@@ -7,12 +7,13 @@ is what lets ingestion run at the speed of the disk.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
 import secrets
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 import zarr.storage
 
@@ -163,7 +164,8 @@ class LocalBackend:
 
 class FsspecBackend:
     """Object storage (S3 and anything else fsspec reaches). A PUT is atomic (an object appears whole or
-    not at all), so writes need no rename, and a commit record written last is a commit record."""
+    not at all), so writes need no rename, and a commit record written last is a commit record. Network
+    and service failures become one StoreError line; rerunning the command continues where it stopped."""
 
     def __init__(self, url: str, storage_options: StorageOptions | None = None):
         self.root = url.rstrip("/")
@@ -174,37 +176,42 @@ class FsspecBackend:
     def _path(self, key: str) -> str:
         return f"{self._base}/{key}" if key else self._base
 
-    def read(self, key: str, start: int = 0, length: int | None = None) -> bytes:
+    def _call(self, key: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return self.fs.cat_file(self._path(key), start=start, end=None if length is None else start + length)
+            return fn(*args, **kwargs)
         except FileNotFoundError:
             raise KeyError(key) from None
+        except Exception as exc:  # botocore, aiohttp, OSError...: the service or the network failed
+            raise StoreError(f"{self.root}: {key or 'store'}: object storage failed ({type(exc).__name__}: "
+                             f"{str(exc)[:200]}); nothing half-written was kept, rerun to continue") from None
+
+    def read(self, key: str, start: int = 0, length: int | None = None) -> bytes:
+        return self._call(key, self.fs.cat_file, self._path(key), start=start,
+                          end=None if length is None else start + length)
 
     def write(self, key: str, parts: Iterable[Part], durable: bool = False) -> None:
-        f = self.fs.open(self._path(key), "wb", block_size=BLOCK)  # multipart: memory bounded by one block
+        f = self._call(key, self.fs.open, self._path(key), "wb", block_size=BLOCK)  # multipart: one block in memory
         try:
             for block in blocks(parts):
-                f.write(block)
+                self._call(key, f.write, block)
+            self._call(key, f.close)
         except BaseException:
             discard = getattr(f, "discard", None)
             if discard is not None:  # abort the multipart upload: nothing half-written ever appears
-                discard()
+                with contextlib.suppress(Exception):
+                    discard()
             raise
-        f.close()
 
     def exists(self, key: str) -> bool:
-        return bool(self.fs.exists(self._path(key)))
+        return bool(self._call(key, self.fs.exists, self._path(key)))
 
     def size(self, key: str) -> int:
-        try:
-            return int(self.fs.size(self._path(key)))
-        except FileNotFoundError:
-            raise KeyError(key) from None
+        return int(self._call(key, self.fs.size, self._path(key)))
 
     def list(self, prefix: str) -> list[str]:
         try:
-            names = self.fs.ls(self._path(prefix), detail=False, refresh=True)
-        except FileNotFoundError:
+            names = self._call(prefix, self.fs.ls, self._path(prefix), detail=False, refresh=True)
+        except KeyError:
             return []
         return sorted(f"{prefix.rstrip('/')}/{n.rstrip('/').rsplit('/', 1)[-1]}" for n in names)
 

@@ -1,0 +1,68 @@
+"""Ingestion on a real Dask cluster (worker processes over TCP on loopback) into a store on S3."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+import shardstore
+from shardstore.errors import CheckpointError
+from tests.conftest import assert_bitwise_equal, expected, upload
+
+
+@pytest.fixture
+def cluster(s3):
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as c, Client(c) as client:
+        yield c, client
+
+
+def test_eight_ranks_on_two_workers_one_killed_mid_run(cluster, checkpoints, tmp_path: Path) -> None:
+    c, client = cluster
+    src = checkpoints(8)
+    url = upload(src, "s3://ckpt-c/run")
+    killed: list[int] = []
+
+    def kill_a_worker_once(result: object) -> None:
+        if not killed:
+            pids = client.run(os.getpid)  # {worker address: pid}
+            pid = sorted(pids.values())[0]
+            os.kill(pid, signal.SIGKILL)  # mid-run: the other tasks are queued or running
+            killed.append(pid)
+
+    store = shardstore.ingest("s3://ckpt-c/store", [f"{url}/rank{r}.pt" for r in range(8)],
+                              scheduler=c.scheduler_address, on_done=kill_a_worker_once)
+    assert killed
+    assert store.status().ok and store.status().ranks_done == list(range(8))
+    shardstore.export(store, tmp_path / "out")
+    assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), expected(src)["model"])
+
+
+def test_a_failing_task_names_the_rank_file_and_the_worker(cluster, checkpoints, tmp_path: Path) -> None:
+    import s3fs
+
+    c, _ = cluster
+    src = checkpoints(3)
+    url = upload(src, "s3://ckpt-d/run")
+    s3fs.S3FileSystem().pipe(f"{url.removeprefix('s3://')}/rank1.pt", b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"rank1.pt: not a torch checkpoint.*on Dask worker tcp://127\.0\.0\.1"):
+        shardstore.ingest("s3://ckpt-d/store", [f"{url}/rank{r}.pt" for r in range(3)], scheduler=c.scheduler_address)
+    # Tasks already running on a worker when the run stopped still finish: wait until nothing changes.
+    status, previous = shardstore.open("s3://ckpt-d/store").status(), None
+    while previous is None or status.ranks_done != previous.ranks_done:
+        time.sleep(2)
+        previous, status = status, shardstore.open("s3://ckpt-d/store").status()
+    assert 1 in status.ranks_missing
+    upload(src, url)  # the real rank1.pt arrives; the rerun takes only what is missing
+    done: list[int] = []
+    store = shardstore.ingest("s3://ckpt-d/store", [f"{url}/rank{r}.pt" for r in range(3)],
+                              scheduler=c.scheduler_address, on_done=lambda r: done.append(r.rank))
+    assert store.status().ok and sorted(done) == status.ranks_missing
+    assert_bitwise_equal(store["model/wte.weight"][0:400], expected(src)["model"]["wte.weight"][0:400])
