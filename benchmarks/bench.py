@@ -30,6 +30,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -46,12 +47,13 @@ class Scenario:
     olmo: bool = True
     olmo_timeout: float = 3600.0
     show_key: str = "model/transformer.wte.weight"
+    s3: bool = False  # also ingest from (and into) a local S3 API server
 
 
 SCENARIOS = {
     "w8": Scenario("olmo-d1024-l28-w8", 8, ModelSpec(1024, 28)),
-    "w256": Scenario("olmo-d320-l4-w256", 256, ModelSpec(320, 4)),
-    "w1024": Scenario("olmo-d320-l1-w1024", 1024, ModelSpec(320, 1)),
+    "w256": Scenario("olmo-d320-l4-w256", 256, ModelSpec(320, 4), s3=True),
+    "w1024": Scenario("olmo-d320-l1-w1024", 1024, ModelSpec(320, 1), olmo_timeout=1800.0),
     # OLMo's unsharder needs ~2.2x the checkpoint in RAM: more than this machine's 24 GB.
     "large": Scenario("olmo-d2048-l16-w8", 8, ModelSpec(2048, 16), olmo=False),
 }
@@ -137,6 +139,8 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool) -> list[Result]:
     fresh()
     run("shardstore unshard torch", [*shardstore, "unshard", str(ckpt), str(work / "pt"), "--format", "torch", "-q"])
     fresh()
+    if sc.s3:
+        run_s3(sc, ckpt, files, run)
     if with_olmo and sc.olmo:
         olmo = [sys.executable, str(HERE / "olmo_baseline.py"), str(ckpt), str(work / "olmo")]
         env = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
@@ -152,6 +156,34 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool) -> list[Result]:
     for r in results:
         r.note = r.note or ""
     return results
+
+
+def run_s3(sc: Scenario, ckpt: Path, files: list[Path], run: Callable[..., str]) -> None:
+    """`shardstore ingest` with rank files and store on a local S3 API server (moto, its own process)."""
+    import socket
+
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "s3fs", "moto[server]"], check=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    try:
+        upload = ("import s3fs, sys; fs = s3fs.S3FileSystem(); fs.mkdir('bench'); "
+                  "[fs.put_file(f, 'bench/ckpt/' + f.rsplit('/', 1)[-1]) for f in sys.argv[1:]]")
+        time.sleep(2)
+        subprocess.run([sys.executable, "-c", upload, *map(str, files)], check=True, env={**os.environ, **env})
+        urls = [f"s3://bench/ckpt/{f.name}" for f in files]
+        run("shardstore ingest (S3 -> S3)", [sys.executable, "-m", "shardstore.cli", "ingest", "s3://bench/store",
+                                             *urls, "-q"], env, note="moto S3 server on loopback")
+    finally:
+        server.terminate()
+        server.wait()
 
 
 def table(results: list[Result], sizes: dict[str, int]) -> str:

@@ -234,18 +234,26 @@ def watch(store: str, src: str, expect: int | None, timeout: float | None, tag: 
     click.echo(f"{store}: complete, {st.manifest.world_size} ranks")
 
 
-@main.command()
-@click.argument("store", type=click.Path())
-def status(store: str) -> None:
-    """What STORE holds and lacks; exit status 0 only when it is complete enough to export."""
+def _summary(store: str) -> tuple[Any, Any, list[str]]:
+    """(store, status, the lines that describe both): what `status` and `ls` start with."""
     st = api.open(store, _options())
     s = st.status()
     m = st.manifest
     replicas = m.extra.get("replicas", 1)
-    click.echo(f"layout: {m.layout}")
-    click.echo(f"world size: {m.world_size}" + (f" ({replicas} replica groups of {m.extra['group_size']})" if replicas > 1 else ""))
-    click.echo(f"ranks ingested: {len(s.ranks_done)}/{m.world_size}" + (f"; missing: {_ranks(s.ranks_missing)}" if s.ranks_missing else ""))
-    click.echo(f"tensors complete: {len(s.complete)}/{len(m.arrays)}")
+    return st, s, [f"layout: {m.layout}",
+                   f"world size: {m.world_size}" + (f" ({replicas} replica groups of {m.extra['group_size']})"
+                                                    if replicas > 1 else ""),
+                   f"ranks ingested: {len(s.ranks_done)}/{m.world_size}"
+                   + (f"; missing: {_ranks(s.ranks_missing)}" if s.ranks_missing else "")]
+
+
+@main.command()
+@click.argument("store", type=click.Path())
+def status(store: str) -> None:
+    """What STORE holds and lacks; exit status 0 only when it is complete enough to export."""
+    st, s, lines = _summary(store)
+    click.echo("\n".join(lines))
+    click.echo(f"tensors complete: {len(s.complete)}/{len(st.manifest.arrays)}")
     for path, frac in list(s.partial.items())[:20]:
         click.echo(f"  partial: {path} ({frac:.0%})")
     if len(s.partial) > 20:
@@ -314,14 +322,9 @@ def parse_selection(text: str) -> tuple[Any, ...]:
 @click.argument("store", type=click.Path())
 def ls(store: str) -> None:
     """List STORE: layout, ranks, and every key with its shape, dtype and completeness."""
-    st = api.open(store, _options())
-    status = st.status()
+    st, status, lines = _summary(store)
     m = st.manifest
-    replicas = m.extra.get("replicas", 1)
-    groups = f"   replica groups: {replicas} x {m.extra.get('group_size')} ranks" if replicas > 1 else ""
-    click.echo(f"layout: {m.layout}   world size: {m.world_size}{groups}   ranks ingested: "
-               f"{len(status.ranks_done)}/{m.world_size}" + ("" if not status.ranks_missing else
-                                                             f" (missing {_ranks(status.ranks_missing)})"))
+    click.echo("   ".join(lines))
     width = max((len(k) for k in st.keys()), default=0)
     for key in st.keys():
         entry = m.arrays.get(key)

@@ -4,6 +4,8 @@ two steps in one folder with latest-* symlinks, and a pickle as torch 1.x / nump
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,9 @@ def test_composer_hsdp_unshards_bit_exactly(composer: Path, tmp_path: Path) -> N
     got = load_file(tmp_path / "hf" / "model.safetensors")
     assert_bitwise_equal(got, {k.removeprefix("model."): v for k, v in want["model"].items()})
 
+    ls = subprocess.run([sys.executable, "-m", "shardstore.cli", "ls", str(tmp_path / "store")], capture_output=True,
+                        text=True)
+    assert "layout: composer   world size: 8 (2 replica groups of 4)   ranks ingested: 8/8" in ls.stdout
     store = shardstore.open(tmp_path / "store")
     assert store.manifest.layout == "composer"
     assert store.manifest.extra == {"group_size": 4, "replicas": 2}
