@@ -53,7 +53,7 @@ class Scenario:
 SCENARIOS = {
     "w8": Scenario("olmo-d1024-l28-w8", 8, ModelSpec(1024, 28)),
     "w256": Scenario("olmo-d320-l4-w256", 256, ModelSpec(320, 4), s3=True),
-    "w1024": Scenario("olmo-d320-l1-w1024", 1024, ModelSpec(320, 1), olmo_timeout=1800.0),
+    "w1024": Scenario("olmo-d320-l1-w1024", 1024, ModelSpec(320, 1), olmo_timeout=900.0),
     # OLMo's unsharder needs ~2.2x the checkpoint in RAM: more than this machine's 24 GB.
     "large": Scenario("olmo-d2048-l16-w8", 8, ModelSpec(2048, 16), olmo=False),
 }
@@ -129,7 +129,7 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool) -> list[Result]:
     run("cp -r + sync", ["sh", "-c", f"cp -r {ckpt} {work / 'copy'} && sync"])
     fresh()
     run("shardstore ingest", [*shardstore, "ingest", str(work / "store"), *map(str, files), "-q"])
-    show = [sys.executable, str(HERE / "show_io.py"), str(work / "store"), sc.show_key, "--slice", "1000:1004"]
+    show = [sys.executable, str(HERE / "show_io.py"), "show", str(work / "store"), sc.show_key, "--slice", "1000:1004"]
     err = run("shardstore show (4-row slice)", show)
     if err:
         results[-1].note = next((line for line in err.splitlines() if line.startswith("bytes read")), "")

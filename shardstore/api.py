@@ -38,14 +38,16 @@ def ingest(store: PathLike, files: Sequence[PathLike], jobs: int | None = None,
 def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensors", select: str | None = None,
            strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
            progress: Callable[[int], None] | None = None, allow_partial: bool = False,
-           storage_options: StorageOptions | None = None) -> _export.ExportResult:
+           storage_options: StorageOptions | None = None, scheduler: str | None = None,
+           jobs: int | None = None) -> _export.ExportResult:
     """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style) or `"torch"`.
 
     An incomplete store is refused unless `allow_partial` (holes become NaN, or zero for integers, and the
     output's metadata says so)."""
     st = store if isinstance(store, Store) else Store.open(store, storage_options)
     return _export.export(st, out_dir, format=format, select=select, strip_prefix=strip_prefix, dtype=dtype,
-                          max_shard_size=max_shard_size, progress=progress, allow_partial=allow_partial)
+                          max_shard_size=max_shard_size, progress=progress, allow_partial=allow_partial,
+                          scheduler=scheduler, jobs=jobs or _ingest.default_jobs())
 
 
 def watch(store: PathLike, src_dir: PathLike, expect: int | None = None, timeout: float | None = None,
@@ -82,9 +84,20 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
                                   f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
 
     try:
+        def exported_subtree(st: Store) -> str | None:
+            # A scratch store only feeds this export: for safetensors, write just the tensors it takes
+            # (the model, not the optimizer state, which is usually twice its size).
+            if store is not None or export_options.get("format", "safetensors") != "safetensors":
+                return None
+            select = export_options.get("select")
+            return str(select) if select is not None else _export.model_subtree(st)
+
         st = _ingest.ingest(location, files, jobs=jobs, on_done=on_ingested, verify_replicas=verify_replicas,
-                            on_created=all_ranks_present, storage_options=storage_options, scheduler=scheduler)
-        return export(st, out, **export_options)  # type: ignore[arg-type]
+                            on_created=all_ranks_present, storage_options=storage_options, scheduler=scheduler,
+                            only=exported_subtree)
+        fmt_is_safetensors = export_options.get("format", "safetensors") == "safetensors"
+        return export(st, out, scheduler=scheduler if fmt_is_safetensors else None, jobs=jobs,
+                      **export_options)  # type: ignore[arg-type]
     finally:
         if store is None:  # a scratch store is never left behind, finished or not (it is always local)
             shutil.rmtree(location, ignore_errors=True)

@@ -97,8 +97,9 @@ _quiet = click.option("--quiet", "-q", is_flag=True, help="No progress bars (for
 _verify = click.option("--verify-replicas", is_flag=True,
                        help="Hybrid sharding: check every replica group's copy of a shard is bit-identical.")
 _scheduler = click.option("--scheduler", default=None, metavar="ADDRESS",
-                          help="Run one task per rank file on Dask: a scheduler address (tcp://host:8786), or "
-                               "'dask' for a local cluster of --jobs worker processes.")
+                          help="Run on Dask, one task per rank file (ingest) or per safetensors file (export): a "
+                               "scheduler address (tcp://host:8786), or 'dask' for a local cluster of --jobs "
+                               "worker processes.")
 _jobs = click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
                      help="Worker processes, one rank file each at a time [default: number of cores].")
 
@@ -154,15 +155,18 @@ def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, scheduler:
 @_export_options
 @click.option("--allow-partial", is_flag=True,
               help="Export an incomplete store: holes become NaN (zero for integers), recorded in the output.")
+@_scheduler
+@_jobs
 @_quiet
 def export(store: str, out: str, fmt: str, select: str | None, strip_prefix: str | None, dtype: str | None,
-           max_shard_size: int, allow_partial: bool, quiet: bool) -> None:
+           max_shard_size: int, allow_partial: bool, scheduler: str | None, jobs: int | None, quiet: bool) -> None:
     """Export the unsharded checkpoint in STORE to the folder OUT."""
     st = api.open(store, _options())
     total = sum(a.nbytes for a in st.manifest.arrays.values())
     with _bar(quiet, total, "export") as update:
         result = api.export(st, out, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
-                            max_shard_size=max_shard_size, progress=update, allow_partial=allow_partial)
+                            max_shard_size=max_shard_size, progress=update, allow_partial=allow_partial,
+                            storage_options=_options(), scheduler=scheduler, jobs=jobs)
     if result.partial:
         click.echo(f"warning: partial export: ranks {result.partial['shardstore_missing_ranks'] or 'none'} missing, "
                    f"holes filled with NaN/zero in {len(result.partial['shardstore_incomplete_tensors'].split(','))} "

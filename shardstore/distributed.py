@@ -10,27 +10,33 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
 from .errors import ShardstoreError
 from .ingest import Ingested, _worker
 from .locations import StorageOptions
-from .read.layouts import name_rank
 from .store.store import Store
 
 
-def _task(location: str, path: str, verify_replicas: bool, storage_options: StorageOptions) -> Ingested:
+def _task(location: str, path: str, verify_replicas: bool, storage_options: StorageOptions,
+          only: str | None) -> Ingested:
+    return _worker(location, path, verify_replicas, storage_options, only)
+
+
+def _named(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a task; a user-facing error says which worker it happened on."""
     try:
-        return _worker(location, path, verify_replicas, storage_options)
+        return fn(*args)
     except ShardstoreError as exc:
         from distributed import get_worker
 
         raise type(exc)(f"{exc} (on Dask worker {get_worker().address})") from None
 
 
-def run_on_dask(scheduler: str, store: Store, files: list[str], on_done: Callable[[Ingested], None],
-                verify_replicas: bool, jobs: int) -> None:
-    """`scheduler`: "dask" starts a LocalCluster of `jobs` worker processes; else a scheduler address."""
+def run_tasks(scheduler: str, jobs: int, fn: Callable[..., Any], args: list[tuple], names: list[str],
+              on_done: Callable[[Any], None]) -> None:
+    """Run fn(*a) for every a in `args` as Dask tasks; `scheduler` is an address or "dask" (a LocalCluster
+    of `jobs` worker processes). Results reach `on_done` as they come; the first failure ends the run."""
     try:
         from distributed import Client, LocalCluster, as_completed
     except ImportError:
@@ -46,14 +52,21 @@ def run_on_dask(scheduler: str, store: Store, files: list[str], on_done: Callabl
             except OSError as exc:
                 raise ShardstoreError(f"{scheduler}: cannot reach the Dask scheduler ({exc})") from None
         run = uuid.uuid4().hex[:8]
-        futures = {client.submit(_task, store.location, f, verify_replicas, store.storage_options, pure=False,
-                                 retries=2, key=f"shardstore-ingest-rank{name_rank(f)}-{run}"): f for f in files}
+        futures = {client.submit(_named, fn, *a, pure=False, retries=2, key=f"shardstore-{name}-{run}"): name
+                   for a, name in zip(args, names)}
         for future in as_completed(futures):
             try:
                 result = future.result()
             except ShardstoreError:
                 raise
             except Exception as exc:  # a worker died for good, or the task failed in a way we did not foresee
-                raise ShardstoreError(f"{futures[future]}: ingest task failed on Dask "
-                                      f"({type(exc).__name__}: {exc})") from None
+                raise ShardstoreError(f"{futures[future]}: task failed on Dask ({type(exc).__name__}: {exc})") from None
             on_done(result)
+
+
+def run_on_dask(scheduler: str, store: Store, files: list[str], on_done: Callable[[Ingested], None],
+                verify_replicas: bool, jobs: int, only: str | None = None) -> None:
+    """One ingest task per rank file."""
+    args = [(store.location, f, verify_replicas, store.storage_options, only) for f in files]
+    names = [f"ingest-{f.rsplit('/', 1)[-1]}" for f in files]
+    run_tasks(scheduler, jobs, _task, args, names, on_done)

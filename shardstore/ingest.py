@@ -118,17 +118,23 @@ def _encode_tensor(store: Store, rf: RankFile, written: list[str]) -> Callable[[
     return encode
 
 
-def ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: bool = False) -> Ingested:
+def under(path: str, subtree: str | None) -> bool:
+    return subtree is None or subtree == "" or path == subtree or path.startswith(subtree.rstrip("/") + "/")
+
+
+def ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: bool = False,
+                only: str | None = None) -> Ingested:
     """Ingest one rank file into an existing store: the whole job of one worker.
 
     Under hybrid sharding every shard exists once per replica group: the first copy to arrive is written,
-    later ones are skipped (or, with `verify_replicas`, compared bit for bit).
+    later ones are skipped (or, with `verify_replicas`, compared bit for bit). With `only`, tensors outside
+    that subtree are not written (values still are): for a scratch store that only feeds one export.
     """
     with gc_paused():
-        return _ingest_file(store, path, verify_replicas)
+        return _ingest_file(store, path, verify_replicas, only)
 
 
-def _ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: bool) -> Ingested:
+def _ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: bool, only: str | None) -> Ingested:
     rf = read_rank_file(path, encode_key=values.encode, storage_options=store.storage_options)
     try:
         _check_against(store, rf)
@@ -144,6 +150,8 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: bo
             entry = store.manifest.arrays.get(leaf_path)
             if entry is None:
                 objects[leaf_path] = values.encode(leaf, tensor=encode_tensor)
+                continue
+            if not under(leaf_path, only):
                 continue
             if entry.replicated:
                 leaf = ShardedLeaf(entry.dtype, entry.shape, [LocalPiece((0,) * len(entry.shape), entry.shape, leaf)])
@@ -182,13 +190,14 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: bo
 _WORKER_STORES: dict[str, Store] = {}
 
 
-def _worker(location: str, path: str, verify_replicas: bool, storage_options: StorageOptions | None = None) -> Ingested:
+def _worker(location: str, path: str, verify_replicas: bool, storage_options: StorageOptions | None = None,
+            only: str | None = None) -> Ingested:
     """One task: a worker process (or a Dask worker) ingests one rank file."""
     key = f"{location} {sorted((storage_options or {}).items())}"
     store = _WORKER_STORES.get(key)
     if store is None:
         store = _WORKER_STORES[key] = Store.open(location, storage_options)
-    return ingest_file(store, path, verify_replicas)
+    return ingest_file(store, path, verify_replicas, only)
 
 
 def create_store(location: str | os.PathLike[str], first_file: str | os.PathLike[str],
@@ -208,7 +217,7 @@ def default_jobs() -> int:
 def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[str]], jobs: int | None = None,
            on_done: Callable[[Ingested], None] | None = None, verify_replicas: bool = False,
            on_created: Callable[[Store], None] | None = None, storage_options: StorageOptions | None = None,
-           scheduler: str | None = None) -> Store:
+           scheduler: str | None = None, only: Callable[[Store], str | None] | None = None) -> Store:
     """Ingest rank files into the store at `location` (created from the first file if it does not exist).
 
     `jobs` worker processes (default: one per core) each take one file at a time; with jobs=1 everything
@@ -216,6 +225,7 @@ def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[s
     `on_created` sees the store before any rank is ingested (and may refuse it by raising). Ranks already
     committed from a file of the same name and size are skipped, so a rerun does only what is missing.
     With `scheduler` ("dask" for a local cluster, or a scheduler address) the ranks run as Dask tasks.
+    `only(store)` may name the one subtree whose tensors to write (see `ingest_file`).
     """
     if not files:
         raise CheckpointError("no rank files to ingest")
@@ -232,6 +242,7 @@ def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[s
             on_created(store)
         store.sweep_temporaries()  # what writers killed mid-write left behind
         files = _not_yet_done(store, files)
+        subtree = only(store) if only else None
         seen: dict[int, str] = {}
 
         def done(result: Ingested) -> None:
@@ -244,12 +255,12 @@ def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[s
         if scheduler is not None:
             from .distributed import run_on_dask
 
-            run_on_dask(scheduler, store, [os.fspath(f) for f in files], done, verify_replicas, jobs)
+            run_on_dask(scheduler, store, [os.fspath(f) for f in files], done, verify_replicas, jobs, subtree)
         elif pool is None:
             for f in files:
-                done(ingest_file(store, f, verify_replicas))
+                done(ingest_file(store, f, verify_replicas, subtree))
         else:
-            _run_pool(pool, store, [os.fspath(f) for f in files], done, verify_replicas)
+            _run_pool(pool, store, [os.fspath(f) for f in files], done, verify_replicas, subtree)
     store.assemble_ready(verify=verify_replicas)
     return store
 
@@ -278,9 +289,9 @@ def _size(path: str | os.PathLike[str], storage_options: StorageOptions) -> int:
 
 
 def _run_pool(pool: ProcessPoolExecutor, store: Store, files: Iterable[str], on_done: Callable[[Ingested], None],
-              verify_replicas: bool) -> None:
-    pending: set[Future[Ingested]] = {pool.submit(_worker, store.location, f, verify_replicas, store.storage_options)
-                                      for f in files}
+              verify_replicas: bool, only: str | None) -> None:
+    pending: set[Future[Ingested]] = {pool.submit(_worker, store.location, f, verify_replicas, store.storage_options,
+                                                  only) for f in files}
     try:
         while pending:
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)

@@ -92,3 +92,25 @@ def test_safetensors_options(checkpoints, tmp_path: Path) -> None:
     shardstore.export(store, tmp_path / "optim", select="optim/state/wte.weight")
     got = load_file(tmp_path / "optim" / "model.safetensors")
     assert_bitwise_equal(got, {k: v for k, v in expected(src)["optim"]["state"]["wte.weight"].items()})
+
+
+def test_unshard_to_safetensors_writes_only_the_model_into_its_scratch_store(checkpoints, tmp_path: Path) -> None:
+    from shardstore import api
+
+    src = checkpoints(2)
+    seen: list[str] = []
+    original = api._ingest.ingest
+
+    def spy(*args, **kwargs):  # the real ingest; we only look at the store it leaves before export
+        store = original(*args, **kwargs)
+        seen.extend(sorted(store.status().partial))
+        return store
+
+    api._ingest.ingest = spy
+    try:
+        shardstore.unshard(src, tmp_path / "out")
+    finally:
+        api._ingest.ingest = original
+    assert seen and all(p.startswith("optim/") for p in seen)  # optimizer tensors were never written
+    assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), expected(src)["model"])
+    assert not (tmp_path / "out" / ".shardstore-scratch").exists()

@@ -66,3 +66,22 @@ def test_a_failing_task_names_the_rank_file_and_the_worker(cluster, checkpoints,
                               scheduler=c.scheduler_address, on_done=lambda r: done.append(r.rank))
     assert store.status().ok and sorted(done) == status.ranks_missing
     assert_bitwise_equal(store["model/wte.weight"][0:400], expected(src)["model"]["wte.weight"][0:400])
+
+
+def test_export_one_task_per_safetensors_file(cluster, checkpoints, tmp_path: Path) -> None:
+    import json
+
+    c, client = cluster
+    src = checkpoints(3)
+    url = upload(src, "s3://ckpt-e/run")
+    store = shardstore.ingest("s3://ckpt-e/store", [f"{url}/rank{r}.pt" for r in range(3)], scheduler=c.scheduler_address)
+    result = shardstore.export(store, tmp_path / "out", max_shard_size=400_000, scheduler=c.scheduler_address)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 2 and [p.name for p in result.files] == shards + ["model.safetensors.index.json"]
+    merged = {}
+    for name in shards:
+        merged.update(load_file(tmp_path / "out" / name))
+    assert_bitwise_equal(merged, expected(src)["model"])
+    tasks = client.run_on_scheduler(lambda dask_scheduler: [k for k in dask_scheduler.task_prefixes])
+    assert "shardstore-export" in " ".join(tasks)

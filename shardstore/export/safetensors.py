@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -41,8 +42,6 @@ class _Item:
 
 def collect(store: Store, node: dict[str, Any], strip_prefix: str | None, cast: str | None) -> tuple[list[_Item], list[str]]:
     """The tensors below `node` with their output keys, and the non-tensor leaves that were left out."""
-    import torch
-
     items, skipped, seen = [], [], set()
     for keys, path in leaves(node):
         key = ".".join(str(k) for k in keys)
@@ -54,7 +53,8 @@ def collect(store: Store, node: dict[str, Any], strip_prefix: str | None, cast: 
             dtype, shape = entry.dtype, entry.shape
         else:
             source = build(store, {"t": "leaf", "p": path})
-            if not isinstance(source, torch.Tensor):
+            torch = sys.modules.get("torch")  # decoding a plain tensor imports torch; nothing else needs it
+            if torch is None or not isinstance(source, torch.Tensor):
                 skipped.append(path)
                 continue
             dtype, shape = str(source.dtype).removeprefix("torch."), tuple(source.shape)
@@ -83,9 +83,9 @@ def _header(items: list[_Item], metadata: dict[str, str]) -> bytes:
 
 
 def _tensor_bytes(store: Store, it: _Item, allow_partial: bool) -> Iterator[Any]:
-    import torch
+    if not isinstance(it.source, ArrayRef):  # a plain tensor decoded from the store (so torch is loaded)
+        import torch
 
-    if isinstance(it.source, torch.Tensor):
         t = it.source.to(getattr(torch, it.dtype)).contiguous()
         if t.numel():
             yield t.reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -118,22 +118,46 @@ def _split(items: list[_Item], max_shard_size: int) -> list[list[_Item]]:
     return files
 
 
+def write_file(store: Store, path: Path, group: list[_Item], partial: dict[str, str] | None,
+               progress: Callable[[int], None] | None = None) -> Path:
+    """One safetensors file: header first, then every tensor streamed from the store."""
+    with OutputFile(path, progress) as out:
+        out.write(_header(group, partial or {}))
+        for it in group:
+            out.write_parts(_tensor_bytes(store, it, partial is not None))
+    return path
+
+
+def _write_file_task(location: str, storage_options: dict[str, Any], path: str, group: list[_Item],
+                     partial: dict[str, str] | None) -> Path:
+    return write_file(Store.open(location, storage_options), Path(path), group, partial)
+
+
 def export_safetensors(store: Store, out_dir: Path, node: dict[str, Any], strip_prefix: str | None = None,
                        cast: str | None = None, max_shard_size: int = 5_000_000_000,
-                       progress: Callable[[int], None] | None = None,
-                       partial: dict[str, str] | None = None) -> tuple[list[Path], list[str]]:
-    """Write the tensors below `node`. `partial` (metadata describing holes) allows an incomplete store."""
+                       progress: Callable[[int], None] | None = None, partial: dict[str, str] | None = None,
+                       scheduler: str | None = None, jobs: int = 1) -> tuple[list[Path], list[str]]:
+    """Write the tensors below `node`. `partial` (metadata describing holes) allows an incomplete store.
+
+    With `scheduler`, each output file is one Dask task (OUT must be reachable from the workers).
+    """
     items, skipped = collect(store, node, strip_prefix, cast)
     groups = _split(items, max_shard_size)
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
-    written = []
-    for name, group in zip(names, groups):
-        with OutputFile(out_dir / name, progress) as out:
-            out.write(_header(group, partial or {}))
-            for it in group:
-                out.write_parts(_tensor_bytes(store, it, partial is not None))
-        written.append(out_dir / name)
+    if scheduler is None:
+        written = [write_file(store, out_dir / name, group, partial, progress) for name, group in zip(names, groups)]
+    else:
+        from ..distributed import run_tasks
+
+        args = [(store.location, store.storage_options, str(out_dir / name), group, partial)
+                for name, group in zip(names, groups)]
+        written = []
+        run_tasks(scheduler, jobs, _write_file_task, args, [f"export-{n}" for n in names],
+                  lambda path, group=None: written.append(Path(path)))
+        written.sort()
+        if progress:
+            progress(sum(it.nbytes for it in items))
     if len(groups) > 1:
         index = {"metadata": {"total_size": sum(it.nbytes for it in items)},
                  "weight_map": {it.key: name for name, group in zip(names, groups) for it in group}}
