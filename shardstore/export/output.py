@@ -7,7 +7,6 @@ copies, which the zip format needs.
 
 from __future__ import annotations
 
-import mmap
 import os
 import secrets
 import zlib
@@ -16,19 +15,6 @@ from typing import Callable, Iterable
 
 from ..ranges import FileRange, Part, blocks, copy_range
 
-
-
-def _crc_of_range(part: FileRange, crc: int, window: int = 64 << 20) -> int:
-    """CRC-32 of a file range, read through mmap windows: no copy into Python, and bounded residency."""
-    end = part.offset + part.length
-    pos = part.offset
-    while pos < end:
-        base = pos - pos % mmap.ALLOCATIONGRANULARITY
-        length = min(window, end - base)
-        with mmap.mmap(part.fd, length, access=mmap.ACCESS_READ, offset=base) as m:
-            crc = zlib.crc32(memoryview(m)[pos - base:], crc)
-        pos = base + length
-    return crc
 
 
 class OutputFile:
@@ -51,14 +37,11 @@ class OutputFile:
     def write_parts(self, parts: Iterable[Part], crc: int | None = None) -> int | None:
         """Append parts; with `crc` given, also return the running CRC-32 over everything written."""
         if crc is not None:
-            for part in parts:
-                if isinstance(part, FileRange):  # checksum through a read-only map, then copy kernel-side
-                    crc = _crc_of_range(part, crc)
-                    self.write_parts([part])
-                    continue
-                for block in blocks([part]):
-                    crc = zlib.crc32(block, crc)
-                    self.write(block)
+            # Large sequential reads: measured faster here than checksumming through mmap (page faults on a
+            # cold cache) and then copying kernel-side, which reads everything twice.
+            for block in blocks(parts):
+                crc = zlib.crc32(block, crc)
+                self.write(block)
             return crc
         for part in parts:
             if isinstance(part, FileRange):
