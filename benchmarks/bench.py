@@ -96,7 +96,14 @@ def ensure_olmo() -> bool:
     return subprocess.run(probe, capture_output=True).returncode == 0
 
 
-def run_scenario(sc: Scenario, out: Path, with_olmo: bool) -> list[Result]:
+def clear_olmo_shared_memory(ckpt: Path) -> None:
+    """OLMo names its segments after the checkpoint path; a run that died leaves them behind."""
+    prefix = str(ckpt).replace("/", "_")
+    for seg in Path("/dev/shm").glob(prefix + "*"):
+        seg.unlink(missing_ok=True)
+
+
+def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]) -> list[Result]:
     ckpt = generate(out / "ckpt" / sc.name, sc.world, sc.spec)
     files = sorted(ckpt.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
     work = out / "work"
@@ -105,6 +112,8 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool) -> list[Result]:
 
     def run(name: str, cmd: list[str], env: dict[str, str] | None = None, timeout: float | None = None,
             note: str = "") -> str:
+        if contenders and not any(c in name for c in contenders):
+            return ""
         try:
             wall, rss, err = timed(cmd, env, timeout)
             results.append(Result(sc.name, name, wall, rss, note))
@@ -146,8 +155,10 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool) -> list[Result]:
         env = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
         run("OLMo unsharder (threads)", olmo, env, sc.olmo_timeout)
         fresh()
+        clear_olmo_shared_memory(ckpt)
         run("OLMo unsharder (shared memory)", [*olmo, "--shared-mem"], env, sc.olmo_timeout,
             note="its shared memory (/dev/shm) is not in RSS")
+        clear_olmo_shared_memory(ckpt)
         fresh()
     elif not sc.olmo:
         results.append(Result(sc.name, "OLMo unsharder (threads)", None, None,
@@ -237,16 +248,27 @@ def main() -> None:
     ap.add_argument("--scenarios", default="w8,w256,w1024,large")
     ap.add_argument("--out", type=Path, default=HERE / "out")
     ap.add_argument("--no-olmo", action="store_true", help="skip OLMo's unsharder")
+    ap.add_argument("--contenders", default="", help="only contenders whose name contains one of these (comma "
+                    "separated); results are merged into an existing results.json")
     args = ap.parse_args()
     with_olmo = not args.no_olmo and ensure_olmo()
     if not args.no_olmo and not with_olmo:
         print("warning: could not import OLMo's unsharder; its rows are skipped", file=sys.stderr)
+    contenders = [c for c in args.contenders.split(",") if c]
     results: list[Result] = []
     sizes: dict[str, int] = {}
+    previous = args.out / "results.json"
+    if contenders and previous.exists():
+        old = json.loads(previous.read_text())
+        results, sizes = [Result(**r) for r in old["results"]], old["sizes"]
     for key in args.scenarios.split(","):
         sc = SCENARIOS[key]
-        results += run_scenario(sc, args.out, with_olmo)
+        new = run_scenario(sc, args.out, with_olmo, contenders)
+        replaced = {(r.scenario, r.contender) for r in new}
+        results = [r for r in results if (r.scenario, r.contender) not in replaced] + new
         sizes[sc.name] = sum(f.stat().st_size for f in (args.out / "ckpt" / sc.name).glob("rank*.pt"))
+    order = {name: i for i, name in enumerate(s.name for s in SCENARIOS.values())}
+    results.sort(key=lambda r: order.get(r.scenario, 99))
     machine = (f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, "
                f"{platform.python_implementation()} {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
     text = table(results, sizes)

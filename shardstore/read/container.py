@@ -95,13 +95,11 @@ class TorchZip:
         if len(pkl) != 1:
             raise CheckpointError(f"{self.path}: not a torch checkpoint (no single <name>/data.pkl record)")
         prefix = pkl[0][: -len("data.pkl")]
+        infos = [zi for zi in infos if zi.filename.startswith(prefix)]
         entries: dict[str, Entry] = {}
-        for zi in infos:
-            if not zi.filename.startswith(prefix):
-                continue
+        for zi, raw in zip(infos, self._local_headers([zi.header_offset for zi in infos])):
             if zi.compress_type != zipfile.ZIP_STORED:
                 raise CheckpointError(f"{self.path}: record {zi.filename} is compressed; torch never writes that")
-            raw = self._read(zi.header_offset, _LOCAL_HEADER.size)
             if len(raw) < _LOCAL_HEADER.size or raw[:4] != _LOCAL_MAGIC:
                 raise CheckpointError(f"{self.path}: corrupt zip (bad local header for {zi.filename})")
             fields = _LOCAL_HEADER.unpack(raw)
@@ -110,6 +108,18 @@ class TorchZip:
                 raise CheckpointError(f"{self.path}: truncated (record {zi.filename} runs past the end)")
             entries[zi.filename[len(prefix):]] = Entry(zi.filename, start, zi.file_size, zi.CRC)
         return prefix, entries
+
+    def _local_headers(self, offsets: list[int]) -> list[bytes]:
+        """The fixed part of every entry's local header: all at once, concurrently, when remote."""
+        if self._remote is None:
+            return [self._read(o, _LOCAL_HEADER.size) for o in offsets]
+        fs, fspath = self._remote
+        try:
+            return fs.cat_ranges([fspath] * len(offsets), offsets, [o + _LOCAL_HEADER.size for o in offsets],
+                                 on_error="raise")
+        except Exception as exc:
+            raise CheckpointError(f"{self.path}: read failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                                  f"rerun to continue") from None
 
     def _looks_legacy(self) -> bool:
         return self._read(0, 2) == b"\x80\x02"

@@ -200,6 +200,7 @@ class FsspecBackend:
             if discard is not None:  # abort the multipart upload: nothing half-written ever appears
                 with contextlib.suppress(Exception):
                     discard()
+            f.closed = True  # and never let the file's finalizer try to finish it later
             raise
 
     def exists(self, key: str) -> bool:
