@@ -76,9 +76,6 @@ def info(name: str) -> DTypeInfo:
         raise CheckpointError(f"unsupported tensor dtype torch.{name}") from None
 
 
-def is_dtype_name(name: str) -> bool:
-    return _ALIASES.get(name, name) in BY_NAME
-
 
 def _fp8_table(exp_bits: int, bias: int, finite_max_exp: bool) -> np.ndarray:
     """float32 value of every byte of an 8-bit float (IEEE-like, OCP FP8 flavours)."""

@@ -37,6 +37,3 @@ def filesystem(url: str, storage_options: StorageOptions | None = None) -> tuple
     except (ImportError, ValueError) as exc:
         raise ShardstoreError(f"{url}: cannot open ({exc}); for s3:// install shardstore[s3]") from None
 
-
-def join(location: str, name: str) -> str:
-    return f"{location.rstrip('/')}/{name}"

@@ -72,5 +72,3 @@ def copy_range(src: FileRange, dst_fd: int) -> None:
             n = os.write(dst_fd, data)
         offset += n
         left -= n
-
-

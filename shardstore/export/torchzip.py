@@ -9,7 +9,6 @@ sizes or offsets need them.
 from __future__ import annotations
 
 import struct
-import zlib
 from typing import Iterable
 
 from ..ranges import Part

@@ -18,7 +18,6 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -293,10 +292,6 @@ class Store:
             for lo in range(0, plan.shape[0], rows):
                 yield np.ascontiguousarray(self.read(path, slice(lo, lo + rows))).data
 
-    def holes(self) -> dict[str, float]:
-        """Tensors not yet complete, with the fraction of them that is present."""
-        return self.status().partial
-
     def sweep_temporaries(self) -> int:
         """Delete temporary files left by writers that were killed mid-write (their process is gone)."""
         return self.backend.sweep_temporaries()
@@ -372,6 +367,3 @@ class Store:
     @property
     def storage_options(self) -> StorageOptions:
         return self.backend.storage_options
-
-    def local_path(self) -> Path | None:
-        return self.backend.local_path("")
