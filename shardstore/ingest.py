@@ -18,14 +18,13 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, values
 from .errors import CheckpointError
 from .locations import StorageOptions, filesystem, is_url
 from .plan import plan_checkpoint
 from .read.layouts import name_rank
 from .read.rankfile import LocalPiece, RankFile, ShardedLeaf, read_rank_file
 from .read.unpickle import TensorRef, gc_paused
-from . import values
 from .ranges import Part, blocks
 from .store.manifest import ArrayEntry
 from .store.store import Store, first_difference
