@@ -207,7 +207,7 @@ def table(results: list[Result], sizes: dict[str, int]) -> str:
             if r.wall is None:
                 rows.append(f"| {sc} | {r.contender} | — | — | — | — | — | {r.note} |")
                 continue
-            olmo = base.get("OLMo unsharder (threads)")
+            olmo = None if r.contender.startswith(("cat", "cp")) else base.get("OLMo unsharder (threads)")
             cp = base.get("cp -r")
             rows.append(f"| {sc} | {r.contender} | {r.wall:.2f} | {sizes[sc] / 1e9 / r.wall:.2f} | "
                         f"{r.peak_rss / 1e6:.0f} | {f'{olmo / r.wall:.1f}x faster' if olmo else '—'} | "
