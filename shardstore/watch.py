@@ -17,7 +17,7 @@ from typing import Callable
 from .errors import CheckpointError, ShardstoreError
 from .ingest import _SPAWN, Ingested, _worker, create_store, default_jobs
 from .read.container import TorchZip
-from .read.layouts import name_rank, scan
+from .read.layouts import name_rank, refuse_mixed, scan
 from .store.store import Store
 
 
@@ -92,9 +92,7 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
 def _ready(src_dir: str | os.PathLike[str], tag: str | None, seen: dict[Path, tuple[int, int]]) -> list[Path]:
     """Files whose size and mtime held still since the last look and that are whole zips."""
     groups = scan(src_dir, tag)
-    if len(groups) > 1:
-        names = ", ".join(repr(g) if g else "(untagged)" for g in sorted(groups))
-        raise CheckpointError(f"{src_dir}: files of more than one checkpoint ({names}); pick one with --tag")
+    refuse_mixed(src_dir, groups, how="--tag")
     ready = []
     for ranks in groups.values():
         for path in ranks.values():

@@ -9,6 +9,7 @@ store keeps all of them (`Store.values(path)`).
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -26,10 +27,7 @@ class ArrayRef:
 
     @property
     def nbytes(self) -> int:
-        n = dtypes.info(self.dtype).itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape) * dtypes.info(self.dtype).itemsize
 
 
 def object_value(store: Store, path: str, rank: int | None = None) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import io
 import json
+import math
 import pickle
 import secrets
 from pathlib import Path
@@ -57,7 +58,7 @@ class _Pickler(pickle.Pickler):
         if not isinstance(obj, _Storage):
             return None
         info = dtypes.info(obj.dtype)
-        numel = _numel(obj.source)
+        numel = math.prod(obj.source.shape)
         if info.storage_class:
             return ("storage", getattr(torch, info.storage_class), obj.key, "cpu", numel)
         return ("storage", torch.UntypedStorage, obj.key, "cpu", numel * info.itemsize)
@@ -67,13 +68,6 @@ class _Storage:
     def __init__(self, key: str, source: Any):
         self.key, self.source = key, source
         self.dtype = source.dtype if isinstance(source, ArrayRef) else str(source.dtype).removeprefix("torch.")
-
-
-def _numel(source: Any) -> int:
-    n = 1
-    for d in source.shape:
-        n *= d
-    return n
 
 
 def _rebuild(storage: _Storage, dtype: str, shape: tuple[int, ...]) -> tuple:
@@ -125,11 +119,10 @@ def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | 
                  partial: dict[str, str] | None = None) -> list[Path]:
     tree = store.manifest.tree
     if store.manifest.layout == "olmo":
-        top = {c["p"]: c for _, c in tree["c"]}
         written = []
         for name in ("model", "optim"):
             target = out_dir / f"{name}.pt"
-            save(store, build(store, top[name], plain_dicts=True), target, progress, partial=partial)
+            save(store, build(store, node_at(tree, name), plain_dicts=True), target, progress, partial=partial)
             written.append(target)
         rest = dict(build(store, tree, plain_dicts=True))
         for name in ("model", "optim", "rng"):

@@ -69,8 +69,11 @@ class TorchZip:
             self._file.close()
             if isinstance(self.path, Path):
                 raise
-            raise CheckpointError(f"{self.path}: read failed ({type(exc).__name__}: {str(exc)[:200]}); "
-                                  f"rerun to continue") from None
+            raise self._failed(exc) from None
+
+    def _failed(self, exc: Exception) -> CheckpointError:
+        """A remote read that failed (the service or the network), as the one line a user sees."""
+        return CheckpointError(f"{self.path}: read failed ({type(exc).__name__}: {str(exc)[:200]}); rerun to continue")
 
     def _read(self, offset: int, length: int) -> bytes:
         if self._remote is None:
@@ -79,8 +82,7 @@ class TorchZip:
         try:
             return fs.cat_file(fspath, start=offset, end=offset + length)
         except Exception as exc:  # the service or the network failed mid-read
-            raise CheckpointError(f"{self.path}: read failed ({type(exc).__name__}: {str(exc)[:200]}); "
-                                  f"rerun to continue") from None
+            raise self._failed(exc) from None
 
     def _index(self) -> tuple[str, dict[str, Entry]]:
         try:
@@ -118,8 +120,7 @@ class TorchZip:
             return fs.cat_ranges([fspath] * len(offsets), offsets, [o + _LOCAL_HEADER.size for o in offsets],
                                  on_error="raise")
         except Exception as exc:
-            raise CheckpointError(f"{self.path}: read failed ({type(exc).__name__}: {str(exc)[:200]}); "
-                                  f"rerun to continue") from None
+            raise self._failed(exc) from None
 
     def _looks_legacy(self) -> bool:
         return self._read(0, 2) == b"\x80\x02"

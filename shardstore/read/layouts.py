@@ -69,11 +69,16 @@ def discover(src: str | os.PathLike[str], tag: str | None = None, step: int | No
         raise CheckpointError(f"{src}: no rank files tagged {tag!r}")
     if not groups:
         raise CheckpointError(f"{src}: no rank files (*rank<N>.pt) found")
-    if len(groups) > 1:
-        names = ", ".join(repr(g) if g else "(untagged)" for g in sorted(groups))
-        raise CheckpointError(f"{src}: holds more than one checkpoint ({names}); pick one with --tag or --step")
+    refuse_mixed(src, groups)
     (ranks,) = groups.values()
     return [ranks[r] for r in sorted(ranks)]
+
+
+def refuse_mixed(src: str | os.PathLike[str], groups: dict[str, dict[int, Path]], how: str = "--tag or --step") -> None:
+    """Never mix two checkpoints: name them and ask for one (`how` names the options that pick one)."""
+    if len(groups) > 1:
+        names = ", ".join(repr(g) if g else "(untagged)" for g in sorted(groups))
+        raise CheckpointError(f"{src}: holds more than one checkpoint ({names}); pick one with {how}")
 
 
 def scan(src: str | os.PathLike[str], tag: str | None = None, step: int | None = None,
