@@ -9,12 +9,14 @@ from typing import Callable, Sequence
 
 from . import export as _export
 from . import ingest as _ingest
-from .errors import CheckpointError
+from .errors import CheckpointError, ExportError
 from .locations import StorageOptions
+from .progress import QUIET, Progress
 from .read.layouts import discover, missing_ranks
 from .store.store import Store
 
 PathLike = str | os.PathLike[str]
+SCRATCH = ".shardstore-scratch"
 
 
 def open(location: PathLike, storage_options: StorageOptions | None = None) -> Store:  # noqa: A001
@@ -24,41 +26,56 @@ def open(location: PathLike, storage_options: StorageOptions | None = None) -> S
 
 def ingest(store: PathLike, files: Sequence[PathLike], jobs: int | None = None,
            on_done: Callable[[_ingest.Ingested], None] | None = None, verify_replicas: bool = False,
-           storage_options: StorageOptions | None = None, scheduler: str | None = None) -> Store:
+           storage_options: StorageOptions | None = None, scheduler: str | None = None, strict: bool = False,
+           progress: Progress = QUIET, only: Callable[[Store], str | None] | None = None,
+           on_created: Callable[[Store], None] | None = None) -> Store:
     """Ingest rank files into `store` (created on first use); any subset, in any order, any number of times.
 
     With hybrid sharding (HSDP) each shard is written once; `verify_replicas` checks the other copies match.
     `store` and `files` may be URLs (s3://...); `scheduler` ("dask", or a Dask scheduler address) runs one
-    task per rank file on a Dask cluster instead of local worker processes.
+    task per rank file on a Dask cluster instead of local worker processes. Objects of classes outside
+    torch (a trainer's own) are kept as `Opaque` records; `strict` refuses them instead.
     """
-    return _ingest.ingest(store, files, jobs=jobs, on_done=on_done, verify_replicas=verify_replicas,
-                          storage_options=storage_options, scheduler=scheduler)
+    def done(result: _ingest.Ingested) -> None:
+        progress.advance(result.nbytes)
+        if on_done:
+            on_done(result)
+
+    st = _ingest.ingest(store, files, jobs=jobs, on_done=done, verify_replicas=verify_replicas,
+                        storage_options=storage_options, scheduler=scheduler, strict=strict, only=only,
+                        on_created=on_created, on_start=lambda total, before: progress.start("ingest", total, before))
+    progress.end()
+    return st
 
 
 def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensors", select: str | None = None,
            strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
-           progress: Callable[[int], None] | None = None, allow_partial: bool = False,
-           storage_options: StorageOptions | None = None, scheduler: str | None = None,
-           jobs: int | None = None) -> _export.ExportResult:
+           progress: Progress = QUIET, allow_partial: bool = False, storage_options: StorageOptions | None = None,
+           scheduler: str | None = None, jobs: int | None = None, overwrite: bool = False) -> _export.ExportResult:
     """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style) or `"torch"`.
 
     An incomplete store is refused unless `allow_partial` (holes become NaN, or zero for integers, and the
-    output's metadata says so)."""
+    output's metadata says so). Files an earlier export left in `out_dir` that this one would not replace
+    are refused unless `overwrite` (which removes them once the new export is complete)."""
     st = store if isinstance(store, Store) else Store.open(store, storage_options)
-    return _export.export(st, out_dir, format=format, select=select, strip_prefix=strip_prefix, dtype=dtype,
-                          max_shard_size=max_shard_size, progress=progress, allow_partial=allow_partial,
-                          scheduler=scheduler, jobs=jobs or _ingest.default_jobs())
+    result = _export.export(st, out_dir, format=format, select=select, strip_prefix=strip_prefix, dtype=dtype,
+                            max_shard_size=max_shard_size, progress=progress.advance, allow_partial=allow_partial,
+                            scheduler=scheduler, jobs=jobs or _ingest.default_jobs(), overwrite=overwrite,
+                            on_start=lambda total: progress.start("export", total))
+    progress.end()
+    return result
 
 
 def watch(store: PathLike, src_dir: PathLike, expect: int | None = None, timeout: float | None = None,
           jobs: int | None = None, poll: float = 0.5, tag: str | None = None,
           on_done: Callable[[_ingest.Ingested], None] | None = None,
-          on_world_size: Callable[[int], None] | None = None) -> Store:
+          on_world_size: Callable[[int], None] | None = None, storage_options: StorageOptions | None = None,
+          strict: bool = False) -> Store:
     """Ingest rank files as they arrive in `src_dir` until the store is complete (or `timeout` passes)."""
     from .watch import watch as _watch
 
     return _watch(store, src_dir, expect=expect, timeout=timeout, jobs=jobs, poll=poll, tag=tag, on_done=on_done,
-                  on_world_size=on_world_size)
+                  on_world_size=on_world_size, storage_options=storage_options, strict=strict)
 
 
 def rank_files(src_dir: PathLike, tag: str | None = None, step: int | None = None,
@@ -67,40 +84,48 @@ def rank_files(src_dir: PathLike, tag: str | None = None, step: int | None = Non
     return discover(src_dir, tag, step, storage_options)
 
 
+def scratch_location(out_dir: PathLike) -> Path:
+    """Where `unshard` keeps its store when not given one: inside OUT (same file system, so copies stay
+    kernel-side). It is kept when a run fails or is interrupted, so a rerun resumes, and removed after
+    a run succeeds."""
+    return Path(out_dir) / SCRATCH
+
+
 def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None, tag: str | None = None,
             step: int | None = None, jobs: int | None = None, verify_replicas: bool = False,
-            on_ingested: Callable[[_ingest.Ingested], None] | None = None,
-            storage_options: StorageOptions | None = None, scheduler: str | None = None,
-            **export_options: object) -> _export.ExportResult:
-    """Ingest every rank file in `src_dir`, then export. Without `store`, a scratch store inside
-    `out_dir` is used and removed afterwards (same file system, so copies stay kernel-side)."""
+            storage_options: StorageOptions | None = None, scheduler: str | None = None, strict: bool = False,
+            progress: Progress = QUIET, **export_options: object) -> _export.ExportResult:
+    """Ingest every rank file in `src_dir`, then export (`export_options` as for `export`). Without
+    `store`, a scratch store inside `out_dir` is used: see `scratch_location`."""
     files = discover(src_dir, tag, step, storage_options)
-    out = Path(out_dir)
-    location = store if store is not None else out / ".shardstore-scratch"  # may be a URL: no Path()
+    scratch = scratch_location(out_dir)
+    if store is None and scratch.is_symlink():
+        raise ExportError(f"{scratch}: is a symbolic link; shardstore keeps its scratch store only inside OUT")
+    location = store if store is not None else scratch  # may be a URL: no Path()
+    fmt = export_options.get("format", "safetensors")
+
     def all_ranks_present(st: Store) -> None:
         missing = missing_ranks(files, st.manifest.world_size)
         if missing:
             raise CheckpointError(f"{src_dir}: world size is {st.manifest.world_size} but rank files are missing "
                                   f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
 
-    try:
-        def exported_subtree(st: Store) -> str | None:
-            # A scratch store only feeds this export: for safetensors, write just the tensors it takes
-            # (the model, not the optimizer state, which is usually twice its size).
-            if store is not None or export_options.get("format", "safetensors") != "safetensors":
-                return None
-            select = export_options.get("select")
-            return str(select) if select is not None else _export.model_subtree(st)
+    def exported_subtree(st: Store) -> str | None:
+        # A scratch store only feeds this export: for safetensors, write just the tensors it takes
+        # (the model, not the optimizer state, which is usually twice its size).
+        if store is not None or fmt != "safetensors":
+            return None
+        select = export_options.get("select")
+        return str(select) if select is not None else _export.model_subtree(st)
 
-        st = _ingest.ingest(location, files, jobs=jobs, on_done=on_ingested, verify_replicas=verify_replicas,
-                            on_created=all_ranks_present, storage_options=storage_options, scheduler=scheduler,
-                            only=exported_subtree)
-        fmt_is_safetensors = export_options.get("format", "safetensors") == "safetensors"
-        return export(st, out, scheduler=scheduler if fmt_is_safetensors else None, jobs=jobs,
-                      **export_options)  # type: ignore[arg-type]
-    finally:
-        if store is None:  # a scratch store is never left behind, finished or not (it is always local)
-            shutil.rmtree(location, ignore_errors=True)
+    st = ingest(location, files, jobs=jobs, verify_replicas=verify_replicas, storage_options=storage_options,
+                scheduler=scheduler, strict=strict, progress=progress, only=exported_subtree,
+                on_created=all_ranks_present)
+    result = export(st, out_dir, scheduler=scheduler if fmt == "safetensors" else None, jobs=jobs,
+                    progress=progress, **export_options)  # type: ignore[arg-type]
+    if store is None:  # done: the scratch store has served its purpose
+        shutil.rmtree(scratch, ignore_errors=True)
+    return result
 
 
-__all__ = ["open", "ingest", "watch", "export", "unshard", "rank_files"]
+__all__ = ["open", "ingest", "watch", "export", "unshard", "rank_files", "scratch_location", "Progress"]

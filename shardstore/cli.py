@@ -14,10 +14,10 @@ import click
 import numpy as np
 from tqdm import tqdm
 
-from . import api
+from . import api, values
 from .errors import ShardstoreError, StoreError
 from .export import CAST_DTYPES, FORMATS
-from .locations import is_url
+from .progress import QUIET, Progress
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
@@ -31,24 +31,69 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * ((1024 if m.group(3) else 1000) ** power))
 
 
+class _Phases(Progress):
+    """A bar per phase on a terminal; elsewhere (a log, CI) one plain line when each phase ends."""
+
+    def __init__(self) -> None:
+        self.bar: tqdm | None = None
+        self.tty = sys.stderr.isatty()
+        self.phase, self.total, self.before, self.moved, self.began = "", None, 0, 0, 0.0
+
+    def start(self, phase: str, total: int | None, done: int = 0) -> None:
+        self.end()
+        self.phase, self.total, self.before, self.moved, self.began = phase, total, done, 0, time.monotonic()
+        if self.tty:
+            self.bar = tqdm(total=total, initial=done, desc=phase, unit="B", unit_scale=True, unit_divisor=1024,
+                            file=sys.stderr, dynamic_ncols=True, leave=True)
+
+    def advance(self, nbytes: int) -> None:
+        self.moved += nbytes
+        if self.bar is not None:
+            self.bar.update(nbytes)
+
+    def end(self) -> None:
+        if not self.phase:
+            return
+        if self.bar is not None:
+            if self.bar.total is not None and self.bar.n > self.bar.total:
+                self.bar.total = self.bar.n  # container headers are counted too
+            self.bar.close()
+            self.bar = None
+        else:
+            took = time.monotonic() - self.began
+            resumed = f" ({_size(self.before)} were already done)" if self.before else ""
+            click.echo(f"{self.phase}: {_size(self.moved)} in {took:.1f} s{resumed}", err=True)
+        self.phase = ""
+
+    def abandon(self) -> None:
+        """On an error: the error line, not a stalled bar, is what the user should see last."""
+        if self.bar is not None:
+            self.bar.leave = False
+            self.bar.close()
+            self.bar = None
+        self.phase = ""
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
 @contextmanager
-def _bar(quiet: bool, total: int | None, desc: str) -> Iterator[Callable[[int], None]]:
+def _progress(quiet: bool) -> Iterator[Progress]:
     if quiet:
-        yield lambda n: None
+        yield QUIET
         return
-    bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-               dynamic_ncols=True, leave=True)
+    phases = _Phases()
     try:
-        yield bar.update
+        yield phases
     except BaseException:
-        bar.leave = False  # the error line, not a stalled bar, is what the user should see last
+        phases.abandon()
         raise
-    finally:
-        bar.close()
-
-
-def _ingest_bar(quiet: bool, files: list[Any]) -> Any:
-    return _bar(quiet, _sizes(files), "ingest")
+    phases.end()
 
 
 class _Group(click.Group):
@@ -57,10 +102,19 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except ShardstoreError as exc:
             click.echo(f"shardstore: error: {exc}", err=True)
+            _after_error(ctx)
             sys.exit(1)
         except KeyboardInterrupt:
             click.echo("shardstore: interrupted; nothing half-written is marked done, rerun to continue", err=True)
+            _after_error(ctx)
             sys.exit(130)
+
+
+def _after_error(ctx: click.Context) -> None:
+    note = ctx.meta.get("shardstore.after_error")
+    text = note() if note else None
+    if text:
+        click.echo(f"shardstore: {text}", err=True)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -86,14 +140,10 @@ def _options() -> dict[str, Any]:
     return click.get_current_context().find_root().obj or {}
 
 
-def _sizes(files: list[Any]) -> int | None:
-    """Total bytes of local files, for progress bars (None when any is remote)."""
-    if any(is_url(os.fspath(f)) for f in files):
-        return None
-    return sum(os.path.getsize(f) for f in files if os.path.isfile(f))
-
-
-_quiet = click.option("--quiet", "-q", is_flag=True, help="No progress bars (for scripts).")
+_quiet = click.option("--quiet", "-q", is_flag=True, help="No progress output (for scripts).")
+_strict = click.option("--strict", is_flag=True,
+                       help="Refuse any pickled class outside shardstore's allowlist (paths, a trainer's own "
+                            "classes) instead of keeping it as an opaque record.")
 _verify = click.option("--verify-replicas", is_flag=True,
                        help="Hybrid sharding: check every replica group's copy of a shard is bit-identical.")
 _scheduler = click.option("--scheduler", default=None, metavar="ADDRESS",
@@ -113,8 +163,11 @@ def _export_options(f: Any) -> Any:
                                                     "[default: detected, e.g. model or state/model]."),
         click.option("--strip-prefix", default=None, help="Drop this prefix from output keys (e.g. 'model.')."),
         click.option("--dtype", type=click.Choice(CAST_DTYPES), default=None, help="Cast floating tensors."),
-        click.option("--max-shard-size", default="5GB", show_default=True, type=parse_size,
+        click.option("--max-shard-size", default="5GB", show_default=True, type=parse_size, metavar="SIZE",
                      help="Split safetensors output above this size (decimal units, like transformers)."),
+        click.option("--overwrite", is_flag=True,
+                     help="Replace an earlier export in OUT: its files that this export does not rewrite are "
+                          "removed once this one is complete. Other files are never touched."),
     ]):
         f = opt(f)
     return f
@@ -123,6 +176,8 @@ def _export_options(f: Any) -> Any:
 def _report(result: Any, quiet: bool) -> None:
     if quiet:
         return
+    for path in result.replaced:
+        click.echo(f"removed {path} (earlier export)")
     for path in result.files:
         click.echo(f"wrote {path}")
     if result.skipped:
@@ -134,15 +189,16 @@ def _report(result: Any, quiet: bool) -> None:
 @click.argument("store", type=click.Path())
 @click.argument("files", nargs=-1, required=True, type=click.Path())
 @_verify
+@_strict
 @_scheduler
 @_jobs
 @_quiet
-def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, scheduler: str | None, jobs: int | None,
-           quiet: bool) -> None:
+def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, strict: bool, scheduler: str | None,
+           jobs: int | None, quiet: bool) -> None:
     """Ingest rank FILES into STORE (created if needed). Any subset, any order; ranks already in are skipped."""
-    with _ingest_bar(quiet, list(files)) as update:
-        st = api.ingest(store, list(files), jobs=jobs, on_done=lambda d: update(d.nbytes),
-                        verify_replicas=verify_replicas, storage_options=_options(), scheduler=scheduler)
+    with _progress(quiet) as progress:
+        st = api.ingest(store, list(files), jobs=jobs, verify_replicas=verify_replicas, storage_options=_options(),
+                        scheduler=scheduler, strict=strict, progress=progress)
     status = st.status()
     if not quiet:
         click.echo(f"{store}: {len(status.ranks_done)}/{status.world_size} ranks ingested"
@@ -159,14 +215,13 @@ def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, scheduler:
 @_jobs
 @_quiet
 def export(store: str, out: str, fmt: str, select: str | None, strip_prefix: str | None, dtype: str | None,
-           max_shard_size: int, allow_partial: bool, scheduler: str | None, jobs: int | None, quiet: bool) -> None:
+           max_shard_size: int, overwrite: bool, allow_partial: bool, scheduler: str | None, jobs: int | None,
+           quiet: bool) -> None:
     """Export the unsharded checkpoint in STORE to the folder OUT."""
-    st = api.open(store, _options())
-    total = sum(a.nbytes for a in st.manifest.arrays.values())
-    with _bar(quiet, total, "export") as update:
-        result = api.export(st, out, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
-                            max_shard_size=max_shard_size, progress=update, allow_partial=allow_partial,
-                            storage_options=_options(), scheduler=scheduler, jobs=jobs)
+    with _progress(quiet) as progress:
+        result = api.export(store, out, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
+                            max_shard_size=max_shard_size, progress=progress, allow_partial=allow_partial,
+                            storage_options=_options(), scheduler=scheduler, jobs=jobs, overwrite=overwrite)
     if result.partial:
         click.echo(f"warning: partial export: ranks {result.partial['shardstore_missing_ranks'] or 'none'} missing, "
                    f"holes filled with NaN/zero in {len(result.partial['shardstore_incomplete_tensors'].split(','))} "
@@ -184,20 +239,29 @@ def export(store: str, out: str, fmt: str, select: str | None, strip_prefix: str
 @click.option("--step", type=int, default=None, help="Which checkpoint, by step (matches ba<N> or step<N>).")
 @_export_options
 @_verify
+@_strict
 @_scheduler
 @_jobs
 @_quiet
-def unshard(src: str, out: str, store: str | None, tag: str | None, step: int | None, fmt: str, select: str | None,
-            strip_prefix: str | None, dtype: str | None, max_shard_size: int, verify_replicas: bool,
-            scheduler: str | None, jobs: int | None, quiet: bool) -> None:
-    """Unshard the checkpoint in folder SRC into folder OUT: ingest, then export."""
-    files = api.rank_files(src, tag, step, _options())
-    with _ingest_bar(quiet, files) as update:
+@click.pass_context
+def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str | None, step: int | None, fmt: str,
+            select: str | None, strip_prefix: str | None, dtype: str | None, max_shard_size: int, overwrite: bool,
+            verify_replicas: bool, strict: bool, scheduler: str | None, jobs: int | None, quiet: bool) -> None:
+    """Unshard the checkpoint in folder SRC into folder OUT: ingest, then export.
+
+    Without --store, the work in progress is kept in OUT/.shardstore-scratch until the export is complete,
+    so an interrupted or failed run resumes where it stopped when rerun.
+    """
+    scratch = api.scratch_location(out)
+    if store is None:
+        ctx.meta["shardstore.after_error"] = lambda: (
+            f"the work so far is kept in {scratch}; rerun the same command to resume (or delete it)"
+            if scratch.is_dir() and not scratch.is_symlink() else None)
+    with _progress(quiet) as progress:
         result = api.unshard(src, out, store=store, tag=tag, step=step, jobs=jobs, verify_replicas=verify_replicas,
-                             storage_options=_options(), scheduler=scheduler,
-                             on_ingested=lambda d: update(d.nbytes),
+                             storage_options=_options(), scheduler=scheduler, strict=strict, progress=progress,
                              format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
-                             max_shard_size=max_shard_size)
+                             max_shard_size=max_shard_size, overwrite=overwrite)
     _report(result, quiet)
 
 
@@ -213,13 +277,15 @@ def _ranks(ranks: list[int]) -> str:
 @click.option("--timeout", type=click.FloatRange(min=0), default=None, help="Give up after this many seconds.")
 @click.option("--tag", default=None, help="Which checkpoint, when SRC receives several.")
 @click.option("--poll", type=click.FloatRange(min=0.05), default=0.5, show_default=True, help="Seconds between looks.")
+@_strict
 @_jobs
 @_quiet
 def watch(store: str, src: str, expect: int | None, timeout: float | None, tag: str | None, poll: float,
-          jobs: int | None, quiet: bool) -> None:
-    """Ingest rank files into STORE as they arrive in SRC; exit 0 once the store is complete."""
+          strict: bool, jobs: int | None, quiet: bool) -> None:
+    """Ingest rank files into STORE as they arrive in the local folder SRC; exit 0 once STORE is complete."""
     if quiet:
-        api.watch(store, src, expect=expect, timeout=timeout, jobs=jobs, poll=poll, tag=tag)
+        api.watch(store, src, expect=expect, timeout=timeout, jobs=jobs, poll=poll, tag=tag,
+                  storage_options=_options(), strict=strict)
         return
     with tqdm(total=expect, desc="watch", unit="rank", file=sys.stderr, dynamic_ncols=True) as bar:
         started, moved = time.monotonic(), [0]
@@ -234,7 +300,7 @@ def watch(store: str, src: str, expect: int | None, timeout: float | None, tag: 
             bar.refresh()
 
         st = api.watch(store, src, expect=expect, timeout=timeout, jobs=jobs, poll=poll, tag=tag,
-                       on_done=done, on_world_size=world)
+                       on_done=done, on_world_size=world, storage_options=_options(), strict=strict)
     click.echo(f"{store}: complete, {st.manifest.world_size} ranks")
 
 
@@ -280,6 +346,8 @@ def show(store: str, key: str, selection: str | None, with_stats: bool) -> None:
         raise StoreError(f"{store}: no key {key!r}" + (f"; did you mean {', '.join(close)}?" if close else ""))
     if key not in st.manifest.arrays:
         by_rank = st.values(key)
+        if not by_rank:
+            raise StoreError(f"{store}: {key}: no rank holding it has been ingested yet")
         if len({repr(v) for v in by_rank.values()}) <= 1:
             click.echo(f"{key}: {next(iter(by_rank.values()))!r}")
         else:
@@ -287,6 +355,8 @@ def show(store: str, key: str, selection: str | None, with_stats: bool) -> None:
                 click.echo(f"{key} [rank {rank}]: {value!r}")
         return
     h = st[key]
+    if sel is not None:
+        h.check_selection(sel)
     status = st.status()
     where = "complete" if key not in status.partial else f"{status.partial[key]:.0%} present"
     click.echo(f"{key}: torch.{h.entry.dtype} {list(h.entry.shape)}, {where}, from ranks {_ranks(h.ranks)}")
@@ -337,8 +407,13 @@ def ls(store: str) -> None:
             click.echo(f"{key:<{width}}  {entry.dtype:<13} {str(list(entry.shape)):<18} {done}")
         else:
             ranks = st.object_values(key)
-            same = len({json.dumps(v) for v in ranks.values()}) <= 1
-            click.echo(f"{key:<{width}}  {'value':<13} {'':<18} {'same on all ranks' if same else 'differs per rank'}")
+            if not ranks:
+                click.echo(f"{key:<{width}}  {'value':<13} {'(no rank holding it ingested yet)'}")
+                continue
+            same = len({json.dumps(v, sort_keys=True) for v in ranks.values()}) <= 1
+            shown = values.preview(ranks[min(ranks)])
+            click.echo(f"{key:<{width}}  {'value':<13} {shown}"
+                       + ("" if same else f"  (rank {min(ranks)}; differs per rank)"))
 
 
 if __name__ == "__main__":

@@ -13,14 +13,13 @@ import uuid
 from typing import Any, Callable
 
 from .errors import ShardstoreError
-from .ingest import Ingested, _worker
+from .ingest import IngestOptions, Ingested, _worker
 from .locations import StorageOptions
 from .store.store import Store
 
 
-def _task(location: str, path: str, verify_replicas: bool, storage_options: StorageOptions,
-          only: str | None) -> Ingested:
-    return _worker(location, path, verify_replicas, storage_options, only)
+def _task(location: str, path: str, options: IngestOptions, storage_options: StorageOptions) -> Ingested:
+    return _worker(location, path, options, storage_options)
 
 
 def _named(fn: Callable[..., Any], *args: Any) -> Any:
@@ -65,8 +64,8 @@ def run_tasks(scheduler: str, jobs: int, fn: Callable[..., Any], args: list[tupl
 
 
 def run_on_dask(scheduler: str, store: Store, files: list[str], on_done: Callable[[Ingested], None],
-                verify_replicas: bool, jobs: int, only: str | None = None) -> None:
+                options: IngestOptions, jobs: int) -> None:
     """One ingest task per rank file."""
-    args = [(store.location, f, verify_replicas, store.storage_options, only) for f in files]
+    args = [(store.location, f, options, store.storage_options) for f in files]
     names = [f"ingest-{f.rsplit('/', 1)[-1]}" for f in files]
     run_tasks(scheduler, jobs, _task, args, names, on_done)

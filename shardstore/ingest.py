@@ -37,6 +37,15 @@ class Ingested:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class IngestOptions:
+    """What every worker of one run is told besides its file."""
+
+    verify_replicas: bool = False  # hybrid sharding: compare every replica's copy bit for bit
+    only: str | None = None  # write only this subtree's tensors (a scratch store that feeds one export)
+    strict: bool = False  # refuse every global outside the allowlist, instead of keeping opaque records
+
+
 def _piece_region(rf: RankFile, entry: ArrayEntry, piece: LocalPiece,
                   index: tuple[int, ...]) -> tuple[list[Part], int]:
     """The bytes of cell `index` that `piece` holds, as (parts, valid rows of the cell)."""
@@ -121,8 +130,7 @@ def under(path: str, subtree: str | None) -> bool:
     return subtree is None or subtree == "" or path == subtree or path.startswith(subtree.rstrip("/") + "/")
 
 
-def ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: bool = False,
-                only: str | None = None) -> Ingested:
+def ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptions = IngestOptions()) -> Ingested:
     """Ingest one rank file into an existing store: the whole job of one worker.
 
     Under hybrid sharding every shard exists once per replica group: the first copy to arrive is written,
@@ -130,11 +138,12 @@ def ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: boo
     that subtree are not written (values still are): for a scratch store that only feeds one export.
     """
     with gc_paused():
-        return _ingest_file(store, path, verify_replicas, only)
+        return _ingest_file(store, path, options)
 
 
-def _ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: bool, only: str | None) -> Ingested:
-    rf = read_rank_file(path, encode_key=values.encode, storage_options=store.storage_options)
+def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptions) -> Ingested:
+    verify_replicas, only = options.verify_replicas, options.only
+    rf = read_rank_file(path, encode_key=values.encode, storage_options=store.storage_options, strict=options.strict)
     try:
         _check_against(store, rf)
         written: list[str] = []
@@ -179,7 +188,7 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: bo
             written.append(store.write_staging(rf.rank, staging))
         record = {"rank": rf.rank, "world_size": rf.world_size, "group_rank": rf.group_rank,
                   "group_size": rf.group_size, "file": os.path.basename(rf.path), "bytes": rf.zip.size,
-                  "cells": cells, "staged": staged, "objects": objects}
+                  "only": only, "cells": cells, "staged": staged, "objects": objects}
         store.commit_rank(record, written)
         return Ingested(rf.rank, rf.path, rf.zip.size)
     finally:
@@ -189,20 +198,19 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], verify_replicas: bo
 _WORKER_STORES: dict[str, Store] = {}
 
 
-def _worker(location: str, path: str, verify_replicas: bool, storage_options: StorageOptions | None = None,
-            only: str | None = None) -> Ingested:
+def _worker(location: str, path: str, options: IngestOptions, storage_options: StorageOptions | None = None) -> Ingested:
     """One task: a worker process (or a Dask worker) ingests one rank file."""
     key = f"{location} {sorted((storage_options or {}).items())}"
     store = _WORKER_STORES.get(key)
     if store is None:
         store = _WORKER_STORES[key] = Store.open(location, storage_options)
-    return ingest_file(store, path, verify_replicas, only)
+    return ingest_file(store, path, options)
 
 
 def create_store(location: str | os.PathLike[str], first_file: str | os.PathLike[str],
-                 storage_options: StorageOptions | None = None) -> Store:
+                 storage_options: StorageOptions | None = None, strict: bool = False) -> Store:
     """Create (or reopen, after checking it matches) the store for the checkpoint `first_file` belongs to."""
-    rf = read_rank_file(first_file, encode_key=values.encode, storage_options=storage_options)
+    rf = read_rank_file(first_file, encode_key=values.encode, storage_options=storage_options, strict=strict)
     try:
         return Store.create(location, plan_checkpoint(rf), storage_options)
     finally:
@@ -216,7 +224,8 @@ def default_jobs() -> int:
 def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[str]], jobs: int | None = None,
            on_done: Callable[[Ingested], None] | None = None, verify_replicas: bool = False,
            on_created: Callable[[Store], None] | None = None, storage_options: StorageOptions | None = None,
-           scheduler: str | None = None, only: Callable[[Store], str | None] | None = None) -> Store:
+           scheduler: str | None = None, only: Callable[[Store], str | None] | None = None, strict: bool = False,
+           on_start: Callable[[int | None, int], None] | None = None) -> Store:
     """Ingest rank files into the store at `location` (created from the first file if it does not exist).
 
     `jobs` worker processes (default: one per core) each take one file at a time; with jobs=1 everything
@@ -224,7 +233,9 @@ def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[s
     `on_created` sees the store before any rank is ingested (and may refuse it by raising). Ranks already
     committed from a file of the same name and size are skipped, so a rerun does only what is missing.
     With `scheduler` ("dask" for a local cluster, or a scheduler address) the ranks run as Dask tasks.
-    `only(store)` may name the one subtree whose tensors to write (see `ingest_file`).
+    `only(store)` may name the one subtree whose tensors to write (see `ingest_file`). `strict` refuses
+    every pickled global outside the allowlist. `on_start(total, done)` hears, once the store is open, the
+    bytes of all `files` and of those already in it (None for the total when any file is remote).
     """
     if not files:
         raise CheckpointError("no rank files to ingest")
@@ -236,12 +247,17 @@ def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[s
             pool = stack.enter_context(ProcessPoolExecutor(max_workers=jobs, mp_context=_SPAWN))
             for _ in range(jobs):
                 pool.submit(_warm_up)
-        store = create_store(location, files[0], storage_options)
+        store = create_store(location, files[0], storage_options, strict)
         if on_created:
             on_created(store)
         store.sweep_temporaries()  # what writers killed mid-write left behind
-        files = _not_yet_done(store, files)
         subtree = only(store) if only else None
+        sizes = {os.fspath(f): _size(f, storage_options) for f in files} if on_start else {}
+        files = _not_yet_done(store, files, subtree)
+        if on_start:
+            total = None if any(is_url(f) for f in sizes) else sum(sizes.values())
+            on_start(total, sum(sizes.values()) - sum(sizes[os.fspath(f)] for f in files))
+        options = IngestOptions(verify_replicas, subtree, strict)
         seen: dict[int, str] = {}
 
         def done(result: Ingested) -> None:
@@ -254,12 +270,12 @@ def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[s
         if scheduler is not None:
             from .distributed import run_on_dask
 
-            run_on_dask(scheduler, store, [os.fspath(f) for f in files], done, verify_replicas, jobs, subtree)
+            run_on_dask(scheduler, store, [os.fspath(f) for f in files], done, options, jobs)
         elif pool is None:
             for f in files:
-                done(ingest_file(store, f, verify_replicas, subtree))
+                done(ingest_file(store, f, options))
         else:
-            _run_pool(pool, store, [os.fspath(f) for f in files], done, verify_replicas, subtree)
+            _run_pool(pool, store, [os.fspath(f) for f in files], done, options)
     store.assemble_ready(verify=verify_replicas)
     return store
 
@@ -272,9 +288,12 @@ def _warm_up() -> None:
     """Runs in a fresh worker: importing this module (to unpickle the call) is the warm-up."""
 
 
-def _not_yet_done(store: Store, files: Sequence[str | os.PathLike[str]]) -> list[str | os.PathLike[str]]:
-    """The files whose rank is not committed yet from a file of the same name and size."""
-    done = {(rec["file"], rec["bytes"]) for rec in store.records().values()}
+def _not_yet_done(store: Store, files: Sequence[str | os.PathLike[str]],
+                  subtree: str | None) -> list[str | os.PathLike[str]]:
+    """The files whose rank is not committed yet from a file of the same name and size, with at least
+    the tensors this run needs (a rank ingested for a safetensors-only scratch store lacks the optimizer)."""
+    done = {(rec["file"], rec["bytes"]) for rec in store.records().values()
+            if rec.get("only") is None or (subtree is not None and under(subtree, rec["only"]))}
     if not done:
         return list(files)
     return [f for f in files if (os.path.basename(os.fspath(f)), _size(f, store.storage_options)) not in done]
@@ -288,9 +307,9 @@ def _size(path: str | os.PathLike[str], storage_options: StorageOptions) -> int:
 
 
 def _run_pool(pool: ProcessPoolExecutor, store: Store, files: Iterable[str], on_done: Callable[[Ingested], None],
-              verify_replicas: bool, only: str | None) -> None:
-    pending: set[Future[Ingested]] = {pool.submit(_worker, store.location, f, verify_replicas, store.storage_options,
-                                                  only) for f in files}
+              options: IngestOptions) -> None:
+    pending: set[Future[Ingested]] = {pool.submit(_worker, store.location, f, options, store.storage_options)
+                                      for f in files}
     try:
         while pending:
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)

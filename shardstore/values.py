@@ -13,12 +13,15 @@ import base64
 import collections
 import datetime
 import math
+import os
+import pathlib
 from typing import Any, Callable
 
 import numpy as np
 
 from .errors import StoreError
-from .read.unpickle import TorchDType, TensorRef, TorchDevice
+from .read.opaque import SHORT_REPR, Building, GlobalRef, Opaque
+from .read.unpickle import TorchDType, TensorRef, TorchDevice, TorchVersion
 
 Json = Any
 INLINE_TENSOR_BYTES = 1024
@@ -86,12 +89,39 @@ class _Encoder:
             return {"$date": o.isoformat()}
         if type(o) is slice:
             return {"$slice": [enc(o.start), enc(o.stop), enc(o.step)]}
+        if isinstance(o, TorchVersion):
+            return {"$torch_version": str(o)}
+        if isinstance(o, pathlib.PurePath):
+            return {"$path": [getattr(o, "kind", type(o).__name__), str(o)]}
+        if isinstance(o, Opaque):
+            out = {"global": [o.module, o.name], "args": enc(o.args), "newobj": o.newobj}
+            for field in ("kwargs", "state", "items", "dictitems"):
+                if getattr(o, field):
+                    out[field] = enc(getattr(o, field))
+            return {"$opaque": out}
+        if isinstance(o, GlobalRef) or isinstance(o, type) and issubclass(o, Building):
+            ref = o if isinstance(o, GlobalRef) else GlobalRef(*o.global_)
+            return {"$global": [ref.module, ref.name]}
         raise StoreError(f"cannot store a value of type {type(o).__name__}")
 
 
+def path_value(kind: str, text: str) -> pathlib.PurePath:
+    """A pickled path as the class it was, where this system can make one (else its pure flavour)."""
+    cls = getattr(pathlib, kind, None) if kind in _PATH_CLASSES else None
+    if cls is None:
+        raise StoreError(f"unknown path class {kind!r} in the store")
+    if (kind == "PosixPath" and os.name == "nt") or (kind == "WindowsPath" and os.name != "nt"):
+        cls = pathlib.PureWindowsPath if kind == "WindowsPath" else pathlib.PurePosixPath
+    return cls(text)
+
+
+_PATH_CLASSES = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+
+
 def decode(data: Json, tensor: Callable[[Json], Any], torch_dtype: Callable[[str], Any] = TorchDType,
-           torch_device: Callable[[str], Any] = TorchDevice) -> Any:
-    """Decode typed JSON; `tensor` rebuilds a plain tensor from its "$tensor" record."""
+           torch_device: Callable[[str], Any] = TorchDevice, torch_version: Callable[[str], Any] = TorchVersion) -> Any:
+    """Decode typed JSON; `tensor` rebuilds a plain tensor from its "$tensor" record. Opaque objects come
+    back as `Opaque` records (never their real class), paths as pathlib paths."""
 
     def dec(d: Json) -> Any:
         if isinstance(d, list):
@@ -142,6 +172,29 @@ def decode(data: Json, tensor: Callable[[Json], Any], torch_dtype: Callable[[str
             return datetime.date.fromisoformat(v)
         if tag == "$slice":
             return slice(dec(v[0]), dec(v[1]), dec(v[2]))
+        if tag == "$torch_version":
+            return torch_version(v)
+        if tag == "$path":
+            return path_value(*v)
+        if tag == "$global":
+            return GlobalRef(*v)
+        if tag == "$opaque":
+            return Opaque(v["global"][0], v["global"][1], dec(v["args"]), dec(v.get("state")),
+                          kwargs=dec(v.get("kwargs", {"$dict": []})), items=dec(v.get("items", [])),
+                          dictitems=dec(v.get("dictitems", [])), newobj=v["newobj"])
         raise StoreError(f"unknown typed value {tag!r} in the store (written by a newer shardstore?)")
 
     return dec(data)
+
+
+class _TensorPreview:
+    def __init__(self, record: Json):
+        self.text = f"tensor({record['dtype']}{list(record['shape'])})"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def preview(data: Json) -> str:
+    """A short, readable form of an encoded value (tensors by dtype and shape): for listings, without torch."""
+    return SHORT_REPR.repr(decode(data, tensor=_TensorPreview))

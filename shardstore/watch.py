@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import CheckpointError, ShardstoreError
-from .ingest import _SPAWN, Ingested, _worker, create_store, default_jobs
+from .ingest import _SPAWN, IngestOptions, Ingested, _worker, create_store, default_jobs
+from .locations import StorageOptions
 from .read.container import TorchZip
 from .read.layouts import name_rank, refuse_mixed, scan
 from .store.store import Store
@@ -32,18 +33,20 @@ def _complete(path: Path) -> bool:
 def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], expect: int | None = None,
           timeout: float | None = None, jobs: int | None = None, poll: float = 0.5, tag: str | None = None,
           on_done: Callable[[Ingested], None] | None = None,
-          on_world_size: Callable[[int], None] | None = None) -> Store:
+          on_world_size: Callable[[int], None] | None = None, storage_options: StorageOptions | None = None,
+          strict: bool = False) -> Store:
     """Ingest rank files from `src_dir` as they appear until the store is complete; returns the store.
 
     `expect` is the world size to wait for (default: the world size the first file declares); after
-    `timeout` seconds a CheckpointError names the ranks still missing.
+    `timeout` seconds a CheckpointError names the ranks still missing. `src_dir` is a local folder; the
+    store may be anywhere (`storage_options` as for `ingest`).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     seen: dict[Path, tuple[int, int]] = {}
     submitted: dict[Path, Future[Ingested]] = {}
     store: Store | None = None
     try:
-        store = Store.open(location)
+        store = Store.open(location, storage_options)
         done_ranks = set(store.records())
     except ShardstoreError:
         done_ranks = set()
@@ -68,14 +71,15 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
                 if path in submitted or rank in done_ranks:
                     continue
                 if store is None:
-                    store = create_store(location, path)
+                    store = create_store(location, path, storage_options, strict)
                     store.sweep_temporaries()
                     if expect is not None and expect != store.manifest.world_size:
                         raise CheckpointError(f"{path}: holds a checkpoint of world size "
                                               f"{store.manifest.world_size}, not the {expect} expected")
                     if on_world_size:
                         on_world_size(store.manifest.world_size)
-                submitted[path] = pool.submit(_worker, store.location, os.fspath(path), False)
+                submitted[path] = pool.submit(_worker, store.location, os.fspath(path), IngestOptions(strict=strict),
+                                              storage_options)
             if deadline is not None and time.monotonic() > deadline:
                 world = expect or (store.manifest.world_size if store else None)
                 missing = sorted(set(range(world)) - done_ranks) if world else []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -10,8 +11,8 @@ from typing import Callable
 from ..errors import ExportError, StoreError
 from ..store.store import Status, Store
 from .resolve import leaves, node_at
-from .safetensors import export_safetensors
-from .torch import export_torch
+from .safetensors import export_safetensors, plan_safetensors
+from .torch import export_torch, torch_files
 
 FORMATS = ("safetensors", "torch")
 CAST_DTYPES = ("bfloat16", "float16", "float32")
@@ -22,6 +23,19 @@ class ExportResult:
     files: list[Path]
     skipped: list[str] = field(default_factory=list)  # non-tensor leaves a safetensors file cannot hold
     partial: dict[str, str] | None = None  # set when holes were filled (--allow-partial)
+    replaced: list[Path] = field(default_factory=list)  # a previous export's files removed (overwrite)
+
+
+# Every file name an export of any format writes: what a previous export may have left in OUT.
+_OUTPUT_NAME = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
+                          r"|(model|optim|train|checkpoint)\.pt)\Z")
+
+
+def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
+    """Files of an earlier export in `out` that this one would not replace (they would be left beside it)."""
+    if not out.is_dir():
+        return []
+    return sorted(p for p in out.iterdir() if _OUTPUT_NAME.match(p.name) and p.name not in planned)
 
 
 def model_subtree(store: Store) -> str:
@@ -47,12 +61,16 @@ def _scoped(status: Status, node: dict) -> Status:
 def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safetensors", select: str | None = None,
            strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
            progress: Callable[[int], None] | None = None, allow_partial: bool = False,
-           scheduler: str | None = None, jobs: int = 1) -> ExportResult:
+           scheduler: str | None = None, jobs: int = 1, overwrite: bool = False,
+           on_start: Callable[[int], None] | None = None) -> ExportResult:
     """Write the unsharded checkpoint from `store` into `out_dir` (see the README for the formats).
 
     An incomplete store is refused unless `allow_partial`: then missing pieces are holes (NaN, or zero for
     integer dtypes) and the output's metadata says which ranks and tensors were missing. With `scheduler`,
-    each safetensors file is written by one Dask task.
+    each safetensors file is written by one Dask task. Files of an earlier export that this one would not
+    replace are refused (they would be mistaken for part of it) unless `overwrite`, which removes them once
+    this export is complete; files no export writes are never touched. `on_start` hears the number of
+    tensor bytes to write (what `progress` will count up to) once the export is planned.
     """
     if format not in FORMATS:
         raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
@@ -77,14 +95,30 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
     if format == "torch":
         if scheduler:
             raise ExportError("--scheduler exports safetensors only (a torch file is one stream)")
         if select or strip_prefix or dtype:
             raise ExportError("--select, --strip-prefix and --dtype apply to safetensors output only")
-        return ExportResult(export_torch(store, out, progress, partial), partial=partial)
-    assert node is not None
-    files, skipped = export_safetensors(store, out, node, strip_prefix, dtype, max_shard_size, progress, partial,
-                                        scheduler, jobs)
-    return ExportResult(files, skipped, partial)
+        planned, nbytes = torch_files(store), sum(a.nbytes for a in store.manifest.arrays.values())
+    else:
+        assert node is not None
+        plan = plan_safetensors(store, node, strip_prefix, dtype, max_shard_size)
+        planned, nbytes = plan.files, plan.nbytes
+    stale = previous_outputs(out, planned)
+    if stale and not overwrite:
+        names = ", ".join(p.name for p in stale[:6]) + (" ..." if len(stale) > 6 else "")
+        raise ExportError(f"{out}: holds files of an earlier export that this one would not replace ({names}); "
+                          f"use --overwrite to replace that export, or another folder")
+    out.mkdir(parents=True, exist_ok=True)
+    if on_start:
+        on_start(nbytes)
+    if format == "torch":
+        result = ExportResult(export_torch(store, out, progress, partial), partial=partial)
+    else:
+        files = export_safetensors(store, out, plan, progress, partial, scheduler, jobs)
+        result = ExportResult(files, plan.skipped, partial)
+    for path in stale:  # only now that the new export is whole
+        path.unlink(missing_ok=True)
+    result.replaced = stale
+    return result

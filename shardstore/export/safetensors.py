@@ -133,18 +133,44 @@ def _write_file_task(location: str, storage_options: dict[str, Any], path: str, 
     return write_file(Store.open(location, storage_options), Path(path), group, partial)
 
 
-def export_safetensors(store: Store, out_dir: Path, node: dict[str, Any], strip_prefix: str | None = None,
-                       cast: str | None = None, max_shard_size: int = 5_000_000_000,
-                       progress: Callable[[int], None] | None = None, partial: dict[str, str] | None = None,
-                       scheduler: str | None = None, jobs: int = 1) -> tuple[list[Path], list[str]]:
-    """Write the tensors below `node`. `partial` (metadata describing holes) allows an incomplete store.
+INDEX = "model.safetensors.index.json"
 
-    With `scheduler`, each output file is one Dask task (OUT must be reachable from the workers).
-    """
+
+@dataclass
+class SafetensorsPlan:
+    """What a safetensors export will write, known before the first byte: file names and their tensors."""
+
+    names: list[str]
+    groups: list[list[_Item]]
+    skipped: list[str]
+
+    @property
+    def files(self) -> list[str]:
+        return self.names + ([INDEX] if len(self.groups) > 1 else [])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(it.nbytes for group in self.groups for it in group)
+
+
+def plan_safetensors(store: Store, node: dict[str, Any], strip_prefix: str | None = None, cast: str | None = None,
+                     max_shard_size: int = 5_000_000_000) -> SafetensorsPlan:
     items, skipped = collect(store, node, strip_prefix, cast)
     groups = _split(items, max_shard_size)
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    return SafetensorsPlan(names, groups, skipped)
+
+
+def export_safetensors(store: Store, out_dir: Path, plan: SafetensorsPlan, progress: Callable[[int], None] | None = None,
+                       partial: dict[str, str] | None = None, scheduler: str | None = None,
+                       jobs: int = 1) -> list[Path]:
+    """Write the planned files. `partial` (metadata describing holes) allows an incomplete store.
+
+    With `scheduler`, each output file is one Dask task (OUT must be reachable from the workers).
+    """
+    names, groups = plan.names, plan.groups
+    items = [it for group in groups for it in group]
     if scheduler is None:
         written = [write_file(store, out_dir / name, group, partial, progress) for name, group in zip(names, groups)]
     else:
@@ -159,9 +185,11 @@ def export_safetensors(store: Store, out_dir: Path, node: dict[str, Any], strip_
         if progress:
             progress(sum(it.nbytes for it in items))
     if len(groups) > 1:
-        index = {"metadata": {"total_size": sum(it.nbytes for it in items)},
+        # As transformers' save_pretrained writes it (total_parameters since transformers 4.47).
+        index = {"metadata": {"total_parameters": sum(math.prod(it.shape) for it in items),
+                              "total_size": sum(it.nbytes for it in items)},
                  "weight_map": {it.key: name for name, group in zip(names, groups) for it in group}}
-        with OutputFile(out_dir / "model.safetensors.index.json") as out:
+        with OutputFile(out_dir / INDEX) as out:
             out.write(json.dumps(index, indent=2).encode() + b"\n")
-        written.append(out_dir / "model.safetensors.index.json")
-    return written, skipped
+        written.append(out_dir / INDEX)
+    return written

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import dtypes
+from ..read.opaque import GlobalRef, Opaque
 from ..store.store import Store
 from .output import OutputFile
 from .resolve import ArrayRef, build, node_at
@@ -28,8 +29,37 @@ from .torchzip import TorchZipWriter
 PROTOCOL = 2
 
 
-class _Pickler(pickle.Pickler):
-    """Pickles tensors and ArrayRefs the way torch.save does, collecting their storages for later."""
+class _Pickler(pickle._Pickler):
+    """Pickles tensors and ArrayRefs the way torch.save does, collecting their storages for later.
+
+    Opaque records are written back as the opcodes that built them (the same global, arguments and
+    state), which needs the Python pickler: the C one cannot name a global it has not imported."""
+
+    dispatch = pickle._Pickler.dispatch.copy()
+
+    def save_global_ref(self, ref: GlobalRef) -> None:
+        self.write(pickle.GLOBAL + f"{ref.module}\n{ref.name}\n".encode("ascii"))
+
+    def save_opaque(self, obj: Opaque) -> None:
+        if obj.kwargs:  # NEWOBJ_EX needs protocol 4; at torch.save's protocol 2 copyreg spells it
+            self.save_global_ref(GlobalRef("copyreg", "__newobj_ex__"))
+            self.save((GlobalRef(obj.module, obj.name), tuple(obj.args), dict(obj.kwargs)))
+            self.write(pickle.REDUCE)
+        else:
+            self.save_global_ref(GlobalRef(obj.module, obj.name))
+            self.save(tuple(obj.args))
+            self.write(pickle.NEWOBJ if obj.newobj else pickle.REDUCE)
+        self.memoize(obj)
+        if obj.items:
+            self._batch_appends(iter(obj.items))
+        if obj.dictitems:
+            self._batch_setitems(iter(obj.dictitems))
+        if obj.state is not None:
+            self.save(obj.state)
+            self.write(pickle.BUILD)
+
+    dispatch[GlobalRef] = save_global_ref
+    dispatch[Opaque] = save_opaque
 
     def __init__(self, buf: io.BytesIO):
         super().__init__(buf, protocol=PROTOCOL)
@@ -113,6 +143,11 @@ def save(store: Store, obj: Any, path: Path, progress: Callable[[int], None] | N
         if partial is not None:
             zw.add_bytes("shardstore_partial.json", json.dumps(partial).encode())
         zw.close()
+
+
+def torch_files(store: Store) -> list[str]:
+    """The files `export_torch` writes for this store's layout."""
+    return ["model.pt", "optim.pt", "train.pt"] if store.manifest.layout == "olmo" else ["checkpoint.pt"]
 
 
 def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 import zipfile
 import zlib
@@ -33,6 +34,24 @@ class Entry:
     crc: int
 
 
+def _open_regular(path: Path) -> Any:
+    """Open a local file for reading only if it is a regular file: a directory, a FIFO (which would block)
+    or a device (/dev/zero never ends) is refused with one line. O_NONBLOCK keeps a FIFO from hanging."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, not a rank file") from None
+    except PermissionError:
+        raise CheckpointError(f"{path}: permission denied") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise CheckpointError(f"{path}: is {kind}, not a rank file")
+    return os.fdopen(fd, "rb")
+
+
 class TorchZip:
     """An open rank file: its entries by record name, over a read-only mmap (local) or ranged reads (URL)."""
 
@@ -40,24 +59,18 @@ class TorchZip:
         self.path = path if is_url(path) else Path(local(path))
         self._map: mmap.mmap | None = None
         self._remote: tuple[Any, str] | None = None
-        try:
-            if isinstance(self.path, Path):
-                self._file: Any = open(self.path, "rb")
-                self._size = os.fstat(self._file.fileno()).st_size
-            else:
+        if isinstance(self.path, Path):
+            self._file: Any = _open_regular(self.path)
+            self._size = os.fstat(self._file.fileno()).st_size
+        else:
+            try:
                 fs, fspath = self._remote = filesystem(self.path, storage_options)
                 self._size = int(fs.size(fspath))
                 self._file = fs.open(fspath, "rb", block_size=1 << 16, cache_type="readahead")
-        except FileNotFoundError:
-            raise CheckpointError(f"{self.path}: no such file") from None
-        except CheckpointError:
-            raise
-        except Exception as exc:  # a URL whose service cannot be reached
-            if isinstance(self.path, Path):
-                raise
-            raise CheckpointError(f"{self.path}: cannot open ({type(exc).__name__}: {str(exc)[:200]})") from None
-        except IsADirectoryError:
-            raise CheckpointError(f"{self.path}: is a directory, not a rank file") from None
+            except FileNotFoundError:
+                raise CheckpointError(f"{self.path}: no such file") from None
+            except Exception as exc:  # a URL whose service cannot be reached
+                raise CheckpointError(f"{self.path}: cannot open ({type(exc).__name__}: {str(exc)[:200]})") from None
         try:
             self.prefix, self.entries = self._index()
             if isinstance(self.path, Path) and self._size:

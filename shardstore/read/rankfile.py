@@ -122,13 +122,13 @@ def _sharded_leaf(st: ShardedTensor, where: str) -> ShardedLeaf:
 
 
 def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr,
-                   storage_options: StorageOptions | None = None) -> RankFile:
-    """Open and unpickle one rank file (through the allowlist), leaving every tensor byte where it is."""
+                   storage_options: StorageOptions | None = None, strict: bool = False) -> RankFile:
+    """Open and unpickle one rank file (safely: see `unpickle`), leaving every tensor byte where it is."""
     zf = TorchZip(path, storage_options)
     try:
         name = os.fspath(path)
         zf.verify("data.pkl")
-        obj = load(zf.record("data.pkl"), name)
+        obj = load(zf.record("data.pkl"), name, strict)
         skeleton, raw = flatten(obj, encode_key)
         leaves: dict[str, Any] = {}
         pg = None

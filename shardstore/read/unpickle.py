@@ -1,9 +1,13 @@
-"""The allowlisted unpickler and the light stand-ins it builds.
+"""The safe unpickler and the light stand-ins it builds.
 
-A rank file is a pickle, and a pickle is a program. This unpickler resolves only the globals listed in
-`ALLOWED` and maps each one to an inert stand-in (no torch, no torch.distributed, no process group);
-any other global is refused before anything runs, with an error that names it. Storages become
-`StorageRef`s that point into the zip, so tensor bytes stay on disk until a writer copies them.
+A rank file is a pickle, and a pickle is a program. Nothing in it is ever imported or called: every
+global resolves, by policy, to one of three things.
+- `ALLOWED` globals map to inert stand-ins (no torch, no torch.distributed, no process group); with
+  `strict=False`, so do `pathlib` paths and `TorchVersion` (`SAFE_EXTRAS`), which are only strings.
+- Globals that exist to run code or reach the system (`opaque.refusal`) are refused with one line.
+- Any other global (a trainer's own class) becomes an `Opaque` record of how it was built, unless
+  `strict`, which refuses everything outside `ALLOWED`.
+Storages become `StorageRef`s that point into the zip, so tensor bytes stay on disk until copied.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import contextlib
 import datetime
 import gc
 import io
+import pathlib
 import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -23,6 +28,11 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import CheckpointError, UnsafePickleError
+from .opaque import Building, building_class, refusal
+
+# Distinct opaque globals one pickle may name: far above any real trainer state, and it bounds the
+# classes a hostile file can make us create.
+MAX_OPAQUE_GLOBALS = 4096
 
 
 class TorchDType(str):
@@ -163,7 +173,8 @@ def _rebuild_parameter(data: Any, *rest: Any) -> Any:
 def _safe_getattr(obj: Any, name: str) -> Any:
     if obj is ShardedTensor and name == "ProcessGroupState":
         return ProcessGroupState
-    raise UnsafePickleError(f"refusing getattr({getattr(obj, '__name__', type(obj).__name__)}, {name!r})")
+    raise UnsafePickleError(f"refusing getattr({getattr(obj, '__name__', type(obj).__name__)}, {name!r}) "
+                            f"(nothing was run)")
 
 
 def _device(kind: str, index: int | None = None) -> TorchDevice:
@@ -245,20 +256,55 @@ for _cls in ("Float64DType", "Float32DType", "Float16DType", "Int64DType", "Int3
         ALLOWED[("numpy.dtypes", _cls)] = getattr(np.dtypes, _cls)
 
 
+class TorchVersion(str):
+    """`torch.torch_version.TorchVersion`: a str subclass; kept as the string it is."""
+
+
+class _PickledPath:
+    """Mixin for the stand-ins of pathlib's classes: pure paths that remember which class was pickled."""
+
+    kind = "PurePosixPath"
+
+
+def _path_class(kind: str) -> type:
+    pure = pathlib.PureWindowsPath if "Windows" in kind else pathlib.PurePosixPath
+    return type(kind, (_PickledPath, pure), {"kind": kind})
+
+
+_PATH_KINDS = ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "PurePath")
+# Safe without being torch's own: allowed unless strict.
+SAFE_EXTRAS: dict[tuple[str, str], Any] = {
+    ("torch.torch_version", "TorchVersion"): TorchVersion,
+    **{(module, kind): _path_class({"Path": "PosixPath", "PurePath": "PurePosixPath"}.get(kind, kind))
+       for module in ("pathlib", "pathlib._local") for kind in _PATH_KINDS},
+}
+
+
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: io.BytesIO, source: str):
+    def __init__(self, data: io.BytesIO, source: str, strict: bool):
         super().__init__(data)
         self._source = source
+        self._strict = strict
+        self._opaque: dict[tuple[str, str], type[Building]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
         # Protocol-2 pickles use Python 2 names (__builtin__); the C unpickler hands them over raw.
         module = _compat_pickle.IMPORT_MAPPING.get(module, module)
-        try:
-            return ALLOWED[(module, name)]
-        except KeyError:
-            raise UnsafePickleError(
-                f"{self._source}: refusing to load global {module}.{name} (not on the allowlist; nothing was run)"
-            ) from None
+        key = (module, name)
+        if key in ALLOWED:
+            return ALLOWED[key]
+        if not self._strict and key in SAFE_EXTRAS:
+            return SAFE_EXTRAS[key]
+        why = "not on the allowlist; --strict" if self._strict else refusal(module, name)
+        if why:
+            raise UnsafePickleError(f"{self._source}: refusing to load global {module}.{name} ({why}; nothing was run)")
+        cls = self._opaque.get(key)
+        if cls is None:
+            if len(self._opaque) >= MAX_OPAQUE_GLOBALS:
+                raise CheckpointError(f"{self._source}: names more than {MAX_OPAQUE_GLOBALS} distinct classes "
+                                      f"outside torch (corrupt or hostile pickle)")
+            cls = self._opaque[key] = building_class(module, name)
+        return cls
 
     def persistent_load(self, pid: Any) -> StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
@@ -285,14 +331,16 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def load(data: bytes | memoryview, source: str) -> Any:
-    """Unpickle `data` through the allowlist. `source` names the file in every error."""
+def load(data: bytes | memoryview, source: str, strict: bool = False) -> Any:
+    """Unpickle `data` by the policy above (`strict`: allowlist only). `source` names the file in errors."""
     with gc_paused():
-        unpickler = _Unpickler(io.BytesIO(data), source)
+        unpickler = _Unpickler(io.BytesIO(data), source, strict)
         try:
             return unpickler.load()
-        except CheckpointError:
-            raise
+        except CheckpointError as exc:  # raised by a stand-in, which does not know the file: name it
+            if str(exc).startswith(source):
+                raise
+            raise type(exc)(f"{source}: {exc}") from None
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
             raise CheckpointError(f"{source}: corrupt pickle ({type(exc).__name__}: {exc})") from None
         finally:

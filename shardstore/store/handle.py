@@ -50,13 +50,46 @@ class TensorHandle:
         return self._store.contributors(self.path)
 
     def __getitem__(self, selection: Any) -> "torch.Tensor":
+        self.check_selection(selection)
         self._check_arrived(selection)
         return to_torch(self._store.read(self.path, selection), self.entry.dtype)
 
     def numpy(self, selection: Any = ...) -> np.ndarray:
         """The values of a selection as numpy numbers, exactly (bfloat16 and float8 as float32); no torch."""
+        self.check_selection(selection)
         self._check_arrived(selection)
         return dtypes.as_numbers(np.asarray(self._store.read(self.path, selection)), self.entry.dtype)
+
+    def check_selection(self, selection: Any) -> None:
+        """Refuse, in one line naming the key and the valid range, what numpy-style basic indexing of this
+        tensor would reject or Zarr cannot do (negative steps)."""
+        shape = self.entry.shape
+        sel = selection if isinstance(selection, tuple) else (selection,)
+        if sum(s is Ellipsis for s in sel) > 1:
+            raise StoreError(f"{self.path}: a selection may hold one '...' at most")
+        explicit = [s for s in sel if s is not Ellipsis]
+        if len(explicit) > len(shape):
+            raise StoreError(f"{self.path}: {len(explicit)} indices for a {len(shape)}-d tensor of shape {list(shape)}")
+        if Ellipsis in sel:
+            at = sel.index(Ellipsis)
+            dims = list(range(at)) + list(range(len(shape) - (len(sel) - at - 1), len(shape)))
+        else:
+            dims = list(range(len(explicit)))
+        for dim, s in zip(dims, explicit):
+            size = shape[dim]
+            if isinstance(s, (int, np.integer)) and not isinstance(s, bool):
+                if not -size <= s < size:
+                    raise StoreError(f"{self.path}: index {s} is out of range for dimension {dim} of size {size} "
+                                     f"(valid: {-size} to {size - 1})")
+            elif isinstance(s, slice):
+                if any(v is not None and not isinstance(v, (int, np.integer)) for v in (s.start, s.stop, s.step)):
+                    raise StoreError(f"{self.path}: slice bounds must be whole numbers")
+                if s.step is not None and s.step < 1:
+                    raise StoreError(f"{self.path}: slice steps must be positive (dimension {dim}); "
+                                     f"reverse the result instead")
+            else:
+                raise StoreError(f"{self.path}: selections are whole numbers, slices and '...', "
+                                 f"not {type(s).__name__}")
 
     def _check_arrived(self, selection: Any) -> None:
         """Refuse to read rows whose cells no ingested rank has delivered (Zarr would return zeros)."""
@@ -147,4 +180,5 @@ def decode_value(store: "Store", encoded: Any) -> Any:
     import torch
 
     return values.decode(encoded, tensor=lambda rec: decode_tensor(store, rec),
-                         torch_dtype=lambda name: getattr(torch, name), torch_device=torch.device)
+                         torch_dtype=lambda name: getattr(torch, name), torch_device=torch.device,
+                         torch_version=torch.torch_version.TorchVersion)

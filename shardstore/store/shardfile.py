@@ -51,6 +51,14 @@ def array_metadata(raw: np.dtype, shape: tuple[int, ...], cell: tuple[int, ...],
     return meta
 
 
+def records_node_metadata() -> dict[str, Any]:
+    """zarr.json for `__shardstore__`: an empty uint8 array. Zarr does not list inside an array node, so
+    shardstore's own records there no longer make every walk of the group warn about unknown objects."""
+    meta = array_metadata(np.dtype("u1"), (0,), (1,), (1,), {
+        "shardstore": "shardstore's own records (manifest, commit records, staging); not array data"})
+    return meta
+
+
 def index_bytes(cell_rows: int, chunk_rows: int, valid_rows: int, chunk_bytes: int) -> bytes:
     """The shard index: (offset, nbytes) per inner chunk, fill-only chunks marked empty, then CRC32C."""
     entries = []

@@ -5,8 +5,10 @@
     <store>/__shardstore__/ranks/<r>.json                one commit record per ingested rank, written last
     <store>/__shardstore__/staging/<r>.bin               a rank's pieces of small tensors
     <store>/__shardstore__/blobs/<digest>                plain-tensor bytes, content-addressed
+    <store>/__shardstore__/zarr.json                     an empty array node, so Zarr readers walking the
+                                                         group see a node there and never look inside
 
-Zarr names may not start with "__", so nothing here can collide with a state-dict path. A rank counts as
+State-dict paths never start with "__" (paths.escape), so nothing here can collide with one. A rank counts as
 ingested only once its commit record exists, and that record is written after everything it lists is
 durable, so a crash at any moment leaves nothing that looks finished.
 """
@@ -30,8 +32,9 @@ from ..ranges import FileRange, Part, part_length
 from .backend import Backend, open_backend
 from .manifest import MANIFEST_KEY, ArrayEntry, Manifest
 from .handle import TensorHandle, decode_value
-from .shardfile import GROUP_METADATA, array_metadata, shard_parts
+from .shardfile import GROUP_METADATA, array_metadata, records_node_metadata, shard_parts
 
+RECORDS_NODE = "__shardstore__/zarr.json"
 RANKS = "__shardstore__/ranks"
 STAGING = "__shardstore__/staging"
 BLOBS = "__shardstore__/blobs"
@@ -102,6 +105,8 @@ class Store:
             key = f"{group}/zarr.json" if group else "zarr.json"
             if not backend.exists(key):
                 backend.write(key, [GROUP_METADATA])
+        if not backend.exists(RECORDS_NODE):
+            backend.write(RECORDS_NODE, [json.dumps(records_node_metadata()).encode()])
         for entry in manifest.arrays.values():
             info = dtypes.info(entry.dtype)
             meta = array_metadata(info.raw, entry.shape, tuple(max(c, 1) for c in entry.cell),
