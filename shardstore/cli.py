@@ -101,20 +101,18 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except ShardstoreError as exc:
-            click.echo(f"shardstore: error: {exc}", err=True)
-            _after_error(ctx)
+            click.echo(f"shardstore: error: {exc}{_kept(ctx)}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
-            click.echo("shardstore: interrupted; nothing half-written is marked done, rerun to continue", err=True)
-            _after_error(ctx)
+            click.echo(f"shardstore: interrupted; nothing half-written is marked done{_kept(ctx) or ', rerun to continue'}",
+                       err=True)
             sys.exit(130)
 
 
-def _after_error(ctx: click.Context) -> None:
-    note = ctx.meta.get("shardstore.after_error")
-    text = note() if note else None
-    if text:
-        click.echo(f"shardstore: {text}", err=True)
+def _kept(ctx: click.Context) -> str:
+    """Where the work of a failed or interrupted run is kept, for the end of its one line ("" if nowhere)."""
+    where = ctx.meta.get("shardstore.kept", lambda: None)()
+    return f"; the work so far is kept in {where}, rerun the same command to resume" if where else ""
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -254,9 +252,7 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
     """
     scratch = api.scratch_location(out)
     if store is None:
-        ctx.meta["shardstore.after_error"] = lambda: (
-            f"the work so far is kept in {scratch}; rerun the same command to resume (or delete it)"
-            if scratch.is_dir() and not scratch.is_symlink() else None)
+        ctx.meta["shardstore.kept"] = lambda: scratch if scratch.is_dir() and not scratch.is_symlink() else None
     with _progress(quiet) as progress:
         result = api.unshard(src, out, store=store, tag=tag, step=step, jobs=jobs, verify_replicas=verify_replicas,
                              storage_options=_options(), scheduler=scheduler, strict=strict, progress=progress,

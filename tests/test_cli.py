@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import shardstore
 from tests.conftest import assert_bitwise_equal, expected
 
 
@@ -38,7 +39,11 @@ def test_unshard_ls_and_export(checkpoints, tmp_path: Path) -> None:
     assert ls.returncode == 0
     assert "layout: olmo   world size: 2   ranks ingested: 2/2" in ls.stdout
     assert any(line.split()[:4] == ["model/wte.weight", "float32", "[1000,", "300]"] for line in ls.stdout.splitlines())
-    assert "rng/python_seed" in ls.stdout and "differs per rank" in ls.stdout
+    lines = {line.split()[0]: line for line in ls.stdout.splitlines()[1:]}
+    assert "differs per rank" in lines["rng/cuda"] and "tensor(uint8[5056])" in lines["rng/cuda"]
+    assert "[PosixPath('/scratch/run/step50'), PosixPath('/scratch/run/step100')]" in lines["checkpoints"]
+    assert "<tests.fixtures.olmo_data.MixtureCheckpoint {world_size: 2, " in lines["data_checkpoint"]
+    assert "differs per rank" not in lines["global_step"] and lines["global_step"].endswith(" 1")
 
     proc = run("export", tmp_path / "store", tmp_path / "pt", "--format", "torch")
     assert proc.returncode == 0, proc.stderr
@@ -122,8 +127,9 @@ def test_status_show_and_partial_export(checkpoints, tmp_path: Path) -> None:
     assert_one_line_error(run("show", tmp_path / "s", "model/wte.weight", "--slice", "400:402"),
                           "rows 334-667 have not arrived")
     assert_one_line_error(run("show", tmp_path / "s", "model/nope"), "no key 'model/nope'")
-    assert "same on all ranks" not in run("show", tmp_path / "s", "rng/python_seed").stdout
-    assert "[rank 2]: 1002" in run("show", tmp_path / "s", "rng/python_seed").stdout
+    per_rank = run("show", tmp_path / "s", "rng/cuda").stdout.splitlines()
+    assert [line.split(":")[0] for line in per_rank] == ["rng/cuda [rank 0]", "rng/cuda [rank 2]"]
+    assert run("show", tmp_path / "s", "global_train_tokens_seen").stdout == "global_train_tokens_seen: 36\n"
 
     proc = run("export", tmp_path / "s", tmp_path / "partial", "--allow-partial", "-q")
     assert proc.returncode == 0 and "partial export: ranks 1 missing" in proc.stderr
@@ -140,3 +146,121 @@ def test_status_show_and_partial_export(checkpoints, tmp_path: Path) -> None:
     assert run("ingest", tmp_path / "s", src / "rank1.pt", "-q").returncode == 0
     st = run("status", tmp_path / "s")
     assert st.returncode == 0 and "ready to export" in st.stdout
+
+
+def test_python_dash_m_and_help(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "shardstore", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("Usage: shardstore ")
+    help_text = run("unshard", "--help").stdout
+    assert "--max-shard-size SIZE" in help_text and "PARSE_SIZE" not in help_text
+    assert "--strict" in help_text and "--overwrite" in help_text
+
+
+def test_show_refuses_selections_outside_the_tensor_in_one_line(checkpoints, tmp_path: Path) -> None:
+    assert run("ingest", tmp_path / "s", *sorted(checkpoints(2).glob("rank*.pt")), "-q").returncode == 0
+    key = "model/wte.weight"  # [1000, 300]
+    assert_one_line_error(run("show", tmp_path / "s", key, "--slice", "5000"), key, "index 5000", "-1000 to 999")
+    assert_one_line_error(run("show", tmp_path / "s", key, "--slice", "0:2,::-1"), key, "steps must be positive")
+    assert_one_line_error(run("show", tmp_path / "s", key, "--slice", "0:2,0:4,0:1"), key, "3 indices", "[1000, 300]")
+    assert_one_line_error(run("show", tmp_path / "s", key, "--slice", "0,-301"), key, "dimension 1 of size 300")
+    ok = run("show", tmp_path / "s", key, "--slice", "-1,...,298:")
+    assert ok.returncode == 0 and len(ok.stdout.splitlines()[1].strip(" []").split()) == 2
+
+
+def test_a_second_export_never_leaves_the_first_ones_files_beside_it(checkpoints, tmp_path: Path) -> None:
+    src = checkpoints(2)
+    assert run("ingest", tmp_path / "s", *sorted(src.glob("rank*.pt")), "-q").returncode == 0
+    out = tmp_path / "out"
+    assert run("export", tmp_path / "s", out, "--max-shard-size", "600KB", "-q").returncode == 0
+    first = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors.index.json" in first and len(first) >= 3
+    (out / "notes.txt").write_text("mine")
+
+    refused = run("export", tmp_path / "s", out)
+    assert_one_line_error(refused, "earlier export", first[0], "--overwrite")
+    assert sorted(p.name for p in out.iterdir()) == sorted(first + ["notes.txt"])  # nothing was written or removed
+    assert_one_line_error(run("export", tmp_path / "s", out, "--format", "torch"), "model.safetensors.index.json")
+
+    proc = run("export", tmp_path / "s", out, "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "notes.txt"]
+    assert all(f"removed {out / name}" in proc.stdout for name in first)
+    assert_bitwise_equal(load_file(out / "model.safetensors"), expected(src)["model"])
+    assert (out / "notes.txt").read_text() == "mine"
+    again = run("export", tmp_path / "s", out, "-q")  # the same export again replaces its own file
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_failed_unshard_keeps_its_work_and_the_rerun_resumes(checkpoints, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(checkpoints(3), src)
+    good = (src / "rank2.pt").read_bytes()
+    (src / "rank2.pt").write_bytes(good[: len(good) // 2])
+    out = tmp_path / "out"
+    failed = run("unshard", src, out, "-j", "1")
+    assert_one_line_error(failed, "rank2.pt", f"kept in {out / '.shardstore-scratch'}", "rerun")
+    assert shardstore.open(out / ".shardstore-scratch").status().ranks_done == [0, 1]
+
+    (src / "rank2.pt").write_bytes(good)
+    resumed = run("unshard", src, out, "-j", "1")  # stderr is not a terminal: one plain line per phase
+    assert resumed.returncode == 0, resumed.stderr
+    phases = resumed.stderr.splitlines()
+    assert [line.split(":")[0] for line in phases] == ["ingest", "export"], resumed.stderr
+    done_before = sum((src / f"rank{r}.pt").stat().st_size for r in (0, 1)) / 2**20
+    assert f"({done_before:.1f} MiB were already done)" in phases[0]
+    assert not (out / ".shardstore-scratch").exists()
+    assert_bitwise_equal(load_file(out / "model.safetensors"), expected(src)["model"])
+    assert run("unshard", src, tmp_path / "q", "-q").stderr == ""
+
+
+def test_an_interrupted_unshard_resumes(checkpoints, tmp_path: Path) -> None:
+    src = checkpoints(3)
+
+    class CtrlC(shardstore.Progress):
+        def advance(self, nbytes: int) -> None:  # Ctrl-C lands right after the first rank is committed
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        shardstore.unshard(src, tmp_path / "out", jobs=1, progress=CtrlC())
+    scratch = shardstore.scratch_location(tmp_path / "out")
+    assert shardstore.open(scratch).status().ranks_done == [0]
+
+    class Record(shardstore.Progress):
+        def start(self, phase: str, total: int | None, done: int = 0) -> None:
+            starts.append((phase, total, done))
+
+    starts: list[tuple] = []
+    shardstore.unshard(src, tmp_path / "out", jobs=1, progress=Record())
+    sizes = [(src / f"rank{r}.pt").stat().st_size for r in range(3)]
+    assert starts[0] == ("ingest", sum(sizes), sizes[0])  # the bar starts where the first run stopped
+    assert starts[1][0] == "export" and starts[1][1] == sum(t.numel() * t.element_size()
+                                                           for t in expected(src)["model"].values())
+    assert not scratch.exists()
+    assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), expected(src)["model"])
+
+
+def test_a_directory_or_fifo_given_as_a_rank_file(tmp_path: Path) -> None:
+    import os
+
+    (tmp_path / "rank0.pt").mkdir()
+    assert_one_line_error(run("ingest", tmp_path / "s", tmp_path / "rank0.pt"), "rank0.pt", "is a directory")
+    os.mkfifo(tmp_path / "rank1.pt")  # opening a FIFO for reading would wait for a writer forever
+    assert_one_line_error(run("ingest", tmp_path / "s", tmp_path / "rank1.pt"), "rank1.pt", "not a regular file")
+    assert_one_line_error(run("ingest", tmp_path / "s", "/dev/zero"), "/dev/zero", "not a regular file")
+
+
+def test_watch_honours_storage_options(checkpoints, s3, tmp_path: Path) -> None:
+    import os
+
+    from tests.conftest import upload
+
+    upload(checkpoints(1), "s3://watch-opts/unused")  # creates the bucket
+    env = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}  # only the option names the server
+    options = '{"endpoint_url": "%s"}' % s3.url
+    proc = subprocess.run([sys.executable, "-m", "shardstore", "--storage-options", options, "watch",
+                           "s3://watch-opts/store", str(checkpoints(2)), "--timeout", "120", "-q"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    store = shardstore.open("s3://watch-opts/store", {"endpoint_url": s3.url})
+    assert store.status().ok
+    assert_bitwise_equal(store["model/wte.weight"][:], expected(checkpoints(2))["model"]["wte.weight"])

@@ -1,0 +1,58 @@
+"""`--format torch` on a checkpoint exactly as OLMo's trainer leaves it: model and optimizer bit-exact,
+and the trainer state (paths, TorchVersion, the trainer's own objects) given back as it was."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+import shardstore
+from tests.conftest import assert_bitwise_equal, expected
+from tests.fixtures.fsdp import trainer_state
+from tests.test_cli import assert_one_line_error, run
+
+TRAINER_MODULE = "tests.fixtures.olmo_data"
+
+
+def test_trainer_state_round_trips_while_its_module_is_unimportable(checkpoints, tmp_path: Path, monkeypatch) -> None:
+    src = checkpoints(3)
+    want = expected(src)
+    monkeypatch.delitem(sys.modules, TRAINER_MODULE, raising=False)
+    monkeypatch.setitem(sys.modules, TRAINER_MODULE, None)  # an import of the trainer's module would fail here
+    shardstore.unshard(src, tmp_path / "pt", store=tmp_path / "store", format="torch", jobs=1)
+    store = shardstore.open(tmp_path / "store")
+    record = store["data_checkpoint"]
+    assert isinstance(record, shardstore.Opaque) and record.name == "MixtureCheckpoint"
+    assert record.state["world_size"] == 3 and torch.equal(record.state["weights"], torch.tensor([0.7, 0.3], dtype=torch.float64))
+    assert store["checkpoints"] == [Path("/scratch/run/step50"), Path("/scratch/run/step100")]
+    assert isinstance(store["torch_version"], torch.torch_version.TorchVersion)
+    cuda = store.values("rng/cuda")  # per-rank uint8 RNG states: every rank's is kept
+    assert sorted(cuda) == [0, 1, 2] and all(cuda[r].dtype == torch.uint8 for r in cuda)
+    assert_bitwise_equal(cuda[2], torch.Generator().manual_seed(102).get_state(), "rank 2's RNG state")
+    monkeypatch.undo()
+
+    # The model and optimizer files hold only tensors and plain containers: torch's safe loader reads them.
+    assert_bitwise_equal(torch.load(tmp_path / "pt" / "model.pt", weights_only=True), want["model"], "model.pt")
+    assert_bitwise_equal(torch.load(tmp_path / "pt" / "optim.pt", weights_only=True), want["optim"], "optim.pt")
+    # train.pt gives the trainer its objects back, where its modules exist, as OLMo's unsharder does.
+    train = torch.load(tmp_path / "pt" / "train.pt", weights_only=False)
+    rank0 = trainer_state(0, 3)
+    del rank0["rng"]  # OLMo's unsharder leaves the per-rank RNG states out of train.pt
+    assert list(train) == list(rank0)
+    from tests.fixtures.olmo_data import MixtureCheckpoint
+
+    assert type(train["data_checkpoint"]) is MixtureCheckpoint and train == rank0
+    assert type(train["checkpoints"][0]) is type(Path("/")) and type(train["torch_version"]) is torch.torch_version.TorchVersion
+
+
+def test_safetensors_export_is_unaffected_and_strict_refuses_the_paths(checkpoints, tmp_path: Path) -> None:
+    src = checkpoints(2)
+    proc = run("unshard", src, tmp_path / "st", "-q")
+    assert proc.returncode == 0, proc.stderr
+    from safetensors.torch import load_file
+
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), expected(src)["model"])
+    assert_one_line_error(run("unshard", src, tmp_path / "strict", "--strict"), "rank0.pt",
+                          "refusing to load global pathlib.PosixPath", "strict")

@@ -1,0 +1,57 @@
+"""Parts: memory, local file ranges and remote ranges read the same, in bounded blocks, and short sources
+are an error, never silent truncation."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from shardstore.errors import StoreError
+from shardstore.ranges import FileRange, RemoteRange, blocks, copy_range, part_length
+
+
+def test_blocks_are_bounded_and_in_order(tmp_path: Path) -> None:
+    data = os.urandom(10_000)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        parts = [b"head", FileRange(fd, 100, 5000), RemoteRange(lambda off, n: data[off:off + n], 7000, 3000),
+                 memoryview(bytearray(b"tail"))]
+        out = list(blocks(parts, size=1024))
+        assert all(len(b) <= 1024 for b in out)
+        assert b"".join(bytes(b) for b in out) == b"head" + data[100:5100] + data[7000:] + b"tail"
+        assert [part_length(p) for p in parts] == [4, 5000, 3000, 4]
+    finally:
+        os.close(fd)
+
+
+def test_a_short_source_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"x" * 100)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        with pytest.raises(StoreError, match="ended 50 bytes early"):
+            list(blocks([FileRange(fd, 50, 100)]))
+        out = os.open(tmp_path / "g", os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(StoreError, match="ended"):
+                copy_range(FileRange(fd, 0, 150), out)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+
+
+def test_copy_range_copies_exactly(tmp_path: Path) -> None:
+    data = os.urandom(3 << 20)
+    (tmp_path / "src").write_bytes(data)
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(dst, b"prefix")
+        copy_range(FileRange(src, 12345, 2 << 20), dst)
+    finally:
+        os.close(src)
+        os.close(dst)
+    assert (tmp_path / "dst").read_bytes() == b"prefix" + data[12345:12345 + (2 << 20)]
