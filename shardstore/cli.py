@@ -351,8 +351,10 @@ def show(store: str, key: str, selection: str | None, with_stats: bool) -> None:
                 click.echo(f"{key} [rank {rank}]: {value!r}")
         return
     h = st[key]
-    if sel is not None:
-        h.check_selection(sel)
+    first_rows = sel is None and not with_stats and h.nbytes > 64 << 10
+    if first_rows:
+        sel = (slice(0, 4),)
+    h.check(... if sel is None else sel)  # before printing anything: an error is then the only line
     status = st.status()
     where = "complete" if key not in status.partial else f"{status.partial[key]:.0%} present"
     click.echo(f"{key}: torch.{h.entry.dtype} {list(h.entry.shape)}, {where}, from ranks {_ranks(h.ranks)}")
@@ -360,8 +362,7 @@ def show(store: str, key: str, selection: str | None, with_stats: bool) -> None:
         for name, value in h.stats(sel).items():
             click.echo(f"  {name:<6} {value:.6g}" if isinstance(value, float) else f"  {name:<6} {value}")
         return
-    if sel is None and h.nbytes > 64 << 10:
-        sel = (slice(0, 4),)
+    if first_rows:
         click.echo(f"(first {min(4, h.entry.shape[0])} rows; use --slice for others)")
     # numpy, not torch, so the answer comes in well under a second (importing torch alone takes longer)
     values_ = h.numpy(... if sel is None else sel)

@@ -50,15 +50,19 @@ class TensorHandle:
         return self._store.contributors(self.path)
 
     def __getitem__(self, selection: Any) -> "torch.Tensor":
-        self.check_selection(selection)
-        self._check_arrived(selection)
+        self.check(selection)
         return to_torch(self._store.read(self.path, selection), self.entry.dtype)
 
     def numpy(self, selection: Any = ...) -> np.ndarray:
         """The values of a selection as numpy numbers, exactly (bfloat16 and float8 as float32); no torch."""
+        self.check(selection)
+        return dtypes.as_numbers(np.asarray(self._store.read(self.path, selection)), self.entry.dtype)
+
+    def check(self, selection: Any) -> None:
+        """Refuse a selection that this tensor cannot answer (see `check_selection`), or whose rows have not
+        arrived yet: a StoreError whose one line names the key."""
         self.check_selection(selection)
         self._check_arrived(selection)
-        return dtypes.as_numbers(np.asarray(self._store.read(self.path, selection)), self.entry.dtype)
 
     def check_selection(self, selection: Any) -> None:
         """Refuse, in one line naming the key and the valid range, what numpy-style basic indexing of this
