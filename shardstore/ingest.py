@@ -252,11 +252,12 @@ def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[s
             on_created(store)
         store.sweep_temporaries()  # what writers killed mid-write left behind
         subtree = only(store) if only else None
-        sizes = {os.fspath(f): _size(f, storage_options) for f in files} if on_start else {}
-        files = _not_yet_done(store, files, subtree)
-        if on_start:
-            total = None if any(is_url(f) for f in sizes) else sum(sizes.values())
-            on_start(total, sum(sizes.values()) - sum(sizes[os.fspath(f)] for f in files))
+        todo = _not_yet_done(store, files, subtree)
+        if on_start:  # sizes of local files only: asking object storage would cost a request per file
+            local = not any(is_url(os.fspath(f)) for f in files)
+            total = sum(os.path.getsize(f) for f in files) if local else None
+            on_start(total, total - sum(os.path.getsize(f) for f in todo) if total is not None else 0)
+        files = todo
         options = IngestOptions(verify_replicas, subtree, strict)
         seen: dict[int, str] = {}
 
