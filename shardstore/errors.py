@@ -25,3 +25,8 @@ class StoreError(ShardstoreError):
 
 class ExportError(ShardstoreError):
     """The export cannot be produced as requested (bad selection, dtype, output path)."""
+
+
+def named(exc: ShardstoreError, name: str) -> ShardstoreError:
+    """The same error with `name` (the file or store it concerns) in front, unless it names it already."""
+    return exc if str(exc).startswith(name) else type(exc)(f"{name}: {exc}")

@@ -23,7 +23,7 @@ from .errors import CheckpointError
 from .locations import StorageOptions, filesystem, is_url
 from .plan import plan_checkpoint
 from .read.layouts import name_rank
-from .read.rankfile import LocalPiece, RankFile, ShardedLeaf, read_rank_file
+from .read.rankfile import LocalPiece, RankFile, ShardedLeaf, layout_digest, read_rank_file
 from .read.unpickle import TensorRef, gc_paused
 from .ranges import Part, blocks
 from .store.manifest import ArrayEntry
@@ -104,6 +104,9 @@ def _check_against(store: Store, rf: RankFile) -> None:
         if (leaf.dtype, leaf.shape) != (entry.dtype, entry.shape):
             raise CheckpointError(f"{rf.path}: {path} is {leaf.dtype}{list(leaf.shape)} here but "
                                   f"{entry.dtype}{list(entry.shape)} in the store (another checkpoint?)")
+        if entry.layout is not None and layout_digest(leaf.spec) != entry.layout:
+            raise CheckpointError(f"{rf.path}: {path} is sharded differently here than in the rest of the "
+                                  f"checkpoint (its shard metadata is forged, damaged or from another run)")
         if not entry.staged:
             for piece in leaf.pieces:
                 if any(o % c or (s % c and o + s != d)
@@ -154,6 +157,7 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
         objects: dict[str, Any] = {}
         encode_tensor = _encode_tensor(store, rf, written)
         replicas = store.manifest.extra.get("replicas", 1)
+        store.records()  # what other ranks have committed so far decides which replica cells to write
         for leaf_path, leaf in rf.leaves.items():
             entry = store.manifest.arrays.get(leaf_path)
             if entry is None:
@@ -176,13 +180,14 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
                     staged_bytes += nbytes
                     continue
                 for index in entry.cells_of(piece.offsets, piece.sizes):
-                    cells.setdefault(leaf_path, []).append(entry.flat_index(index))
                     parts, valid_rows = _piece_region(rf, entry, piece, index)
-                    if (entry.replicated or replicas > 1) and store.has_cell(entry, index):
-                        # Another replica's copy is already in (written atomically): first arrival wins.
+                    if (entry.replicated or replicas > 1) and entry.flat_index(index) in store.cells_present(leaf_path):
+                        # Another replica's copy is committed: first commit wins. A cell file that no commit
+                        # record covers (its writer died or was refused) counts for nothing and is rewritten.
                         if verify_replicas:
                             _verify_replica(store, rf, entry, index, parts)
                         continue
+                    cells.setdefault(leaf_path, []).append(entry.flat_index(index))
                     written.append(store.write_cell(entry, index, parts, valid_rows))
         if staging:
             written.append(store.write_staging(rf.rank, staging))

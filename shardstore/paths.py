@@ -1,21 +1,40 @@
 """Store paths for state-dict leaves: "optim/state/transformer.wte.weight/exp_avg".
 
-A path component is the key's string form, escaped so it is a valid Zarr node name ("/" and "%" are
-percent-encoded, and so are names Zarr reserves: empty, all dots, or starting with "__"). The real keys,
-with their types, live in the manifest's tree, so paths only need to be unique, not reversible.
+A key becomes one path component that is safe on every file system and object store, and distinct keys
+always become distinct components (the map is injective), whatever the key holds:
+- letters, digits, ".", "_" and "-" stay as they are; every other character is percent-encoded from its
+  UTF-8 bytes (lone surrogates too, by "surrogatepass"), so keys that differ only by Unicode form stay
+  apart and no file system's normalisation can merge them, and "/" or NUL never reach a path;
+- names Zarr or shardstore reserve are encoded further: empty, starting with "." (all-dots, hidden and
+  temporary names, ".zarray"), starting with "__", and "zarr.json";
+- a component longer than 200 characters keeps its first 150 and adds a digest of the whole key.
+The real keys, with their types, live in the manifest's tree; paths only need to be distinct. An int key
+and the string of its digits share a component: the rank-file reader refuses a container holding both.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
+
+_SAFE = re.compile(rb"[A-Za-z0-9._-]")
+MAX_COMPONENT = 200
+
 
 def escape(key: object) -> str:
-    text = str(key).replace("%", "%25").replace("/", "%2F")
+    raw = str(key).encode("utf-8", "surrogatepass")
+    text = "".join(chr(b) if _SAFE.fullmatch(bytes([b])) else f"%{b:02X}" for b in raw)
     if text == "":
         return "%"
-    if set(text) == {"."}:
-        return "%2E" * len(text)
-    if text.startswith("__"):
-        return "%5F" + text[1:]
+    if text.startswith("."):
+        text = "%2E" + text[1:]
+    elif text.lower() == "zarr.json":  # (any case: some file systems ignore it)
+        text = text.replace(".", "%2E")
+    elif text.startswith("__"):
+        text = "%5F" + text[1:]
+    if len(text) > MAX_COMPONENT:
+        digest = hashlib.blake2b(raw, digest_size=12).hexdigest()
+        text = f"{text[:150]}~{digest}"
     return text
 
 

@@ -14,7 +14,7 @@ from functools import reduce
 
 from . import dtypes
 from .errors import CheckpointError
-from .read.rankfile import RankFile, ShardedLeaf, ShardedSpec
+from .read.rankfile import RankFile, ShardedLeaf, ShardedSpec, layout_digest
 from .read.unpickle import TensorRef
 from .store.manifest import ArrayEntry, Manifest
 
@@ -86,7 +86,8 @@ def plan_array(path: str, spec: ShardedSpec) -> ArrayEntry:
     staged = nbytes <= SMALL_ARRAY_BYTES or (cell_bytes < MIN_CELL_BYTES and nbytes <= MAX_STAGED_BYTES)
     if staged:
         cell = tuple(max(d, 1) for d in spec.shape)
-    return ArrayEntry(path, spec.dtype, spec.shape, cell, _inner_chunk(cell, info.itemsize), staged)
+    return ArrayEntry(path, spec.dtype, spec.shape, cell, _inner_chunk(cell, info.itemsize), staged,
+                      layout=layout_digest(spec))
 
 
 def plain_nbytes(ref: TensorRef) -> int:

@@ -60,6 +60,14 @@ def collect(store: Store, node: dict[str, Any], strip_prefix: str | None, cast: 
             dtype, shape = str(source.dtype).removeprefix("torch."), tuple(source.shape)
         if key in seen:
             raise ExportError(f"two tensors would both be named {key!r} in the output")
+        if key == "__metadata__":
+            raise ExportError(f"{path}: would be named '__metadata__', which safetensors reserves for its header; "
+                              f"choose another --select or --strip-prefix")
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ExportError(f"{path}: its key {key!r:.80} is not valid Unicode, which a safetensors header "
+                              f"must be") from None
         seen.add(key)
         if dtypes.info(dtype).safetensors is None:
             raise ExportError(f"{path}: torch.{dtype} has no safetensors dtype")

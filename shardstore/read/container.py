@@ -100,7 +100,10 @@ class TorchZip:
     def _index(self) -> tuple[str, dict[str, Entry]]:
         try:
             infos = zipfile.ZipFile(self._file).infolist()
-        except (zipfile.BadZipFile, ValueError) as exc:  # ValueError: a remote file too small to seek back in
+        except (zipfile.BadZipFile, ValueError, NotImplementedError, OSError, EOFError, struct.error,
+                OverflowError, UnicodeDecodeError) as exc:
+            # ValueError: a remote file too small to seek back in; the rest: a damaged central directory or
+            # zip64 record (zipfile says so in many ways)
             if self._size and self._looks_legacy():
                 raise CheckpointError(
                     f"{self.path}: a pre-1.6 (non-zip) torch.save file; re-save it with a newer torch"
@@ -111,27 +114,41 @@ class TorchZip:
             raise CheckpointError(f"{self.path}: not a torch checkpoint (no single <name>/data.pkl record)")
         prefix = pkl[0][: -len("data.pkl")]
         infos = [zi for zi in infos if zi.filename.startswith(prefix)]
+        names = [zi.filename for zi in infos]
+        if len(set(names)) != len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise CheckpointError(f"{self.path}: record {twice} appears twice (a zip readers disagree on; "
+                                  f"forged or damaged)")
         entries: dict[str, Entry] = {}
-        for zi, raw in zip(infos, self._local_headers([zi.header_offset for zi in infos])):
+        encoded = [zi.orig_filename.encode("utf-8" if zi.flag_bits & 0x800 else "cp437", "replace") for zi in infos]
+        headers = self._local_headers([zi.header_offset for zi in infos], [len(e) for e in encoded])
+        for zi, raw, local_name_wanted in zip(infos, headers, encoded):
             if zi.compress_type != zipfile.ZIP_STORED:
                 raise CheckpointError(f"{self.path}: record {zi.filename} is compressed; torch never writes that")
             if len(raw) < _LOCAL_HEADER.size or raw[:4] != _LOCAL_MAGIC:
                 raise CheckpointError(f"{self.path}: corrupt zip (bad local header for {zi.filename})")
-            fields = _LOCAL_HEADER.unpack(raw)
+            fields = _LOCAL_HEADER.unpack(raw[:_LOCAL_HEADER.size])
             start = zi.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+            local_name = raw[_LOCAL_HEADER.size:_LOCAL_HEADER.size + fields[9]]
+            sized = not fields[2] & 0x08  # bit 3: sizes follow the data instead of standing in the header
+            if (local_name != local_name_wanted or fields[3] != zi.compress_type
+                    or (sized and fields[7] not in (zi.compress_size, 0xFFFFFFFF))
+                    or (sized and fields[8] not in (zi.file_size, 0xFFFFFFFF))):
+                raise CheckpointError(f"{self.path}: record {zi.filename}: its local header disagrees with the "
+                                      f"central directory (forged or damaged)")
             if start + zi.file_size > self._size:
                 raise CheckpointError(f"{self.path}: truncated (record {zi.filename} runs past the end)")
             entries[zi.filename[len(prefix):]] = Entry(zi.filename, start, zi.file_size, zi.CRC)
         return prefix, entries
 
-    def _local_headers(self, offsets: list[int]) -> list[bytes]:
-        """The fixed part of every entry's local header: all at once, concurrently, when remote."""
+    def _local_headers(self, offsets: list[int], name_lengths: list[int]) -> list[bytes]:
+        """Every entry's local header with its name: all at once, concurrently, when remote."""
+        ends = [o + _LOCAL_HEADER.size + n for o, n in zip(offsets, name_lengths)]
         if self._remote is None:
-            return [self._read(o, _LOCAL_HEADER.size) for o in offsets]
+            return [self._read(o, e - o) for o, e in zip(offsets, ends)]
         fs, fspath = self._remote
         try:
-            return fs.cat_ranges([fspath] * len(offsets), offsets, [o + _LOCAL_HEADER.size for o in offsets],
-                                 on_error="raise")
+            return fs.cat_ranges([fspath] * len(offsets), offsets, ends, on_error="raise")
         except Exception as exc:
             raise self._failed(exc) from None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes
-from ..errors import CheckpointError
+from ..errors import CheckpointError, named
 from ..locations import StorageOptions
 from .container import TorchZip
 from .tree import Skeleton, flatten
@@ -39,26 +41,51 @@ class LocalPiece:
     tensor: TensorRef
 
 
+# A plain tensor may view more elements than its storage holds only through stride-0 (expanded) views;
+# past this size such a view is refused, so a few bytes of storage never become gigabytes in memory.
+MAX_EXPANDED_BYTES = 16 << 20
+MAX_WORLD_SIZE = 1 << 20
+
+
 class ShardedLeaf:
-    """A ShardedTensor of this rank: dtype, global shape and local pieces up front; the global shard list
-    (every rank's shard, repeated in every file) only when asked for, since at hundreds of ranks turning
-    it into Python tuples for every file is where the time would go. Only the planner asks, once."""
+    """A ShardedTensor of this rank: dtype, global shape, local pieces, and the global shard list (every
+    rank's shard, repeated in every file), parsed once when first asked for."""
 
     def __init__(self, dtype: str, shape: tuple[int, ...], pieces: list[LocalPiece], metadata: Any = None,
                  where: str = ""):
         self.dtype, self.shape, self.pieces = dtype, shape, pieces
         self._metadata, self._where = metadata, where
+        self._spec: ShardedSpec | None = None
 
     @property
     def spec(self) -> ShardedSpec:
-        try:
-            shards = tuple(
-                ShardSpec(tuple(map(int, m.shard_offsets)), tuple(map(int, m.shard_sizes)),
-                          -1 if m.placement is None or m.placement.rank() is None else int(m.placement.rank()))
-                for m in self._metadata.shards_metadata)
-        except AttributeError as exc:
-            raise CheckpointError(f"{self._where}: malformed ShardedTensor metadata ({exc})") from None
-        return ShardedSpec(self.dtype, self.shape, shards)
+        if self._spec is None:
+            try:
+                shards = tuple(
+                    ShardSpec(tuple(map(int, m.shard_offsets)), tuple(map(int, m.shard_sizes)),
+                              -1 if m.placement is None or m.placement.rank() is None else int(m.placement.rank()))
+                    for m in self._metadata.shards_metadata)
+            except (AttributeError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"{self._where}: malformed ShardedTensor metadata ({exc})") from None
+            self._spec = ShardedSpec(self.dtype, self.shape, shards)
+        return self._spec
+
+    def check_own_pieces(self, rank: int) -> None:
+        """Every local shard must be exactly one of the global list's entries for this rank (offsets, sizes
+        and placement), and there must be one for each of them: a file cannot write another rank's rows."""
+        own = sorted((s.offsets, s.sizes) for s in self.spec.shards if s.rank == rank and all(s.sizes))
+        local = sorted((p.offsets, p.sizes) for p in self.pieces if all(p.sizes))
+        if own != local:
+            raise CheckpointError(f"{self._where}: local shards {[list(o) for o, _ in local]} are not the shards "
+                                  f"the metadata gives rank {rank} ({[list(o) for o, _ in own]}); forged or damaged")
+
+
+def layout_digest(spec: ShardedSpec) -> str:
+    """The shard layout (boxes and which rank of its group holds each), with placements numbered within
+    the group so every replica group of a hybrid-sharded checkpoint has the same digest."""
+    order = {r: i for i, r in enumerate(sorted({s.rank for s in spec.shards}))}
+    boxes = sorted((s.offsets, s.sizes, order[s.rank]) for s in spec.shards)
+    return hashlib.blake2b(repr((spec.dtype, spec.shape, boxes)).encode(), digest_size=16).hexdigest()
 
 
 @dataclass
@@ -72,24 +99,47 @@ class RankFile:
     leaves: dict[str, Any]  # path -> ShardedLeaf | TensorRef | python value
     zip: TorchZip = field(repr=False)
 
+    def check_view(self, ref: TensorRef, where: str) -> None:
+        """A tensor is trusted only as far as its storage backs it: whole numbers for shape, strides and
+        offset; a storage record that exists and holds exactly what its pickle declares; every element the
+        view reaches inside that record; no expanded view much larger than the record."""
+        name = f"{self.path}: {where}"
+        if not all(type(v) is int for v in (ref.offset, *ref.shape, *ref.stride)) or len(ref.shape) != len(ref.stride):
+            raise CheckpointError(f"{name}: tensor with a malformed shape {ref.shape!r:.60} or stride {ref.stride!r:.60}")
+        if ref.offset < 0 or any(d < 0 for d in ref.shape) or any(st < 0 for st in ref.stride):
+            raise CheckpointError(f"{name}: tensor with a negative size, stride or offset (corrupt file)")
+        info, storage_info = dtypes.info(ref.dtype), dtypes.info(ref.storage.dtype)
+        entry = self.zip.entries.get(f"data/{ref.storage.key}")
+        if entry is None:
+            raise CheckpointError(f"{name}: its storage record data/{ref.storage.key} is missing (corrupt file)")
+        if not isinstance(ref.storage.numel, int) or entry.size != ref.storage.numel * storage_info.itemsize:
+            raise CheckpointError(f"{name}: storage data/{ref.storage.key} holds {entry.size} bytes, its pickle "
+                                  f"declares {ref.storage.numel} x {storage_info.itemsize} (corrupt file)")
+        count = math.prod(ref.shape)
+        if count == 0:
+            return
+        last = ref.offset + sum((n - 1) * st for n, st in zip(ref.shape, ref.stride))
+        if (last + 1) * info.itemsize > entry.size:
+            raise CheckpointError(f"{name}: tensor view runs past its storage data/{ref.storage.key} (corrupt file)")
+        if count * info.itemsize > max(entry.size, MAX_EXPANDED_BYTES):
+            raise CheckpointError(f"{name}: a tensor of {count * info.itemsize} bytes viewing a storage of "
+                                  f"{entry.size} (an expanded view this large is not a checkpoint)")
+
     def array(self, ref: TensorRef) -> np.ndarray:
         """A zero-copy numpy view (raw dtype) of a tensor that lives in this file."""
+        self.check_view(ref, "a tensor")
         info = dtypes.info(ref.dtype)
-        storage = self.zip.record(f"data/{ref.storage.key}")
-        base = np.frombuffer(storage, dtype=info.raw)
-        if not ref.shape:
-            return base[ref.offset: ref.offset + 1].reshape(())
         if any(s == 0 for s in ref.shape):
             return np.empty(ref.shape, dtype=info.raw)
-        end = ref.offset + 1 + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride))
-        if ref.offset < 0 or end > base.size:
-            raise CheckpointError(f"{self.path}: tensor view runs past its storage (corrupt file)")
-        return np.lib.stride_tricks.as_strided(
-            base[ref.offset:], shape=ref.shape, strides=[s * info.itemsize for s in ref.stride], writeable=False
-        )
+        storage = self.zip.record(f"data/{ref.storage.key}")
+        start = ref.offset * info.itemsize
+        base = np.frombuffer(storage, dtype=info.raw, count=(len(storage) - start) // info.itemsize, offset=start)
+        return np.lib.stride_tricks.as_strided(base, shape=ref.shape, strides=[s * info.itemsize for s in ref.stride],
+                                               writeable=False)
 
     def byte_range(self, ref: TensorRef) -> tuple[int, int] | None:
         """(file offset, length) when the tensor is one C-contiguous run of bytes, else None."""
+        self.check_view(ref, "a tensor")
         info = dtypes.info(ref.dtype)
         expected = 1
         for n, s in reversed(list(zip(ref.shape, ref.stride))):
@@ -103,51 +153,93 @@ class RankFile:
         self.zip.close()
 
 
+def _ints(values: Any, what: str, where: str) -> tuple[int, ...]:
+    try:
+        out = tuple(values)
+    except TypeError:
+        out = (values,)
+    if not all(type(v) is int and v >= 0 for v in out):
+        raise CheckpointError(f"{where}: {what} {out!r:.80} are not whole non-negative numbers (corrupt file)")
+    return out
+
+
 def _sharded_leaf(st: ShardedTensor, where: str) -> ShardedLeaf:
     md = st.metadata
     try:
         dtype = str(md.tensor_properties.dtype)
-        shape = tuple(map(int, md.size))
-        pieces = [LocalPiece(tuple(map(int, s.metadata.shard_offsets)), tuple(map(int, s.metadata.shard_sizes)), s.tensor)
+        shape = _ints(md.size, "sizes", where)
+        pieces = [LocalPiece(_ints(s.metadata.shard_offsets, "shard offsets", where),
+                             _ints(s.metadata.shard_sizes, "shard sizes", where), s.tensor)
                   for s in st.local_shards]
     except AttributeError as exc:
         raise CheckpointError(f"{where}: malformed ShardedTensor metadata ({exc})") from None
     dtypes.info(dtype)
     for piece in pieces:
+        if not isinstance(piece.tensor, TensorRef):
+            raise CheckpointError(f"{where}: a local shard that is not a tensor (corrupt file)")
         if tuple(piece.tensor.shape) != piece.sizes:
             raise CheckpointError(f"{where}: local shard has shape {piece.tensor.shape}, metadata says {piece.sizes}")
+        if piece.tensor.dtype != dtype:
+            raise CheckpointError(f"{where}: local shard is torch.{piece.tensor.dtype}, metadata says torch.{dtype}")
         if len(piece.offsets) != len(shape) or any(o < 0 or o + n > d for o, n, d in zip(piece.offsets, piece.sizes, shape)):
             raise CheckpointError(f"{where}: local shard at {list(piece.offsets)} lies outside {list(shape)}")
     return ShardedLeaf(dtype, shape, pieces, md, where)
 
 
+def _group(pg: Any, name: str) -> tuple[int, int, int, int]:
+    """(rank, world size, rank in group, group size) from a ShardedTensor's process-group state, checked."""
+    try:
+        rank, world = pg.global_rank, pg.global_world_size
+        group_rank, group_size = pg.local_rank, pg.local_world_size
+    except AttributeError:
+        raise CheckpointError(f"{name}: ShardedTensor carries no process-group state") from None
+    if not all(type(v) is int for v in (rank, world, group_rank, group_size)) or not (
+            0 < group_size <= world <= MAX_WORLD_SIZE and world % group_size == 0
+            and 0 <= rank < world and 0 <= group_rank < group_size):
+        raise CheckpointError(f"{name}: impossible process group (rank {rank!r:.20} of {world!r:.20}, "
+                              f"{group_rank!r:.20} of a group of {group_size!r:.20}); forged or damaged")
+    return rank, world, group_rank, group_size
+
+
 def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr,
                    storage_options: StorageOptions | None = None, strict: bool = False) -> RankFile:
-    """Open and unpickle one rank file (safely: see `unpickle`), leaving every tensor byte where it is."""
+    """Open and unpickle one rank file (safely: see `unpickle`), leaving every tensor byte where it is.
+
+    Everything the file says about itself is checked before anything is written: its process group, each
+    local shard against its own entry in the global metadata, and every tensor view against its storage."""
+    name = os.fspath(path)
     zf = TorchZip(path, storage_options)
     try:
-        name = os.fspath(path)
         zf.verify("data.pkl")
         obj = load(zf.record("data.pkl"), name, strict)
-        skeleton, raw = flatten(obj, encode_key)
+        try:
+            skeleton, raw = flatten(obj, encode_key)
+        except RecursionError:
+            raise CheckpointError(f"{name}: values nested too deeply, or containing themselves") from None
         leaves: dict[str, Any] = {}
-        pg = None
+        groups = set()
         for p, leaf in raw.items():
             if isinstance(leaf, ShardedTensor):
                 leaves[p] = _sharded_leaf(leaf, f"{name}: {p}")
-                pg = pg or leaf.pg_state
+                groups.add(_group(leaf.pg_state, name))
             else:
                 leaves[p] = leaf
-        if pg is None:
-            # No ShardedTensor at all: FSDP at world size 1 (NO_SHARD) saves whole tensors.
-            rank, world, group_rank, group_size = 0, 1, 0, 1
-        else:
-            try:
-                rank, world = int(pg.global_rank), int(pg.global_world_size)
-                group_rank, group_size = int(pg.local_rank), int(pg.local_world_size)
-            except AttributeError:
-                raise CheckpointError(f"{name}: ShardedTensor carries no process-group state") from None
-        return RankFile(name, rank, world, group_rank, group_size, skeleton, leaves, zf)
+        if len(groups) > 1:
+            raise CheckpointError(f"{name}: its ShardedTensors name different process groups; forged or damaged")
+        # No ShardedTensor at all: FSDP at world size 1 (NO_SHARD) saves whole tensors.
+        rank, world, group_rank, group_size = groups.pop() if groups else (0, 1, 0, 1)
+        rf = RankFile(name, rank, world, group_rank, group_size, skeleton, leaves, zf)
+        for p, leaf in leaves.items():
+            if isinstance(leaf, TensorRef):
+                rf.check_view(leaf, p)
+            elif isinstance(leaf, ShardedLeaf):
+                for piece in leaf.pieces:
+                    rf.check_view(piece.tensor, p)
+                leaf.check_own_pieces(rank)
+        return rf
+    except CheckpointError as exc:
+        zf.close()
+        raise named(exc, name) from None
     except BaseException:
         zf.close()
         raise

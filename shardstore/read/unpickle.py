@@ -27,8 +27,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from .. import dtypes
-from ..errors import CheckpointError, UnsafePickleError
+from ..errors import CheckpointError, UnsafePickleError, named
 from .opaque import Building, building_class, refusal
+from .pickle_scan import ScanError, scan
 
 # Distinct opaque globals one pickle may name: far above any real trainer state, and it bounds the
 # classes a hostile file can make us create.
@@ -185,6 +186,27 @@ def _mem_format(value: int) -> int:
     return int(value)
 
 
+def _bytearray(*args: Any) -> bytearray:
+    """bytearray from the data a pickle carries (bytes, or a str and its codec), never from a count: pickle
+    writes bytearrays as their contents, and `bytearray(2**30)` would allocate a gigabyte from five bytes."""
+    if not args or isinstance(args[0], int):
+        raise UnsafePickleError("refusing bytearray(<count>): a checkpoint carries a bytearray's contents")
+    return bytearray(*args)
+
+
+class _NDArrayType:
+    """`numpy.ndarray` as a pickle names it: only ever the subtype handed to `_reconstruct`."""
+
+
+def _np_reconstruct(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
+    """numpy pickles an array as `_reconstruct(ndarray, (0,), b"b")` followed by its state (shape, dtype and
+    the data, whose length numpy checks); only that empty start is allowed, so no size written in the pickle
+    allocates memory the pickle does not carry."""
+    if subtype is not _NDArrayType or not (isinstance(shape, tuple) and all(isinstance(d, int) and d == 0 for d in shape)):
+        raise UnsafePickleError("refusing numpy _reconstruct of anything but an empty ndarray")
+    return np.empty(shape, dtype=np.dtype(dtype))
+
+
 class _StorageType:
     """A storage class global (torch.FloatStorage, torch.UntypedStorage): only its dtype matters."""
 
@@ -199,7 +221,7 @@ ALLOWED: dict[tuple[str, str], Any] = {
     ("builtins", "frozenset"): frozenset,
     ("builtins", "complex"): complex,
     ("builtins", "slice"): slice,
-    ("builtins", "bytearray"): bytearray,
+    ("builtins", "bytearray"): _bytearray,
     ("builtins", "getattr"): _safe_getattr,
     ("datetime", "timedelta"): datetime.timedelta,
     ("datetime", "datetime"): datetime.datetime,
@@ -239,9 +261,9 @@ try:
 except ImportError:  # numpy 1.x
     from numpy.core import multiarray as _multiarray  # type: ignore[no-redef]
 for _np in ("numpy.core", "numpy._core"):
-    ALLOWED[(f"{_np}.multiarray", "_reconstruct")] = _multiarray._reconstruct
+    ALLOWED[(f"{_np}.multiarray", "_reconstruct")] = _np_reconstruct
     ALLOWED[(f"{_np}.multiarray", "scalar")] = _multiarray.scalar
-ALLOWED[("numpy", "ndarray")] = np.ndarray
+ALLOWED[("numpy", "ndarray")] = _NDArrayType
 ALLOWED[("numpy", "dtype")] = np.dtype
 for _info in dtypes.BY_NAME.values():
     ALLOWED[("torch", _info.name)] = TorchDType(_info.name)
@@ -332,17 +354,23 @@ def gc_paused() -> Iterator[None]:
 
 
 def load(data: bytes | memoryview, source: str, strict: bool = False) -> Any:
-    """Unpickle `data` by the policy above (`strict`: allowlist only). `source` names the file in errors."""
+    """Unpickle `data` by the policy above (`strict`: allowlist only). `source` names the file in errors.
+
+    The opcode stream is bounds-checked first (`pickle_scan`), so what the unpickler allocates stays within
+    a small multiple of the data's own size whatever numbers the pickle holds."""
+    try:
+        scan(data)
+    except ScanError as exc:
+        raise CheckpointError(f"{source}: corrupt or hostile pickle ({exc})") from None
     with gc_paused():
         unpickler = _Unpickler(io.BytesIO(data), source, strict)
         try:
             return unpickler.load()
         except CheckpointError as exc:  # raised by a stand-in, which does not know the file: name it
-            if str(exc).startswith(source):
-                raise
-            raise type(exc)(f"{source}: {exc}") from None
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
-            raise CheckpointError(f"{source}: corrupt pickle ({type(exc).__name__}: {exc})") from None
+            raise named(exc, source) from None
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+                LookupError, OverflowError, RecursionError) as exc:
+            raise CheckpointError(f"{source}: corrupt pickle ({type(exc).__name__}: {str(exc)[:200]})") from None
         finally:
             # The unpickler and its own bound methods form a cycle; its memo would keep every object of
             # the file alive until a GC pass. Emptying it lets reference counting free them on time.

@@ -29,6 +29,7 @@ class ArrayEntry:
     chunk: tuple[int, ...]  # inner chunk shape: the unit of reading
     staged: bool  # pieces go through per-rank staging; the one cell is assembled when all are in
     replicated: bool = False  # a plain tensor every rank holds whole: the first rank to arrive writes it
+    layout: str | None = None  # digest of the planned shard layout: every rank file's metadata must match it
 
     @property
     def nbytes(self) -> int:
@@ -69,13 +70,16 @@ class ArrayEntry:
         return out
 
     def to_json(self) -> dict:
-        return {"dtype": self.dtype, "shape": list(self.shape), "cell": list(self.cell),
-                "chunk": list(self.chunk), "staged": self.staged, "replicated": self.replicated}
+        out = {"dtype": self.dtype, "shape": list(self.shape), "cell": list(self.cell),
+               "chunk": list(self.chunk), "staged": self.staged, "replicated": self.replicated}
+        if self.layout is not None:
+            out["layout"] = self.layout
+        return out
 
     @classmethod
     def from_json(cls, path: str, d: dict) -> "ArrayEntry":
         return cls(path, d["dtype"], tuple(d["shape"]), tuple(d["cell"]), tuple(d["chunk"]), d["staged"],
-                   d.get("replicated", False))
+                   d.get("replicated", False), d.get("layout"))
 
 
 @dataclass

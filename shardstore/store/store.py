@@ -245,17 +245,32 @@ class Store:
                                               f"{pieces[key][0]}'s copy, first at element {at}")
         return pieces
 
-    def _assemble(self, entry: ArrayEntry, pieces: dict[tuple, tuple[int, int, int]]) -> np.ndarray:
-        """A staged array from its pieces; anything no piece covers is a hole (NaN, or zero for integers)."""
+    def _assemble(self, entry: ArrayEntry, pieces: dict[tuple, tuple[int, int, int]], whole: bool = True) -> np.ndarray:
+        """A staged array from its pieces; anything no piece covers is a hole (NaN, or zero for integers).
+
+        Every element must be covered at most once, and with `whole` exactly once: completeness is coverage,
+        not a sum of piece sizes that an overlap and a gap of the same size would pass."""
         info = dtypes.info(entry.dtype)
         full = np.frombuffer(bytearray(info.hole(math.prod(entry.shape))), dtype=info.raw).reshape(entry.shape)
+        covered = np.zeros(entry.shape, dtype=np.uint8)
         for (offsets, sizes), (rank, start, nbytes) in pieces.items():
-            raw = self._staged(rank, start, nbytes)
-            full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = np.frombuffer(raw, info.raw).reshape(sizes)
+            box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+            if nbytes != math.prod(sizes) * info.itemsize or covered[box].shape != tuple(sizes) or covered[box].any():
+                raise StoreError(f"{self.location}: {entry.path}: rank {rank}'s piece at {list(offsets)} overlaps "
+                                 f"another or lies outside the tensor; the store is damaged")
+            covered[box] = 1
+            full[box] = np.frombuffer(self._staged(rank, start, nbytes), info.raw).reshape(sizes)
+        if whole and not covered.all():
+            raise StoreError(f"{self.location}: {entry.path}: pieces leave element "
+                             f"{list(np.unravel_index(int(np.argmin(covered)), entry.shape))} uncovered")
         return full
 
     def _staged(self, rank: int, start: int, nbytes: int) -> bytes:
-        return self.backend.read(f"{STAGING}/{rank}.bin", start, nbytes)
+        data = self.backend.read(f"{STAGING}/{rank}.bin", start, nbytes)
+        if len(data) != nbytes:
+            raise StoreError(f"{self.location}: {STAGING}/{rank}.bin is shorter than its commit record says; "
+                             f"the store is damaged (re-ingest rank {rank})")
+        return data
 
     # ------------------------------------------------------------------ reading
     @property
@@ -283,9 +298,10 @@ class Store:
             for i in range(plan.grid[0]):
                 index = (i,) + (0,) * (len(plan.shape) - 1)
                 lo, hi = plan.cell_bounds(index)[0]
-                if allow_partial and not self.has_cell(plan, index):
+                if allow_partial and not (self.has_cell(plan, index) if plan.staged
+                                          else plan.flat_index(index) in self.cells_present(path)):
                     if plan.staged:
-                        yield self._assemble(plan, self._staged_pieces(plan)).data
+                        yield self._assemble(plan, self._staged_pieces(plan), whole=False).data
                         continue
                     rows = max(1, max_bytes // max(row_bytes, 1))
                     for start in range(lo, hi, rows):
