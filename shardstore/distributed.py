@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from .errors import ShardstoreError
 from .ingest import IngestOptions, Ingested, _worker
-from .locations import StorageOptions
+from .locations import StorageOptions, service_errors
 from .store.store import Store
 
 
@@ -53,12 +53,14 @@ def run_tasks(scheduler: str, jobs: int, fn: Callable[..., Any], args: list[tupl
         run = uuid.uuid4().hex[:8]
         futures = {client.submit(_named, fn, *a, pure=False, retries=2, key=f"shardstore-{name}-{run}"): name
                    for a, name in zip(args, names)}
+        from distributed import KilledWorker
+
         for future in as_completed(futures):
             try:
                 result = future.result()
             except ShardstoreError:
                 raise
-            except Exception as exc:  # a worker died for good, or the task failed in a way we did not foresee
+            except (KilledWorker, *service_errors()) as exc:  # a worker died for good, or lost the network
                 raise ShardstoreError(f"{futures[future]}: task failed on Dask ({type(exc).__name__}: {exc})") from None
             on_done(result)
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from . import dtypes, values
-from .errors import CheckpointError
+from .errors import CheckpointError, StoreError, named
 from .locations import StorageOptions, filesystem, is_url
 from .plan import plan_checkpoint
 from .read.layouts import name_rank
@@ -129,6 +129,15 @@ def _encode_tensor(store: Store, rf: RankFile, written: list[str]) -> Callable[[
     return encode
 
 
+def _encoded(value: Any, encode_tensor: Callable[[TensorRef], Any], where: str) -> Any:
+    try:
+        return values.encode(value, tensor=encode_tensor)
+    except RecursionError:
+        raise CheckpointError(f"{where}: a value nested too deeply, or containing itself") from None
+    except StoreError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+
+
 def under(path: str, subtree: str | None) -> bool:
     return subtree is None or subtree == "" or path == subtree or path.startswith(subtree.rstrip("/") + "/")
 
@@ -161,7 +170,7 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
         for leaf_path, leaf in rf.leaves.items():
             entry = store.manifest.arrays.get(leaf_path)
             if entry is None:
-                objects[leaf_path] = values.encode(leaf, tensor=encode_tensor)
+                objects[leaf_path] = _encoded(leaf, encode_tensor, f"{rf.path}: {leaf_path}")
                 continue
             if not under(leaf_path, only):
                 continue
@@ -217,7 +226,11 @@ def create_store(location: str | os.PathLike[str], first_file: str | os.PathLike
     """Create (or reopen, after checking it matches) the store for the checkpoint `first_file` belongs to."""
     rf = read_rank_file(first_file, encode_key=values.encode, storage_options=storage_options, strict=strict)
     try:
-        return Store.create(location, plan_checkpoint(rf), storage_options)
+        try:
+            manifest = plan_checkpoint(rf)
+        except CheckpointError as exc:
+            raise named(exc, rf.path) from None
+        return Store.create(location, manifest, storage_options)
     finally:
         rf.close()
 

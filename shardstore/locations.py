@@ -7,8 +7,10 @@ every task so worker processes and Dask workers see what the caller sees.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+import sys
 from typing import Any
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
@@ -36,4 +38,19 @@ def filesystem(url: str, storage_options: StorageOptions | None = None) -> tuple
         return fsspec.core.url_to_fs(url, **(storage_options or {}))
     except (ImportError, ValueError) as exc:
         raise ShardstoreError(f"{url}: cannot open ({exc}); for s3:// install shardstore[s3]") from None
+    except TypeError as exc:  # an option the file system does not take
+        raise ShardstoreError(f"{url}: --storage-options not accepted ({exc})") from None
+
+
+def service_errors() -> tuple[type[BaseException], ...]:
+    """What a call to object storage raises when the service or the network fails (as opposed to a bug
+    here, which must crash loudly): reported in one line, and a rerun continues."""
+    errors: list[type[BaseException]] = [OSError, TimeoutError, asyncio.TimeoutError, EOFError]
+    botocore = sys.modules.get("botocore.exceptions")  # loaded with s3fs, when it is in use
+    if botocore is not None:
+        errors += [botocore.BotoCoreError, botocore.ClientError]
+    aiohttp = sys.modules.get("aiohttp")
+    if aiohttp is not None:
+        errors.append(aiohttp.ClientError)
+    return tuple(errors)
 

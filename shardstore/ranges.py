@@ -21,6 +21,7 @@ class FileRange:
     fd: int
     offset: int
     length: int
+    source: str = "source file"  # named in errors
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,9 @@ def blocks(parts: Iterable[Part], size: int = BLOCK) -> Iterator[bytes | memoryv
                 n = min(size, part.offset + part.length - off)
                 data = os.pread(part.fd, n, off) if isinstance(part, FileRange) else part.read(off, n)
                 if len(data) != n:
-                    raise StoreError(f"source ended {part.offset + part.length - off - len(data)} bytes early")
+                    source = part.source if isinstance(part, FileRange) else "remote source"
+                    raise StoreError(f"{source} ended {part.offset + part.length - off - len(data)} bytes early "
+                                     f"(changed while being read?)")
                 yield data
         else:
             view = memoryview(part).cast("B")
@@ -68,7 +71,7 @@ def copy_range(src: FileRange, dst_fd: int) -> None:
         if n == 0:  # not supported here (or a short source): fall back to plain reads
             data = os.pread(src.fd, min(left, 16 << 20), offset)
             if not data:
-                raise StoreError(f"source file ended {left} bytes early")
+                raise StoreError(f"{src.source} ended {left} bytes early (changed while being read?)")
             n = os.write(dst_fd, data)
         offset += n
         left -= n

@@ -31,8 +31,8 @@ def test_a_short_source_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"x" * 100)
     fd = os.open(tmp_path / "f", os.O_RDONLY)
     try:
-        with pytest.raises(StoreError, match="ended 50 bytes early"):
-            list(blocks([FileRange(fd, 50, 100)]))
+        with pytest.raises(StoreError, match="rank7.pt ended 50 bytes early"):
+            list(blocks([FileRange(fd, 50, 100, "rank7.pt")]))
         out = os.open(tmp_path / "g", os.O_WRONLY | os.O_CREAT)
         try:
             with pytest.raises(StoreError, match="ended"):

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from .. import tempfiles
 from ..errors import ExportError, StoreError
 from ..store.store import Status, Store
+from .output import output_error
 from .resolve import leaves, node_at
 from .safetensors import export_safetensors, plan_safetensors
 from .torch import export_torch, torch_files
@@ -110,15 +112,22 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         names = ", ".join(p.name for p in stale[:6]) + (" ..." if len(stale) > 6 else "")
         raise ExportError(f"{out}: holds files of an earlier export that this one would not replace ({names}); "
                           f"use --overwrite to replace that export, or another folder")
-    out.mkdir(parents=True, exist_ok=True)
-    if on_start:
-        on_start(nbytes)
-    if format == "torch":
-        result = ExportResult(export_torch(store, out, progress, partial), partial=partial)
-    else:
-        files = export_safetensors(store, out, plan, progress, partial, scheduler, jobs)
-        result = ExportResult(files, plan.skipped, partial)
-    for path in stale:  # only now that the new export is whole
-        path.unlink(missing_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfiles.sweep(out, recursive=False)  # what a killed export left behind
+        if on_start:
+            on_start(nbytes)
+        if format == "torch":
+            result = ExportResult(export_torch(store, out, progress, partial), partial=partial)
+        else:
+            files = export_safetensors(store, out, plan, progress, partial, scheduler, jobs)
+            result = ExportResult(files, plan.skipped, partial)
+        for path in stale:  # only now that the new export is whole
+            path.unlink(missing_ok=True)
+    except OSError as exc:
+        error = output_error(out, exc)
+        if error is None:
+            raise
+        raise error from None
     result.replaced = stale
     return result

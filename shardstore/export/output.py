@@ -7,20 +7,36 @@ copies, which the zip format needs.
 
 from __future__ import annotations
 
+import errno
 import os
-import secrets
 import zlib
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .. import tempfiles
+from ..errors import ExportError
 from ..ranges import FileRange, Part, blocks, copy_range
 
+# What a user's output folder can do to an export: one line, not a traceback.
+_USER_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                errno.EROFS: "read-only file system", errno.EACCES: "permission denied", errno.EPERM: "not permitted",
+                errno.ENOTDIR: "a part of the path is a file", errno.EEXIST: "exists and is not a directory",
+                errno.EISDIR: "is a directory", errno.ENAMETOOLONG: "name too long"}
+
+
+def output_error(out: Path, exc: OSError) -> ExportError | None:
+    """The one-line error for an OSError the output folder caused, or None for anything else (a bug)."""
+    why = _USER_ERRNOS.get(exc.errno or 0)
+    if why is None:
+        return None
+    where = exc.filename if isinstance(exc.filename, str) else str(out)
+    return ExportError(f"{where}: cannot write the export: {why}; nothing half-written was left")
 
 
 class OutputFile:
     def __init__(self, path: Path, progress: Callable[[int], None] | None = None):
         self.path = path
-        self.tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        self.tmp = tempfiles.temp_path(path)
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         self.pos = 0
         self.progress = progress

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from ..locations import StorageOptions, filesystem, is_url, local
+from ..locations import StorageOptions, filesystem, is_url, local, service_errors
 from ..ranges import FileRange, RemoteRange
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
@@ -69,7 +69,7 @@ class TorchZip:
                 self._file = fs.open(fspath, "rb", block_size=1 << 16, cache_type="readahead")
             except FileNotFoundError:
                 raise CheckpointError(f"{self.path}: no such file") from None
-            except Exception as exc:  # a URL whose service cannot be reached
+            except service_errors() as exc:  # a URL whose service cannot be reached
                 raise CheckpointError(f"{self.path}: cannot open ({type(exc).__name__}: {str(exc)[:200]})") from None
         try:
             self.prefix, self.entries = self._index()
@@ -78,11 +78,14 @@ class TorchZip:
         except CheckpointError:
             self._file.close()
             raise
-        except Exception as exc:
+        except service_errors() as exc:
             self._file.close()
             if isinstance(self.path, Path):
-                raise
+                raise CheckpointError(f"{self.path}: cannot read ({exc.__class__.__name__}: {exc})") from None
             raise self._failed(exc) from None
+        except BaseException:
+            self._file.close()
+            raise
 
     def _failed(self, exc: Exception) -> CheckpointError:
         """A remote read that failed (the service or the network), as the one line a user sees."""
@@ -94,7 +97,7 @@ class TorchZip:
         fs, fspath = self._remote
         try:
             return fs.cat_file(fspath, start=offset, end=offset + length)
-        except Exception as exc:  # the service or the network failed mid-read
+        except service_errors() as exc:  # the service or the network failed mid-read
             raise self._failed(exc) from None
 
     def _index(self) -> tuple[str, dict[str, Entry]]:
@@ -149,7 +152,7 @@ class TorchZip:
         fs, fspath = self._remote
         try:
             return fs.cat_ranges([fspath] * len(offsets), offsets, ends, on_error="raise")
-        except Exception as exc:
+        except service_errors() as exc:
             raise self._failed(exc) from None
 
     def _looks_legacy(self) -> bool:
@@ -169,7 +172,7 @@ class TorchZip:
         """A byte range of the file, for a writer to copy: kernel-side when local, ranged reads when not."""
         if self._remote is not None:
             return RemoteRange(self._read, offset, length)
-        return FileRange(self._file.fileno(), offset, length)
+        return FileRange(self._file.fileno(), offset, length, str(self.path))
 
     def verify(self, name: str) -> None:
         """Check one record against the CRC-32 the zip stores for it (catches bit rot and torn copies)."""

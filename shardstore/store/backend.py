@@ -10,15 +10,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
-import secrets
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
 import zarr.storage
 
+from .. import tempfiles
 from ..errors import StoreError
-from ..locations import StorageOptions, filesystem, is_url, local
+from ..locations import StorageOptions, filesystem, is_url, local, service_errors
 from ..ranges import BLOCK, FileRange, Part, blocks, copy_range
 
 
@@ -35,19 +34,6 @@ class Backend(Protocol):
     def sync(self, keys: Iterable[str]) -> None: ...
     def sweep_temporaries(self) -> int: ...
     def zarr_store(self, read_only: bool = True) -> zarr.abc.store.Store: ...
-
-
-_TEMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.tmp$")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class LocalBackend:
@@ -82,7 +68,7 @@ class LocalBackend:
     def _write(self, key: str, parts: Iterable[Part], durable: bool) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        tmp = tempfiles.temp_path(path)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             for part in parts:
@@ -132,15 +118,8 @@ class LocalBackend:
         return self._path(key).exists()
 
     def sweep_temporaries(self) -> int:
-        """Remove ".<name>.<pid>.<hex>.tmp" files whose writing process no longer exists."""
-        removed = 0
-        for dirpath, _, names in os.walk(self.root):
-            for name in names:
-                m = _TEMP.match(name)
-                if m and not _alive(int(m.group(1))):
-                    Path(dirpath, name).unlink(missing_ok=True)
-                    removed += 1
-        return removed
+        """Remove temporaries whose writing process no longer exists."""
+        return tempfiles.sweep(self.root)
 
     def size(self, key: str) -> int:
         try:
@@ -152,8 +131,7 @@ class LocalBackend:
         base = self._path(prefix)
         if not base.is_dir():
             return []
-        return sorted(f"{prefix.rstrip('/')}/{p.name}" for p in base.iterdir()
-                      if not (p.name.startswith(".") and p.name.endswith(".tmp")))
+        return sorted(f"{prefix.rstrip('/')}/{p.name}" for p in base.iterdir() if not tempfiles.is_temp(p.name))
 
     def local_path(self, key: str) -> Path | None:
         return self._path(key)
@@ -181,7 +159,7 @@ class FsspecBackend:
             return fn(*args, **kwargs)
         except FileNotFoundError:
             raise KeyError(key) from None
-        except Exception as exc:  # botocore, aiohttp, OSError...: the service or the network failed
+        except service_errors() as exc:  # the service or the network failed
             raise StoreError(f"{self.root}: {key or 'store'}: object storage failed ({type(exc).__name__}: "
                              f"{str(exc)[:200]}); nothing half-written was kept, rerun to continue") from None
 

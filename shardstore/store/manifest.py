@@ -105,5 +105,12 @@ class Manifest:
         if d.get("version", 0) > FORMAT_VERSION:
             raise StoreError(f"{where}: written by a newer shardstore (store format {d.get('version')}, "
                              f"this one reads up to {FORMAT_VERSION}); upgrade shardstore")
-        arrays = {p: ArrayEntry.from_json(p, a) for p, a in d["arrays"].items()}
-        return cls(d["layout"], d["world_size"], d["tree"], arrays, d["objects"], d.get("extra", {}))
+        try:
+            arrays = {p: ArrayEntry.from_json(p, a) for p, a in d["arrays"].items()}
+            manifest = cls(d["layout"], d["world_size"], d["tree"], arrays, d["objects"], d.get("extra", {}))
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise StoreError(f"{where}: corrupt manifest ({type(exc).__name__}: {str(exc)[:80]})") from None
+        if not (isinstance(manifest.world_size, int) and 0 < manifest.world_size <= 1 << 20
+                and isinstance(manifest.tree, dict) and isinstance(manifest.objects, list)):
+            raise StoreError(f"{where}: corrupt manifest (world size or tree)")
+        return manifest

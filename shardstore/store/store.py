@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -44,6 +45,21 @@ def first_difference(a: bytes, b: bytes, itemsize: int, shape: tuple[int, ...], 
     """The index (in the whole tensor) of the first element where two C-order copies of a block differ."""
     at = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) // itemsize
     return [int(o + i) for o, i in zip(origin, np.unravel_index(at, shape))]
+
+
+_RECORD_FIELDS = {"rank": int, "file": str, "bytes": int, "cells": dict, "staged": dict, "objects": dict}
+
+
+def _record(raw: bytes, where: str) -> dict[str, Any]:
+    """A commit record, checked for the fields every reader relies on."""
+    try:
+        record = json.loads(raw)
+        ok = isinstance(record, dict) and all(isinstance(record.get(k), t) for k, t in _RECORD_FIELDS.items())
+    except ValueError:
+        ok = False
+    if not ok:
+        raise StoreError(f"{where}: damaged commit record; delete it and ingest that rank again")
+    return record
 
 
 def cell_key(path: str, index: tuple[int, ...]) -> str:
@@ -88,6 +104,8 @@ class Store:
             data = json.loads(raw)
         except ValueError:
             raise StoreError(f"{location}: corrupt manifest {MANIFEST_KEY}") from None
+        if not isinstance(data, dict):
+            raise StoreError(f"{location}: corrupt manifest {MANIFEST_KEY}")
         return cls(backend, Manifest.from_json(data, str(location)))
 
     @classmethod
@@ -177,11 +195,11 @@ class Store:
         if refresh or not self._records:
             for key in self.backend.list(RANKS):
                 name = key.rsplit("/", 1)[-1]
-                if not name.endswith(".json"):
-                    continue
+                if not re.fullmatch(r"(0|[1-9][0-9]{0,6})\.json", name):
+                    continue  # not a commit record (a stray file, an editor's backup): never trusted
                 rank = int(name[:-5])
-                if rank not in self._records:
-                    self._records[rank] = json.loads(self.backend.read(key))
+                if rank not in self._records and rank < self.manifest.world_size:
+                    self._records[rank] = _record(self.backend.read(key), f"{self.location}: {key}")
         return dict(sorted(self._records.items()))
 
     def cells_present(self, path: str) -> set[int]:
@@ -325,7 +343,7 @@ class Store:
             except FileNotFoundError:
                 raise StoreError(f"{self.backend.root}: missing data file {key}; is the store complete?") from None
             try:
-                yield FileRange(fd, 0, nbytes)
+                yield FileRange(fd, 0, nbytes, str(local))
             finally:
                 os.close(fd)
             return
