@@ -167,12 +167,12 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
         encode_tensor = _encode_tensor(store, rf, written)
         replicas = store.manifest.extra.get("replicas", 1)
         store.records()  # what other ranks have committed so far decides which replica cells to write
+        for leaf_path, leaf in rf.leaves.items():  # values first: one that cannot be stored refuses the file
+            if leaf_path not in store.manifest.arrays:  # before any tensor byte is written
+                objects[leaf_path] = _encoded(leaf, encode_tensor, f"{rf.path}: {leaf_path}")
         for leaf_path, leaf in rf.leaves.items():
             entry = store.manifest.arrays.get(leaf_path)
-            if entry is None:
-                objects[leaf_path] = _encoded(leaf, encode_tensor, f"{rf.path}: {leaf_path}")
-                continue
-            if not under(leaf_path, only):
+            if entry is None or not under(leaf_path, only):
                 continue
             if entry.replicated:
                 leaf = ShardedLeaf(entry.dtype, entry.shape, [LocalPiece((0,) * len(entry.shape), entry.shape, leaf)])

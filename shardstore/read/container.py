@@ -112,19 +112,22 @@ class TorchZip:
                     f"{self.path}: a pre-1.6 (non-zip) torch.save file; re-save it with a newer torch"
                 ) from None
             raise CheckpointError(f"{self.path}: not a torch checkpoint or truncated ({exc})") from None
-        pkl = [i.filename for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") == 1]
-        if len(pkl) != 1:
-            raise CheckpointError(f"{self.path}: not a torch checkpoint (no single <name>/data.pkl record)")
-        prefix = pkl[0][: -len("data.pkl")]
-        infos = [zi for zi in infos if zi.filename.startswith(prefix)]
         names = [zi.filename for zi in infos]
         if len(set(names)) != len(names):
             twice = next(n for n in names if names.count(n) > 1)
             raise CheckpointError(f"{self.path}: record {twice} appears twice (a zip readers disagree on; "
                                   f"forged or damaged)")
+        pkl = [i.filename for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") == 1]
+        if len(pkl) != 1:
+            raise CheckpointError(f"{self.path}: not a torch checkpoint (no single <name>/data.pkl record)")
+        prefix = pkl[0][: -len("data.pkl")]
+        infos = [zi for zi in infos if zi.filename.startswith(prefix)]
         entries: dict[str, Entry] = {}
         encoded = [zi.orig_filename.encode("utf-8" if zi.flag_bits & 0x800 else "cp437", "replace") for zi in infos]
-        headers = self._local_headers([zi.header_offset for zi in infos], [len(e) for e in encoded])
+        try:
+            headers = self._local_headers([zi.header_offset for zi in infos], [len(e) for e in encoded])
+        except (OverflowError, ValueError, OSError) as exc:  # offsets no file of this size can have
+            raise CheckpointError(f"{self.path}: corrupt zip (record offsets: {exc})") from None
         for zi, raw, local_name_wanted in zip(infos, headers, encoded):
             if zi.compress_type != zipfile.ZIP_STORED:
                 raise CheckpointError(f"{self.path}: record {zi.filename} is compressed; torch never writes that")

@@ -1,0 +1,337 @@
+"""Hostile and broken input, as an attacker or a damaged copy would present it.
+
+Every case runs the real command line in a child process whose address space is capped (RLIMIT_AS), and
+asserts: exit status 1, exactly one `shardstore: error:` line naming the file (no traceback, no
+MemoryError), nothing from the pickle run, and a store left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import shutil
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import shardstore
+from tests.fixtures import forge
+from tests.fixtures.forge import Raw, Tensor, floats, plain_rank_file
+
+# The command line's own footprint is ~300 MB of address space (Python, numpy, zarr); every input here is
+# a few MB at most, so a ceiling of 512 MB leaves room for what the file justifies and none for what its
+# numbers merely claim.
+ADDRESS_SPACE = 512 << 20
+
+
+def cli(*args: object, limit: bool = True) -> subprocess.CompletedProcess[str]:
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+
+    return subprocess.run([sys.executable, "-m", "shardstore", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, preexec_fn=cap if limit else None)
+
+
+def assert_refused(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("shardstore: error: "), proc.stderr[-2000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert "MemoryError" not in lines[0]
+    return lines[0]
+
+
+def snapshot(store: Path) -> dict[str, str]:
+    return {str(p.relative_to(store)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(store.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def forged(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A genuine 2-rank checkpoint (rank0.pt, rank1.pt) and forged copies of rank 1 (and of rank 0)."""
+    out = tmp_path_factory.mktemp("forged")
+    return forge.forge_sharded(out, [("rank0.pt", 0, None), ("rank1.pt", 1, None), ("steal/rank1.pt", 1, "steal"),
+                                     ("global/rank1.pt", 1, "global"), ("narrow/rank1.pt", 1, "narrow"),
+                                     ("overlap/rank0.pt", 0, "overlap")])
+
+
+@pytest.fixture
+def half_store(forged: Path, tmp_path: Path) -> Path:
+    """A store holding rank 0 of the genuine checkpoint, waiting for rank 1."""
+    store = tmp_path / "store"
+    proc = cli("ingest", store, forged / "rank0.pt", "-j", "1", "-q")
+    assert proc.returncode == 0, proc.stderr
+    return store
+
+
+def _refused_into(store: Path, rank_file: Path, *needles: str) -> None:
+    before = snapshot(store)
+    assert_refused(cli("ingest", store, rank_file, "-j", "1", "-q"), str(rank_file), *needles)
+    assert snapshot(store) == before
+
+
+def _genuine_finishes(store: Path, forged: Path) -> None:
+    assert cli("ingest", store, forged / "rank1.pt", "-j", "1", "-q").returncode == 0
+    out = store.parent / "out"
+    assert cli("export", store, out, "-q", limit=False).returncode == 0
+    got = load_file(out / "model.safetensors")
+    assert torch.equal(got["big"], forge.full("big", forge.BIG)) and torch.equal(got["small"], forge.full("small", forge.SMALL))
+
+
+# ------------------------------------------------------------------------------------------ pickles
+def _payload(module: str, name: str, *args: str) -> Raw:
+    body = b"c" + module.encode() + b"\n" + name.encode() + b"\n("
+    for a in args:
+        body += b"X" + struct.pack("<I", len(a.encode())) + a.encode()
+    return Raw(body + b"tR")
+
+
+PICKLES = {
+    "os.system": (lambda m: _payload("os", "system", f"touch {m}"), "refusing to load global os.system"),
+    "posix.system": (lambda m: _payload("posix", "system", f"touch {m}"), "global posix.system"),
+    "eval": (lambda m: _payload("builtins", "eval", f"open({str(m)!r}, 'w')"), "global builtins.eval"),
+    "Popen": (lambda m: Raw(b"csubprocess\nPopen\n(]X\x05\x00\x00\x00touchaX" + struct.pack("<I", len(str(m)))
+                            + str(m).encode() + b"atR"), "global subprocess.Popen"),
+    "getattr": (lambda m: Raw(b"c__builtin__\ngetattr\ncpathlib\nPosixPath\nX\n\x00\x00\x00write_text\x86R"),
+                "refusing getattr(PosixPath, 'write_text')"),
+    "bytearray(2**30)": (lambda m: Raw(b"c__builtin__\nbytearray\nJ\x00\x00\x00\x40\x85R"), "refusing bytearray"),
+    "memo 2**26": (lambda m: Raw(b"K\x01r\x00\x00\x00\x04"), "memo index 67108864"),
+    "BINBYTES8 2**60": (lambda m: Raw(b"\x8e" + struct.pack("<Q", 2**60)), "runs past the end"),
+    "FRAME 2**40": (lambda m: Raw(b"\x95" + struct.pack("<Q", 2**40) + b"N"), "runs past the end"),
+    "ndarray 2**30": (lambda m: Raw(b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nJ\x00\x00\x00\x40\x85"
+                                    b"C\x01b\x87R"), "empty ndarray"),
+    "unknown codec": (lambda m: Raw(b"c_codecs\nencode\nX\x01\x00\x00\x00bX\x05\x00\x00\x00bogus\x86R"),
+                      "unknown encoding"),
+    "deep nesting": (lambda m: Raw(b"]" * 100_000 + b"a" * 99_999), "nested too deeply"),
+    "contains itself": (lambda m: Raw(b"]q\x63h\x63a"), "or containing"),
+    "unknown opcode": (lambda m: Raw(b"\xfe"), "unknown opcode 0xfe"),
+}
+
+
+@pytest.mark.parametrize("case", list(PICKLES))
+def test_hostile_pickles(case: str, half_store: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    make, needle = PICKLES[case]
+    src = tmp_path / "rank1.pt"
+    plain_rank_file(src, {"model": {"w": Tensor("0", 4)}, "extra": make(marker)}, {"0": floats(4)})
+    _refused_into(half_store, src, needle)
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------------------- tensors vs storages
+TENSORS = {
+    "offset past the end": (Tensor("0", 4, offset=10**6), "runs past its storage"),
+    "negative offset": (Tensor("0", 4, offset=-1), "negative"),
+    "1 GB through stride 0": (Tensor("0", 4, shape=(2**28,), stride=(0,)), "expanded view"),
+    "missing storage": (Tensor("7", 4), "storage record data/7 is missing"),
+    "storage size disagrees": (Tensor("0", 400), "its pickle declares 400"),
+    "negative size": (Tensor("0", 4, shape=(-1,)), "negative"),
+    "fractional size": (Tensor("0", 4, shape=(1.5,)), "malformed shape"),
+}
+
+
+@pytest.mark.parametrize("case", list(TENSORS))
+def test_tensor_views_are_checked_against_their_storage(case: str, tmp_path: Path) -> None:
+    tensor, needle = TENSORS[case]
+    src = plain_rank_file(tmp_path / "rank0.pt", {"model": {"w": tensor}}, {"0": floats(4)})
+    assert_refused(cli("ingest", tmp_path / "store", src, "-j", "1", "-q"), str(src), needle)
+    assert not (tmp_path / "store").exists() or not list((tmp_path / "store").rglob("c/*"))
+
+
+@pytest.mark.parametrize("world, needle", [(10**9, "impossible process group"), (0, "impossible process group")])
+def test_impossible_world_sizes(world: int, needle: str, forged: Path, tmp_path: Path) -> None:
+    src = forge.patch_pickle(forged / "rank1.pt", tmp_path / "rank1.pt", lambda d: forge.set_world_size(d, world))
+    assert_refused(cli("ingest", tmp_path / "store", src, "-j", "1", "-q"), str(src), needle)
+
+
+# ------------------------------------------------------------------------------- forged shard metadata
+def test_a_file_cannot_write_another_ranks_rows(forged: Path, half_store: Path) -> None:
+    _refused_into(half_store, forged / "steal" / "rank1.pt", "are not the shards the metadata gives rank 1")
+    _refused_into(half_store, forged / "global" / "rank1.pt", "sharded differently")
+    _refused_into(half_store, forged / "narrow" / "rank1.pt", "torch.float16, metadata says torch.float32")
+    _genuine_finishes(half_store, forged)
+
+
+def test_overlapping_shards_are_refused_by_the_planner(forged: Path, tmp_path: Path) -> None:
+    src = forged / "overlap" / "rank0.pt"
+    assert_refused(cli("ingest", tmp_path / "store", src, "-j", "1", "-q"), str(src), "overlap")
+    assert not (tmp_path / "store" / "__shardstore__" / "manifest.json").exists()
+
+
+# ------------------------------------------------------------------------------------------ the zip
+def _zip_cases(genuine: Path, tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    entries = forge.records(genuine)
+    pkl = next(e for e in entries if e[0].endswith("/data.pkl"))
+    data = genuine.read_bytes()
+    eocd = data.rindex(b"PK\x05\x06")
+
+    def case(name: str) -> Path:
+        (tmp_path / name).mkdir()
+        return tmp_path / name / "rank1.pt"
+
+    dup = forge.write_zip(case("dup"), [pkl] + entries)  # a second data.pkl: readers disagree on which
+    renamed = bytearray(data)
+    at = renamed.index(pkl[0].encode())  # the first local header's copy of the name; the directory keeps its own
+    renamed[at + len(pkl[0]) - 5] ^= 0x20
+    case("renamed").write_bytes(bytes(renamed))
+    with zipfile.ZipFile(case("squeezed"), "w", zipfile.ZIP_DEFLATED) as z:
+        for n, d in entries:
+            z.writestr(n, d)
+    cd = data.index(b"PK\x01\x02")
+    case("cd").write_bytes(data[:cd] + b"PK\x01\x03" + data[cd + 4:])  # a central directory entry's signature
+    locator = b"PK\x06\x07" + struct.pack("<IQI", 0, 2**63, 1)  # a zip64 locator pointing nowhere
+    case("zip64").write_bytes(data[:eocd] + locator + data[eocd:])
+    return {"duplicate record": (dup, "appears twice"), "local header renamed": (tmp_path / "renamed" / "rank1.pt", "disagrees"),
+            "compressed": (tmp_path / "squeezed" / "rank1.pt", "compressed"),
+            "central directory entry": (tmp_path / "cd" / "rank1.pt", "not a torch checkpoint"),
+            "zip64 locator": (tmp_path / "zip64" / "rank1.pt", "not a torch checkpoint")}
+
+
+def test_damaged_and_forged_zips(forged: Path, half_store: Path, tmp_path: Path) -> None:
+    for case, (path, needle) in _zip_cases(forged / "rank1.pt", tmp_path).items():
+        _refused_into(half_store, path, needle)
+    _genuine_finishes(half_store, forged)
+
+
+# ------------------------------------------------------------------------------------------ keys
+def test_odd_keys_stay_distinct_and_round_trip(tmp_path: Path) -> None:
+    keys = ["a\x00b", "k" * 1000, "zarr.json", ".hidden", "caf\u00e9", "cafe\u0301", "\udcc3\udca9", "\u00c3\u00a9",
+            "x/y", "%2F", "__metadata__"]  # (a lone surrogate's bytes are those of "é" under surrogateescape)
+    storages = {str(i): floats(4) for i in range(len(keys))}
+    state = {"model": {k: Tensor(str(i), 4) for i, k in enumerate(keys)}}
+    src = plain_rank_file(tmp_path / "rank0.pt", state, storages)
+    assert cli("ingest", tmp_path / "store", src, "-j", "1", "-q").returncode == 0
+    store = shardstore.open(tmp_path / "store")
+    assert len(set(store.manifest.objects)) == len(keys)  # no two keys share a path
+    assert cli("export", tmp_path / "store", tmp_path / "pt", "--format", "torch", "-q", limit=False).returncode == 0
+    got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=True)
+    assert list(got["model"]) == keys and all(torch.equal(t, torch.arange(4.0)) for t in got["model"].values())
+    assert_refused(cli("export", tmp_path / "store", tmp_path / "st", limit=False), "\\udcc3", "not valid Unicode")
+    assert not (tmp_path / "st" / "model.safetensors").exists()
+    (tmp_path / "meta").mkdir()
+    src = plain_rank_file(tmp_path / "meta" / "rank0.pt", {"model": {"__metadata__": Tensor("0", 4), "w": Tensor("0", 4)}},
+                          {"0": floats(4)})
+    assert cli("ingest", tmp_path / "meta-store", src, "-j", "1", "-q").returncode == 0
+    assert_refused(cli("export", tmp_path / "meta-store", tmp_path / "st", limit=False), "'__metadata__'", "reserves")
+
+
+def test_a_key_and_its_digits_in_one_container(tmp_path: Path) -> None:
+    src = plain_rank_file(tmp_path / "rank0.pt", {"model": {1: Tensor("0", 4), "1": Tensor("0", 4)}}, {"0": floats(4)})
+    assert_refused(cli("ingest", tmp_path / "store", src, "-j", "1", "-q"), str(src), "map to the same path")
+
+
+# ------------------------------------------------------------------------------------------ the store
+def test_stray_and_damaged_store_files(forged: Path, half_store: Path) -> None:
+    ranks = half_store / "__shardstore__" / "ranks"
+    (ranks / "notes.json").write_text("{}")
+    (ranks / "0.json.bak").write_text("garbage")
+    (ranks / "99999.json").write_text("{}")  # beyond the world size
+    status = cli("status", half_store)
+    assert status.returncode == 1 and "ranks ingested: 1/2; missing: 1" in status.stdout
+    (ranks / "1.json").write_text("{not json")
+    assert_refused(cli("status", half_store), "1.json", "damaged commit record")
+    (ranks / "1.json").unlink()
+    manifest = half_store / "__shardstore__" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    del data["arrays"]
+    manifest.write_text(json.dumps(data))
+    assert_refused(cli("ls", half_store), str(half_store), "corrupt manifest")
+
+
+def test_a_cell_no_commit_covers_never_wins(tmp_path: Path) -> None:
+    """World size 1: the plain tensor is replicated, so the first copy *committed* is kept. A writer that
+    wrote its cell and died (or was refused) before committing must not keep the genuine copy out."""
+    big = (torch.arange(40_000, dtype=torch.float32) * 3).numpy().tobytes()  # 160 KB: an array of its own
+    genuine = plain_rank_file(tmp_path / "rank0.pt", {"model": {"w": Tensor("0", 40_000, shape=(40_000,))}}, {"0": big})
+    store_dir = tmp_path / "store"
+    from shardstore.ingest import create_store
+
+    store = create_store(store_dir, genuine)
+    entry = store.manifest.arrays["model/w"]
+    store.write_cell(entry, (0,), [bytes(len(big))], 40_000)  # a dead writer's zeros, never committed
+    assert cli("ingest", store_dir, genuine, "-j", "1", "-q").returncode == 0
+    assert cli("export", store_dir, tmp_path / "out", "-q", limit=False).returncode == 0
+    assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["w"], torch.arange(40_000.0) * 3)
+
+
+def test_staged_pieces_that_overlap_and_leave_a_gap_never_export(forged: Path, half_store: Path) -> None:
+    assert cli("ingest", half_store, forged / "rank1.pt", "-j", "1", "-q").returncode == 0
+    (half_store / "model" / "small" / "c" / "0" / "0").unlink()  # not assembled yet, as before the last rank
+    record = half_store / "__shardstore__" / "ranks" / "1.json"
+    data = json.loads(record.read_text())
+    data["staged"]["model/small"][0][0] = [3, 0]  # rank 1's rows 5-9 claimed at 3-7: overlap 3-4, gap 8-9
+    record.write_text(json.dumps(data))
+    assert_refused(cli("ingest", half_store, forged / "rank1.pt", "-q"), "model/small", "overlaps another")
+    assert not (half_store / "model" / "small" / "c" / "0" / "0").exists()
+    assert_refused(cli("export", half_store, half_store.parent / "out", limit=False), "incomplete")
+    assert not (half_store.parent / "out" / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------------ output
+def test_export_into_a_path_under_a_file(forged: Path, half_store: Path, tmp_path: Path) -> None:
+    assert cli("ingest", half_store, forged / "rank1.pt", "-j", "1", "-q").returncode == 0
+    (tmp_path / "afile").write_text("x")
+    assert_refused(cli("export", half_store, tmp_path / "afile" / "out", limit=False), "a part of the path is a file")
+    usage = cli("export", half_store, tmp_path / "afile", limit=False)  # the option parser's own check: exit 2
+    assert usage.returncode == 2 and "is a file" in usage.stderr and "Traceback" not in usage.stderr
+
+
+@pytest.mark.parametrize("options, needle", [("size=256k", "no space left on device"), ("ro", "read-only")])
+def test_export_onto_a_full_or_read_only_disk(options: str, needle: str, forged: Path, half_store: Path,
+                                               tmp_path: Path) -> None:
+    assert cli("ingest", half_store, forged / "rank1.pt", "-j", "1", "-q").returncode == 0
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here; needs root")
+    try:
+        assert_refused(cli("export", half_store, disk / "out" if options == "ro" else disk, limit=False), needle)
+        assert not [p for p in disk.rglob("*") if p.is_file()]  # nothing half-written left
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+# ------------------------------------------------------------------------------------------ leftovers
+def test_a_killed_exports_temporaries_are_swept_and_zombies_count_as_dead(forged: Path, half_store: Path,
+                                                                            tmp_path: Path) -> None:
+    assert cli("ingest", half_store, forged / "rank1.pt", "-j", "1", "-q").returncode == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # exits, and is not waited for: a zombie
+    for _ in range(100):
+        if open(f"/proc/{zombie.pid}/stat", "rb").read().rsplit(b")", 1)[1].split()[0] == b"Z":
+            break
+        __import__("time").sleep(0.05)
+    live = os.getpid()
+    for pid in (gone.pid, zombie.pid, live):
+        (out / f".model.safetensors.{pid}.0123abcd.tmp").write_bytes(b"half")
+    assert cli("export", half_store, out, "-q", limit=False).returncode == 0
+    left = sorted(p.name for p in out.iterdir())
+    assert left == [f".model.safetensors.{live}.0123abcd.tmp", "model.safetensors"]  # a live writer is left alone
+    zombie.wait()
+
+
+def test_a_planted_scratch_link_is_refused(forged: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / ".shardstore-scratch").symlink_to(elsewhere)
+    src = tmp_path / "src"
+    src.mkdir()
+    for r in (0, 1):
+        shutil.copy(forged / f"rank{r}.pt", src)
+    assert_refused(cli("unshard", src, out, "-j", "1"), "symbolic link")
+    assert not list(elsewhere.iterdir())
