@@ -8,6 +8,7 @@ local header, `data.pkl`, then only the storage byte ranges, block by block; nev
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 import stat
@@ -52,8 +53,9 @@ def _open_regular(path: Path) -> Any:
     return os.fdopen(fd, "rb")
 
 
-class TorchZip:
-    """An open rank file: its entries by record name, over a read-only mmap (local) or ranged reads (URL)."""
+class DataFile:
+    """One file, opened once: memory-mapped when local, read by ranged requests when a URL. Zips are read
+    from windows of it (a rank file is one window; a DCP .distcp file holds one zip per item)."""
 
     def __init__(self, path: str | os.PathLike[str], storage_options: StorageOptions | None = None):
         self.path = path if is_url(path) else Path(local(path))
@@ -61,48 +63,125 @@ class TorchZip:
         self._remote: tuple[Any, str] | None = None
         if isinstance(self.path, Path):
             self._file: Any = _open_regular(self.path)
-            self._size = os.fstat(self._file.fileno()).st_size
+            self.size = os.fstat(self._file.fileno()).st_size
+            try:
+                self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
+            except BaseException:
+                self._file.close()
+                raise
         else:
             try:
                 fs, fspath = self._remote = filesystem(self.path, storage_options)
-                self._size = int(fs.size(fspath))
-                self._file = fs.open(fspath, "rb", block_size=1 << 16, cache_type="readahead")
+                self.size = int(fs.size(fspath))
             except FileNotFoundError:
                 raise CheckpointError(f"{self.path}: no such file") from None
             except service_errors() as exc:  # a URL whose service cannot be reached
                 raise CheckpointError(f"{self.path}: cannot open ({type(exc).__name__}: {str(exc)[:200]})") from None
-        try:
-            self.prefix, self.entries = self._index()
-            if isinstance(self.path, Path) and self._size:
-                self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-        except CheckpointError:
-            self._file.close()
-            raise
-        except service_errors() as exc:
-            self._file.close()
-            if isinstance(self.path, Path):
-                raise CheckpointError(f"{self.path}: cannot read ({exc.__class__.__name__}: {exc})") from None
-            raise self._failed(exc) from None
-        except BaseException:
-            self._file.close()
-            raise
+            self._file = None
 
-    def _failed(self, exc: Exception) -> CheckpointError:
-        """A remote read that failed (the service or the network), as the one line a user sees."""
+    def failed(self, exc: BaseException) -> CheckpointError:
+        """A read that failed (the service, the network or the disk), as the one line a user sees."""
         return CheckpointError(f"{self.path}: read failed ({type(exc).__name__}: {str(exc)[:200]}); rerun to continue")
 
-    def _read(self, offset: int, length: int) -> bytes:
+    def read(self, offset: int, length: int) -> bytes:
+        try:
+            if self._remote is None:
+                return os.pread(self._file.fileno(), length, offset)
+            fs, fspath = self._remote
+            return fs.cat_file(fspath, start=offset, end=offset + length)
+        except (OverflowError, ValueError) as exc:
+            raise CheckpointError(f"{self.path}: corrupt (an offset no file can have: {exc})") from None
+        except service_errors() as exc:
+            raise self.failed(exc) from None
+
+    def read_ranges(self, starts: list[int], ends: list[int]) -> list[bytes]:
+        """Several small ranges: concurrently when remote."""
         if self._remote is None:
-            return os.pread(self._file.fileno(), length, offset)
+            return [self.read(s, e - s) for s, e in zip(starts, ends)]
         fs, fspath = self._remote
         try:
-            return fs.cat_file(fspath, start=offset, end=offset + length)
-        except service_errors() as exc:  # the service or the network failed mid-read
-            raise self._failed(exc) from None
+            return fs.cat_ranges([fspath] * len(starts), starts, ends, on_error="raise")
+        except service_errors() as exc:
+            raise self.failed(exc) from None
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """Bytes of the file: a zero-copy view of the mmap when local."""
+        if self._map is not None:
+            return memoryview(self._map)[offset: offset + length]
+        return memoryview(self.read(offset, length) if length else b"")
+
+    def range(self, offset: int, length: int) -> FileRange | RemoteRange:
+        """A byte range for a writer to copy: kernel-side when local, ranged reads when not."""
+        if self._remote is not None:
+            return RemoteRange(self.read, offset, length)
+        return FileRange(self._file.fileno(), offset, length, str(self.path))
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                # A caller still holds a view; the map is freed with the last view instead.
+                pass
+        if self._file is not None:
+            self._file.close()
+
+
+class _Window(io.RawIOBase):
+    """A window of a DataFile as a seekable file, for zipfile to parse."""
+
+    def __init__(self, data: DataFile, start: int, length: int):
+        self.data, self.start, self.length, self.pos = data, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.length + offset}[whence]
+        if self.pos < 0:
+            raise ValueError("negative seek position")
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        n = max(0, min(len(buf), self.length - self.pos))
+        data = self.data.read(self.start + self.pos, n) if n else b""
+        buf[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+class TorchZip:
+    """A torch.save zip: its entries by record name. The whole of a file (a rank file), or a window of one
+    (`start`, `length`: an item of a DCP .distcp file), read through a DataFile that may be shared."""
+
+    def __init__(self, path: str | os.PathLike[str] | DataFile, storage_options: StorageOptions | None = None,
+                 start: int = 0, length: int | None = None):
+        self._owns = not isinstance(path, DataFile)
+        self.file = DataFile(path, storage_options) if self._owns else path  # type: ignore[arg-type]
+        self.path = self.file.path
+        self.start = start
+        self._size = self.file.size - start if length is None else length
+        try:
+            if start < 0 or self._size < 0 or start + self._size > self.file.size:
+                raise CheckpointError(f"{self.path}: item at {start} (+{self._size}) lies outside the file")
+            self.prefix, self.entries = self._index()
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self, offset: int, length: int) -> bytes:
+        """Bytes at `offset` within this zip's window."""
+        return self.file.read(self.start + offset, length)
 
     def _index(self) -> tuple[str, dict[str, Entry]]:
         try:
-            infos = zipfile.ZipFile(self._file).infolist()
+            infos = zipfile.ZipFile(_Window(self.file, self.start, self._size)).infolist()
         except (zipfile.BadZipFile, ValueError, NotImplementedError, OSError, EOFError, struct.error,
                 OverflowError, UnicodeDecodeError) as exc:
             # ValueError: a remote file too small to seek back in; the rest: a damaged central directory or
@@ -144,19 +223,13 @@ class TorchZip:
                                       f"central directory (forged or damaged)")
             if start + zi.file_size > self._size:
                 raise CheckpointError(f"{self.path}: truncated (record {zi.filename} runs past the end)")
-            entries[zi.filename[len(prefix):]] = Entry(zi.filename, start, zi.file_size, zi.CRC)
+            entries[zi.filename[len(prefix):]] = Entry(zi.filename, self.start + start, zi.file_size, zi.CRC)
         return prefix, entries
 
     def _local_headers(self, offsets: list[int], name_lengths: list[int]) -> list[bytes]:
-        """Every entry's local header with its name: all at once, concurrently, when remote."""
-        ends = [o + _LOCAL_HEADER.size + n for o, n in zip(offsets, name_lengths)]
-        if self._remote is None:
-            return [self._read(o, e - o) for o, e in zip(offsets, ends)]
-        fs, fspath = self._remote
-        try:
-            return fs.cat_ranges([fspath] * len(offsets), offsets, ends, on_error="raise")
-        except service_errors() as exc:
-            raise self._failed(exc) from None
+        """Every entry's local header with its name (offsets within the window)."""
+        return self.file.read_ranges([self.start + o for o in offsets],
+                                     [self.start + o + _LOCAL_HEADER.size + n for o, n in zip(offsets, name_lengths)])
 
     def _looks_legacy(self) -> bool:
         return self._read(0, 2) == b"\x80\x02"
@@ -167,15 +240,11 @@ class TorchZip:
             entry = self.entries[name]
         except KeyError:
             raise CheckpointError(f"{self.path}: missing record {self.prefix}{name}") from None
-        if self._map is not None:
-            return memoryview(self._map)[entry.offset: entry.offset + entry.size]
-        return memoryview(self._read(entry.offset, entry.size) if entry.size else b"")
+        return self.file.view(entry.offset, entry.size)
 
     def range(self, offset: int, length: int) -> FileRange | RemoteRange:
-        """A byte range of the file, for a writer to copy: kernel-side when local, ranged reads when not."""
-        if self._remote is not None:
-            return RemoteRange(self._read, offset, length)
-        return FileRange(self._file.fileno(), offset, length, str(self.path))
+        """A byte range of the file (absolute offsets), for a writer to copy."""
+        return self.file.range(offset, length)
 
     def verify(self, name: str) -> None:
         """Check one record against the CRC-32 the zip stores for it (catches bit rot and torn copies)."""
@@ -191,13 +260,8 @@ class TorchZip:
         return self._size
 
     def close(self) -> None:
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                # A caller still holds a view; the map is freed with the last view instead.
-                pass
-        self._file.close()
+        if self._owns:
+            self.file.close()
 
     def __enter__(self) -> "TorchZip":
         return self
