@@ -12,7 +12,8 @@ from . import ingest as _ingest
 from .errors import CheckpointError, ExportError
 from .locations import StorageOptions
 from .progress import QUIET, Progress
-from .read.layouts import discover, missing_ranks
+from .read.layouts import missing_ranks
+from .read.source import Source, open_source, source_of_files
 from .store.store import Store
 
 PathLike = str | os.PathLike[str]
@@ -24,12 +25,13 @@ def open(location: PathLike, storage_options: StorageOptions | None = None) -> S
     return Store.open(location, storage_options)
 
 
-def ingest(store: PathLike, files: Sequence[PathLike], jobs: int | None = None,
+def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None = None,
            on_done: Callable[[_ingest.Ingested], None] | None = None, verify_replicas: bool = False,
            storage_options: StorageOptions | None = None, scheduler: str | None = None, strict: bool = False,
            progress: Progress = QUIET, only: Callable[[Store], str | None] | None = None,
            on_created: Callable[[Store], None] | None = None) -> Store:
-    """Ingest rank files into `store` (created on first use); any subset, in any order, any number of times.
+    """Ingest rank files (or a DCP checkpoint's .distcp files, or a `Source`) into `store` (created on first
+    use); any subset, in any order, any number of times.
 
     With hybrid sharding (HSDP) each shard is written once; `verify_replicas` checks the other copies match.
     `store` and `files` may be URLs (s3://...); `scheduler` ("dask", or a Dask scheduler address) runs one
@@ -41,9 +43,10 @@ def ingest(store: PathLike, files: Sequence[PathLike], jobs: int | None = None,
         if on_done:
             on_done(result)
 
-    st = _ingest.ingest(store, files, jobs=jobs, on_done=done, verify_replicas=verify_replicas,
-                        storage_options=storage_options, scheduler=scheduler, strict=strict, only=only,
-                        on_created=on_created, on_start=lambda total, before: progress.start("ingest", total, before))
+    source = files if isinstance(files, Source) else source_of_files(list(files), storage_options)
+    st = _ingest.ingest(store, source, jobs=jobs, on_done=done, verify_replicas=verify_replicas, scheduler=scheduler,
+                        strict=strict, only=only, on_created=on_created,
+                        on_start=lambda total, before: progress.start("ingest", total, before))
     progress.end()
     return st
 
@@ -79,9 +82,10 @@ def watch(store: PathLike, src_dir: PathLike, expect: int | None = None, timeout
 
 
 def rank_files(src_dir: PathLike, tag: str | None = None, step: int | None = None,
-               storage_options: StorageOptions | None = None) -> list[Path]:
-    """The rank files of the checkpoint in `src_dir` (or of the one `tag`/`step` names), by rank."""
-    return discover(src_dir, tag, step, storage_options)
+               storage_options: StorageOptions | None = None) -> list[str]:
+    """The unit files (rank files, or a DCP checkpoint's .distcp files) of the checkpoint in `src_dir` (or
+    of the one `tag`/`step` names), in order."""
+    return open_source(src_dir, tag, step, storage_options).units
 
 
 def scratch_location(out_dir: PathLike) -> Path:
@@ -97,7 +101,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
             progress: Progress = QUIET, **export_options: object) -> _export.ExportResult:
     """Ingest every rank file in `src_dir`, then export (`export_options` as for `export`). Without
     `store`, a scratch store inside `out_dir` is used: see `scratch_location`."""
-    files = discover(src_dir, tag, step, storage_options)
+    source = open_source(src_dir, tag, step, storage_options)
     scratch = scratch_location(out_dir)
     if store is None and scratch.is_symlink():
         raise ExportError(f"{scratch}: is a symbolic link; shardstore keeps its scratch store only inside OUT")
@@ -105,7 +109,9 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     fmt = export_options.get("format", "safetensors")
 
     def all_ranks_present(st: Store) -> None:
-        missing = missing_ranks(files, st.manifest.world_size)
+        if source.format != "torch-save":
+            return  # the metadata names every file; each is opened as it is ingested
+        missing = missing_ranks(source.units, st.manifest.world_size)
         if missing:
             raise CheckpointError(f"{src_dir}: world size is {st.manifest.world_size} but rank files are missing "
                                   f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
@@ -118,7 +124,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
         select = export_options.get("select")
         return str(select) if select is not None else _export.model_subtree(st)
 
-    st = ingest(location, files, jobs=jobs, verify_replicas=verify_replicas, storage_options=storage_options,
+    st = ingest(location, source, jobs=jobs, verify_replicas=verify_replicas, storage_options=storage_options,
                 scheduler=scheduler, strict=strict, progress=progress, only=exported_subtree,
                 on_created=all_ranks_present)
     result = export(st, out_dir, scheduler=scheduler if fmt == "safetensors" else None, jobs=jobs,

@@ -23,7 +23,10 @@ from .errors import CheckpointError, StoreError, named
 from .locations import StorageOptions, filesystem, is_url
 from .plan import plan_checkpoint
 from .read.layouts import name_rank
-from .read.rankfile import LocalPiece, RankFile, ShardedLeaf, layout_digest, read_rank_file
+from .read import tensors
+from .read.container import TorchZip
+from .read.rankfile import LocalPiece, RankFile, ShardedLeaf, layout_digest
+from .read.source import Source, open_unit
 from .read.unpickle import TensorRef, gc_paused
 from .ranges import Part, blocks
 from .store.manifest import ArrayEntry
@@ -44,28 +47,28 @@ class IngestOptions:
     verify_replicas: bool = False  # hybrid sharding: compare every replica's copy bit for bit
     only: str | None = None  # write only this subtree's tensors (a scratch store that feeds one export)
     strict: bool = False  # refuse every global outside the allowlist, instead of keeping opaque records
+    format: str = "torch-save"  # how to open a unit of work (read/source.py)
 
 
-def _piece_region(rf: RankFile, entry: ArrayEntry, piece: LocalPiece,
-                  index: tuple[int, ...]) -> tuple[list[Part], int]:
+def _piece_region(entry: ArrayEntry, piece: LocalPiece, index: tuple[int, ...]) -> tuple[list[Part], int]:
     """The bytes of cell `index` that `piece` holds, as (parts, valid rows of the cell)."""
     bounds = entry.cell_bounds(index)
     rel = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(bounds, piece.offsets))
     valid_rows = bounds[0][1] - bounds[0][0]
     trailing_full = all(hi - lo == c for (lo, hi), c in zip(bounds[1:], entry.cell[1:]))
     if trailing_full and tuple(entry.cell[1:]) == tuple(piece.sizes[1:]):
-        span = rf.byte_range(piece.tensor)
+        span = tensors.byte_range(piece.zip, piece.tensor)
         if span is not None:
             row = math.prod(piece.sizes[1:]) * dtypes.info(entry.dtype).itemsize
             start = span[0] + rel[0].start * row
-            return [rf.zip.range(start, valid_rows * row)], valid_rows
-    region = rf.array(piece.tensor)[rel]
+            return [piece.zip.range(start, valid_rows * row)], valid_rows
+    region = tensors.array(piece.zip, piece.tensor)[rel]
     buf = np.zeros((valid_rows,) + tuple(entry.cell[1:]), dtype=region.dtype)
     buf[tuple(slice(0, n) for n in region.shape)] = region
     return [buf.data], valid_rows
 
 
-def _verify_replica(store: Store, rf: RankFile, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part]) -> None:
+def _verify_replica(store: Store, rf: Any, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part]) -> None:
     """Compare this rank's copy of a cell with the one already in the store; name the first difference."""
     mine = b"".join(bytes(b) for b in blocks(parts))
     theirs = store.read_cell_bytes(entry, index, len(mine))
@@ -78,7 +81,19 @@ def _verify_replica(store: Store, rf: RankFile, entry: ArrayEntry, index: tuple[
                           f"first at element {element}")
 
 
-def _check_against(store: Store, rf: RankFile) -> None:
+def _check_against(store: Store, unit: Any) -> None:
+    """Refuse a unit that is not part of the checkpoint the store was planned from."""
+    fmt = store.manifest.extra.get("format", "torch-save")
+    if isinstance(unit, RankFile) != (fmt == "torch-save"):
+        raise CheckpointError(f"{unit.path}: the store holds a {fmt} checkpoint, this file is not part of one")
+    if isinstance(unit, RankFile):
+        _check_rank_file(store, unit)
+    elif unit.digest != store.manifest.extra.get("metadata"):
+        raise CheckpointError(f"{unit.path}: belongs to another DCP checkpoint than the store's (its .metadata "
+                              f"differs from the one the store was planned from)")
+
+
+def _check_rank_file(store: Store, rf: RankFile) -> None:
     m = store.manifest
     claimed = name_rank(rf.path)
     if claimed is not None and claimed != rf.rank:
@@ -115,9 +130,9 @@ def _check_against(store: Store, rf: RankFile) -> None:
                                           f"match the checkpoint's shard layout")
 
 
-def _encode_tensor(store: Store, rf: RankFile, written: list[str]) -> Callable[[TensorRef], Any]:
+def _encode_tensor(store: Store, zf: TorchZip, written: list[str]) -> Callable[[TensorRef], Any]:
     def encode(ref: TensorRef) -> Any:
-        data = np.ascontiguousarray(rf.array(ref)).tobytes()
+        data = np.ascontiguousarray(tensors.array(zf, ref)).tobytes()
         out: dict[str, Any] = {"dtype": ref.dtype, "shape": list(ref.shape)}
         if len(data) <= values.INLINE_TENSOR_BYTES:
             out["data"] = values._b64(data)
@@ -155,7 +170,7 @@ def ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptio
 
 def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptions) -> Ingested:
     verify_replicas, only = options.verify_replicas, options.only
-    rf = read_rank_file(path, encode_key=values.encode, storage_options=store.storage_options, strict=options.strict)
+    rf = open_unit(options.format, os.fspath(path), store.storage_options, options.strict, values.encode)
     try:
         _check_against(store, rf)
         written: list[str] = []
@@ -164,32 +179,33 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
         staging: list[Part] = []
         staged_bytes = 0
         objects: dict[str, Any] = {}
-        encode_tensor = _encode_tensor(store, rf, written)
         replicas = store.manifest.extra.get("replicas", 1)
         store.records()  # what other ranks have committed so far decides which replica cells to write
         for leaf_path, leaf in rf.leaves.items():  # values first: one that cannot be stored refuses the file
             if leaf_path not in store.manifest.arrays:  # before any tensor byte is written
+                encode_tensor = _encode_tensor(store, rf.value_zip(leaf_path), written)
                 objects[leaf_path] = _encoded(leaf, encode_tensor, f"{rf.path}: {leaf_path}")
         for leaf_path, leaf in rf.leaves.items():
             entry = store.manifest.arrays.get(leaf_path)
             if entry is None or not under(leaf_path, only):
                 continue
             if entry.replicated:
-                leaf = ShardedLeaf(entry.dtype, entry.shape, [LocalPiece((0,) * len(entry.shape), entry.shape, leaf)])
+                leaf = ShardedLeaf(entry.dtype, entry.shape, [LocalPiece((0,) * len(entry.shape), entry.shape, leaf,
+                                                                          rf.value_zip(leaf_path))])
             for piece in leaf.pieces:
                 if not all(piece.sizes):
                     continue
                 if entry.staged:
-                    span = rf.byte_range(piece.tensor)
-                    part: Part = (rf.zip.range(*span) if span is not None
-                                  else np.ascontiguousarray(rf.array(piece.tensor)).data)
+                    span = tensors.byte_range(piece.zip, piece.tensor)
+                    part: Part = (piece.zip.range(*span) if span is not None
+                                  else np.ascontiguousarray(tensors.array(piece.zip, piece.tensor)).data)
                     nbytes = span[1] if span is not None else part.nbytes  # type: ignore[union-attr]
                     staging.append(part)
                     staged.setdefault(leaf_path, []).append([list(piece.offsets), list(piece.sizes), staged_bytes, nbytes])
                     staged_bytes += nbytes
                     continue
                 for index in entry.cells_of(piece.offsets, piece.sizes):
-                    parts, valid_rows = _piece_region(rf, entry, piece, index)
+                    parts, valid_rows = _piece_region(entry, piece, index)
                     if (entry.replicated or replicas > 1) and entry.flat_index(index) in store.cells_present(leaf_path):
                         # Another replica's copy is committed: first commit wins. A cell file that no commit
                         # record covers (its writer died or was refused) counts for nothing and is rewritten.
@@ -201,10 +217,10 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
         if staging:
             written.append(store.write_staging(rf.rank, staging))
         record = {"rank": rf.rank, "world_size": rf.world_size, "group_rank": rf.group_rank,
-                  "group_size": rf.group_size, "file": os.path.basename(rf.path), "bytes": rf.zip.size,
+                  "group_size": rf.group_size, "file": os.path.basename(rf.path), "bytes": rf.size,
                   "only": only, "cells": cells, "staged": staged, "objects": objects}
         store.commit_rank(record, written)
-        return Ingested(rf.rank, rf.path, rf.zip.size)
+        return Ingested(rf.rank, rf.path, rf.size)
     finally:
         rf.close()
 
@@ -221,30 +237,26 @@ def _worker(location: str, path: str, options: IngestOptions, storage_options: S
     return ingest_file(store, path, options)
 
 
-def create_store(location: str | os.PathLike[str], first_file: str | os.PathLike[str],
-                 storage_options: StorageOptions | None = None, strict: bool = False) -> Store:
-    """Create (or reopen, after checking it matches) the store for the checkpoint `first_file` belongs to."""
-    rf = read_rank_file(first_file, encode_key=values.encode, storage_options=storage_options, strict=strict)
+def create_store(location: str | os.PathLike[str], source: Source, strict: bool = False) -> Store:
+    """Create (or reopen, after checking it matches) the store for the checkpoint `source` reads."""
     try:
-        try:
-            manifest = plan_checkpoint(rf)
-        except CheckpointError as exc:
-            raise named(exc, rf.path) from None
-        return Store.create(location, manifest, storage_options)
-    finally:
-        rf.close()
+        manifest = plan_checkpoint(source.spec(values.encode, strict))
+    except CheckpointError as exc:
+        raise named(exc, source.units[0]) from None
+    return Store.create(location, manifest, source.storage_options)
 
 
 def default_jobs() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[str]], jobs: int | None = None,
+def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = None,
            on_done: Callable[[Ingested], None] | None = None, verify_replicas: bool = False,
-           on_created: Callable[[Store], None] | None = None, storage_options: StorageOptions | None = None,
+           on_created: Callable[[Store], None] | None = None,
            scheduler: str | None = None, only: Callable[[Store], str | None] | None = None, strict: bool = False,
            on_start: Callable[[int | None, int], None] | None = None) -> Store:
-    """Ingest rank files into the store at `location` (created from the first file if it does not exist).
+    """Ingest a checkpoint's units of work (rank files, .distcp files) into the store at `location`
+    (created from the checkpoint's spec if it does not exist).
 
     `jobs` worker processes (default: one per core) each take one file at a time; with jobs=1 everything
     runs in this process. Ingesting a rank that is already in the store simply rewrites the same bytes.
@@ -255,9 +267,9 @@ def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[s
     every pickled global outside the allowlist. `on_start(total, done)` hears, once the store is open, the
     bytes of all `files` and of those already in it (None for the total when any file is remote).
     """
-    if not files:
+    if not source.units:
         raise CheckpointError("no rank files to ingest")
-    files = list(files)
+    files: list[str | os.PathLike[str]] = list(source.units)
     jobs = max(1, min(jobs or default_jobs(), len(files)))
     with contextlib.ExitStack() as stack:
         pool = None
@@ -265,7 +277,7 @@ def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[s
             pool = stack.enter_context(ProcessPoolExecutor(max_workers=jobs, mp_context=_SPAWN))
             for _ in range(jobs):
                 pool.submit(_warm_up)
-        store = create_store(location, files[0], storage_options, strict)
+        store = create_store(location, source, strict)
         if on_created:
             on_created(store)
         store.sweep_temporaries()  # what writers killed mid-write left behind
@@ -276,7 +288,7 @@ def ingest(location: str | os.PathLike[str], files: Sequence[str | os.PathLike[s
             total = sum(os.path.getsize(f) for f in files) if local else None
             on_start(total, total - sum(os.path.getsize(f) for f in todo) if total is not None else 0)
         files = todo
-        options = IngestOptions(verify_replicas, subtree, strict)
+        options = IngestOptions(verify_replicas, subtree, strict, source.format)
         seen: dict[int, str] = {}
 
         def done(result: Ingested) -> None:

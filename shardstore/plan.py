@@ -14,7 +14,8 @@ from functools import reduce
 
 from . import dtypes
 from .errors import CheckpointError
-from .read.rankfile import RankFile, ShardedLeaf, ShardedSpec, layout_digest
+from .read.rankfile import ShardedSpec, layout_digest
+from .read.source import CheckpointSpec
 from .read.unpickle import TensorRef
 from .store.manifest import ArrayEntry, Manifest
 
@@ -112,17 +113,24 @@ def detect_layout(tree: dict) -> str:
     return "generic"
 
 
-def plan_checkpoint(rank_file: RankFile, layout: str | None = None) -> Manifest:
-    """Plan the whole store from one rank file: every rank file carries the global metadata of every tensor."""
-
-    arrays, objects = {}, []
-    for path, leaf in rank_file.leaves.items():
-        if isinstance(leaf, ShardedLeaf):
-            arrays[path] = plan_array(path, leaf.spec)
-        elif isinstance(leaf, TensorRef) and leaf.shape and plain_nbytes(leaf) >= REPLICATED_ARRAY_BYTES:
-            arrays[path] = plan_replicated(path, leaf)
+def plan_checkpoint(spec: CheckpointSpec, layout: str | None = None) -> Manifest:
+    """Plan the whole store from a checkpoint's spec (from any format: see read/source.py)."""
+    arrays, objects = {}, list(spec.objects)
+    for path, array in spec.arrays.items():
+        arrays[path] = plan_array(path, array)
+    for path, ref in spec.replicated.items():
+        if plain_nbytes(ref) >= REPLICATED_ARRAY_BYTES:
+            arrays[path] = plan_replicated(path, ref)
         else:
             objects.append(path)
-    extra = {"group_size": rank_file.group_size, "replicas": max(1, rank_file.world_size // rank_file.group_size)}
-    return Manifest(layout or detect_layout(rank_file.skeleton), rank_file.world_size, rank_file.skeleton,
-                    arrays, objects, extra)
+    order = {p: i for i, p in enumerate(_leaf_paths(spec.tree))}
+    objects.sort(key=lambda p: order.get(p, len(order)))
+    extra = {"group_size": spec.group_size, "replicas": max(1, spec.world_size // spec.group_size),
+             "format": spec.format, **spec.extra}
+    return Manifest(layout or detect_layout(spec.tree), spec.world_size, spec.tree, arrays, objects, extra)
+
+
+def _leaf_paths(node: dict) -> list[str]:
+    if node["t"] == "leaf":
+        return [node["p"]]
+    return [p for _, child in node["c"] for p in _leaf_paths(child)]

@@ -19,6 +19,7 @@ from .ingest import _SPAWN, IngestOptions, Ingested, _worker, create_store, defa
 from .locations import StorageOptions
 from .read.container import TorchZip
 from .read.layouts import name_rank, refuse_mixed, scan
+from .read.source import Source
 from .store.store import Store
 
 
@@ -71,7 +72,7 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
                 if path in submitted or rank in done_ranks:
                     continue
                 if store is None:
-                    store = create_store(location, path, storage_options, strict)
+                    store = create_store(location, Source("torch-save", [os.fspath(path)], storage_options), strict)
                     store.sweep_temporaries()
                     if expect is not None and expect != store.manifest.world_size:
                         raise CheckpointError(f"{path}: holds a checkpoint of world size "

@@ -254,8 +254,9 @@ def test_a_cell_no_commit_covers_never_wins(tmp_path: Path) -> None:
     genuine = plain_rank_file(tmp_path / "rank0.pt", {"model": {"w": Tensor("0", 40_000, shape=(40_000,))}}, {"0": big})
     store_dir = tmp_path / "store"
     from shardstore.ingest import create_store
+    from shardstore.read.source import Source
 
-    store = create_store(store_dir, genuine)
+    store = create_store(store_dir, Source("torch-save", [str(genuine)]))
     entry = store.manifest.arrays["model/w"]
     store.write_cell(entry, (0,), [bytes(len(big))], 40_000)  # a dead writer's zeros, never committed
     assert cli("ingest", store_dir, genuine, "-j", "1", "-q").returncode == 0

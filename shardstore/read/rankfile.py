@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +12,9 @@ import numpy as np
 from .. import dtypes
 from ..errors import CheckpointError, named
 from ..locations import StorageOptions
+from . import tensors
 from .container import TorchZip
+from .source import CheckpointSpec
 from .tree import Skeleton, flatten
 from .unpickle import ShardedTensor, TensorRef, load
 
@@ -39,11 +40,9 @@ class LocalPiece:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     tensor: TensorRef
+    zip: TorchZip = field(repr=False)  # the container whose storage the tensor views
 
 
-# A plain tensor may view more elements than its storage holds only through stride-0 (expanded) views;
-# past this size such a view is refused, so a few bytes of storage never become gigabytes in memory.
-MAX_EXPANDED_BYTES = 16 << 20
 MAX_WORLD_SIZE = 1 << 20
 
 
@@ -100,54 +99,20 @@ class RankFile:
     zip: TorchZip = field(repr=False)
 
     def check_view(self, ref: TensorRef, where: str) -> None:
-        """A tensor is trusted only as far as its storage backs it: whole numbers for shape, strides and
-        offset; a storage record that exists and holds exactly what its pickle declares; every element the
-        view reaches inside that record; no expanded view much larger than the record."""
-        name = f"{self.path}: {where}"
-        if not all(type(v) is int for v in (ref.offset, *ref.shape, *ref.stride)) or len(ref.shape) != len(ref.stride):
-            raise CheckpointError(f"{name}: tensor with a malformed shape {ref.shape!r:.60} or stride {ref.stride!r:.60}")
-        if ref.offset < 0 or any(d < 0 for d in ref.shape) or any(st < 0 for st in ref.stride):
-            raise CheckpointError(f"{name}: tensor with a negative size, stride or offset (corrupt file)")
-        info, storage_info = dtypes.info(ref.dtype), dtypes.info(ref.storage.dtype)
-        entry = self.zip.entries.get(f"data/{ref.storage.key}")
-        if entry is None:
-            raise CheckpointError(f"{name}: its storage record data/{ref.storage.key} is missing (corrupt file)")
-        if not isinstance(ref.storage.numel, int) or entry.size != ref.storage.numel * storage_info.itemsize:
-            raise CheckpointError(f"{name}: storage data/{ref.storage.key} holds {entry.size} bytes, its pickle "
-                                  f"declares {ref.storage.numel} x {storage_info.itemsize} (corrupt file)")
-        count = math.prod(ref.shape)
-        if count == 0:
-            return
-        last = ref.offset + sum((n - 1) * st for n, st in zip(ref.shape, ref.stride))
-        if (last + 1) * info.itemsize > entry.size:
-            raise CheckpointError(f"{name}: tensor view runs past its storage data/{ref.storage.key} (corrupt file)")
-        if count * info.itemsize > max(entry.size, MAX_EXPANDED_BYTES):
-            raise CheckpointError(f"{name}: a tensor of {count * info.itemsize} bytes viewing a storage of "
-                                  f"{entry.size} (an expanded view this large is not a checkpoint)")
+        tensors.check_view(self.zip, ref, where)
 
     def array(self, ref: TensorRef) -> np.ndarray:
-        """A zero-copy numpy view (raw dtype) of a tensor that lives in this file."""
-        self.check_view(ref, "a tensor")
-        info = dtypes.info(ref.dtype)
-        if any(s == 0 for s in ref.shape):
-            return np.empty(ref.shape, dtype=info.raw)
-        storage = self.zip.record(f"data/{ref.storage.key}")
-        start = ref.offset * info.itemsize
-        base = np.frombuffer(storage, dtype=info.raw, count=(len(storage) - start) // info.itemsize, offset=start)
-        return np.lib.stride_tricks.as_strided(base, shape=ref.shape, strides=[s * info.itemsize for s in ref.stride],
-                                               writeable=False)
+        return tensors.array(self.zip, ref)
 
     def byte_range(self, ref: TensorRef) -> tuple[int, int] | None:
-        """(file offset, length) when the tensor is one C-contiguous run of bytes, else None."""
-        self.check_view(ref, "a tensor")
-        info = dtypes.info(ref.dtype)
-        expected = 1
-        for n, s in reversed(list(zip(ref.shape, ref.stride))):
-            if n != 1 and s != expected:
-                return None
-            expected *= n
-        start = self.zip.storage_offset(ref.storage.key) + ref.offset * info.itemsize
-        return start, expected * info.itemsize
+        return tensors.byte_range(self.zip, ref)
+
+    @property
+    def size(self) -> int:
+        return self.zip.size
+
+    def value_zip(self, path: str) -> TorchZip:
+        return self.zip
 
     def close(self) -> None:
         self.zip.close()
@@ -163,13 +128,13 @@ def _ints(values: Any, what: str, where: str) -> tuple[int, ...]:
     return out
 
 
-def _sharded_leaf(st: ShardedTensor, where: str) -> ShardedLeaf:
+def _sharded_leaf(st: ShardedTensor, where: str, zf: TorchZip) -> ShardedLeaf:
     md = st.metadata
     try:
         dtype = str(md.tensor_properties.dtype)
         shape = _ints(md.size, "sizes", where)
         pieces = [LocalPiece(_ints(s.metadata.shard_offsets, "shard offsets", where),
-                             _ints(s.metadata.shard_sizes, "shard sizes", where), s.tensor)
+                             _ints(s.metadata.shard_sizes, "shard sizes", where), s.tensor, zf)
                   for s in st.local_shards]
     except AttributeError as exc:
         raise CheckpointError(f"{where}: malformed ShardedTensor metadata ({exc})") from None
@@ -220,7 +185,7 @@ def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr,
         groups = set()
         for p, leaf in raw.items():
             if isinstance(leaf, ShardedTensor):
-                leaves[p] = _sharded_leaf(leaf, f"{name}: {p}")
+                leaves[p] = _sharded_leaf(leaf, f"{name}: {p}", zf)
                 groups.add(_group(leaf.pg_state, name))
             else:
                 leaves[p] = leaf
@@ -243,3 +208,11 @@ def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr,
     except BaseException:
         zf.close()
         raise
+
+
+def spec_of(rf: RankFile) -> CheckpointSpec:
+    """A rank file describes the whole checkpoint: every rank's shards of every tensor are in its metadata."""
+    arrays = {p: leaf.spec for p, leaf in rf.leaves.items() if isinstance(leaf, ShardedLeaf)}
+    replicated = {p: leaf for p, leaf in rf.leaves.items() if isinstance(leaf, TensorRef) and leaf.shape}
+    objects = [p for p in rf.leaves if p not in arrays and p not in replicated]
+    return CheckpointSpec("torch-save", rf.world_size, rf.group_size, rf.skeleton, arrays, replicated, objects)

@@ -140,6 +140,34 @@ class ShardedTensor(_Record):
         self.pg_state = state[2] if len(state) > 2 else None
 
 
+class DcpMetadata(_Record):
+    """torch.distributed.checkpoint's Metadata: state_dict_metadata, planner_data, storage_data, ..."""
+
+
+class DcpTensorStorage(_Record):
+    """TensorStorageMetadata: properties, size, chunks."""
+
+
+class DcpBytesStorage(_Record):
+    """BytesStorageMetadata: a pickled object."""
+
+
+class DcpChunk(_Record):
+    """ChunkStorageMetadata: offsets, sizes."""
+
+
+class DcpIndex(_Record):
+    """MetadataIndex: fqn, offset, index (a key of storage_data)."""
+
+
+class DcpStorageInfo(_Record):
+    """_StorageInfo: relative_path, offset, length, transform_descriptors (torch's, or OLMo-core's twin)."""
+
+
+class DcpStorageMeta(_Record):
+    """StorageMeta: checkpoint_id, save_id, load_id, modules."""
+
+
 class _TensorType:
     """Marker for `torch.Tensor` / `torch.nn.Parameter` when they appear as rebuild targets."""
 
@@ -255,6 +283,17 @@ ALLOWED: dict[tuple[str, str], Any] = {
     (f"{_SHARD}.sharding_spec.chunk_sharding_spec", "ChunkShardingSpec"): ChunkShardingSpec,
     (f"{_SHARD}.sharding_spec.api", "EnumerableShardingSpec"): EnumerableShardingSpec,
     ("torch.distributed.remote_device", "_remote_device"): RemoteDevice,
+    # torch.distributed.checkpoint's .metadata (and OLMo-core's copy of _StorageInfo, never imported)
+    ("torch.distributed.checkpoint.metadata", "Metadata"): DcpMetadata,
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"): DcpTensorStorage,
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"): DcpBytesStorage,
+    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"): DcpChunk,
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"): DcpIndex,
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"): DcpStorageMeta,
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"): TensorProperties,
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _mem_format,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): DcpStorageInfo,
+    ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): DcpStorageInfo,
 }
 try:
     from numpy._core import multiarray as _multiarray

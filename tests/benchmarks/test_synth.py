@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import zipfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 import synth  # noqa: E402
+
+from tests.fixtures.fsdp import spawn_gloo  # noqa: E402
 
 SPEC = synth.ModelSpec(d_model=64, layers=2, vocab=1000)
 
@@ -34,11 +34,8 @@ def records(path: Path) -> dict[str, bytes]:
 
 def test_fake_process_group_files_equal_real_ones(tmp_path: Path) -> None:
     world = 3
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     (tmp_path / "real").mkdir()
-    mp.spawn(_real_rank, args=(world, str(tmp_path / "real"), port), nprocs=world)
+    spawn_gloo(_real_rank, (world, str(tmp_path / "real")), world)
     synth.generate(tmp_path / "fake", world, SPEC, jobs=1)
     for rank in range(world):
         real, fake = records(tmp_path / "real" / f"rank{rank}.pt"), records(tmp_path / "fake" / f"rank{rank}.pt")

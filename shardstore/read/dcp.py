@@ -1,0 +1,288 @@
+"""torch.distributed.checkpoint (DCP) folders: `.metadata` plus `__{rank}_{i}.distcp` files.
+
+`.metadata` is one pickle (read with the same safe unpickler as everything else) describing every tensor
+of the checkpoint — dtype, global size, and its chunks as boxes (offsets, sizes) on any dimensions — and,
+for every chunk and every non-tensor value, the byte range of the .distcp file that holds it. A tensor
+chunk is a complete `torch.save` zip at that range; a value is one too (torch.save of the object). Both
+are read in place, through the same zip reader and tensor checks as a rank file. `planner_data` gives
+each flattened key its path in the original nested state dict, which the store keeps.
+
+One .distcp file is one unit of work. Each is described entirely by `.metadata`, so a unit is checked
+against the checkpoint by the metadata's digest, and every item against its chunk's dtype and size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import dtypes, paths
+from ..errors import CheckpointError, named
+from ..locations import StorageOptions, filesystem, is_url, local
+from .container import DataFile, TorchZip
+from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
+from .source import CheckpointSpec, Skeleton
+from .tensors import check_view
+from .unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, TensorRef, load
+
+METADATA = ".metadata"
+# A tensor at or below this size held whole in one chunk is kept as a value, like a rank file's plain
+# tensors (an optimizer's step, a scale); anything larger or split across files gets an array.
+SMALL_TENSOR_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class Item:
+    """One entry of storage_data: a chunk of a tensor (offsets set) or a whole value, in one file."""
+
+    fqn: str
+    offsets: tuple[int, ...] | None
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass
+class DcpCheckpoint:
+    folder: str
+    digest: str  # of the .metadata bytes: every unit must come from the same one
+    tensors: dict[str, tuple[str, tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]]  # fqn -> dtype, size, chunks
+    values: list[str]  # fqns of bytes items
+    paths: dict[str, tuple[Any, ...]]  # fqn -> its path in the nested state dict
+    items: list[Item]
+    files: list[str] = field(default_factory=list)  # unit order
+
+    def store_path(self, fqn: str) -> str:
+        return paths.join(*(paths.escape(k) for k in self.paths[fqn]))
+
+
+def _join(folder: str, name: str) -> str:
+    return f"{folder.rstrip('/')}/{name}" if is_url(folder) else os.path.join(local(folder), name)
+
+
+def has_metadata(folder: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> bool:
+    folder = os.fspath(folder)
+    if is_url(folder):
+        fs, fspath = filesystem(folder, storage_options)
+        return bool(fs.exists(f"{fspath.rstrip('/')}/{METADATA}"))
+    return os.path.isfile(os.path.join(local(folder), METADATA))
+
+
+def read_checkpoint(folder: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> DcpCheckpoint:
+    """Parse and check `.metadata`: names, sizes and byte ranges that can exist, nothing outside the folder."""
+    folder = os.fspath(folder)
+    where = _join(folder, METADATA)
+    data = DataFile(where, storage_options)
+    try:
+        raw = bytes(data.view(0, data.size))
+    finally:
+        data.close()
+    md = load(raw, where)  # the same safe unpickler; torch itself would run any pickle here
+    if not isinstance(md, DcpMetadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict) \
+            or not isinstance(getattr(md, "storage_data", None), dict):
+        raise CheckpointError(f"{where}: not a torch.distributed.checkpoint metadata file")
+    try:
+        return _parse(folder, md, hashlib.blake2b(raw, digest_size=16).hexdigest())
+    except CheckpointError as exc:
+        raise named(exc, where) from None
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: malformed metadata ({type(exc).__name__}: {str(exc)[:120]})") from None
+
+
+def _ints(values: Any, what: str) -> tuple[int, ...]:
+    out = tuple(values)
+    if not all(type(v) is int and v >= 0 for v in out):
+        raise CheckpointError(f"{what} {out!r:.80} are not whole non-negative numbers")
+    return out
+
+
+def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
+    tensors, values = {}, []
+    for fqn, meta in md.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise CheckpointError(f"a key {fqn!r:.60} that is not a string")
+        if isinstance(meta, DcpTensorStorage):
+            dtype = str(meta.properties.dtype)
+            dtypes.info(dtype)
+            size = _ints(meta.size, f"{fqn}: sizes")
+            chunks = [(_ints(c.offsets, f"{fqn}: chunk offsets"), _ints(c.sizes, f"{fqn}: chunk sizes"))
+                      for c in meta.chunks]
+            tensors[fqn] = (dtype, size, chunks)
+        elif isinstance(meta, DcpBytesStorage):
+            values.append(fqn)
+        else:
+            raise CheckpointError(f"{fqn}: unknown storage metadata {type(meta).__name__}")
+    planner = md.planner_data if isinstance(getattr(md, "planner_data", None), dict) else {}
+    nested = {fqn: tuple(planner.get(fqn) or (fqn,)) for fqn in [*tensors, *values]}
+    for fqn, path in nested.items():
+        if not path or not all(isinstance(k, (str, int)) and type(k) is not bool for k in path):
+            raise CheckpointError(f"{fqn}: planner_data gives it the path {path!r:.80}")
+    items = []
+    for index, info in md.storage_data.items():
+        fqn = index.fqn
+        if fqn not in tensors and fqn not in values:
+            raise CheckpointError(f"storage_data names {fqn!r:.80}, which the metadata does not describe")
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors:
+            raise CheckpointError(f"{fqn}: stored through transforms {list(descriptors)!r:.80}, which shardstore "
+                                  f"does not read (only plain torch.save items)")
+        name = info.relative_path
+        if not isinstance(name, str) or posixpath.basename(name) != name or name in ("", ".", "..") or "\\" in name:
+            raise CheckpointError(f"{fqn}: item file {name!r:.80} is not a file name inside the checkpoint folder")
+        offsets = None if getattr(index, "offset", None) is None else _ints(index.offset, f"{fqn}: item offsets")
+        offset, length = info.offset, info.length
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise CheckpointError(f"{fqn}: item byte range {offset!r:.30}+{length!r:.30} is impossible")
+        items.append(Item(fqn, offsets, name, offset, length))
+    seen = {(i.fqn, i.offsets) for i in items}
+    for fqn, (_, _, chunks) in tensors.items():
+        missing = [list(o) for o, _ in chunks if (fqn, o) not in seen]
+        if missing:
+            raise CheckpointError(f"{fqn}: chunk at {missing[0]} has no stored item")
+    files = sorted({i.file for i in items}, key=_file_order)
+    return DcpCheckpoint(folder, digest, tensors, values, nested, items, files)
+
+
+def _file_order(name: str) -> tuple:
+    """__2_0.distcp before __10_0.distcp."""
+    parts = name.removeprefix("__").removesuffix(".distcp").split("_")
+    return (0, *map(int, parts)) if all(p.isdigit() for p in parts) else (1, name)
+
+
+def spec(ckpt: DcpCheckpoint, encode_key: Any) -> CheckpointSpec:
+    """The planner's view: arrays for tensors split across chunks or larger than SMALL_TENSOR_BYTES, values
+    for the rest; every chunk's holder is the index of the file that stores it."""
+    holder = {(i.fqn, i.offsets): ckpt.files.index(i.file) for i in ckpt.items}
+    arrays, objects = {}, []
+    for fqn, (dtype, size, chunks) in ckpt.tensors.items():
+        nbytes = math.prod(size) * dtypes.info(dtype).itemsize
+        if len(chunks) == 1 and nbytes <= SMALL_TENSOR_BYTES:
+            objects.append(ckpt.store_path(fqn))
+            continue
+        shards = tuple(ShardSpec(o, s, holder[(fqn, o)]) for o, s in chunks)
+        arrays[ckpt.store_path(fqn)] = ShardedSpec(dtype, size, shards)
+    objects += [ckpt.store_path(fqn) for fqn in ckpt.values]
+    tree = _tree(ckpt, encode_key)
+    return CheckpointSpec("dcp", len(ckpt.files), len(ckpt.files), tree, arrays, {}, objects,
+                          {"units": ckpt.files, "metadata": ckpt.digest})
+
+
+def _tree(ckpt: DcpCheckpoint, encode_key: Any) -> Skeleton:
+    """The nested state dict's skeleton from planner_data: int keys make lists, str keys dicts."""
+    root: dict[Any, Any] = {}
+    for fqn in [*ckpt.tensors, *ckpt.values]:
+        node = root
+        *parents, last = ckpt.paths[fqn]
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise CheckpointError(f"{fqn}: planner_data nests it under a value")
+        if last in node:
+            raise CheckpointError(f"{fqn}: planner_data gives two values one path")
+        node[last] = fqn
+
+    def build(node: Any, path: str) -> Skeleton:
+        if isinstance(node, str):
+            return {"t": "leaf", "p": path}
+        keys = list(node)
+        kind = "list" if keys and all(isinstance(k, int) for k in keys) and sorted(keys) == list(range(len(keys))) \
+            else "dict"
+        if kind == "list":
+            keys = sorted(keys)
+        names = [paths.escape(k) for k in keys]
+        if len(set(names)) != len(names):
+            raise CheckpointError(f"two keys of {path or 'the state dict'} map to the same store path")
+        return {"t": kind, "p": path,
+                "c": [[encode_key(k), build(node[k], paths.join(path, n))] for k, n in zip(keys, names)]}
+
+    return build(root, "")
+
+
+@dataclass
+class DcpUnit:
+    """One .distcp file, opened: its chunks as pieces of sharded leaves, its values, all still on disk."""
+
+    path: str
+    rank: int  # the file's place in the checkpoint's file order
+    world_size: int
+    group_rank: int
+    group_size: int
+    digest: str
+    leaves: dict[str, Any]
+    zips: dict[str, TorchZip]  # store path -> the zip its value's tensors live in
+    file: DataFile
+
+    @property
+    def size(self) -> int:
+        return self.file.size
+
+    def value_zip(self, path: str) -> TorchZip:
+        return self.zips[path]
+
+    def close(self) -> None:
+        for zf in self.zips.values():
+            zf.close()
+        self.file.close()
+
+
+_CHECKPOINTS: dict[tuple[str, str], DcpCheckpoint] = {}
+
+
+def open_unit(path: str | os.PathLike[str], storage_options: StorageOptions | None = None,
+              strict: bool = False) -> DcpUnit:
+    """Open one .distcp file of a checkpoint (its folder's .metadata is read once per process)."""
+    path = os.fspath(path)
+    folder, name = (path.rsplit("/", 1) if is_url(path) else os.path.split(path))
+    key = (folder, repr(sorted((storage_options or {}).items())))
+    ckpt = _CHECKPOINTS.get(key) or _CHECKPOINTS.setdefault(key, read_checkpoint(folder, storage_options))
+    if name not in ckpt.files:
+        raise CheckpointError(f"{path}: not a file of the checkpoint in {folder} (its .metadata names no item in it)")
+    data = DataFile(path, storage_options)
+    unit = DcpUnit(path, ckpt.files.index(name), len(ckpt.files), ckpt.files.index(name), len(ckpt.files),
+                   ckpt.digest, {}, {}, data)
+    try:
+        _read_items(ckpt, unit, name, strict)
+    except CheckpointError as exc:
+        unit.close()
+        raise named(exc, path) from None
+    except BaseException:
+        unit.close()
+        raise
+    return unit
+
+
+def _read_items(ckpt: DcpCheckpoint, unit: DcpUnit, name: str, strict: bool) -> None:
+    sharded: dict[str, ShardedLeaf] = {}
+    for item in ckpt.items:
+        if item.file != name:
+            continue
+        where = f"{item.fqn}" + ("" if item.offsets is None else f" at {list(item.offsets)}")
+        if item.offset + item.length > unit.file.size:
+            raise CheckpointError(f"{where}: its item runs past the end of the file (truncated?)")
+        zf = TorchZip(unit.file, start=item.offset, length=item.length)
+        store_path = ckpt.store_path(item.fqn)
+        try:
+            value = load(zf.record("data.pkl"), f"{unit.path}: {where}", strict)
+        except BaseException:
+            zf.close()
+            raise
+        if item.offsets is None:  # a value (torch.save of the object)
+            unit.leaves[store_path], unit.zips[store_path] = value, zf
+            continue
+        dtype, size, chunks = ckpt.tensors[item.fqn]
+        sizes = dict(chunks)[item.offsets]
+        if not isinstance(value, TensorRef) or tuple(value.shape) != sizes or value.dtype != dtype:
+            got = f"torch.{value.dtype}{list(value.shape)}" if isinstance(value, TensorRef) else type(value).__name__
+            raise CheckpointError(f"{where}: holds {got}, the metadata says torch.{dtype}{list(sizes)}")
+        check_view(zf, value, where)
+        if len(chunks) == 1 and math.prod(size) * dtypes.info(dtype).itemsize <= SMALL_TENSOR_BYTES:
+            unit.leaves[store_path], unit.zips[store_path] = value, zf
+            continue
+        leaf = sharded.setdefault(store_path, ShardedLeaf(dtype, size, []))
+        leaf.pieces.append(LocalPiece(item.offsets, sizes, value, zf))
+        unit.zips[f"{store_path}#{list(item.offsets)}"] = zf  # closed with the unit
+    unit.leaves.update(sharded)

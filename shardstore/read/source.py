@@ -1,0 +1,150 @@
+"""The read contract: what every checkpoint format gives the rest of shardstore.
+
+A checkpoint is read in two halves.
+- The coordinator asks a `Source` for the checkpoint's `CheckpointSpec`: the key tree, every sharded
+  array's global shape, dtype and shard boxes (and which unit holds each), which leaves are plain values.
+  That is all the planner needs to lay out the store.
+- Each worker opens one unit of work (`open_unit`: one rank file, one .distcp file) and gets its leaves:
+  `ShardedLeaf`s whose `LocalPiece`s say where each box's bytes are (a zip, a tensor view of it), and
+  plain values. Units expose `path`, `rank` (their number in the checkpoint), `world_size`,
+  `group_rank`, `group_size`, `leaves`, `size`, `value_zip(path)` and `close()`.
+Nothing here knows about Zarr; nothing above knows about pickles or file formats. A new format is a new
+module in read/ and one line in `_OPENERS` and `open_source`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import CheckpointError
+from ..locations import StorageOptions, filesystem, is_url, local
+
+Skeleton = dict[str, Any]
+
+
+@dataclass
+class CheckpointSpec:
+    """A checkpoint as the planner sees it, whatever its format."""
+
+    format: str  # "torch-save" (per-rank ShardedTensor files) or "dcp"
+    world_size: int  # units of work: ranks, or .distcp files
+    group_size: int  # units per replica group (hybrid sharding); the world size otherwise
+    tree: Skeleton
+    arrays: dict[str, Any]  # store path -> ShardedSpec (dtype, shape, shard boxes with their holders)
+    replicated: dict[str, Any]  # store path -> a plain tensor every unit holds whole (world size 1)
+    objects: list[str]  # store paths of every other leaf
+    extra: dict[str, Any] = field(default_factory=dict)  # format facts the store keeps (DCP: its files)
+
+
+@dataclass
+class Source:
+    """One checkpoint: its format and its units of work, in order."""
+
+    format: str
+    units: list[str]
+    storage_options: StorageOptions | None = None
+
+    def spec(self, encode_key: Any, strict: bool = False) -> CheckpointSpec:
+        if self.format == "dcp":
+            from . import dcp
+
+            return dcp.spec(dcp.read_checkpoint(_folder(self.units[0]), self.storage_options), encode_key)
+        from .rankfile import read_rank_file, spec_of
+
+        rf = read_rank_file(self.units[0], encode_key=encode_key, storage_options=self.storage_options,
+                            strict=strict)
+        try:
+            return spec_of(rf)
+        finally:
+            rf.close()
+
+
+def _folder(path: str) -> str:
+    return path.rsplit("/", 1)[0] if is_url(path) else os.path.dirname(path)
+
+
+def _open_rank_file(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> Any:
+    from .rankfile import read_rank_file
+
+    return read_rank_file(path, encode_key=encode_key, storage_options=storage_options, strict=strict)
+
+
+def _open_distcp(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> Any:
+    from . import dcp
+
+    return dcp.open_unit(path, storage_options, strict)
+
+
+_OPENERS: dict[str, Callable[..., Any]] = {"torch-save": _open_rank_file, "dcp": _open_distcp}
+
+
+def open_unit(format: str, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> Any:
+    """Open one unit of work of a checkpoint of `format` (in a worker)."""
+    return _OPENERS[format](path, storage_options, strict, encode_key)
+
+
+def dcp_folder(src: str | os.PathLike[str], tag: str | None, step: int | None,
+               storage_options: StorageOptions | None) -> str | None:
+    """The DCP checkpoint folder `src` is, or holds (OLMo's model_and_optim/, Composer's ep*-ba*/ and its
+    latest-rank0.pt link, step*/), or None when `src` holds no DCP checkpoint."""
+    from .dcp import has_metadata
+
+    src = os.fspath(src)
+    if has_metadata(src, storage_options):
+        return src
+    join = (lambda a, b: f"{a.rstrip('/')}/{b}") if is_url(src) else os.path.join
+    for sub in ("model_and_optim",):
+        if has_metadata(join(src, sub), storage_options):
+            return join(src, sub)
+    if is_url(src):
+        fs, base = filesystem(src, storage_options)
+        found = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)
+                 if fs.isdir(p) and fs.exists(f"{p.rstrip('/')}/.metadata")]
+    else:
+        root = Path(local(src))
+        if not root.is_dir():
+            return None
+        if tag in (None, "latest") and (root / "latest-rank0.pt").is_dir():  # Composer's link to the newest
+            return str((root / "latest-rank0.pt").resolve())
+        found = sorted(p.name for p in root.iterdir() if p.is_dir() and (p / ".metadata").is_file())
+        found += sorted(p.name for p in root.iterdir() if p.is_dir() and (p / "model_and_optim" / ".metadata").is_file())
+    if not found:
+        return None
+    if tag not in (None, "latest"):
+        found = [f for f in found if f == tag]
+    if step is not None:
+        found = [f for f in found if f.endswith((f"ba{step}", f"step{step}"))]
+    if len(found) != 1:
+        if not found:
+            raise CheckpointError(f"{src}: no DCP checkpoint matches {'--tag ' + tag if tag else f'--step {step}'}")
+        raise CheckpointError(f"{src}: holds more than one checkpoint ({', '.join(found)}); pick one with --tag or --step")
+    folder = join(src, found[0])
+    return folder if has_metadata(folder, storage_options) else join(folder, "model_and_optim")
+
+
+def open_source(src: str | os.PathLike[str], tag: str | None = None, step: int | None = None,
+                storage_options: StorageOptions | None = None) -> Source:
+    """The checkpoint in folder `src`, whichever format it is in."""
+    from .layouts import discover
+
+    folder = dcp_folder(src, tag, step, storage_options)
+    if folder is not None:
+        from .dcp import read_checkpoint
+
+        files = read_checkpoint(folder, storage_options).files
+        join = (lambda a, b: f"{a.rstrip('/')}/{b}") if is_url(folder) else os.path.join
+        return Source("dcp", [join(folder, f) for f in files], storage_options)
+    return Source("torch-save", [os.fspath(f) for f in discover(src, tag, step, storage_options)], storage_options)
+
+
+def source_of_files(files: list[str | os.PathLike[str]], storage_options: StorageOptions | None = None) -> Source:
+    """The checkpoint some of whose unit files are given (`shardstore ingest STORE FILE...`)."""
+    names = [os.fspath(f) for f in files]
+    if names and all(n.endswith(".distcp") for n in names):
+        return Source("dcp", names, storage_options)
+    if any(n.endswith(".distcp") for n in names):
+        raise CheckpointError("give .distcp files of one DCP checkpoint, or rank files, not both")
+    return Source("torch-save", names, storage_options)
