@@ -305,8 +305,14 @@ def _summary(store: str) -> tuple[Any, Any, list[str]]:
     st = api.open(store, _options())
     s = st.status()
     m = st.manifest
+    if m.extra.get("format") == "dcp":
+        files = m.extra["units"]
+        missing = [files[r] for r in s.ranks_missing]
+        return st, s, [f"format: dcp ({len(files)} .distcp files)", f"layout: {m.layout}",
+                       f"files ingested: {len(s.ranks_done)}/{len(files)}"
+                       + (f"; missing: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}" if missing else "")]
     replicas = m.extra.get("replicas", 1)
-    return st, s, [f"layout: {m.layout}",
+    return st, s, ["format: torch-save rank files", f"layout: {m.layout}",
                    f"world size: {m.world_size}" + (f" ({replicas} replica groups of {m.extra['group_size']})"
                                                     if replicas > 1 else ""),
                    f"ranks ingested: {len(s.ranks_done)}/{m.world_size}"

@@ -53,6 +53,26 @@ def layout_checkpoints(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def dcp_checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    """dcp_checkpoints(kind, world_size=4) -> a DCP folder (tests/fixtures/dcp.py); torch's own unsharded
+    copy is `<folder>.expected.pt.ref` beside it."""
+    from tests.fixtures.dcp import make_dcp_checkpoint
+
+    base = CACHE or tmp_path_factory.mktemp("dcp")
+    made: dict[tuple[str, int], Path] = {}
+
+    def get(kind: str, world_size: int = 4) -> Path:
+        if (kind, world_size) not in made:
+            out = base / f"dcp-{kind}-w{world_size}"
+            if not Path(f"{out}.expected.pt.ref").exists():
+                make_dcp_checkpoint(out, world_size, kind)
+            made[(kind, world_size)] = out
+        return made[(kind, world_size)]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def s3():
     """A real S3 API server (moto, its own process) on loopback; AWS_* set so everything here uses it."""
     from tests.fixtures.servers import S3Server
