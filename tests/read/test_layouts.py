@@ -61,7 +61,7 @@ def test_composer_hsdp_unshards_bit_exactly(composer: Path, tmp_path: Path) -> N
     assert "layout: composer   world size: 8 (2 replica groups of 4)   ranks ingested: 8/8" in ls.stdout
     store = shardstore.open(tmp_path / "store")
     assert store.manifest.layout == "composer"
-    assert store.manifest.extra == {"group_size": 4, "replicas": 2}
+    assert store.manifest.extra == {"group_size": 4, "replicas": 2, "format": "torch-save"}
     assert store["state/timestamp"]["batch"] == 20  # the step --tag latest points at
     assert store.values("state/dataset_state")[5] == {"train": {"sample_in_epoch": 645}}
 
