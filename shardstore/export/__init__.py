@@ -13,10 +13,11 @@ from ..errors import ExportError, StoreError
 from ..store.store import Status, Store
 from .output import output_error
 from .resolve import leaves, node_at
+from .dcp import METADATA, export_dcp
 from .safetensors import export_safetensors, plan_safetensors
 from .torch import export_torch, torch_files
 
-FORMATS = ("safetensors", "torch")
+FORMATS = ("safetensors", "torch", "dcp")
 CAST_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -30,7 +31,7 @@ class ExportResult:
 
 # Every file name an export of any format writes: what a previous export may have left in OUT.
 _OUTPUT_NAME = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
-                          r"|(model|optim|train|checkpoint)\.pt)\Z")
+                          r"|(model|optim|train|checkpoint)\.pt|__\d+_0\.distcp|\.metadata)\Z")
 
 
 def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
@@ -97,12 +98,13 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory")
-    if format == "torch":
+    if format in ("torch", "dcp"):
         if scheduler:
-            raise ExportError("--scheduler exports safetensors only (a torch file is one stream)")
+            raise ExportError(f"--scheduler exports safetensors only, not {format}")
         if select or strip_prefix or dtype:
             raise ExportError("--select, --strip-prefix and --dtype apply to safetensors output only")
-        planned, nbytes = torch_files(store), sum(a.nbytes for a in store.manifest.arrays.values())
+        nbytes = sum(a.nbytes for a in store.manifest.arrays.values())
+        planned = torch_files(store) if format == "torch" else [f"__{i}_0.distcp" for i in range(jobs)] + [METADATA]
     else:
         assert node is not None
         plan = plan_safetensors(store, node, strip_prefix, dtype, max_shard_size)
@@ -119,6 +121,8 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
             on_start(nbytes)
         if format == "torch":
             result = ExportResult(export_torch(store, out, progress, partial), partial=partial)
+        elif format == "dcp":
+            result = ExportResult(export_dcp(store, out, jobs, progress, partial), partial=partial)
         else:
             files = export_safetensors(store, out, plan, progress, partial, scheduler, jobs)
             result = ExportResult(files, plan.skipped, partial)

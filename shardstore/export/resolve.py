@@ -16,11 +16,14 @@ from typing import Any, Iterator
 from .. import dtypes, values
 from ..errors import ExportError
 from ..store.handle import decode_value
+from ..ranges import Part
 from ..store.store import Store
 
 
 @dataclass(frozen=True)
 class ArrayRef:
+    """A tensor still in the store: writers stream its bytes (`parts`) instead of loading it."""
+
     path: str
     dtype: str
     shape: tuple[int, ...]
@@ -28,6 +31,9 @@ class ArrayRef:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.info(self.dtype).itemsize
+
+    def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
+        return store.stream(self.path, allow_partial=allow_partial)
 
 
 def object_value(store: Store, path: str, rank: int | None = None) -> Any:

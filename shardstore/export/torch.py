@@ -121,28 +121,34 @@ def save(store: Store, obj: Any, path: Path, progress: Callable[[int], None] | N
     `partial` allows holes in an incomplete store; it is recorded as an extra record
     (`<archive>/shardstore_partial.json`) that torch.load ignores and anyone can read with a zip tool.
     """
+    with OutputFile(path, progress) as out:
+        write_zip(out, path.stem, obj, store, partial, force_zip64)
+
+
+def write_zip(out: OutputFile, archive: str, obj: Any, store: Store, partial: dict[str, str] | None = None,
+              force_zip64: bool = False) -> None:
+    """What torch.save writes for `obj`, at the output's current position."""
     import torch
 
     buf = io.BytesIO()
     pickler = _Pickler(buf)
     pickler.dump(obj)
-    with OutputFile(path, progress) as out:
-        zw = TorchZipWriter(out, path.stem, force_zip64=force_zip64)
-        zw.add_bytes("data.pkl", buf.getvalue())
-        zw.add_bytes(".format_version", b"1")
-        zw.add_bytes(".storage_alignment", str(64).encode())
-        zw.add_bytes("byteorder", b"little")
-        for key, source in enumerate(pickler.storages):
-            if isinstance(source, ArrayRef):
-                zw.add(f"data/{key}", store.stream(source.path, allow_partial=partial is not None), source.nbytes)
-            else:
-                raw = source.cpu().reshape(-1).view(torch.uint8).numpy().tobytes() if source.numel() else b""
-                zw.add_bytes(f"data/{key}", raw)
-        zw.add_bytes("version", b"3\n")
-        zw.add_bytes(".data/serialization_id", secrets.token_hex(20).encode())
-        if partial is not None:
-            zw.add_bytes("shardstore_partial.json", json.dumps(partial).encode())
-        zw.close()
+    zw = TorchZipWriter(out, archive, force_zip64=force_zip64)
+    zw.add_bytes("data.pkl", buf.getvalue())
+    zw.add_bytes(".format_version", b"1")
+    zw.add_bytes(".storage_alignment", str(64).encode())
+    zw.add_bytes("byteorder", b"little")
+    for key, source in enumerate(pickler.storages):
+        if isinstance(source, ArrayRef):
+            zw.add(f"data/{key}", source.parts(store, allow_partial=partial is not None), source.nbytes)
+        else:
+            raw = source.cpu().reshape(-1).view(torch.uint8).numpy().tobytes() if source.numel() else b""
+            zw.add_bytes(f"data/{key}", raw)
+    zw.add_bytes("version", b"3\n")
+    zw.add_bytes(".data/serialization_id", secrets.token_hex(20).encode())
+    if partial is not None:
+        zw.add_bytes("shardstore_partial.json", json.dumps(partial).encode())
+    zw.close()
 
 
 def torch_files(store: Store) -> list[str]:

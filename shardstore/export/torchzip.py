@@ -19,16 +19,20 @@ _LIMIT = 0xFFFFFFFF
 
 
 class TorchZipWriter:
+    """Writes one zip at the output's current position; its offsets count from there (a zip embedded in a
+    larger file, as a DCP .distcp item is, reads as if it stood alone)."""
+
     def __init__(self, out: OutputFile, archive: str, force_zip64: bool = False):
         self.out = out
         self.archive = archive
         self.force_zip64 = force_zip64
-        self.central: list[tuple[bytes, int, int, int]] = []  # name, crc, size, header offset
+        self.base = out.pos
+        self.central: list[tuple[bytes, int, int, int]] = []  # name, crc, size, header offset (from base)
 
     def add(self, name: str, parts: Iterable[Part], size: int) -> None:
         full = f"{self.archive}/{name}".encode()
         zip64 = self.force_zip64 or size >= _LIMIT
-        header_at = self.out.pos
+        header_at = self.out.pos - self.base
         z64 = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
         base = header_at + 30 + len(full) + len(z64) + 4
         pad = (-base) % ALIGN
@@ -37,16 +41,17 @@ class TorchZipWriter:
         self.out.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21, 0, shown, shown,
                                    len(full), len(extra)) + full + extra)
         crc = self.out.write_parts(parts, crc=0)
-        if self.out.pos - header_at - 30 - len(full) - len(extra) != size:
-            raise ValueError(f"{name}: wrote {self.out.pos - header_at - 30 - len(full) - len(extra)} of {size} bytes")
-        self.out.pwrite(struct.pack("<I", crc), header_at + 14)
+        written = self.out.pos - self.base - header_at - 30 - len(full) - len(extra)
+        if written != size:
+            raise ValueError(f"{name}: wrote {written} of {size} bytes")
+        self.out.pwrite(struct.pack("<I", crc), self.base + header_at + 14)
         self.central.append((full, crc, size, header_at))
 
     def add_bytes(self, name: str, data: bytes) -> None:
         self.add(name, [data], len(data))
 
     def close(self) -> None:
-        start = self.out.pos
+        start = self.out.pos - self.base
         for name, crc, size, offset in self.central:
             big = self.force_zip64 or size >= _LIMIT or offset >= _LIMIT
             extra = struct.pack("<HHQQQ", 1, 24, size, size, offset) if big else b""
@@ -54,7 +59,7 @@ class TorchZipWriter:
                 "<IHHHHHHIIIHHHHHII", 0x02014B50, 45 if big else 20, 45 if big else 20, 0, 0, 0, 0x21, crc,
                 _LIMIT if big else size, _LIMIT if big else size, len(name), len(extra), 0, 0, 0, 0,
                 _LIMIT if big else offset) + name + extra)
-        end = self.out.pos
+        end = self.out.pos - self.base
         count, cd_size = len(self.central), end - start
         if self.force_zip64 or count >= 0xFFFF or start >= _LIMIT or cd_size >= _LIMIT:
             self.out.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, start))

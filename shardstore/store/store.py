@@ -331,6 +331,19 @@ class Store:
             for lo in range(0, plan.shape[0], rows):
                 yield np.ascontiguousarray(self.read(path, slice(lo, lo + rows))).data
 
+    def cell_parts(self, path: str, index: tuple[int, ...], max_bytes: int = 16 << 20) -> Iterator[Part]:
+        """One cell's values in C order, clipped to the array: where the cell spans its trailing dimensions
+        whole they are a prefix of its shard file (file ranges, copied kernel-side), else Zarr reads them."""
+        plan = self.manifest.arrays[path]
+        bounds = plan.cell_bounds(index)
+        if not plan.shape or any(hi <= lo for lo, hi in bounds):
+            return
+        if all(hi - lo == c for (lo, hi), c in zip(bounds[1:], plan.cell[1:])):
+            nbytes = math.prod(hi - lo for lo, hi in bounds) * dtypes.info(plan.dtype).itemsize
+            yield from self._file_parts(cell_key(path, index), nbytes, max_bytes)
+        else:
+            yield np.ascontiguousarray(self.read(path, tuple(slice(lo, hi) for lo, hi in bounds))).data
+
     def sweep_temporaries(self) -> int:
         """Delete temporary files left by writers that were killed mid-write (their process is gone)."""
         return self.backend.sweep_temporaries()

@@ -1,0 +1,166 @@
+"""`--format dcp`: the store as a torch.distributed.checkpoint folder that `dcp.load` reads at any world size.
+
+This is the other half of why people unshard: to resume on a different number of GPUs. DCP reshards on
+load, so the output need not match any world size; it only has to describe every tensor as chunks. Each
+store cell becomes one chunk (a cell is one shard file, so its bytes are copied kernel-side into a
+`torch.save` zip embedded in a .distcp file), every other value one bytes item, both keyed by the flattened
+names torch's own `flatten_state_dict` gives the nested state dict (so the loader finds them), with
+`planner_data` to rebuild the nesting. Several workers write .distcp files at once; `.metadata`, which
+makes the folder a checkpoint, is written last, so a run that stops early leaves nothing that loads.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ..ranges import Part
+from ..store.store import Store
+from .output import OutputFile
+from .resolve import ArrayRef, build, leaves, object_value
+from .torch import write_zip
+
+METADATA = ".metadata"
+
+
+@dataclass(frozen=True)
+class CellRef(ArrayRef):
+    """One cell of an array: a chunk of the output."""
+
+    index: tuple[int, ...] = ()
+
+    def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
+        return store.cell_parts(self.path, self.index)
+
+
+@dataclass(frozen=True)
+class Item:
+    fqn: str
+    chunk: tuple[tuple[int, ...], tuple[int, ...]] | None  # offsets and sizes of a tensor chunk; None: a value
+    source: Any  # a CellRef; or (store path of the leaf holding it, keys below that leaf) for anything else
+    nbytes: int
+
+
+def _plan(store: Store) -> tuple[dict[str, Any], dict[str, tuple], list[Item]]:
+    """(what each flattened key is, planner_data, items) for the whole store. Keys are flattened by torch's
+    own `flatten_state_dict`, which goes into containers the store keeps as one value (param_groups)."""
+    import torch
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, mappings = flatten_state_dict(build(store, store.manifest.tree))
+    leaf_of = {tuple(keys): path for keys, path in leaves(store.manifest.tree)}
+    described: dict[str, Any] = {}
+    items: list[Item] = []
+    for fqn, value in flat.items():
+        if isinstance(value, ArrayRef):
+            entry = store.manifest.arrays[value.path]
+            described[fqn] = ("tensor", entry.dtype, entry.shape)
+            for flat_index in range(entry.ncells):
+                index = entry.cell_index(flat_index)
+                bounds = entry.cell_bounds(index)
+                offsets, sizes = tuple(lo for lo, _ in bounds), tuple(hi - lo for lo, hi in bounds)
+                if 0 not in sizes:
+                    ref = CellRef(value.path, entry.dtype, sizes, index)
+                    items.append(Item(fqn, (offsets, sizes), ref, ref.nbytes))
+            continue
+        keys = tuple(mappings[fqn])
+        at = next(n for n in range(len(keys), 0, -1) if keys[:n] in leaf_of)
+        source = (leaf_of[keys[:at]], keys[at:])
+        if isinstance(value, torch.Tensor):
+            described[fqn] = ("tensor", str(value.dtype).removeprefix("torch."), tuple(value.shape))
+            items.append(Item(fqn, ((0,) * value.dim(), tuple(value.shape)), source,
+                              value.numel() * value.element_size()))
+        else:
+            described[fqn] = ("bytes",)
+            items.append(Item(fqn, None, source, 0))
+    return described, mappings, items
+
+
+def _write_file(location: str, storage_options: dict[str, Any] | None, path: str, items: list[Item],
+                partial: bool) -> list[tuple[Item, int, int]]:
+    """One .distcp file, in a worker: every item a torch.save zip, one after another."""
+    return _write_items(Store.open(location, storage_options), Path(path), items, partial)
+
+
+def _write_items(store: Store, path: Path, items: list[Item], partial: bool,
+                 progress: Callable[[int], None] | None = None) -> list[tuple[Item, int, int]]:
+    """Returns (item, offset, length) of every item written."""
+    written = []
+    with OutputFile(path, progress) as out:
+        for item in items:
+            start = out.pos
+            if isinstance(item.source, CellRef):
+                obj: Any = item.source
+            else:
+                leaf, below = item.source
+                obj = object_value(store, leaf)
+                for key in below:
+                    obj = obj[key]
+            write_zip(out, "archive", obj, store, {"partial": "true"} if partial else None)
+            written.append((item, start, out.pos - start))
+    return written
+
+
+def export_dcp(store: Store, out_dir: Path, jobs: int = 1, progress: Callable[[int], None] | None = None,
+               partial: dict[str, str] | None = None) -> list[Path]:
+    """Write `out_dir/__{i}_0.distcp` (i < jobs) and then `out_dir/.metadata`."""
+    described, mappings, items = _plan(store)
+    jobs = max(1, min(jobs, len(items)))
+    files: list[list[Item]] = [[] for _ in range(jobs)]
+    load = [0] * jobs
+    for item in sorted(items, key=lambda it: -it.nbytes):  # the largest first, each to the lightest file
+        i = load.index(min(load))
+        files[i].append(item)
+        load[i] += item.nbytes
+    names = [f"__{i}_0.distcp" for i in range(jobs)]
+    if jobs == 1:
+        results = [_write_items(store, out_dir / names[0], files[0], partial is not None, progress)]
+    else:
+        from ..ingest import _SPAWN
+
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=_SPAWN) as pool:
+            futures = [pool.submit(_write_file, store.location, store.storage_options, str(out_dir / n), f,
+                                   partial is not None) for n, f in zip(names, files)]
+            results = [f.result() for f in futures]
+            if progress:
+                progress(sum(load))
+    metadata = _metadata(described, mappings, names, results)
+    with OutputFile(out_dir / METADATA) as out:
+        out.write(metadata)
+    return [out_dir / n for n in names] + [out_dir / METADATA]
+
+
+def _metadata(described: dict[str, Any], mappings: dict[str, tuple], names: list[str],
+              results: list[list[tuple[Item, int, int]]]) -> bytes:
+    """`.metadata` exactly as torch writes it: its own classes, pickled with pickle's default protocol."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    chunks: dict[str, list[ChunkStorageMetadata]] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for name, written in zip(names, results):
+        for item, offset, length in written:
+            if item.chunk is None:
+                storage[MetadataIndex(item.fqn)] = _StorageInfo(name, offset, length)
+                continue
+            offsets, sizes = item.chunk
+            index = len(chunks.setdefault(item.fqn, []))
+            chunks[item.fqn].append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            storage[MetadataIndex(item.fqn, torch.Size(offsets), index)] = _StorageInfo(name, offset, length)
+    state_dict_metadata: dict[str, Any] = {}
+    for fqn, what in described.items():
+        if what[0] == "bytes":
+            state_dict_metadata[fqn] = BytesStorageMetadata()
+        else:
+            _, dtype, shape = what
+            state_dict_metadata[fqn] = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, dtype)),
+                                                             torch.Size(shape), chunks.get(fqn, []))
+    buf = io.BytesIO()
+    pickle.dump(Metadata(state_dict_metadata, planner_data=mappings, storage_data=storage, version="1.0.0"), buf)
+    return buf.getvalue()

@@ -1,0 +1,41 @@
+"""`--format dcp`: a legacy rank-file checkpoint resumes at another world size through torch's own dcp.load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import shardstore
+from tests.conftest import assert_bitwise_equal, expected
+from tests.fixtures.dcp import resume
+
+
+def test_a_legacy_checkpoint_resumes_on_fewer_ranks_with_dcp_load(checkpoints, tmp_path: Path) -> None:
+    src = checkpoints(3)  # saved by 3 FSDP1 ranks, legacy ShardedTensor rank files
+    want = expected(src)
+    result = shardstore.unshard(src, tmp_path / "dcp", format="dcp", jobs=2)
+    assert sorted(p.name for p in result.files) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    got = resume(tmp_path / "dcp", 2, tmp_path / "gathered.pt")  # FSDP2 DTensors at world size 2
+    assert_bitwise_equal(got["model"], want["model"], "model")
+    for fqn, moments in want["optim"]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert_bitwise_equal(got["optim"]["state"][fqn][name], moments[name], f"{fqn}/{name}")
+        assert float(got["optim"]["state"][fqn]["step"]) == float(moments["step"])
+    assert got["optim"]["param_groups"][0]["lr"] == want["optim"]["param_groups"][0]["lr"]
+
+
+def test_dcp_output_reads_back_through_shardstore_and_torch(checkpoints, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src = checkpoints(2)
+    store = shardstore.ingest(tmp_path / "store", sorted(src.glob("rank*.pt")), jobs=1)
+    shardstore.export(store, tmp_path / "dcp", format="dcp", jobs=1)
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "torch.pt")
+    theirs = torch.load(tmp_path / "torch.pt", weights_only=False)
+    assert_bitwise_equal(theirs["model"], expected(src)["model"], "dcp_to_torch_save")
+    again = shardstore.unshard(tmp_path / "dcp", tmp_path / "st", store=tmp_path / "again", jobs=1)
+    from safetensors.torch import load_file
+
+    assert_bitwise_equal(load_file(again.files[0]), expected(src)["model"], "shardstore reading its own DCP")
+    assert shardstore.open(tmp_path / "again")["global_step"] == 1
