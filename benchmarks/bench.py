@@ -48,6 +48,7 @@ class Scenario:
     olmo_timeout: float = 3600.0
     show_key: str = "model/transformer.wte.weight"
     s3: bool = False  # also ingest from (and into) a local S3 API server
+    format: str = "torch-save"  # or "dcp": a torch.distributed.checkpoint folder, against dcp_to_torch_save
 
 
 SCENARIOS = {
@@ -56,7 +57,13 @@ SCENARIOS = {
     "w1024": Scenario("olmo-d320-l1-w1024", 1024, ModelSpec(320, 1), olmo_timeout=900.0),
     # OLMo's unsharder needs ~2.2x the checkpoint in RAM: more than this machine's 24 GB.
     "large": Scenario("olmo-d2048-l16-w8", 8, ModelSpec(2048, 16), olmo=False),
+    "dcp": Scenario("olmo-d1024-l10-dcp-w4", 4, ModelSpec(1024, 10), olmo=False, format="dcp",
+                    show_key="model/transformer_wte_weight"),
 }
+
+# torch's own converter, as people run it: everything into one torch.save file
+DCP_TO_TORCH_SAVE = ("import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
+                     "dcp_to_torch_save(sys.argv[1], sys.argv[2])")
 
 
 @dataclass
@@ -103,9 +110,20 @@ def clear_olmo_shared_memory(ckpt: Path) -> None:
         seg.unlink(missing_ok=True)
 
 
+def checkpoint_files(sc: Scenario, ckpt: Path) -> list[Path]:
+    if sc.format == "dcp":
+        return sorted(ckpt.glob("*.distcp")) + [ckpt / ".metadata"]
+    return sorted(ckpt.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
+
+
 def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]) -> list[Result]:
-    ckpt = generate(out / "ckpt" / sc.name, sc.world, sc.spec)
-    files = sorted(ckpt.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
+    if sc.format == "dcp":
+        from synth_dcp import generate as generate_dcp
+
+        ckpt = generate_dcp(out / "ckpt" / sc.name, sc.world, sc.spec)
+    else:
+        ckpt = generate(out / "ckpt" / sc.name, sc.world, sc.spec)
+    files = checkpoint_files(sc, ckpt)
     work = out / "work"
     shardstore = [sys.executable, "-m", "shardstore.cli"]
     results: list[Result] = []
@@ -130,13 +148,17 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
 
-    print(f"{sc.name}: {sum(f.stat().st_size for f in files) / 1e9:.2f} GB in {len(files)} rank files", flush=True)
+    print(f"{sc.name}: {sum(f.stat().st_size for f in files) / 1e9:.2f} GB in {len(files)} files", flush=True)
     fresh()
-    run("cat > /dev/null", ["sh", "-c", f"cat {ckpt}/rank*.pt > /dev/null"])
+    run("cat > /dev/null", ["sh", "-c", "cat " + " ".join(map(str, files)) + " > /dev/null"])
     run("cp -r", ["cp", "-r", str(ckpt), str(work / "copy")])
     fresh()
     run("cp -r + sync", ["sh", "-c", f"cp -r {ckpt} {work / 'copy'} && sync"])
     fresh()
+    if sc.format == "dcp":
+        run("dcp_to_torch_save (torch)", [sys.executable, "-c", DCP_TO_TORCH_SAVE, str(ckpt), str(work / "torch.pt")])
+        fresh()
+        files = files[:-1]  # what shardstore ingests: the .distcp files (their .metadata is found beside them)
     run("shardstore ingest", [*shardstore, "ingest", str(work / "store"), *map(str, files), "-q"])
     show = [sys.executable, str(HERE / "show_io.py"), "show", str(work / "store"), sc.show_key, "--slice", "1000:1004"]
     err = run("shardstore show (4-row slice)", show)
@@ -160,7 +182,7 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
             note="its shared memory (/dev/shm) is not in RSS")
         clear_olmo_shared_memory(ckpt)
         fresh()
-    elif not sc.olmo:
+    elif not sc.olmo and sc.format != "dcp":
         results.append(Result(sc.name, "OLMo unsharder (threads)", None, None,
                               "not run: needs ~2.2x the checkpoint in RAM, more than this machine has"))
     shutil.rmtree(work, ignore_errors=True)
@@ -198,7 +220,7 @@ def run_s3(sc: Scenario, ckpt: Path, files: list[Path], run: Callable[..., str])
 
 
 def table(results: list[Result], sizes: dict[str, int]) -> str:
-    rows = ["| checkpoint | contender | wall s | GB/s | peak RSS MB | vs OLMo threads | vs cp -r | note |",
+    rows = ["| checkpoint | contender | wall s | GB/s | peak RSS MB | vs today's tool | vs cp -r | note |",
             "|---|---|---:|---:|---:|---:|---:|---|"]
     for sc in dict.fromkeys(r.scenario for r in results):
         mine = [r for r in results if r.scenario == sc]
@@ -207,7 +229,9 @@ def table(results: list[Result], sizes: dict[str, int]) -> str:
             if r.wall is None:
                 rows.append(f"| {sc} | {r.contender} | — | — | — | — | — | {r.note} |")
                 continue
-            olmo = None if r.contender.startswith(("cat", "cp")) else base.get("OLMo unsharder (threads)")
+            # today's tool: OLMo's unsharder in thread mode, or torch's dcp_to_torch_save for DCP
+            olmo = None if r.contender.startswith(("cat", "cp")) else (
+                base.get("OLMo unsharder (threads)") or base.get("dcp_to_torch_save (torch)"))
             cp = base.get("cp -r")
             rows.append(f"| {sc} | {r.contender} | {r.wall:.2f} | {sizes[sc] / 1e9 / r.wall:.2f} | "
                         f"{r.peak_rss / 1e6:.0f} | {f'{olmo / r.wall:.1f}x faster' if olmo else '—'} | "
@@ -266,7 +290,7 @@ def main() -> None:
         new = run_scenario(sc, args.out, with_olmo, contenders)
         replaced = {(r.scenario, r.contender) for r in new}
         results = [r for r in results if (r.scenario, r.contender) not in replaced] + new
-        sizes[sc.name] = sum(f.stat().st_size for f in (args.out / "ckpt" / sc.name).glob("rank*.pt"))
+        sizes[sc.name] = sum(f.stat().st_size for f in checkpoint_files(sc, args.out / "ckpt" / sc.name))
     order = {name: i for i, name in enumerate(s.name for s in SCENARIOS.values())}
     results.sort(key=lambda r: order.get(r.scenario, 99))
     machine = (f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, "

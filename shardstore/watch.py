@@ -1,4 +1,5 @@
-"""Ingesting a checkpoint while it arrives: rank files are taken as soon as each one is complete.
+"""Ingesting a checkpoint while it arrives: rank files (or a DCP folder's .distcp files, once its
+.metadata is there) are taken as soon as each one is complete.
 
 A file counts as complete when it is a whole torch zip (its central directory, written last, is there)
 and its size and mtime have not changed since the previous look; a file still being written or copied
@@ -18,6 +19,7 @@ from .errors import CheckpointError, ShardstoreError
 from .ingest import _SPAWN, IngestOptions, Ingested, _worker, create_store, default_jobs
 from .locations import StorageOptions
 from .read.container import TorchZip
+from .read.dcp import METADATA, read_checkpoint
 from .read.layouts import name_rank, refuse_mixed, scan
 from .read.source import Source
 from .store.store import Store
@@ -67,24 +69,25 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
                 world = expect or store.manifest.world_size
                 if not submitted and store.status().ok and len(done_ranks) >= world:
                     return store
-            for path in _ready(src_dir, tag, seen):
-                rank = name_rank(path)
+            source, ready = _arrivals(src_dir, tag, seen)
+            for path, rank in ready:
                 if path in submitted or rank in done_ranks:
                     continue
                 if store is None:
-                    store = create_store(location, Source("torch-save", [os.fspath(path)], storage_options), strict)
+                    store = create_store(location, Source(source.format, source.units, storage_options), strict)
                     store.sweep_temporaries()
                     if expect is not None and expect != store.manifest.world_size:
                         raise CheckpointError(f"{path}: holds a checkpoint of world size "
                                               f"{store.manifest.world_size}, not the {expect} expected")
                     if on_world_size:
                         on_world_size(store.manifest.world_size)
-                submitted[path] = pool.submit(_worker, store.location, os.fspath(path), IngestOptions(strict=strict),
-                                              storage_options)
+                submitted[path] = pool.submit(_worker, store.location, os.fspath(path),
+                                              IngestOptions(strict=strict, format=source.format), storage_options)
             if deadline is not None and time.monotonic() > deadline:
                 world = expect or (store.manifest.world_size if store else None)
                 missing = sorted(set(range(world)) - done_ranks) if world else []
-                waiting = ", ".join(sorted(p.name for p in seen if p not in submitted and name_rank(p) not in done_ranks))
+                waiting = ", ".join(sorted(p.name for p in seen if p not in submitted and p.suffix == ".pt"
+                                           and name_rank(p) not in done_ranks))
                 raise CheckpointError(
                     f"{src_dir}: timed out after {timeout:g} s; "
                     + (f"ranks still missing: {', '.join(map(str, missing[:50]))}" if world else "no rank file arrived")
@@ -94,19 +97,40 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _ready(src_dir: str | os.PathLike[str], tag: str | None, seen: dict[Path, tuple[int, int]]) -> list[Path]:
-    """Files whose size and mtime held still since the last look and that are whole zips."""
+def _arrivals(src_dir: str | os.PathLike[str], tag: str | None,
+              seen: dict[Path, tuple[int, int]]) -> tuple[Source, list[tuple[Path, int]]]:
+    """The checkpoint arriving in `src_dir`, and its unit files that are whole: (path, unit number) each.
+
+    A DCP folder counts once its .metadata reads (torch writes it last; a copy may bring it first) and
+    then each .distcp file once it reaches the end of the last item .metadata places in it. Rank files
+    count when they are whole zips. Either way a file must also have held still since the last look."""
+    folder = next((Path(src_dir) / sub for sub in ("", "model_and_optim")
+                   if (Path(src_dir) / sub / METADATA).is_file()), None)
+    if folder is not None:
+        try:
+            ckpt = read_checkpoint(folder)
+        except CheckpointError:
+            return Source("dcp", []), []  # still being written: look again
+        ends: dict[str, int] = {}
+        for item in ckpt.items:
+            ends[item.file] = max(ends.get(item.file, 0), item.offset + item.length)
+        units = [folder / f for f in ckpt.files]
+        return Source("dcp", [str(u) for u in units]), [
+            (path, i) for i, path in enumerate(units) if _still(path, seen, lambda p, size: size >= ends[p.name])]
     groups = scan(src_dir, tag)
     refuse_mixed(src_dir, groups, how="--tag")
-    ready = []
-    for ranks in groups.values():
-        for path in ranks.values():
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
-            stamp = (st.st_size, st.st_mtime_ns)
-            if seen.get(path) == stamp and _complete(path):
-                ready.append(path)
-            seen[path] = stamp
+    ready = [(path, rank) for ranks in groups.values() for rank, path in ranks.items()
+             if _still(path, seen, lambda p, size: _complete(p))]
+    return Source("torch-save", [str(p) for p, _ in ready[:1]]), ready
+
+
+def _still(path: Path, seen: dict[Path, tuple[int, int]], whole: Callable[[Path, int], bool]) -> bool:
+    """Whether `path` has the same size and mtime as at the last look, and is `whole`."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    stamp = (st.st_size, st.st_mtime_ns)
+    ready = seen.get(path) == stamp and whole(path, st.st_size)
+    seen[path] = stamp
     return ready

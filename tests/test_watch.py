@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
 import shardstore
@@ -79,3 +80,29 @@ def test_timeout_names_missing_ranks(checkpoints, tmp_path: Path) -> None:
     assert err.strip().splitlines()[-1].startswith("shardstore: error: ") and "Traceback" not in err
     assert "timed out after 4 s; ranks still missing: 1" in err and "rank1.pt" in err
     assert committed(tmp_path / "store") == {0, 2}
+
+
+def test_a_dcp_folder_is_taken_once_its_metadata_is_there(dcp_checkpoints, tmp_path: Path) -> None:
+    ckpt = dcp_checkpoints("fsdp2")
+    src, store = tmp_path / "incoming", tmp_path / "store"
+    src.mkdir()
+    proc = start_watch(store, src, "--timeout", "240", "-q")
+    try:
+        for name in ("__0_0.distcp", "__1_0.distcp"):
+            shutil.copy(ckpt / name, src / name)
+        time.sleep(1.0)  # ten polls: without .metadata nothing is known about these files
+        assert not store.exists() or committed(store) == set()
+        data = (ckpt / "__2_0.distcp").read_bytes()
+        (src / "__2_0.distcp").write_bytes(data[: len(data) // 2])  # half of a file
+        shutil.copy(ckpt / ".metadata", src / ".metadata")
+        wait_for(lambda: committed(store) == {0, 1})
+        time.sleep(1.0)
+        assert committed(store) == {0, 1}  # the half file is not taken
+        (src / "__2_0.distcp").write_bytes(data)
+        shutil.copy(ckpt / "__3_0.distcp", src / "__3_0.distcp")
+        assert proc.wait(timeout=240) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+    shardstore.export(store, tmp_path / "out", format="torch")
+    want = torch.load(f"{ckpt}.expected.pt.ref", weights_only=False)
+    assert_bitwise_equal(torch.load(tmp_path / "out" / "model.pt", weights_only=True), want["model"])

@@ -76,7 +76,8 @@ class DataFile:
             except FileNotFoundError:
                 raise CheckpointError(f"{self.path}: no such file") from None
             except service_errors() as exc:  # a URL whose service cannot be reached
-                raise CheckpointError(f"{self.path}: cannot open ({type(exc).__name__}: {str(exc)[:200]})") from None
+                raise CheckpointError(f"{self.path}: cannot open ({type(exc).__name__}: {str(exc)[:200]}); "
+                                      f"rerun to continue") from None
             self._file = None
 
     def failed(self, exc: BaseException) -> CheckpointError:
