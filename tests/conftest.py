@@ -91,15 +91,16 @@ def s3():
             os.environ[k] = v
 
 
-def upload(folder: Path, url: str) -> str:
-    """Copy a folder's rank files to an s3:// URL (bucket created if needed); returns the URL."""
+def upload(folder: Path, url: str, pattern: str = "rank*.pt") -> str:
+    """Copy a folder's rank files (or other files matching `pattern`) to an s3:// URL (bucket created if
+    needed); returns the URL."""
     import s3fs
 
     fs = s3fs.S3FileSystem()
     bucket = url.removeprefix("s3://").split("/", 1)[0]
     if not fs.exists(bucket):
         fs.mkdir(bucket)
-    for f in sorted(folder.glob("rank*.pt")):
+    for f in sorted(folder.glob(pattern)):
         fs.put_file(str(f), f"{url.removeprefix('s3://')}/{f.name}")
     fs.invalidate_cache()
     return url

@@ -120,3 +120,17 @@ def test_a_distcp_file_of_another_checkpoint_is_refused(dcp_checkpoints, tmp_pat
     with pytest.raises(shardstore.CheckpointError, match="another DCP checkpoint"):
         shardstore.ingest(tmp_path / "store", [str(other / "__1_0.distcp")], jobs=1)
     assert shardstore.open(tmp_path / "store").status().ranks_done == [0]
+
+
+def test_dcp_from_s3_into_a_store_on_s3_and_on_dask(s3, dcp_checkpoints, tmp_path: Path) -> None:
+    """Ranged reads of the items out of .distcp objects; one Dask task per .distcp file."""
+    from tests.conftest import upload
+
+    src = dcp_checkpoints("tp")
+    url = upload(src, "s3://dcp-a/step10", pattern="*distcp")
+    upload(src, "s3://dcp-a/step10", pattern=".metadata")
+    shardstore.unshard(url, tmp_path / "pt", store="s3://dcp-a/store", format="torch", jobs=2)
+    assert_bitwise_equal(_torch_output(tmp_path / "pt"), _expected(src), "from S3")
+    shardstore.unshard(url, tmp_path / "st", store="s3://dcp-a/store-dask", scheduler="dask", jobs=2)
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), _expected(src)["model"], "on Dask")
+    assert shardstore.open("s3://dcp-a/store-dask").status().ok
