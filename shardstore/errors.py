@@ -6,6 +6,9 @@ without a traceback. Anything else escaping the API is a bug in shardstore, and 
 
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, Iterator
+
 
 class ShardstoreError(Exception):
     """Base class: the message is one complete, user-facing line."""
@@ -30,3 +33,17 @@ class ExportError(ShardstoreError):
 def named(exc: ShardstoreError, name: str) -> ShardstoreError:
     """The same error with `name` (the file or store it concerns) in front, unless it names it already."""
     return exc if str(exc).startswith(name) else type(exc)(f"{name}: {exc}")
+
+
+@contextlib.contextmanager
+def closed_on_error(close: Callable[[], None], name: str) -> Iterator[None]:
+    """A block reading the file `name`: on any error, close what it opened first, and name the file in a
+    user-facing error that does not already name it."""
+    try:
+        yield
+    except ShardstoreError as exc:
+        close()
+        raise named(exc, name) from None
+    except BaseException:
+        close()
+        raise

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import dtypes, paths
-from ..errors import CheckpointError, named
+from ..errors import CheckpointError, closed_on_error, named
 from ..locations import StorageOptions, filesystem, is_url, local
 from .container import DataFile, TorchZip
 from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
@@ -244,14 +244,8 @@ def open_unit(path: str | os.PathLike[str], storage_options: StorageOptions | No
     data = DataFile(path, storage_options)
     unit = DcpUnit(path, ckpt.files.index(name), len(ckpt.files), ckpt.files.index(name), len(ckpt.files),
                    ckpt.digest, {}, {}, data)
-    try:
+    with closed_on_error(unit.close, path):
         _read_items(ckpt, unit, name, strict)
-    except CheckpointError as exc:
-        unit.close()
-        raise named(exc, path) from None
-    except BaseException:
-        unit.close()
-        raise
     return unit
 
 

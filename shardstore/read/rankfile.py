@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes
-from ..errors import CheckpointError, named
+from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions
 from . import tensors
 from .container import TorchZip
@@ -174,7 +174,7 @@ def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr,
     local shard against its own entry in the global metadata, and every tensor view against its storage."""
     name = os.fspath(path)
     zf = TorchZip(path, storage_options)
-    try:
+    with closed_on_error(zf.close, name):
         zf.verify("data.pkl")
         obj = load(zf.record("data.pkl"), name, strict)
         try:
@@ -201,13 +201,7 @@ def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr,
                 for piece in leaf.pieces:
                     rf.check_view(piece.tensor, p)
                 leaf.check_own_pieces(rank)
-        return rf
-    except CheckpointError as exc:
-        zf.close()
-        raise named(exc, name) from None
-    except BaseException:
-        zf.close()
-        raise
+    return rf
 
 
 def spec_of(rf: RankFile) -> CheckpointSpec:
