@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import click
 import numpy as np
