@@ -55,7 +55,7 @@ def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensor
            strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
            progress: Progress = QUIET, allow_partial: bool = False, storage_options: StorageOptions | None = None,
            scheduler: str | None = None, jobs: int | None = None, overwrite: bool = False) -> _export.ExportResult:
-    """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style) or `"torch"`.
+    """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style), `"torch"` or `"dcp"`.
 
     An incomplete store is refused unless `allow_partial` (holes become NaN, or zero for integers, and the
     output's metadata says so). Files an earlier export left in `out_dir` that this one would not replace

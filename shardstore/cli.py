@@ -155,7 +155,8 @@ def _export_options(f: Any) -> Any:
     for opt in reversed([
         click.option("--format", "fmt", type=click.Choice(FORMATS), default="safetensors", show_default=True,
                      help="safetensors: model weights, HF-style. torch: model.pt/optim.pt/train.pt (OLMo) "
-                          "or checkpoint.pt."),
+                          "or checkpoint.pt. dcp: a torch.distributed.checkpoint folder, loadable at any world "
+                          "size."),
         click.option("--select", default=None, help="Store path of the subtree to export as the model "
                                                     "[default: detected, e.g. model or state/model]."),
         click.option("--strip-prefix", default=None, help="Drop this prefix from output keys (e.g. 'model.')."),
@@ -307,7 +308,9 @@ def _summary(store: str) -> tuple[Any, Any, list[str]]:
     if m.extra.get("format") == "dcp":
         files = m.extra["units"]
         missing = [files[r] for r in s.ranks_missing]
-        return st, s, [f"format: dcp ({len(files)} .distcp files)", f"layout: {m.layout}",
+        trainer = sum(not f.endswith(".distcp") for f in files)  # OLMo's train/rank<N>.pt beside the DCP folder
+        return st, s, [f"format: dcp ({len(files) - trainer} .distcp files"
+                       + (f" + {trainer} trainer-state files)" if trainer else ")"), f"layout: {m.layout}",
                        f"files ingested: {len(s.ranks_done)}/{len(files)}"
                        + (f"; missing: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}" if missing else "")]
     replicas = m.extra.get("replicas", 1)

@@ -51,7 +51,9 @@ class Source:
         if self.format == "dcp":
             from . import dcp
 
-            return dcp.spec(dcp.read_checkpoint(_folder(self.units[0]), self.storage_options), encode_key)
+            trainer = [u for u in self.units if u.endswith(".pt")]
+            return dcp.spec(dcp.read_checkpoint(_folder(self.units[0]), self.storage_options), encode_key, trainer,
+                            strict, self.storage_options)
         from .rankfile import read_rank_file, spec_of
 
         rf = read_rank_file(self.units[0], encode_key=encode_key, storage_options=self.storage_options,
@@ -75,6 +77,8 @@ def _open_rank_file(path: str, storage_options: StorageOptions | None, strict: b
 def _open_distcp(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> Any:
     from . import dcp
 
+    if path.endswith(".pt"):  # OLMo's train/rank<N>.pt beside model_and_optim/
+        return dcp.open_trainer_unit(path, storage_options, strict, encode_key)
     return dcp.open_unit(path, storage_options, strict)
 
 
@@ -132,11 +136,11 @@ def open_source(src: str | os.PathLike[str], tag: str | None = None, step: int |
 
     folder = dcp_folder(src, tag, step, storage_options)
     if folder is not None:
-        from .dcp import read_checkpoint
+        from .dcp import read_checkpoint, trainer_files
 
         files = read_checkpoint(folder, storage_options).files
         join = (lambda a, b: f"{a.rstrip('/')}/{b}") if is_url(folder) else os.path.join
-        return Source("dcp", [join(folder, f) for f in files], storage_options)
+        return Source("dcp", [join(folder, f) for f in files] + trainer_files(folder, storage_options), storage_options)
     return Source("torch-save", [os.fspath(f) for f in discover(src, tag, step, storage_options)], storage_options)
 
 

@@ -134,3 +134,27 @@ def test_dcp_from_s3_into_a_store_on_s3_and_on_dask(s3, dcp_checkpoints, tmp_pat
     shardstore.unshard(url, tmp_path / "st", store="s3://dcp-a/store-dask", scheduler="dask", jobs=2)
     assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), _expected(src)["model"], "on Dask")
     assert shardstore.open("s3://dcp-a/store-dask").status().ok
+
+
+def test_olmo_torch_new_with_its_trainer_state_files(dcp_checkpoints, tmp_path: Path) -> None:
+    """OLMo's torch_new checkpointer: model_and_optim/ (DCP) beside train/rank{r}.pt (the trainer state)."""
+    from tests.fixtures.fsdp import trainer_state
+
+    src = dcp_checkpoints("fsdp1")
+    step = tmp_path / "step1000"
+    shutil.copytree(src, step / "model_and_optim")
+    (step / "train").mkdir()
+    for rank in range(4):
+        torch.save(trainer_state(rank, 4), step / "train" / f"rank{rank}.pt")
+    shardstore.unshard(step, tmp_path / "pt", store=tmp_path / "store", format="torch", jobs=2)
+    want = _expected(src)
+    assert_bitwise_equal(torch.load(tmp_path / "pt" / "model.pt", weights_only=True), want["model"], "model.pt")
+    assert_bitwise_equal(torch.load(tmp_path / "pt" / "optim.pt", weights_only=True), want["optim"], "optim.pt")
+    train = torch.load(tmp_path / "pt" / "train.pt", weights_only=False)
+    rank0 = trainer_state(0, 4)
+    del rank0["rng"]
+    assert train == {**rank0, "trainer": want["trainer"]}  # the DCP's own values, and rank 0's trainer state
+    store = shardstore.open(tmp_path / "store")
+    assert sorted(store.values("rng/cuda")) == [4, 5, 6, 7]  # every rank's, numbered after the 4 .distcp files
+    ls = subprocess.run([sys.executable, "-m", "shardstore", "ls", tmp_path / "store"], capture_output=True, text=True)
+    assert ls.stdout.startswith("format: dcp (4 .distcp files + 4 trainer-state files)") and "files ingested: 8/8" in ls.stdout
