@@ -12,6 +12,7 @@ from . import ingest as _ingest
 from .errors import CheckpointError, ExportError
 from .locations import StorageOptions
 from .progress import QUIET, Progress
+from .runner import default_jobs
 from .read.layouts import missing_ranks
 from .read.source import Source, open_source, source_of_files
 from .store.store import Store
@@ -63,7 +64,7 @@ def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensor
     st = store if isinstance(store, Store) else Store.open(store, storage_options)
     result = _export.export(st, out_dir, format=format, select=select, strip_prefix=strip_prefix, dtype=dtype,
                             max_shard_size=max_shard_size, progress=progress.advance, allow_partial=allow_partial,
-                            scheduler=scheduler, jobs=jobs or _ingest.default_jobs(), overwrite=overwrite,
+                            scheduler=scheduler, jobs=jobs or default_jobs(), overwrite=overwrite,
                             on_start=lambda total: progress.start("export", total))
     progress.end()
     return result

@@ -1,4 +1,4 @@
-"""Ingestion on a Dask cluster: one task per rank file, each worker writing its shards into the shared store.
+"""Dask, as the runner's remote backend: one task per rank file (ingest) or per output file (export).
 
 The store must be reachable from every worker (object storage, or a shared file system); so must the rank
 files. A failed task ends the run with one line naming the rank file and the worker; since committed ranks
@@ -13,13 +13,7 @@ import uuid
 from typing import Any, Callable
 
 from .errors import ShardstoreError
-from .ingest import IngestOptions, Ingested, _worker
-from .locations import StorageOptions, service_errors
-from .store.store import Store
-
-
-def _task(location: str, path: str, options: IngestOptions, storage_options: StorageOptions) -> Ingested:
-    return _worker(location, path, options, storage_options)
+from .locations import service_errors
 
 
 def _named(fn: Callable[..., Any], *args: Any) -> Any:
@@ -63,11 +57,3 @@ def run_tasks(scheduler: str, jobs: int, fn: Callable[..., Any], args: list[tupl
             except (KilledWorker, *service_errors()) as exc:  # a worker died for good, or lost the network
                 raise ShardstoreError(f"{futures[future]}: task failed on Dask ({type(exc).__name__}: {exc})") from None
             on_done(result)
-
-
-def run_on_dask(scheduler: str, store: Store, files: list[str], on_done: Callable[[Ingested], None],
-                options: IngestOptions, jobs: int) -> None:
-    """One ingest task per rank file."""
-    args = [(store.location, f, options, store.storage_options) for f in files]
-    names = [f"ingest-{f.rsplit('/', 1)[-1]}" for f in files]
-    run_tasks(scheduler, jobs, _task, args, names, on_done)

@@ -8,13 +8,10 @@ chunk has two writers, so workers never coordinate.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import multiprocessing
 import os
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -27,6 +24,7 @@ from .read import tensors
 from .read.container import TorchZip
 from .read.rankfile import LocalPiece, RankFile, ShardedLeaf, layout_digest
 from .read.source import Source, open_unit
+from .runner import Pool, default_jobs
 from .read.unpickle import TensorRef, gc_paused
 from .ranges import Part, blocks
 from .store.manifest import ArrayEntry
@@ -246,10 +244,6 @@ def create_store(location: str | os.PathLike[str], source: Source, strict: bool 
     return Store.create(location, manifest, source.storage_options)
 
 
-def default_jobs() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = None,
            on_done: Callable[[Ingested], None] | None = None, verify_replicas: bool = False,
            on_created: Callable[[Store], None] | None = None,
@@ -271,12 +265,7 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
         raise CheckpointError("no rank files to ingest")
     files: list[str | os.PathLike[str]] = list(source.units)
     jobs = max(1, min(jobs or default_jobs(), len(files)))
-    with contextlib.ExitStack() as stack:
-        pool = None
-        if jobs > 1 and scheduler is None:  # start the workers now: their start-up overlaps creating the store
-            pool = stack.enter_context(ProcessPoolExecutor(max_workers=jobs, mp_context=_SPAWN))
-            for _ in range(jobs):
-                pool.submit(_warm_up)
+    with Pool(jobs, scheduler) as pool:  # workers start now: their start-up overlaps creating the store
         store = create_store(location, source, strict)
         if on_created:
             on_created(store)
@@ -287,7 +276,6 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
             local = not any(is_url(os.fspath(f)) for f in files)
             total = sum(os.path.getsize(f) for f in files) if local else None
             on_start(total, total - sum(os.path.getsize(f) for f in todo) if total is not None else 0)
-        files = todo
         options = IngestOptions(verify_replicas, subtree, strict, source.format)
         seen: dict[int, str] = {}
 
@@ -298,25 +286,14 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
             if on_done:
                 on_done(result)
 
-        if scheduler is not None:
-            from .distributed import run_on_dask
-
-            run_on_dask(scheduler, store, [os.fspath(f) for f in files], done, options, jobs)
-        elif pool is None:
-            for f in files:
-                done(ingest_file(store, f, options))
+        paths = [os.fspath(f) for f in todo]
+        names = [f"ingest-{p.rsplit('/', 1)[-1]}" for p in paths]
+        if pool.inline:  # this process: the store just opened, not one cached by an earlier run
+            pool.run(lambda p: ingest_file(store, p, options), [(p,) for p in paths], names, done)
         else:
-            _run_pool(pool, store, [os.fspath(f) for f in files], done, options)
+            pool.run(_worker, [(store.location, p, options, store.storage_options) for p in paths], names, done)
     store.assemble_ready(verify=verify_replicas)
     return store
-
-
-# Never fork a process that may hold Zarr's event-loop thread.
-_SPAWN = multiprocessing.get_context("spawn")
-
-
-def _warm_up() -> None:
-    """Runs in a fresh worker: importing this module (to unpickle the call) is the warm-up."""
 
 
 def _not_yet_done(store: Store, files: Sequence[str | os.PathLike[str]],
@@ -335,18 +312,3 @@ def _size(path: str | os.PathLike[str], storage_options: StorageOptions) -> int:
         fs, fspath = filesystem(os.fspath(path), storage_options)
         return int(fs.size(fspath))
     return os.path.getsize(path)
-
-
-def _run_pool(pool: ProcessPoolExecutor, store: Store, files: Iterable[str], on_done: Callable[[Ingested], None],
-              options: IngestOptions) -> None:
-    pending: set[Future[Ingested]] = {pool.submit(_worker, store.location, f, options, store.storage_options)
-                                      for f in files}
-    try:
-        while pending:
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in finished:
-                on_done(fut.result())
-    except BaseException:
-        for fut in pending:
-            fut.cancel()
-        raise

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
 from .errors import CheckpointError, ShardstoreError
-from .ingest import _SPAWN, IngestOptions, Ingested, _worker, create_store, default_jobs
+from .ingest import IngestOptions, Ingested, _worker, create_store
+from .runner import Pool, default_jobs
 from .locations import StorageOptions
 from .read.container import TorchZip
 from .read.dcp import METADATA, read_checkpoint
@@ -53,7 +54,7 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
         done_ranks = set(store.records())
     except ShardstoreError:
         done_ranks = set()
-    pool = ProcessPoolExecutor(max_workers=jobs or default_jobs(), mp_context=_SPAWN)
+    pool = Pool(jobs or default_jobs(), processes=True)  # files are taken while the next ones still arrive
     try:
         while True:
             for path, fut in list(submitted.items()):
@@ -94,7 +95,7 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
                     + (f" (incomplete or unreadable: {waiting})" if waiting else ""))
             time.sleep(poll)
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.close()
 
 
 def _arrivals(src_dir: str | os.PathLike[str], tag: str | None,

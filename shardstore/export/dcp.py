@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import io
 import pickle
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..ranges import Part
+from ..runner import Pool
 from ..store.store import Store
 from .output import OutputFile
 from .resolve import ArrayRef, build, leaves, object_value
@@ -80,15 +80,17 @@ def _plan(store: Store) -> tuple[dict[str, Any], dict[str, tuple], list[Item]]:
     return described, mappings, items
 
 
+Written = tuple[str, list[tuple[Item, int, int]]]  # a file's name, and (item, offset, length) of each item in it
+
+
 def _write_file(location: str, storage_options: dict[str, Any] | None, path: str, items: list[Item],
-                partial: bool) -> list[tuple[Item, int, int]]:
+                partial: bool) -> Written:
     """One .distcp file, in a worker: every item a torch.save zip, one after another."""
     return _write_items(Store.open(location, storage_options), Path(path), items, partial)
 
 
 def _write_items(store: Store, path: Path, items: list[Item], partial: bool,
-                 progress: Callable[[int], None] | None = None) -> list[tuple[Item, int, int]]:
-    """Returns (item, offset, length) of every item written."""
+                 progress: Callable[[int], None] | None = None) -> Written:
     written = []
     with OutputFile(path, progress) as out:
         for item in items:
@@ -102,7 +104,7 @@ def _write_items(store: Store, path: Path, items: list[Item], partial: bool,
                     obj = obj[key]
             write_zip(out, "archive", obj, store, {"partial": "true"} if partial else None)
             written.append((item, start, out.pos - start))
-    return written
+    return path.name, written
 
 
 def export_dcp(store: Store, out_dir: Path, jobs: int = 1, progress: Callable[[int], None] | None = None,
@@ -117,25 +119,22 @@ def export_dcp(store: Store, out_dir: Path, jobs: int = 1, progress: Callable[[i
         files[i].append(item)
         load[i] += item.nbytes
     names = [f"__{i}_0.distcp" for i in range(jobs)]
-    if jobs == 1:
-        results = [_write_items(store, out_dir / names[0], files[0], partial is not None, progress)]
-    else:
-        from ..ingest import _SPAWN
-
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=_SPAWN) as pool:
-            futures = [pool.submit(_write_file, store.location, store.storage_options, str(out_dir / n), f,
-                                   partial is not None) for n, f in zip(names, files)]
-            results = [f.result() for f in futures]
+    results: list[Written] = []
+    with Pool(jobs) as pool:
+        if pool.inline:
+            results.append(_write_items(store, out_dir / names[0], files[0], partial is not None, progress))
+        else:
+            pool.run(_write_file, [(store.location, store.storage_options, str(out_dir / n), f, partial is not None)
+                                   for n, f in zip(names, files)], names, results.append)
             if progress:
                 progress(sum(load))
-    metadata = _metadata(described, mappings, names, results)
+    metadata = _metadata(described, mappings, results)
     with OutputFile(out_dir / METADATA) as out:
         out.write(metadata)
     return [out_dir / n for n in names] + [out_dir / METADATA]
 
 
-def _metadata(described: dict[str, Any], mappings: dict[str, tuple], names: list[str],
-              results: list[list[tuple[Item, int, int]]]) -> bytes:
+def _metadata(described: dict[str, Any], mappings: dict[str, tuple], results: list[Written]) -> bytes:
     """`.metadata` exactly as torch writes it: its own classes, pickled with pickle's default protocol."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -144,7 +143,7 @@ def _metadata(described: dict[str, Any], mappings: dict[str, tuple], names: list
 
     chunks: dict[str, list[ChunkStorageMetadata]] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
-    for name, written in zip(names, results):
+    for name, written in sorted(results, key=lambda r: r[0]):
         for item, offset, length in written:
             if item.chunk is None:
                 storage[MetadataIndex(item.fqn)] = _StorageInfo(name, offset, length)

@@ -22,6 +22,7 @@ from .. import dtypes
 from ..errors import ExportError
 from ..store.store import Store
 from ..ranges import blocks
+from ..runner import Pool
 from .output import OutputFile
 from .resolve import ArrayRef, build, leaves
 
@@ -182,13 +183,11 @@ def export_safetensors(store: Store, out_dir: Path, plan: SafetensorsPlan, progr
     if scheduler is None:
         written = [write_file(store, out_dir / name, group, partial, progress) for name, group in zip(names, groups)]
     else:
-        from ..distributed import run_tasks
-
         args = [(store.location, store.storage_options, str(out_dir / name), group, partial)
                 for name, group in zip(names, groups)]
         written = []
-        run_tasks(scheduler, jobs, _write_file_task, args, [f"export-{n}" for n in names],
-                  lambda path, group=None: written.append(Path(path)))
+        with Pool(jobs, scheduler) as pool:
+            pool.run(_write_file_task, args, [f"export-{n}" for n in names], lambda path: written.append(Path(path)))
         written.sort()
         if progress:
             progress(sum(it.nbytes for it in items))

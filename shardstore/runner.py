@@ -1,0 +1,79 @@
+"""The one worker pool, for ingestion and export alike: tasks run in this process, in local worker
+processes, or on a Dask cluster, and their results come back in completion order.
+
+Local workers are spawned, never forked: a process that has used Zarr may hold its event-loop thread, and
+a forked child would inherit it stopped. They start when the pool opens, so their start-up (importing
+numpy and Zarr) overlaps whatever the caller does before the first task (planning the store).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from typing import Any, Callable
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def default_jobs() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _warm_up() -> None:
+    """Runs in a fresh worker: importing this module (to unpickle the call) is the warm-up."""
+
+
+class Pool:
+    """`jobs` workers: inline when 1 (unless `processes`), local processes when more, Dask tasks with
+    `scheduler` (an address, or "dask" for a local cluster of `jobs` worker processes)."""
+
+    def __init__(self, jobs: int, scheduler: str | None = None, processes: bool = False):
+        self.jobs, self.scheduler = max(1, jobs), scheduler
+        self._executor: ProcessPoolExecutor | None = None
+        if scheduler is None and (self.jobs > 1 or processes):
+            self._executor = ProcessPoolExecutor(max_workers=self.jobs, mp_context=SPAWN)
+            for _ in range(self.jobs):
+                self._executor.submit(_warm_up)
+
+    @property
+    def inline(self) -> bool:
+        """Tasks run in this process (so `fn` may be any callable, holding objects of this process)."""
+        return self.scheduler is None and self._executor is None
+
+    def run(self, fn: Callable[..., Any], args: list[tuple], names: list[str], on_done: Callable[[Any], None]) -> None:
+        """fn(*a) for every a in `args`; each result goes to `on_done` as it comes; the first failure ends the
+        run (and what has not started is cancelled). `names` name the tasks on Dask."""
+        if self.scheduler is not None:
+            from .distributed import run_tasks
+
+            run_tasks(self.scheduler, self.jobs, fn, args, names, on_done)
+        elif self._executor is None:
+            for a in args:
+                on_done(fn(*a))
+        else:
+            pending: set[Future[Any]] = {self._executor.submit(fn, *a) for a in args}
+            try:
+                while pending:
+                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        on_done(fut.result())
+            except BaseException:
+                for fut in pending:
+                    fut.cancel()
+                raise
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """One task on a local worker, for callers that poll (watch)."""
+        assert self._executor is not None, "submit needs local worker processes"
+        return self._executor.submit(fn, *args)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
