@@ -27,7 +27,7 @@ from .read.source import Source, open_unit
 from .runner import Pool, default_jobs
 from .read.unpickle import TensorRef, gc_paused
 from .ranges import Part, blocks
-from .store.manifest import ArrayEntry
+from .store.manifest import ArrayEntry, CommitRecord
 from .store.store import Store, first_difference
 
 
@@ -214,10 +214,8 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
                     written.append(store.write_cell(entry, index, parts, valid_rows))
         if staging:
             written.append(store.write_staging(rf.rank, staging))
-        record = {"rank": rf.rank, "world_size": rf.world_size, "group_rank": rf.group_rank,
-                  "group_size": rf.group_size, "file": os.path.basename(rf.path), "bytes": rf.size,
-                  "only": only, "cells": cells, "staged": staged, "objects": objects}
-        store.commit_rank(record, written)
+        store.commit_rank(CommitRecord(rf.rank, os.path.basename(rf.path), rf.size, cells, staged, objects, only,
+                                       rf.world_size, rf.group_rank, rf.group_size), written)
         return Ingested(rf.rank, rf.path, rf.size)
     finally:
         rf.close()
@@ -300,8 +298,8 @@ def _not_yet_done(store: Store, files: Sequence[str | os.PathLike[str]],
                   subtree: str | None) -> list[str | os.PathLike[str]]:
     """The files whose rank is not committed yet from a file of the same name and size, with at least
     the tensors this run needs (a rank ingested for a safetensors-only scratch store lacks the optimizer)."""
-    done = {(rec["file"], rec["bytes"]) for rec in store.records().values()
-            if rec.get("only") is None or (subtree is not None and under(subtree, rec["only"]))}
+    done = {(rec.file, rec.bytes) for rec in store.records().values()
+            if rec.only is None or (subtree is not None and under(subtree, rec.only))}
     if not done:
         return list(files)
     return [f for f in files if (os.path.basename(os.fspath(f)), _size(f, store.storage_options)) not in done]

@@ -83,14 +83,14 @@ def test_sigkill_at_any_moment_then_rerun_equals_a_clean_ingest(checkpoints, tmp
     if (tmp_path / "s" / "__shardstore__" / "manifest.json").exists():
         store = shardstore.open(tmp_path / "s")
         for rank, record in store.records().items():  # whatever is marked done is really there, whole
-            for path, cells in record["cells"].items():
+            for path, cells in record.cells.items():
                 entry = store.manifest.arrays[path]
                 for flat in cells:
                     key = cell_key(path, entry.cell_index(flat))
                     assert (tmp_path / "s" / key).read_bytes() == (tmp_path / "clean" / key).read_bytes(), key
-            if record["staged"]:
+            if record.staged:
                 staged = (tmp_path / "s" / "__shardstore__" / "staging" / f"{rank}.bin").read_bytes()
-                assert len(staged) == max(start + n for pieces in record["staged"].values() for *_, start, n in pieces)
+                assert len(staged) == max(start + n for pieces in record.staged.values() for *_, start, n in pieces)
     assert subprocess.run(cmd).returncode == 0
     assert content(tmp_path / "s") == content(tmp_path / "clean")
     assert not list((tmp_path / "s").rglob("*.tmp"))

@@ -114,3 +114,38 @@ class Manifest:
                 and isinstance(manifest.tree, dict) and isinstance(manifest.objects, list)):
             raise StoreError(f"{where}: corrupt manifest (world size or tree)")
         return manifest
+
+
+@dataclass
+class CommitRecord:
+    """What one unit of work (a rank file, a .distcp file) delivered. Written last, once everything it lists
+    is durable: a unit counts as ingested exactly when its record exists."""
+
+    rank: int  # the unit's number in the checkpoint
+    file: str  # its file name, and size: a rerun skips a unit committed from the same file
+    bytes: int
+    cells: dict[str, list[int]]  # store path -> flat indices of the cells this unit wrote
+    staged: dict[str, list[list[Any]]]  # store path -> [offsets, sizes, start, nbytes] in its staging file
+    objects: dict[str, Any]  # store path -> the value (typed JSON) this unit holds there
+    only: str | None = None  # the subtree whose tensors it wrote, when not all (a scratch store for one export)
+    world_size: int = 0
+    group_rank: int = 0
+    group_size: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world_size, "group_rank": self.group_rank,
+                "group_size": self.group_size, "file": self.file, "bytes": self.bytes, "only": self.only,
+                "cells": self.cells, "staged": self.staged, "objects": self.objects}
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> "CommitRecord":
+        try:
+            record = cls(d["rank"], d["file"], d["bytes"], d["cells"], d["staged"], d["objects"], d.get("only"),
+                         d.get("world_size", 0), d.get("group_rank", 0), d.get("group_size", 0))
+        except (KeyError, TypeError):
+            record = None
+        if record is None or not all(isinstance(v, t) for v, t in (
+                (record.rank, int), (record.file, str), (record.bytes, int), (record.cells, dict),
+                (record.staged, dict), (record.objects, dict))):
+            raise StoreError(f"{where}: damaged commit record; delete it and ingest that rank again")
+        return record

@@ -31,7 +31,7 @@ from ..errors import CheckpointError, StoreError
 from ..locations import StorageOptions
 from ..ranges import FileRange, Part, part_length
 from .backend import Backend, open_backend
-from .manifest import MANIFEST_KEY, ArrayEntry, Manifest
+from .manifest import MANIFEST_KEY, ArrayEntry, CommitRecord, Manifest
 from .handle import TensorHandle, decode_value
 from .shardfile import GROUP_METADATA, array_metadata, records_node_metadata, shard_parts
 
@@ -45,21 +45,6 @@ def first_difference(a: bytes, b: bytes, itemsize: int, shape: tuple[int, ...], 
     """The index (in the whole tensor) of the first element where two C-order copies of a block differ."""
     at = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) // itemsize
     return [int(o + i) for o, i in zip(origin, np.unravel_index(at, shape))]
-
-
-_RECORD_FIELDS = {"rank": int, "file": str, "bytes": int, "cells": dict, "staged": dict, "objects": dict}
-
-
-def _record(raw: bytes, where: str) -> dict[str, Any]:
-    """A commit record, checked for the fields every reader relies on."""
-    try:
-        record = json.loads(raw)
-        ok = isinstance(record, dict) and all(isinstance(record.get(k), t) for k, t in _RECORD_FIELDS.items())
-    except ValueError:
-        ok = False
-    if not ok:
-        raise StoreError(f"{where}: damaged commit record; delete it and ingest that rank again")
-    return record
 
 
 def cell_key(path: str, index: tuple[int, ...]) -> str:
@@ -88,7 +73,7 @@ class Store:
         self.backend = backend
         self.manifest = manifest
         self._zarr_root: zarr.Group | None = None
-        self._records: dict[int, dict[str, Any]] = {}
+        self._records: dict[int, CommitRecord] = {}
 
     # ------------------------------------------------------------------ opening and creating
     @classmethod
@@ -182,14 +167,14 @@ class Store:
             self.backend.write(key, [data])
         return digest
 
-    def commit_rank(self, record: dict[str, Any], written: list[str]) -> None:
+    def commit_rank(self, record: CommitRecord, written: list[str]) -> None:
         """Make everything the rank wrote durable, then write its record: the rank now counts as done."""
         self.backend.sync(written)
-        self.backend.write(f"{RANKS}/{record['rank']}.json", [json.dumps(record).encode()], durable=True)
-        self._records[record["rank"]] = record
+        self.backend.write(f"{RANKS}/{record.rank}.json", [json.dumps(record.to_json()).encode()], durable=True)
+        self._records[record.rank] = record
 
     # ------------------------------------------------------------------ records and status
-    def records(self, refresh: bool = True) -> dict[int, dict[str, Any]]:
+    def records(self, refresh: bool = True) -> dict[int, CommitRecord]:
         """Commit records by rank (cached: a committed record never changes). `refresh=False` looks
         for newly committed ranks only if none were seen yet."""
         if refresh or not self._records:
@@ -199,7 +184,12 @@ class Store:
                     continue  # not a commit record (a stray file, an editor's backup): never trusted
                 rank = int(name[:-5])
                 if rank not in self._records and rank < self.manifest.world_size:
-                    self._records[rank] = _record(self.backend.read(key), f"{self.location}: {key}")
+                    where = f"{self.location}: {key}"
+                    try:
+                        data = json.loads(self.backend.read(key))
+                    except ValueError:
+                        data = None
+                    self._records[rank] = CommitRecord.from_json(data, where)
         return dict(sorted(self._records.items()))
 
     def cells_present(self, path: str) -> set[int]:
@@ -209,7 +199,7 @@ class Store:
             return {0} if self.backend.exists(cell_key(path, (0,) * len(plan.shape))) else set()
         cells: set[int] = set()
         for rec in self.records(refresh=False).values():
-            cells.update(rec["cells"].get(path, ()))
+            cells.update(rec.cells.get(path, ()))
         return cells
 
     def status(self) -> Status:
@@ -251,7 +241,7 @@ class Store:
         """(offsets, sizes) -> (rank, start, nbytes) of every committed piece of a staged array."""
         pieces: dict[tuple, tuple[int, int, int]] = {}
         for rank, rec in self.records().items():
-            for offsets, sizes, start, nbytes in rec["staged"].get(entry.path, ()):
+            for offsets, sizes, start, nbytes in rec.staged.get(entry.path, ()):
                 key = (tuple(offsets), tuple(sizes))
                 if key not in pieces:
                     pieces[key] = (rank, start, nbytes)
@@ -259,7 +249,7 @@ class Store:
                     mine, first = self._staged(rank, start, nbytes), self._staged(*pieces[key])
                     if mine != first:
                         at = first_difference(mine, first, dtypes.info(entry.dtype).itemsize, key[1], key[0])
-                        raise CheckpointError(f"{rec['file']}: replica of {entry.path} differs from rank "
+                        raise CheckpointError(f"{rec.file}: replica of {entry.path} differs from rank "
                                               f"{pieces[key][0]}'s copy, first at element {at}")
         return pieces
 
@@ -403,11 +393,11 @@ class Store:
     def contributors(self, path: str) -> list[int]:
         """Ranks whose data is in this array so far."""
         self.records()
-        return sorted(r for r, rec in self._records.items() if path in rec["cells"] or path in rec["staged"])
+        return sorted(r for r, rec in self._records.items() if path in rec.cells or path in rec.staged)
 
     def object_values(self, path: str) -> dict[int, Any]:
         """The encoded value of an object leaf, by rank."""
-        return {r: rec["objects"][path] for r, rec in self.records(refresh=False).items() if path in rec["objects"]}
+        return {r: rec.objects[path] for r, rec in self.records(refresh=False).items() if path in rec.objects}
 
     def blob(self, digest: str) -> bytes:
         return self.backend.read(f"{BLOBS}/{digest}")
