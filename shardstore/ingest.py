@@ -1,9 +1,9 @@
-"""Ingestion: rank files in, shards written straight into their cells, one worker process per file.
+"""Ingestion: units of work in (rank files, .distcp files), shards written straight into their cells.
 
-The coordinator plans the store from the first rank file it reads; each worker then reads one rank
-file (mmap, allowlisted unpickle), checks it against the plan, copies every local shard into the cells
-it owns (kernel-side where the bytes are contiguous), stages small pieces, and commits a record. No
-chunk has two writers, so workers never coordinate.
+The coordinator plans the store from the checkpoint's spec (read/source.py); each worker then opens one
+unit (memory-mapped, safely unpickled, checked), checks it against the plan, copies every piece into the
+cells it owns (kernel-side where the bytes are contiguous), stages small pieces, and commits a record.
+No chunk has two writers, so workers never coordinate. The workers are the runner's (runner.py).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from .read import tensors
 from .read.container import TorchZip
 from .read.rankfile import LocalPiece, RankFile, ShardedLeaf, layout_digest
 from .read.source import Source, open_unit
-from .runner import Pool, default_jobs
 from .read.unpickle import TensorRef, gc_paused
 from .ranges import Part, blocks
+from .runner import Pool, default_jobs
 from .store.manifest import ArrayEntry, CommitRecord
 from .store.store import Store, first_difference
 
