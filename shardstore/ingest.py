@@ -8,14 +8,13 @@ No chunk has two writers, so workers never coordinate. The workers are the runne
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import dtypes, values
+from . import values
 from .errors import CheckpointError, StoreError, named
 from .locations import StorageOptions, filesystem, is_url
 from .plan import plan_checkpoint
@@ -25,10 +24,9 @@ from .read.container import TorchZip
 from .read.rankfile import LocalPiece, RankFile, ShardedLeaf, layout_digest
 from .read.source import Source, open_unit
 from .read.unpickle import TensorRef, gc_paused
-from .ranges import Part, blocks
 from .runner import Pool, default_jobs
-from .store.manifest import ArrayEntry, CommitRecord
-from .store.store import Store, first_difference
+from .store.store import Store
+from .store.writer import UnitWriter
 
 
 @dataclass(frozen=True)
@@ -46,37 +44,6 @@ class IngestOptions:
     only: str | None = None  # write only this subtree's tensors (a scratch store that feeds one export)
     strict: bool = False  # refuse every global outside the allowlist, instead of keeping opaque records
     format: str = "torch-save"  # how to open a unit of work (read/source.py)
-
-
-def _piece_region(entry: ArrayEntry, piece: LocalPiece, index: tuple[int, ...]) -> tuple[list[Part], int]:
-    """The bytes of cell `index` that `piece` holds, as (parts, valid rows of the cell)."""
-    bounds = entry.cell_bounds(index)
-    rel = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(bounds, piece.offsets))
-    valid_rows = bounds[0][1] - bounds[0][0]
-    trailing_full = all(hi - lo == c for (lo, hi), c in zip(bounds[1:], entry.cell[1:]))
-    if trailing_full and tuple(entry.cell[1:]) == tuple(piece.sizes[1:]):
-        span = tensors.byte_range(piece.zip, piece.tensor)
-        if span is not None:
-            row = math.prod(piece.sizes[1:]) * dtypes.info(entry.dtype).itemsize
-            start = span[0] + rel[0].start * row
-            return [piece.zip.range(start, valid_rows * row)], valid_rows
-    region = tensors.array(piece.zip, piece.tensor)[rel]
-    buf = np.zeros((valid_rows,) + tuple(entry.cell[1:]), dtype=region.dtype)
-    buf[tuple(slice(0, n) for n in region.shape)] = region
-    return [buf.data], valid_rows
-
-
-def _verify_replica(store: Store, rf: Any, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part]) -> None:
-    """Compare this rank's copy of a cell with the one already in the store; name the first difference."""
-    mine = b"".join(bytes(b) for b in blocks(parts))
-    theirs = store.read_cell_bytes(entry, index, len(mine))
-    if mine == theirs:
-        return
-    bounds = entry.cell_bounds(index)
-    element = first_difference(mine, theirs, dtypes.info(entry.dtype).itemsize,
-                               (bounds[0][1] - bounds[0][0],) + tuple(entry.cell[1:]), tuple(lo for lo, _ in bounds))
-    raise CheckpointError(f"{rf.path}: replica of {entry.path} differs from the copy already in the store, "
-                          f"first at element {element}")
 
 
 def _check_against(store: Store, unit: Any) -> None:
@@ -128,15 +95,14 @@ def _check_rank_file(store: Store, rf: RankFile) -> None:
                                           f"match the checkpoint's shard layout")
 
 
-def _encode_tensor(store: Store, zf: TorchZip, written: list[str]) -> Callable[[TensorRef], Any]:
+def _encode_tensor(writer: UnitWriter, zf: TorchZip) -> Callable[[TensorRef], Any]:
     def encode(ref: TensorRef) -> Any:
         data = np.ascontiguousarray(tensors.array(zf, ref)).tobytes()
         out: dict[str, Any] = {"dtype": ref.dtype, "shape": list(ref.shape)}
         if len(data) <= values.INLINE_TENSOR_BYTES:
             out["data"] = values._b64(data)
         else:
-            out["blob"] = store.put_blob(data)
-            written.append(f"__shardstore__/blobs/{out['blob']}")
+            out["blob"] = writer.put_blob(data)
         return out
 
     return encode
@@ -171,51 +137,21 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
     rf = open_unit(options.format, os.fspath(path), store.storage_options, options.strict, values.encode)
     try:
         _check_against(store, rf)
-        written: list[str] = []
-        cells: dict[str, list[int]] = {}
-        staged: dict[str, list[list[Any]]] = {}
-        staging: list[Part] = []
-        staged_bytes = 0
-        objects: dict[str, Any] = {}
-        replicas = store.manifest.extra.get("replicas", 1)
-        store.records()  # what other ranks have committed so far decides which replica cells to write
+        writer = UnitWriter(store, rf.path, verify_replicas)
+        arrays = store.manifest.arrays
         for leaf_path, leaf in rf.leaves.items():  # values first: one that cannot be stored refuses the file
-            if leaf_path not in store.manifest.arrays:  # before any tensor byte is written
-                encode_tensor = _encode_tensor(store, rf.value_zip(leaf_path), written)
-                objects[leaf_path] = _encoded(leaf, encode_tensor, f"{rf.path}: {leaf_path}")
+            if leaf_path not in arrays:  # before any tensor byte is written
+                encoded = _encoded(leaf, _encode_tensor(writer, rf.value_zip(leaf_path)), f"{rf.path}: {leaf_path}")
+                writer.value(leaf_path, encoded)
         for leaf_path, leaf in rf.leaves.items():
-            entry = store.manifest.arrays.get(leaf_path)
+            entry = arrays.get(leaf_path)
             if entry is None or not under(leaf_path, only):
                 continue
-            if entry.replicated:
-                leaf = ShardedLeaf(entry.dtype, entry.shape, [LocalPiece((0,) * len(entry.shape), entry.shape, leaf,
-                                                                          rf.value_zip(leaf_path))])
-            for piece in leaf.pieces:
-                if not all(piece.sizes):
-                    continue
-                if entry.staged:
-                    span = tensors.byte_range(piece.zip, piece.tensor)
-                    part: Part = (piece.zip.range(*span) if span is not None
-                                  else np.ascontiguousarray(tensors.array(piece.zip, piece.tensor)).data)
-                    nbytes = span[1] if span is not None else part.nbytes  # type: ignore[union-attr]
-                    staging.append(part)
-                    staged.setdefault(leaf_path, []).append([list(piece.offsets), list(piece.sizes), staged_bytes, nbytes])
-                    staged_bytes += nbytes
-                    continue
-                for index in entry.cells_of(piece.offsets, piece.sizes):
-                    parts, valid_rows = _piece_region(entry, piece, index)
-                    if (entry.replicated or replicas > 1) and entry.flat_index(index) in store.cells_present(leaf_path):
-                        # Another replica's copy is committed: first commit wins. A cell file that no commit
-                        # record covers (its writer died or was refused) counts for nothing and is rewritten.
-                        if verify_replicas:
-                            _verify_replica(store, rf, entry, index, parts)
-                        continue
-                    cells.setdefault(leaf_path, []).append(entry.flat_index(index))
-                    written.append(store.write_cell(entry, index, parts, valid_rows))
-        if staging:
-            written.append(store.write_staging(rf.rank, staging))
-        store.commit_rank(CommitRecord(rf.rank, os.path.basename(rf.path), rf.size, cells, staged, objects, only,
-                                       rf.world_size, rf.group_rank, rf.group_size), written)
+            pieces = ([LocalPiece((0,) * len(entry.shape), entry.shape, leaf, rf.value_zip(leaf_path))]
+                      if entry.replicated else leaf.pieces)
+            for piece in pieces:
+                writer.piece(entry, piece)
+        writer.commit(rf.rank, rf.path, rf.size, only, rf.world_size, rf.group_rank, rf.group_size)
         return Ingested(rf.rank, rf.path, rf.size)
     finally:
         rf.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,7 @@ import numpy as np
 from .. import dtypes
 from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions
+from ..ranges import FileRange, RemoteRange
 from . import tensors
 from .container import TorchZip
 from .source import CheckpointSpec
@@ -37,10 +39,22 @@ class ShardedSpec:
 
 @dataclass
 class LocalPiece:
+    """A box of an array held in a file: the store's `Piece` (store/writer.py)."""
+
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     tensor: TensorRef
     zip: TorchZip = field(repr=False)  # the container whose storage the tensor views
+
+    def rows(self, first: int, count: int) -> FileRange | RemoteRange | None:
+        span = tensors.byte_range(self.zip, self.tensor)
+        if span is None:
+            return None
+        row = math.prod(self.sizes[1:]) * dtypes.info(self.tensor.dtype).itemsize
+        return self.zip.range(span[0] + first * row, count * row)
+
+    def values(self) -> np.ndarray:
+        return tensors.array(self.zip, self.tensor)
 
 
 MAX_WORLD_SIZE = 1 << 20

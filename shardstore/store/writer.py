@@ -1,0 +1,116 @@
+"""Everything one unit of work (a rank file, a .distcp file) writes into the store, committed at once.
+
+The read side hands over pieces: boxes of an array (offsets, sizes) that can give their bytes, as one
+contiguous range of whole rows where the file has them so, else as an array view. What happens to them
+is the store's business: which cells a piece fills and how a cell is laid out, which replica cells are
+already committed by another unit (the first commit wins; `verify` compares), which small pieces go
+through the unit's staging file. Nothing reaches a commit record until everything it lists is durable.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import CheckpointError
+from ..ranges import Part, blocks, part_length
+from .manifest import ArrayEntry, CommitRecord
+from .store import BLOBS, Store, first_difference
+
+
+class Piece(Protocol):
+    """A box of an array, still in its source file."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def rows(self, first: int, count: int) -> Part | None:
+        """Rows [first, first + count) of the box as one contiguous byte range, or None if not contiguous."""
+
+    def values(self) -> np.ndarray:
+        """The box as an array of the store's raw dtype (a view where possible)."""
+
+
+class UnitWriter:
+    def __init__(self, store: Store, where: str, verify_replicas: bool = False):
+        self.store, self.where, self.verify = store, where, verify_replicas
+        self.written: list[str] = []
+        self.cells: dict[str, list[int]] = {}
+        self.staged: dict[str, list[list[Any]]] = {}
+        self.objects: dict[str, Any] = {}
+        self._staging: list[Part] = []
+        self._staged_bytes = 0
+        self._replicas = store.manifest.extra.get("replicas", 1)
+        store.records()  # what other units have committed so far decides which replica cells to write
+
+    def put_blob(self, data: bytes | memoryview) -> str:
+        digest = self.store.put_blob(data)
+        self.written.append(f"{BLOBS}/{digest}")
+        return digest
+
+    def value(self, path: str, encoded: Any) -> None:
+        self.objects[path] = encoded
+
+    def piece(self, entry: ArrayEntry, piece: Piece) -> None:
+        if not all(piece.sizes):
+            return
+        if entry.staged:
+            part = piece.rows(0, piece.sizes[0]) if piece.sizes else None
+            part = part if part is not None else np.ascontiguousarray(piece.values()).data
+            nbytes = part_length(part)
+            self._staging.append(part)
+            self.staged.setdefault(entry.path, []).append(
+                [list(piece.offsets), list(piece.sizes), self._staged_bytes, nbytes])
+            self._staged_bytes += nbytes
+            return
+        for index in entry.cells_of(piece.offsets, piece.sizes):
+            parts, valid_rows = _cell_parts(entry, piece, index)
+            flat = entry.flat_index(index)
+            if (entry.replicated or self._replicas > 1) and flat in self.store.cells_present(entry.path):
+                # Another replica's copy is committed: first commit wins. A cell file that no commit record
+                # covers (its writer died or was refused) counts for nothing and is rewritten.
+                if self.verify:
+                    self._verify(entry, index, parts)
+                continue
+            self.cells.setdefault(entry.path, []).append(flat)
+            self.written.append(self.store.write_cell(entry, index, parts, valid_rows))
+
+    def commit(self, rank: int, path: str, nbytes: int, only: str | None, world_size: int, group_rank: int,
+               group_size: int) -> None:
+        if self._staging:
+            self.written.append(self.store.write_staging(rank, self._staging))
+        self.store.commit_rank(CommitRecord(rank, os.path.basename(path), nbytes, self.cells, self.staged,
+                                            self.objects, only, world_size, group_rank, group_size), self.written)
+
+    def _verify(self, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part]) -> None:
+        """Compare this unit's copy of a cell with the committed one; name the first difference."""
+        mine = b"".join(bytes(b) for b in blocks(parts))
+        theirs = self.store.read_cell_bytes(entry, index, len(mine))
+        if mine == theirs:
+            return
+        bounds = entry.cell_bounds(index)
+        element = first_difference(mine, theirs, dtypes.info(entry.dtype).itemsize,
+                                   (bounds[0][1] - bounds[0][0],) + tuple(entry.cell[1:]), tuple(lo for lo, _ in bounds))
+        raise CheckpointError(f"{self.where}: replica of {entry.path} differs from the copy already in the store, "
+                              f"first at element {element}")
+
+
+def _cell_parts(entry: ArrayEntry, piece: Piece, index: tuple[int, ...]) -> tuple[list[Part], int]:
+    """The bytes of cell `index` that `piece` holds, laid out as the cell's valid rows (trailing dimensions
+    padded to the cell's), and how many rows are valid."""
+    bounds = entry.cell_bounds(index)
+    rel = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(bounds, piece.offsets))
+    valid_rows = bounds[0][1] - bounds[0][0]
+    trailing_full = all(hi - lo == c for (lo, hi), c in zip(bounds[1:], entry.cell[1:]))
+    if trailing_full and tuple(entry.cell[1:]) == tuple(piece.sizes[1:]):
+        part = piece.rows(rel[0].start, valid_rows)
+        if part is not None:
+            return [part], valid_rows
+    region = piece.values()[rel]
+    buf = np.zeros((valid_rows,) + tuple(entry.cell[1:]), dtype=region.dtype)
+    buf[tuple(slice(0, n) for n in region.shape)] = region
+    return [buf.data], valid_rows
+
