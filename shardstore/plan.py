@@ -15,7 +15,7 @@ from functools import reduce
 from . import dtypes
 from .errors import CheckpointError
 from .read.rankfile import ShardedSpec, layout_digest
-from .read.source import CheckpointSpec
+from .read.source import CheckpointSpec, Node
 from .read.unpickle import TensorRef
 from .store.manifest import ArrayEntry, Manifest
 
@@ -102,13 +102,13 @@ def plan_replicated(path: str, ref: TensorRef) -> ArrayEntry:
                       staged=False, replicated=True)
 
 
-def detect_layout(tree: dict) -> str:
+def detect_layout(tree: Node) -> str:
     """Which trainer wrote this: decides where the model weights are and how torch export splits files."""
-    top = {c["p"] for _, c in tree.get("c", ())}
+    top = {c.path for _, c in tree.children}
     if {"model", "optim"} <= top:
         return "olmo"
-    state = next((c for _, c in tree.get("c", ()) if c["p"] == "state"), None)
-    if state is not None and any(c["p"] == "state/model" for _, c in state.get("c", ())):
+    state = next((c for _, c in tree.children if c.path == "state"), None)
+    if state is not None and any(c.path == "state/model" for _, c in state.children):
         return "composer"
     return "generic"
 
@@ -123,14 +123,9 @@ def plan_checkpoint(spec: CheckpointSpec, layout: str | None = None) -> Manifest
             arrays[path] = plan_replicated(path, ref)
         else:
             objects.append(path)
-    order = {p: i for i, p in enumerate(_leaf_paths(spec.tree))}
+    order = {p: i for i, p in enumerate(spec.tree.leaf_paths())}
     objects.sort(key=lambda p: order.get(p, len(order)))
     extra = {"group_size": spec.group_size, "replicas": max(1, spec.world_size // spec.group_size),
              "format": spec.format, **spec.extra}
     return Manifest(layout or detect_layout(spec.tree), spec.world_size, spec.tree, arrays, objects, extra)
 
-
-def _leaf_paths(node: dict) -> list[str]:
-    if node["t"] == "leaf":
-        return [node["p"]]
-    return [p for _, child in node["c"] for p in _leaf_paths(child)]

@@ -10,6 +10,7 @@ from typing import Callable
 
 from .. import tempfiles
 from ..errors import ExportError, StoreError
+from ..read.source import Node
 from ..store.store import Status, Store
 from .output import output_error
 from .resolve import leaves, node_at
@@ -52,7 +53,7 @@ def model_subtree(store: Store) -> str:
     return ""
 
 
-def _scoped(status: Status, node: dict) -> Status:
+def _scoped(status: Status, node: Node) -> Status:
     """The status of just the tensors below `node`: missing ranks matter only if they hold values there."""
     inside = {path for _, path in leaves(node)}
     partial = {p: f for p, f in status.partial.items() if p in inside}

@@ -17,6 +17,7 @@ from .. import dtypes, values
 from ..errors import ExportError
 from ..store.handle import decode_value
 from ..ranges import Part
+from ..read.source import Node
 from ..store.store import Store
 
 
@@ -46,41 +47,41 @@ def object_value(store: Store, path: str, rank: int | None = None) -> Any:
     return decode_value(store, by_rank[min(by_rank) if rank is None else rank])
 
 
-def node_at(tree: dict[str, Any], select: str) -> dict[str, Any]:
-    """The skeleton node at a store path ("state/model"), or the root for ""."""
+def node_at(tree: Node, select: str) -> Node:
+    """The tree node at a store path ("state/model"), or the root for ""."""
     node, target = tree, select.strip("/")
-    while node["p"] != target:
-        prefix = [c for _, c in node.get("c", ()) if target == c["p"] or target.startswith(c["p"] + "/")]
+    while node.path != target:
+        prefix = [c for _, c in node.children if target == c.path or target.startswith(c.path + "/")]
         if not prefix:
             raise ExportError(f"no subtree {select!r} in the store")
         node = prefix[0]
     return node
 
 
-def build(store: Store, node: dict[str, Any], plain_dicts: bool = False, rank: int | None = None) -> Any:
+def build(store: Store, node: Node, plain_dicts: bool = False, rank: int | None = None) -> Any:
     """The state dict below `node`, with ArrayRefs for sharded tensors; per-rank values from `rank`
     (default: the lowest rank)."""
-    if node["t"] == "leaf":
-        entry = store.manifest.arrays.get(node["p"])
+    if node.kind == "leaf":
+        entry = store.manifest.arrays.get(node.path)
         if entry is not None:
-            return ArrayRef(node["p"], entry.dtype, entry.shape)
-        value = object_value(store, node["p"], rank)
+            return ArrayRef(node.path, entry.dtype, entry.shape)
+        value = object_value(store, node.path, rank)
         return _plain(value) if plain_dicts else value
-    items = [(values.decode(k, tensor=_no_tensor), build(store, c, plain_dicts, rank)) for k, c in node["c"]]
-    if node["t"] == "odict" and not plain_dicts:
+    items = [(values.decode(k, tensor=_no_tensor), build(store, c, plain_dicts, rank)) for k, c in node.children]
+    if node.kind == "odict" and not plain_dicts:
         return collections.OrderedDict(items)
-    if node["t"] in ("dict", "odict"):
+    if node.kind in ("dict", "odict"):
         return dict(items)
     seq = [v for _, v in items]
-    return tuple(seq) if node["t"] == "tuple" else seq
+    return tuple(seq) if node.kind == "tuple" else seq
 
 
-def leaves(node: dict[str, Any]) -> Iterator[tuple[list[Any], str]]:
+def leaves(node: Node) -> Iterator[tuple[list[Any], str]]:
     """(keys from `node` down, store path) of every leaf below `node`, in state-dict order."""
-    if node["t"] == "leaf":
-        yield [], node["p"]
+    if node.kind == "leaf":
+        yield [], node.path
         return
-    for key, child in node["c"]:
+    for key, child in node.children:
         for keys, path in leaves(child):
             yield [values.decode(key, tensor=_no_tensor)] + keys, path
 

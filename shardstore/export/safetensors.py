@@ -22,6 +22,7 @@ from .. import dtypes
 from ..errors import ExportError
 from ..store.store import Store
 from ..ranges import blocks
+from ..read.source import Node
 from ..runner import Pool
 from .output import OutputFile
 from .resolve import ArrayRef, build, leaves
@@ -41,7 +42,7 @@ class _Item:
         return math.prod(self.shape) * dtypes.info(self.dtype).itemsize
 
 
-def collect(store: Store, node: dict[str, Any], strip_prefix: str | None, cast: str | None) -> tuple[list[_Item], list[str]]:
+def collect(store: Store, node: Node, strip_prefix: str | None, cast: str | None) -> tuple[list[_Item], list[str]]:
     """The tensors below `node` with their output keys, and the non-tensor leaves that were left out."""
     items, skipped, seen = [], [], set()
     for keys, path in leaves(node):
@@ -53,7 +54,7 @@ def collect(store: Store, node: dict[str, Any], strip_prefix: str | None, cast: 
             source: Any = ArrayRef(path, entry.dtype, entry.shape)
             dtype, shape = entry.dtype, entry.shape
         else:
-            source = build(store, {"t": "leaf", "p": path})
+            source = build(store, Node("leaf", path))
             torch = sys.modules.get("torch")  # decoding a plain tensor imports torch; nothing else needs it
             if torch is None or not isinstance(source, torch.Tensor):
                 skipped.append(path)
@@ -162,7 +163,7 @@ class SafetensorsPlan:
         return sum(it.nbytes for group in self.groups for it in group)
 
 
-def plan_safetensors(store: Store, node: dict[str, Any], strip_prefix: str | None = None, cast: str | None = None,
+def plan_safetensors(store: Store, node: Node, strip_prefix: str | None = None, cast: str | None = None,
                      max_shard_size: int = 5_000_000_000) -> SafetensorsPlan:
     items, skipped = collect(store, node, strip_prefix, cast)
     groups = _split(items, max_shard_size)

@@ -25,7 +25,7 @@ from ..errors import CheckpointError, closed_on_error, named
 from ..locations import StorageOptions, filesystem, is_url, local
 from .container import DataFile, TorchZip
 from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
-from .source import CheckpointSpec, Skeleton
+from .source import CheckpointSpec, Node, Skeleton
 from .tensors import check_view
 from .unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, TensorRef, load
 
@@ -194,11 +194,11 @@ def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer: list[str] | None = None,
 
         rf = read_rank_file(trainer[0], encode_key=encode_key, storage_options=storage_options, strict=strict)
         try:
-            mine = {child["p"] for _, child in tree["c"]}
-            theirs = [(key, child) for key, child in rf.skeleton.get("c", [])]
-            if rf.skeleton["t"] not in ("dict", "odict") or mine & {child["p"] for _, child in theirs}:
+            mine = {child.path for _, child in tree.children}
+            theirs = rf.skeleton.children
+            if rf.skeleton.kind not in ("dict", "odict") or mine & {child.path for _, child in theirs}:
                 raise CheckpointError(f"{trainer[0]}: its keys collide with the model and optimizer state")
-            tree["c"] += theirs
+            tree.children += theirs
             objects += list(rf.leaves)
         finally:
             rf.close()
@@ -223,7 +223,7 @@ def _tree(ckpt: DcpCheckpoint, encode_key: Any) -> Skeleton:
 
     def build(node: Any, path: str) -> Skeleton:
         if isinstance(node, str):
-            return {"t": "leaf", "p": path}
+            return Node("leaf", path)
         keys = list(node)
         kind = "list" if keys and all(isinstance(k, int) for k in keys) and sorted(keys) == list(range(len(keys))) \
             else "dict"
@@ -232,8 +232,7 @@ def _tree(ckpt: DcpCheckpoint, encode_key: Any) -> Skeleton:
         names = [paths.escape(k) for k in keys]
         if len(set(names)) != len(names):
             raise CheckpointError(f"two keys of {path or 'the state dict'} map to the same store path")
-        return {"t": kind, "p": path,
-                "c": [[encode_key(k), build(node[k], paths.join(path, n))] for k, n in zip(keys, names)]}
+        return Node(kind, path, [(encode_key(k), build(node[k], paths.join(path, n))) for k, n in zip(keys, names)])
 
     return build(root, "")
 

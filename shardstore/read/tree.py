@@ -12,9 +12,8 @@ from typing import Any
 
 from .. import paths
 from ..errors import CheckpointError
+from .source import Node, Skeleton
 from .unpickle import ShardedTensor, TensorRef
-
-Skeleton = dict[str, Any]
 
 
 def _holds_tensor(obj: Any) -> bool:
@@ -30,8 +29,8 @@ def _holds_tensor(obj: Any) -> bool:
 def flatten(obj: Any, encode_key: Any) -> tuple[Skeleton, dict[str, Any]]:
     """Return (skeleton, {path: leaf}) in state-dict order. `encode_key` turns a key into JSON.
 
-    A skeleton node is {"t": kind, "p": path, "c": [[key, child], ...]} for a container (kind is dict,
-    odict, list or tuple; a list's keys are its indices) and {"t": "leaf", "p": path} for a leaf.
+    The skeleton is a `Node` tree (read/source.py): containers with their children under their keys
+    (encoded by `encode_key`; a list's keys are its indices), and leaves.
     """
     leaves: dict[str, Any] = {}
     return _walk(obj, "", leaves, encode_key), leaves
@@ -54,9 +53,9 @@ def _walk(node: Any, path: str, leaves: dict[str, Any], encode_key: Any) -> Skel
             if name in seen:
                 raise CheckpointError(f"two keys of {path or 'the state dict'} map to the same path {name!r}")
             seen.add(name)
-            children.append([encode_key(key), _walk(value, paths.join(path, name), leaves, encode_key)])
-        return {"t": kind, "p": path, "c": children}
+            children.append((encode_key(key), _walk(value, paths.join(path, name), leaves, encode_key)))
+        return Node(kind, path, children)
     if path == "":
         raise CheckpointError("the checkpoint holds no tensors")
     leaves[path] = node
-    return {"t": "leaf", "p": path}
+    return Node("leaf", path)

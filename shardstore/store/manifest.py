@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import StoreError
 from .. import dtypes
+from ..errors import StoreError
+from ..read.source import Node
 
 FORMAT_VERSION = 1
 MANIFEST_KEY = "__shardstore__/manifest.json"
@@ -86,7 +87,7 @@ class ArrayEntry:
 class Manifest:
     layout: str
     world_size: int
-    tree: dict[str, Any]
+    tree: Node
     arrays: dict[str, ArrayEntry]
     objects: list[str]  # paths of every leaf that is not a sharded tensor
     extra: dict[str, Any] = field(default_factory=dict)  # layout-specific facts (replica groups, ...)
@@ -94,7 +95,7 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         return {
             "format": "shardstore", "version": FORMAT_VERSION, "layout": self.layout,
-            "world_size": self.world_size, "extra": self.extra, "tree": self.tree,
+            "world_size": self.world_size, "extra": self.extra, "tree": self.tree.to_json(),
             "arrays": {p: a.to_json() for p, a in self.arrays.items()}, "objects": self.objects,
         }
 
@@ -107,11 +108,12 @@ class Manifest:
                              f"this one reads up to {FORMAT_VERSION}); upgrade shardstore")
         try:
             arrays = {p: ArrayEntry.from_json(p, a) for p, a in d["arrays"].items()}
-            manifest = cls(d["layout"], d["world_size"], d["tree"], arrays, d["objects"], d.get("extra", {}))
+            manifest = cls(d["layout"], d["world_size"], Node.from_json(d["tree"]), arrays, d["objects"],
+                           d.get("extra", {}))
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise StoreError(f"{where}: corrupt manifest ({type(exc).__name__}: {str(exc)[:80]})") from None
         if not (isinstance(manifest.world_size, int) and 0 < manifest.world_size <= 1 << 20
-                and isinstance(manifest.tree, dict) and isinstance(manifest.objects, list)):
+                and isinstance(manifest.objects, list)):
             raise StoreError(f"{where}: corrupt manifest (world size or tree)")
         return manifest
 

@@ -356,16 +356,7 @@ class Store:
     # ------------------------------------------------------------------ the user-facing read API
     def keys(self) -> list[str]:
         """Every leaf path, in state-dict order: sharded tensors and all other values."""
-        out: list[str] = []
-
-        def walk(node: dict[str, Any]) -> None:
-            if node["t"] == "leaf":
-                out.append(node["p"])
-            for _, child in node.get("c", ()):
-                walk(child)
-
-        walk(self.manifest.tree)
-        return out
+        return self.manifest.tree.leaf_paths()
 
     def __contains__(self, path: object) -> bool:
         return path in self.manifest.arrays or path in self.manifest.objects

@@ -51,7 +51,7 @@ def test_leaves_give_keys_in_state_dict_order(store: shardstore.Store, checkpoin
 
 
 def test_node_at_names_what_is_missing(store: shardstore.Store) -> None:
-    assert node_at(store.manifest.tree, "/model/")["p"] == "model"
-    assert node_at(store.manifest.tree, "")["p"] == ""
+    assert node_at(store.manifest.tree, "/model/").path == "model"
+    assert node_at(store.manifest.tree, "").path == ""
     with pytest.raises(ExportError, match="no subtree 'model/nope'"):
         node_at(store.manifest.tree, "model/nope")
