@@ -158,3 +158,37 @@ def test_olmo_torch_new_with_its_trainer_state_files(dcp_checkpoints, tmp_path: 
     assert sorted(store.values("rng/cuda")) == [4, 5, 6, 7]  # every rank's, numbered after the 4 .distcp files
     ls = subprocess.run([sys.executable, "-m", "shardstore", "ls", tmp_path / "store"], capture_output=True, text=True)
     assert ls.stdout.startswith("format: dcp (4 .distcp files + 4 trainer-state files)") and "files ingested: 8/8" in ls.stdout
+
+
+def test_olmo_core_metadata_and_accelerate_folders(dcp_checkpoints, tmp_path: Path, monkeypatch) -> None:
+    """OLMo-core's .metadata names its own copy of _StorageInfo (olmo_core is never imported); HF
+    accelerate saves DCP in a sub-folder (pytorch_model_fsdp_0/)."""
+    import dataclasses
+    import pickle
+    import types
+
+    src = dcp_checkpoints("fsdp2")
+    module = types.ModuleType("olmo_core.distributed.checkpoint.filesystem")
+
+    @dataclasses.dataclass
+    class _StorageInfo:  # the same fields as torch's
+        relative_path: str
+        offset: int
+        length: int
+
+    _StorageInfo.__module__ = module.__name__
+    _StorageInfo.__qualname__ = "_StorageInfo"
+    module._StorageInfo = _StorageInfo
+    parts = module.__name__.split(".")
+    for i in range(1, len(parts)):  # only to write the pickle as OLMo-core would: its package, as stubs
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    folder = tmp_path / "run" / "pytorch_model_fsdp_0"
+    shutil.copytree(src, folder)
+    md = pickle.loads((src / ".metadata").read_bytes())
+    md.storage_data = {k: _StorageInfo(v.relative_path, v.offset, v.length) for k, v in md.storage_data.items()}
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    assert b"olmo_core.distributed.checkpoint.filesystem" in (folder / ".metadata").read_bytes()
+    monkeypatch.undo()  # olmo_core is gone again: shardstore must not need it
+    shardstore.unshard(tmp_path / "run", tmp_path / "pt", format="torch", jobs=1)
+    assert_bitwise_equal(_torch_output(tmp_path / "pt"), _expected(src), "OLMo-core metadata")
