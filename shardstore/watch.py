@@ -20,9 +20,9 @@ from .ingest import IngestOptions, Ingested, _worker, create_store
 from .runner import Pool, default_jobs
 from .locations import StorageOptions
 from .read.container import TorchZip
-from .read.dcp import METADATA, read_checkpoint
+from .read.dcp import METADATA, DcpCheckpoint, read_checkpoint
 from .read.layouts import name_rank, refuse_mixed, scan
-from .read.source import Source
+from .read.source import Source, dcp_folder
 from .store.store import Store
 
 
@@ -48,6 +48,7 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
     deadline = None if timeout is None else time.monotonic() + timeout
     seen: dict[Path, tuple[int, int]] = {}
     submitted: dict[Path, Future[Ingested]] = {}
+    parsed: dict[tuple[int, int], DcpCheckpoint] = {}  # a DCP folder's .metadata, by its size and mtime
     store: Store | None = None
     try:
         store = Store.open(location, storage_options)
@@ -70,7 +71,7 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
                 world = expect or store.manifest.world_size
                 if not submitted and store.status().ok and len(done_ranks) >= world:
                     return store
-            source, ready = _arrivals(src_dir, tag, seen)
+            source, ready = _arrivals(src_dir, tag, seen, parsed)
             for path, rank in ready:
                 if path in submitted or rank in done_ranks:
                     continue
@@ -98,19 +99,18 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
         pool.close()
 
 
-def _arrivals(src_dir: str | os.PathLike[str], tag: str | None,
-              seen: dict[Path, tuple[int, int]]) -> tuple[Source, list[tuple[Path, int]]]:
+def _arrivals(src_dir: str | os.PathLike[str], tag: str | None, seen: dict[Path, tuple[int, int]],
+              parsed: dict[tuple[int, int], DcpCheckpoint]) -> tuple[Source, list[tuple[Path, int]]]:
     """The checkpoint arriving in `src_dir`, and its unit files that are whole: (path, unit number) each.
 
     A DCP folder counts once its .metadata reads (torch writes it last; a copy may bring it first) and
     then each .distcp file once it reaches the end of the last item .metadata places in it. Rank files
     count when they are whole zips. Either way a file must also have held still since the last look."""
-    folder = next((Path(src_dir) / sub for sub in ("", "model_and_optim")
-                   if (Path(src_dir) / sub / METADATA).is_file()), None)
-    if folder is not None:
-        try:
-            ckpt = read_checkpoint(folder)
-        except CheckpointError:
+    found = dcp_folder(src_dir, tag, None, None)
+    if found is not None:
+        folder = Path(found)
+        ckpt = _metadata(folder, parsed)
+        if ckpt is None:
             return Source("dcp", []), []  # still being written: look again
         ends: dict[str, int] = {}
         for item in ckpt.items:
@@ -123,6 +123,23 @@ def _arrivals(src_dir: str | os.PathLike[str], tag: str | None,
     ready = [(path, rank) for ranks in groups.values() for rank, path in ranks.items()
              if _still(path, seen, lambda p, size: _complete(p))]
     return Source("torch-save", [str(p) for p, _ in ready[:1]]), ready
+
+
+def _metadata(folder: Path, parsed: dict[tuple[int, int], DcpCheckpoint]) -> DcpCheckpoint | None:
+    """The folder's .metadata, parsed once per version of the file (it can be tens of MB at scale), or
+    None while it does not read yet."""
+    try:
+        st = (folder / METADATA).stat()
+    except FileNotFoundError:
+        return None
+    stamp = (st.st_size, st.st_mtime_ns)
+    if stamp not in parsed:
+        try:
+            parsed.clear()
+            parsed[stamp] = read_checkpoint(folder)
+        except CheckpointError:
+            return None
+    return parsed[stamp]
 
 
 def _still(path: Path, seen: dict[Path, tuple[int, int]], whole: Callable[[Path, int], bool]) -> bool:

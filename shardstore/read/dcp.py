@@ -250,6 +250,7 @@ class DcpUnit:
     leaves: dict[str, Any]
     zips: dict[str, TorchZip]  # store path -> the zip its value's tensors live in
     file: DataFile
+    opened: list[TorchZip] = field(default_factory=list)  # every item's zip, closed with the unit
 
     @property
     def size(self) -> int:
@@ -259,7 +260,7 @@ class DcpUnit:
         return self.zips[path]
 
     def close(self) -> None:
-        for zf in self.zips.values():
+        for zf in self.opened:
             zf.close()
         self.file.close()
 
@@ -348,12 +349,9 @@ def _read_items(ckpt: DcpCheckpoint, unit: DcpUnit, name: str, strict: bool) -> 
         if item.offset + item.length > unit.file.size:
             raise CheckpointError(f"{where}: its item runs past the end of the file (truncated?)")
         zf = TorchZip(unit.file, start=item.offset, length=item.length)
+        unit.opened.append(zf)
         store_path = ckpt.store_path(item.fqn)
-        try:
-            value = load(zf.record("data.pkl"), f"{unit.path}: {where}", strict)
-        except BaseException:
-            zf.close()
-            raise
+        value = load(zf.record("data.pkl"), f"{unit.path}: {where}", strict)
         if item.offsets is None:  # a value (torch.save of the object)
             unit.leaves[store_path], unit.zips[store_path] = value, zf
             continue
@@ -368,5 +366,4 @@ def _read_items(ckpt: DcpCheckpoint, unit: DcpUnit, name: str, strict: bool) -> 
             continue
         leaf = sharded.setdefault(store_path, ShardedLeaf(dtype, size, []))
         leaf.pieces.append(LocalPiece(item.offsets, sizes, value, zf))
-        unit.zips[f"{store_path}#{list(item.offsets)}"] = zf  # closed with the unit
     unit.leaves.update(sharded)

@@ -112,15 +112,6 @@ class RankFile:
     leaves: dict[str, Any]  # path -> ShardedLeaf | TensorRef | python value
     zip: TorchZip = field(repr=False)
 
-    def check_view(self, ref: TensorRef, where: str) -> None:
-        tensors.check_view(self.zip, ref, where)
-
-    def array(self, ref: TensorRef) -> np.ndarray:
-        return tensors.array(self.zip, ref)
-
-    def byte_range(self, ref: TensorRef) -> tuple[int, int] | None:
-        return tensors.byte_range(self.zip, ref)
-
     @property
     def size(self) -> int:
         return self.zip.size
@@ -210,10 +201,10 @@ def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr,
         rf = RankFile(name, rank, world, group_rank, group_size, skeleton, leaves, zf)
         for p, leaf in leaves.items():
             if isinstance(leaf, TensorRef):
-                rf.check_view(leaf, p)
+                tensors.check_view(zf, leaf, p)
             elif isinstance(leaf, ShardedLeaf):
                 for piece in leaf.pieces:
-                    rf.check_view(piece.tensor, p)
+                    tensors.check_view(zf, piece.tensor, p)
                 leaf.check_own_pieces(rank)
     return rf
 

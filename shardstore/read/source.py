@@ -126,9 +126,8 @@ def dcp_folder(src: str | os.PathLike[str], tag: str | None, step: int | None,
     if has_metadata(src, storage_options):
         return src
     join = (lambda a, b: f"{a.rstrip('/')}/{b}") if is_url(src) else os.path.join
-    for sub in ("model_and_optim",):
-        if has_metadata(join(src, sub), storage_options):
-            return join(src, sub)
+    if has_metadata(join(src, "model_and_optim"), storage_options):
+        return join(src, "model_and_optim")
     if is_url(src):
         fs, base = filesystem(src, storage_options)
         found = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(base, detail=False)

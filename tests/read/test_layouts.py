@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import shardstore
 from shardstore.errors import CheckpointError
 from shardstore.read.layouts import discover
+from shardstore.read import tensors
 from shardstore.read.rankfile import read_rank_file
 from tests.conftest import assert_bitwise_equal
 from tests.fixtures import legacy
@@ -85,7 +86,7 @@ def test_replicas_that_differ_are_reported(composer: Path, tmp_path: Path, name,
     rf = read_rank_file(victim)
     piece = rf.leaves[f"state/model/model.transformer.{name}"].pieces[0]
     assert piece.offsets[0] == rows
-    start, _ = rf.byte_range(piece.tensor)
+    start, _ = tensors.byte_range(piece.zip, piece.tensor)
     rf.close()
     data = bytearray(victim.read_bytes())
     data[start + 4 * (width * 2 + 7)] ^= 0x01  # row 2 of the shard, column 7

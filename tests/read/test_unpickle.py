@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from shardstore.errors import CheckpointError, UnsafePickleError
+from shardstore.read import tensors
 from shardstore.read.opaque import GlobalRef, Opaque, as_record
 from shardstore.read.rankfile import read_rank_file
 from shardstore.read.unpickle import TensorRef, load
@@ -170,11 +171,11 @@ def test_plain_tensor_views_read_exactly(tmp_path: Path) -> None:
         for key, tensor in state.items():
             ref = rf.leaves[key]
             assert ref.dtype == str(tensor.dtype).removeprefix("torch.")
-            raw = rf.array(ref)
+            raw = tensors.array(rf.zip, ref)
             want = tensor.contiguous().view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
             got = torch.from_numpy(raw.copy()).reshape(-1).view(torch.uint8)
             assert torch.equal(got, want.reshape(-1)), key
-        assert rf.byte_range(rf.leaves["view"]) is None  # strided: must not be copied as one run
-        assert rf.byte_range(rf.leaves["b"]) is not None
+        assert tensors.byte_range(rf.zip, rf.leaves["view"]) is None  # strided: must not be copied as one run
+        assert tensors.byte_range(rf.zip, rf.leaves["b"]) is not None
     finally:
         rf.close()
