@@ -53,9 +53,20 @@ def _check_against(store: Store, unit: Any) -> None:
         raise CheckpointError(f"{unit.path}: the store holds a {fmt} checkpoint, this file is not part of one")
     if isinstance(unit, RankFile):
         _check_rank_file(store, unit)
-    elif unit.digest != store.manifest.extra.get("metadata"):
-        raise CheckpointError(f"{unit.path}: belongs to another DCP checkpoint than the store's (its .metadata "
+        return
+    if unit.digest != store.manifest.extra.get("metadata"):
+        raise CheckpointError(f"{unit.path}: belongs to another {fmt} checkpoint than the store's (its metadata "
                               f"differs from the one the store was planned from)")
+    m = store.manifest
+    known = set(m.objects)
+    for path, leaf in unit.leaves.items():
+        entry = m.arrays.get(path)
+        if entry is None and path not in known:
+            raise CheckpointError(f"{unit.path}: holds {path}, which the checkpoint's plan does not have "
+                                  f"(its state differs from the files the plan was read from)")
+        if entry is not None and (not isinstance(leaf, ShardedLeaf) or (leaf.dtype, leaf.shape) != (entry.dtype, entry.shape)):
+            got = f"{leaf.dtype}{list(leaf.shape)}" if isinstance(leaf, ShardedLeaf) else type(leaf).__name__
+            raise CheckpointError(f"{unit.path}: {path} is {got} here but {entry.dtype}{list(entry.shape)} in the plan")
 
 
 def _check_rank_file(store: Store, rf: RankFile) -> None:
@@ -134,7 +145,8 @@ def ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptio
 
 def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptions) -> Ingested:
     verify_replicas, only = options.verify_replicas, options.only
-    rf = open_unit(options.format, os.fspath(path), store.storage_options, options.strict, values.encode)
+    rf = open_unit(options.format, os.fspath(path), store.storage_options, options.strict, values.encode,
+                   store.manifest.extra)
     try:
         _check_against(store, rf)
         writer = UnitWriter(store, rf.path, verify_replicas)

@@ -25,7 +25,8 @@ SMALL_ARRAY_BYTES = 1 << 20  # at or below this, one cell for the whole tensor, 
 MIN_CELL_BYTES = 64 << 10  # per-rank cells smaller than this are staged too ...
 MAX_STAGED_BYTES = 64 << 20  # ... unless the whole tensor is larger than this
 MAX_CELLS = 1 << 20
-REPLICATED_ARRAY_BYTES = 64 << 10  # plain (unsharded) tensors this large get an array of their own
+REPLICATED_ARRAY_BYTES = 64 << 10
+FLAT_CELL_BYTES = 4 << 20  # cells of a flat tensor whose shard edges fall mid-row  # plain (unsharded) tensors this large get an array of their own
 
 
 def _grid(spec: ShardedSpec) -> tuple[int, ...]:
@@ -78,7 +79,42 @@ def check_tiling(path: str, spec: ShardedSpec, cell: tuple[int, ...]) -> None:
         raise CheckpointError(f"{path}: no shard covers cell {list(missing)} of {list(spec.shape)}")
 
 
+def plan_flat(path: str, spec: ShardedSpec) -> ArrayEntry:
+    """A tensor whose shards are element ranges (FSDP1 flat parameters). Cells are blocks of whole rows:
+    aligned with every shard edge when the edges allow cells of a sensible size (then no cell has two
+    writers), else about an eighth of the smallest shard, and the cells astride an edge are staged."""
+    if not spec.shape:
+        raise CheckpointError(f"{path}: a 0-d tensor split as a flat range; not a layout FSDP writes")
+    info = dtypes.info(spec.dtype)
+    total, row = math.prod(spec.shape), math.prod(spec.shape[1:])
+    ranges = sorted({(s.offsets[0], s.sizes[0]) for s in spec.shards if s.sizes[0]})
+    end = 0
+    for start, count in ranges:
+        if start != end:
+            what = "overlap" if start < end else "leave a gap"
+            raise CheckpointError(f"{path}: its flat shards {what} at element {min(start, end)}")
+        end = start + count
+    if end != total:
+        raise CheckpointError(f"{path}: its flat shards cover {end} of its {total} elements")
+    smallest = min((count for _, count in ranges), default=total) * info.itemsize
+    if total * info.itemsize <= SMALL_ARRAY_BYTES or (smallest < MIN_CELL_BYTES and total * info.itemsize <= MAX_STAGED_BYTES):
+        cell = tuple(max(d, 1) for d in spec.shape)
+        return ArrayEntry(path, spec.dtype, spec.shape, cell, _inner_chunk(cell, info.itemsize), True,
+                          layout=layout_digest(spec), flat=True)
+    edges = reduce(math.gcd, [start for start, _ in ranges], total)
+    if edges % row == 0 and edges * info.itemsize >= MIN_CELL_BYTES:
+        rows = edges // row
+    else:
+        target = max(MIN_CELL_BYTES, min(FLAT_CELL_BYTES, smallest // 8))
+        rows = max(1, min(spec.shape[0], target // (row * info.itemsize)))
+    cell = (rows,) + tuple(spec.shape[1:])
+    return ArrayEntry(path, spec.dtype, spec.shape, cell, _inner_chunk(cell, info.itemsize), False,
+                      layout=layout_digest(spec), flat=True)
+
+
 def plan_array(path: str, spec: ShardedSpec) -> ArrayEntry:
+    if spec.flat:
+        return plan_flat(path, spec)
     info = dtypes.info(spec.dtype)
     cell = _grid(spec)
     check_tiling(path, spec, cell)

@@ -26,11 +26,12 @@ from ..locations import StorageOptions, filesystem, is_url, local
 from .container import DataFile, TorchZip
 from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
 from .source import CheckpointSpec, Node, Skeleton
+from . import trainer
 from .tensors import check_view
+from .trainer import TRAIN, TrainerUnit, join_trainer_state, open_trainer
 from .unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, TensorRef, load
 
 METADATA = ".metadata"
-TRAIN = "train"
 # A tensor at or below this size held whole in one chunk is kept as a value, like a rank file's plain
 # tensors (an optimizer's step, a scale); anything larger or split across files gets an array.
 SMALL_TENSOR_BYTES = 64 << 10
@@ -156,23 +157,12 @@ def _file_order(name: str) -> tuple:
 
 def trainer_files(folder: str, storage_options: StorageOptions | None = None) -> list[str]:
     """OLMo's `train/rank{r}.pt` (torch_new; OLMo-core trainers too) beside a `model_and_optim/` DCP folder,
-    in rank order: the trainer state, one plain torch.save per rank. Empty for other DCP layouts."""
-    from .layouts import name_rank
-
+    in rank order. Empty for other DCP layouts."""
     parent, name = (folder.rstrip("/").rsplit("/", 1) if is_url(folder) else os.path.split(os.path.normpath(folder)))
-    if name != "model_and_optim":
-        return []
-    train = _join(parent, TRAIN)
-    if is_url(train):
-        fs, base = filesystem(train, storage_options)
-        found = [f"{train}/{p.rstrip('/').rsplit('/', 1)[-1]}" for p in (fs.ls(base, detail=False) if fs.isdir(base) else [])]
-    else:
-        found = [os.path.join(train, n) for n in os.listdir(train)] if os.path.isdir(train) else []
-    ranked = {name_rank(f): f for f in found if f.endswith(".pt") and name_rank(f) is not None}
-    return [ranked[r] for r in sorted(ranked)]
+    return trainer.trainer_files(parent, storage_options) if name == "model_and_optim" else []
 
 
-def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer: list[str] | None = None, strict: bool = False,
+def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None = None, strict: bool = False,
          storage_options: StorageOptions | None = None) -> CheckpointSpec:
     """The planner's view: arrays for tensors split across chunks or larger than SMALL_TENSOR_BYTES, values
     for the rest; every chunk's holder is the index of the file that stores it. OLMo's per-rank trainer
@@ -189,20 +179,9 @@ def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer: list[str] | None = None,
     objects += [ckpt.store_path(fqn) for fqn in ckpt.values]
     tree = _tree(ckpt, encode_key)
     units = list(ckpt.files)
-    if trainer:
-        from .rankfile import read_rank_file
-
-        rf = read_rank_file(trainer[0], encode_key=encode_key, storage_options=storage_options, strict=strict)
-        try:
-            mine = {child.path for _, child in tree.children}
-            theirs = rf.skeleton.children
-            if rf.skeleton.kind not in ("dict", "odict") or mine & {child.path for _, child in theirs}:
-                raise CheckpointError(f"{trainer[0]}: its keys collide with the model and optimizer state")
-            tree.children += theirs
-            objects += list(rf.leaves)
-        finally:
-            rf.close()
-        units += [f"{TRAIN}/{os.path.basename(f.rstrip('/'))}" for f in trainer]
+    if trainer_state:
+        join_trainer_state(tree, objects, trainer_state[0], encode_key, storage_options, strict)
+        units += [f"{TRAIN}/{os.path.basename(f.rstrip('/'))}" for f in trainer_state]
     return CheckpointSpec("dcp", len(units), len(units), tree, arrays, {}, objects,
                           {"units": units, "metadata": ckpt.digest})
 
@@ -274,47 +253,14 @@ def _checkpoint(folder: str, storage_options: StorageOptions | None) -> DcpCheck
     return _CHECKPOINTS.get(key) or _CHECKPOINTS.setdefault(key, read_checkpoint(folder, storage_options))
 
 
-@dataclass
-class TrainerUnit:
-    """One rank's trainer-state file beside a DCP folder: values only, numbered after the .distcp files."""
-
-    path: str
-    rank: int
-    world_size: int
-    group_rank: int
-    group_size: int
-    digest: str
-    rf: Any  # the RankFile
-
-    @property
-    def leaves(self) -> dict[str, Any]:
-        return self.rf.leaves
-
-    @property
-    def size(self) -> int:
-        return self.rf.size
-
-    def value_zip(self, path: str) -> TorchZip:
-        return self.rf.zip
-
-    def close(self) -> None:
-        self.rf.close()
-
-
 def open_trainer_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> TrainerUnit:
     from .layouts import name_rank
-    from .rankfile import ShardedLeaf as Sharded, read_rank_file
 
     train = _join_parent(path)
     ckpt = _checkpoint(_join(train, "model_and_optim"), storage_options)
-    rf = read_rank_file(path, encode_key=encode_key, storage_options=storage_options, strict=strict)
-    rank = name_rank(path)
-    if rank is None or any(isinstance(leaf, Sharded) for leaf in rf.leaves.values()):
-        rf.close()
-        raise CheckpointError(f"{path}: not a trainer-state file (train/rank<N>.pt of plain values)")
     count = len(ckpt.files) + len(trainer_files(_join(train, "model_and_optim"), storage_options))
-    index = len(ckpt.files) + rank
-    return TrainerUnit(path, index, count, index, count, ckpt.digest, rf)
+    return open_trainer(path, len(ckpt.files) + (name_rank(path) or 0), count, ckpt.digest, storage_options,
+                        strict, encode_key)
 
 
 def _join_parent(path: str) -> str:

@@ -35,6 +35,7 @@ class ShardedSpec:
     dtype: str
     shape: tuple[int, ...]
     shards: tuple[ShardSpec, ...]
+    flat: bool = False  # shards are element ranges (offsets, sizes) of the flattened tensor, not boxes
 
 
 @dataclass
@@ -98,7 +99,8 @@ def layout_digest(spec: ShardedSpec) -> str:
     the group so every replica group of a hybrid-sharded checkpoint has the same digest."""
     order = {r: i for i, r in enumerate(sorted({s.rank for s in spec.shards}))}
     boxes = sorted((s.offsets, s.sizes, order[s.rank]) for s in spec.shards)
-    return hashlib.blake2b(repr((spec.dtype, spec.shape, boxes)).encode(), digest_size=16).hexdigest()
+    described = (spec.dtype, spec.shape, boxes, "flat") if spec.flat else (spec.dtype, spec.shape, boxes)
+    return hashlib.blake2b(repr(described).encode(), digest_size=16).hexdigest()
 
 
 @dataclass

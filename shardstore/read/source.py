@@ -14,6 +14,7 @@ module in read/ and one line in `_OPENERS` and `open_source`.
 
 from __future__ import annotations
 
+import base64
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,14 +73,23 @@ class Source:
     format: str
     units: list[str]
     storage_options: StorageOptions | None = None
+    side_files: list[str] = field(default_factory=list)  # the run's config.yaml: copied beside the export
 
     def spec(self, encode_key: Any, strict: bool = False) -> CheckpointSpec:
+        spec = self._spec(encode_key, strict)
+        spec.extra["side_files"] = {_name(f): _side_file(f, self.storage_options) for f in self.side_files}
+        return spec
+
+    def _spec(self, encode_key: Any, strict: bool) -> CheckpointSpec:
         if self.format == "dcp":
             from . import dcp
 
             trainer = [u for u in self.units if u.endswith(".pt")]
             return dcp.spec(dcp.read_checkpoint(_folder(self.units[0]), self.storage_options), encode_key, trainer,
                             strict, self.storage_options)
+        if self.format in _FOLDER_FORMATS:
+            module, run = _FOLDER_FORMATS[self.format](), _folder(_folder(self.units[0]))
+            return module.spec(run, module.units(run, self.storage_options), encode_key, strict, self.storage_options)
         from .rankfile import read_rank_file, spec_of
 
         rf = read_rank_file(self.units[0], encode_key=encode_key, storage_options=self.storage_options,
@@ -90,17 +100,55 @@ class Source:
             rf.close()
 
 
+MAX_SIDE_FILE = 1 << 20
+
+
+def _name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1] if is_url(path) else os.path.basename(path)
+
+
+def _side_file(path: str, storage_options: StorageOptions | None) -> str:
+    """A small file of the run (config.yaml), base64, for the manifest: exports write it back unchanged."""
+    from .container import DataFile
+
+    data = DataFile(path, storage_options)
+    try:
+        if data.size > MAX_SIDE_FILE:
+            raise CheckpointError(f"{path}: {data.size} bytes; a run's config is not this large")
+        return base64.b64encode(bytes(data.view(0, data.size))).decode()
+    finally:
+        data.close()
+
+
+def _olmo_local() -> Any:
+    from . import olmo_local
+
+    return olmo_local
+
+
+def _olmo_core() -> Any:
+    from . import olmo_core
+
+    return olmo_core
+
+
+# Formats whose units live in sub-folders (model/, optim/, train/) of one checkpoint folder.
+_FOLDER_FORMATS: dict[str, Callable[[], Any]] = {"olmo-local": _olmo_local, "olmo-core": _olmo_core}
+
+
 def _folder(path: str) -> str:
     return path.rsplit("/", 1)[0] if is_url(path) else os.path.dirname(path)
 
 
-def _open_rank_file(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> Any:
+def _open_rank_file(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+                    facts: dict[str, Any]) -> Any:
     from .rankfile import read_rank_file
 
     return read_rank_file(path, encode_key=encode_key, storage_options=storage_options, strict=strict)
 
 
-def _open_distcp(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> Any:
+def _open_distcp(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+                 facts: dict[str, Any]) -> Any:
     from . import dcp
 
     if path.endswith(".pt"):  # OLMo's train/rank<N>.pt beside model_and_optim/
@@ -108,12 +156,23 @@ def _open_distcp(path: str, storage_options: StorageOptions | None, strict: bool
     return dcp.open_unit(path, storage_options, strict)
 
 
-_OPENERS: dict[str, Callable[..., Any]] = {"torch-save": _open_rank_file, "dcp": _open_distcp}
+def _open_in_folder(format: str) -> Callable[..., Any]:
+    def opener(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+               facts: dict[str, Any]) -> Any:
+        return _FOLDER_FORMATS[format]().open_unit(path, storage_options, strict, encode_key, facts)
+
+    return opener
 
 
-def open_unit(format: str, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> Any:
-    """Open one unit of work of a checkpoint of `format` (in a worker)."""
-    return _OPENERS[format](path, storage_options, strict, encode_key)
+_OPENERS: dict[str, Callable[..., Any]] = {"torch-save": _open_rank_file, "dcp": _open_distcp,
+                                           **{f: _open_in_folder(f) for f in _FOLDER_FORMATS}}
+
+
+def open_unit(format: str, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+              facts: dict[str, Any] | None = None) -> Any:
+    """Open one unit of work of a checkpoint of `format` (in a worker). `facts` are what the store kept
+    of the checkpoint when it was planned (the manifest's extra), for formats whose units need them."""
+    return _OPENERS[format](path, storage_options, strict, encode_key, facts or {})
 
 
 def dcp_folder(src: str | os.PathLike[str], tag: str | None, step: int | None,
@@ -159,19 +218,44 @@ def open_source(src: str | os.PathLike[str], tag: str | None = None, step: int |
     """The checkpoint in folder `src`, whichever format it is in."""
     from .layouts import discover
 
+    src = os.fspath(src)
+    join = (lambda a, b: f"{a.rstrip('/')}/{b}") if is_url(src) else os.path.join
     folder = dcp_folder(src, tag, step, storage_options)
     if folder is not None:
         from .dcp import read_checkpoint, trainer_files
 
         files = read_checkpoint(folder, storage_options).files
-        join = (lambda a, b: f"{a.rstrip('/')}/{b}") if is_url(folder) else os.path.join
-        return Source("dcp", [join(folder, f) for f in files] + trainer_files(folder, storage_options), storage_options)
-    return Source("torch-save", [os.fspath(f) for f in discover(src, tag, step, storage_options)], storage_options)
+        run = _folder(folder) if _name(folder) == "model_and_optim" else folder
+        return Source("dcp", [join(folder, f) for f in files] + trainer_files(folder, storage_options), storage_options,
+                      _config(run, storage_options))
+    for format, module in _FOLDER_FORMATS.items():
+        if module().detect(src, storage_options):
+            return Source(format, module().units(src, storage_options), storage_options, _config(src, storage_options))
+    files = [os.fspath(f) for f in discover(src, tag, step, storage_options)]
+    return Source("torch-save", files, storage_options, _config(_folder(files[0]), storage_options))
+
+
+CONFIG = "config.yaml"
+
+
+def _config(folder: str, storage_options: StorageOptions | None) -> list[str]:
+    """The run's config.yaml in the checkpoint folder, if there is one (OLMo's unsharder copies it)."""
+    from .trainer import join, listing
+
+    path = join(folder, CONFIG)
+    return [path] if path in listing(folder, storage_options) else []
 
 
 def source_of_files(files: list[str | os.PathLike[str]], storage_options: StorageOptions | None = None) -> Source:
     """The checkpoint some of whose unit files are given (`shardstore ingest STORE FILE...`)."""
     names = [os.fspath(f) for f in files]
+    if len(names) == 1 and (is_url(names[0]) or os.path.isdir(names[0])) and not names[0].endswith(".pt"):
+        return open_source(names[0], storage_options=storage_options)  # a checkpoint folder
+    for format, module in _FOLDER_FORMATS.items():
+        runs = {_folder(_folder(n)) for n in names}
+        if len(runs) == 1 and module().detect(next(iter(runs)), storage_options):
+            run = runs.pop()
+            return Source(format, names, storage_options, _config(run, storage_options))
     if names and all(n.endswith(".distcp") for n in names):
         return Source("dcp", names, storage_options)
     if any(n.endswith(".distcp") for n in names):

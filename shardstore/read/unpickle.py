@@ -22,7 +22,7 @@ import io
 import pathlib
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -168,6 +168,17 @@ class DcpStorageMeta(_Record):
     """StorageMeta: checkpoint_id, save_id, load_id, modules."""
 
 
+class ShardParamInfo(NamedTuple):
+    """FSDP1's `_ShardParamInfo` (torch 2.1+): where an original parameter's piece lies in a rank's flat
+    slice. A NamedTuple, pickled as its five fields; OLMo's `local` model files hold one per parameter."""
+
+    in_shard: bool
+    offset_in_shard: int | None
+    numel_in_shard: int | None
+    intra_param_start_idx: int | None
+    intra_param_end_idx: int | None  # inclusive
+
+
 class _TensorType:
     """Marker for `torch.Tensor` / `torch.nn.Parameter` when they appear as rebuild targets."""
 
@@ -294,6 +305,9 @@ ALLOWED: dict[tuple[str, str], Any] = {
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _mem_format,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): DcpStorageInfo,
     ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): DcpStorageInfo,
+    # FSDP1 flat-parameter metadata in OLMo's `local` model files (the module moved in torch 2.1)
+    ("torch.distributed.fsdp._flat_param", "_ShardParamInfo"): ShardParamInfo,
+    ("torch.distributed.fsdp.flat_param", "_ShardParamInfo"): ShardParamInfo,
 }
 try:
     from numpy._core import multiarray as _multiarray

@@ -31,6 +31,10 @@ class ArrayEntry:
     staged: bool  # pieces go through per-rank staging; the one cell is assembled when all are in
     replicated: bool = False  # a plain tensor every rank holds whole: the first rank to arrive writes it
     layout: str | None = None  # digest of the planned shard layout: every rank file's metadata must match it
+    # Pieces are ranges of the flattened tensor (FSDP1's flat parameters), not boxes. Cells are then
+    # blocks of whole rows, so each is one element range; a piece that fills a cell only in part stages
+    # that part, and the cell is assembled once every unit holding some of it has committed.
+    flat: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -70,17 +74,32 @@ class ArrayEntry:
             out = [prefix + (i,) for prefix in out for i in r]
         return out
 
+    @property
+    def cell_elements(self) -> int:
+        """Elements per cell (a flat entry's cells are element ranges of this length)."""
+        return math.prod(self.cell)
+
+    def flat_cells(self, start: int, count: int) -> list[tuple[int, int, int]]:
+        """(cell, first, stop) for every cell the element range [start, start + count) touches, with the
+        part of the range inside it (a flat entry: cells span whole rows)."""
+        span, total = self.cell_elements, math.prod(self.shape)
+        stop = start + count
+        return [(i, max(i * span, start), min((i + 1) * span, stop, total))
+                for i in range(start // span, -(-stop // span))]
+
     def to_json(self) -> dict:
         out = {"dtype": self.dtype, "shape": list(self.shape), "cell": list(self.cell),
                "chunk": list(self.chunk), "staged": self.staged, "replicated": self.replicated}
         if self.layout is not None:
             out["layout"] = self.layout
+        if self.flat:
+            out["flat"] = True
         return out
 
     @classmethod
     def from_json(cls, path: str, d: dict) -> "ArrayEntry":
         return cls(path, d["dtype"], tuple(d["shape"]), tuple(d["cell"]), tuple(d["chunk"]), d["staged"],
-                   d.get("replicated", False), d.get("layout"))
+                   d.get("replicated", False), d.get("layout"), d.get("flat", False))
 
 
 @dataclass

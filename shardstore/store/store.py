@@ -200,7 +200,19 @@ class Store:
         cells: set[int] = set()
         for rec in self.records(refresh=False).values():
             cells.update(rec.cells.get(path, ()))
+        if plan.flat:  # cells assembled from several units' staged parts
+            cells.update(i for i in self._staged_cells(plan) - cells if self.has_cell(plan, self._row_cell(plan, i)))
         return cells
+
+    @staticmethod
+    def _row_cell(entry: ArrayEntry, cell: int) -> tuple[int, ...]:
+        return (cell,) + (0,) * (len(entry.shape) - 1)
+
+    def _staged_cells(self, entry: ArrayEntry) -> set[int]:
+        """The cells of a flat entry that committed units have staged parts of."""
+        span = entry.cell_elements
+        return {offsets[0] // span for rec in self.records(refresh=False).values()
+                for offsets, _, _, _ in rec.staged.get(entry.path, ())}
 
     def status(self) -> Status:
         records = self.records()
@@ -227,6 +239,9 @@ class Store:
         """
         written = []
         for path, entry in self.manifest.arrays.items():
+            if entry.flat and not entry.staged:
+                written += self._assemble_flat_cells(entry, verify)
+                continue
             if not entry.staged or self.has_cell(entry, (0,) * len(entry.shape)):
                 continue
             pieces = self._staged_pieces(entry, verify)
@@ -235,6 +250,26 @@ class Store:
             if entry.shape:
                 self.write_cell(entry, (0,) * len(entry.shape), [self._assemble(entry, pieces).tobytes()], entry.shape[0])
             written.append(path)
+        return written
+
+    def _assemble_flat_cells(self, entry: ArrayEntry, verify: bool) -> list[str]:
+        """Write every cell of a flat entry that units share, once all its parts are committed."""
+        todo = self._staged_cells(entry) - self.cells_present(entry.path)
+        if not todo:
+            return []
+        span, total = entry.cell_elements, math.prod(entry.shape)
+        by_cell: dict[int, dict[tuple, tuple[int, int, int]]] = {}
+        for key, where in self._staged_pieces(entry, verify).items():
+            by_cell.setdefault(key[0][0] // span, {})[key] = where
+        written = []
+        for cell in sorted(todo):
+            lo, hi = cell * span, min((cell + 1) * span, total)
+            pieces = by_cell[cell]
+            if sum(s[0] for _, s in pieces) < hi - lo:
+                continue  # a unit holding part of it is not in yet
+            data = self._assemble(entry, pieces, shape=(hi - lo,), origin=lo)
+            self.write_cell(entry, self._row_cell(entry, cell), [data.tobytes()], (hi - lo) * entry.cell[0] // span)
+            written.append(f"{entry.path}[{cell}]")
         return written
 
     def _staged_pieces(self, entry: ArrayEntry, verify: bool = False) -> dict[tuple, tuple[int, int, int]]:
@@ -253,15 +288,20 @@ class Store:
                                               f"{pieces[key][0]}'s copy, first at element {at}")
         return pieces
 
-    def _assemble(self, entry: ArrayEntry, pieces: dict[tuple, tuple[int, int, int]], whole: bool = True) -> np.ndarray:
-        """A staged array from its pieces; anything no piece covers is a hole (NaN, or zero for integers).
+    def _assemble(self, entry: ArrayEntry, pieces: dict[tuple, tuple[int, int, int]], whole: bool = True,
+                  shape: tuple[int, ...] | None = None, origin: int = 0) -> np.ndarray:
+        """A staged array (or, for a flat entry, the element range of `shape` from `origin`) from its pieces;
+        anything no piece covers is a hole (NaN, or zero for integers).
 
         Every element must be covered at most once, and with `whole` exactly once: completeness is coverage,
         not a sum of piece sizes that an overlap and a gap of the same size would pass."""
         info = dtypes.info(entry.dtype)
-        full = np.frombuffer(bytearray(info.hole(math.prod(entry.shape))), dtype=info.raw).reshape(entry.shape)
-        covered = np.zeros(entry.shape, dtype=np.uint8)
+        part = shape is not None
+        shape = shape or ((math.prod(entry.shape),) if entry.flat else entry.shape)
+        full = np.frombuffer(bytearray(info.hole(math.prod(shape))), dtype=info.raw).reshape(shape)
+        covered = np.zeros(shape, dtype=np.uint8)
         for (offsets, sizes), (rank, start, nbytes) in pieces.items():
+            offsets = (offsets[0] - origin,) + offsets[1:]
             box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
             if nbytes != math.prod(sizes) * info.itemsize or covered[box].shape != tuple(sizes) or covered[box].any():
                 raise StoreError(f"{self.location}: {entry.path}: rank {rank}'s piece at {list(offsets)} overlaps "
@@ -269,9 +309,10 @@ class Store:
             covered[box] = 1
             full[box] = np.frombuffer(self._staged(rank, start, nbytes), info.raw).reshape(sizes)
         if whole and not covered.all():
+            at = int(np.argmin(covered.reshape(-1))) + origin
             raise StoreError(f"{self.location}: {entry.path}: pieces leave element "
-                             f"{list(np.unravel_index(int(np.argmin(covered)), entry.shape))} uncovered")
-        return full
+                             f"{list(np.unravel_index(at, entry.shape))} uncovered")
+        return full if part else full.reshape(entry.shape)
 
     def _staged(self, rank: int, start: int, nbytes: int) -> bytes:
         data = self.backend.read(f"{STAGING}/{rank}.bin", start, nbytes)

@@ -9,6 +9,7 @@ through the unit's staging file. Nothing reaches a commit record until everythin
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Protocol
 
@@ -59,24 +60,47 @@ class UnitWriter:
             return
         if entry.staged:
             part = piece.rows(0, piece.sizes[0]) if piece.sizes else None
-            part = part if part is not None else np.ascontiguousarray(piece.values()).data
-            nbytes = part_length(part)
-            self._staging.append(part)
-            self.staged.setdefault(entry.path, []).append(
-                [list(piece.offsets), list(piece.sizes), self._staged_bytes, nbytes])
-            self._staged_bytes += nbytes
+            self._stage(entry, piece.offsets, piece.sizes, part if part is not None else piece.values())
+            return
+        if entry.flat:
+            self._flat_piece(entry, piece)
             return
         for index in entry.cells_of(piece.offsets, piece.sizes):
             parts, valid_rows = _cell_parts(entry, piece, index)
-            flat = entry.flat_index(index)
-            if (entry.replicated or self._replicas > 1) and flat in self.store.cells_present(entry.path):
-                # Another replica's copy is committed: first commit wins. A cell file that no commit record
-                # covers (its writer died or was refused) counts for nothing and is rewritten.
-                if self.verify:
-                    self._verify(entry, index, parts)
-                continue
-            self.cells.setdefault(entry.path, []).append(flat)
-            self.written.append(self.store.write_cell(entry, index, parts, valid_rows))
+            self._cell(entry, index, parts, valid_rows)
+
+    def _cell(self, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part], valid_rows: int) -> None:
+        flat = entry.flat_index(index)
+        if (entry.replicated or self._replicas > 1) and flat in self.store.cells_present(entry.path):
+            # Another replica's copy is committed: first commit wins. A cell file that no commit record
+            # covers (its writer died or was refused) counts for nothing and is rewritten.
+            if self.verify:
+                self._verify(entry, index, parts)
+            return
+        self.cells.setdefault(entry.path, []).append(flat)
+        self.written.append(self.store.write_cell(entry, index, parts, valid_rows))
+
+    def _flat_piece(self, entry: ArrayEntry, piece: Piece) -> None:
+        """An element range: the cells it fills whole are written, its parts of the others staged."""
+        (start,), (count,) = piece.offsets, piece.sizes
+        row = entry.cell_elements // entry.cell[0]
+        for cell, first, stop in entry.flat_cells(start, count):
+            part = piece.rows(first - start, stop - first)
+            data = part if part is not None else piece.values()[first - start:stop - first]
+            lo, hi = cell * entry.cell_elements, min((cell + 1) * entry.cell_elements, math.prod(entry.shape))
+            if (first, stop) == (lo, hi):
+                index = (cell,) + (0,) * (len(entry.shape) - 1)
+                self._cell(entry, index, [data if part is not None else np.ascontiguousarray(data).data],
+                           (hi - lo) // row)
+            else:
+                self._stage(entry, (first,), (stop - first,), data)
+
+    def _stage(self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...], data: Any) -> None:
+        part = data if not isinstance(data, np.ndarray) else np.ascontiguousarray(data).data
+        nbytes = part_length(part)
+        self._staging.append(part)
+        self.staged.setdefault(entry.path, []).append([list(offsets), list(sizes), self._staged_bytes, nbytes])
+        self._staged_bytes += nbytes
 
     def commit(self, rank: int, path: str, nbytes: int, only: str | None, world_size: int, group_rank: int,
                group_size: int) -> None:

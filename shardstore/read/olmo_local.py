@@ -1,0 +1,484 @@
+"""OLMo's `local` sharded checkpoints (LocalShardedCheckpointer): FSDP1's raw flat parameters, per rank.
+
+    model/rank{r}.pt   {"modules": [{"name", "handles": [{"flat_param.data", "flat_param._fqns", ...}]}]}
+    optim/rank{r}.pt   the plain optim.state_dict(): state by parameter id, 1-D pieces of original parameters
+    train/rank{r}.pt   trainer state
+    metadata.yaml      world_size; config.yaml beside it
+
+A handle's flat parameter is its original parameters flattened and concatenated (with alignment padding
+from torch 2.1), padded to divide evenly, and split into equal contiguous slices, one per rank of the
+sharding group. Each original parameter's piece on a rank is therefore one element range of it: the
+store receives exactly those ranges (`ShardedSpec.flat`), so no flat parameter is ever assembled.
+
+Only rank 0's model file is read to plan: the layout of every other rank follows from its handles (their
+parameters' sizes, the padding FSDP inserted, the group size), and each rank's file is checked against
+that derivation when it is ingested: a file's own shard metadata must say exactly what the plan says.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .. import dtypes, paths
+from ..errors import CheckpointError, closed_on_error
+from ..locations import StorageOptions, is_url, local
+from .container import DataFile, TorchZip
+from .rankfile import MAX_WORLD_SIZE, LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
+from .source import CheckpointSpec, Node
+from .tensors import check_view
+from .trainer import TRAIN, join, join_trainer_state, listing, open_trainer, trainer_files
+from .unpickle import TensorRef, load
+
+FORMAT = "olmo-local"
+MODEL, OPTIM = "model", "optim"
+WRAPPED = "_fsdp_wrapped_module."
+ALIGNMENT_BYTES = 16  # FSDP1 aligns each original parameter's start to 16 bytes (use_orig_params, torch >= 2.1)
+_RANK = re.compile(r"^rank(0|[1-9][0-9]*)\.pt$")
+
+
+@dataclass(frozen=True)
+class Param:
+    fqn: str  # as OLMo's unsharder names it: module prefix and relative name, wrapper names removed
+    shape: tuple[int, ...]
+    start: int  # its first element in the handle's unsharded flat parameter
+    numel: int
+
+
+@dataclass(frozen=True)
+class Handle:
+    """One flat parameter, as every rank shares it."""
+
+    dtype: str
+    total: int  # unsharded flat numel, padding included
+    params: tuple[Param, ...]
+    old: bool  # torch <= 2.0.1 metadata (_shard_indices, _shard_param_offsets)
+
+    def shard(self, group_rank: int, group_size: int) -> tuple[int, int, int]:
+        """(first element, stop, padded length) of the slice `group_rank` holds (torch.chunk semantics)."""
+        size = -(-self.total // group_size)
+        first = min(group_rank * size, self.total)
+        return first, min(first + size, self.total), size
+
+    def pieces(self, group_rank: int, group_size: int) -> list[tuple[int, int, int, int]]:
+        """(param index, first element within the param, count, offset in the rank's slice) of every
+        parameter the rank holds some of."""
+        first, stop, _ = self.shard(group_rank, group_size)
+        out = []
+        for i, p in enumerate(self.params):
+            lo, hi = max(p.start, first), min(p.start + p.numel, stop)
+            if lo < hi:
+                out.append((i, lo - p.start, hi - lo, lo - first))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "total": self.total, "old": self.old,
+                "params": [[p.fqn, list(p.shape), p.start, p.numel] for p in self.params]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Handle":
+        return cls(d["dtype"], d["total"], tuple(Param(f, tuple(s), st, n) for f, s, st, n in d["params"]), d["old"])
+
+
+def clean(name: str) -> str:
+    return name.replace(WRAPPED, "")
+
+
+def detect(folder: str, storage_options: StorageOptions | None = None) -> bool:
+    """A `local` checkpoint: model/rank{r}.pt files (and no model/metadata.json, which is OLMo-core's)."""
+    names = [n.rsplit("/", 1)[-1] for n in listing(join(folder, MODEL), storage_options)]
+    return "metadata.json" not in names and any(_RANK.match(n) for n in names)
+
+
+def _ranked(folder: str, storage_options: StorageOptions | None) -> dict[int, str]:
+    found = {}
+    for path in listing(folder, storage_options):
+        m = _RANK.match(path.rsplit("/", 1)[-1])
+        if m:
+            found[int(m.group(1))] = path
+    return found
+
+
+def _world_size(folder: str, model_files: dict[int, str], storage_options: StorageOptions | None) -> int:
+    """metadata.yaml's world_size (OLMo writes `world_size: N`), else the number of model files."""
+    path = join(folder, "metadata.yaml")
+    try:
+        data = DataFile(path, storage_options)
+    except CheckpointError:
+        return len(model_files)
+    try:
+        text = bytes(data.view(0, min(data.size, 1 << 16))).decode("utf-8", "replace")
+    finally:
+        data.close()
+    m = re.search(r"^world_size:\s*(\d+)\s*$", text, re.M)
+    if not m or not 0 < int(m.group(1)) <= MAX_WORLD_SIZE:
+        raise CheckpointError(f"{path}: no world_size a checkpoint can have")
+    return int(m.group(1))
+
+
+def units(folder: str, storage_options: StorageOptions | None = None) -> list[str]:
+    """Every unit of work: model files, optimizer files, trainer-state files, each in rank order."""
+    out = []
+    for kind in (MODEL, OPTIM):
+        ranked = _ranked(join(folder, kind), storage_options)
+        out += [ranked[r] for r in sorted(ranked)]
+    return out + trainer_files(folder, storage_options)
+
+
+def _relative(path: str) -> str:
+    """"model/rank3.pt" from a unit's full path."""
+    parts = path.rstrip("/").replace("\\", "/").split("/")
+    return "/".join(parts[-2:])
+
+
+def _checkpoint_folder(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 2)[0] if is_url(path) else os.path.dirname(os.path.dirname(os.path.abspath(local(path))))
+
+
+# ---------------------------------------------------------------------------------------------- model files
+def _model_handles(obj: Any, where: str) -> list[tuple[str, dict[str, Any]]]:
+    """(module prefix, handle dict) of every flat parameter in a model file, in order."""
+    modules = obj.get("modules") if isinstance(obj, dict) else None
+    if not isinstance(modules, list):
+        raise CheckpointError(f"{where}: not an OLMo `local` model file (no \"modules\" list)")
+    out = []
+    for module in modules:
+        if not isinstance(module, dict) or not isinstance(module.get("name"), str) \
+                or not isinstance(module.get("handles"), list):
+            raise CheckpointError(f"{where}: a module entry without a name and handles")
+        for handle in module["handles"]:
+            if not isinstance(handle, dict) or not isinstance(handle.get("flat_param.data"), TensorRef):
+                raise CheckpointError(f"{where}: module {module['name']!r:.60}: a handle without flat_param.data")
+            out.append((clean(module["name"]), handle))
+    return out
+
+
+def _field(handle: dict[str, Any], name: str, where: str) -> Any:
+    try:
+        return handle[f"flat_param.{name}"]
+    except KeyError:
+        raise CheckpointError(f"{where}: its flat parameter metadata has no {name}") from None
+
+
+def _ints(values: Any, what: str) -> list[int]:
+    out = list(values) if isinstance(values, (list, tuple)) else None
+    if out is None or not all(type(v) is int and v >= 0 for v in out):
+        raise CheckpointError(f"{what} {values!r:.80} are not whole non-negative numbers")
+    return out
+
+
+def _handle(prefix: str, h: dict[str, Any], where: str) -> Handle:
+    """The layout every rank shares, from one rank's copy of a handle's metadata."""
+    data: TensorRef = h["flat_param.data"]
+    dtypes.info(data.dtype)
+    fqns = _field(h, "_fqns", where)
+    shapes = _field(h, "_shapes", where)
+    if not isinstance(fqns, (list, tuple)) or not all(isinstance(f, str) for f in fqns) \
+            or not isinstance(shapes, (list, tuple)) or len(shapes) != len(fqns):
+        raise CheckpointError(f"{where}: malformed _fqns / _shapes")
+    shapes = [tuple(_ints(s, f"{where}: shape of {f}")) for f, s in zip(fqns, shapes)]
+    numels = _ints(_field(h, "_numels", where), f"{where}: _numels")
+    if numels != [math.prod(s) for s in shapes]:
+        raise CheckpointError(f"{where}: _numels disagree with _shapes")
+    old = "flat_param._shard_param_infos" not in h
+    padded = numels if old else _ints(_field(h, "_numels_with_padding", where), f"{where}: _numels_with_padding")
+    starts = _starts(numels, padded, dtypes.info(data.dtype).itemsize)
+    if starts is None:
+        raise CheckpointError(f"{where}: _numels_with_padding is not FSDP's padding of _numels")
+    params = tuple(Param(clean(f"{prefix}.{f}" if prefix else f), s, st, n)
+                   for f, s, st, n in zip(fqns, shapes, starts, numels))
+    return Handle(data.dtype, sum(padded), params, old)
+
+
+def _starts(numels: list[int], padded: list[int], itemsize: int) -> list[int] | None:
+    """Where each parameter starts in the flat parameter: FSDP inserts padding only before a parameter
+    whose start is not 16-byte aligned, and at the end (to divide by the world size)."""
+    for align in (ALIGNMENT_BYTES // itemsize, 1):
+        starts, pos, i = [], 0, 0
+        for n in padded:
+            if i < len(numels) and pos % align == 0:
+                if n != numels[i]:
+                    break
+                starts.append(pos)
+                i += 1
+            pos += n
+        else:
+            if i == len(numels):
+                return starts
+    return None
+
+
+def _group_size(handles: list[Handle], local_numels: list[int], world: int, where: str) -> int:
+    """The sharding group's size: the divisor of the world size (the largest, FULL_SHARD, first) that
+    gives every handle the slice length rank 0 holds."""
+    for g in sorted((d for d in range(1, world + 1) if world % d == 0), reverse=True):
+        if all(h.shard(0, g)[2] == n for h, n in zip(handles, local_numels)):
+            return g
+    raise CheckpointError(f"{where}: its flat parameter slices fit no sharding of {world} ranks")
+
+
+def check_model_file(handles: list[Handle], found: list[tuple[str, dict[str, Any]]], group_rank: int,
+                     group_size: int, where: str) -> None:
+    """A rank's model file must describe the handles of the plan and hold exactly its slice of each."""
+    if len(found) != len(handles):
+        raise CheckpointError(f"{where}: {len(found)} flat parameters, the checkpoint has {len(handles)}")
+    for n, (h, (prefix, raw)) in enumerate(zip(handles, found)):
+        here = f"{where}: flat parameter {n}"
+        if _handle(prefix, raw, here) != h:
+            raise CheckpointError(f"{here}: its parameters differ from rank 0's (a file of another checkpoint?)")
+        data: TensorRef = raw["flat_param.data"]
+        first, stop, size = h.shard(group_rank, group_size)
+        if tuple(data.shape) != (size,):
+            raise CheckpointError(f"{here}: holds {list(data.shape)} elements, its slice has {size}")
+        if _field(raw, "_shard_numel_padded", here) != size - (stop - first):
+            raise CheckpointError(f"{here}: _shard_numel_padded disagrees with its slice")
+        pieces = h.pieces(group_rank, group_size)
+        if h.old:
+            offsets = [tuple(o) for o in _field(raw, "_shard_param_offsets", here)]
+            if offsets != [(lo, lo + n - 1) for _, lo, n, _ in pieces]:
+                raise CheckpointError(f"{here}: _shard_param_offsets disagree with its slice of the parameters")
+            indices = _field(raw, "_shard_indices", here)
+            if pieces and tuple(indices) != (pieces[0][0], pieces[-1][0]):
+                raise CheckpointError(f"{here}: _shard_indices disagree with its slice of the parameters")
+            continue
+        infos = _field(raw, "_shard_param_infos", here)
+        held = {i: (True, off, n, lo, lo + n - 1) for i, lo, n, off in pieces}
+        expected = [held.get(i, (False, None, None, None, None)) for i in range(len(h.params))]
+        if not isinstance(infos, (list, tuple)) or [tuple(x) for x in infos] != expected:
+            raise CheckpointError(f"{here}: _shard_param_infos disagree with its slice of the parameters")
+
+
+# ---------------------------------------------------------------------------------------------- the spec
+def read_layout(folder: str, storage_options: StorageOptions | None, strict: bool) -> dict[str, Any]:
+    """The checkpoint's facts, from metadata.yaml and rank 0's model file: handles, world and group size."""
+    models = _ranked(join(folder, MODEL), storage_options)
+    if 0 not in models:
+        raise CheckpointError(f"{join(folder, MODEL)}: no rank0.pt")
+    world = _world_size(folder, models, storage_options)
+    stray = [r for r in models if r >= world]
+    if stray:
+        raise CheckpointError(f"{models[stray[0]]}: rank {stray[0]}, but metadata.yaml says the world has {world}")
+    with TorchZip(models[0], storage_options) as zf:
+        zf.verify("data.pkl")
+        found = _model_handles(load(zf.record("data.pkl"), models[0], strict), models[0])
+        handles = [_handle(prefix, raw, f"{models[0]}: flat parameter {n}") for n, (prefix, raw) in enumerate(found)]
+        group = _group_size(handles, [raw["flat_param.data"].shape[0] if raw["flat_param.data"].shape else -1
+                                      for _, raw in found], world, models[0])
+        check_model_file(handles, found, 0, group, models[0])
+    names = [p.fqn for h in handles for p in h.params]
+    if len(set(names)) != len(names):
+        raise CheckpointError(f"{models[0]}: two parameters named {next(n for n in names if names.count(n) > 1)!r:.80}")
+    return {"handles": [h.to_json() for h in handles], "world": world, "group": group}
+
+
+def _holders(handles: list[Handle], group: int) -> dict[str, list[tuple[int, int, int]]]:
+    """fqn -> (group rank, first element, count) of every piece of it, in rank order."""
+    out: dict[str, list[tuple[int, int, int]]] = {p.fqn: [] for h in handles for p in h.params}
+    for h in handles:
+        for r in range(group):
+            for i, lo, n, _ in h.pieces(r, group):
+                out[h.params[i].fqn].append((r, lo, n))
+    return out
+
+
+def _groups(state: Any, where: str) -> tuple[dict[Any, str], list[Any]]:
+    """(param id -> clean fqn, the param groups with clean names) of an optimizer file."""
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    if not isinstance(groups, list) or not isinstance(state.get("state"), dict):
+        raise CheckpointError(f"{where}: not an optimizer state dict (state and param_groups)")
+    ids: dict[Any, str] = {}
+    cleaned = []
+    for g in groups:
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list) \
+                or not isinstance(g.get("param_names"), list) or len(g["params"]) != len(g["param_names"]):
+            raise CheckpointError(f"{where}: a param group without matching params and param_names (OLMo adds "
+                                  f"the names; without them the state cannot be matched to parameters)")
+        ids.update(zip(g["params"], (clean(n) if isinstance(n, str) else n for n in g["param_names"])))
+        cleaned.append({**g, "param_names": [clean(n) if isinstance(n, str) else n for n in g["param_names"]]})
+    return ids, cleaned
+
+
+def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
+         storage_options: StorageOptions | None) -> CheckpointSpec:
+    facts = read_layout(folder, storage_options, strict)
+    handles = [Handle.from_json(h) for h in facts["handles"]]
+    world, group = facts["world"], facts["group"]
+    holders = _holders(handles, group)
+    shapes = {p.fqn: (h.dtype, p.shape) for h in handles for p in h.params}
+    arrays: dict[str, ShardedSpec] = {}
+    model = Node("dict", MODEL)
+    for fqn, (dtype, shape) in shapes.items():
+        path = paths.join(MODEL, paths.escape(fqn))
+        model.children.append((encode_key(fqn), Node("leaf", path)))
+        arrays[path] = _flat_spec(dtype, shape, holders[fqn])
+    tree, objects = Node("dict", "", [(encode_key(MODEL), model)]), []
+    optims = _ranked(join(folder, OPTIM), storage_options)
+    if optims:
+        optim, keys = _optim_spec(folder, optims, handles, group, holders, shapes, encode_key, strict, storage_options)
+        tree.children.append((encode_key(OPTIM), optim))
+        objects.append(paths.join(OPTIM, "param_groups"))
+        for path, (kind, dtype, fqn) in keys.items():
+            if kind == "array":
+                arrays[path] = _flat_spec(dtype, shapes[fqn][1], holders[fqn])
+            else:
+                objects.append(path)
+    train = trainer_files(folder, storage_options)
+    if train:
+        join_trainer_state(tree, objects, train[0], encode_key, storage_options, strict)
+    relative = [_relative(u) for u in unit_paths]
+    layout = json.dumps(facts, sort_keys=True)
+    extra = {"units": relative, "metadata": hashlib.blake2b(layout.encode(), digest_size=16).hexdigest(),
+             "olmo_local": facts, "replicas": world // group}
+    return CheckpointSpec(FORMAT, len(relative), len(relative), tree, arrays, {}, objects, extra)
+
+
+def _flat_spec(dtype: str, shape: tuple[int, ...], pieces: list[tuple[int, int, int]]) -> ShardedSpec:
+    return ShardedSpec(dtype, shape, tuple(ShardSpec((lo,), (n,), r) for r, lo, n in pieces), flat=True)
+
+
+def _optim_spec(folder: str, optims: dict[int, str], handles: list[Handle], group: int,
+                holders: dict[str, list[tuple[int, int, int]]], shapes: dict[str, tuple[str, tuple[int, ...]]],
+                encode_key: Any, strict: bool, storage_options: StorageOptions | None
+                ) -> tuple[Node, dict[str, tuple[str, str | None, str]]]:
+    """The optimizer's subtree. Which state keys a parameter has, and their dtypes, are read from the first
+    rank holding a piece of it (the ranks that hold none have no state for it)."""
+    if 0 not in optims:
+        raise CheckpointError(f"{join(folder, OPTIM)}: no rank0.pt")
+    needed = sorted({pieces[0][0] for pieces in holders.values() if pieces} | {0})
+    per_rank = {}
+    for r in needed:
+        if r not in optims:
+            raise CheckpointError(f"{join(folder, OPTIM)}: no rank{r}.pt")
+        with TorchZip(optims[r], storage_options) as zf:
+            per_rank[r] = load(zf.record("data.pkl"), optims[r], strict)
+    ids, _ = _groups(per_rank[0], optims[0])
+    unknown = [f for f in ids.values() if f not in shapes]
+    if unknown:
+        raise CheckpointError(f"{optims[0]}: param_names name {unknown[0]!r:.80}, which no flat parameter holds")
+    state_node = Node("dict", paths.join(OPTIM, "state"))
+    keys: dict[str, tuple[str, str | None, str]] = {}
+    for pid, fqn in ids.items():
+        if not holders[fqn]:
+            continue
+        first = holders[fqn][0][0]
+        entry = per_rank[first]["state"].get(pid)
+        if not isinstance(entry, dict):
+            continue  # no state (a parameter without gradients)
+        node = Node("dict", paths.join(state_node.path, paths.escape(pid)))
+        for key, value in entry.items():
+            path = paths.join(node.path, paths.escape(key))
+            node.children.append((encode_key(key), Node("leaf", path)))
+            if isinstance(value, TensorRef) and len(value.shape) == 1 and value.shape[0] == holders[fqn][0][2]:
+                keys[path] = ("array", value.dtype, fqn)
+            elif isinstance(value, TensorRef) and value.shape:
+                raise CheckpointError(f"{optims[first]}: state {pid}/{key!r:.40} has shape {list(value.shape)}; "
+                                      f"expected this rank's {holders[fqn][0][2]} elements of {fqn}")
+            else:
+                keys[path] = ("value", None, fqn)
+        state_node.children.append((encode_key(pid), node))
+    groups = Node("leaf", paths.join(OPTIM, "param_groups"))
+    return Node("dict", OPTIM, [(encode_key("state"), state_node), (encode_key("param_groups"), groups)]), keys
+
+
+# ---------------------------------------------------------------------------------------------- units
+@dataclass
+class LocalUnit:
+    """One model or optimizer file of one rank, opened and checked: its pieces and values."""
+
+    path: str
+    rank: int  # the unit's number in the checkpoint
+    world_size: int
+    group_rank: int
+    group_size: int
+    digest: str
+    leaves: dict[str, Any]
+    zip: TorchZip
+
+    @property
+    def size(self) -> int:
+        return self.zip.size
+
+    def value_zip(self, path: str) -> TorchZip:
+        return self.zip
+
+    def close(self) -> None:
+        self.zip.close()
+
+
+def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+              facts: dict[str, Any]) -> Any:
+    """Open one unit; `facts` are the store's (the layout planned from rank 0)."""
+    relative = _relative(path)
+    kind, name = relative.split("/")
+    listed = facts.get("units", [])
+    if relative not in listed or "olmo_local" not in facts:
+        raise CheckpointError(f"{path}: not a file of the `local` checkpoint the store holds")
+    index, count, digest = listed.index(relative), len(listed), facts["metadata"]
+    if kind == TRAIN:
+        return open_trainer(path, index, count, digest, storage_options, strict, encode_key)
+    layout = facts["olmo_local"]
+    handles = [Handle.from_json(h) for h in layout["handles"]]
+    rank = int(_RANK.match(name).group(1))  # type: ignore[union-attr]
+    group = layout["group"]
+    zf = TorchZip(path, storage_options)
+    unit = LocalUnit(path, index, count, index, count, digest, {}, zf)
+    with closed_on_error(unit.close, path):
+        zf.verify("data.pkl")
+        obj = load(zf.record("data.pkl"), path, strict)
+        if kind == MODEL:
+            _model_leaves(unit, obj, handles, rank % group, group)
+        else:
+            _optim_leaves(unit, obj, handles, rank % group, group)
+    return unit
+
+
+def _slice(zf: TorchZip, data: TensorRef, offset: int, count: int, where: str) -> TensorRef:
+    """Elements [offset, offset + count) of a 1-D tensor, as a tensor of their own (checked in place)."""
+    check_view(zf, data, where)
+    if len(data.shape) != 1 or offset + count > data.shape[0]:
+        raise CheckpointError(f"{zf.path}: {where}: holds {list(data.shape)} elements, needs {offset + count}")
+    return TensorRef(data.storage, data.offset + offset * data.stride[0], (count,), data.stride, data.dtype)
+
+
+def _model_leaves(unit: LocalUnit, obj: Any, handles: list[Handle], group_rank: int, group: int) -> None:
+    found = _model_handles(obj, unit.path)
+    check_model_file(handles, found, group_rank, group, unit.path)
+    for h, (_, raw) in zip(handles, found):
+        data = raw["flat_param.data"]
+        for i, lo, n, off in h.pieces(group_rank, group):
+            p = h.params[i]
+            piece = LocalPiece((lo,), (n,), _slice(unit.zip, data, off, n, p.fqn), unit.zip)
+            unit.leaves[paths.join(MODEL, paths.escape(p.fqn))] = ShardedLeaf(h.dtype, p.shape, [piece])
+
+
+def _optim_leaves(unit: LocalUnit, obj: Any, handles: list[Handle], group_rank: int, group: int) -> None:
+    ids, cleaned = _groups(obj, unit.path)
+    mine = {h.params[i].fqn: (lo, n, h.params[i].shape) for h in handles for i, lo, n, _ in h.pieces(group_rank, group)}
+    base = paths.join(OPTIM, "state")
+    for pid, entry in obj["state"].items():
+        fqn = ids.get(pid)
+        if fqn is None or not isinstance(entry, dict):
+            raise CheckpointError(f"{unit.path}: state for parameter id {pid!r:.40}, which no param group lists")
+        node = paths.join(base, paths.escape(pid))
+        for key, value in entry.items():
+            path = paths.join(node, paths.escape(key))
+            if isinstance(value, TensorRef) and len(value.shape) == 1 and fqn in mine:
+                lo, n, shape = mine[fqn]
+                if value.shape[0] != n:
+                    raise CheckpointError(f"{unit.path}: state {pid}/{key}: {value.shape[0]} elements, but this rank "
+                                          f"holds {n} of {fqn}")
+                piece = LocalPiece((lo,), (n,), _slice(unit.zip, value, 0, n, f"{fqn} {key}"), unit.zip)
+                unit.leaves[path] = ShardedLeaf(value.dtype, shape, [piece])
+            elif isinstance(value, TensorRef) and value.shape and math.prod(value.shape) == 0:
+                continue  # state for a parameter this rank holds none of
+            elif isinstance(value, TensorRef) and value.shape:
+                raise CheckpointError(f"{unit.path}: state {pid}/{key!r:.40} has shape {list(value.shape)}, "
+                                      f"but this rank holds none of {fqn}")
+            else:
+                unit.leaves[path] = value
+    unit.leaves[paths.join(OPTIM, "param_groups")] = cleaned

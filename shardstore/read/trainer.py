@@ -1,0 +1,96 @@
+"""OLMo's per-rank trainer state, `train/rank{r}.pt`, beside a checkpoint whose tensors are elsewhere.
+
+OLMo's `torch_new`, `local` and `olmo_core` checkpointers (and OLMo-core's trainer) save the model and
+optimizer in their own files and the trainer state (step, data position, RNG states, run paths) as one
+plain torch.save per rank. Those values join the state dict's top level, beside `model` and `optim`, so
+the torch export's train.pt comes from rank 0, as OLMo's unsharders take it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointError
+from ..locations import StorageOptions, filesystem, is_url
+from .container import TorchZip
+from .layouts import name_rank
+from .source import Node
+
+TRAIN = "train"
+
+
+def join(folder: str, name: str) -> str:
+    return f"{folder.rstrip('/')}/{name}" if is_url(folder) else os.path.join(folder, name)
+
+
+def listing(folder: str, storage_options: StorageOptions | None) -> list[str]:
+    """The paths of the files in `folder` (empty if it does not exist)."""
+    if is_url(folder):
+        fs, base = filesystem(folder, storage_options)
+        return [join(folder, p.rstrip("/").rsplit("/", 1)[-1]) for p in (fs.ls(base, detail=False) if fs.isdir(base) else [])]
+    return [os.path.join(folder, n) for n in sorted(os.listdir(folder))] if os.path.isdir(folder) else []
+
+
+def trainer_files(checkpoint: str, storage_options: StorageOptions | None = None) -> list[str]:
+    """`train/rank{r}.pt` under the checkpoint folder, in rank order (empty when there are none)."""
+    found = listing(join(checkpoint, TRAIN), storage_options)
+    ranked = {name_rank(f): f for f in found if f.endswith(".pt") and name_rank(f) is not None}
+    return [ranked[r] for r in sorted(ranked)]
+
+
+@dataclass
+class TrainerUnit:
+    """One rank's trainer-state file: values only, numbered after the checkpoint's other units."""
+
+    path: str
+    rank: int
+    world_size: int
+    group_rank: int
+    group_size: int
+    digest: str
+    rf: Any  # the RankFile
+
+    @property
+    def leaves(self) -> dict[str, Any]:
+        return self.rf.leaves
+
+    @property
+    def size(self) -> int:
+        return self.rf.size
+
+    def value_zip(self, path: str) -> TorchZip:
+        return self.rf.zip
+
+    def close(self) -> None:
+        self.rf.close()
+
+
+def open_trainer(path: str, index: int, count: int, digest: str, storage_options: StorageOptions | None,
+                 strict: bool, encode_key: Any) -> TrainerUnit:
+    """Open `path` as unit `index` of `count`; it must hold plain values only."""
+    from .rankfile import ShardedLeaf, read_rank_file
+
+    rf = read_rank_file(path, encode_key=encode_key, storage_options=storage_options, strict=strict)
+    if name_rank(path) is None or any(isinstance(leaf, ShardedLeaf) for leaf in rf.leaves.values()):
+        rf.close()
+        raise CheckpointError(f"{path}: not a trainer-state file (train/rank<N>.pt of plain values)")
+    return TrainerUnit(path, index, count, index, count, digest, rf)
+
+
+def join_trainer_state(tree: Node, objects: list[str], first: str, encode_key: Any,
+                       storage_options: StorageOptions | None, strict: bool) -> None:
+    """Add the keys of trainer-state file `first` (rank 0's) to the top level of `tree`, as values."""
+    from .rankfile import read_rank_file
+
+    rf = read_rank_file(first, encode_key=encode_key, storage_options=storage_options, strict=strict)
+    try:
+        mine = {child.path for _, child in tree.children}
+        theirs = rf.skeleton.children
+        if rf.skeleton.kind not in ("dict", "odict") or mine & {child.path for _, child in theirs}:
+            raise CheckpointError(f"{first}: its keys collide with the model and optimizer state")
+        tree.children += theirs
+        objects += list(rf.leaves)
+    finally:
+        rf.close()
