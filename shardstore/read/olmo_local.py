@@ -20,24 +20,23 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from .. import dtypes, paths
+from .. import dtypes
 from ..errors import CheckpointError, closed_on_error
-from ..locations import StorageOptions, is_url, local
+from ..locations import StorageOptions
 from .container import DataFile, TorchZip
-from .rankfile import MAX_WORLD_SIZE, LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
+from .olmo import (MODEL, OPTIM, PARAM_GROUPS, FileUnit, clean, flat_spec, model_path, model_tree, optim_tree,
+                   relative, state_path, unit_index)
+from .rankfile import MAX_WORLD_SIZE, LocalPiece, ShardedLeaf
 from .source import CheckpointSpec, Node
 from .tensors import check_view
 from .trainer import TRAIN, join, join_trainer_state, listing, open_trainer, trainer_files
 from .unpickle import TensorRef, load
 
 FORMAT = "olmo-local"
-MODEL, OPTIM = "model", "optim"
-WRAPPED = "_fsdp_wrapped_module."
 ALIGNMENT_BYTES = 16  # FSDP1 aligns each original parameter's start to 16 bytes (use_orig_params, torch >= 2.1)
 _RANK = re.compile(r"^rank(0|[1-9][0-9]*)\.pt$")
 
@@ -85,10 +84,6 @@ class Handle:
         return cls(d["dtype"], d["total"], tuple(Param(f, tuple(s), st, n) for f, s, st, n in d["params"]), d["old"])
 
 
-def clean(name: str) -> str:
-    return name.replace(WRAPPED, "")
-
-
 def detect(folder: str, storage_options: StorageOptions | None = None) -> bool:
     """A `local` checkpoint: model/rank{r}.pt files (and no model/metadata.json, which is OLMo-core's)."""
     names = [n.rsplit("/", 1)[-1] for n in listing(join(folder, MODEL), storage_options)]
@@ -128,16 +123,6 @@ def units(folder: str, storage_options: StorageOptions | None = None) -> list[st
         ranked = _ranked(join(folder, kind), storage_options)
         out += [ranked[r] for r in sorted(ranked)]
     return out + trainer_files(folder, storage_options)
-
-
-def _relative(path: str) -> str:
-    """"model/rank3.pt" from a unit's full path."""
-    parts = path.rstrip("/").replace("\\", "/").split("/")
-    return "/".join(parts[-2:])
-
-
-def _checkpoint_folder(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 2)[0] if is_url(path) else os.path.dirname(os.path.dirname(os.path.abspath(local(path))))
 
 
 # ---------------------------------------------------------------------------------------------- model files
@@ -310,43 +295,34 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     world, group = facts["world"], facts["group"]
     holders = _holders(handles, group)
     shapes = {p.fqn: (h.dtype, p.shape) for h in handles for p in h.params}
-    arrays: dict[str, ShardedSpec] = {}
-    model = Node("dict", MODEL)
-    for fqn, (dtype, shape) in shapes.items():
-        path = paths.join(MODEL, paths.escape(fqn))
-        model.children.append((encode_key(fqn), Node("leaf", path)))
-        arrays[path] = _flat_spec(dtype, shape, holders[fqn])
-    tree, objects = Node("dict", "", [(encode_key(MODEL), model)]), []
+    arrays = {model_path(fqn): flat_spec(dtype, shape, holders[fqn]) for fqn, (dtype, shape) in shapes.items()}
+    tree, objects = Node("dict", "", [(encode_key(MODEL), model_tree(list(shapes), encode_key))]), []
     optims = _ranked(join(folder, OPTIM), storage_options)
     if optims:
-        optim, keys = _optim_spec(folder, optims, handles, group, holders, shapes, encode_key, strict, storage_options)
-        tree.children.append((encode_key(OPTIM), optim))
-        objects.append(paths.join(OPTIM, "param_groups"))
+        state, keys = _optim_spec(folder, optims, holders, shapes, strict, storage_options)
+        tree.children.append((encode_key(OPTIM), optim_tree(state, encode_key)))
+        objects.append(PARAM_GROUPS)
         for path, (kind, dtype, fqn) in keys.items():
             if kind == "array":
-                arrays[path] = _flat_spec(dtype, shapes[fqn][1], holders[fqn])
+                arrays[path] = flat_spec(dtype, shapes[fqn][1], holders[fqn])
             else:
                 objects.append(path)
     train = trainer_files(folder, storage_options)
     if train:
         join_trainer_state(tree, objects, train[0], encode_key, storage_options, strict)
-    relative = [_relative(u) for u in unit_paths]
+    names = [relative(u) for u in unit_paths]
     layout = json.dumps(facts, sort_keys=True)
-    extra = {"units": relative, "metadata": hashlib.blake2b(layout.encode(), digest_size=16).hexdigest(),
+    extra = {"units": names, "metadata": hashlib.blake2b(layout.encode(), digest_size=16).hexdigest(),
              "olmo_local": facts, "replicas": world // group}
-    return CheckpointSpec(FORMAT, len(relative), len(relative), tree, arrays, {}, objects, extra)
+    return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
 
 
-def _flat_spec(dtype: str, shape: tuple[int, ...], pieces: list[tuple[int, int, int]]) -> ShardedSpec:
-    return ShardedSpec(dtype, shape, tuple(ShardSpec((lo,), (n,), r) for r, lo, n in pieces), flat=True)
-
-
-def _optim_spec(folder: str, optims: dict[int, str], handles: list[Handle], group: int,
-                holders: dict[str, list[tuple[int, int, int]]], shapes: dict[str, tuple[str, tuple[int, ...]]],
-                encode_key: Any, strict: bool, storage_options: StorageOptions | None
-                ) -> tuple[Node, dict[str, tuple[str, str | None, str]]]:
-    """The optimizer's subtree. Which state keys a parameter has, and their dtypes, are read from the first
-    rank holding a piece of it (the ranks that hold none have no state for it)."""
+def _optim_spec(folder: str, optims: dict[int, str], holders: dict[str, list[tuple[int, int, int]]],
+                shapes: dict[str, tuple[str, tuple[int, ...]]], strict: bool, storage_options: StorageOptions | None
+                ) -> tuple[list[tuple[Any, list[Any]]], dict[str, tuple[str, str | None, str]]]:
+    """(param id, its state keys) in order, and every state leaf's kind ("array" with its dtype, or
+    "value") and parameter. Which keys a parameter has, and their dtypes, are read from the first rank
+    holding a piece of it (the ranks that hold none have no state for it)."""
     if 0 not in optims:
         raise CheckpointError(f"{join(folder, OPTIM)}: no rank0.pt")
     needed = sorted({pieces[0][0] for pieces in holders.values() if pieces} | {0})
@@ -360,80 +336,47 @@ def _optim_spec(folder: str, optims: dict[int, str], handles: list[Handle], grou
     unknown = [f for f in ids.values() if f not in shapes]
     if unknown:
         raise CheckpointError(f"{optims[0]}: param_names name {unknown[0]!r:.80}, which no flat parameter holds")
-    state_node = Node("dict", paths.join(OPTIM, "state"))
+    state: list[tuple[Any, list[Any]]] = []
     keys: dict[str, tuple[str, str | None, str]] = {}
     for pid, fqn in ids.items():
         if not holders[fqn]:
             continue
-        first = holders[fqn][0][0]
+        first, _, count = holders[fqn][0]
         entry = per_rank[first]["state"].get(pid)
         if not isinstance(entry, dict):
             continue  # no state (a parameter without gradients)
-        node = Node("dict", paths.join(state_node.path, paths.escape(pid)))
         for key, value in entry.items():
-            path = paths.join(node.path, paths.escape(key))
-            node.children.append((encode_key(key), Node("leaf", path)))
-            if isinstance(value, TensorRef) and len(value.shape) == 1 and value.shape[0] == holders[fqn][0][2]:
-                keys[path] = ("array", value.dtype, fqn)
+            if isinstance(value, TensorRef) and len(value.shape) == 1 and value.shape[0] == count:
+                keys[state_path(pid, key)] = ("array", value.dtype, fqn)
             elif isinstance(value, TensorRef) and value.shape:
                 raise CheckpointError(f"{optims[first]}: state {pid}/{key!r:.40} has shape {list(value.shape)}; "
-                                      f"expected this rank's {holders[fqn][0][2]} elements of {fqn}")
+                                      f"expected this rank's {count} elements of {fqn}")
             else:
-                keys[path] = ("value", None, fqn)
-        state_node.children.append((encode_key(pid), node))
-    groups = Node("leaf", paths.join(OPTIM, "param_groups"))
-    return Node("dict", OPTIM, [(encode_key("state"), state_node), (encode_key("param_groups"), groups)]), keys
+                keys[state_path(pid, key)] = ("value", None, fqn)
+        state.append((pid, list(entry)))
+    return state, keys
 
 
 # ---------------------------------------------------------------------------------------------- units
-@dataclass
-class LocalUnit:
-    """One model or optimizer file of one rank, opened and checked: its pieces and values."""
-
-    path: str
-    rank: int  # the unit's number in the checkpoint
-    world_size: int
-    group_rank: int
-    group_size: int
-    digest: str
-    leaves: dict[str, Any]
-    zip: TorchZip
-
-    @property
-    def size(self) -> int:
-        return self.zip.size
-
-    def value_zip(self, path: str) -> TorchZip:
-        return self.zip
-
-    def close(self) -> None:
-        self.zip.close()
-
-
 def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
               facts: dict[str, Any]) -> Any:
     """Open one unit; `facts` are the store's (the layout planned from rank 0)."""
-    relative = _relative(path)
-    kind, name = relative.split("/")
-    listed = facts.get("units", [])
-    if relative not in listed or "olmo_local" not in facts:
-        raise CheckpointError(f"{path}: not a file of the `local` checkpoint the store holds")
-    index, count, digest = listed.index(relative), len(listed), facts["metadata"]
+    index, count, digest = unit_index(path, facts, "olmo_local", "`local`")
+    kind, name = relative(path).split("/")
     if kind == TRAIN:
         return open_trainer(path, index, count, digest, storage_options, strict, encode_key)
     layout = facts["olmo_local"]
     handles = [Handle.from_json(h) for h in layout["handles"]]
-    rank = int(_RANK.match(name).group(1))  # type: ignore[union-attr]
-    group = layout["group"]
+    m = _RANK.match(name)
+    if m is None:
+        raise CheckpointError(f"{path}: not a rank<N>.pt file")
+    group_rank, group = int(m.group(1)) % layout["group"], layout["group"]
     zf = TorchZip(path, storage_options)
-    unit = LocalUnit(path, index, count, index, count, digest, {}, zf)
+    unit = FileUnit(path, index, count, index, count, digest, {}, zf)
     with closed_on_error(unit.close, path):
         zf.verify("data.pkl")
         obj = load(zf.record("data.pkl"), path, strict)
-        if kind == MODEL:
-            _model_leaves(unit, obj, handles, rank % group, group)
-        else:
-            _optim_leaves(unit, obj, handles, rank % group, group)
+        (_model_leaves if kind == MODEL else _optim_leaves)(unit, obj, handles, group_rank, group)
     return unit
 
 
@@ -445,34 +388,32 @@ def _slice(zf: TorchZip, data: TensorRef, offset: int, count: int, where: str) -
     return TensorRef(data.storage, data.offset + offset * data.stride[0], (count,), data.stride, data.dtype)
 
 
-def _model_leaves(unit: LocalUnit, obj: Any, handles: list[Handle], group_rank: int, group: int) -> None:
+def _model_leaves(unit: FileUnit, obj: Any, handles: list[Handle], group_rank: int, group: int) -> None:
     found = _model_handles(obj, unit.path)
     check_model_file(handles, found, group_rank, group, unit.path)
     for h, (_, raw) in zip(handles, found):
         data = raw["flat_param.data"]
         for i, lo, n, off in h.pieces(group_rank, group):
             p = h.params[i]
-            piece = LocalPiece((lo,), (n,), _slice(unit.zip, data, off, n, p.fqn), unit.zip)
-            unit.leaves[paths.join(MODEL, paths.escape(p.fqn))] = ShardedLeaf(h.dtype, p.shape, [piece])
+            piece = LocalPiece((lo,), (n,), _slice(unit.container, data, off, n, p.fqn), unit.container)
+            unit.leaves[model_path(p.fqn)] = ShardedLeaf(h.dtype, p.shape, [piece])
 
 
-def _optim_leaves(unit: LocalUnit, obj: Any, handles: list[Handle], group_rank: int, group: int) -> None:
+def _optim_leaves(unit: FileUnit, obj: Any, handles: list[Handle], group_rank: int, group: int) -> None:
     ids, cleaned = _groups(obj, unit.path)
     mine = {h.params[i].fqn: (lo, n, h.params[i].shape) for h in handles for i, lo, n, _ in h.pieces(group_rank, group)}
-    base = paths.join(OPTIM, "state")
     for pid, entry in obj["state"].items():
         fqn = ids.get(pid)
         if fqn is None or not isinstance(entry, dict):
             raise CheckpointError(f"{unit.path}: state for parameter id {pid!r:.40}, which no param group lists")
-        node = paths.join(base, paths.escape(pid))
         for key, value in entry.items():
-            path = paths.join(node, paths.escape(key))
+            path = state_path(pid, key)
             if isinstance(value, TensorRef) and len(value.shape) == 1 and fqn in mine:
                 lo, n, shape = mine[fqn]
                 if value.shape[0] != n:
                     raise CheckpointError(f"{unit.path}: state {pid}/{key}: {value.shape[0]} elements, but this rank "
                                           f"holds {n} of {fqn}")
-                piece = LocalPiece((lo,), (n,), _slice(unit.zip, value, 0, n, f"{fqn} {key}"), unit.zip)
+                piece = LocalPiece((lo,), (n,), _slice(unit.container, value, 0, n, f"{fqn} {key}"), unit.container)
                 unit.leaves[path] = ShardedLeaf(value.dtype, shape, [piece])
             elif isinstance(value, TensorRef) and value.shape and math.prod(value.shape) == 0:
                 continue  # state for a parameter this rank holds none of
@@ -481,4 +422,4 @@ def _optim_leaves(unit: LocalUnit, obj: Any, handles: list[Handle], group_rank: 
                                       f"but this rank holds none of {fqn}")
             else:
                 unit.leaves[path] = value
-    unit.leaves[paths.join(OPTIM, "param_groups")] = cleaned
+    unit.leaves[PARAM_GROUPS] = cleaned
