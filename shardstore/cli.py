@@ -300,19 +300,36 @@ def watch(store: str, src: str, expect: int | None, timeout: float | None, tag: 
     click.echo(f"{store}: complete, {st.manifest.world_size} ranks")
 
 
+def _unit_kind(file: str) -> str:
+    """What kind of file a unit is, by its place in the checkpoint (model/, optim/, train/, .distcp)."""
+    if file.endswith(".distcp"):
+        return ".distcp files"
+    folder = file.split("/")[0] if "/" in file else ""
+    return {"train": "trainer-state files", "model": "model files", "optim": "optimizer files"}.get(folder, "files")
+
+
+_UNIT_FILES = {"dcp": _unit_kind, "olmo-local": _unit_kind, "olmo-core": _unit_kind}
+
+
 def _summary(store: str) -> tuple[Any, Any, list[str]]:
     """(store, status, the lines that describe both): what `status` and `ls` start with."""
     st = api.open(store, _options())
     s = st.status()
     m = st.manifest
-    if m.extra.get("format") == "dcp":
+    fmt = m.extra.get("format", "torch-save")
+    if fmt in _UNIT_FILES:
         files = m.extra["units"]
         missing = [files[r] for r in s.ranks_missing]
-        trainer = sum(not f.endswith(".distcp") for f in files)  # OLMo's train/rank<N>.pt beside the DCP folder
-        return st, s, [f"format: dcp ({len(files) - trainer} .distcp files"
-                       + (f" + {trainer} trainer-state files)" if trainer else ")"), f"layout: {m.layout}",
-                       f"files ingested: {len(s.ranks_done)}/{len(files)}"
-                       + (f"; missing: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}" if missing else "")]
+        counts = {}
+        for f in files:
+            kind = _UNIT_FILES[fmt](f)
+            counts[kind] = counts.get(kind, 0) + 1
+        described = " + ".join(f"{n} {kind}" for kind, n in counts.items())
+        replicas = m.extra.get("replicas", 1)
+        return st, s, [f"format: {fmt} ({described})", f"layout: {m.layout}"]\
+            + ([f"hybrid sharding: {replicas} replica groups"] if replicas > 1 else []) \
+            + [f"files ingested: {len(s.ranks_done)}/{len(files)}"
+               + (f"; missing: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}" if missing else "")]
     replicas = m.extra.get("replicas", 1)
     return st, s, ["format: torch-save rank files", f"layout: {m.layout}",
                    f"world size: {m.world_size}" + (f" ({replicas} replica groups of {m.extra['group_size']})"

@@ -73,6 +73,27 @@ def dcp_checkpoints(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def olmo_checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    """olmo_checkpoints(kind, variant, world_size) -> a checkpoint folder as OLMo wrote it
+    (tests/fixtures/olmo.py: "local" 2.2/2.0, "olmo_core" flat/dtensor), torch's gather in expected.pt.ref."""
+    from tests.fixtures.olmo import make_olmo_checkpoint
+
+    base = CACHE or tmp_path_factory.mktemp("olmo")
+    made: dict[tuple[str, str, int], Path] = {}
+
+    def get(kind: str, variant: str, world_size: int) -> Path:
+        key = (kind, variant, world_size)
+        if key not in made:
+            out = base / f"{kind}-{variant}-w{world_size}"
+            if not (out / "expected.pt.ref").exists():
+                make_olmo_checkpoint(out, world_size, kind, variant)
+            made[key] = out
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def s3():
     """A real S3 API server (moto, its own process) on loopback; AWS_* set so everything here uses it."""
     from tests.fixtures.servers import S3Server

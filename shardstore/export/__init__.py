@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from .. import tempfiles
 from ..errors import ExportError, StoreError
 from ..read.source import Node
 from ..store.store import Status, Store
-from .output import output_error
+from .output import OutputFile, output_error
 from .resolve import leaves, node_at
 from .dcp import METADATA, export_dcp
 from .safetensors import export_safetensors, plan_safetensors
@@ -32,7 +33,7 @@ class ExportResult:
 
 # Every file name an export of any format writes: what a previous export may have left in OUT.
 _OUTPUT_NAME = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
-                          r"|(model|optim|train|checkpoint)\.pt|__\d+_0\.distcp|\.metadata)\Z")
+                          r"|(model|optim|train|checkpoint)\.pt|__\d+_0\.distcp|\.metadata|config\.yaml)\Z")
 
 
 def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
@@ -40,6 +41,17 @@ def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
     if not out.is_dir():
         return []
     return sorted(p for p in out.iterdir() if _OUTPUT_NAME.match(p.name) and p.name not in planned)
+
+
+def write_side_files(side_files: dict[str, str], out: Path) -> list[Path]:
+    """The run's files the store kept (config.yaml: OLMo's unsharder copies it beside model.pt, and the
+    Hugging Face converters read it from there), written back byte for byte."""
+    written = []
+    for name, data in side_files.items():
+        with OutputFile(out / name) as f:
+            f.write(base64.b64decode(data))
+        written.append(out / name)
+    return written
 
 
 def model_subtree(store: Store) -> str:
@@ -110,6 +122,8 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         assert node is not None
         plan = plan_safetensors(store, node, strip_prefix, dtype, max_shard_size)
         planned, nbytes = plan.files, plan.nbytes
+    side_files = store.manifest.extra.get("side_files", {})
+    planned = planned + list(side_files)
     stale = previous_outputs(out, planned)
     if stale and not overwrite:
         names = ", ".join(p.name for p in stale[:6]) + (" ..." if len(stale) > 6 else "")
@@ -127,6 +141,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         else:
             files = export_safetensors(store, out, plan, progress, partial, scheduler, jobs)
             result = ExportResult(files, plan.skipped, partial)
+        result.files += write_side_files(side_files, out)
         for path in stale:  # only now that the new export is whole
             path.unlink(missing_ok=True)
     except OSError as exc:

@@ -166,7 +166,11 @@ def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | 
             save(store, build(store, node_at(tree, name), plain_dicts=True), target, progress, partial=partial)
             written.append(target)
         rest = dict(build(store, tree, plain_dicts=True))
-        for name in ("model", "optim", "rng"):
+        # OLMo's legacy unsharder leaves the per-rank RNG states out of train.pt; for the formats with
+        # train/rank{r}.pt files its unsharders write rank 0's file whole.
+        dropped = ("model", "optim", "rng") if store.manifest.extra.get("format", "torch-save") == "torch-save" \
+            else ("model", "optim")
+        for name in dropped:
             rest.pop(name, None)
         save(store, rest, out_dir / "train.pt", progress, partial=partial)
         return written + [out_dir / "train.pt"]
