@@ -46,6 +46,9 @@ class IngestOptions:
     format: str = "torch-save"  # how to open a unit of work (read/source.py)
 
 
+FORMAT_NAMES = {"dcp": "DCP", "olmo-local": "OLMo `local`", "olmo-core": "OLMo-core"}
+
+
 def _check_against(store: Store, unit: Any) -> None:
     """Refuse a unit that is not part of the checkpoint the store was planned from."""
     fmt = store.manifest.extra.get("format", "torch-save")
@@ -55,8 +58,8 @@ def _check_against(store: Store, unit: Any) -> None:
         _check_rank_file(store, unit)
         return
     if unit.digest != store.manifest.extra.get("metadata"):
-        raise CheckpointError(f"{unit.path}: belongs to another {fmt} checkpoint than the store's (its metadata "
-                              f"differs from the one the store was planned from)")
+        raise CheckpointError(f"{unit.path}: belongs to another {FORMAT_NAMES.get(fmt, fmt)} checkpoint than the "
+                              f"store's (its metadata differs from the one the store was planned from)")
     m = store.manifest
     known = set(m.objects)
     for path, leaf in unit.leaves.items():

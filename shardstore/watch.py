@@ -22,7 +22,7 @@ from .locations import StorageOptions
 from .read.container import TorchZip
 from .read.dcp import METADATA, DcpCheckpoint, read_checkpoint
 from .read.layouts import name_rank, refuse_mixed, scan
-from .read.source import Source, dcp_folder
+from .read.source import FOLDER_FORMATS, Source, dcp_folder
 from .store.store import Store
 
 
@@ -118,6 +118,10 @@ def _arrivals(src_dir: str | os.PathLike[str], tag: str | None, seen: dict[Path,
         units = [folder / f for f in ckpt.files]
         return Source("dcp", [str(u) for u in units]), [
             (path, i) for i, path in enumerate(units) if _still(path, seen, lambda p, size: size >= ends[p.name])]
+    for format, module in FOLDER_FORMATS.items():
+        if module().detect(os.fspath(src_dir)):
+            raise CheckpointError(f"{src_dir}: a {format} checkpoint; watch takes rank files or a DCP folder "
+                                  f"(ingest this one with `shardstore ingest` or `unshard` once it is complete)")
     groups = scan(src_dir, tag)
     refuse_mixed(src_dir, groups, how="--tag")
     ready = [(path, rank) for ranks in groups.values() for rank, path in ranks.items()

@@ -106,3 +106,12 @@ def test_a_dcp_folder_is_taken_once_its_metadata_is_there(dcp_checkpoints, tmp_p
     shardstore.export(store, tmp_path / "out", format="torch")
     want = torch.load(f"{ckpt}.expected.pt.ref", weights_only=False)
     assert_bitwise_equal(torch.load(tmp_path / "out" / "model.pt", weights_only=True), want["model"])
+
+
+def test_an_olmo_local_folder_is_refused_by_name(olmo_checkpoints, tmp_path: Path) -> None:
+    """Its model/, optim/ and train/ files are not three checkpoints: watch says what the folder is."""
+    import pytest
+
+    src = olmo_checkpoints("local", "2.2", 3)
+    with pytest.raises(shardstore.CheckpointError, match="a olmo-local checkpoint; watch takes rank files or a DCP"):
+        shardstore.watch(tmp_path / "store", src, timeout=5)

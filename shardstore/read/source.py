@@ -77,7 +77,8 @@ class Source:
 
     def spec(self, encode_key: Any, strict: bool = False) -> CheckpointSpec:
         spec = self._spec(encode_key, strict)
-        spec.extra["side_files"] = {_name(f): _side_file(f, self.storage_options) for f in self.side_files}
+        if self.side_files:
+            spec.extra["side_files"] = {_name(f): _side_file(f, self.storage_options) for f in self.side_files}
         return spec
 
     def _spec(self, encode_key: Any, strict: bool) -> CheckpointSpec:
@@ -87,8 +88,8 @@ class Source:
             trainer = [u for u in self.units if u.endswith(".pt")]
             return dcp.spec(dcp.read_checkpoint(_folder(self.units[0]), self.storage_options), encode_key, trainer,
                             strict, self.storage_options)
-        if self.format in _FOLDER_FORMATS:
-            module, run = _FOLDER_FORMATS[self.format](), _folder(_folder(self.units[0]))
+        if self.format in FOLDER_FORMATS:
+            module, run = FOLDER_FORMATS[self.format](), _folder(_folder(self.units[0]))
             return module.spec(run, module.units(run, self.storage_options), encode_key, strict, self.storage_options)
         from .rankfile import read_rank_file, spec_of
 
@@ -133,7 +134,7 @@ def _olmo_core() -> Any:
 
 
 # Formats whose units live in sub-folders (model/, optim/, train/) of one checkpoint folder.
-_FOLDER_FORMATS: dict[str, Callable[[], Any]] = {"olmo-local": _olmo_local, "olmo-core": _olmo_core}
+FOLDER_FORMATS: dict[str, Callable[[], Any]] = {"olmo-local": _olmo_local, "olmo-core": _olmo_core}
 
 
 def _folder(path: str) -> str:
@@ -159,13 +160,13 @@ def _open_distcp(path: str, storage_options: StorageOptions | None, strict: bool
 def _open_in_folder(format: str) -> Callable[..., Any]:
     def opener(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
                facts: dict[str, Any]) -> Any:
-        return _FOLDER_FORMATS[format]().open_unit(path, storage_options, strict, encode_key, facts)
+        return FOLDER_FORMATS[format]().open_unit(path, storage_options, strict, encode_key, facts)
 
     return opener
 
 
 _OPENERS: dict[str, Callable[..., Any]] = {"torch-save": _open_rank_file, "dcp": _open_distcp,
-                                           **{f: _open_in_folder(f) for f in _FOLDER_FORMATS}}
+                                           **{f: _open_in_folder(f) for f in FOLDER_FORMATS}}
 
 
 def open_unit(format: str, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
@@ -228,7 +229,7 @@ def open_source(src: str | os.PathLike[str], tag: str | None = None, step: int |
         run = _folder(folder) if _name(folder) == "model_and_optim" else folder
         return Source("dcp", [join(folder, f) for f in files] + trainer_files(folder, storage_options), storage_options,
                       _config(run, storage_options))
-    for format, module in _FOLDER_FORMATS.items():
+    for format, module in FOLDER_FORMATS.items():
         if module().detect(src, storage_options):
             return Source(format, module().units(src, storage_options), storage_options, _config(src, storage_options))
     files = [os.fspath(f) for f in discover(src, tag, step, storage_options)]
@@ -251,7 +252,7 @@ def source_of_files(files: list[str | os.PathLike[str]], storage_options: Storag
     names = [os.fspath(f) for f in files]
     if len(names) == 1 and (is_url(names[0]) or os.path.isdir(names[0])) and not names[0].endswith(".pt"):
         return open_source(names[0], storage_options=storage_options)  # a checkpoint folder
-    for format, module in _FOLDER_FORMATS.items():
+    for format, module in FOLDER_FORMATS.items():
         runs = {_folder(_folder(n)) for n in names}
         if len(runs) == 1 and module().detect(next(iter(runs)), storage_options):
             run = runs.pop()

@@ -56,3 +56,19 @@ def test_safetensors_export_is_unaffected_and_strict_refuses_the_paths(checkpoin
     assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), expected(src)["model"])
     assert_one_line_error(run("unshard", src, tmp_path / "strict", "--strict"), "rank0.pt",
                           "refusing to load global pathlib.PosixPath", "strict")
+
+
+def test_the_runs_config_is_copied_beside_every_export(checkpoints, tmp_path: Path) -> None:
+    """OLMo's unsharder copies config.yaml beside model.pt; the Hugging Face converters read it there."""
+    import shutil
+
+    src = tmp_path / "step10"
+    shutil.copytree(checkpoints(2), src, ignore=shutil.ignore_patterns("expected.pt.ref"))
+    config = b"run_name: legacy\nsharded_checkpointer: torch_legacy\nmodel:\n  d_model: 300\n"
+    (src / "config.yaml").write_bytes(config)
+    shardstore.unshard(src, tmp_path / "pt", store=tmp_path / "store", format="torch", jobs=1)
+    assert (tmp_path / "pt" / "config.yaml").read_bytes() == config
+    (src / "config.yaml").unlink()  # the store kept it: exports need not find the checkpoint again
+    shardstore.export(tmp_path / "store", tmp_path / "st")
+    assert (tmp_path / "st" / "config.yaml").read_bytes() == config
+    assert sorted(p.name for p in (tmp_path / "st").iterdir()) == ["config.yaml", "model.safetensors"]

@@ -152,8 +152,10 @@ def test_olmo_torch_new_with_its_trainer_state_files(dcp_checkpoints, tmp_path: 
     assert_bitwise_equal(torch.load(tmp_path / "pt" / "optim.pt", weights_only=True), want["optim"], "optim.pt")
     train = torch.load(tmp_path / "pt" / "train.pt", weights_only=False)
     rank0 = trainer_state(0, 4)
-    del rank0["rng"]
+    rng, rank0_rng = train.pop("rng"), rank0.pop("rng")  # train/rank0.pt whole, its RNG states too
     assert train == {**rank0, "trainer": want["trainer"]}  # the DCP's own values, and rank 0's trainer state
+    assert rng["python"] == rank0_rng["python"]
+    assert_bitwise_equal(rng["cuda"], rank0_rng["cuda"], "rank 0's RNG state")
     store = shardstore.open(tmp_path / "store")
     assert sorted(store.values("rng/cuda")) == [4, 5, 6, 7]  # every rank's, numbered after the 4 .distcp files
     ls = subprocess.run([sys.executable, "-m", "shardstore", "ls", tmp_path / "store"], capture_output=True, text=True)

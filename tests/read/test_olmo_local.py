@@ -22,7 +22,7 @@ from shardstore.cli import main
 from shardstore.read.unpickle import ShardParamInfo, load
 from tests.conftest import assert_bitwise_equal
 
-CASES = [("2.2", 3), ("2.0", 4)]  # torch 2.1+ metadata with alignment padding; torch <= 2.0.1's, no padding
+CASES = [("2.2", 3), ("2.0", 4), ("hsdp", 4)]  # torch 2.1+ (alignment padding); torch <= 2.0.1; 2 replica groups
 
 
 def _want(src: Path) -> dict:
