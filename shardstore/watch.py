@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import CheckpointError, ShardstoreError
-from .ingest import IngestOptions, Ingested, _worker, create_store
+from .ingest import FORMAT_NAMES, IngestOptions, Ingested, _worker, create_store
 from .runner import Pool, default_jobs
 from .locations import StorageOptions
 from .read.container import TorchZip
@@ -120,7 +120,7 @@ def _arrivals(src_dir: str | os.PathLike[str], tag: str | None, seen: dict[Path,
             (path, i) for i, path in enumerate(units) if _still(path, seen, lambda p, size: size >= ends[p.name])]
     for format, module in FOLDER_FORMATS.items():
         if module().detect(os.fspath(src_dir)):
-            raise CheckpointError(f"{src_dir}: a {format} checkpoint; watch takes rank files or a DCP folder "
+            raise CheckpointError(f"{src_dir}: an {FORMAT_NAMES[format]} checkpoint; watch takes rank files or a DCP folder "
                                   f"(ingest this one with `shardstore ingest` or `unshard` once it is complete)")
     groups = scan(src_dir, tag)
     refuse_mixed(src_dir, groups, how="--tag")
