@@ -55,8 +55,10 @@ def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None
 def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensors", select: str | None = None,
            strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
            progress: Progress = QUIET, allow_partial: bool = False, storage_options: StorageOptions | None = None,
-           scheduler: str | None = None, jobs: int | None = None, overwrite: bool = False) -> _export.ExportResult:
-    """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style), `"torch"` or `"dcp"`.
+           scheduler: str | None = None, jobs: int | None = None, overwrite: bool = False,
+           hf_config: PathLike | None = None) -> _export.ExportResult:
+    """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style), `"torch"`, `"dcp"`,
+    or `"hf"` (a folder transformers loads; `hf_config` for checkpoints that carry no config of their own).
 
     An incomplete store is refused unless `allow_partial` (holes become NaN, or zero for integers, and the
     output's metadata says so). Files an earlier export left in `out_dir` that this one would not replace
@@ -64,7 +66,7 @@ def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensor
     st = store if isinstance(store, Store) else Store.open(store, storage_options)
     result = _export.export(st, out_dir, format=format, select=select, strip_prefix=strip_prefix, dtype=dtype,
                             max_shard_size=max_shard_size, progress=progress.advance, allow_partial=allow_partial,
-                            scheduler=scheduler, jobs=jobs or default_jobs(), overwrite=overwrite,
+                            scheduler=scheduler, jobs=jobs or default_jobs(), overwrite=overwrite, hf_config=hf_config,
                             on_start=lambda total: progress.start("export", total))
     progress.end()
     return result
@@ -120,7 +122,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     def exported_subtree(st: Store) -> str | None:
         # A scratch store only feeds this export: for safetensors, write just the tensors it takes
         # (the model, not the optimizer state, which is usually twice its size).
-        if store is not None or fmt != "safetensors":
+        if store is not None or fmt not in ("safetensors", "hf"):
             return None
         select = export_options.get("select")
         return str(select) if select is not None else _export.model_subtree(st)

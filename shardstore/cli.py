@@ -156,7 +156,11 @@ def _export_options(f: Any) -> Any:
         click.option("--format", "fmt", type=click.Choice(FORMATS), default="safetensors", show_default=True,
                      help="safetensors: model weights, HF-style. torch: model.pt/optim.pt/train.pt (OLMo) "
                           "or checkpoint.pt. dcp: a torch.distributed.checkpoint folder, loadable at any world "
-                          "size."),
+                          "size. hf: a folder transformers' from_pretrained loads (OLMo 1/2 from the run's "
+                          "config.yaml, Composer HF models from their own config, else --hf-config)."),
+        click.option("--hf-config", type=click.Path(exists=True), default=None, metavar="PATH",
+                     help="For --format hf: a Hugging Face config.json, or a folder holding one and tokenizer "
+                          "files (copied), for checkpoints that carry no config of their own."),
         click.option("--select", default=None, help="Store path of the subtree to export as the model "
                                                     "[default: detected, e.g. model or state/model]."),
         click.option("--strip-prefix", default=None, help="Drop this prefix from output keys (e.g. 'model.')."),
@@ -212,14 +216,15 @@ def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, strict: bo
 @_scheduler
 @_jobs
 @_quiet
-def export(store: str, out: str, fmt: str, select: str | None, strip_prefix: str | None, dtype: str | None,
-           max_shard_size: int, overwrite: bool, allow_partial: bool, scheduler: str | None, jobs: int | None,
-           quiet: bool) -> None:
+def export(store: str, out: str, fmt: str, hf_config: str | None, select: str | None, strip_prefix: str | None,
+           dtype: str | None, max_shard_size: int, overwrite: bool, allow_partial: bool, scheduler: str | None,
+           jobs: int | None, quiet: bool) -> None:
     """Export the unsharded checkpoint in STORE to the folder OUT."""
     with _progress(quiet) as progress:
         result = api.export(store, out, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
                             max_shard_size=max_shard_size, progress=progress, allow_partial=allow_partial,
-                            storage_options=_options(), scheduler=scheduler, jobs=jobs, overwrite=overwrite)
+                            storage_options=_options(), scheduler=scheduler, jobs=jobs, overwrite=overwrite,
+                            hf_config=hf_config)
     if result.partial:
         click.echo(f"warning: partial export: ranks {result.partial['shardstore_missing_ranks'] or 'none'} missing, "
                    f"holes filled with NaN/zero in {len(result.partial['shardstore_incomplete_tensors'].split(','))} "
@@ -243,7 +248,7 @@ def export(store: str, out: str, fmt: str, select: str | None, strip_prefix: str
 @_quiet
 @click.pass_context
 def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str | None, step: int | None, fmt: str,
-            select: str | None, strip_prefix: str | None, dtype: str | None, max_shard_size: int, overwrite: bool,
+            hf_config: str | None, select: str | None, strip_prefix: str | None, dtype: str | None, max_shard_size: int, overwrite: bool,
             verify_replicas: bool, strict: bool, scheduler: str | None, jobs: int | None, quiet: bool) -> None:
     """Unshard the checkpoint in folder SRC into folder OUT: ingest, then export.
 
@@ -257,7 +262,7 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
         result = api.unshard(src, out, store=store, tag=tag, step=step, jobs=jobs, verify_replicas=verify_replicas,
                              storage_options=_options(), scheduler=scheduler, strict=strict, progress=progress,
                              format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
-                             max_shard_size=max_shard_size, overwrite=overwrite)
+                             max_shard_size=max_shard_size, overwrite=overwrite, hf_config=hf_config)
     _report(result, quiet)
 
 

@@ -16,10 +16,11 @@ from ..store.store import Status, Store
 from .output import OutputFile, output_error
 from .resolve import leaves, node_at
 from .dcp import METADATA, export_dcp
+from .hf import export_hf, plan_hf, planned_files
 from .safetensors import export_safetensors, plan_safetensors
 from .torch import export_torch, torch_files
 
-FORMATS = ("safetensors", "torch", "dcp")
+FORMATS = ("safetensors", "torch", "dcp", "hf")
 CAST_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -33,7 +34,8 @@ class ExportResult:
 
 # Every file name an export of any format writes: what a previous export may have left in OUT.
 _OUTPUT_NAME = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
-                          r"|(model|optim|train|checkpoint)\.pt|__\d+_0\.distcp|\.metadata|config\.yaml)\Z")
+                          r"|(model|optim|train|checkpoint)\.pt|__\d+_0\.distcp|\.metadata|config\.yaml"
+                          r"|config\.json|generation_config\.json)\Z")
 
 
 def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
@@ -78,7 +80,8 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
            strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
            progress: Callable[[int], None] | None = None, allow_partial: bool = False,
            scheduler: str | None = None, jobs: int = 1, overwrite: bool = False,
-           on_start: Callable[[int], None] | None = None) -> ExportResult:
+           on_start: Callable[[int], None] | None = None,
+           hf_config: str | os.PathLike[str] | None = None) -> ExportResult:
     """Write the unsharded checkpoint from `store` into `out_dir` (see the README for the formats).
 
     An incomplete store is refused unless `allow_partial`: then missing pieces are holes (NaN, or zero for
@@ -94,7 +97,9 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         raise ExportError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, not {dtype!r}")
     full = status = store.status()
     node = None
-    if format == "safetensors":  # only the exported subtree has to be complete
+    if hf_config is not None and format != "hf":
+        raise ExportError("--hf-config applies to --format hf only")
+    if format in ("safetensors", "hf"):  # only the exported subtree has to be complete
         node = node_at(store.manifest.tree, model_subtree(store) if select is None else select)
         status = _scoped(full, node)
     partial = None
@@ -118,11 +123,17 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
             raise ExportError("--select, --strip-prefix and --dtype apply to safetensors output only")
         nbytes = sum(a.nbytes for a in store.manifest.arrays.values())
         planned = torch_files(store) if format == "torch" else [f"__{i}_0.distcp" for i in range(jobs)] + [METADATA]
+    elif format == "hf":
+        if scheduler:
+            raise ExportError("--scheduler exports safetensors only, not hf")
+        hf_model, plan = plan_hf(store, model_subtree(store) if select is None else select, hf_config,
+                                 strip_prefix, dtype, max_shard_size)
+        planned, nbytes = planned_files(hf_model, plan), plan.nbytes
     else:
         assert node is not None
         plan = plan_safetensors(store, node, strip_prefix, dtype, max_shard_size)
         planned, nbytes = plan.files, plan.nbytes
-    side_files = store.manifest.extra.get("side_files", {})
+    side_files = store.manifest.extra.get("side_files", {}) if format != "hf" else {}
     planned = planned + list(side_files)
     stale = previous_outputs(out, planned)
     if stale and not overwrite:
@@ -138,6 +149,8 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
             result = ExportResult(export_torch(store, out, progress, partial), partial=partial)
         elif format == "dcp":
             result = ExportResult(export_dcp(store, out, jobs, progress, partial), partial=partial)
+        elif format == "hf":
+            result = ExportResult(export_hf(store, out, hf_model, plan, progress, partial), partial=partial)
         else:
             files = export_safetensors(store, out, plan, progress, partial, scheduler, jobs)
             result = ExportResult(files, plan.skipped, partial)

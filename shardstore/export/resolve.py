@@ -27,14 +27,15 @@ class ArrayRef:
 
     path: str
     dtype: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # of what this reference gives: with `rows`, that block of rows
+    rows: tuple[int, int] | None = None  # only rows [first, stop) of the array (a split fused weight)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.info(self.dtype).itemsize
 
     def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
-        return store.stream(self.path, allow_partial=allow_partial)
+        return store.stream(self.path, allow_partial=allow_partial, rows=self.rows)
 
 
 def object_value(store: Store, path: str, rank: int | None = None) -> Any:

@@ -31,7 +31,7 @@ CAST_BLOCK_BYTES = 16 << 20
 
 
 @dataclass
-class _Item:
+class Item:
     key: str
     source: Any  # ArrayRef, or a torch.Tensor decoded from the store
     dtype: str  # output dtype
@@ -42,45 +42,58 @@ class _Item:
         return math.prod(self.shape) * dtypes.info(self.dtype).itemsize
 
 
-def collect(store: Store, node: Node, strip_prefix: str | None, cast: str | None) -> tuple[list[_Item], list[str]]:
+def collect(store: Store, node: Node, strip_prefix: str | None, cast: str | None) -> tuple[list[Item], list[str]]:
     """The tensors below `node` with their output keys, and the non-tensor leaves that were left out."""
     items, skipped, seen = [], [], set()
     for keys, path in leaves(node):
         key = ".".join(str(k) for k in keys)
         if strip_prefix and key.startswith(strip_prefix):
             key = key[len(strip_prefix):]
-        entry = store.manifest.arrays.get(path)
-        if entry is not None:
-            source: Any = ArrayRef(path, entry.dtype, entry.shape)
-            dtype, shape = entry.dtype, entry.shape
-        else:
-            source = build(store, Node("leaf", path))
-            torch = sys.modules.get("torch")  # decoding a plain tensor imports torch; nothing else needs it
-            if torch is None or not isinstance(source, torch.Tensor):
-                skipped.append(path)
-                continue
-            dtype, shape = str(source.dtype).removeprefix("torch."), tuple(source.shape)
+        item = tensor_item(store, key, path, cast)
+        if item is None:
+            skipped.append(path)
+            continue
         if key in seen:
             raise ExportError(f"two tensors would both be named {key!r} in the output")
-        if key == "__metadata__":
-            raise ExportError(f"{path}: would be named '__metadata__', which safetensors reserves for its header; "
-                              f"choose another --select or --strip-prefix")
-        try:
-            key.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ExportError(f"{path}: its key {key!r:.80} is not valid Unicode, which a safetensors header "
-                              f"must be") from None
         seen.add(key)
-        if dtypes.info(dtype).safetensors is None:
-            raise ExportError(f"{path}: torch.{dtype} has no safetensors dtype")
-        floating = dtype in ("float64", "float32", "float16", "bfloat16")
-        items.append(_Item(key, source, cast if cast and floating else dtype, shape))
+        items.append(item)
     if not items:
         raise ExportError("no tensors to export in the selected subtree")
     return items, skipped
 
 
-def _header(items: list[_Item], metadata: dict[str, str]) -> bytes:
+def tensor_item(store: Store, key: str, path: str, cast: str | None,
+                rows: tuple[int, int] | None = None) -> Item | None:
+    """Output tensor `key` from the store's leaf `path` (only `rows` of it, if given), or None when the leaf
+    is not a tensor. Floating tensors are cast to `cast`."""
+    entry = store.manifest.arrays.get(path)
+    if entry is not None:
+        shape = entry.shape if rows is None else (rows[1] - rows[0],) + tuple(entry.shape[1:])
+        source: Any = ArrayRef(path, entry.dtype, shape, rows)
+        dtype = entry.dtype
+    else:
+        source = build(store, Node("leaf", path))
+        torch = sys.modules.get("torch")  # decoding a plain tensor imports torch; nothing else needs it
+        if torch is None or not isinstance(source, torch.Tensor):
+            return None
+        if rows is not None:
+            source = source[rows[0]:rows[1]]
+        dtype, shape = str(source.dtype).removeprefix("torch."), tuple(source.shape)
+    if key == "__metadata__":
+        raise ExportError(f"{path}: would be named '__metadata__', which safetensors reserves for its header; "
+                          f"choose another --select or --strip-prefix")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ExportError(f"{path}: its key {key!r:.80} is not valid Unicode, which a safetensors header "
+                          f"must be") from None
+    if dtypes.info(dtype).safetensors is None:
+        raise ExportError(f"{path}: torch.{dtype} has no safetensors dtype")
+    floating = dtype in ("float64", "float32", "float16", "bfloat16")
+    return Item(key, source, cast if cast and floating else dtype, shape)
+
+
+def _header(items: list[Item], metadata: dict[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": {"format": "pt", **metadata}}
     offset = 0
     for it in items:
@@ -92,7 +105,7 @@ def _header(items: list[_Item], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _tensor_bytes(store: Store, it: _Item, allow_partial: bool) -> Iterator[Any]:
+def _tensor_bytes(store: Store, it: Item, allow_partial: bool) -> Iterator[Any]:
     if not isinstance(it.source, ArrayRef):  # a plain tensor decoded from the store (so torch is loaded)
         import torch
 
@@ -100,7 +113,7 @@ def _tensor_bytes(store: Store, it: _Item, allow_partial: bool) -> Iterator[Any]
         if t.numel():
             yield t.reshape(-1).view(torch.uint8).numpy().tobytes()
         return
-    parts = store.stream(it.source.path, allow_partial=allow_partial)
+    parts = it.source.parts(store, allow_partial)
     if it.dtype == it.source.dtype:
         yield from parts
         return
@@ -116,8 +129,8 @@ def _cast(raw: np.ndarray, src: dtypes.DTypeInfo, dst: str) -> bytes:
     return t.to(getattr(torch, dst)).view(torch.uint8).numpy().tobytes()
 
 
-def _split(items: list[_Item], max_shard_size: int) -> list[list[_Item]]:
-    files: list[list[_Item]] = [[]]
+def _split(items: list[Item], max_shard_size: int) -> list[list[Item]]:
+    files: list[list[Item]] = [[]]
     size = 0
     for it in items:
         if files[-1] and size + it.nbytes > max_shard_size:
@@ -128,7 +141,7 @@ def _split(items: list[_Item], max_shard_size: int) -> list[list[_Item]]:
     return files
 
 
-def write_file(store: Store, path: Path, group: list[_Item], partial: dict[str, str] | None,
+def write_file(store: Store, path: Path, group: list[Item], partial: dict[str, str] | None,
                progress: Callable[[int], None] | None = None) -> Path:
     """One safetensors file: header first, then every tensor streamed from the store."""
     with OutputFile(path, progress) as out:
@@ -138,7 +151,7 @@ def write_file(store: Store, path: Path, group: list[_Item], partial: dict[str, 
     return path
 
 
-def _write_file_task(location: str, storage_options: dict[str, Any], path: str, group: list[_Item],
+def _write_file_task(location: str, storage_options: dict[str, Any], path: str, group: list[Item],
                      partial: dict[str, str] | None) -> Path:
     return write_file(Store.open(location, storage_options), Path(path), group, partial)
 
@@ -151,7 +164,7 @@ class SafetensorsPlan:
     """What a safetensors export will write, known before the first byte: file names and their tensors."""
 
     names: list[str]
-    groups: list[list[_Item]]
+    groups: list[list[Item]]
     skipped: list[str]
 
     @property
@@ -166,6 +179,11 @@ class SafetensorsPlan:
 def plan_safetensors(store: Store, node: Node, strip_prefix: str | None = None, cast: str | None = None,
                      max_shard_size: int = 5_000_000_000) -> SafetensorsPlan:
     items, skipped = collect(store, node, strip_prefix, cast)
+    return plan_items(items, skipped, max_shard_size)
+
+
+def plan_items(items: list[Item], skipped: list[str], max_shard_size: int) -> SafetensorsPlan:
+    """Files for `items` in order, a new file whenever the next tensor would pass `max_shard_size`."""
     groups = _split(items, max_shard_size)
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])

@@ -332,8 +332,11 @@ class Store:
         """Raw (store dtype) values of a slice of one array; Zarr fetches only the inner chunks it needs."""
         return self.zarr[path][selection]
 
-    def stream(self, path: str, max_bytes: int = 16 << 20, allow_partial: bool = False) -> Iterator[Part]:
-        """The array's bytes in C order, as parts: file ranges where the backend has files (zero copy).
+    def stream(self, path: str, max_bytes: int = 16 << 20, allow_partial: bool = False,
+               rows: tuple[int, int] | None = None) -> Iterator[Part]:
+        """The array's bytes in C order (or only rows [first, stop) of it), as parts: file ranges where the
+        backend has files (zero copy). A block of whole rows is one byte range of every cell it touches,
+        which is how the Hugging Face export splits fused weights without holding them.
 
         With `allow_partial`, cells no rank has delivered yet come out as holes (NaN, or zero for integer
         dtypes) instead of raising.
@@ -341,26 +344,29 @@ class Store:
         plan = self.manifest.arrays[path]
         if not plan.shape or 0 in plan.shape:
             return
+        first, stop = rows or (0, plan.shape[0])
         info = dtypes.info(plan.dtype)
         row_bytes = math.prod(plan.shape[1:]) * info.itemsize
         if tuple(plan.cell[1:]) == tuple(plan.shape[1:]):
-            for i in range(plan.grid[0]):
+            for i in range(first // plan.cell[0], -(-stop // plan.cell[0])):
                 index = (i,) + (0,) * (len(plan.shape) - 1)
-                lo, hi = plan.cell_bounds(index)[0]
+                cell_lo, cell_hi = plan.cell_bounds(index)[0]
+                lo, hi = max(cell_lo, first), min(cell_hi, stop)
                 if allow_partial and not (self.has_cell(plan, index) if plan.staged
                                           else plan.flat_index(index) in self.cells_present(path)):
                     if plan.staged:
-                        yield self._assemble(plan, self._staged_pieces(plan), whole=False).data
+                        yield self._assemble(plan, self._staged_pieces(plan), whole=False)[lo:hi].tobytes()
                         continue
-                    rows = max(1, max_bytes // max(row_bytes, 1))
-                    for start in range(lo, hi, rows):
-                        yield info.hole((min(start + rows, hi) - start) * row_bytes // info.itemsize)
+                    step = max(1, max_bytes // max(row_bytes, 1))
+                    for start in range(lo, hi, step):
+                        yield info.hole((min(start + step, hi) - start) * row_bytes // info.itemsize)
                     continue
-                yield from self._file_parts(cell_key(path, index), (hi - lo) * row_bytes, max_bytes)
+                yield from self._file_parts(cell_key(path, index), (hi - lo) * row_bytes, max_bytes,
+                                            (lo - cell_lo) * row_bytes)
         else:  # the grid cuts trailing dimensions: let Zarr gather full rows
-            rows = max(1, max_bytes // max(row_bytes, 1))
-            for lo in range(0, plan.shape[0], rows):
-                yield np.ascontiguousarray(self.read(path, slice(lo, lo + rows))).data
+            step = max(1, max_bytes // max(row_bytes, 1))
+            for lo in range(first, stop, step):
+                yield np.ascontiguousarray(self.read(path, slice(lo, min(lo + step, stop)))).data
 
     def cell_parts(self, path: str, index: tuple[int, ...], max_bytes: int = 16 << 20) -> Iterator[Part]:
         """One cell's values in C order, clipped to the array: where the cell spans its trailing dimensions
@@ -379,7 +385,7 @@ class Store:
         """Delete temporary files left by writers that were killed mid-write (their process is gone)."""
         return self.backend.sweep_temporaries()
 
-    def _file_parts(self, key: str, nbytes: int, max_bytes: int) -> Iterator[Part]:
+    def _file_parts(self, key: str, nbytes: int, max_bytes: int, offset: int = 0) -> Iterator[Part]:
         local = self.backend.local_path(key)
         if local is not None:
             try:
@@ -387,12 +393,12 @@ class Store:
             except FileNotFoundError:
                 raise StoreError(f"{self.backend.root}: missing data file {key}; is the store complete?") from None
             try:
-                yield FileRange(fd, 0, nbytes, str(local))
+                yield FileRange(fd, offset, nbytes, str(local))
             finally:
                 os.close(fd)
             return
-        for start in range(0, nbytes, max_bytes):
-            yield self.backend.read(key, start, min(max_bytes, nbytes - start))
+        for start in range(offset, offset + nbytes, max_bytes):
+            yield self.backend.read(key, start, min(max_bytes, offset + nbytes - start))
 
     # ------------------------------------------------------------------ the user-facing read API
     def keys(self) -> list[str]:

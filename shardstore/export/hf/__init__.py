@@ -1,0 +1,176 @@
+"""`--format hf`: a folder `AutoModelForCausalLM.from_pretrained` loads, written straight from the store.
+
+Where the model's Hugging Face description comes from, first match wins:
+- `hf_config`: a config.json, or a folder holding one and tokenizer files (copied); weights keep their
+  names (after `strip_prefix`);
+- a Composer checkpoint of a transformers model (llm-foundry's ComposerHFCausalLM) carries its config and
+  tokenizer files under `state/integrations/huggingface`; weights lose Composer's `model.` prefix;
+- an OLMo checkpoint with the run's config.yaml kept in the store: OLMo 1 or OLMo 2 (`olmo.py`).
+The weights go out through the safetensors writer, so splits stream and copies stay kernel-side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from ...errors import ExportError
+from ...store.store import Store
+from ..output import OutputFile
+from ..resolve import build, leaves, node_at
+from ..safetensors import SafetensorsPlan, export_safetensors, plan_items, tensor_item
+from . import olmo
+from .spec import HFModel, HFTensor
+
+CONFIG, GENERATION = "config.json", "generation_config.json"
+COMPOSER_HF = "state/integrations/huggingface"
+MAX_CONFIG_FILE = 64 << 20  # tokenizer.json of large vocabularies is tens of MB
+
+
+def _side_config(store: Store, name: str) -> bytes | None:
+    import base64
+
+    data = store.manifest.extra.get("side_files", {}).get(name)
+    return None if data is None else base64.b64decode(data)
+
+
+def _model_leaves(store: Store, subtree: str, strip_prefix: str | None,
+                  rename: Callable[[str], str] = lambda n: n) -> dict[str, str]:
+    """Output-ready name -> store path for every leaf of the model subtree."""
+    out: dict[str, str] = {}
+    for keys, path in leaves(node_at(store.manifest.tree, subtree)):
+        name = ".".join(str(k) for k in keys)
+        if strip_prefix and name.startswith(strip_prefix):
+            name = name[len(strip_prefix):]
+        name = rename(name)
+        if name in out:
+            raise ExportError(f"two tensors would both be named {name!r}")
+        out[name] = path
+    return out
+
+
+def _shape(store: Store, path: str) -> tuple[int, ...] | None:
+    entry = store.manifest.arrays.get(path)
+    if entry is not None:
+        return entry.shape
+    value = build(store, _leaf(path))
+    return tuple(value.shape) if hasattr(value, "shape") else None
+
+
+def _leaf(path: str) -> Any:
+    from ...read.source import Node
+
+    return Node("leaf", path)
+
+
+def _from_olmo(store: Store, subtree: str) -> tuple[HFModel, dict[str, str]]:
+    import yaml
+
+    raw = _side_config(store, "config.yaml")
+    if raw is None:
+        raise ExportError("cannot tell which Hugging Face model this is: the store has no config.yaml (OLMo), no "
+                          "Hugging Face config (Composer); give --hf-config PATH")
+    try:
+        cfg = (yaml.safe_load(raw) or {}).get("model")
+    except (yaml.YAMLError, AttributeError) as exc:
+        raise ExportError(f"config.yaml: unreadable ({str(exc).splitlines()[0][:100]})") from None
+    if not isinstance(cfg, dict):
+        raise ExportError("config.yaml: no `model` section; not an OLMo training config")
+    group = int(cfg.get("block_group_size") or 1)
+    names = _model_leaves(store, subtree, None, lambda n: olmo.normalise(n, group))
+    shapes = {n: s for n, p in names.items() if (s := _shape(store, p)) is not None}
+    return olmo.plan(cfg, list(names), shapes), names
+
+
+def _from_composer(store: Store, subtree: str) -> tuple[HFModel, dict[str, str]]:
+    meta = build(store, node_at(store.manifest.tree, COMPOSER_HF), plain_dicts=True)
+    try:
+        config = meta["model"]["config"]["content"]
+    except (KeyError, TypeError):
+        raise ExportError(f"{COMPOSER_HF}: holds no model config (not a Composer HuggingFaceModel checkpoint?)") from None
+    files: dict[str, bytes] = {}
+    for stem, saved in (meta.get("tokenizer") or {}).items():
+        ext, content = saved.get("file_extension"), saved.get("content")
+        if ext == ".json":
+            files[f"{stem}.json"] = json.dumps(content, indent=2, ensure_ascii=False).encode()
+        elif ext == ".txt":  # Composer kept the lines; it writes each back followed by a newline
+            files[f"{stem}.txt"] = "".join(f"{line}\n" for line in content).encode()
+        else:
+            raise ExportError(f"{COMPOSER_HF}: tokenizer file {stem!r:.40} of unknown kind {ext!r:.20}")
+    names = _model_leaves(store, subtree, "model.")
+    return HFModel(config, None, [HFTensor(n, n) for n in names], files), names
+
+
+def _from_user(store: Store, subtree: str, hf_config: str | os.PathLike[str], strip_prefix: str | None
+               ) -> tuple[HFModel, dict[str, str]]:
+    where = Path(hf_config)
+    folder = where if where.is_dir() else None
+    config_path = where / CONFIG if folder else where
+    try:
+        config = json.loads(config_path.read_bytes())
+    except FileNotFoundError:
+        raise ExportError(f"{config_path}: no such file (--hf-config takes a config.json or a folder holding one)") from None
+    except ValueError as exc:
+        raise ExportError(f"{config_path}: not JSON ({str(exc)[:80]})") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{config_path}: not a Hugging Face config (a JSON object)")
+    files = {}
+    if folder is not None:  # tokenizer and generation files beside it, copied as they are
+        for p in sorted(folder.iterdir()):
+            if p.is_file() and p.name != CONFIG and p.suffix in (".json", ".txt", ".model", ".tiktoken") \
+                    and not p.name.endswith(".safetensors.index.json"):
+                if p.stat().st_size > MAX_CONFIG_FILE:
+                    raise ExportError(f"{p}: {p.stat().st_size} bytes; not a tokenizer or config file")
+                files[p.name] = p.read_bytes()
+    names = _model_leaves(store, subtree, strip_prefix)
+    return HFModel(config, None, [HFTensor(n, n) for n in names], files), names
+
+
+def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | None, strip_prefix: str | None
+             ) -> tuple[HFModel, dict[str, str]]:
+    """The Hugging Face model for the store, and its source names -> store paths."""
+    if hf_config is not None:
+        return _from_user(store, subtree, hf_config, strip_prefix)
+    try:
+        node_at(store.manifest.tree, COMPOSER_HF + "/model")
+        composer = True
+    except ExportError:
+        composer = False
+    return _from_composer(store, subtree) if composer else _from_olmo(store, subtree)
+
+
+def plan_hf(store: Store, subtree: str, hf_config: str | os.PathLike[str] | None, strip_prefix: str | None,
+            cast: str | None, max_shard_size: int) -> tuple[HFModel, SafetensorsPlan]:
+    model, names = describe(store, subtree, hf_config, strip_prefix)
+    items = []
+    for t in model.tensors:
+        item = tensor_item(store, t.key, names[t.source], cast, t.rows)
+        if item is None:
+            raise ExportError(f"{t.source}: not a tensor")
+        items.append(item)
+    if not items:
+        raise ExportError("no tensors to export")
+    dtypes = {it.dtype for it in items}
+    floating = sorted(d for d in dtypes if d in ("float32", "bfloat16", "float16", "float64"))
+    if floating:
+        model.config = {**model.config, "torch_dtype": floating[0] if len(floating) == 1 else "float32"}
+    return model, plan_items(items, [], max_shard_size)
+
+
+def planned_files(model: HFModel, plan: SafetensorsPlan) -> list[str]:
+    return plan.files + [CONFIG] + ([GENERATION] if model.generation else []) + list(model.files)
+
+
+def export_hf(store: Store, out_dir: Path, model: HFModel, plan: SafetensorsPlan,
+              progress: Callable[[int], None] | None = None, partial: dict[str, str] | None = None) -> list[Path]:
+    written = export_safetensors(store, out_dir, plan, progress, partial)
+    texts = {CONFIG: json.dumps(model.config, indent=2).encode() + b"\n"}
+    if model.generation:
+        texts[GENERATION] = json.dumps(model.generation, indent=2).encode() + b"\n"
+    for name, data in {**texts, **model.files}.items():
+        with OutputFile(out_dir / name) as f:
+            f.write(data)
+        written.append(out_dir / name)
+    return written

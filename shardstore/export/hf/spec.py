@@ -1,0 +1,21 @@
+"""What an architecture module gives the Hugging Face export: the config, and each output tensor's source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    key: str  # the transformers name
+    source: str  # the checkpoint's name (normalised), in the model subtree
+    rows: tuple[int, int] | None = None  # a block of its rows (a split fused weight)
+
+
+@dataclass
+class HFModel:
+    config: dict[str, Any]  # config.json
+    generation: dict[str, Any] | None  # generation_config.json, where known
+    tensors: list[HFTensor]
+    files: dict[str, bytes] = field(default_factory=dict)  # tokenizer files and the like, written as they are
