@@ -84,10 +84,31 @@ def _from_olmo(store: Store, subtree: str) -> tuple[HFModel, dict[str, str]]:
     return olmo.plan(cfg, list(names), shapes), names
 
 
-def _from_composer(store: Store, subtree: str) -> tuple[HFModel, dict[str, str]]:
-    meta = build(store, node_at(store.manifest.tree, COMPOSER_HF), plain_dicts=True)
+def _value_at(store: Store, path: str) -> Any:
+    """The value at `path`, whether the store keeps it as a subtree or inside a value above it (a dict of
+    plain values is one leaf); None if there is none."""
+    parts = path.split("/")
+    for depth in range(len(parts), 0, -1):
+        try:
+            node = node_at(store.manifest.tree, "/".join(parts[:depth]))
+        except ExportError:
+            continue
+        if depth < len(parts) and node.kind != "leaf":
+            return None
+        value = build(store, node, plain_dicts=True)
+        for key in parts[depth:]:
+            if not isinstance(value, dict) or key not in value:
+                return None
+            value = value[key]
+        return value
+    return None
+
+
+def _from_composer(store: Store, subtree: str, meta: Any) -> tuple[HFModel, dict[str, str]]:
     try:
         config = meta["model"]["config"]["content"]
+        if not isinstance(config, dict):
+            raise TypeError
     except (KeyError, TypeError):
         raise ExportError(f"{COMPOSER_HF}: holds no model config (not a Composer HuggingFaceModel checkpoint?)") from None
     files: dict[str, bytes] = {}
@@ -133,12 +154,8 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
     """The Hugging Face model for the store, and its source names -> store paths."""
     if hf_config is not None:
         return _from_user(store, subtree, hf_config, strip_prefix)
-    try:
-        node_at(store.manifest.tree, COMPOSER_HF + "/model")
-        composer = True
-    except ExportError:
-        composer = False
-    return _from_composer(store, subtree) if composer else _from_olmo(store, subtree)
+    meta = _value_at(store, COMPOSER_HF)
+    return _from_composer(store, subtree, meta) if meta else _from_olmo(store, subtree)
 
 
 def plan_hf(store: Store, subtree: str, hf_config: str | os.PathLike[str] | None, strip_prefix: str | None,

@@ -1,0 +1,161 @@
+"""`--format hf`: from a sharded checkpoint to a folder transformers loads, in one command.
+
+OLMo 1 and OLMo 2 models are ai2-olmo's own `olmo.model.OLMo`, trained under FSDP by gloo processes and
+saved in each format OLMo wrote; the logits of `AutoModelForCausalLM.from_pretrained(OUT)` are compared
+with OLMo's own forward pass over torch's gather of the same weights. A Composer checkpoint of a
+transformers model round-trips through `from_pretrained` and `AutoTokenizer.from_pretrained`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+import shardstore
+from shardstore.cli import main
+from tests.conftest import expected
+from tests.fixtures.olmo_model import ARCHS, build_model
+
+TOLERANCE = 1e-4
+IDS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.fixture(scope="session")
+def olmo_models(tmp_path_factory: pytest.TempPathFactory):
+    """olmo_models(arch, fmt, world_size) -> a checkpoint folder (tests/fixtures/olmo_model.py)."""
+    from tests.conftest import CACHE
+    from tests.fixtures.olmo_model import make_olmo_model_checkpoint
+
+    base = CACHE or tmp_path_factory.mktemp("olmo-models")
+
+    def get(arch: str, fmt: str, world_size: int) -> Path:
+        out = base / f"{arch}-{fmt}-w{world_size}"
+        if not (out / "expected.pt.ref").exists():
+            make_olmo_model_checkpoint(out, world_size, arch, fmt)
+        return out
+
+    return get
+
+
+def _reference_logits(arch: str, src: Path) -> torch.Tensor:
+    model = build_model(arch)
+    model.load_state_dict(torch.load(src / "expected.pt.ref", weights_only=False)["model"])
+    with torch.no_grad():
+        return model.eval()(IDS).logits
+
+
+def _hf_logits(out: Path, **kwargs: object) -> tuple[torch.nn.Module, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out, **kwargs).eval()
+    with torch.no_grad():
+        return model, model(IDS).logits.float()
+
+
+CASES = [("olmo2", "legacy", 3), ("olmo1", "local", 2), ("olmo2", "olmo_core", 3), ("olmo1", "torch_new", 2)]
+
+
+@pytest.mark.parametrize("arch,fmt,world", CASES)
+def test_olmo_checkpoints_load_in_transformers_with_olmos_logits(arch: str, fmt: str, world: int, olmo_models,
+                                                                tmp_path: Path) -> None:
+    src = olmo_models(arch, fmt, world)
+    result = CliRunner().invoke(main, ["unshard", str(src), str(tmp_path / "hf"), "--format", "hf", "-q"])
+    assert result.exit_code == 0, result.output
+    model, logits = _hf_logits(tmp_path / "hf")
+    assert type(model).__name__ == ("Olmo2ForCausalLM" if arch == "olmo2" else "OlmoForCausalLM")
+    assert (logits - _reference_logits(arch, src)).abs().max().item() <= TOLERANCE
+
+    # The fused weights are split exactly as transformers' converters split them, bit for bit.
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    full = torch.load(src / "expected.pt.ref", weights_only=False)["model"]
+    d, heads = ARCHS[arch]["d_model"], ARCHS[arch]["n_heads"]
+    kv = ARCHS[arch].get("n_kv_heads") or heads
+    q, k, v = torch.split(full["transformer.blocks.1.att_proj.weight"], [d, d // heads * kv, d // heads * kv])
+    up, gate = torch.chunk(full["transformer.blocks.1.ff_proj.weight"], 2)
+    for name, want in [("self_attn.q_proj", q), ("self_attn.k_proj", k), ("self_attn.v_proj", v),
+                       ("mlp.up_proj", up), ("mlp.gate_proj", gate)]:
+        assert torch.equal(weights[f"model.layers.1.{name}.weight"], want), name
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["num_key_value_heads"] == kv and config["vocab_size"] == 128 and config["eos_token_id"] == 99
+    assert config["rope_theta"] == ARCHS[arch]["rope_theta"]
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == 99
+
+
+def test_dtype_and_shards_apply(olmo_models, tmp_path: Path) -> None:
+    src = olmo_models("olmo2", "legacy", 3)
+    shardstore.unshard(src, tmp_path / "hf", format="hf", dtype="bfloat16", max_shard_size=60_000, jobs=1)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in (tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(files) > 1 and sorted(set(index["weight_map"].values())) == files
+    params = sum(t.numel() for f in files for t in load_file(tmp_path / "hf" / f).values())
+    assert index["metadata"] == {"total_parameters": params, "total_size": 2 * params}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    model, logits = _hf_logits(tmp_path / "hf")
+    assert model.dtype == torch.bfloat16
+    assert (logits - _reference_logits("olmo2", src)).abs().max().item() < 0.05  # bf16 rounding only
+
+
+def test_a_composer_hf_model_round_trips_with_its_tokenizer(tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from tests.fixtures.composer_hf import make_composer_hf_checkpoint
+
+    src = make_composer_hf_checkpoint(tmp_path / "ckpt", 2)
+    shardstore.unshard(src, tmp_path / "hf", format="hf", jobs=2)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src / "hf-config")).eval()
+    full = torch.load(src / "expected.pt.ref", weights_only=False)["model"]
+    reference.load_state_dict({k.removeprefix("model."): v for k, v in full.items()})
+    ids = torch.arange(24).reshape(2, 12) % 97
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+    tok, want = AutoTokenizer.from_pretrained(tmp_path / "hf"), AutoTokenizer.from_pretrained(src / "tokenizer")
+    text = "w1 w5 w90 unknown w3"
+    assert tok(text)["input_ids"] == want(text)["input_ids"] and tok.eos_token == "</s>"
+
+
+def test_hf_config_names_the_model_of_any_other_checkpoint(checkpoints, tmp_path: Path) -> None:
+    """A transformers Llama saved in OLMo's layout: its weights already carry transformers' names."""
+    src = checkpoints(2, kind="hf")
+    result = CliRunner().invoke(main, ["unshard", str(src), str(tmp_path / "hf"), "--format", "hf",
+                                       "--hf-config", str(src / "hf-config"), "-q"])
+    assert result.exit_code == 0, result.output
+    loaded, _ = _hf_logits(tmp_path / "hf")
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_config(loaded.config).eval()
+    reference.load_state_dict(expected(src)["model"])
+    ids = torch.arange(24).reshape(2, 12) % loaded.config.vocab_size
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)
+
+
+def _one_line_error(args: list[str]) -> str:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+def test_without_a_config_the_export_says_what_is_missing(checkpoints, tmp_path: Path) -> None:
+    src = checkpoints(2)
+    line = _one_line_error(["unshard", str(src), str(tmp_path / "hf"), "--format", "hf", "-q"])
+    assert "no config.yaml (OLMo), no Hugging Face config (Composer); give --hf-config PATH" in line
+
+
+def test_olmo_features_transformers_cannot_express_are_refused(olmo_models, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(olmo_models("olmo2", "legacy", 3), ckpt)
+    config = (ckpt / "config.yaml").read_text()
+    (ckpt / "config.yaml").write_text(config.replace("  include_bias: false", "  include_bias: true", 1))
+    line = _one_line_error(["unshard", str(ckpt), str(tmp_path / "a"), "--format", "hf", "-q"])
+    assert "model.include_bias: an OLMo model with biases has no transformers equivalent" in line
+    (ckpt / "config.yaml").write_text(config.replace("  d_model: 64", "  d_model: 32", 1))
+    line = _one_line_error(["unshard", str(ckpt), str(tmp_path / "b"), "--format", "hf", "-q"])
+    assert "transformer.wte.weight is [128, 64], but config.yaml implies [128, 32]" in line
