@@ -185,6 +185,8 @@ def _report(result: Any, quiet: bool) -> None:
     if result.skipped:
         click.echo(f"left out {len(result.skipped)} non-tensor value(s): {', '.join(result.skipped[:5])}"
                    f"{' ...' if len(result.skipped) > 5 else ''}", err=True)
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
 
 
 @main.command()

@@ -30,6 +30,7 @@ class ExportResult:
     skipped: list[str] = field(default_factory=list)  # non-tensor leaves a safetensors file cannot hold
     partial: dict[str, str] | None = None  # set when holes were filled (--allow-partial)
     replaced: list[Path] = field(default_factory=list)  # a previous export's files removed (overwrite)
+    notes: list[str] = field(default_factory=list)  # what the user should know about the output
 
 
 # Every file name an export of any format writes: what a previous export may have left in OUT.
@@ -150,7 +151,8 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         elif format == "dcp":
             result = ExportResult(export_dcp(store, out, jobs, progress, partial), partial=partial)
         elif format == "hf":
-            result = ExportResult(export_hf(store, out, hf_model, plan, progress, partial), partial=partial)
+            result = ExportResult(export_hf(store, out, hf_model, plan, progress, partial), partial=partial,
+                                  notes=hf_model.notes)
         else:
             files = export_safetensors(store, out, plan, progress, partial, scheduler, jobs)
             result = ExportResult(files, plan.skipped, partial)

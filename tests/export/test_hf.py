@@ -100,13 +100,14 @@ def test_dtype_and_shards_apply(olmo_models, tmp_path: Path) -> None:
     assert (logits - _reference_logits("olmo2", src)).abs().max().item() < 0.05  # bf16 rounding only
 
 
-def test_a_composer_hf_model_round_trips_with_its_tokenizer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fmt", ["rank-files", "dcp"])
+def test_a_composer_hf_model_round_trips_with_its_tokenizer(fmt: str, tmp_path: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from tests.fixtures.composer_hf import make_composer_hf_checkpoint
 
-    src = make_composer_hf_checkpoint(tmp_path / "ckpt", 2)
-    shardstore.unshard(src, tmp_path / "hf", format="hf", jobs=2)
+    src = make_composer_hf_checkpoint(tmp_path / "ckpt", 2, fmt)
+    result = shardstore.unshard(src, tmp_path / "hf", format="hf", jobs=2)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src / "hf-config")).eval()
     full = torch.load(src / "expected.pt.ref", weights_only=False)["model"]
@@ -114,9 +115,14 @@ def test_a_composer_hf_model_round_trips_with_its_tokenizer(tmp_path: Path) -> N
     ids = torch.arange(24).reshape(2, 12) % 97
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, reference(ids).logits)
+    if fmt == "dcp":  # DCP dropped the tokenizer's empty entries: no tokenizer rather than a wrong one
+        assert not (tmp_path / "hf" / "tokenizer.json").exists() and "tokenizer files not written" in result.notes[0]
+        return
     tok, want = AutoTokenizer.from_pretrained(tmp_path / "hf"), AutoTokenizer.from_pretrained(src / "tokenizer")
     text = "w1 w5 w90 unknown w3"
     assert tok(text)["input_ids"] == want(text)["input_ids"] and tok.eos_token == "</s>"
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the files the tokenizer saved, content for content
+        assert json.loads((tmp_path / "hf" / name).read_text()) == json.loads((src / "tokenizer" / name).read_text())
 
 
 def test_hf_config_names_the_model_of_any_other_checkpoint(checkpoints, tmp_path: Path) -> None:
@@ -133,6 +139,14 @@ def test_hf_config_names_the_model_of_any_other_checkpoint(checkpoints, tmp_path
     ids = torch.arange(24).reshape(2, 12) % loaded.config.vocab_size
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, reference(ids).logits)
+
+
+def test_olmo_names_are_normalised() -> None:
+    from shardstore.export.hf.olmo import normalise
+
+    assert normalise("transformer.block_groups.1.0.att_proj.weight", 2) == "transformer.blocks.2.att_proj.weight"
+    assert normalise("_fsdp_wrapped_module.transformer._fsdp_wrapped_module.blocks.3._checkpoint_wrapped_module."
+                     "ff_out.weight", 1) == "transformer.blocks.3.ff_out.weight"
 
 
 def _one_line_error(args: list[str]) -> str:

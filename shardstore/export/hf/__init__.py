@@ -112,7 +112,16 @@ def _from_composer(store: Store, subtree: str, meta: Any) -> tuple[HFModel, dict
     except (KeyError, TypeError):
         raise ExportError(f"{COMPOSER_HF}: holds no model config (not a Composer HuggingFaceModel checkpoint?)") from None
     files: dict[str, bytes] = {}
-    for stem, saved in (meta.get("tokenizer") or {}).items():
+    tokenizer = meta.get("tokenizer") or {}
+    notes = []
+    if tokenizer and store.manifest.extra.get("format") == "dcp":
+        # DCP stores nested values key by key and keeps no entry for an empty dict or list, so the
+        # tokenizer files it holds are not the files Composer saved (tokenizer.json's empty
+        # `special_tokens` is gone): written, they would be wrong bytes.
+        notes.append("tokenizer files not written: a DCP checkpoint does not keep them whole (empty entries are "
+                     "dropped); give --hf-config a folder holding the config and tokenizer files")
+        tokenizer = {}
+    for stem, saved in tokenizer.items():
         ext, content = saved.get("file_extension"), saved.get("content")
         if ext == ".json":
             files[f"{stem}.json"] = json.dumps(content, indent=2, ensure_ascii=False).encode()
@@ -121,7 +130,7 @@ def _from_composer(store: Store, subtree: str, meta: Any) -> tuple[HFModel, dict
         else:
             raise ExportError(f"{COMPOSER_HF}: tokenizer file {stem!r:.40} of unknown kind {ext!r:.20}")
     names = _model_leaves(store, subtree, "model.")
-    return HFModel(config, None, [HFTensor(n, n) for n in names], files), names
+    return HFModel(config, None, [HFTensor(n, n) for n in names], files, notes), names
 
 
 def _from_user(store: Store, subtree: str, hf_config: str | os.PathLike[str], strip_prefix: str | None

@@ -19,3 +19,4 @@ class HFModel:
     generation: dict[str, Any] | None  # generation_config.json, where known
     tensors: list[HFTensor]
     files: dict[str, bytes] = field(default_factory=dict)  # tokenizer files and the like, written as they are
+    notes: list[str] = field(default_factory=list)  # what was left out, and why
