@@ -64,7 +64,7 @@ def _plan(store: Store) -> tuple[dict[str, Any], dict[str, tuple], list[Item]]:
                 bounds = entry.cell_bounds(index)
                 offsets, sizes = tuple(lo for lo, _ in bounds), tuple(hi - lo for lo, hi in bounds)
                 if 0 not in sizes:
-                    ref = CellRef(value.path, entry.dtype, sizes, index)
+                    ref = CellRef(value.path, entry.dtype, sizes, index=index)
                     items.append(Item(fqn, (offsets, sizes), ref, ref.nbytes))
             continue
         keys = tuple(mappings[fqn])
