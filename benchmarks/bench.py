@@ -170,6 +170,9 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
     fresh()
     run("shardstore unshard torch", [*shardstore, "unshard", str(ckpt), str(work / "pt"), "--format", "torch", "-q"])
     fresh()
+    if (ckpt / "config.yaml").exists():
+        run("shardstore unshard hf", [*shardstore, "unshard", str(ckpt), str(work / "hf"), "--format", "hf", "-q"])
+        fresh()
     if sc.s3:
         run_s3(sc, ckpt, files, run)
     if with_olmo and sc.olmo:
@@ -239,7 +242,9 @@ def table(results: list[Result], sizes: dict[str, int]) -> str:
     return "\n".join(rows)
 
 
-def plot(results: list[Result], path: Path) -> None:
+def plot(results: list[Result], path: Path, worlds: dict[str, int]) -> None:
+    """Two panels: wall time against world size, one line per contender (how cost grows with W), and each
+    run as a multiple of `cp -r` of the same checkpoint, on a linear axis with the value written on it."""
     try:
         import matplotlib
     except ImportError:
@@ -248,21 +253,36 @@ def plot(results: list[Result], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scenarios = list(dict.fromkeys(r.scenario for r in results))
-    fig, axes = plt.subplots(len(scenarios), 2, figsize=(14, 3.2 * len(scenarios)), squeeze=False)
-    for row, sc in enumerate(scenarios):
-        mine = [r for r in results if r.scenario == sc and r.wall is not None]
-        names = [r.contender for r in mine]
-        colors = ["#999999" if n.startswith(("cp", "cat")) else "#d62728" if n.startswith("OLMo") else "#1f77b4"
-                  for n in names]
-        for col, (values, label) in enumerate([([r.wall for r in mine], "wall time (s, log)"),
-                                               ([r.peak_rss / 1e6 for r in mine], "peak RSS (MB, log)")]):
-            ax = axes[row][col]
-            ax.barh(names, values, color=colors)
-            ax.set_xscale("log")
-            ax.invert_yaxis()
-            ax.set_title(f"{sc}: {label}", fontsize=9)
-            ax.tick_params(labelsize=8)
+    done = [r for r in results if r.wall is not None]
+    scenarios = list(dict.fromkeys(r.scenario for r in done))
+    contenders = [c for c in dict.fromkeys(r.contender for r in done) if not c.startswith("cat")]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 0.45 * len(contenders) * max(1, len(scenarios)) / 2 + 4))
+    for name in contenders:
+        points = sorted((worlds[r.scenario], r.wall) for r in done if r.contender == name)
+        if points:
+            left.plot([w for w, _ in points], [t for _, t in points], marker="o", label=name)
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("world size (ranks)")
+    left.set_ylabel("wall time (s)")
+    left.set_title("wall time against world size", fontsize=10)
+    left.legend(fontsize=7)
+    labels, values = [], []
+    for sc in scenarios:
+        cp = next((r.wall for r in done if r.scenario == sc and r.contender == "cp -r"), None)
+        if not cp:
+            continue
+        for r in done:
+            if r.scenario == sc and not r.contender.startswith(("cat", "cp")):
+                labels.append(f"{sc}: {r.contender}")
+                values.append(r.wall / cp)
+    bars = right.barh(labels, values, color=["#d62728" if "OLMo" in lb or "dcp_to" in lb else "#1f77b4" for lb in labels])
+    right.bar_label(bars, labels=[f"{v:.1f}x" for v in values], fontsize=7, padding=2)
+    right.axvline(1.0, color="#999999", linewidth=1)
+    right.invert_yaxis()
+    right.set_xlabel("wall time as a multiple of cp -r of the same checkpoint (1 = the copy)")
+    right.set_title("against the disk", fontsize=10)
+    right.tick_params(labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
@@ -299,7 +319,7 @@ def main() -> None:
     print(f"\n{machine}\n\n{text}")
     (args.out / "results.json").write_text(json.dumps({"machine": machine, "sizes": sizes,
                                                        "results": [asdict(r) for r in results]}, indent=1))
-    plot(results, args.out / "bench.png")
+    plot(results, args.out / "bench.png", {sc.name: sc.world for sc in SCENARIOS.values()})
     shutil.copy(args.out / "bench.png", HERE / "results.png")
 
 

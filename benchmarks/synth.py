@@ -35,16 +35,27 @@ class ModelSpec:
         return int(math.ceil(8 * self.d_model / 3 / 128)) * 128
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """OLMo's parameter names and shapes (SwiGLU MLP, fused QKV, untied output = wte)."""
+        """OLMo 2's parameter names and shapes (SwiGLU MLP, fused QKV, q/k norms, output tied to wte)."""
         d, h = self.d_model, self.hidden
         out = {"transformer.wte.weight": (self.vocab, d)}
         for i in range(self.layers):
             b = f"transformer.blocks.{i}"
             out |= {f"{b}.att_proj.weight": (3 * d, d), f"{b}.attn_out.weight": (d, d),
                     f"{b}.ff_proj.weight": (2 * h, d), f"{b}.ff_out.weight": (d, h),
-                    f"{b}.attn_norm.weight": (d,), f"{b}.ff_norm.weight": (d,)}
+                    f"{b}.attn_norm.weight": (d,), f"{b}.ff_norm.weight": (d,),
+                    f"{b}.q_norm.weight": (d,), f"{b}.k_norm.weight": (d,)}
         out["transformer.ln_f.weight"] = (d,)
         return out
+
+    def config_yaml(self) -> str:
+        """The `model` section OLMo's TrainConfig writes for this model (what --format hf reads)."""
+        return (f"model:\n  d_model: {self.d_model}\n  n_heads: {self.d_model // 64}\n  n_layers: {self.layers}\n"
+                f"  mlp_hidden_size: {2 * self.hidden}\n  activation_type: swiglu\n  block_type: sequential\n"
+                f"  rope: true\n  rope_theta: 500000\n  include_bias: false\n  layer_norm_type: rms\n"
+                f"  layer_norm_with_affine: true\n  layer_norm_eps: 1.0e-06\n  attention_layer_norm: true\n"
+                f"  norm_after: true\n  max_sequence_length: 4096\n  vocab_size: {self.vocab}\n"
+                f"  embedding_size: {self.vocab}\n  weight_tying: true\n  eos_token_id: 50279\n  pad_token_id: 1\n"
+                f"sharded_checkpointer: torch_legacy\n")
 
     @property
     def params(self) -> int:
@@ -110,6 +121,7 @@ def generate(out: str | os.PathLike[str], world: int, spec: ModelSpec, jobs: int
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ranks = list(range(world))
+    (out / "config.yaml").write_text(spec.config_yaml())
     with ProcessPoolExecutor(jobs) as pool:
         list(pool.map(_write_ranks, [str(out)] * jobs, [spec] * jobs, [ranks[i::jobs] for i in range(jobs)],
                       [world] * jobs, [device] * jobs))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,12 @@ def upload(folder: Path, url: str, pattern: str = "rank*.pt") -> str:
         fs.put_file(str(f), f"{url.removeprefix('s3://')}/{f.name}")
     fs.invalidate_cache()
     return url
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy of a fixture checkpoint to alter (its expected answer left behind)."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("expected.pt.ref"))
+    return dst
 
 
 def expected(folder: Path) -> dict[str, Any]:

@@ -29,6 +29,13 @@ def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str)
         assert needle in lines[0], lines[0]
 
 
+def error_line(*args: object) -> str:
+    """Run the command line; it must fail with exactly one error line, which is returned."""
+    proc = run(*args)
+    assert_one_line_error(proc)
+    return next(line for line in proc.stderr.splitlines() if line.startswith("shardstore: error: "))
+
+
 def test_unshard_ls_and_export(checkpoints, tmp_path: Path) -> None:
     src = checkpoints(2)
     proc = run("unshard", src, tmp_path / "out", "--store", tmp_path / "store", "--quiet")

@@ -8,7 +8,6 @@ transformers model round-trips through `from_pretrained` and `AutoTokenizer.from
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,8 @@ from safetensors.torch import load_file
 
 import shardstore
 from shardstore.cli import main
-from tests.conftest import expected
+from tests.conftest import copy_checkpoint, expected
+from tests.test_cli import error_line
 from tests.fixtures.olmo_model import ARCHS, build_model
 
 TOLERANCE = 1e-4
@@ -149,27 +149,18 @@ def test_olmo_names_are_normalised() -> None:
                      "ff_out.weight", 1) == "transformer.blocks.3.ff_out.weight"
 
 
-def _one_line_error(args: list[str]) -> str:
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 1, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1, result.output
-    return lines[0]
-
-
 def test_without_a_config_the_export_says_what_is_missing(checkpoints, tmp_path: Path) -> None:
     src = checkpoints(2)
-    line = _one_line_error(["unshard", str(src), str(tmp_path / "hf"), "--format", "hf", "-q"])
+    line = error_line("unshard", str(src), str(tmp_path / "hf"), "--format", "hf", "-q")
     assert "no config.yaml (OLMo), no Hugging Face config (Composer); give --hf-config PATH" in line
 
 
 def test_olmo_features_transformers_cannot_express_are_refused(olmo_models, tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(olmo_models("olmo2", "legacy", 3), ckpt)
+    ckpt = copy_checkpoint(olmo_models("olmo2", "legacy", 3), tmp_path / "ckpt")
     config = (ckpt / "config.yaml").read_text()
     (ckpt / "config.yaml").write_text(config.replace("  include_bias: false", "  include_bias: true", 1))
-    line = _one_line_error(["unshard", str(ckpt), str(tmp_path / "a"), "--format", "hf", "-q"])
+    line = error_line("unshard", str(ckpt), str(tmp_path / "a"), "--format", "hf", "-q")
     assert "model.include_bias: an OLMo model with biases has no transformers equivalent" in line
     (ckpt / "config.yaml").write_text(config.replace("  d_model: 64", "  d_model: 32", 1))
-    line = _one_line_error(["unshard", str(ckpt), str(tmp_path / "b"), "--format", "hf", "-q"])
+    line = error_line("unshard", str(ckpt), str(tmp_path / "b"), "--format", "hf", "-q")
     assert "transformer.wte.weight is [128, 64], but config.yaml implies [128, 32]" in line

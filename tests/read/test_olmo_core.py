@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import struct
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file
 
 import shardstore
-from shardstore.cli import main
-from tests.conftest import assert_bitwise_equal
+from tests.conftest import assert_bitwise_equal, copy_checkpoint
+from tests.test_cli import error_line
 
 CASES = [("flat", 3), ("dtensor", 4)]
 
@@ -72,45 +70,32 @@ def test_a_step_stored_by_one_rank_only_is_a_scalar(olmo_checkpoints, tmp_path: 
     assert isinstance(step, torch.Tensor) and step.shape == () and step.item() == 1.0
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("expected.pt.ref"))
-    return dst
-
-
-def _error(args: list[str]) -> str:
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 1, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1, result.output
-    return lines[0]
-
-
 def test_offsets_outside_the_tensor_are_refused(olmo_checkpoints, tmp_path: Path) -> None:
-    ckpt = _copy(olmo_checkpoints("olmo_core", "flat", 3), tmp_path / "ckpt")
+    ckpt = copy_checkpoint(olmo_checkpoints("olmo_core", "flat", 3), tmp_path / "ckpt")
     path = ckpt / "model" / "metadata.json"
     meta = json.loads(path.read_text())
     t = meta["tensors"]["transformer.wte.weight"]
     t["shard_spec_per_file"]["rank_2.safetensors"]["flattened_offsets"] = [[64128, 10**12]]
     path.write_text(json.dumps(meta))
-    line = _error(["unshard", str(ckpt), str(tmp_path / "out"), "-q"])
+    line = error_line("unshard", str(ckpt), str(tmp_path / "out"), "-q")
     assert "model/metadata.json" in line and "transformer.wte.weight in rank_2.safetensors" in line
 
 
 def test_a_file_that_holds_less_than_its_metadata_says_is_refused(olmo_checkpoints, tmp_path: Path) -> None:
-    ckpt = _copy(olmo_checkpoints("olmo_core", "flat", 3), tmp_path / "ckpt")
+    ckpt = copy_checkpoint(olmo_checkpoints("olmo_core", "flat", 3), tmp_path / "ckpt")
     path = ckpt / "model" / "metadata.json"
     meta = json.loads(path.read_text())
     spec = meta["tensors"]["transformer.wte.weight"]["shard_spec_per_file"]
     spec["rank_1.safetensors"]["flattened_offsets"] = [[32064, 64000]]
     spec["rank_2.safetensors"]["flattened_offsets"] = [[64000, 96000]]
     path.write_text(json.dumps(meta))
-    line = _error(["unshard", str(ckpt), str(tmp_path / "out"), "-q"])
+    line = error_line("unshard", str(ckpt), str(tmp_path / "out"), "-q")
     assert re.search(r"model/rank_[12]\.safetensors: no tensor|model/rank_[12]\.safetensors: transformer\.wte\.weight is", line), line
     assert "the metadata says" in line or "which its metadata.json lists" in line
 
 
 def test_a_safetensors_header_with_overlapping_tensors_is_refused(olmo_checkpoints, tmp_path: Path) -> None:
-    ckpt = _copy(olmo_checkpoints("olmo_core", "flat", 3), tmp_path / "ckpt")
+    ckpt = copy_checkpoint(olmo_checkpoints("olmo_core", "flat", 3), tmp_path / "ckpt")
     path = ckpt / "model" / "rank_1.safetensors"
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
@@ -123,13 +108,13 @@ def test_a_safetensors_header_with_overlapping_tensors_is_refused(olmo_checkpoin
     blob += b" " * (n - len(blob)) if len(blob) <= n else b""
     assert len(blob) == n
     path.write_bytes(raw[:8] + blob + raw[8 + n:])
-    line = _error(["unshard", str(ckpt), str(tmp_path / "out"), "-q"])
+    line = error_line("unshard", str(ckpt), str(tmp_path / "out"), "-q")
     assert "rank_1.safetensors" in line and "overlap" in line
 
 
 def test_a_truncated_shard_file_is_refused(olmo_checkpoints, tmp_path: Path) -> None:
-    ckpt = _copy(olmo_checkpoints("olmo_core", "dtensor", 4), tmp_path / "ckpt")
+    ckpt = copy_checkpoint(olmo_checkpoints("olmo_core", "dtensor", 4), tmp_path / "ckpt")
     path = ckpt / "optim" / "rank_3.safetensors"
     path.write_bytes(path.read_bytes()[:-100])
-    line = _error(["unshard", str(ckpt), str(tmp_path / "out"), "-q"])
+    line = error_line("unshard", str(ckpt), str(tmp_path / "out"), "-q")
     assert "optim/rank_3.safetensors" in line and "truncated" in line

@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 import shardstore
 from shardstore.cli import main
 from shardstore.read.unpickle import ShardParamInfo, load
-from tests.conftest import assert_bitwise_equal
+from tests.conftest import assert_bitwise_equal, copy_checkpoint
+from tests.test_cli import error_line
 
 CASES = [("2.2", 3), ("2.0", 4), ("hsdp", 4)]  # torch 2.1+ (alignment padding); torch <= 2.0.1; 2 replica groups
 
@@ -94,30 +95,16 @@ def test_units_arrive_in_any_order_and_ls_names_the_format(olmo_checkpoints, tmp
     _check_torch_output(tmp_path / "pt", src)
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("expected.pt.ref"))
-    return dst
-
-
-def _error(args: list[str]) -> str:
-    """The one line a user error prints, with exit status 1."""
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 1, result.output
-    lines = result.output.strip().splitlines()
-    assert len(lines) == 1, result.output
-    return lines[0]
-
-
 def test_a_model_file_of_another_rank_is_refused(olmo_checkpoints, tmp_path: Path) -> None:
     """rank1.pt copied over rank2.pt: it describes rank 1's slice, not rank 2's."""
-    ckpt = _copy(olmo_checkpoints("local", "2.2", 3), tmp_path / "ckpt")
+    ckpt = copy_checkpoint(olmo_checkpoints("local", "2.2", 3), tmp_path / "ckpt")
     shutil.copy(ckpt / "model" / "rank1.pt", ckpt / "model" / "rank2.pt")
-    line = _error(["unshard", str(ckpt), str(tmp_path / "out"), "-q"])
+    line = error_line("unshard", str(ckpt), str(tmp_path / "out"), "-q")
     assert "model/rank2.pt: flat parameter 0: _shard_param_infos disagree with its slice" in line
 
 
 def test_shard_infos_that_disagree_with_the_layout_are_refused(olmo_checkpoints, tmp_path: Path) -> None:
-    ckpt = _copy(olmo_checkpoints("local", "2.2", 3), tmp_path / "ckpt")
+    ckpt = copy_checkpoint(olmo_checkpoints("local", "2.2", 3), tmp_path / "ckpt")
     state = torch.load(ckpt / "model" / "rank1.pt", weights_only=False)
     handle = state["modules"][1]["handles"][0]
     infos = list(handle["flat_param._shard_param_infos"])
@@ -125,24 +112,24 @@ def test_shard_infos_that_disagree_with_the_layout_are_refused(olmo_checkpoints,
     infos[first] = infos[first]._replace(intra_param_start_idx=infos[first].intra_param_start_idx + 96)
     handle["flat_param._shard_param_infos"] = tuple(infos)
     torch.save(state, ckpt / "model" / "rank1.pt")
-    line = _error(["unshard", str(ckpt), str(tmp_path / "out"), "-q"])
+    line = error_line("unshard", str(ckpt), str(tmp_path / "out"), "-q")
     assert "model/rank1.pt" in line and "_shard_param_infos disagree" in line
 
 
 def test_optimizer_state_of_the_wrong_size_is_refused(olmo_checkpoints, tmp_path: Path) -> None:
-    ckpt = _copy(olmo_checkpoints("local", "2.2", 3), tmp_path / "ckpt")
+    ckpt = copy_checkpoint(olmo_checkpoints("local", "2.2", 3), tmp_path / "ckpt")
     state = torch.load(ckpt / "optim" / "rank2.pt", weights_only=False)
     pid = next(iter(state["state"]))
     state["state"][pid]["exp_avg"] = state["state"][pid]["exp_avg"][:-1].clone()
     torch.save(state, ckpt / "optim" / "rank2.pt")
-    line = _error(["unshard", str(ckpt), str(tmp_path / "out"), "-q"])
+    line = error_line("unshard", str(ckpt), str(tmp_path / "out"), "-q")
     assert "optim/rank2.pt" in line and "exp_avg" in line and "this rank holds" in line
 
 
 def test_a_world_size_that_contradicts_the_files_is_refused(olmo_checkpoints, tmp_path: Path) -> None:
-    ckpt = _copy(olmo_checkpoints("local", "2.2", 3), tmp_path / "ckpt")
+    ckpt = copy_checkpoint(olmo_checkpoints("local", "2.2", 3), tmp_path / "ckpt")
     (ckpt / "metadata.yaml").write_text("world_size: 2\n")
-    line = _error(["unshard", str(ckpt), str(tmp_path / "out"), "-q"])
+    line = error_line("unshard", str(ckpt), str(tmp_path / "out"), "-q")
     assert "rank 2" in line and "world has 2" in line
 
 
