@@ -63,44 +63,70 @@ MAX_WORLD_SIZE = 1 << 20
 
 class ShardedLeaf:
     """A ShardedTensor of this rank: dtype, global shape, local pieces, and the global shard list (every
-    rank's shard, repeated in every file), parsed once when first asked for."""
+    rank's shard, repeated in every file), parsed once when first asked for.
+
+    A worker only checks that list (its own entries against its pieces, the whole against the plan's
+    digest), so it works on plain tuples; the typed `spec` is built where the store is planned."""
 
     def __init__(self, dtype: str, shape: tuple[int, ...], pieces: list[LocalPiece], metadata: Any = None,
                  where: str = ""):
         self.dtype, self.shape, self.pieces = dtype, shape, pieces
         self._metadata, self._where = metadata, where
         self._spec: ShardedSpec | None = None
+        self._boxes: list[tuple[Any, Any, Any]] | None = None
+
+    def _global(self) -> list[tuple[Any, Any, Any]]:
+        """(offsets, sizes, placement rank or -1) of every shard, as the file says them (unchecked)."""
+        if self._boxes is None:
+            try:
+                self._boxes = [(tuple(m.shard_offsets), tuple(m.shard_sizes),
+                                -1 if m.placement is None else m.placement.rank())
+                               for m in self._metadata.shards_metadata]
+            except (AttributeError, TypeError) as exc:
+                raise CheckpointError(f"{self._where}: malformed ShardedTensor metadata ({exc})") from None
+        return self._boxes
 
     @property
     def spec(self) -> ShardedSpec:
         if self._spec is None:
             try:
-                shards = tuple(
-                    ShardSpec(tuple(map(int, m.shard_offsets)), tuple(map(int, m.shard_sizes)),
-                              -1 if m.placement is None or m.placement.rank() is None else int(m.placement.rank()))
-                    for m in self._metadata.shards_metadata)
-            except (AttributeError, TypeError, ValueError) as exc:
+                shards = tuple(ShardSpec(tuple(map(int, o)), tuple(map(int, s)), -1 if r is None else int(r))
+                               for o, s, r in self._global())
+            except (TypeError, ValueError) as exc:
                 raise CheckpointError(f"{self._where}: malformed ShardedTensor metadata ({exc})") from None
             self._spec = ShardedSpec(self.dtype, self.shape, shards)
         return self._spec
 
+    def layout_digest(self) -> str:
+        """`layout_digest(self.spec)` for an honest file, computed from the file's own values: anything
+        that is not a plain int gives another digest, so the comparison with the plan checks it too."""
+        try:
+            return digest_of(self.dtype, self.shape, ((o, s, -1 if r is None else r) for o, s, r in self._global()))
+        except TypeError:  # ranks that do not even sort
+            raise CheckpointError(f"{self._where}: malformed ShardedTensor metadata (placement ranks)") from None
+
     def check_own_pieces(self, rank: int) -> None:
         """Every local shard must be exactly one of the global list's entries for this rank (offsets, sizes
         and placement), and there must be one for each of them: a file cannot write another rank's rows."""
-        own = sorted((s.offsets, s.sizes) for s in self.spec.shards if s.rank == rank and all(s.sizes))
+        own = sorted((o, s) for o, s, r in self._global() if r == rank and all(s))
         local = sorted((p.offsets, p.sizes) for p in self.pieces if all(p.sizes))
         if own != local:
             raise CheckpointError(f"{self._where}: local shards {[list(o) for o, _ in local]} are not the shards "
                                   f"the metadata gives rank {rank} ({[list(o) for o, _ in own]}); forged or damaged")
 
 
-def layout_digest(spec: ShardedSpec) -> str:
+def digest_of(dtype: str, shape: tuple[int, ...], shards: Any, flat: bool = False) -> str:
     """The shard layout (boxes and which rank of its group holds each), with placements numbered within
     the group so every replica group of a hybrid-sharded checkpoint has the same digest."""
-    order = {r: i for i, r in enumerate(sorted({s.rank for s in spec.shards}))}
-    boxes = sorted((s.offsets, s.sizes, order[s.rank]) for s in spec.shards)
-    described = (spec.dtype, spec.shape, boxes, "flat") if spec.flat else (spec.dtype, spec.shape, boxes)
+    shards = list(shards)
+    order = {r: i for i, r in enumerate(sorted({r for _, _, r in shards}))}
+    boxes = sorted((o, s, order[r]) for o, s, r in shards)
+    described = (dtype, shape, boxes, "flat") if flat else (dtype, shape, boxes)
     return hashlib.blake2b(repr(described).encode(), digest_size=16).hexdigest()
+
+
+def layout_digest(spec: ShardedSpec) -> str:
+    return digest_of(spec.dtype, spec.shape, ((s.offsets, s.sizes, s.rank) for s in spec.shards), spec.flat)
 
 
 @dataclass
