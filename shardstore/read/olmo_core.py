@@ -265,6 +265,18 @@ def _split(name: str) -> tuple[str, str] | None:
     return param, key
 
 
+def _replicas(arrays: dict[str, ShardedSpec]) -> int:
+    """How many files hold each box (DTensor under hybrid sharding lists every replica group's files):
+    with more than one, the store writes a cell once, from the first file to commit it."""
+    most = 1
+    for spec in arrays.values():
+        counts: dict[tuple, int] = {}
+        for s in spec.shards:
+            counts[(s.offsets, s.sizes)] = counts.get((s.offsets, s.sizes), 0) + 1
+        most = max(most, *counts.values()) if counts else most
+    return most
+
+
 def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
          storage_options: StorageOptions | None) -> CheckpointSpec:
     parts = _parts(folder, storage_options)
@@ -308,7 +320,8 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     if train:
         join_trainer_state(tree, objects, train[0], encode_key, storage_options, strict)
     digest = hashlib.blake2b("".join(p.digest for p in parts.values()).encode(), digest_size=16).hexdigest()
-    extra = {"units": names, "metadata": digest, "olmo_core": {"ids": list(ids.items())}}
+    extra = {"units": names, "metadata": digest, "olmo_core": {"ids": list(ids.items())},
+             "replicas": _replicas(arrays)}
     return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
 
 

@@ -171,7 +171,8 @@ def _handle(prefix: str, h: dict[str, Any], where: str) -> Handle:
     if numels != [math.prod(s) for s in shapes]:
         raise CheckpointError(f"{where}: _numels disagree with _shapes")
     old = "flat_param._shard_param_infos" not in h
-    padded = numels if old else _ints(_field(h, "_numels_with_padding", where), f"{where}: _numels_with_padding")
+    # torch 2.0.x's FlatParameter had no padding list; 2.1+ saves one even when it equals _numels
+    padded = _ints(h.get("flat_param._numels_with_padding", numels), f"{where}: _numels_with_padding")
     starts = _starts(numels, padded, dtypes.info(data.dtype).itemsize)
     if starts is None:
         raise CheckpointError(f"{where}: _numels_with_padding is not FSDP's padding of _numels")

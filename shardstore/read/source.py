@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -229,11 +230,39 @@ def open_source(src: str | os.PathLike[str], tag: str | None = None, step: int |
         run = _folder(folder) if _name(folder) == "model_and_optim" else folder
         return Source("dcp", [join(folder, f) for f in files] + trainer_files(folder, storage_options), storage_options,
                       _config(run, storage_options))
-    for format, module in FOLDER_FORMATS.items():
-        if module().detect(src, storage_options):
-            return Source(format, module().units(src, storage_options), storage_options, _config(src, storage_options))
+    found = _folder_checkpoint(src, tag, step, storage_options)
+    if found is not None:
+        format, run = found
+        module = FOLDER_FORMATS[format]()
+        return Source(format, module.units(run, storage_options), storage_options, _config(run, storage_options))
     files = [os.fspath(f) for f in discover(src, tag, step, storage_options)]
     return Source("torch-save", files, storage_options, _config(_folder(files[0]), storage_options))
+
+
+def _folder_checkpoint(src: str, tag: str | None, step: int | None,
+                       storage_options: StorageOptions | None) -> tuple[str, str] | None:
+    """(format, folder) when `src` is an OLMo `local` / OLMo-core checkpoint, or a run folder holding such
+    checkpoints one level down (step1000/, step2000/: pick one with --tag or --step)."""
+    for format, module in FOLDER_FORMATS.items():
+        if module().detect(src, storage_options):
+            return format, src
+    if is_url(src) or not os.path.isdir(local(src)):
+        return None
+    below = [(format, os.path.join(src, name)) for name in sorted(os.listdir(local(src)))
+             if os.path.isdir(os.path.join(local(src), name))
+             for format, module in FOLDER_FORMATS.items() if module().detect(os.path.join(src, name), storage_options)]
+    if not below:
+        return None
+    if tag not in (None, "latest"):
+        below = [b for b in below if os.path.basename(b[1]) == tag]
+    if step is not None:
+        below = [b for b in below if re.search(rf"(?:^|[-_])step0*{step}$", os.path.basename(b[1]))]
+    if len(below) != 1:
+        names = ", ".join(os.path.basename(b[1]) for b in below)
+        if not below:
+            raise CheckpointError(f"{src}: no checkpoint matches {'--tag ' + tag if tag else f'--step {step}'}")
+        raise CheckpointError(f"{src}: holds more than one checkpoint ({names}); pick one with --tag or --step")
+    return below[0]
 
 
 CONFIG = "config.yaml"

@@ -18,7 +18,7 @@ import shardstore
 from tests.conftest import assert_bitwise_equal, copy_checkpoint
 from tests.test_cli import error_line
 
-CASES = [("flat", 3), ("dtensor", 4)]
+CASES = [("flat", 3), ("dtensor", 4), ("dtensor-hsdp", 4)]  # FSDP1; FSDP2; FSDP2 over 2 replica groups
 
 
 def _olmo_core_unshard(src: Path) -> tuple[dict, dict]:

@@ -158,3 +158,14 @@ def test_the_store_keeps_the_layout_it_planned_from(olmo_checkpoints, tmp_path: 
     assert [p[0] for p in block["params"]][:2] == ["transformer.blocks.0.ff_proj.weight",
                                                   "transformer.blocks.0.attn_norm.weight"]
     assert block["total"] % 3 == 0  # FSDP padded it to divide by the world size
+
+
+def test_a_run_folder_of_steps_is_searched_one_level_down(olmo_checkpoints, tmp_path: Path) -> None:
+    """OLMo's save folder holds one checkpoint per step: --step picks one, and two are never mixed."""
+    run = tmp_path / "run"
+    shutil.copytree(olmo_checkpoints("local", "2.2", 3), run / "step1000")  # with its expected answer
+    copy_checkpoint(olmo_checkpoints("olmo_core", "flat", 3), run / "step2000")
+    line = error_line("unshard", str(run), str(tmp_path / "out"), "-q")
+    assert "holds more than one checkpoint (step1000, step2000); pick one with --tag or --step" in line
+    shardstore.unshard(run, tmp_path / "out", step=1000, format="torch", jobs=1)
+    _check_torch_output(tmp_path / "out", run / "step1000")
