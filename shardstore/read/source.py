@@ -279,7 +279,8 @@ def _config(folder: str, storage_options: StorageOptions | None) -> list[str]:
 def source_of_files(files: list[str | os.PathLike[str]], storage_options: StorageOptions | None = None) -> Source:
     """The checkpoint some of whose unit files are given (`shardstore ingest STORE FILE...`)."""
     names = [os.fspath(f) for f in files]
-    if len(names) == 1 and (is_url(names[0]) or os.path.isdir(names[0])) and not names[0].endswith(".pt"):
+    if len(names) == 1 and not names[0].endswith((".pt", ".distcp", ".safetensors")) \
+            and (is_url(names[0]) or os.path.isdir(names[0])):
         return open_source(names[0], storage_options=storage_options)  # a checkpoint folder
     for format, module in FOLDER_FORMATS.items():
         runs = {_folder(_folder(n)) for n in names}
