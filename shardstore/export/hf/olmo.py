@@ -69,8 +69,10 @@ def _refuse_unsupported(cfg: dict[str, Any], olmo2: bool) -> None:
     if olmo2:
         checks.append(("clip_qkv", cfg.get("clip_qkv") is not None, "clip_qkv (Olmo2ForCausalLM has none)"))
     else:
-        checks.append(("layer_norm_type", cfg.get("layer_norm_type", "default") not in ("default", "low_precision"),
-                       f"{cfg.get('layer_norm_type')} norms (OlmoForCausalLM uses OLMo's non-parametric LayerNorm)"))
+        # default, low_precision and amd_compatible are all a LayerNorm (affine weights, if any, are caught
+        # as tensors the table has no place for); an RMS norm is another function
+        checks.append(("layer_norm_type", cfg.get("layer_norm_type", "default") == "rms",
+                       "RMS norms but not OLMo 2's layout (OlmoForCausalLM uses a non-parametric LayerNorm)"))
     for key, bad, what in checks:
         if bad:
             raise ExportError(f"config.yaml: model.{key}: an OLMo model with {what} has no transformers equivalent")
