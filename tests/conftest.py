@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -16,20 +16,22 @@ from tests.fixtures.layouts import make_layout_checkpoint
 CACHE = Path(os.environ.get("SHARDSTORE_TEST_CACHE", "")) if os.environ.get("SHARDSTORE_TEST_CACHE") else None
 
 
+def cached(base: Path, name: str, make: Callable[[Path], object]) -> Path:
+    """Checkpoint `name` under `base`, made by `make(folder)` unless a finished one (its expected.pt.ref,
+    written last) is already there."""
+    out = base / name
+    if not (out / "expected.pt.ref").exists():
+        make(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     """checkpoints(world_size, kind="tiny", dtype="float32") -> folder of rank files + expected.pt.ref."""
     base = CACHE or tmp_path_factory.mktemp("checkpoints")
-    made: dict[tuple[int, str, str], Path] = {}
 
     def get(world_size: int, kind: str = "tiny", dtype: str = "float32") -> Path:
-        key = (world_size, kind, dtype)
-        if key not in made:
-            out = base / f"{kind}-{dtype}-w{world_size}"
-            if not (out / "expected.pt.ref").exists():
-                make_checkpoint(out, world_size, kind, dtype)
-            made[key] = out
-        return made[key]
+        return cached(base, f"{kind}-{dtype}-w{world_size}", lambda out: make_checkpoint(out, world_size, kind, dtype))
 
     return get
 
@@ -80,16 +82,10 @@ def olmo_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     from tests.fixtures.olmo import make_olmo_checkpoint
 
     base = CACHE or tmp_path_factory.mktemp("olmo")
-    made: dict[tuple[str, str, int], Path] = {}
 
     def get(kind: str, variant: str, world_size: int) -> Path:
-        key = (kind, variant, world_size)
-        if key not in made:
-            out = base / f"{kind}-{variant}-w{world_size}"
-            if not (out / "expected.pt.ref").exists():
-                make_olmo_checkpoint(out, world_size, kind, variant)
-            made[key] = out
-        return made[key]
+        return cached(base, f"{kind}-{variant}-w{world_size}",
+                      lambda out: make_olmo_checkpoint(out, world_size, kind, variant))
 
     return get
 

@@ -9,11 +9,12 @@ of parameter names with FSDP's wrapper names removed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .. import paths
 from .rankfile import ShardedSpec, ShardSpec
 from .source import Node
+from .trainer import TRAIN
 
 MODEL, OPTIM = "model", "optim"
 WRAPPED = "_fsdp_wrapped_module."
@@ -56,14 +57,22 @@ def flat_spec(dtype: str, shape: tuple[int, ...], pieces: list[tuple[int, int, i
     return ShardedSpec(dtype, shape, tuple(ShardSpec((lo,), (n,), r) for r, lo, n in pieces if n), flat=True)
 
 
-def unit_index(path: str, facts: dict[str, Any], key: str, what: str) -> tuple[int, int, str]:
-    """(index, count, checkpoint digest) of a unit, from the store's facts about its checkpoint."""
+def open_olmo_unit(path: str, storage_options: Any, strict: bool, encode_key: Any, facts: dict[str, Any], key: str,
+                   what: str, open_file: Callable[..., Any]) -> Any:
+    """One unit of an OLMo folder checkpoint, placed by the store's facts about it (`facts[key]`, its
+    `units` list and digest): a trainer-state file, or what `open_file(path, kind, file name, index, count,
+    digest, facts, storage_options, strict)` makes of a model/ or optim/ file."""
     from ..errors import CheckpointError
+    from .trainer import open_trainer
 
     listed = facts.get("units", [])
     if relative(path) not in listed or key not in facts:
         raise CheckpointError(f"{path}: not a file of the {what} checkpoint the store holds")
-    return listed.index(relative(path)), len(listed), facts["metadata"]
+    index, count, digest = listed.index(relative(path)), len(listed), facts["metadata"]
+    kind, name = relative(path).split("/")
+    if kind == TRAIN:
+        return open_trainer(path, index, count, digest, storage_options, strict, encode_key)
+    return open_file(path, kind, name, index, count, digest, facts, storage_options, strict)
 
 
 @dataclass

@@ -30,12 +30,12 @@ from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions
 from .container import DataFile
 from .olmo import (MODEL, OPTIM, PARAM_GROUPS, FileUnit, flat_spec, model_path, model_tree, optim_tree, relative,
-                   state_path, unit_index)
+                   state_path, open_olmo_unit)
 from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
 from .safetensors_file import SafetensorsFile
 from .source import CheckpointSpec, Node
 from .tensors import check_view
-from .trainer import TRAIN, join, join_trainer_state, listing, open_trainer, trainer_files
+from .trainer import join, join_trainer_state, listing, trainer_files
 from .unpickle import TensorRef, load
 
 FORMAT = "olmo-core"
@@ -328,10 +328,11 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
 # ---------------------------------------------------------------------------------------------- units
 def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
               facts: dict[str, Any]) -> Any:
-    index, count, digest = unit_index(path, facts, "olmo_core", "OLMo-core")
-    kind, file = relative(path).split("/")
-    if kind == TRAIN:
-        return open_trainer(path, index, count, digest, storage_options, strict, encode_key)
+    return open_olmo_unit(path, storage_options, strict, encode_key, facts, "olmo_core", "OLMo-core", _open_file)
+
+
+def _open_file(path: str, kind: str, file: str, index: int, count: int, digest: str, facts: dict[str, Any],
+               storage_options: StorageOptions | None, strict: bool) -> FileUnit:
     folder = path[: -len(file)].rstrip("/\\")
     part = _part(folder, storage_options)
     ids = dict((name, pid) for name, pid in facts["olmo_core"]["ids"])

@@ -29,11 +29,11 @@ from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions
 from .container import DataFile, TorchZip
 from .olmo import (MODEL, OPTIM, PARAM_GROUPS, FileUnit, clean, flat_spec, model_path, model_tree, optim_tree,
-                   relative, state_path, unit_index)
+                   relative, state_path, open_olmo_unit)
 from .rankfile import MAX_WORLD_SIZE, LocalPiece, ShardedLeaf
 from .source import CheckpointSpec, Node
 from .tensors import check_view
-from .trainer import TRAIN, join, join_trainer_state, listing, open_trainer, trainer_files
+from .trainer import join, join_trainer_state, listing, trainer_files
 from .unpickle import TensorRef, load
 
 FORMAT = "olmo-local"
@@ -362,10 +362,11 @@ def _optim_spec(folder: str, optims: dict[int, str], holders: dict[str, list[tup
 def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
               facts: dict[str, Any]) -> Any:
     """Open one unit; `facts` are the store's (the layout planned from rank 0)."""
-    index, count, digest = unit_index(path, facts, "olmo_local", "`local`")
-    kind, name = relative(path).split("/")
-    if kind == TRAIN:
-        return open_trainer(path, index, count, digest, storage_options, strict, encode_key)
+    return open_olmo_unit(path, storage_options, strict, encode_key, facts, "olmo_local", "`local`", _open_file)
+
+
+def _open_file(path: str, kind: str, name: str, index: int, count: int, digest: str, facts: dict[str, Any],
+               storage_options: StorageOptions | None, strict: bool) -> FileUnit:
     layout = facts["olmo_local"]
     handles = [Handle.from_json(h) for h in layout["handles"]]
     m = _RANK.match(name)
