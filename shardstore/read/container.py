@@ -128,6 +128,30 @@ class DataFile:
             self._file.close()
 
 
+def read_small(path: str | os.PathLike[str], storage_options: StorageOptions | None, limit: int, what: str) -> bytes:
+    """A whole metadata-sized file (DCP's .metadata, metadata.json, config.yaml): refused, naming `what` it
+    should be, when larger than `limit`, so memory stays bounded by what such a file can be."""
+    data = DataFile(path, storage_options)
+    try:
+        if data.size > limit:
+            raise CheckpointError(f"{data.path}: {data.size} bytes; not {what}")
+        return bytes(data.view(0, data.size))
+    finally:
+        data.close()
+
+
+_PARSED: dict[tuple[str, str, str], Any] = {}
+
+
+def parsed_once(kind: str, folder: str, storage_options: StorageOptions | None, parse: Any) -> Any:
+    """`parse(folder, storage_options)`, once per process: a checkpoint's metadata, which every unit a worker
+    opens needs and which grows with the world size."""
+    key = (kind, folder, repr(sorted((storage_options or {}).items())))
+    if key not in _PARSED:
+        _PARSED[key] = parse(folder, storage_options)
+    return _PARSED[key]
+
+
 class _Window(io.RawIOBase):
     """A window of a DataFile as a seekable file, for zipfile to parse."""
 

@@ -23,15 +23,16 @@ from typing import Any
 from .. import dtypes, paths
 from ..errors import CheckpointError, closed_on_error, named
 from ..locations import StorageOptions, filesystem, is_url, local
-from .container import DataFile, TorchZip
+from .container import DataFile, TorchZip, parsed_once, read_small
 from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
 from .source import CheckpointSpec, Node, Skeleton
 from . import trainer
 from .tensors import check_view
-from .trainer import TRAIN, TrainerUnit, join_trainer_state, open_trainer
+from .trainer import TRAIN, TrainerUnit, join, join_trainer_state, open_trainer
 from .unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, TensorRef, load
 
 METADATA = ".metadata"
+MAX_METADATA = 1 << 30  # tens of MB at thousands of ranks; a gigabyte is not a .metadata
 # A tensor at or below this size held whole in one chunk is kept as a value, like a rank file's plain
 # tensors (an optimizer's step, a scale); anything larger or split across files gets an array.
 SMALL_TENSOR_BYTES = 64 << 10
@@ -62,10 +63,6 @@ class DcpCheckpoint:
         return paths.join(*(paths.escape(k) for k in self.paths[fqn]))
 
 
-def _join(folder: str, name: str) -> str:
-    return f"{folder.rstrip('/')}/{name}" if is_url(folder) else os.path.join(local(folder), name)
-
-
 def has_metadata(folder: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> bool:
     folder = os.fspath(folder)
     if is_url(folder):
@@ -77,12 +74,8 @@ def has_metadata(folder: str | os.PathLike[str], storage_options: StorageOptions
 def read_checkpoint(folder: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> DcpCheckpoint:
     """Parse and check `.metadata`: names, sizes and byte ranges that can exist, nothing outside the folder."""
     folder = os.fspath(folder)
-    where = _join(folder, METADATA)
-    data = DataFile(where, storage_options)
-    try:
-        raw = bytes(data.view(0, data.size))
-    finally:
-        data.close()
+    where = join(folder, METADATA)
+    raw = read_small(where, storage_options, MAX_METADATA, "a torch.distributed.checkpoint .metadata file")
     md = load(raw, where)  # the same safe unpickler; torch itself would run any pickle here
     if not isinstance(md, DcpMetadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict) \
             or not isinstance(getattr(md, "storage_data", None), dict):
@@ -244,21 +237,17 @@ class DcpUnit:
         self.file.close()
 
 
-_CHECKPOINTS: dict[tuple[str, str], DcpCheckpoint] = {}
-
-
 def _checkpoint(folder: str, storage_options: StorageOptions | None) -> DcpCheckpoint:
     """A folder's .metadata, read once per process."""
-    key = (folder, repr(sorted((storage_options or {}).items())))
-    return _CHECKPOINTS.get(key) or _CHECKPOINTS.setdefault(key, read_checkpoint(folder, storage_options))
+    return parsed_once("dcp", folder, storage_options, read_checkpoint)
 
 
 def open_trainer_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> TrainerUnit:
     from .layouts import name_rank
 
     train = _join_parent(path)
-    ckpt = _checkpoint(_join(train, "model_and_optim"), storage_options)
-    count = len(ckpt.files) + len(trainer_files(_join(train, "model_and_optim"), storage_options))
+    ckpt = _checkpoint(join(train, "model_and_optim"), storage_options)
+    count = len(ckpt.files) + len(trainer_files(join(train, "model_and_optim"), storage_options))
     return open_trainer(path, len(ckpt.files) + (name_rank(path) or 0), count, ckpt.digest, storage_options,
                         strict, encode_key)
 

@@ -28,7 +28,7 @@ from typing import Any
 from .. import dtypes
 from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions
-from .container import DataFile
+from .container import parsed_once, read_small
 from .olmo import (MODEL, OPTIM, PARAM_GROUPS, FileUnit, flat_spec, model_path, model_tree, optim_tree, relative,
                    state_path, open_olmo_unit)
 from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
@@ -72,13 +72,7 @@ def detect(folder: str, storage_options: StorageOptions | None = None) -> bool:
 
 
 def _read_json(path: str, storage_options: StorageOptions | None) -> tuple[Any, str]:
-    data = DataFile(path, storage_options)
-    try:
-        if data.size > MAX_METADATA:
-            raise CheckpointError(f"{path}: {data.size} bytes; not an OLMo-core metadata file")
-        raw = bytes(data.view(0, data.size))
-    finally:
-        data.close()
+    raw = read_small(path, storage_options, MAX_METADATA, "an OLMo-core metadata file")
     try:
         return json.loads(raw), hashlib.blake2b(raw, digest_size=16).hexdigest()
     except (ValueError, UnicodeDecodeError) as exc:
@@ -150,13 +144,9 @@ def read_part(folder: str, storage_options: StorageOptions | None) -> Part:
     return Part(folder, digest, tensors, sorted(files, key=_file_order))
 
 
-_PARTS: dict[tuple[str, str], Part] = {}
-
-
 def _part(folder: str, storage_options: StorageOptions | None) -> Part:
-    """A metadata.json, parsed once per process (every worker needs it, and it grows with the world size)."""
-    key = (folder, repr(sorted((storage_options or {}).items())))
-    return _PARTS.get(key) or _PARTS.setdefault(key, read_part(folder, storage_options))
+    """A metadata.json, parsed once per process."""
+    return parsed_once("olmo-core", folder, storage_options, read_part)
 
 
 def _parts(folder: str, storage_options: StorageOptions | None) -> dict[str, Part]:

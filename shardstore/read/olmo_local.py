@@ -27,7 +27,7 @@ from typing import Any
 from .. import dtypes
 from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions
-from .container import DataFile, TorchZip
+from .container import TorchZip, read_small
 from .olmo import (MODEL, OPTIM, PARAM_GROUPS, FileUnit, clean, flat_spec, model_path, model_tree, optim_tree,
                    relative, state_path, open_olmo_unit)
 from .rankfile import MAX_WORLD_SIZE, LocalPiece, ShardedLeaf
@@ -102,14 +102,9 @@ def _ranked(folder: str, storage_options: StorageOptions | None) -> dict[int, st
 def _world_size(folder: str, model_files: dict[int, str], storage_options: StorageOptions | None) -> int:
     """metadata.yaml's world_size (OLMo writes `world_size: N`), else the number of model files."""
     path = join(folder, "metadata.yaml")
-    try:
-        data = DataFile(path, storage_options)
-    except CheckpointError:
+    if path not in listing(folder, storage_options):
         return len(model_files)
-    try:
-        text = bytes(data.view(0, min(data.size, 1 << 16))).decode("utf-8", "replace")
-    finally:
-        data.close()
+    text = read_small(path, storage_options, 1 << 16, "OLMo's metadata.yaml").decode("utf-8", "replace")
     m = re.search(r"^world_size:\s*(\d+)\s*$", text, re.M)
     if not m or not 0 < int(m.group(1)) <= MAX_WORLD_SIZE:
         raise CheckpointError(f"{path}: no world_size a checkpoint can have")

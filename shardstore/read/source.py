@@ -111,15 +111,9 @@ def _name(path: str) -> str:
 
 def _side_file(path: str, storage_options: StorageOptions | None) -> str:
     """A small file of the run (config.yaml), base64, for the manifest: exports write it back unchanged."""
-    from .container import DataFile
+    from .container import read_small
 
-    data = DataFile(path, storage_options)
-    try:
-        if data.size > MAX_SIDE_FILE:
-            raise CheckpointError(f"{path}: {data.size} bytes; a run's config is not this large")
-        return base64.b64encode(bytes(data.view(0, data.size))).decode()
-    finally:
-        data.close()
+    return base64.b64encode(read_small(path, storage_options, MAX_SIDE_FILE, "a run's config")).decode()
 
 
 def _olmo_local() -> Any:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError
-from ..locations import StorageOptions, filesystem, is_url
+from ..locations import StorageOptions, filesystem, is_url, local
 from .container import TorchZip
 from .layouts import name_rank
 from .source import Node
@@ -22,7 +22,8 @@ TRAIN = "train"
 
 
 def join(folder: str, name: str) -> str:
-    return f"{folder.rstrip('/')}/{name}" if is_url(folder) else os.path.join(folder, name)
+    """`name` inside `folder`, a URL or a local path (file:// URLs become plain paths)."""
+    return f"{folder.rstrip('/')}/{name}" if is_url(folder) else os.path.join(local(folder), name)
 
 
 def listing(folder: str, storage_options: StorageOptions | None) -> list[str]:
@@ -30,6 +31,7 @@ def listing(folder: str, storage_options: StorageOptions | None) -> list[str]:
     if is_url(folder):
         fs, base = filesystem(folder, storage_options)
         return [join(folder, p.rstrip("/").rsplit("/", 1)[-1]) for p in (fs.ls(base, detail=False) if fs.isdir(base) else [])]
+    folder = local(folder)
     return [os.path.join(folder, n) for n in sorted(os.listdir(folder))] if os.path.isdir(folder) else []
 
 
