@@ -25,7 +25,7 @@ from ..errors import CheckpointError, closed_on_error, named
 from ..locations import StorageOptions, filesystem, is_url, local
 from .container import DataFile, TorchZip, parsed_once, read_small
 from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
-from .source import CheckpointSpec, Node, Skeleton
+from .source import SMALL_TENSOR_BYTES, CheckpointSpec, Node, Skeleton
 from . import trainer
 from .tensors import check_view
 from .trainer import TRAIN, TrainerUnit, join, join_trainer_state, open_trainer
@@ -33,9 +33,6 @@ from .unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, TensorRef,
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 30  # tens of MB at thousands of ranks; a gigabyte is not a .metadata
-# A tensor at or below this size held whole in one chunk is kept as a value, like a rank file's plain
-# tensors (an optimizer's step, a scale); anything larger or split across files gets an array.
-SMALL_TENSOR_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)

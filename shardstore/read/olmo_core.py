@@ -33,7 +33,7 @@ from .olmo import (MODEL, OPTIM, PARAM_GROUPS, FileUnit, flat_spec, model_path, 
                    state_path, open_olmo_unit)
 from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
 from .safetensors_file import SafetensorsFile
-from .source import CheckpointSpec, Node
+from .source import SMALL_TENSOR_BYTES, CheckpointSpec, Node
 from .tensors import check_view
 from .trainer import join, join_trainer_state, listing, trainer_files
 from .unpickle import TensorRef, load
@@ -41,7 +41,6 @@ from .unpickle import TensorRef, load
 FORMAT = "olmo-core"
 METADATA = "metadata.json"
 MAX_METADATA = 1 << 30
-SMALL_TENSOR_BYTES = 64 << 10  # a tensor held whole by one file at or below this is a value (as DCP's)
 CONSUMED = ("num_param_groups", "state_keys")  # folded into optim/param_groups and the tree
 
 

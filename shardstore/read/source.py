@@ -24,6 +24,11 @@ from typing import Any, Callable
 from ..errors import CheckpointError
 from ..locations import StorageOptions, filesystem, is_url, local
 
+# A tensor at or below this size held whole by one unit is kept as a value, like a rank file's plain
+# tensors (an optimizer's step, a scale); anything larger, or split across units, gets an array.
+SMALL_TENSOR_BYTES = 64 << 10
+
+
 @dataclass
 class Node:
     """One node of a state dict's key tree. A container (`kind` dict, odict, list or tuple) lists its
