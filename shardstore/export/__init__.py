@@ -117,16 +117,14 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory")
+    if scheduler and format != "safetensors":
+        raise ExportError(f"--scheduler exports safetensors only, not {format}")
     if format in ("torch", "dcp"):
-        if scheduler:
-            raise ExportError(f"--scheduler exports safetensors only, not {format}")
         if select or strip_prefix or dtype:
-            raise ExportError("--select, --strip-prefix and --dtype apply to safetensors output only")
+            raise ExportError("--select, --strip-prefix and --dtype apply to safetensors and hf output only")
         nbytes = sum(a.nbytes for a in store.manifest.arrays.values())
         planned = torch_files(store) if format == "torch" else [f"__{i}_0.distcp" for i in range(jobs)] + [METADATA]
     elif format == "hf":
-        if scheduler:
-            raise ExportError("--scheduler exports safetensors only, not hf")
         hf_model, plan = plan_hf(store, model_subtree(store) if select is None else select, hf_config,
                                  strip_prefix, dtype, max_shard_size)
         planned, nbytes = planned_files(hf_model, plan), plan.nbytes

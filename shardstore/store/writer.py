@@ -59,8 +59,7 @@ class UnitWriter:
         if not all(piece.sizes):
             return
         if entry.staged:
-            part = piece.rows(0, piece.sizes[0]) if piece.sizes else None
-            self._stage(entry, piece.offsets, piece.sizes, part if part is not None else piece.values())
+            self._stage(entry, piece.offsets, piece.sizes, _rows(piece, 0, piece.sizes[0]))
             return
         if entry.flat:
             self._flat_piece(entry, piece)
@@ -85,18 +84,14 @@ class UnitWriter:
         (start,), (count,) = piece.offsets, piece.sizes
         row = entry.cell_elements // entry.cell[0]
         for cell, first, stop in entry.flat_cells(start, count):
-            part = piece.rows(first - start, stop - first)
-            data = part if part is not None else piece.values()[first - start:stop - first]
+            part = _rows(piece, first - start, stop - first)
             lo, hi = cell * entry.cell_elements, min((cell + 1) * entry.cell_elements, math.prod(entry.shape))
             if (first, stop) == (lo, hi):
-                index = (cell,) + (0,) * (len(entry.shape) - 1)
-                self._cell(entry, index, [data if part is not None else np.ascontiguousarray(data).data],
-                           (hi - lo) // row)
+                self._cell(entry, (cell,) + (0,) * (len(entry.shape) - 1), [part], (hi - lo) // row)
             else:
-                self._stage(entry, (first,), (stop - first,), data)
+                self._stage(entry, (first,), (stop - first,), part)
 
-    def _stage(self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...], data: Any) -> None:
-        part = data if not isinstance(data, np.ndarray) else np.ascontiguousarray(data).data
+    def _stage(self, entry: ArrayEntry, offsets: tuple[int, ...], sizes: tuple[int, ...], part: Part) -> None:
         nbytes = part_length(part)
         self._staging.append(part)
         self.staged.setdefault(entry.path, []).append([list(offsets), list(sizes), self._staged_bytes, nbytes])
@@ -120,6 +115,12 @@ class UnitWriter:
                                    (bounds[0][1] - bounds[0][0],) + tuple(entry.cell[1:]), tuple(lo for lo, _ in bounds))
         raise CheckpointError(f"{self.where}: replica of {entry.path} differs from the copy already in the store, "
                               f"first at element {element}")
+
+
+def _rows(piece: Piece, first: int, count: int) -> Part:
+    """Rows [first, first + count) of a piece: its byte range in the file, else a contiguous copy."""
+    part = piece.rows(first, count)
+    return part if part is not None else np.ascontiguousarray(piece.values()[first:first + count]).data
 
 
 def _cell_parts(entry: ArrayEntry, piece: Piece, index: tuple[int, ...]) -> tuple[list[Part], int]:
