@@ -29,32 +29,36 @@ class ModelSpec:
     d_model: int = 1024
     layers: int = 24
     vocab: int = 50304
+    olmo1: bool = False  # OLMo 1 (OLMo-7B): non-parametric norms and an untied output layer
 
     @property
     def hidden(self) -> int:
         return int(math.ceil(8 * self.d_model / 3 / 128)) * 128
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """OLMo 2's parameter names and shapes (SwiGLU MLP, fused QKV, q/k norms, output tied to wte)."""
+        """OLMo's parameter names and shapes (SwiGLU MLP, fused QKV): OLMo 2 adds norm weights (q/k norms too)
+        and ties the output to wte; OLMo 1 has neither, and an output layer of its own."""
         d, h = self.d_model, self.hidden
         out = {"transformer.wte.weight": (self.vocab, d)}
         for i in range(self.layers):
             b = f"transformer.blocks.{i}"
             out |= {f"{b}.att_proj.weight": (3 * d, d), f"{b}.attn_out.weight": (d, d),
-                    f"{b}.ff_proj.weight": (2 * h, d), f"{b}.ff_out.weight": (d, h),
-                    f"{b}.attn_norm.weight": (d,), f"{b}.ff_norm.weight": (d,),
-                    f"{b}.q_norm.weight": (d,), f"{b}.k_norm.weight": (d,)}
-        out["transformer.ln_f.weight"] = (d,)
+                    f"{b}.ff_proj.weight": (2 * h, d), f"{b}.ff_out.weight": (d, h)}
+            if not self.olmo1:
+                out |= {f"{b}.{n}_norm.weight": (d,) for n in ("attn", "ff", "q", "k")}
+        out |= {"transformer.ff_out.weight": (self.vocab, d)} if self.olmo1 else {"transformer.ln_f.weight": (d,)}
         return out
 
     def config_yaml(self) -> str:
         """The `model` section OLMo's TrainConfig writes for this model (what --format hf reads)."""
+        olmo2 = str(not self.olmo1).lower()
         return (f"model:\n  d_model: {self.d_model}\n  n_heads: {self.d_model // 64}\n  n_layers: {self.layers}\n"
                 f"  mlp_hidden_size: {2 * self.hidden}\n  activation_type: swiglu\n  block_type: sequential\n"
-                f"  rope: true\n  rope_theta: 500000\n  include_bias: false\n  layer_norm_type: rms\n"
-                f"  layer_norm_with_affine: true\n  layer_norm_eps: 1.0e-06\n  attention_layer_norm: true\n"
-                f"  norm_after: true\n  max_sequence_length: 4096\n  vocab_size: {self.vocab}\n"
-                f"  embedding_size: {self.vocab}\n  weight_tying: true\n  eos_token_id: 50279\n  pad_token_id: 1\n"
+                f"  rope: true\n  rope_theta: {10000 if self.olmo1 else 500000}\n  include_bias: false\n"
+                f"  layer_norm_type: {'default' if self.olmo1 else 'rms'}\n  layer_norm_with_affine: {olmo2}\n"
+                f"  layer_norm_eps: 1.0e-06\n  attention_layer_norm: {olmo2}\n  norm_after: {olmo2}\n"
+                f"  max_sequence_length: 4096\n  vocab_size: {self.vocab}\n  embedding_size: {self.vocab}\n"
+                f"  weight_tying: {olmo2}\n  eos_token_id: 50279\n  pad_token_id: 1\n"
                 f"sharded_checkpointer: torch_legacy\n")
 
     @property
@@ -116,11 +120,13 @@ def _write_ranks(out: str, spec: ModelSpec, ranks: list[int], world: int, device
             dist.destroy_process_group()
 
 
-def generate(out: str | os.PathLike[str], world: int, spec: ModelSpec, jobs: int = 2, device: str = "cpu") -> Path:
-    """Write rank0.pt ... rank{world-1}.pt into `out` (ranks already there are kept)."""
+def generate(out: str | os.PathLike[str], world: int, spec: ModelSpec, jobs: int = 2, device: str = "cpu",
+             ranks: int | None = None) -> Path:
+    """Write rank0.pt ... rank{world-1}.pt into `out` (ranks already there are kept); with `ranks`, only the
+    first that many: a subset of a checkpoint too big for the disk, whose files are each full size."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    ranks = list(range(world))
+    ranks = list(range(world if ranks is None else ranks))
     (out / "config.yaml").write_text(spec.config_yaml())
     with ProcessPoolExecutor(jobs) as pool:
         list(pool.map(_write_ranks, [str(out)] * jobs, [spec] * jobs, [ranks[i::jobs] for i in range(jobs)],

@@ -98,7 +98,7 @@ def _check_rank_file(store: Store, rf: RankFile) -> None:
         if (leaf.dtype, leaf.shape) != (entry.dtype, entry.shape):
             raise CheckpointError(f"{rf.path}: {path} is {leaf.dtype}{list(leaf.shape)} here but "
                                   f"{entry.dtype}{list(entry.shape)} in the store (another checkpoint?)")
-        if entry.layout is not None and leaf.layout_digest() != entry.layout:
+        if entry.layout is not None and not leaf.planned and leaf.layout_digest() != entry.layout:
             raise CheckpointError(f"{rf.path}: {path} is sharded differently here than in the rest of the "
                                   f"checkpoint (its shard metadata is forged, damaged or from another run)")
         if not entry.staged:

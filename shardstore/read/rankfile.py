@@ -17,6 +17,7 @@ from ..ranges import FileRange, RemoteRange
 from . import tensors
 from .container import TorchZip
 from .source import CheckpointSpec
+from .skim import skim
 from .tree import Skeleton, flatten
 from .unpickle import ShardedTensor, TensorRef, load
 
@@ -66,12 +67,13 @@ class ShardedLeaf:
     rank's shard, repeated in every file), parsed once when first asked for.
 
     A worker only checks that list (its own entries against its pieces, the whole against the plan's
-    digest), so it works on plain tuples; the typed `spec` is built where the store is planned."""
+    digest), so it works on plain tuples; the typed `spec` is built where the store is planned. When the
+    list was skimmed (read/skim.py) it is `planned`: equal to the plan's, which is FSDP's chunk layout."""
 
     def __init__(self, dtype: str, shape: tuple[int, ...], pieces: list[LocalPiece], metadata: Any = None,
-                 where: str = ""):
+                 where: str = "", planned: bool = False):
         self.dtype, self.shape, self.pieces = dtype, shape, pieces
-        self._metadata, self._where = metadata, where
+        self._metadata, self._where, self.planned = metadata, where, planned
         self._spec: ShardedSpec | None = None
         self._boxes: list[tuple[Any, Any, Any]] | None = None
 
@@ -105,14 +107,35 @@ class ShardedLeaf:
         except TypeError:  # ranks that do not even sort
             raise CheckpointError(f"{self._where}: malformed ShardedTensor metadata (placement ranks)") from None
 
-    def check_own_pieces(self, rank: int) -> None:
+    def check_own_pieces(self, rank: int, world: int) -> None:
         """Every local shard must be exactly one of the global list's entries for this rank (offsets, sizes
         and placement), and there must be one for each of them: a file cannot write another rank's rows."""
-        own = sorted((o, s) for o, s, r in self._global() if r == rank and all(s))
+        if self.planned:
+            own = [box for box in [chunk_box(self.shape, rank, world)] if box and all(box[1])]
+        else:
+            own = sorted((o, s) for o, s, r in self._global() if r == rank and all(s))
         local = sorted((p.offsets, p.sizes) for p in self.pieces if all(p.sizes))
         if own != local:
             raise CheckpointError(f"{self._where}: local shards {[list(o) for o, _ in local]} are not the shards "
                                   f"the metadata gives rank {rank} ({[list(o) for o, _ in own]}); forged or damaged")
+
+
+def chunk_box(shape: tuple[int, ...], rank: int, world: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """FSDP's chunk layout (`_create_chunk_sharded_tensor`, torch.chunk along dim 0): the box rank `rank`
+    holds, or None for a rank past the last chunk."""
+    rows = -(-shape[0] // world)
+    if rank * rows >= shape[0]:
+        return None
+    return (rank * rows,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - rank * rows),) + tuple(shape[1:])
+
+
+def is_chunk_layout(spec: ShardedSpec, world: int) -> bool:
+    """Whether `spec` is exactly FSDP's chunk layout over `world` ranks: what a skimmed file is held to."""
+    if not spec.shape or spec.flat:
+        return False
+    boxes = [chunk_box(spec.shape, r, world) for r in range(world)]
+    want = sorted((o, s, r) for r, box in enumerate(boxes) if box for o, s in [box])
+    return sorted((s.offsets, s.sizes, s.rank) for s in spec.shards) == want
 
 
 def digest_of(dtype: str, shape: tuple[int, ...], shards: Any, flat: bool = False) -> str:
@@ -139,6 +162,7 @@ class RankFile:
     skeleton: Skeleton
     leaves: dict[str, Any]  # path -> ShardedLeaf | TensorRef | python value
     zip: TorchZip = field(repr=False)
+    digests: dict[str, str] = field(default_factory=dict)  # each ShardedTensor's shard list (read/skim.py)
 
     @property
     def size(self) -> int:
@@ -161,7 +185,7 @@ def _ints(values: Any, what: str, where: str) -> tuple[int, ...]:
     return out
 
 
-def _sharded_leaf(st: ShardedTensor, where: str, zf: TorchZip) -> ShardedLeaf:
+def _sharded_leaf(st: ShardedTensor, where: str, zf: TorchZip, planned: bool) -> ShardedLeaf:
     md = st.metadata
     try:
         dtype = str(md.tensor_properties.dtype)
@@ -181,7 +205,7 @@ def _sharded_leaf(st: ShardedTensor, where: str, zf: TorchZip) -> ShardedLeaf:
             raise CheckpointError(f"{where}: local shard is torch.{piece.tensor.dtype}, metadata says torch.{dtype}")
         if len(piece.offsets) != len(shape) or any(o < 0 or o + n > d for o, n, d in zip(piece.offsets, piece.sizes, shape)):
             raise CheckpointError(f"{where}: local shard at {list(piece.offsets)} lies outside {list(shape)}")
-    return ShardedLeaf(dtype, shape, pieces, md, where)
+    return ShardedLeaf(dtype, shape, pieces, md, where, planned)
 
 
 def _group(pg: Any, name: str) -> tuple[int, int, int, int]:
@@ -200,46 +224,95 @@ def _group(pg: Any, name: str) -> tuple[int, int, int, int]:
 
 
 def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr,
-                   storage_options: StorageOptions | None = None, strict: bool = False) -> RankFile:
+                   storage_options: StorageOptions | None = None, strict: bool = False,
+                   planned: dict[str, str] | None = None, digests: bool = False) -> RankFile:
     """Open and unpickle one rank file (safely: see `unpickle`), leaving every tensor byte where it is.
 
     Everything the file says about itself is checked before anything is written: its process group, each
-    local shard against its own entry in the global metadata, and every tensor view against its storage."""
+    local shard against its own entry in the global metadata, and every tensor view against its storages.
+    With `planned` (each ShardedTensor's digest of its shard list, read/skim.py, where the plan is FSDP's
+    chunk layout) the lists are skimmed instead of built when every digest matches: each local shard is
+    then checked against the chunk layout. With `digests`, the whole file is read and its digests kept
+    (`RankFile.digests`) for the plan."""
     name = os.fspath(path)
     zf = TorchZip(path, storage_options)
     with closed_on_error(zf.close, name):
         zf.verify("data.pkl")
-        obj = load(zf.record("data.pkl"), name, strict)
-        try:
-            skeleton, raw = flatten(obj, encode_key)
-        except RecursionError:
-            raise CheckpointError(f"{name}: values nested too deeply, or containing themselves") from None
-        leaves: dict[str, Any] = {}
-        groups = set()
-        for p, leaf in raw.items():
-            if isinstance(leaf, ShardedTensor):
-                leaves[p] = _sharded_leaf(leaf, f"{name}: {p}", zf)
-                groups.add(_group(leaf.pg_state, name))
-            else:
-                leaves[p] = leaf
-        if len(groups) > 1:
-            raise CheckpointError(f"{name}: its ShardedTensors name different process groups; forged or damaged")
-        # No ShardedTensor at all: FSDP at world size 1 (NO_SHARD) saves whole tensors.
-        rank, world, group_rank, group_size = groups.pop() if groups else (0, 1, 0, 1)
-        rf = RankFile(name, rank, world, group_rank, group_size, skeleton, leaves, zf)
-        for p, leaf in leaves.items():
-            if isinstance(leaf, TensorRef):
-                tensors.check_view(zf, leaf, p)
-            elif isinstance(leaf, ShardedLeaf):
-                for piece in leaf.pieces:
-                    tensors.check_view(zf, piece.tensor, p)
-                leaf.check_own_pieces(rank)
+        data = zf.record("data.pkl")
+        skimmed = _skim(name, data, strict, encode_key) if planned or digests else None
+        spans = skimmed[2] if skimmed is not None else {}
+        if planned and spans == planned:
+            rf = _rank_file(name, zf, skimmed[0], skimmed[1], planned=True)
+        else:
+            skimmed = None  # free it before the whole file is built
+            rf = _rank_file(name, zf, *_tree(load(data, name, strict), name, encode_key))
+        rf.digests = spans if digests else {}
+    return rf
+
+
+def _tree(obj: Any, name: str, encode_key: Any) -> tuple[Skeleton, dict[str, Any]]:
+    try:
+        return flatten(obj, encode_key)
+    except RecursionError:
+        raise CheckpointError(f"{name}: values nested too deeply, or containing themselves") from None
+
+
+def _skim(name: str, data: Any, strict: bool, encode_key: Any) -> tuple[Skeleton, dict[str, Any], dict[str, str]] | None:
+    """The file's tree and leaves with every global shard list cut out (read/skim.py), and each
+    ShardedTensor's digest of its list; None where the skimmer does not apply to this file."""
+    cut = skim(data)
+    if cut is None:
+        return None
+    skeleton, raw = _tree(load(cut.data, name, strict, cut.globals), name, encode_key)
+    spans: dict[str, str] = {}
+    used: set[int] = set()
+    for p, leaf in raw.items():
+        if isinstance(leaf, ShardedTensor):
+            index = cut.span_index(getattr(getattr(leaf, "metadata", None), "shards_metadata", None))
+            if index is None or index in used:
+                return None
+            used.add(index)
+            spans[p] = cut.digests[index]
+    # Every cut list is some ShardedTensor's, and nothing kept a reference into them (a trainer's own
+    # "shards_metadata" or "placements" entry would have been cut too: that file is read whole).
+    if len(used) != len(cut.digests) or cut.elided_kept():
+        return None
+    return skeleton, raw, spans
+
+
+def _rank_file(name: str, zf: TorchZip, skeleton: Skeleton, raw: dict[str, Any], planned: bool = False) -> RankFile:
+    leaves: dict[str, Any] = {}
+    groups = set()
+    for p, leaf in raw.items():
+        if isinstance(leaf, ShardedTensor):
+            leaves[p] = _sharded_leaf(leaf, f"{name}: {p}", zf, planned)
+            groups.add(_group(leaf.pg_state, name))
+        else:
+            leaves[p] = leaf
+    if len(groups) > 1:
+        raise CheckpointError(f"{name}: its ShardedTensors name different process groups; forged or damaged")
+    # No ShardedTensor at all: FSDP at world size 1 (NO_SHARD) saves whole tensors.
+    rank, world, group_rank, group_size = groups.pop() if groups else (0, 1, 0, 1)
+    rf = RankFile(name, rank, world, group_rank, group_size, skeleton, leaves, zf)
+    for p, leaf in leaves.items():
+        if isinstance(leaf, TensorRef):
+            tensors.check_view(zf, leaf, p)
+        elif isinstance(leaf, ShardedLeaf):
+            for piece in leaf.pieces:
+                tensors.check_view(zf, piece.tensor, p)
+            leaf.check_own_pieces(rank, world)
     return rf
 
 
 def spec_of(rf: RankFile) -> CheckpointSpec:
-    """A rank file describes the whole checkpoint: every rank's shards of every tensor are in its metadata."""
+    """A rank file describes the whole checkpoint: every rank's shards of every tensor are in its metadata.
+    Where that is FSDP's chunk layout throughout, the spec keeps each list's digest (`extra["skim"]`), so
+    workers can skim their files' lists instead of building them (read/skim.py)."""
     arrays = {p: leaf.spec for p, leaf in rf.leaves.items() if isinstance(leaf, ShardedLeaf)}
     replicated = {p: leaf for p, leaf in rf.leaves.items() if isinstance(leaf, TensorRef) and leaf.shape}
     objects = [p for p in rf.leaves if p not in arrays and p not in replicated]
-    return CheckpointSpec("torch-save", rf.world_size, rf.group_size, rf.skeleton, arrays, replicated, objects)
+    spec = CheckpointSpec("torch-save", rf.world_size, rf.group_size, rf.skeleton, arrays, replicated, objects)
+    if rf.digests and rf.group_size == rf.world_size and set(rf.digests) == set(arrays) \
+            and all(is_chunk_layout(a, rf.world_size) for a in arrays.values()):
+        spec.extra["skim"] = rf.digests
+    return spec

@@ -100,7 +100,7 @@ class Source:
         from .rankfile import read_rank_file, spec_of
 
         rf = read_rank_file(self.units[0], encode_key=encode_key, storage_options=self.storage_options,
-                            strict=strict)
+                            strict=strict, digests=True)
         try:
             return spec_of(rf)
         finally:
@@ -145,7 +145,8 @@ def _open_rank_file(path: str, storage_options: StorageOptions | None, strict: b
                     facts: dict[str, Any]) -> Any:
     from .rankfile import read_rank_file
 
-    return read_rank_file(path, encode_key=encode_key, storage_options=storage_options, strict=strict)
+    return read_rank_file(path, encode_key=encode_key, storage_options=storage_options, strict=strict,
+                          planned=facts.get("skim"))
 
 
 def _open_distcp(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,

@@ -356,10 +356,11 @@ SAFE_EXTRAS: dict[tuple[str, str], Any] = {
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: io.BytesIO, source: str, strict: bool):
+    def __init__(self, data: io.BytesIO, source: str, strict: bool, placeholders: dict[tuple[str, str], Any]):
         super().__init__(data)
         self._source = source
         self._strict = strict
+        self._placeholders = placeholders
         self._opaque: dict[tuple[str, str], type[Building]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
@@ -368,6 +369,8 @@ class _Unpickler(pickle.Unpickler):
         key = (module, name)
         if key in ALLOWED:
             return ALLOWED[key]
+        if key in self._placeholders:
+            return self._placeholders[key]
         if not self._strict and key in SAFE_EXTRAS:
             return SAFE_EXTRAS[key]
         why = "not on the allowlist; --strict" if self._strict else refusal(module, name)
@@ -406,8 +409,10 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def load(data: bytes | memoryview, source: str, strict: bool = False) -> Any:
+def load(data: bytes | memoryview, source: str, strict: bool = False,
+         placeholders: dict[tuple[str, str], Any] | None = None) -> Any:
     """Unpickle `data` by the policy above (`strict`: allowlist only). `source` names the file in errors.
+    `placeholders` are globals of the caller's own making (read/skim.py), which no file can name.
 
     The opcode stream is bounds-checked first (`pickle_scan`), so what the unpickler allocates stays within
     a small multiple of the data's own size whatever numbers the pickle holds."""
@@ -416,7 +421,7 @@ def load(data: bytes | memoryview, source: str, strict: bool = False) -> Any:
     except ScanError as exc:
         raise CheckpointError(f"{source}: corrupt or hostile pickle ({exc})") from None
     with gc_paused():
-        unpickler = _Unpickler(io.BytesIO(data), source, strict)
+        unpickler = _Unpickler(io.BytesIO(data), source, strict, placeholders or {})
         try:
             return unpickler.load()
         except CheckpointError as exc:  # raised by a stand-in, which does not know the file: name it

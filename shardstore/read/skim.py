@@ -1,0 +1,83 @@
+"""A rank file's pickle without every rank's shard metadata.
+
+Every ShardedTensor in a rank file carries the global list of every rank's shard (`shards_metadata`,
+and the same devices again in its sharding spec's `placements`): W entries per tensor in each of W
+files. At world size 1024 that is ~400k objects and 48 MB of pickle per file for an OLMo-7B shape, and
+building them is what reading a rank file costs. A worker needs none of them: once the store is planned
+(from one file read whole), it only has to know that its file's lists are the planned ones.
+
+The C extension (`_pickle_scan.skim`) cuts both lists out of the opcode stream, puts a global naming a
+placeholder in their place, and digests each `shards_metadata` list's opcodes in a normal form that does
+not depend on memo numbering, so two files whose lists hold the same values give the same digest. The
+rest of the pickle, a small fraction, goes through the same safe unpickler as ever. Nothing in the cut
+lists is built or called. Anything the skimmer does not recognise (or no C compiler at install time)
+gives None, and the caller unpickles the whole file: identical results, just slower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+try:
+    from ._pickle_scan import skim as _skim_c  # type: ignore[import-not-found]
+except ImportError:  # not built: every file is unpickled whole
+    _skim_c = None
+
+NATIVE = _skim_c is not None
+
+
+def _digest(normal_form: bytes) -> str:
+    return hashlib.sha256(normal_form).hexdigest()[:32]
+
+
+class Span:
+    """Where a `shards_metadata` list was: the index of its digest."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class _Elided:
+    """What stands for anything else that was cut (a placements list, a reference into a cut list)."""
+
+
+@dataclass
+class Skimmed:
+    data: bytes  # the pickle without the lists
+    digests: list[str]  # of each cut `shards_metadata` list, in stream order
+    globals: dict[tuple[str, str], Any]  # the placeholders' globals, for the unpickler
+    spans: list[Span]  # the placeholder of each cut `shards_metadata` list
+    elided: _Elided  # the one object standing for what else was cut
+
+    def span_index(self, value: Any) -> int | None:
+        """Which cut list `value` stands for, if it is one of this file's placeholders."""
+        if isinstance(value, Span) and value.index < len(self.spans) and self.spans[value.index] is value:
+            return value.index
+        return None
+
+    def elided_kept(self) -> bool:
+        """Whether anything still refers to what else was cut: once the unpickler is gone, only this record
+        and its globals may (a sharding spec holding it was dropped; a trainer's value holding it was not)."""
+        return sys.getrefcount(self.elided) > 3  # this record, the globals, getrefcount's own argument
+
+
+def skim(data: bytes | memoryview) -> Skimmed | None:
+    """`data` (a pickle already bounds-checked by pickle_scan) without its shard lists, or None."""
+    if _skim_c is None:
+        return None
+    # A fresh module name each time: a file cannot name a placeholder it was not given.
+    module = f"shardstore_elided_{secrets.token_hex(8)}"
+    found = _skim_c(data, module, _digest)
+    if found is None:
+        return None
+    out, digests = found
+    elided, spans = _Elided(), [Span(i) for i in range(len(digests))]
+    names: dict[tuple[str, str], Any] = {(module, "ref"): elided}
+    names.update({(module, f"span{s.index}"): s for s in spans})
+    return Skimmed(out, digests, names, spans, elided)
