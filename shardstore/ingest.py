@@ -185,7 +185,12 @@ def _worker(location: str, path: str, options: IngestOptions, storage_options: S
 
 
 def create_store(location: str | os.PathLike[str], source: Source, strict: bool = False) -> Store:
-    """Create (or reopen, after checking it matches) the store for the checkpoint `source` reads."""
+    """Create (or reopen, after checking it matches) the store for the checkpoint `source` reads.
+
+    A store of rank files that exists already is only opened: planning would unpickle a rank file that a
+    worker reads again, and each worker checks its own file against the plan anyway."""
+    if source.format == "torch-save" and Store.exists(location, source.storage_options):
+        return Store.open(location, source.storage_options)
     try:
         manifest = plan_checkpoint(source.spec(values.encode, strict))
     except CheckpointError as exc:

@@ -10,6 +10,7 @@ rank appends its pieces to one per-rank file, and the single cell is assembled o
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import reduce
 
 from . import dtypes
@@ -152,8 +153,11 @@ def detect_layout(tree: Node) -> str:
 def plan_checkpoint(spec: CheckpointSpec, layout: str | None = None) -> Manifest:
     """Plan the whole store from a checkpoint's spec (from any format: see read/source.py)."""
     arrays, objects = {}, list(spec.objects)
+    alike: dict[tuple, ArrayEntry] = {}  # a layout planned once for all tensors sharing its shard list
     for path, array in spec.arrays.items():
-        arrays[path] = plan_array(path, array)
+        key = (id(array.shards), array.shape, array.dtype, array.flat)
+        arrays[path] = replace(alike[key], path=path) if key in alike else plan_array(path, array)
+        alike.setdefault(key, arrays[path])
     for path, ref in spec.replicated.items():
         if plain_nbytes(ref) >= REPLICATED_ARRAY_BYTES:
             arrays[path] = plan_replicated(path, ref)

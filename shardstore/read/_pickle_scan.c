@@ -142,11 +142,14 @@ done:
  * skim: a rank file's pickle without its global shard metadata (see skim.py for what and why).
  *
  * Every ShardedTensorMetadata's `shards_metadata` list (W entries in every one of W files) is cut out of
- * the opcode stream and replaced by a global naming a placeholder, so the unpickler never builds it; each
- * list's opcodes are reduced to a normal form that does not depend on memo numbering, and that form is
- * digested, so the list can still be compared with the one the store was planned from. Memo entries the
- * list defines and the rest of the pickle uses again are inlined when they are immutable atoms (strings,
- * numbers, globals), else replaced by a second placeholder that the caller checks nothing kept.
+ * the opcode stream and replaced by a global naming a placeholder, so the unpickler never builds it; the
+ * sharding spec's `placements` list of the same devices is cut too. Each shard list's opcodes are reduced
+ * to a normal form that does not depend on where in the file the list is: atoms it takes from outside
+ * (strings, numbers, globals) are written out in full, its own memo entries are numbered from 0. The form
+ * is itself a pickle of the list, and the caller's digest function gets it: a worker compares digests
+ * with the plan's, the planner decodes one list per distinct digest. Memo entries a list defines that the
+ * rest of the pickle uses again are inlined when they are atoms, else replaced by a second placeholder
+ * that the caller checks nothing kept. The rest of the pickle is copied, its memo renumbered from 0.
  * Anything outside the subset torch.save writes returns None: the caller then unpickles the whole file.
  * Nothing is built but byte buffers; nothing is called but the caller's digest function.
  * ------------------------------------------------------------------------------------------------- */
@@ -174,8 +177,6 @@ static int buf_add(Buf *b, const void *src, size_t n) {
 #define MEMO_SLACK 64    /* torch.save numbers memo entries in order; a far larger index is not skimmed */
 #define LOOKAHEAD 65536  /* bytes looked at to tell a list's last single item from what follows the list */
 #define PLACEMENTS (1 << 30) /* the memo owner of a placements list's entries: elided, not digested */
-#define NORM_PUT 0xF0    /* opcode bytes no pickle holds (scan refuses them): the normal form's markers */
-#define NORM_GET 0xF1
 
 typedef struct {
     const unsigned char *raw;
@@ -318,6 +319,21 @@ static void init_effects(void) {
 
 #define MAX_MARKS 256
 
+/* BINPUT/BINGET (`small`) or LONG_BINPUT/LONG_BINGET (`large`) of an entry's output number */
+static int emit_memo(Buf *out, unsigned char small, unsigned char large, uint32_t index) {
+    unsigned char op[5] = {index < 256 ? small : large, (unsigned char)index, (unsigned char)(index >> 8),
+                           (unsigned char)(index >> 16), (unsigned char)(index >> 24)};
+    return buf_add(out, op, index < 256 ? 2 : 5);
+}
+
+/* LONG_BINPUT/LONG_BINGET of a list's own memo entry, numbered from 0 within the list: the normal form
+ * numbers them the same way in every file, and stays a pickle (read/skim.py decodes it) */
+static int emit_long(Buf *out, unsigned char op, uint32_t index) {
+    unsigned char code[5] = {op, (unsigned char)index, (unsigned char)(index >> 8), (unsigned char)(index >> 16),
+                             (unsigned char)(index >> 24)};
+    return buf_add(out, code, 5);
+}
+
 /* Walks one part of a list: a MARK ... APPENDS batch (`batch`), or a single item ended by APPEND. With
  * `norm` it appends the normal form to `out` and records memo entries for list `span`; without, it only
  * tells where the part ends. Returns its end, 0 when what starts at `at` is not such a part, -1 to give up
@@ -365,11 +381,7 @@ static long long walk(Skim *s, long long at, int batch, int span, uint32_t *rel,
                 int r = top_atom >= 0 ? memo_set(s, arg, OWNER_LIST_ATOM, (uint32_t)top_atom)
                                       : memo_set(s, arg, span, *rel);
                 if (r) return r < 0 ? -2 : -1;
-                if (top_atom < 0) {
-                    unsigned char mark[5] = {NORM_PUT};
-                    (*rel)++;
-                    if (buf_add(out, mark, 1) < 0) return -2;
-                }
+                if (top_atom < 0 && emit_long(out, 'r', (*rel)++) < 0) return -2;
             } else if (op == 'h' || op == 'j') {
                 owner = memo_owner(s, arg);
                 if (owner == OWNER_ATOM || owner == OWNER_LIST_ATOM) {
@@ -377,10 +389,7 @@ static long long walk(Skim *s, long long at, int batch, int span, uint32_t *rel,
                     if (buf_add(out, s->raw + a, s->alen[arg]) < 0) return -2;
                     top_atom = a;
                 } else if (owner == span || (owner >= 0 && span == PLACEMENTS)) {
-                    uint32_t v = s->val[arg];
-                    unsigned char ref[5] = {NORM_GET, (unsigned char)v, (unsigned char)(v >> 8),
-                                            (unsigned char)(v >> 16), (unsigned char)(v >> 24)};
-                    if (buf_add(out, ref, 5) < 0) return -2;
+                    if (emit_long(out, 'j', s->val[arg]) < 0) return -2;
                     top_atom = -1;
                 } else {
                     return -1; /* a mutable object from outside this list */
@@ -402,10 +411,9 @@ static long long skim_list(Skim *s, long long at, int span, Buf *out) {
     if (pos < s->n && (s->raw[pos] == 'q' || s->raw[pos] == 'r')) {
         long long end = op_end(s, pos, &arg);
         if (end < 0) return -1;
-        int r = memo_set(s, arg, span, rel++);
+        int r = memo_set(s, arg, span, rel);
         if (r) return r < 0 ? -2 : -1;
-        unsigned char mark = NORM_PUT;
-        if (buf_add(out, &mark, 1) < 0) return -2;
+        if (emit_long(out, 'r', rel++) < 0) return -2;
         pos = end;
     }
     for (;;) {
@@ -420,13 +428,6 @@ static long long skim_list(Skim *s, long long at, int span, Buf *out) {
         if (end <= 0) return end < 0 ? end : -1;
         pos = end;
     }
-}
-
-/* BINPUT/BINGET (`small`) or LONG_BINPUT/LONG_BINGET (`large`) of an entry's output number */
-static int emit_memo(Buf *out, unsigned char small, unsigned char large, uint32_t index) {
-    unsigned char op[5] = {index < 256 ? small : large, (unsigned char)index, (unsigned char)(index >> 8),
-                           (unsigned char)(index >> 16), (unsigned char)(index >> 24)};
-    return buf_add(out, op, index < 256 ? 2 : 5);
 }
 
 static int emit_global(Buf *out, PyObject *module, const char *name) {

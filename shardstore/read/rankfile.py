@@ -17,7 +17,7 @@ from ..ranges import FileRange, RemoteRange
 from . import tensors
 from .container import TorchZip
 from .source import CheckpointSpec
-from .skim import skim
+from .skim import Skimmed, skim
 from .tree import Skeleton, flatten
 from .unpickle import ShardedTensor, TensorRef, load
 
@@ -71,32 +71,36 @@ class ShardedLeaf:
     list was skimmed (read/skim.py) it is `planned`: equal to the plan's, which is FSDP's chunk layout."""
 
     def __init__(self, dtype: str, shape: tuple[int, ...], pieces: list[LocalPiece], metadata: Any = None,
-                 where: str = "", planned: bool = False):
+                 where: str = "", planned: bool = False, shared: dict[Any, Any] | None = None):
         self.dtype, self.shape, self.pieces = dtype, shape, pieces
         self._metadata, self._where, self.planned = metadata, where, planned
+        # Parsed lists by list object: a skimmed file's tensors of one layout share one decoded list.
+        self._shared = {} if shared is None else shared
         self._spec: ShardedSpec | None = None
-        self._boxes: list[tuple[Any, Any, Any]] | None = None
 
     def _global(self) -> list[tuple[Any, Any, Any]]:
         """(offsets, sizes, placement rank or -1) of every shard, as the file says them (unchecked)."""
-        if self._boxes is None:
-            try:
-                self._boxes = [(tuple(m.shard_offsets), tuple(m.shard_sizes),
-                                -1 if m.placement is None else m.placement.rank())
-                               for m in self._metadata.shards_metadata]
-            except (AttributeError, TypeError) as exc:
-                raise CheckpointError(f"{self._where}: malformed ShardedTensor metadata ({exc})") from None
-        return self._boxes
+        try:
+            shards = self._metadata.shards_metadata
+            key = ("boxes", id(shards))
+            if key not in self._shared:
+                self._shared[key] = [(tuple(m.shard_offsets), tuple(m.shard_sizes),
+                                      -1 if m.placement is None else m.placement.rank()) for m in shards]
+            return self._shared[key]
+        except (AttributeError, TypeError) as exc:
+            raise CheckpointError(f"{self._where}: malformed ShardedTensor metadata ({exc})") from None
 
     @property
     def spec(self) -> ShardedSpec:
         if self._spec is None:
-            try:
-                shards = tuple(ShardSpec(tuple(map(int, o)), tuple(map(int, s)), -1 if r is None else int(r))
-                               for o, s, r in self._global())
-            except (TypeError, ValueError) as exc:
-                raise CheckpointError(f"{self._where}: malformed ShardedTensor metadata ({exc})") from None
-            self._spec = ShardedSpec(self.dtype, self.shape, shards)
+            key = ("spec", id(self._metadata.shards_metadata))
+            if key not in self._shared:
+                try:
+                    self._shared[key] = tuple(ShardSpec(tuple(map(int, o)), tuple(map(int, s)), -1 if r is None else int(r))
+                                              for o, s, r in self._global())
+                except (TypeError, ValueError) as exc:
+                    raise CheckpointError(f"{self._where}: malformed ShardedTensor metadata ({exc})") from None
+            self._spec = ShardedSpec(self.dtype, self.shape, self._shared[key])
         return self._spec
 
     def layout_digest(self) -> str:
@@ -185,7 +189,7 @@ def _ints(values: Any, what: str, where: str) -> tuple[int, ...]:
     return out
 
 
-def _sharded_leaf(st: ShardedTensor, where: str, zf: TorchZip, planned: bool) -> ShardedLeaf:
+def _sharded_leaf(st: ShardedTensor, where: str, zf: TorchZip, planned: bool, shared: dict[Any, Any]) -> ShardedLeaf:
     md = st.metadata
     try:
         dtype = str(md.tensor_properties.dtype)
@@ -205,7 +209,7 @@ def _sharded_leaf(st: ShardedTensor, where: str, zf: TorchZip, planned: bool) ->
             raise CheckpointError(f"{where}: local shard is torch.{piece.tensor.dtype}, metadata says torch.{dtype}")
         if len(piece.offsets) != len(shape) or any(o < 0 or o + n > d for o, n, d in zip(piece.offsets, piece.sizes, shape)):
             raise CheckpointError(f"{where}: local shard at {list(piece.offsets)} lies outside {list(shape)}")
-    return ShardedLeaf(dtype, shape, pieces, md, where, planned)
+    return ShardedLeaf(dtype, shape, pieces, md, where, planned, shared)
 
 
 def _group(pg: Any, name: str) -> tuple[int, int, int, int]:
@@ -239,14 +243,16 @@ def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr,
     with closed_on_error(zf.close, name):
         zf.verify("data.pkl")
         data = zf.record("data.pkl")
-        skimmed = _skim(name, data, strict, encode_key) if planned or digests else None
-        spans = skimmed[2] if skimmed is not None else {}
-        if planned and spans == planned:
-            rf = _rank_file(name, zf, skimmed[0], skimmed[1], planned=True)
+        skimmed = _skim(name, data, strict, encode_key, forms=digests) if planned or digests else None
+        if skimmed is not None and planned and skimmed.digests == planned:  # a worker: its lists are the plan's
+            rf = _rank_file(name, zf, skimmed.skeleton, skimmed.raw, planned=True)
+        elif skimmed is not None and digests:  # the planner: one list decoded per distinct digest
+            skimmed.restore_lists(name, strict)
+            rf = _rank_file(name, zf, skimmed.skeleton, skimmed.raw)
+            rf.digests = skimmed.digests
         else:
             skimmed = None  # free it before the whole file is built
             rf = _rank_file(name, zf, *_tree(load(data, name, strict), name, encode_key))
-        rf.digests = spans if digests else {}
     return rf
 
 
@@ -257,10 +263,27 @@ def _tree(obj: Any, name: str, encode_key: Any) -> tuple[Skeleton, dict[str, Any
         raise CheckpointError(f"{name}: values nested too deeply, or containing themselves") from None
 
 
-def _skim(name: str, data: Any, strict: bool, encode_key: Any) -> tuple[Skeleton, dict[str, Any], dict[str, str]] | None:
+@dataclass
+class _Skimmed:
+    """A rank file read without its shard lists (read/skim.py)."""
+
+    skeleton: Skeleton
+    raw: dict[str, Any]  # leaves, ShardedTensors with a placeholder for their list
+    digests: dict[str, str]  # each ShardedTensor's list, by path
+    cut: Skimmed
+
+    def restore_lists(self, name: str, strict: bool) -> None:
+        """Put each ShardedTensor's list back, decoded once per distinct digest (tensors of one shape and
+        sharding share one list object)."""
+        lists = {d: self.cut.decode(d, f"{name}: a shard list", strict) for d in set(self.digests.values())}
+        for path, digest in self.digests.items():
+            self.raw[path].metadata.shards_metadata = lists[digest]
+
+
+def _skim(name: str, data: Any, strict: bool, encode_key: Any, forms: bool) -> _Skimmed | None:
     """The file's tree and leaves with every global shard list cut out (read/skim.py), and each
     ShardedTensor's digest of its list; None where the skimmer does not apply to this file."""
-    cut = skim(data)
+    cut = skim(data, forms)
     if cut is None:
         return None
     skeleton, raw = _tree(load(cut.data, name, strict, cut.globals), name, encode_key)
@@ -277,15 +300,16 @@ def _skim(name: str, data: Any, strict: bool, encode_key: Any) -> tuple[Skeleton
     # "shards_metadata" or "placements" entry would have been cut too: that file is read whole).
     if len(used) != len(cut.digests) or cut.elided_kept():
         return None
-    return skeleton, raw, spans
+    return _Skimmed(skeleton, raw, spans, cut)
 
 
 def _rank_file(name: str, zf: TorchZip, skeleton: Skeleton, raw: dict[str, Any], planned: bool = False) -> RankFile:
     leaves: dict[str, Any] = {}
     groups = set()
+    shared: dict[Any, Any] = {}
     for p, leaf in raw.items():
         if isinstance(leaf, ShardedTensor):
-            leaves[p] = _sharded_leaf(leaf, f"{name}: {p}", zf, planned)
+            leaves[p] = _sharded_leaf(leaf, f"{name}: {p}", zf, planned, shared)
             groups.add(_group(leaf.pg_state, name))
         else:
             leaves[p] = leaf
@@ -312,7 +336,8 @@ def spec_of(rf: RankFile) -> CheckpointSpec:
     replicated = {p: leaf for p, leaf in rf.leaves.items() if isinstance(leaf, TensorRef) and leaf.shape}
     objects = [p for p in rf.leaves if p not in arrays and p not in replicated]
     spec = CheckpointSpec("torch-save", rf.world_size, rf.group_size, rf.skeleton, arrays, replicated, objects)
+    layouts = {(id(a.shards), a.shape): a for a in arrays.values()}  # tensors sharing a list share its check
     if rf.digests and rf.group_size == rf.world_size and set(rf.digests) == set(arrays) \
-            and all(is_chunk_layout(a, rf.world_size) for a in arrays.values()):
+            and all(is_chunk_layout(a, rf.world_size) for a in layouts.values()):
         spec.extra["skim"] = rf.digests
     return spec

@@ -22,16 +22,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from .unpickle import load
+
 try:
     from ._pickle_scan import skim as _skim_c  # type: ignore[import-not-found]
 except ImportError:  # not built: every file is unpickled whole
     _skim_c = None
 
 NATIVE = _skim_c is not None
-
-
-def _digest(normal_form: bytes) -> str:
-    return hashlib.sha256(normal_form).hexdigest()[:32]
 
 
 class Span:
@@ -51,6 +49,7 @@ class _Elided:
 class Skimmed:
     data: bytes  # the pickle without the lists
     digests: list[str]  # of each cut `shards_metadata` list, in stream order
+    forms: dict[str, bytes]  # with `forms=True`: each distinct list's normal form (a pickle of it), by digest
     globals: dict[tuple[str, str], Any]  # the placeholders' globals, for the unpickler
     spans: list[Span]  # the placeholder of each cut `shards_metadata` list
     elided: _Elided  # the one object standing for what else was cut
@@ -67,17 +66,30 @@ class Skimmed:
         return sys.getrefcount(self.elided) > 3  # this record, the globals, getrefcount's own argument
 
 
-def skim(data: bytes | memoryview) -> Skimmed | None:
-    """`data` (a pickle already bounds-checked by pickle_scan) without its shard lists, or None."""
+    def decode(self, digest: str, where: str, strict: bool) -> Any:
+        """The cut list with this digest, built (by the same safe unpickler) from its normal form."""
+        return load(b"\x80\x02" + self.forms[digest] + b".", where, strict)
+
+
+def skim(data: bytes | memoryview, forms: bool = False) -> Skimmed | None:
+    """`data` (a rank file's pickle) without its shard lists, or None where the skimmer does not apply."""
     if _skim_c is None:
         return None
+    kept: dict[str, bytes] = {}
+
+    def digest(form: bytes) -> str:
+        text = hashlib.sha256(form).hexdigest()[:32]
+        if forms:
+            kept.setdefault(text, form)
+        return text
+
     # A fresh module name each time: a file cannot name a placeholder it was not given.
     module = f"shardstore_elided_{secrets.token_hex(8)}"
-    found = _skim_c(data, module, _digest)
+    found = _skim_c(data, module, digest)
     if found is None:
         return None
     out, digests = found
     elided, spans = _Elided(), [Span(i) for i in range(len(digests))]
     names: dict[tuple[str, str], Any] = {(module, "ref"): elided}
     names.update({(module, f"span{s.index}"): s for s in spans})
-    return Skimmed(out, digests, names, spans, elided)
+    return Skimmed(out, digests, kept, names, spans, elided)

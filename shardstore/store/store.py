@@ -94,6 +94,10 @@ class Store:
         return cls(backend, Manifest.from_json(data, str(location)))
 
     @classmethod
+    def exists(cls, location: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> bool:
+        return open_backend(location, storage_options).exists(MANIFEST_KEY)
+
+    @classmethod
     def create(cls, location: str | os.PathLike[str], manifest: Manifest,
                storage_options: StorageOptions | None = None) -> "Store":
         """Create the store for `manifest`, or open it if it exists and holds the same checkpoint layout."""
