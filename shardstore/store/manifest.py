@@ -15,7 +15,7 @@ from .. import dtypes
 from ..errors import StoreError
 from ..read.source import Node
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: cell files named with Zarr's "." chunk key separator (1: "/")
 MANIFEST_KEY = "__shardstore__/manifest.json"
 
 
@@ -110,10 +110,16 @@ class Manifest:
     arrays: dict[str, ArrayEntry]
     objects: list[str]  # paths of every leaf that is not a sharded tensor
     extra: dict[str, Any] = field(default_factory=dict)  # layout-specific facts (replica groups, ...)
+    version: int = FORMAT_VERSION  # of the store this manifest was written for
+
+    @property
+    def separator(self) -> str:
+        """Zarr's chunk key separator in this store's cell names."""
+        return "." if self.version >= 2 else "/"
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": "shardstore", "version": FORMAT_VERSION, "layout": self.layout,
+            "format": "shardstore", "version": self.version, "layout": self.layout,
             "world_size": self.world_size, "extra": self.extra, "tree": self.tree.to_json(),
             "arrays": {p: a.to_json() for p, a in self.arrays.items()}, "objects": self.objects,
         }
@@ -128,7 +134,7 @@ class Manifest:
         try:
             arrays = {p: ArrayEntry.from_json(p, a) for p, a in d["arrays"].items()}
             manifest = cls(d["layout"], d["world_size"], Node.from_json(d["tree"]), arrays, d["objects"],
-                           d.get("extra", {}))
+                           d.get("extra", {}), int(d.get("version", 1)))
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise StoreError(f"{where}: corrupt manifest ({type(exc).__name__}: {str(exc)[:80]})") from None
         if not (isinstance(manifest.world_size, int) and 0 < manifest.world_size <= 1 << 20

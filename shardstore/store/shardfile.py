@@ -41,9 +41,11 @@ def _template(raw: str) -> dict[str, Any]:
 
 
 def array_metadata(raw: np.dtype, shape: tuple[int, ...], cell: tuple[int, ...], chunk: tuple[int, ...],
-                   attributes: dict[str, Any]) -> dict[str, Any]:
-    """zarr.json of an uncompressed sharded array, exactly as zarr-python would write it."""
+                   attributes: dict[str, Any], separator: str = "/") -> dict[str, Any]:
+    """zarr.json of an uncompressed sharded array, exactly as zarr-python would write it (with the chunk
+    key `separator`)."""
     meta = copy.deepcopy(_template(raw.str))
+    meta["chunk_key_encoding"]["configuration"]["separator"] = separator
     meta["shape"] = list(shape)
     meta["chunk_grid"]["configuration"]["chunk_shape"] = list(cell)
     meta["codecs"][0]["configuration"]["chunk_shape"] = list(chunk)

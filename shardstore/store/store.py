@@ -1,6 +1,6 @@
 """The store: one Zarr v3 group per checkpoint, plus shardstore's own records beside it.
 
-    <store>/zarr.json, <path>/zarr.json, <path>/c/...     Zarr: one array per sharded tensor
+    <store>/zarr.json, <path>/zarr.json, <path>/c.<i>.<j>  Zarr: one array per sharded tensor, a file per cell
     <store>/__shardstore__/manifest.json                 what the store holds (written before any data)
     <store>/__shardstore__/ranks/<r>.json                one commit record per ingested rank, written last
     <store>/__shardstore__/staging/<r>.bin               a rank's pieces of small tensors
@@ -47,8 +47,11 @@ def first_difference(a: bytes, b: bytes, itemsize: int, shape: tuple[int, ...], 
     return [int(o + i) for o, i in zip(origin, np.unravel_index(at, shape))]
 
 
-def cell_key(path: str, index: tuple[int, ...]) -> str:
-    return f"{path}/c/" + "/".join(str(i) for i in index) if index else f"{path}/c"
+def cell_key(path: str, index: tuple[int, ...], separator: str = ".") -> str:
+    """Zarr's default chunk key. Stores of format 2 use "." (every cell file of an array in one folder:
+    at world size 1024 a rank writes hundreds of cells, and a new folder for each cost more than the
+    file); format 1 stores used "/"."""
+    return f"{path}/c{separator}" + separator.join(str(i) for i in index) if index else f"{path}/c"
 
 
 @dataclass
@@ -117,7 +120,8 @@ class Store:
         for entry in manifest.arrays.values():
             info = dtypes.info(entry.dtype)
             meta = array_metadata(info.raw, entry.shape, tuple(max(c, 1) for c in entry.cell),
-                                  tuple(max(c, 1) for c in entry.chunk), {"torch_dtype": entry.dtype})
+                                  tuple(max(c, 1) for c in entry.chunk), {"torch_dtype": entry.dtype},
+                                  manifest.separator)
             key = f"{entry.path}/zarr.json"
             if not backend.exists(key):
                 backend.write(key, [json.dumps(meta).encode()])
@@ -131,6 +135,9 @@ class Store:
             return store
         backend.write(MANIFEST_KEY, [json.dumps(manifest.to_json()).encode()], durable=True)
         return cls(backend, manifest)
+
+    def cell_key(self, path: str, index: tuple[int, ...]) -> str:
+        return cell_key(path, index, self.manifest.separator)
 
     def check_compatible(self, other: Manifest, where: str) -> None:
         mine = self.manifest
@@ -148,16 +155,16 @@ class Store:
         """Write one cell as a complete Zarr shard file; `data` are its valid rows' bytes in order."""
         itemsize = dtypes.info(plan.dtype).itemsize
         nbytes = sum(part_length(p) for p in data)
-        key = cell_key(plan.path, index)
+        key = self.cell_key(plan.path, index)
         self.backend.write(key, shard_parts(data, nbytes, plan.cell, plan.chunk, valid_rows, itemsize))
         return key
 
     def has_cell(self, entry: ArrayEntry, index: tuple[int, ...]) -> bool:
-        return self.backend.exists(cell_key(entry.path, index))
+        return self.backend.exists(self.cell_key(entry.path, index))
 
     def read_cell_bytes(self, entry: ArrayEntry, index: tuple[int, ...], nbytes: int) -> bytes:
         """The first `nbytes` of a cell's data (its valid rows, in C order)."""
-        return self.backend.read(cell_key(entry.path, index), 0, nbytes)
+        return self.backend.read(self.cell_key(entry.path, index), 0, nbytes)
 
     def write_staging(self, rank: int, parts: list[Part]) -> str:
         key = f"{STAGING}/{rank}.bin"
@@ -200,7 +207,7 @@ class Store:
         """Flat indices of the cells of `path` that committed ranks have delivered."""
         plan = self.manifest.arrays[path]
         if plan.staged:
-            return {0} if self.backend.exists(cell_key(path, (0,) * len(plan.shape))) else set()
+            return {0} if self.backend.exists(self.cell_key(path, (0,) * len(plan.shape))) else set()
         cells: set[int] = set()
         for rec in self.records(refresh=False).values():
             cells.update(rec.cells.get(path, ()))
@@ -365,7 +372,7 @@ class Store:
                     for start in range(lo, hi, step):
                         yield info.hole((min(start + step, hi) - start) * row_bytes // info.itemsize)
                     continue
-                yield from self._file_parts(cell_key(path, index), (hi - lo) * row_bytes, max_bytes,
+                yield from self._file_parts(self.cell_key(path, index), (hi - lo) * row_bytes, max_bytes,
                                             (lo - cell_lo) * row_bytes)
         else:  # the grid cuts trailing dimensions: let Zarr gather full rows
             step = max(1, max_bytes // max(row_bytes, 1))
@@ -381,7 +388,7 @@ class Store:
             return
         if all(hi - lo == c for (lo, hi), c in zip(bounds[1:], plan.cell[1:])):
             nbytes = math.prod(hi - lo for lo, hi in bounds) * dtypes.info(plan.dtype).itemsize
-            yield from self._file_parts(cell_key(path, index), nbytes, max_bytes)
+            yield from self._file_parts(self.cell_key(path, index), nbytes, max_bytes)
         else:
             yield np.ascontiguousarray(self.read(path, tuple(slice(lo, hi) for lo, hi in bounds))).data
 

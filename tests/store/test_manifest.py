@@ -29,3 +29,29 @@ def test_newer_store_format_is_refused(checkpoints, tmp_path: Path) -> None:
     last = proc.stderr.strip().splitlines()[-1].split("\r")[-1]
     assert proc.returncode == 1 and last.startswith("shardstore: error: ") and "newer shardstore" in last
     assert manifest.read_bytes() == before and not (tmp_path / "s" / "__shardstore__" / "ranks" / "1.json").exists()
+
+
+def test_a_format_1_store_is_still_read_and_completed(checkpoints, tmp_path: Path) -> None:
+    """Stores of format 1 name cells with Zarr's "/" separator: this version finishes and exports them."""
+    import dataclasses
+
+    import numpy as np
+    import zarr
+
+    from shardstore import values
+    from shardstore.plan import plan_checkpoint
+    from shardstore.read.source import source_of_files
+    from shardstore.store.store import Store
+    from tests.conftest import expected
+
+    src = checkpoints(2)
+    manifest = plan_checkpoint(source_of_files([src / "rank0.pt"]).spec(values.encode))
+    Store.create(tmp_path / "s", dataclasses.replace(manifest, version=1))
+    shardstore.ingest(tmp_path / "s", [src / "rank0.pt", src / "rank1.pt"], jobs=1)
+    assert (tmp_path / "s" / "model" / "wte.weight" / "c" / "1" / "0").is_file()
+    want = expected(src)["model"]["wte.weight"].numpy()
+    assert np.array_equal(zarr.open_array(tmp_path / "s" / "model" / "wte.weight", mode="r")[:], want)
+    shardstore.export(tmp_path / "s", tmp_path / "out")
+    from safetensors.numpy import load_file
+
+    assert np.array_equal(load_file(tmp_path / "out" / "model.safetensors")["wte.weight"], want)

@@ -18,7 +18,8 @@ from shardstore.store.shardfile import shard_parts
 def test_matches_zarr_byte_for_byte(tmp_path: Path, shape, cell, chunk) -> None:
     data = np.arange(np.prod(shape), dtype="<f4").reshape(shape) + 1
     ref = zarr.create_array(store=str(tmp_path / "ref"), shape=shape, chunks=chunk, shards=cell, dtype="<f4",
-                            fill_value=0, compressors=None, filters=None, zarr_format=3)
+                            fill_value=0, compressors=None, filters=None, zarr_format=3,
+                            chunk_key_encoding={"name": "default", "separator": "."})
     ref[...] = data
     backend = LocalBackend(tmp_path / "mine")
     entry = ArrayEntry("a", "float32", shape, cell, chunk, staged=False)
@@ -37,12 +38,14 @@ def test_matches_zarr_byte_for_byte(tmp_path: Path, shape, cell, chunk) -> None:
 
 @pytest.mark.parametrize("dtype", ["<f4", "<u2", "u1", "?", "<c8", "<i8", "<f8"])
 @pytest.mark.parametrize("shape, cell, chunk", [((10, 3), (4, 3), (2, 3)), ((0, 5), (1, 5), (1, 5)), ((7,), (7,), (7,))])
-def test_array_metadata_is_what_zarr_writes(tmp_path: Path, dtype, shape, cell, chunk) -> None:
+@pytest.mark.parametrize("separator", [".", "/"])
+def test_array_metadata_is_what_zarr_writes(tmp_path: Path, dtype, shape, cell, chunk, separator) -> None:
     import json
 
     from shardstore.store.shardfile import array_metadata
 
     zarr.create_array(store=str(tmp_path), name="a", shape=shape, chunks=chunk, shards=cell, dtype=np.dtype(dtype),
-                      fill_value=0, compressors=None, filters=None, attributes={"torch_dtype": "x"}, zarr_format=3)
+                      fill_value=0, compressors=None, filters=None, attributes={"torch_dtype": "x"}, zarr_format=3,
+                      chunk_key_encoding={"name": "default", "separator": separator})
     want = json.loads((tmp_path / "a" / "zarr.json").read_text())
-    assert array_metadata(np.dtype(dtype), shape, cell, chunk, {"torch_dtype": "x"}) == want
+    assert array_metadata(np.dtype(dtype), shape, cell, chunk, {"torch_dtype": "x"}, separator) == want
