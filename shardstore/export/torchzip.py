@@ -29,7 +29,9 @@ class TorchZipWriter:
         self.base = out.pos
         self.central: list[tuple[bytes, int, int, int]] = []  # name, crc, size, header offset (from base)
 
-    def add(self, name: str, parts: Iterable[Part], size: int) -> None:
+    def add(self, name: str, parts: Iterable[Part], size: int, crc: int | None = None) -> None:
+        """One STORED entry of `size` bytes. With `crc` (the bytes' CRC-32, known beforehand) the parts are
+        copied kernel-side; without, they are read once to compute it."""
         full = f"{self.archive}/{name}".encode()
         zip64 = self.force_zip64 or size >= _LIMIT
         header_at = self.out.pos - self.base
@@ -40,7 +42,10 @@ class TorchZipWriter:
         shown = _LIMIT if zip64 else size
         self.out.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21, 0, shown, shown,
                                    len(full), len(extra)) + full + extra)
-        crc = self.out.write_parts(parts, crc=0)
+        if crc is None:
+            crc = self.out.write_parts(parts, crc=0)
+        else:
+            self.out.write_parts(parts)
         written = self.out.pos - self.base - header_at - 30 - len(full) - len(extra)
         if written != size:
             raise ValueError(f"{name}: wrote {written} of {size} bytes")

@@ -280,6 +280,10 @@ class TorchZip:
         """Absolute file offset of storage `key`: lets a writer copy it kernel-side (copy_file_range)."""
         return self.entries[f"data/{key}"].offset
 
+    def stored_crc(self, key: str) -> int:
+        """The CRC-32 the zip stores for storage `key` (the torch export combines these: crc.py)."""
+        return self.entries[f"data/{key}"].crc
+
     @property
     def size(self) -> int:
         return self._size

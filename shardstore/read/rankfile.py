@@ -58,6 +58,14 @@ class LocalPiece:
     def values(self) -> np.ndarray:
         return tensors.array(self.zip, self.tensor)
 
+    def crc(self) -> int | None:
+        """The CRC-32 its file stores for exactly this piece's bytes (a tensor that is its whole storage)."""
+        span = tensors.byte_range(self.zip, self.tensor)
+        key = self.tensor.storage.key
+        if span is None or span != (self.zip.storage_offset(key), self.zip.entries[f"data/{key}"].size):
+            return None
+        return self.zip.stored_crc(key)
+
 
 MAX_WORLD_SIZE = 1 << 20
 

@@ -85,6 +85,10 @@ class SafetensorsFile:
     def range(self, offset: int, length: int) -> FileRange | RemoteRange:
         return self.file.range(offset, length)
 
+    def stored_crc(self, key: str) -> None:
+        """safetensors stores no checksums."""
+        return None
+
     def storage_offset(self, key: str) -> int:
         return self.entries[f"data/{key}"].offset
 

@@ -27,6 +27,7 @@ import numpy as np
 import zarr
 
 from .. import dtypes
+from ..crc import crc32_combine
 from ..errors import CheckpointError, StoreError
 from ..locations import StorageOptions
 from ..ranges import FileRange, Part, part_length
@@ -378,6 +379,24 @@ class Store:
             step = max(1, max_bytes // max(row_bytes, 1))
             for lo in range(first, stop, step):
                 yield np.ascontiguousarray(self.read(path, slice(lo, min(lo + step, stop)))).data
+
+    def stored_crc(self, path: str) -> int | None:
+        """The CRC-32 of the whole array's bytes in C order, combined (crc.py) from what each cell's unit
+        recorded: the CRC its source file stores for exactly that cell's bytes. None unless every cell is a
+        block of whole rows that has one; the export then computes the CRC from the bytes."""
+        plan = self.manifest.arrays[path]
+        if not all(plan.shape) or tuple(plan.cell[1:]) != tuple(plan.shape[1:]):
+            return None
+        crcs = {int(cell): crc for rec in self.records(refresh=False).values()
+                for cell, crc in rec.crcs.get(path, {}).items()}
+        row_bytes = math.prod(plan.shape[1:]) * dtypes.info(plan.dtype).itemsize
+        total = None
+        for i in range(plan.grid[0]):
+            if i not in crcs:
+                return None
+            (lo, hi), *_ = plan.cell_bounds((i,) + (0,) * (len(plan.shape) - 1))
+            total = crcs[i] if total is None else crc32_combine(total, crcs[i], (hi - lo) * row_bytes)
+        return total
 
     def cell_parts(self, path: str, index: tuple[int, ...], max_bytes: int = 16 << 20) -> Iterator[Part]:
         """One cell's values in C order, clipped to the array: where the cell spans its trailing dimensions

@@ -34,12 +34,16 @@ class Piece(Protocol):
     def values(self) -> np.ndarray:
         """The box as an array of the store's raw dtype (a view where possible)."""
 
+    def crc(self) -> int | None:
+        """The CRC-32 its file stores for exactly the box's bytes, if it stores one."""
+
 
 class UnitWriter:
     def __init__(self, store: Store, where: str, verify_replicas: bool = False):
         self.store, self.where, self.verify = store, where, verify_replicas
         self.written: list[str] = []
         self.cells: dict[str, list[int]] = {}
+        self.crcs: dict[str, dict[str, int]] = {}  # cells that are a source record unchanged: its CRC-32
         self.staged: dict[str, list[list[Any]]] = {}
         self.objects: dict[str, Any] = {}
         self._staging: list[Part] = []
@@ -64,11 +68,14 @@ class UnitWriter:
         if entry.flat:
             self._flat_piece(entry, piece)
             return
-        for index in entry.cells_of(piece.offsets, piece.sizes):
+        cells = entry.cells_of(piece.offsets, piece.sizes)
+        for index in cells:
             parts, valid_rows = _cell_parts(entry, piece, index)
-            self._cell(entry, index, parts, valid_rows)
+            whole = len(cells) == 1 and valid_rows == piece.sizes[0] and tuple(entry.cell[1:]) == tuple(piece.sizes[1:])
+            self._cell(entry, index, parts, valid_rows, piece.crc() if whole else None)
 
-    def _cell(self, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part], valid_rows: int) -> None:
+    def _cell(self, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part], valid_rows: int,
+              crc: int | None = None) -> None:
         flat = entry.flat_index(index)
         if (entry.replicated or self._replicas > 1) and flat in self.store.cells_present(entry.path):
             # Another replica's copy is committed: first commit wins. A cell file that no commit record
@@ -77,6 +84,8 @@ class UnitWriter:
                 self._verify(entry, index, parts)
             return
         self.cells.setdefault(entry.path, []).append(flat)
+        if crc is not None:
+            self.crcs.setdefault(entry.path, {})[str(flat)] = crc
         self.written.append(self.store.write_cell(entry, index, parts, valid_rows))
 
     def _flat_piece(self, entry: ArrayEntry, piece: Piece) -> None:
@@ -102,7 +111,8 @@ class UnitWriter:
         if self._staging:
             self.written.append(self.store.write_staging(rank, self._staging))
         self.store.commit_rank(CommitRecord(rank, os.path.basename(path), nbytes, self.cells, self.staged,
-                                            self.objects, only, world_size, group_rank, group_size), self.written)
+                                            self.objects, only, world_size, group_rank, group_size, self.crcs),
+                               self.written)
 
     def _verify(self, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part]) -> None:
         """Compare this unit's copy of a cell with the committed one; name the first difference."""
