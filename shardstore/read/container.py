@@ -53,6 +53,9 @@ def _open_regular(path: Path) -> Any:
     return os.fdopen(fd, "rb")
 
 
+GAP = 256 << 10  # remote ranges closer than this are read as one request (read_ranges)
+
+
 class DataFile:
     """One file, opened once: memory-mapped when local, read by ranged requests when a URL. Zips are read
     from windows of it (a rank file is one window; a DCP .distcp file holds one zip per item)."""
@@ -61,6 +64,7 @@ class DataFile:
         self.path = path if is_url(path) else Path(local(path))
         self._map: mmap.mmap | None = None
         self._remote: tuple[Any, str] | None = None
+        self._spans: list[tuple[int, bytes]] = []  # remote bytes fetched already (read_ranges)
         if isinstance(self.path, Path):
             self._file: Any = _open_regular(self.path)
             self.size = os.fstat(self._file.fileno()).st_size
@@ -88,6 +92,9 @@ class DataFile:
         try:
             if self._remote is None:
                 return os.pread(self._file.fileno(), length, offset)
+            for start, data in self._spans:  # fetched already, with the local headers around it
+                if start <= offset and offset + length <= start + len(data):
+                    return data[offset - start:offset + length - start]
             fs, fspath = self._remote
             return fs.cat_file(fspath, start=offset, end=offset + length)
         except (OverflowError, ValueError) as exc:
@@ -95,15 +102,32 @@ class DataFile:
         except service_errors() as exc:
             raise self.failed(exc) from None
 
+    def prefetch(self, offset: int, length: int) -> None:
+        """Remote: fetch a range in one request and keep it, for the small reads that will follow (zipfile
+        reads a zip's end records and central directory in four)."""
+        if self._remote is not None and length > 0:
+            self._spans.append((offset, self.read(offset, length)))
+
     def read_ranges(self, starts: list[int], ends: list[int]) -> list[bytes]:
-        """Several small ranges: concurrently when remote."""
+        """Several small ranges (a zip's local headers). Remote, ranges less than `GAP` apart are fetched as
+        one request, concurrently, and what was fetched is kept: the small records lying between the
+        headers (an optimizer's step, an RNG state, a small shard) are then read without a request each."""
         if self._remote is None:
             return [self.read(s, e - s) for s, e in zip(starts, ends)]
+        spans: list[list[int]] = []
+        for start, end in sorted(zip(starts, ends)):
+            if spans and start - spans[-1][1] <= GAP:
+                spans[-1][1] = max(spans[-1][1], end)
+            else:
+                spans.append([start, end])
         fs, fspath = self._remote
         try:
-            return fs.cat_ranges([fspath] * len(starts), starts, ends, on_error="raise")
+            fetched = fs.cat_ranges([fspath] * len(spans), [a for a, _ in spans], [b for _, b in spans],
+                                    on_error="raise")
         except service_errors() as exc:
             raise self.failed(exc) from None
+        self._spans += [(a, data) for (a, _), data in zip(spans, fetched)]
+        return [self.read(s, e - s) for s, e in zip(starts, ends)]
 
     def view(self, offset: int, length: int) -> memoryview:
         """Bytes of the file: a zero-copy view of the mmap when local."""
@@ -195,6 +219,7 @@ class TorchZip:
         try:
             if start < 0 or self._size < 0 or start + self._size > self.file.size:
                 raise CheckpointError(f"{self.path}: item at {start} (+{self._size}) lies outside the file")
+            self.file.prefetch(start + max(0, self._size - GAP), min(self._size, GAP))  # the central directory
             self.prefix, self.entries = self._index()
         except BaseException:
             self.close()
