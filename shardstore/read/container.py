@@ -53,7 +53,9 @@ def _open_regular(path: Path) -> Any:
     return os.fdopen(fd, "rb")
 
 
-GAP = 256 << 10  # remote ranges closer than this are read as one request (read_ranges)
+GAP = 1 << 20  # remote ranges closer than this are read as one request (read_ranges) ...
+KEPT_BYTES = 64 << 20  # ... while what that adds between them, kept in memory, stays below this
+TAIL = 64 << 10  # a remote zip's end records and central directory (~80 bytes a record) come in one read
 
 
 class DataFile:
@@ -110,14 +112,17 @@ class DataFile:
 
     def read_ranges(self, starts: list[int], ends: list[int]) -> list[bytes]:
         """Several small ranges (a zip's local headers). Remote, ranges less than `GAP` apart are fetched as
-        one request, concurrently, and what was fetched is kept: the small records lying between the
-        headers (an optimizer's step, an RNG state, a small shard) are then read without a request each."""
+        one request, concurrently, and what was fetched is kept: the records lying between the headers (an
+        optimizer's step, an RNG state, a shard of up to a megabyte) are then read without a request each,
+        and every byte is still fetched once."""
         if self._remote is None:
             return [self.read(s, e - s) for s, e in zip(starts, ends)]
         spans: list[list[int]] = []
+        budget = KEPT_BYTES
         for start, end in sorted(zip(starts, ends)):
-            if spans and start - spans[-1][1] <= GAP:
-                spans[-1][1] = max(spans[-1][1], end)
+            gap = start - spans[-1][1] if spans else GAP + 1
+            if gap <= min(GAP, budget):
+                spans[-1][1], budget = max(spans[-1][1], end), budget - max(gap, 0)
             else:
                 spans.append([start, end])
         fs, fspath = self._remote
@@ -219,7 +224,7 @@ class TorchZip:
         try:
             if start < 0 or self._size < 0 or start + self._size > self.file.size:
                 raise CheckpointError(f"{self.path}: item at {start} (+{self._size}) lies outside the file")
-            self.file.prefetch(start + max(0, self._size - GAP), min(self._size, GAP))  # the central directory
+            self.file.prefetch(start + max(0, self._size - TAIL), min(self._size, TAIL))  # the central directory
             self.prefix, self.entries = self._index()
         except BaseException:
             self.close()
