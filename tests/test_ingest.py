@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import shardstore
-from shardstore.errors import CheckpointError, StoreError
+from shardstore.errors import CheckpointError
 
 
 def content(store: Path) -> dict[str, str]:

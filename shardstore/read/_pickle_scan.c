@@ -242,18 +242,13 @@ static int memo_set(Skim *s, long long index, int32_t owner, uint32_t val) {
     if ((size_t)index >= s->cap) {
         size_t cap = s->cap ? s->cap : 1024;
         while (cap <= (size_t)index) cap *= 2;
-        int32_t *o = PyMem_Realloc(s->owner, cap * sizeof *o);
-        if (!o) { PyErr_NoMemory(); return -1; }
-        s->owner = o;
-        uint32_t *v = PyMem_Realloc(s->val, cap * sizeof *v);
-        if (!v) { PyErr_NoMemory(); return -1; }
-        s->val = v;
-        uint32_t *r = PyMem_Realloc(s->renum, cap * sizeof *r);
-        if (!r) { PyErr_NoMemory(); return -1; }
-        s->renum = r;
-        uint32_t *a = PyMem_Realloc(s->alen, cap * sizeof *a);
-        if (!a) { PyErr_NoMemory(); return -1; }
-        s->alen = a;
+#define GROW(column) do { \
+            void *grown = PyMem_Realloc(s->column, cap * sizeof *s->column); \
+            if (!grown) { PyErr_NoMemory(); return -1; } \
+            s->column = grown; \
+        } while (0)
+        GROW(owner); GROW(val); GROW(renum); GROW(alen);
+#undef GROW
         for (size_t i = s->cap; i < cap; i++) s->owner[i] = OWNER_UNSET;
         s->cap = cap;
     }
