@@ -21,16 +21,18 @@ benchmarks/results.png.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -192,7 +194,7 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
         run("shardstore unshard hf", [*shardstore, "unshard", str(ckpt), str(work / "hf"), "--format", "hf", "-q"])
         fresh()
     if sc.s3:
-        run_s3(sc, ckpt, files, run)
+        run_s3(sc, ckpt, files, run, results)
     if with_olmo and sc.olmo:
         olmo = [sys.executable, str(HERE / "olmo_baseline.py"), str(ckpt), str(work / "olmo")]
         env = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
@@ -212,7 +214,7 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
     return results
 
 
-def run_s3(sc: Scenario, ckpt: Path, files: list[Path], run: Callable[..., str]) -> None:
+def run_s3(sc: Scenario, ckpt: Path, files: list[Path], run: Callable[..., str], results: list[Result]) -> None:
     """`shardstore ingest` with rank files and store on a local S3 API server (moto, its own process)."""
     import socket
 
@@ -223,8 +225,9 @@ def run_s3(sc: Scenario, ckpt: Path, files: list[Path], run: Callable[..., str])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    log = open(HERE / "out" / "moto.log", "w+")  # its access log: one line per request
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=log)
     env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
     try:
@@ -233,11 +236,24 @@ def run_s3(sc: Scenario, ckpt: Path, files: list[Path], run: Callable[..., str])
         time.sleep(2)
         subprocess.run([sys.executable, "-c", upload, *map(str, files)], check=True, env={**os.environ, **env})
         urls = [f"s3://bench/ckpt/{f.name}" for f in files]
+        log.flush()
+        before = len(_requests(log))
         run("shardstore ingest (S3 -> S3)", [sys.executable, "-m", "shardstore.cli", "ingest", "s3://bench/store",
-                                             *urls, "-q"], env, note="moto S3 server on loopback")
+                                             *urls, "-q"], env)
+        counts = collections.Counter(method for method, _ in _requests(log)[before:])
+        if results and results[-1].contender == "shardstore ingest (S3 -> S3)" and results[-1].wall:
+            results[-1].note = (f"moto S3 server on loopback; {sum(counts.values()) / len(files):.1f} requests per "
+                                f"rank file ({', '.join(f'{n} {m}' for m, n in counts.most_common())} in all)")
     finally:
         server.terminate()
         server.wait()
+        log.close()
+
+
+def _requests(log: Any) -> list[tuple[str, str]]:
+    """(method, path) of every request in a moto server's access log so far."""
+    log.seek(0)
+    return re.findall(r'"(?:\x1b\[[0-9;]*m)*([A-Z]+) (\S+) HTTP/', log.read())
 
 
 def table(results: list[Result], sizes: dict[str, int]) -> str:

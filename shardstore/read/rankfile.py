@@ -101,7 +101,7 @@ class ShardedLeaf:
     @property
     def spec(self) -> ShardedSpec:
         if self._spec is None:
-            key = ("spec", id(self._metadata.shards_metadata))
+            key = ("spec", id(self._global()))
             if key not in self._shared:
                 try:
                     self._shared[key] = tuple(ShardSpec(tuple(map(int, o)), tuple(map(int, s)), -1 if r is None else int(r))
@@ -244,8 +244,8 @@ def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr,
     local shard against its own entry in the global metadata, and every tensor view against its storages.
     With `planned` (each ShardedTensor's digest of its shard list, read/skim.py, where the plan is FSDP's
     chunk layout) the lists are skimmed instead of built when every digest matches: each local shard is
-    then checked against the chunk layout. With `digests`, the whole file is read and its digests kept
-    (`RankFile.digests`) for the plan."""
+    then checked against the chunk layout. With `digests` (the planner), the lists are skimmed too, one
+    decoded per distinct digest, and the digests kept (`RankFile.digests`) for the plan."""
     name = os.fspath(path)
     zf = TorchZip(path, storage_options)
     with closed_on_error(zf.close, name):

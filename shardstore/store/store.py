@@ -39,6 +39,7 @@ from .shardfile import GROUP_METADATA, array_metadata, records_node_metadata, sh
 RECORDS_NODE = "__shardstore__/zarr.json"
 RANKS = "__shardstore__/ranks"
 STAGING = "__shardstore__/staging"
+STAGING_CACHE_BYTES = 256 << 20  # staging files kept in memory while assembling (Store._staged)
 BLOBS = "__shardstore__/blobs"
 
 
@@ -78,6 +79,8 @@ class Store:
         self.manifest = manifest
         self._zarr_root: zarr.Group | None = None
         self._records: dict[int, CommitRecord] = {}
+        self._staging: dict[int, bytes] | None = None  # during assembly: staging files read whole, by rank
+        self._staged_bytes = 0
 
     # ------------------------------------------------------------------ opening and creating
     @classmethod
@@ -250,18 +253,23 @@ class Store:
         with `verify` every other copy must match it bit for bit.
         """
         written = []
-        for path, entry in self.manifest.arrays.items():
-            if entry.flat and not entry.staged:
-                written += self._assemble_flat_cells(entry, verify)
-                continue
-            if not entry.staged or self.has_cell(entry, (0,) * len(entry.shape)):
-                continue
-            pieces = self._staged_pieces(entry, verify)
-            if sum(math.prod(s) for _, s in pieces) < math.prod(entry.shape):
-                continue
-            if entry.shape:
-                self.write_cell(entry, (0,) * len(entry.shape), [self._assemble(entry, pieces).tobytes()], entry.shape[0])
-            written.append(path)
+        self._staging, self._staged_bytes = {}, 0
+        try:
+            for path, entry in self.manifest.arrays.items():
+                if entry.flat and not entry.staged:
+                    written += self._assemble_flat_cells(entry, verify)
+                    continue
+                if not entry.staged or self.has_cell(entry, (0,) * len(entry.shape)):
+                    continue
+                pieces = self._staged_pieces(entry, verify)
+                if sum(math.prod(s) for _, s in pieces) < math.prod(entry.shape):
+                    continue
+                if entry.shape:
+                    self.write_cell(entry, (0,) * len(entry.shape), [self._assemble(entry, pieces).tobytes()],
+                                    entry.shape[0])
+                written.append(path)
+        finally:
+            self._staging = None
         return written
 
     def _assemble_flat_cells(self, entry: ArrayEntry, verify: bool) -> list[str]:
@@ -327,7 +335,17 @@ class Store:
         return full if part else full.reshape(entry.shape)
 
     def _staged(self, rank: int, start: int, nbytes: int) -> bytes:
-        data = self.backend.read(f"{STAGING}/{rank}.bin", start, nbytes)
+        """A staged piece's bytes. While assembling, each rank's staging file is read whole, once, and kept
+        (up to STAGING_CACHE_BYTES in all): on object storage that is one request per rank instead of one
+        per piece of every staged tensor."""
+        key = f"{STAGING}/{rank}.bin"
+        if self._staging is not None and rank not in self._staging and self._staged_bytes < STAGING_CACHE_BYTES:
+            self._staging[rank] = self.backend.read(key)
+            self._staged_bytes += len(self._staging[rank])
+        if self._staging is not None and rank in self._staging:
+            data = self._staging[rank][start:start + nbytes]
+        else:
+            data = self.backend.read(key, start, nbytes)
         if len(data) != nbytes:
             raise StoreError(f"{self.location}: {STAGING}/{rank}.bin is shorter than its commit record says; "
                              f"the store is damaged (re-ingest rank {rank})")
