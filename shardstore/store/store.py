@@ -39,7 +39,7 @@ from .shardfile import GROUP_METADATA, array_metadata, records_node_metadata, sh
 RECORDS_NODE = "__shardstore__/zarr.json"
 RANKS = "__shardstore__/ranks"
 STAGING = "__shardstore__/staging"
-STAGING_CACHE_BYTES = 256 << 20  # staging files kept in memory while assembling (Store._staged)
+STAGING_CACHE_BYTES = 64 << 20  # staging files kept in memory while assembling (Store._staged)
 BLOBS = "__shardstore__/blobs"
 
 
@@ -336,8 +336,8 @@ class Store:
 
     def _staged(self, rank: int, start: int, nbytes: int) -> bytes:
         """A staged piece's bytes. While assembling, each rank's staging file is read whole, once, and kept
-        (up to STAGING_CACHE_BYTES in all): on object storage that is one request per rank instead of one
-        per piece of every staged tensor."""
+        (up to STAGING_CACHE_BYTES in all, then piece by piece): on object storage that is one request per
+        rank instead of one per piece of every staged tensor."""
         key = f"{STAGING}/{rank}.bin"
         if self._staging is not None and rank not in self._staging and self._staged_bytes < STAGING_CACHE_BYTES:
             self._staging[rank] = self.backend.read(key)
