@@ -289,17 +289,22 @@ def plot(results: list[Result], path: Path, worlds: dict[str, int]) -> None:
 
     done = [r for r in results if r.wall is not None]
     scenarios = list(dict.fromkeys(r.scenario for r in done))
-    contenders = [c for c in dict.fromkeys(r.contender for r in done) if not c.startswith("cat")]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 0.45 * len(contenders) * max(1, len(scenarios)) / 2 + 4))
+    # how cost grows with W: one family of checkpoints (w8, w256, w1024), the end-to-end contenders
+    series = {SCENARIOS[k].name for k in ("w8", "w256", "w1024")}
+    contenders = [c for c in dict.fromkeys(r.contender for r in done if r.scenario in series)
+                  if c.startswith(("cp -r", "OLMo")) or c in ("shardstore ingest", "shardstore unshard safetensors",
+                                                            "shardstore unshard torch")]
+    bars = sum(1 for r in done if not r.contender.startswith(("cat", "cp")))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 0.28 * bars + 3))
     for name in contenders:
-        points = sorted((worlds[r.scenario], r.wall) for r in done if r.contender == name)
+        points = sorted((worlds[r.scenario], r.wall) for r in done if r.contender == name and r.scenario in series)
         if points:
             left.plot([w for w, _ in points], [t for _, t in points], marker="o", label=name)
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xlabel("world size (ranks)")
     left.set_ylabel("wall time (s)")
-    left.set_title("wall time against world size", fontsize=10)
+    left.set_title("wall time against world size (OLMo-like, w8 / w256 / w1024)", fontsize=10)
     left.legend(fontsize=7)
     labels, values = [], []
     for sc in scenarios:
@@ -346,7 +351,9 @@ def main() -> None:
         results = [r for r in results if (r.scenario, r.contender) not in replaced] + new
         sizes[sc.name] = sum(f.stat().st_size for f in checkpoint_files(sc, args.out / "ckpt" / sc.name.split(" ")[0]))
     order = {name: i for i, name in enumerate(s.name for s in SCENARIOS.values())}
-    results.sort(key=lambda r: order.get(r.scenario, 99))
+    # the disk first, then shardstore, then today's tool, whatever order merged runs left them in
+    rank = (lambda c: 0 if c.startswith(("cat", "cp")) else 2 if c.startswith(("OLMo", "dcp_to")) else 1)
+    results.sort(key=lambda r: (order.get(r.scenario, 99), rank(r.contender)))
     machine = (f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, "
                f"{platform.python_implementation()} {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
     text = table(results, sizes)
