@@ -1,6 +1,6 @@
 """The benchmark harness: shardstore against today's unsharder and against the disk itself.
 
-    python benchmarks/bench.py [--scenarios w8,w256,w1024,large] [--out benchmarks/out] [--no-olmo]
+    python benchmarks/bench.py [--scenarios w8,w256,w1024,w1024-7b,large,dcp] [--out benchmarks/out] [--no-olmo]
 
 For each scenario it generates an OLMo-like checkpoint once (benchmarks/synth.py; cached under --out),
 then runs every contender with the page cache dropped before each run (when root), timing wall clock
@@ -10,7 +10,11 @@ and peak RSS of the largest process with /usr/bin/time:
   since shardstore makes its data durable before it calls a rank done);
 - `shardstore ingest`, then `shardstore show` of one 4-row slice from that store (wall clock of the
   whole command, and bytes it read), then `shardstore export` to safetensors;
-- `shardstore unshard` end to end, to safetensors and to torch;
+- `shardstore unshard` end to end, to safetensors, to torch and (with the run's config.yaml) to `hf`;
+- `shardstore ingest` with rank files and store on a local S3 API server (moto), counting the requests
+  the server answered (its access log);
+- for `w1024-7b`, a subset of a checkpoint too large for the disk: rank 0 ingested alone, then the others,
+  for the per-file cost;
 - OLMo's `TorchLegacyShardedCheckpointer` (PyPI ai2-olmo, installed with --no-deps plus what it imports),
   thread mode and shared-memory mode, run as its own unshard script does (benchmarks/olmo_baseline.py).
 
@@ -328,7 +332,7 @@ def plot(results: list[Result], path: Path, worlds: dict[str, int]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="shardstore benchmark harness")
-    ap.add_argument("--scenarios", default="w8,w256,w1024,large")
+    ap.add_argument("--scenarios", default="w8,w256,w1024,w1024-7b,large,dcp")
     ap.add_argument("--out", type=Path, default=HERE / "out")
     ap.add_argument("--no-olmo", action="store_true", help="skip OLMo's unsharder")
     ap.add_argument("--contenders", default="", help="only contenders whose name contains one of these (comma "
