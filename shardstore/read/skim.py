@@ -65,7 +65,6 @@ class Skimmed:
         and its globals may (a sharding spec holding it was dropped; a trainer's value holding it was not)."""
         return sys.getrefcount(self.elided) > 3  # this record, the globals, getrefcount's own argument
 
-
     def decode(self, digest: str, where: str, strict: bool) -> Any:
         """The cut list with this digest, built (by the same safe unpickler) from its normal form."""
         return load(b"\x80\x02" + self.forms[digest] + b".", where, strict)
