@@ -80,6 +80,20 @@ def test_a_forged_list_is_read_whole_and_a_stolen_shard_refused(forged: Path):
 
 
 @native
+@pytest.mark.parametrize("world", [1001, 2])
+def test_lists_of_any_length_are_skimmed(world: int, tmp_path: Path):
+    """pickle writes a list in batches of 1000 (MARK ... APPENDS), and a last single item with APPEND: at
+    world size 1001 the list ends with one. Both ends of the world are read as from the whole file."""
+    folder = forge.forge_sharded(tmp_path, [("rank0.pt", 0, "tall"), ("last.pt", world - 1, "tall")], world=world)
+    planned = _planned(folder / "rank0.pt")
+    skimmed = read_rank_file(folder / "last.pt", values.encode, planned=planned)
+    whole = read_rank_file(folder / "last.pt", values.encode)
+    assert skimmed.leaves["model/tall"].planned and skimmed.leaves["model/tall"].pieces[0].offsets == (world - 1, 0)
+    _same(skimmed, whole)
+    skimmed.close(), whole.close()
+
+
+@native
 def test_trainer_values_named_like_the_lists_are_kept(forged: Path):
     """A trainer's own "shards_metadata" and "placements" entries would be cut with the lists: such a file
     is read whole, its values intact, and its checkpoint gets no skim facts."""
