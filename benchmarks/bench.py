@@ -13,8 +13,8 @@ and peak RSS of the largest process with /usr/bin/time:
 - `shardstore unshard` end to end, to safetensors, to torch and (with the run's config.yaml) to `hf`;
 - `shardstore ingest` with rank files and store on a local S3 API server (moto), counting the requests
   the server answered (its access log);
-- for `w1024-7b`, a subset of a checkpoint too large for the disk: rank 0 ingested alone, then the others,
-  for the per-file cost;
+- for `w1024-7b`, a subset of a checkpoint too large for the disk: rank 0 ingested alone (it plans the
+  store), then rank 1 alone, then the rest; the difference of the last two is the per-file cost;
 - OLMo's `TorchLegacyShardedCheckpointer` (PyPI ai2-olmo, installed with --no-deps plus what it imports),
   thread mode and shared-memory mode, run as its own unshard script does (benchmarks/olmo_baseline.py).
 
@@ -169,14 +169,16 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
     fresh()
     if sc.subset:  # the first rank plans the store; the rest show what each further file costs
         run("shardstore ingest (rank 0: plans the store)", [*shardstore, "ingest", str(work / "store"), str(files[0]), "-q"])
-        run(f"shardstore ingest ({len(files) - 1} more ranks)",
-            [*shardstore, "ingest", str(work / "store"), *map(str, files[1:]), "-q"])
+        run("shardstore ingest (1 more rank)", [*shardstore, "ingest", str(work / "store"), str(files[1]), "-q"])
+        run(f"shardstore ingest ({len(files) - 2} more ranks)",
+            [*shardstore, "ingest", str(work / "store"), *map(str, files[2:]), "-q"])
         walls = {r.contender: r.wall for r in results}
-        more, cp = results[-1].wall, walls.get("cp -r")
-        if more and cp:
-            results[-1].note = (f"per file {more / (len(files) - 1):.2f} s against cp -r's {cp / len(files):.2f} s "
-                                f"({more / (len(files) - 1) / (cp / len(files)):.1f}x); all {sc.world} files: "
-                                f"~{more / (len(files) - 1) * sc.world / 60:.0f} min on this machine")
+        one, more, cp = walls.get("shardstore ingest (1 more rank)"), results[-1].wall, walls.get("cp -r")
+        if one and more and cp:  # the difference leaves out what every command pays once (start-up, workers)
+            per_file, cp_file = (more - one) / (len(files) - 3), cp / len(files)
+            results[-1].note = (f"per file, start-up left out ({len(files) - 2} ranks minus 1): {per_file:.2f} s "
+                                f"against cp -r's {cp_file:.2f} s ({per_file / cp_file:.1f}x); all {sc.world} "
+                                f"files: ~{per_file * sc.world / 60:.0f} min on this machine")
         shutil.rmtree(work, ignore_errors=True)
         return results
     if sc.format == "dcp":
@@ -336,7 +338,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "out")
     ap.add_argument("--no-olmo", action="store_true", help="skip OLMo's unsharder")
     ap.add_argument("--contenders", default="", help="only contenders whose name contains one of these (comma "
-                    "separated); results are merged into an existing results.json")
+                    "separated), replacing just their rows in results.json")
     args = ap.parse_args()
     with_olmo = not args.no_olmo and ensure_olmo()
     if not args.no_olmo and not with_olmo:
@@ -345,14 +347,15 @@ def main() -> None:
     results: list[Result] = []
     sizes: dict[str, int] = {}
     previous = args.out / "results.json"
-    if contenders and previous.exists():
+    if previous.exists():  # other scenarios' rows stay; a scenario run again replaces its own
         old = json.loads(previous.read_text())
         results, sizes = [Result(**r) for r in old["results"]], old["sizes"]
     for key in args.scenarios.split(","):
         sc = SCENARIOS[key]
         new = run_scenario(sc, args.out, with_olmo, contenders)
         replaced = {(r.scenario, r.contender) for r in new}
-        results = [r for r in results if (r.scenario, r.contender) not in replaced] + new
+        results = [r for r in results if (r.scenario, r.contender) not in replaced
+                   and (contenders or r.scenario != sc.name)] + new
         sizes[sc.name] = sum(f.stat().st_size for f in checkpoint_files(sc, args.out / "ckpt" / sc.name.split(" ")[0]))
     order = {name: i for i, name in enumerate(s.name for s in SCENARIOS.values())}
     # the disk first, then shardstore, then today's tool, whatever order merged runs left them in
