@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import collections
 import datetime
+import io
 import math
 import os
 import pathlib
@@ -73,6 +74,8 @@ class _Encoder:
             return {"$bytearray": _b64(bytes(o))}
         if type(o) is complex:
             return {"$complex": [enc(o.real), enc(o.imag)]}
+        if type(o) is io.BytesIO:
+            return {"$bytesio": [_b64(o.getbuffer()), o.tell()]}
         if isinstance(o, np.ndarray):
             if o.dtype.hasobject:
                 return {"$ndarray_obj": {"shape": list(o.shape), "items": [enc(v) for v in o.ravel().tolist()]}}
@@ -153,6 +156,10 @@ def decode(data: Json, tensor: Callable[[Json], Any], torch_dtype: Callable[[str
             return bytearray(base64.b64decode(v))
         if tag == "$complex":
             return complex(dec(v[0]), dec(v[1]))
+        if tag == "$bytesio":
+            buf = io.BytesIO(base64.b64decode(v[0]))
+            buf.seek(v[1])
+            return buf
         if tag == "$ndarray":
             raw = base64.b64decode(v["data"])
             return np.frombuffer(raw, dtype=np.dtype(v["dtype"])).reshape(v["shape"]).copy()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import io
 import json
 import math
 import pathlib
@@ -69,3 +70,12 @@ def test_preview_is_short_and_names_tensors_without_reading_them() -> None:
                          ["paths", values.encode([pathlib.PosixPath(f"/r/step{i}") for i in range(20)])]]}
     text = values.preview(encoded)
     assert "tensor(uint8[816])" in text and "PosixPath('/r/step0')" in text and "..." in text and len(text) < 400
+
+
+def test_an_in_memory_buffer_keeps_its_bytes_and_position() -> None:
+    """torchtitan's train state holds io.BytesIO values: they come back as buffers, content and position."""
+    buf = io.BytesIO(b"\x80\x02loss history")
+    buf.seek(5)
+    decoded = values.decode(json.loads(json.dumps(values.encode(buf))), tensor=lambda rec: pytest.fail("no tensor"))
+    assert type(decoded) is io.BytesIO and decoded.getvalue() == buf.getvalue() and decoded.tell() == 5
+    assert values.preview(values.encode(buf)) == "BytesIO(14 bytes)"

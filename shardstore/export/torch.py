@@ -20,9 +20,10 @@ from typing import Any, Callable
 
 from .. import dtypes
 from ..read.opaque import GlobalRef, Opaque
+from ..read.source import Node
 from ..store.store import Store
 from .output import OutputFile
-from .resolve import ArrayRef, build, node_at
+from .resolve import ArrayRef, build, leaves, node_at
 from .torchzip import TorchZipWriter
 
 # torch.save's own pickle protocol; also what the OLMo files are.
@@ -177,8 +178,16 @@ def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | 
         return written + [out_dir / "train.pt"]
     target = out_dir / "checkpoint.pt"
     state = build(store, tree)
-    if store.manifest.layout == "composer" and isinstance(state.get("rng"), list):
-        rng_node = node_at(tree, "rng")
-        state["rng"] = [item for rank in sorted(store.records()) for item in build(store, rng_node, rank=rank)]
+    rng_node = node_at(tree, "rng") if store.manifest.layout == "composer" and isinstance(state.get("rng"), list) else None
+    holders = _holders(store, rng_node) if rng_node is not None else []
+    if len(holders) > 1:  # one rank file each: every rank's one-element list, in rank order
+        state["rng"] = [item for rank in holders for item in build(store, rng_node, rank=rank)]
+    # else: saved once (Composer >= 0.16's DCP keeps every rank's state in global rank 0's list): as it is
     save(store, state, target, progress, partial=partial)
     return [target]
+
+
+def _holders(store: Store, node: Node) -> list[int]:
+    """The ranks whose records hold every value below `node`, in rank order."""
+    paths = [path for _, path in leaves(node)]
+    return sorted(r for r, rec in store.records(refresh=False).items() if all(p in rec.objects for p in paths))

@@ -37,7 +37,6 @@ from .trainer import join, join_trainer_state, listing, trainer_files
 from .unpickle import TensorRef, load
 
 FORMAT = "olmo-local"
-ALIGNMENT_BYTES = 16  # FSDP1 aligns each original parameter's start to 16 bytes (use_orig_params, torch >= 2.1)
 _RANK = re.compile(r"^rank(0|[1-9][0-9]*)\.pt$")
 
 
@@ -152,8 +151,9 @@ def _ints(values: Any, what: str) -> list[int]:
     return out
 
 
-def _handle(prefix: str, h: dict[str, Any], where: str) -> Handle:
-    """The layout every rank shares, from one rank's copy of a handle's metadata."""
+def _handles(prefix: str, h: dict[str, Any], where: str) -> list[Handle]:
+    """Every layout one rank's copy of a handle's metadata can describe: where each parameter starts
+    depends on the alignment FSDP used, which the file does not record (`_layouts`)."""
     data: TensorRef = h["flat_param.data"]
     dtypes.info(data.dtype)
     fqns = _field(h, "_fqns", where)
@@ -168,30 +168,41 @@ def _handle(prefix: str, h: dict[str, Any], where: str) -> Handle:
     old = "flat_param._shard_param_infos" not in h
     # torch 2.0.x's FlatParameter had no padding list; 2.1+ saves one even when it equals _numels
     padded = _ints(h.get("flat_param._numels_with_padding", numels), f"{where}: _numels_with_padding")
-    starts = _starts(numels, padded, dtypes.info(data.dtype).itemsize)
-    if starts is None:
+    layouts = _layouts(numels, padded)
+    if not layouts:
         raise CheckpointError(f"{where}: _numels_with_padding is not FSDP's padding of _numels")
-    params = tuple(Param(clean(f"{prefix}.{f}" if prefix else f), s, st, n)
-                   for f, s, st, n in zip(fqns, shapes, starts, numels))
-    return Handle(data.dtype, sum(padded), params, old)
+    names = [clean(f"{prefix}.{f}" if prefix else f) for f in fqns]
+    return [Handle(data.dtype, sum(padded), tuple(Param(f, s, st, n) for f, s, st, n in zip(names, shapes, starts, numels)),
+                   old) for starts in layouts]
 
 
-def _starts(numels: list[int], padded: list[int], itemsize: int) -> list[int] | None:
-    """Where each parameter starts in the flat parameter: FSDP inserts padding only before a parameter
-    whose start is not 16-byte aligned, and at the end (to divide by the world size)."""
-    for align in (ALIGNMENT_BYTES // itemsize, 1):
-        starts, pos, i = [], 0, 0
-        for n in padded:
-            if i < len(numels) and pos % align == 0:
-                if n != numels[i]:
-                    break
-                starts.append(pos)
-                i += 1
+# FSDP1 (torch >= 2.1, use_orig_params) starts each original parameter on a multiple of 16 bytes of the
+# dtype it computes in: 16 // itemsize elements, so 8 for bf16/fp16 mixed precision over fp32 storage,
+# 4 for fp32, 16 for an 8-bit dtype, 2 for fp64; 1 is no alignment (torch 2.0, use_orig_params=False).
+ALIGNMENTS = (1, 2, 4, 8, 16)
+
+
+def _layouts(numels: list[int], padded: list[int]) -> list[list[int]]:
+    """The start of every parameter in the flat parameter, for each alignment that reproduces
+    `_numels_with_padding` exactly by FSDP's rule (flat_param.py, `_init_flat_param_and_metadata`): a
+    padding entry before each parameter whose start is not aligned, and, when aligning, one final entry
+    that makes the total divide by the group size. Usually one layout fits; a tie is resolved by the
+    ranks' own `_shard_param_infos` (`read_layout`)."""
+    out: list[list[int]] = []
+    for align in ALIGNMENTS:
+        starts, expected, pos = [], [], 0
+        for n in numels:
+            if pos % align:
+                expected.append(align - pos % align)
+                pos += expected[-1]
+            starts.append(pos)
+            expected.append(n)
             pos += n
-        else:
-            if i == len(numels):
-                return starts
-    return None
+        tail = padded[len(expected):]
+        if padded[:len(expected)] == expected and (not tail or (align > 1 and len(tail) == 1 and tail[0] > 0)) \
+                and starts not in out:
+            out.append(starts)
+    return out
 
 
 def _group_size(handles: list[Handle], local_numels: list[int], world: int, where: str) -> int:
@@ -210,33 +221,58 @@ def check_model_file(handles: list[Handle], found: list[tuple[str, dict[str, Any
         raise CheckpointError(f"{where}: {len(found)} flat parameters, the checkpoint has {len(handles)}")
     for n, (h, (prefix, raw)) in enumerate(zip(handles, found)):
         here = f"{where}: flat parameter {n}"
-        if _handle(prefix, raw, here) != h:
+        if h not in _handles(prefix, raw, here):
             raise CheckpointError(f"{here}: its parameters differ from rank 0's (a file of another checkpoint?)")
-        data: TensorRef = raw["flat_param.data"]
-        first, stop, size = h.shard(group_rank, group_size)
-        if tuple(data.shape) != (size,):
-            raise CheckpointError(f"{here}: holds {list(data.shape)} elements, its slice has {size}")
-        if _field(raw, "_shard_numel_padded", here) != size - (stop - first):
-            raise CheckpointError(f"{here}: _shard_numel_padded disagrees with its slice")
-        pieces = h.pieces(group_rank, group_size)
-        if h.old:
-            offsets = [tuple(o) for o in _field(raw, "_shard_param_offsets", here)]
-            if offsets != [(lo, lo + n - 1) for _, lo, n, _ in pieces]:
-                raise CheckpointError(f"{here}: _shard_param_offsets disagree with its slice of the parameters")
-            indices = _field(raw, "_shard_indices", here)
-            if pieces and tuple(indices) != (pieces[0][0], pieces[-1][0]):
-                raise CheckpointError(f"{here}: _shard_indices disagree with its slice of the parameters")
-            continue
-        infos = _field(raw, "_shard_param_infos", here)
-        held = {i: (True, off, n, lo, lo + n - 1) for i, lo, n, off in pieces}
-        expected = [held.get(i, (False, None, None, None, None)) for i in range(len(h.params))]
-        if not isinstance(infos, (list, tuple)) or [tuple(x) for x in infos] != expected:
-            raise CheckpointError(f"{here}: _shard_param_infos disagree with its slice of the parameters")
+        why = _slice_error(h, raw, group_rank, group_size, here)
+        if why:
+            raise CheckpointError(f"{here}: {why}")
+
+
+def _slice_error(h: Handle, raw: dict[str, Any], group_rank: int, group_size: int, here: str) -> str | None:
+    """Why a rank's copy of a handle is not exactly that rank's slice of `h`, or None when it is."""
+    data: TensorRef = raw["flat_param.data"]
+    first, stop, size = h.shard(group_rank, group_size)
+    if tuple(data.shape) != (size,):
+        return f"holds {list(data.shape)} elements, its slice has {size}"
+    if _field(raw, "_shard_numel_padded", here) != size - (stop - first):
+        return "_shard_numel_padded disagrees with its slice"
+    pieces = h.pieces(group_rank, group_size)
+    if h.old:
+        offsets = [tuple(o) for o in _field(raw, "_shard_param_offsets", here)]
+        if offsets != [(lo, lo + n - 1) for _, lo, n, _ in pieces]:
+            return "_shard_param_offsets disagree with its slice of the parameters"
+        indices = _field(raw, "_shard_indices", here)
+        if pieces and tuple(indices) != (pieces[0][0], pieces[-1][0]):
+            return "_shard_indices disagree with its slice of the parameters"
+        return None
+    infos = _field(raw, "_shard_param_infos", here)
+    held = {i: (True, off, n, lo, lo + n - 1) for i, lo, n, off in pieces}
+    expected = [held.get(i, (False, None, None, None, None)) for i in range(len(h.params))]
+    if not isinstance(infos, (list, tuple)) or [tuple(x) for x in infos] != expected:
+        return "_shard_param_infos disagree with its slice of the parameters"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- the spec
+def _read_handles(path: str, storage_options: StorageOptions | None, strict: bool) -> list[tuple[str, dict[str, Any]]]:
+    with TorchZip(path, storage_options) as zf:
+        zf.verify("data.pkl")
+        return _model_handles(load(zf.record("data.pkl"), path, strict), path)
+
+
+def _narrow(candidates: list[list[Handle]], found: list[tuple[str, dict[str, Any]]], group_rank: int,
+            group: int, where: str) -> list[list[Handle]]:
+    """Keep the layouts a rank's own `_shard_param_infos` confirm (all, if none does: the check that
+    follows then names what is wrong)."""
+    return [[h for h in hs if _slice_error(h, raw, group_rank, group, where) is None] or hs
+            for hs, (_, raw) in zip(candidates, found)] if len(candidates) == len(found) else candidates
+
+
 def read_layout(folder: str, storage_options: StorageOptions | None, strict: bool) -> dict[str, Any]:
-    """The checkpoint's facts, from metadata.yaml and rank 0's model file: handles, world and group size."""
+    """The checkpoint's facts, from metadata.yaml and rank 0's model file: handles, world and group size.
+
+    Where rank 0's slice cannot tell two alignments apart (both reproduce `_numels_with_padding` and
+    agree on what rank 0 holds), the next ranks' model files decide, each by its own metadata."""
     models = _ranked(join(folder, MODEL), storage_options)
     if 0 not in models:
         raise CheckpointError(f"{join(folder, MODEL)}: no rank0.pt")
@@ -244,13 +280,18 @@ def read_layout(folder: str, storage_options: StorageOptions | None, strict: boo
     stray = [r for r in models if r >= world]
     if stray:
         raise CheckpointError(f"{models[stray[0]]}: rank {stray[0]}, but metadata.yaml says the world has {world}")
-    with TorchZip(models[0], storage_options) as zf:
-        zf.verify("data.pkl")
-        found = _model_handles(load(zf.record("data.pkl"), models[0], strict), models[0])
-        handles = [_handle(prefix, raw, f"{models[0]}: flat parameter {n}") for n, (prefix, raw) in enumerate(found)]
-        group = _group_size(handles, [raw["flat_param.data"].shape[0] if raw["flat_param.data"].shape else -1
-                                      for _, raw in found], world, models[0])
-        check_model_file(handles, found, 0, group, models[0])
+    found = _read_handles(models[0], storage_options, strict)
+    candidates = [_handles(prefix, raw, f"{models[0]}: flat parameter {n}") for n, (prefix, raw) in enumerate(found)]
+    group = _group_size([hs[0] for hs in candidates], [raw["flat_param.data"].shape[0] if raw["flat_param.data"].shape
+                                                       else -1 for _, raw in found], world, models[0])
+    candidates = _narrow(candidates, found, 0, group, models[0])
+    for r in range(1, group):
+        if all(len(hs) == 1 for hs in candidates):
+            break
+        if r in models:
+            candidates = _narrow(candidates, _read_handles(models[r], storage_options, strict), r, group, models[r])
+    handles = [hs[0] for hs in candidates]
+    check_model_file(handles, found, 0, group, models[0])
     names = [p.fqn for h in handles for p in h.params]
     if len(set(names)) != len(names):
         raise CheckpointError(f"{models[0]}: two parameters named {next(n for n in names if names.count(n) > 1)!r:.80}")

@@ -88,6 +88,9 @@ class _Repr(reprlib.Repr):
             parts.append(self.repr1(dict(obj.dictitems), level - 1))
         return f"<{name}" + (" " + " ".join(parts) if parts else "") + ">"
 
+    def repr_BytesIO(self, obj: Any, level: int) -> str:  # noqa: N802
+        return f"BytesIO({obj.getbuffer().nbytes} bytes)"
+
 
 SHORT_REPR = _Repr()
 

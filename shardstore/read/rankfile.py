@@ -119,13 +119,20 @@ class ShardedLeaf:
         except TypeError:  # ranks that do not even sort
             raise CheckpointError(f"{self._where}: malformed ShardedTensor metadata (placement ranks)") from None
 
-    def check_own_pieces(self, rank: int, world: int) -> None:
+    def check_own_pieces(self, rank: int, world: int, group_rank: int, group_size: int) -> None:
         """Every local shard must be exactly one of the global list's entries for this rank (offsets, sizes
-        and placement), and there must be one for each of them: a file cannot write another rank's rows."""
+        and placement), and there must be one for each of them: a file cannot write another rank's rows.
+
+        torch 2.13 names placements by global rank; torch <= 2.1 under hybrid sharding named them by the
+        rank within the shard group (`rank:0/…` in every replica group), so a list whose placements all
+        lie inside one group's numbering is read in that numbering."""
         if self.planned:
             own = [box for box in [chunk_box(self.shape, rank, world)] if box and all(box[1])]
         else:
-            own = sorted((o, s) for o, s, r in self._global() if r == rank and all(s))
+            shards = self._global()
+            by_group = group_size < world and all(type(r) is int and 0 <= r < group_size for _, _, r in shards)
+            mine = group_rank if by_group else rank
+            own = sorted((o, s) for o, s, r in shards if r == mine and all(s))
         local = sorted((p.offsets, p.sizes) for p in self.pieces if all(p.sizes))
         if own != local:
             raise CheckpointError(f"{self._where}: local shards {[list(o) for o, _ in local]} are not the shards "
@@ -332,7 +339,7 @@ def _rank_file(name: str, zf: TorchZip, skeleton: Skeleton, raw: dict[str, Any],
         elif isinstance(leaf, ShardedLeaf):
             for piece in leaf.pieces:
                 tensors.check_view(zf, piece.tensor, p)
-            leaf.check_own_pieces(rank, world)
+            leaf.check_own_pieces(rank, world, group_rank, group_size)
     return rf
 
 

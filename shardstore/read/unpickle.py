@@ -266,6 +266,10 @@ ALLOWED: dict[tuple[str, str], Any] = {
     ("datetime", "datetime"): datetime.datetime,
     ("datetime", "date"): datetime.date,
     ("_codecs", "encode"): _codecs.encode,
+    # An in-memory buffer (torchtitan keeps torch.save'd loss histories in its train state): built from the
+    # bytes the pickle carries, it runs no code and touches no file. The rest of `io` stays refused.
+    ("_io", "BytesIO"): io.BytesIO,
+    ("io", "BytesIO"): io.BytesIO,
     ("torch._utils", "_rebuild_tensor"): _rebuild_tensor_v2,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
     ("torch._utils", "_rebuild_tensor_v3"): _rebuild_tensor_v3,

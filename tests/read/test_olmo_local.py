@@ -169,3 +169,43 @@ def test_a_run_folder_of_steps_is_searched_one_level_down(olmo_checkpoints, tmp_
     assert "holds more than one checkpoint (step1000, step2000); pick one with --tag or --step" in line
     shardstore.unshard(run, tmp_path / "out", step=1000, format="torch", jobs=1)
     _check_torch_output(tmp_path / "out", run / "step1000")
+
+
+def test_parameter_starts_follow_the_padding_the_file_records() -> None:
+    """Mixed precision (bf16 compute over fp32 storage) aligns to 8 elements, not the stored dtype's 4:
+    the list from a real OLMo run's model file. fp32 and no alignment read as themselves."""
+    from shardstore.read.olmo_local import _layouts
+
+    numels = [90, 90, 8100, 11070, 24300]
+    assert _layouts(numels, [90, 6, 90, 6, 8100, 4, 11070, 2, 24300, 4]) == [[0, 96, 192, 8296, 19368]]
+    assert _layouts(numels, [90, 2, 90, 2, 8100, 11070, 2, 24300]) == [[0, 92, 184, 8284, 19356]]  # fp32: 4
+    assert _layouts(numels, numels) == [[0, 90, 180, 8280, 19350]]  # torch 2.0, use_orig_params=False
+    assert _layouts(numels, [90, 3, 90, 3, 8100, 11070, 24300]) == []  # padding no alignment gives
+    assert _layouts([5, 120], [5, 120, 3]) == []  # a tail padding without the padding before 120 at any alignment > 1
+
+
+def test_an_ambiguous_padding_list_is_settled_by_the_ranks_own_infos() -> None:
+    """(4, 4) padded as (4, 4, 4) is 8-aligned padding before the second parameter, or 4-aligned with a
+    tail: both fit the list. Each rank's `_shard_param_infos` says which, and only that layout is kept."""
+    from shardstore.read.olmo_local import _handles, _narrow
+
+    def copy_of(rank: int, second_start: int) -> dict:
+        """A rank's metadata for a group of 6 (2 elements each), as FSDP writes it for that layout."""
+        lo = 2 * rank
+        infos = []
+        for start in (0, second_start):
+            held = start <= lo < start + 4
+            infos.append((True, 0, 2, lo - start, lo - start + 1) if held else (False, None, None, None, None))
+        from shardstore.read.unpickle import StorageRef, TensorRef
+        return {"flat_param.data": TensorRef(StorageRef("0", "float32", 2), 0, (2,), (1,), "float32"),
+                "flat_param._fqns": ("a", "b"), "flat_param._shapes": ((4,), (4,)), "flat_param._numels": (4, 4),
+                "flat_param._numels_with_padding": (4, 4, 4), "flat_param._shard_numel_padded": 0,
+                "flat_param._shard_param_infos": [ShardParamInfo(*i) for i in infos]}
+
+    both = _handles("", copy_of(0, 8), "test")
+    assert [[p.start for p in h.params] for h in both] == [[0, 4], [0, 8]]
+    # rank 0 (elements 0-1) cannot tell them apart; rank 2 (elements 4-5) can
+    assert _narrow([both], [("", copy_of(0, 8))], 0, 6, "test") == [both]
+    for start in (4, 8):
+        (kept,) = _narrow([both], [("", copy_of(2, start))], 2, 6, "test")
+        assert [[p.start for p in h.params] for h in kept] == [[0, start]]

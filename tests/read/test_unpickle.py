@@ -4,6 +4,7 @@ global; a trainer's own objects become inert records."""
 from __future__ import annotations
 
 import importlib
+import io
 import operator
 import os
 import pathlib
@@ -179,3 +180,19 @@ def test_plain_tensor_views_read_exactly(tmp_path: Path) -> None:
         assert tensors.byte_range(rf.zip, rf.leaves["b"]) is not None
     finally:
         rf.close()
+
+
+def test_an_in_memory_buffer_is_built_and_the_rest_of_io_stays_refused(tmp_path: Path) -> None:
+    """torchtitan's TrainState torch.saves loss histories into io.BytesIO, and DCP pickles them as
+    `_io.BytesIO` (NEWOBJ, then its state): an inert buffer of the pickle's own bytes, in strict mode
+    too. Anything else of io (a file, open) is still refused by name, and nothing runs."""
+    buf = io.BytesIO(b"history")
+    buf.seek(3)
+    for strict in (False, True):
+        loaded = load(pickle.dumps(buf, protocol=2), "train_state", strict=strict)
+        assert type(loaded) is io.BytesIO and loaded.getvalue() == b"history" and loaded.tell() == 3
+    target = tmp_path / "made-by-pickle"
+    for payload in (_Payload(io.FileIO, (str(target), "w")), _Payload(io.open, (str(target), "w"))):
+        with pytest.raises(UnsafePickleError, match=r"refusing to load global _?io\.(FileIO|open)"):
+            load(pickle.dumps(payload, protocol=2), "train_state")
+    assert not target.exists()
