@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ..errors import ExportError
 from ..ranges import Part
 from ..runner import Pool
 from ..store.store import Store
@@ -52,7 +53,11 @@ def _plan(store: Store) -> tuple[dict[str, Any], dict[str, tuple], list[Item]]:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     flat, mappings = flatten_state_dict(build(store, store.manifest.tree))
-    leaf_of = {tuple(keys): path for keys, path in leaves(store.manifest.tree)}
+    leaf_of: dict[tuple[Any, ...], str] = {}
+    for keys, path in leaves(store.manifest.tree, dcp_names=True):
+        if leaf_of.setdefault(tuple(keys), path) != path:  # e.g. keys 0 and "0" of one dict
+            raise ExportError(f"{path}: DCP names it {'.'.join(map(str, keys))!r}, as it names "
+                              f"{leaf_of[tuple(keys)]}; --format dcp cannot keep both (--format torch can)")
     described: dict[str, Any] = {}
     items: list[Item] = []
     for fqn, value in flat.items():

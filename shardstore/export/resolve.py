@@ -77,14 +77,19 @@ def build(store: Store, node: Node, plain_dicts: bool = False, rank: int | None 
     return tuple(seq) if node.kind == "tuple" else seq
 
 
-def leaves(node: Node) -> Iterator[tuple[list[Any], str]]:
-    """(keys from `node` down, store path) of every leaf below `node`, in state-dict order."""
+def leaves(node: Node, dcp_names: bool = False) -> Iterator[tuple[list[Any], str]]:
+    """(keys from `node` down, store path) of every leaf below `node`, in state-dict order. With
+    `dcp_names`, keys as torch.distributed.checkpoint's `flatten_state_dict` names them: a dict key as
+    `str(key)` (parameter id 17 is "17"), a list or tuple position as its int."""
     if node.kind == "leaf":
         yield [], node.path
         return
     for key, child in node.children:
-        for keys, path in leaves(child):
-            yield [values.decode(key, tensor=_no_tensor)] + keys, path
+        key = values.decode(key, tensor=_no_tensor)
+        if dcp_names and node.kind in ("dict", "odict"):
+            key = str(key)
+        for keys, path in leaves(child, dcp_names):
+            yield [key] + keys, path
 
 
 def _plain(value: Any) -> Any:

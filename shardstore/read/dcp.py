@@ -109,7 +109,8 @@ def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
         else:
             raise CheckpointError(f"{fqn}: unknown storage metadata {type(meta).__name__}")
     planner = md.planner_data if isinstance(getattr(md, "planner_data", None), dict) else {}
-    nested = {fqn: tuple(planner.get(fqn) or (fqn,)) for fqn in [*tensors, *values]}
+    # in the metadata's order, which is the saved state dict's (tensors and values interleaved)
+    nested = {fqn: tuple(planner.get(fqn) or (fqn,)) for fqn in md.state_dict_metadata}
     for fqn, path in nested.items():
         if not path or not all(isinstance(k, (str, int)) and type(k) is not bool for k in path):
             raise CheckpointError(f"{fqn}: planner_data gives it the path {path!r:.80}")
@@ -179,7 +180,7 @@ def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None =
 def _tree(ckpt: DcpCheckpoint, encode_key: Any) -> Skeleton:
     """The nested state dict's skeleton from planner_data: int keys make lists, str keys dicts."""
     root: dict[Any, Any] = {}
-    for fqn in [*ckpt.tensors, *ckpt.values]:
+    for fqn in ckpt.paths:
         node = root
         *parents, last = ckpt.paths[fqn]
         for key in parents:
