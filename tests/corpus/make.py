@@ -3,7 +3,8 @@
     <venv of the member's torch>/bin/python -m tests.corpus.make NAME OUT_DIR
 
 Each member is a tiny model trained one step by real FSDP processes (gloo, CPU) under the torch version
-and configuration that `MEMBERS` names, saved the way its trainer saves it. Beside the checkpoint the
+and configuration that `MEMBERS` names, saved the way its trainer saves it: by OLMo's own checkpointer
+classes (ai2-olmo 0.6.0) where `olmo_code` says so, else through the same torch calls its trainer makes. Beside the checkpoint the
 writing processes leave what they gathered themselves — FSDP's FULL_STATE_DICT of the model and of the
 optimizer (`FSDP.optim_state_dict`), or DTensor's `full_tensor()` — as `expected.json`: every tensor's
 dtype, shape and SHA-256 of its bytes, so the test compares bit for bit without the repository holding
@@ -58,13 +59,14 @@ class Member:
     offload: bool = True  # offload_to_cpu in the sharded state-dict config
     cuda_tags: bool = False  # storages tagged cuda:{local rank}, as a GPU run without offload saves them
     vocab: int = 250  # 250 rows divide by none of 3, 4, 8; 11000 makes the embedding a multi-cell array
+    olmo_code: bool = False  # saved by OLMo's own checkpointer (ai2-olmo 0.6.0), precision from its TrainConfig
     notes: str = ""
     exercises: list[str] = field(default_factory=list)
 
 
 MEMBERS: dict[str, Member] = {
     "olmo-legacy-t2.1-bf16mixed-w3": Member(
-        "2.1", "olmo-legacy", 3, mixed="bfloat16", cuda_tags=True, vocab=11000,
+        "2.1", "olmo-legacy", 3, mixed="bfloat16", cuda_tags=True, vocab=11000, olmo_code=True,
         notes="OLMo torch_legacy as OLMo trained in 2023 (fsdp.precision: mixed, wrapping by block)",
         exercises=["mixed precision", "d0 % W != 0", "d0 < W (ranks holding nothing)", "cuda placements/storages",
                    "multi-cell arrays"]),
@@ -90,11 +92,11 @@ MEMBERS: dict[str, Member] = {
         "2.13", "composer", 4, strategy="HYBRID_SHARD", mixed="float16",
         notes="HYBRID_SHARD under torch 2.13: placements name global ranks", exercises=["HSDP global placements", "fp16 mixed"]),
     "olmo-local-t2.1-bf16mixed-w3": Member(
-        "2.1", "olmo-local", 3, mixed="bfloat16", vocab=11000,
+        "2.1", "olmo-local", 3, mixed="bfloat16", vocab=11000, olmo_code=True,
         notes="OLMo `local` as every OLMo run wrote it: mixed precision aligns parameters to 8 elements",
         exercises=["flat-parameter padding of the compute dtype", "_shard_param_infos", "multi-cell flat arrays"]),
     "olmo-local-t2.1-hsdp-w4": Member(
-        "2.1", "olmo-local", 4, strategy="HYBRID_SHARD", mixed="bfloat16",
+        "2.1", "olmo-local", 4, strategy="HYBRID_SHARD", mixed="bfloat16", olmo_code=True,
         notes="OLMo `local` under hybrid sharding (peteish-style), mixed precision", exercises=["local HSDP", "padding"]),
     "olmo-local-t2.0-w2": Member(
         "2.0", "olmo-local", 2, mixed="bfloat16",
@@ -313,7 +315,9 @@ def _wrap(model: nn.Module, m: Member, groups: Any) -> nn.Module:
         kwargs["use_orig_params"] = m.use_orig_params
     if groups is not None:
         kwargs["process_group"] = groups
-    if m.mixed:
+    if m.olmo_code:  # `fsdp.precision: mixed` with `precision: amp_bf16`: OLMo's own MixedPrecision
+        kwargs["mixed_precision"] = _olmo_config(m).fsdp_precision
+    elif m.mixed:
         dt = getattr(torch, m.mixed)
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=dt, reduce_dtype=dt, buffer_dtype=dt)
     if m.wrap == "block":  # what OLMo's `by_block` wrapping and Composer's per-block wrapping amount to
@@ -448,7 +452,9 @@ def _fsdp1_run(rank: int, m: Member, out: Path) -> dict[str, Any]:
     model = _wrap(ComposerModel(net) if m.trainer.startswith("composer") else net, m, groups)
     opt = _optimizer(model, m)
     _train_step(model, opt, rank, m.vocab)
-    if m.trainer == "olmo-local":
+    if m.olmo_code:
+        _olmo_save(rank, m, model, opt, out)
+    elif m.trainer == "olmo-local":
         for kind, state in (("model", _local_state(model)), ("optim", opt.state_dict()),
                             ("train", _trainer_state(rank, m.world))):
             (out / kind).mkdir(parents=True, exist_ok=True)
@@ -469,6 +475,25 @@ def _fsdp1_run(rank: int, m: Member, out: Path) -> dict[str, Any]:
                 torch.save({**state, **_trainer_state(rank, m.world)}, out / f"rank{rank}.pt")
     dist.barrier()
     return _full_fsdp1(model, opt)
+
+
+def _olmo_config(m: Member) -> Any:
+    """The TrainConfig fields an OLMo run sets for this member (the rest are OLMo's defaults)."""
+    from olmo.config import FSDPConfig, FSDPPrecision, ShardedCheckpointerType, TrainConfig
+    from torch.distributed.fsdp import ShardingStrategy
+
+    checkpointer = ShardedCheckpointerType.local if m.trainer == "olmo-local" else ShardedCheckpointerType.torch_legacy
+    return TrainConfig(run_name="corpus", precision="amp_bf16", save_overwrite=True, sharded_checkpointer=checkpointer,
+                       fsdp=FSDPConfig(use_orig_params=m.use_orig_params, precision=FSDPPrecision.mixed,
+                                       sharding_strategy=getattr(ShardingStrategy, m.strategy)))
+
+
+def _olmo_save(rank: int, m: Member, model: nn.Module, opt: torch.optim.Optimizer, out: Path) -> None:
+    """What OLMo's Trainer does at a sharded save: the checkpointer its config names writes the folder
+    (rank files, metadata.yaml where it has one, and the run's config.yaml)."""
+    from olmo.checkpoint import build_sharded_checkpointer
+
+    build_sharded_checkpointer(_olmo_config(m)).save_checkpoint(out, model, opt, _trainer_state(rank, m.world))
 
 
 def _composer_state(state: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
@@ -530,7 +555,7 @@ def _torchtitan_run(rank: int, m: Member, out: Path) -> dict[str, Any]:
 
 def _run(rank: int, name: str, out: str, port: int) -> None:
     m = MEMBERS[name]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=m.world)
     _cpu_shims()
     gathered = (_torchtitan_run if m.trainer == "torchtitan-dcp" else _fsdp1_run)(rank, m, Path(out))
