@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 from pathlib import Path
@@ -11,7 +12,8 @@ from . import export as _export
 from . import ingest as _ingest
 from .errors import CheckpointError, ExportError
 from .locations import StorageOptions
-from .progress import QUIET, Progress
+from .progress import Progress
+from .progress import resolve as _progress
 from .runner import default_jobs
 from .read.layouts import missing_ranks
 from .read.source import Source, open_source, source_of_files
@@ -29,7 +31,7 @@ def open(location: PathLike, storage_options: StorageOptions | None = None) -> S
 def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None = None,
            on_done: Callable[[_ingest.Ingested], None] | None = None, verify_replicas: bool = False,
            storage_options: StorageOptions | None = None, scheduler: str | None = None, strict: bool = False,
-           progress: Progress = QUIET, only: Callable[[Store], str | None] | None = None,
+           progress: Progress | bool = False, only: Callable[[Store], str | None] | None = None,
            on_created: Callable[[Store], None] | None = None) -> Store:
     """Ingest rank files (or a DCP checkpoint's .distcp files, or a `Source`) into `store` (created on first
     use); any subset, in any order, any number of times.
@@ -37,8 +39,11 @@ def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None
     With hybrid sharding (HSDP) each shard is written once; `verify_replicas` checks the other copies match.
     `store` and `files` may be URLs (s3://...); `scheduler` ("dask", or a Dask scheduler address) runs one
     task per rank file on a Dask cluster instead of local worker processes. Objects of classes outside
-    torch (a trainer's own) are kept as `Opaque` records; `strict` refuses them instead.
+    torch (a trainer's own) are kept as `Opaque` records; `strict` refuses them instead. `progress`: a
+    `Progress`, or True for what the CLI shows (a bar per phase on a terminal, else one line per phase).
     """
+    progress = _progress(progress)
+
     def done(result: _ingest.Ingested) -> None:
         progress.advance(result.nbytes)
         if on_done:
@@ -54,7 +59,7 @@ def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None
 
 def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensors", select: str | None = None,
            strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
-           progress: Progress = QUIET, allow_partial: bool = False, storage_options: StorageOptions | None = None,
+           progress: Progress | bool = False, allow_partial: bool = False, storage_options: StorageOptions | None = None,
            scheduler: str | None = None, jobs: int | None = None, overwrite: bool = False,
            hf_config: PathLike | None = None) -> _export.ExportResult:
     """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style), `"torch"`, `"dcp"`,
@@ -62,7 +67,9 @@ def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensor
 
     An incomplete store is refused unless `allow_partial` (holes become NaN, or zero for integers, and the
     output's metadata says so). Files an earlier export left in `out_dir` that this one would not replace
-    are refused unless `overwrite` (which removes them once the new export is complete)."""
+    are refused unless `overwrite` (which removes them once the new export is complete). `progress` as
+    for `ingest`."""
+    progress = _progress(progress)
     st = store if isinstance(store, Store) else Store.open(store, storage_options)
     result = _export.export(st, out_dir, format=format, select=select, strip_prefix=strip_prefix, dtype=dtype,
                             max_shard_size=max_shard_size, progress=progress.advance, allow_partial=allow_partial,
@@ -91,6 +98,11 @@ def rank_files(src_dir: PathLike, tag: str | None = None, step: int | None = Non
     return open_source(src_dir, tag, step, storage_options).units
 
 
+# what `unshard` passes on to `export`: its own arguments are the ingest's
+_EXPORT_OPTIONS = frozenset(inspect.signature(export).parameters) - {"store", "out_dir", "progress", "storage_options",
+                                                                     "scheduler", "jobs"}
+
+
 def scratch_location(out_dir: PathLike) -> Path:
     """Where `unshard` keeps its store when not given one: inside OUT (same file system, so copies stay
     kernel-side). It is kept when a run fails or is interrupted, so a rerun resumes, and removed after
@@ -101,9 +113,14 @@ def scratch_location(out_dir: PathLike) -> Path:
 def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None, tag: str | None = None,
             step: int | None = None, jobs: int | None = None, verify_replicas: bool = False,
             storage_options: StorageOptions | None = None, scheduler: str | None = None, strict: bool = False,
-            progress: Progress = QUIET, **export_options: object) -> _export.ExportResult:
+            progress: Progress | bool = False, **export_options: object) -> _export.ExportResult:
     """Ingest every rank file in `src_dir`, then export (`export_options` as for `export`). Without
     `store`, a scratch store inside `out_dir` is used: see `scratch_location`."""
+    unknown = sorted(set(export_options) - _EXPORT_OPTIONS)
+    if unknown:  # before any work, not after the ingest
+        raise TypeError(f"unshard() got an unexpected keyword argument {unknown[0]!r} "
+                        f"(export options: {', '.join(sorted(_EXPORT_OPTIONS))})")
+    progress = _progress(progress)
     source = open_source(src_dir, tag, step, storage_options)
     scratch = scratch_location(out_dir)
     if store is None and scratch.is_symlink():

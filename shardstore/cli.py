@@ -11,12 +11,11 @@ from typing import Any, Iterator
 
 import click
 import numpy as np
-from tqdm import tqdm
 
 from . import api, values
 from .errors import ShardstoreError, StoreError
 from .export import CAST_DTYPES, FORMATS
-from .progress import QUIET, Progress
+from .progress import QUIET, ConsoleProgress, Progress, size_text
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
@@ -30,63 +29,12 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * ((1024 if m.group(3) else 1000) ** power))
 
 
-class _Phases(Progress):
-    """A bar per phase on a terminal; elsewhere (a log, CI) one plain line when each phase ends."""
-
-    def __init__(self) -> None:
-        self.bar: tqdm | None = None
-        self.tty = sys.stderr.isatty()
-        self.phase, self.total, self.before, self.moved, self.began = "", None, 0, 0, 0.0
-
-    def start(self, phase: str, total: int | None, done: int = 0) -> None:
-        self.end()
-        self.phase, self.total, self.before, self.moved, self.began = phase, total, done, 0, time.monotonic()
-        if self.tty:
-            self.bar = tqdm(total=total, initial=done, desc=phase, unit="B", unit_scale=True, unit_divisor=1024,
-                            file=sys.stderr, dynamic_ncols=True, leave=True)
-
-    def advance(self, nbytes: int) -> None:
-        self.moved += nbytes
-        if self.bar is not None:
-            self.bar.update(nbytes)
-
-    def end(self) -> None:
-        if not self.phase:
-            return
-        if self.bar is not None:
-            if self.bar.total is not None and self.bar.n > self.bar.total:
-                self.bar.total = self.bar.n  # container headers are counted too
-            self.bar.close()
-            self.bar = None
-        else:
-            took = time.monotonic() - self.began
-            resumed = f" ({_size(self.before)} were already done)" if self.before else ""
-            click.echo(f"{self.phase}: {_size(self.moved)} in {took:.1f} s{resumed}", err=True)
-        self.phase = ""
-
-    def abandon(self) -> None:
-        """On an error: the error line, not a stalled bar, is what the user should see last."""
-        if self.bar is not None:
-            self.bar.leave = False
-            self.bar.close()
-            self.bar = None
-        self.phase = ""
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 @contextmanager
 def _progress(quiet: bool) -> Iterator[Progress]:
     if quiet:
         yield QUIET
         return
-    phases = _Phases()
+    phases = ConsoleProgress()
     try:
         yield phases
     except BaseException:
@@ -290,6 +238,19 @@ def watch(store: str, src: str, expect: int | None, timeout: float | None, tag: 
         api.watch(store, src, expect=expect, timeout=timeout, jobs=jobs, poll=poll, tag=tag,
                   storage_options=_options(), strict=strict)
         return
+    if not sys.stderr.isatty():  # a log: one plain line per rank, no bar frames
+        count, total = [0], [expect]
+
+        def line(d: Any) -> None:
+            count[0] += 1
+            click.echo(f"watch: rank {d.rank} ingested ({count[0]}/{total[0] or '?'}, {size_text(d.nbytes)})", err=True)
+
+        st = api.watch(store, src, expect=expect, timeout=timeout, jobs=jobs, poll=poll, tag=tag, on_done=line,
+                       on_world_size=lambda n: total.__setitem__(0, n), storage_options=_options(), strict=strict)
+        click.echo(f"{store}: complete, {st.manifest.world_size} ranks")
+        return
+    from tqdm import tqdm
+
     with tqdm(total=expect, desc="watch", unit="rank", file=sys.stderr, dynamic_ncols=True) as bar:
         started, moved = time.monotonic(), [0]
 

@@ -4,16 +4,51 @@ processes, or on a Dask cluster, and their results come back in completion order
 Local workers are spawned, never forked: a process that has used Zarr may hold its event-loop thread, and
 a forked child would inherit it stopped. They start when the pool opens, so their start-up (importing
 numpy and Zarr) overlaps whatever the caller does before the first task (planning the store).
+
+A spawned child normally imports the parent's `__main__` first, which re-runs a script that has no
+`if __name__ == "__main__":` guard (and then fails as it starts a pool of its own). Workers only ever
+run shardstore's own module-level functions, so they are spawned without it (`_MainlessContext`): the
+API works the same from a script, a notebook or `python -c`.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.context
 import os
+import sys
+import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any, Callable
 
-SPAWN = multiprocessing.get_context("spawn")
+_MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
+_LAUNCH = threading.Lock()
+
+if sys.platform != "win32":
+    from multiprocessing import popen_spawn_posix, spawn
+
+    class _MainlessPopen(popen_spawn_posix.Popen):
+        def _launch(self, process_obj: Any) -> None:
+            with _LAUNCH:  # the preparation data is made by a module function: swapped for this launch only
+                original = spawn.get_preparation_data
+                spawn.get_preparation_data = lambda name: {k: v for k, v in original(name).items()
+                                                           if k not in _MAIN_KEYS}
+                try:
+                    super()._launch(process_obj)
+                finally:
+                    spawn.get_preparation_data = original
+
+    class _MainlessProcess(multiprocessing.context.SpawnProcess):
+        @staticmethod
+        def _Popen(process_obj: Any) -> _MainlessPopen:
+            return _MainlessPopen(process_obj)
+
+    class _MainlessContext(multiprocessing.context.SpawnContext):
+        Process = _MainlessProcess
+
+    SPAWN: multiprocessing.context.BaseContext = _MainlessContext()
+else:  # Windows spawns through its own Popen; there the usual main guard applies
+    SPAWN = multiprocessing.get_context("spawn")
 
 
 def default_jobs() -> int:

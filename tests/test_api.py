@@ -116,3 +116,29 @@ def test_unshard_to_safetensors_writes_only_the_model_into_its_scratch_store(che
     assert seen and all(p.startswith("optim/") for p in seen)  # optimizer tensors were never written
     assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), expected(src)["model"])
     assert not (tmp_path / "out" / ".shardstore-scratch").exists()
+
+
+def test_the_readme_api_examples_run_verbatim_as_a_plain_script(checkpoints, tmp_path: Path) -> None:
+    """The README's Python block, unchanged, in a .py file with no main guard, on the quick start's
+    checkpoint: every call works (worker processes do not re-run the script), and what it leaves is real."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = re.search(r"## Python API\n.*?```python\n(.*?)```", readme, re.S).group(1)
+    assert "__main__" not in block
+    shutil.copytree(checkpoints(4, "hf"), tmp_path / "demo" / "ckpt")  # what the quick start makes
+    (tmp_path / "example.py").write_text(block)
+    run = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "refusing to load global pathlib.PosixPath" in run.stdout
+    assert "bootstrapping" not in run.stderr
+    assert (tmp_path / "demo" / "hf" / "config.json").exists() and (tmp_path / "demo" / "dcp" / ".metadata").exists()
+    assert {p.name for p in (tmp_path / "demo" / "pt").iterdir()} >= {"model.pt", "optim.pt", "train.pt"}
+    want = expected(tmp_path / "demo" / "ckpt")["model"]
+    got = load_file(tmp_path / "demo" / "st" / "model.safetensors")  # the bf16 re-export, prefix stripped
+    assert set(got) == {k.removeprefix("model.") for k in want}
+    assert all(got[k.removeprefix("model.")].equal(v.to(torch.bfloat16)) for k, v in want.items())
+    assert re.search(r"^export: .* in [0-9.]+ s$", run.stderr, re.M)  # progress=True, one line per phase

@@ -444,8 +444,6 @@ def _local_state(model: nn.Module) -> dict[str, Any]:
 
 def _fsdp1_run(rank: int, m: Member, out: Path) -> dict[str, Any]:
     """Train and save as `m.trainer` does; return what the processes gather (rank 0 keeps it)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
     groups = _hybrid_groups(m.world) if m.strategy == "HYBRID_SHARD" else None
     torch.manual_seed(1234)
     net = Model(m.vocab).to(getattr(torch, m.param_dtype))
