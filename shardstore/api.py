@@ -120,11 +120,15 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     if unknown:  # before any work, not after the ingest
         raise TypeError(f"unshard() got an unexpected keyword argument {unknown[0]!r} "
                         f"(export options: {', '.join(sorted(_EXPORT_OPTIONS))})")
+    _export.check_request(out_dir, **{k: v for k, v in export_options.items()  # type: ignore[arg-type]
+                                      if k in ("format", "select", "strip_prefix", "dtype", "hf_config")})
     progress = _progress(progress)
     source = open_source(src_dir, tag, step, storage_options)
     scratch = scratch_location(out_dir)
     if store is None and scratch.is_symlink():
         raise ExportError(f"{scratch}: is a symbolic link; shardstore keeps its scratch store only inside OUT")
+    if store is None and Store.exists(scratch) and _ingest.source_changed(Store.open(scratch), source.units):
+        shutil.rmtree(scratch)  # started on another checkpoint (a newer step saved over this one): start again
     location = store if store is not None else scratch  # may be a URL: no Path()
     fmt = export_options.get("format", "safetensors")
 

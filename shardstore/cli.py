@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import fnmatch
 import json
 import re
 import sys
@@ -44,6 +46,19 @@ def _progress(quiet: bool) -> Iterator[Progress]:
 
 
 class _Group(click.Group):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """`--storage-options` is the group's option, but is taken wherever it stands on the line
+        (`shardstore ingest s3://b/s.zarr ... --storage-options '{...}'` as well as before the command)."""
+        front, rest, i = [], [], 0
+        while i < len(args):
+            if args[i] == "--storage-options" and i + 1 < len(args):
+                front += args[i:i + 2]
+                i += 2
+                continue
+            (front if args[i].startswith("--storage-options=") else rest).append(args[i])
+            i += 1
+        return super().parse_args(ctx, front + rest)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -69,7 +84,9 @@ def _kept(ctx: click.Context) -> str:
                    "AWS_* variables and AWS_ENDPOINT_URL are read as usual.")
 @click.pass_context
 def main(ctx: click.Context, storage_options: str | None) -> None:
-    """Unshard per-rank FSDP ShardedTensor checkpoints (rank0.pt ... rankN.pt) through a Zarr store.
+    """Unshard sharded PyTorch checkpoints through a Zarr store: per-rank torch.save files of FSDP
+    ShardedTensors (rank0.pt ... rankN.pt, OLMo, Composer), torch.distributed.checkpoint folders (DCP),
+    OLMo `local` and OLMo-core folders. Out come safetensors, a Hugging Face folder, torch files or DCP.
 
     STORE, SRC and rank files may be local paths or URLs (s3://bucket/path, gs://..., file://...).
     """
@@ -331,9 +348,12 @@ def show(store: str, key: str, selection: str | None, with_stats: bool) -> None:
     sel = parse_selection(selection) if selection else None
     st = api.open(store, _options())
     if key not in st:
-        close = [k for k in st.keys() if key in k][:5]
+        keys = st.keys()
+        close = [k for k in keys if key in k][:5] or difflib.get_close_matches(key, keys, n=5, cutoff=0.6)
         raise StoreError(f"{store}: no key {key!r}" + (f"; did you mean {', '.join(close)}?" if close else ""))
     if key not in st.manifest.arrays:
+        if with_stats or selection:
+            raise StoreError(f"{store}: {key} is a value, not a tensor: --stats and --slice apply to tensors")
         by_rank = st.values(key)
         if not by_rank:
             raise StoreError(f"{store}: {key}: no rank holding it has been ingested yet")
@@ -384,13 +404,21 @@ def parse_selection(text: str) -> tuple[Any, ...]:
 
 @main.command(name="ls")
 @click.argument("store", type=click.Path())
-def ls(store: str) -> None:
-    """List STORE: layout, ranks, and every key with its shape, dtype and completeness."""
+@click.argument("pattern", required=False)
+def ls(store: str, pattern: str | None) -> None:
+    """List STORE: layout, ranks, and every key with its shape, dtype and completeness; with PATTERN (a
+    glob: 'model/*attn*', or a plain part of the key: 'blocks.3.'), only the keys it matches."""
     st, status, lines = _summary(store)
     m = st.manifest
     click.echo("   ".join(lines))
-    width = max((len(k) for k in st.keys()), default=0)
-    for key in st.keys():
+    keys = st.keys()
+    if pattern:
+        glob = pattern if any(c in pattern for c in "*?[") else f"*{pattern}*"
+        keys = [k for k in keys if fnmatch.fnmatchcase(k, glob)]
+        if not keys:
+            raise StoreError(f"{store}: no key matches {pattern!r}")
+    width = max((len(k) for k in keys), default=0)
+    for key in keys:
         entry = m.arrays.get(key)
         if entry is not None:
             done = "complete" if key not in status.partial else f"{status.partial[key]:.0%}"

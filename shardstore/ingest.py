@@ -9,7 +9,7 @@ No chunk has two writers, so workers never coordinate. The workers are the runne
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -20,7 +20,8 @@ from .locations import StorageOptions, filesystem, is_url
 from .plan import plan_checkpoint
 from .read.layouts import name_rank
 from .read import tensors
-from .read.container import TorchZip
+from .read.container import DataFile, TorchZip
+from .read.identity import file_identity, identity_of
 from .read.rankfile import LocalPiece, RankFile, ShardedLeaf
 from .read.source import Source, open_unit
 from .read.unpickle import TensorRef, gc_paused
@@ -152,6 +153,8 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
                    store.manifest.extra)
     try:
         _check_against(store, rf)
+        identity = identity_of(_data_file(rf))
+        _check_identity(store, rf, identity)
         writer = UnitWriter(store, rf.path, verify_replicas)
         arrays = store.manifest.arrays
         for leaf_path, leaf in rf.leaves.items():  # values first: one that cannot be stored refuses the file
@@ -166,10 +169,27 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
                       if entry.replicated else leaf.pieces)
             for piece in pieces:
                 writer.piece(entry, piece)
-        writer.commit(rf.rank, rf.path, rf.size, only, rf.world_size, rf.group_rank, rf.group_size)
+        writer.commit(rf.rank, rf.path, rf.size, only, rf.world_size, rf.group_rank, rf.group_size, identity)
         return Ingested(rf.rank, rf.path, rf.size)
     finally:
         rf.close()
+
+
+def _data_file(unit: Any) -> DataFile:
+    """The open file behind a unit (a rank file's zip, an OLMo file's container, a .distcp file)."""
+    holder = getattr(unit, "zip", None) or getattr(unit, "container", None) or unit
+    return holder.file
+
+
+def _check_identity(store: Store, unit: Any, identity: str) -> None:
+    """A rank committed from one file is never overwritten by another: the store would then hold two
+    checkpoints (a committed cell is never rewritten, so the old tensors would stay beside new values)."""
+    record = store.records().get(unit.rank)
+    if record is not None and record.identity is not None and record.identity != identity:
+        raise CheckpointError(
+            f"{unit.path}: {store.location} already holds rank {unit.rank} from another file ({record.file}, "
+            f"with other contents): the store holds another checkpoint; ingest into a new store, or delete "
+            f"{store.location} first")
 
 
 _WORKER_STORES: dict[str, Store] = {}
@@ -187,14 +207,22 @@ def _worker(location: str, path: str, options: IngestOptions, storage_options: S
 def create_store(location: str | os.PathLike[str], source: Source, strict: bool = False) -> Store:
     """Create (or reopen, after checking it matches) the store for the checkpoint `source` reads.
 
-    A store of rank files that exists already is only opened: planning would unpickle a rank file that a
-    worker reads again, and each worker checks its own file against the plan anyway."""
-    if source.format == "torch-save" and Store.exists(location, source.storage_options):
-        return Store.open(location, source.storage_options)
+    A store of rank files that holds a committed rank is only opened: planning would unpickle a rank file
+    that a worker reads again, and each worker checks its own file against the plan anyway. A store that
+    holds nothing committed was planned by a run whose files were all refused (a damaged first file): if
+    today's files plan it differently, it is planned again rather than refusing the genuine files."""
+    existing = Store.open(location, source.storage_options) if Store.exists(location, source.storage_options) else None
+    if existing is not None and source.format == "torch-save" and existing.records():
+        return existing
     try:
         manifest = plan_checkpoint(source.spec(values.encode, strict))
     except CheckpointError as exc:
         raise named(exc, source.units[0]) from None
+    if existing is not None and not existing.records():
+        try:
+            existing.check_compatible(manifest, str(location))
+        except StoreError:
+            existing.discard()
     return Store.create(location, manifest, source.storage_options)
 
 
@@ -218,47 +246,112 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
     if not source.units:
         raise CheckpointError("no rank files to ingest")
     files: list[str | os.PathLike[str]] = list(source.units)
+    _check_readable(files)
     jobs = max(1, min(jobs or default_jobs(), len(files)))
     with Pool(jobs, scheduler) as pool:  # workers start now: their start-up overlaps creating the store
+        created = not Store.exists(location, source.storage_options)
         store = create_store(location, source, strict)
-        if on_created:
-            on_created(store)
-        store.sweep_temporaries()  # what writers killed mid-write left behind
-        subtree = only(store) if only else None
-        todo = _not_yet_done(store, files, subtree)
-        if on_start:  # sizes of local files only: asking object storage would cost a request per file
-            local = not any(is_url(os.fspath(f)) for f in files)
-            total = sum(os.path.getsize(f) for f in files) if local else None
-            on_start(total, total - sum(os.path.getsize(f) for f in todo) if total is not None else 0)
-        options = IngestOptions(verify_replicas, subtree, strict, source.format)
-        seen: dict[int, str] = {}
-
-        def done(result: Ingested) -> None:
-            if result.rank in seen and seen[result.rank] != result.path:
-                raise CheckpointError(f"two files hold rank {result.rank}: {seen[result.rank]} and {result.path}")
-            seen[result.rank] = result.path
-            if on_done:
-                on_done(result)
-
-        paths = [os.fspath(f) for f in todo]
-        names = [f"ingest-{p.rsplit('/', 1)[-1]}" for p in paths]
-        if pool.inline:  # this process: the store just opened, not one cached by an earlier run
-            pool.run(lambda p: ingest_file(store, p, options), [(p,) for p in paths], names, done)
-        else:
-            pool.run(_worker, [(store.location, p, options, store.storage_options) for p in paths], names, done)
+        try:
+            _run(store, pool, files, IngestOptions(verify_replicas, None, strict, source.format),
+                 on_created=on_created, only=only, on_start=on_start, on_done=on_done)
+        except BaseException:
+            if created and not store.records():  # nothing was accepted: leave no store planned from refused files
+                store.discard()
+            raise
     store.assemble_ready(verify=verify_replicas)
     return store
 
 
+def _check_readable(files: Sequence[str | os.PathLike[str]]) -> None:
+    """Every local unit file is there and is a regular file, before a store is made or a worker starts:
+    a .distcp file that .metadata names but the folder lacks, a symbolic-link loop, a directory."""
+    import stat
+
+    for f in files:
+        if is_url(os.fspath(f)):
+            continue  # a request each: the worker opening it reports it
+        try:
+            mode = os.stat(f).st_mode
+        except FileNotFoundError:
+            raise CheckpointError(f"{f}: no such file (the checkpoint names it)") from None
+        except OSError as exc:
+            raise CheckpointError(f"{f}: cannot read ({exc.strerror or exc})") from None
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"{f}: is not a regular file")
+
+
+def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options: IngestOptions,
+         on_created: Callable[[Store], None] | None, only: Callable[[Store], str | None] | None,
+         on_start: Callable[[int | None, int], None] | None, on_done: Callable[[Ingested], None] | None) -> None:
+    """The ingest itself, once the store is open: every file not yet in, on the pool."""
+    if on_created:
+        on_created(store)
+    store.sweep_temporaries()  # what writers killed mid-write left behind
+    subtree = only(store) if only else None
+    todo = _not_yet_done(store, files, subtree)
+    if on_start:  # sizes of local files only: asking object storage would cost a request per file
+        local = not any(is_url(os.fspath(f)) for f in files)
+        total = sum(os.path.getsize(f) for f in files) if local else None
+        on_start(total, total - sum(os.path.getsize(f) for f in todo) if total is not None else 0)
+    options = replace(options, only=subtree)
+    seen: dict[int, str] = {}
+
+    def done(result: Ingested) -> None:
+        if result.rank in seen and seen[result.rank] != result.path:
+            raise CheckpointError(f"two files hold rank {result.rank}: {seen[result.rank]} and {result.path}")
+        seen[result.rank] = result.path
+        if on_done:
+            on_done(result)
+
+    paths = [os.fspath(f) for f in todo]
+    names = [f"ingest-{p.rsplit('/', 1)[-1]}" for p in paths]
+    if pool.inline:  # this process: the store just opened, not one cached by an earlier run
+        pool.run(lambda p: ingest_file(store, p, options), [(p,) for p in paths], names, done)
+    else:
+        pool.run(_worker, [(store.location, p, options, store.storage_options) for p in paths], names, done)
+
+
 def _not_yet_done(store: Store, files: Sequence[str | os.PathLike[str]],
                   subtree: str | None) -> list[str | os.PathLike[str]]:
-    """The files whose rank is not committed yet from a file of the same name and size, with at least
-    the tensors this run needs (a rank ingested for a safetensors-only scratch store lacks the optimizer)."""
-    done = {(rec.file, rec.bytes) for rec in store.records().values()
-            if rec.only is None or (subtree is not None and under(subtree, rec.only))}
-    if not done:
+    """The files not committed yet, with at least the tensors this run needs (a rank ingested for a
+    safetensors-only scratch store lacks the optimizer). A file counts as committed only when a record
+    names the same file with the same identity (read/identity.py): a file replaced by another of the same
+    name and size, a newer step saved over it, is ingested again, and its worker refuses it if its rank
+    holds the other file. Records from before identities fall back to the name and size."""
+    records = [rec for rec in store.records().values()
+               if rec.only is None or (subtree is not None and under(subtree, rec.only))]
+    if not records:
         return list(files)
-    return [f for f in files if (os.path.basename(os.fspath(f)), _size(f, store.storage_options)) not in done]
+    known = {(rec.file, rec.identity) for rec in records if rec.identity is not None}
+    sized = {(rec.file, rec.bytes) for rec in records if rec.identity is None}
+    todo = []
+    for f in files:
+        name = os.path.basename(os.fspath(f))
+        if sized and (name, _size(f, store.storage_options)) in sized:
+            continue
+        if not any(file == name for file, _ in known) or (name, file_identity(f, store.storage_options)) not in known:
+            todo.append(f)
+    return todo
+
+
+def source_changed(store: Store, files: Sequence[str | os.PathLike[str]]) -> bool:
+    """Whether any unit the store has committed is no longer among `files` as it was (same name, same
+    identity): the checkpoint was replaced (a newer step saved over it) since the store was started."""
+    records = [rec for rec in store.records().values() if rec.identity is not None]
+    if not records:
+        return False
+    by_name: dict[str, set[str]] = {}
+    for f in files:
+        by_name.setdefault(os.path.basename(os.fspath(f)), set())
+    for rec in records:
+        if rec.file not in by_name:
+            return True
+        if not by_name[rec.file]:
+            by_name[rec.file] = {file_identity(f, store.storage_options) for f in files
+                                 if os.path.basename(os.fspath(f)) == rec.file}
+        if rec.identity not in by_name[rec.file]:
+            return True
+    return False
 
 
 def _size(path: str | os.PathLike[str], storage_options: StorageOptions) -> int:

@@ -271,3 +271,28 @@ def test_watch_honours_storage_options(checkpoints, s3, tmp_path: Path) -> None:
     store = shardstore.open("s3://watch-opts/store", {"endpoint_url": s3.url})
     assert store.status().ok
     assert_bitwise_equal(store["model/wte.weight"][:], expected(checkpoints(2))["model"]["wte.weight"])
+
+
+def test_rough_edges_of_show_ls_and_global_options(checkpoints, tmp_path: Path) -> None:
+    """A typo in `show` gets suggestions; `--stats`/`--slice` on a value is refused, not ignored; `ls`
+    filters by a pattern; `--storage-options` is taken after the command too."""
+    store = tmp_path / "store"
+    assert run("ingest", store, *sorted(checkpoints(2).glob("rank*.pt")), "-q").returncode == 0
+    assert "did you mean model/wte.weight" in error_line("show", store, "model/wte.wieght")
+    assert "global_step is a value, not a tensor: --stats and --slice apply to tensors" in error_line(
+        "show", store, "global_step", "--stats")
+    listed = run("ls", store, "model/*").stdout.splitlines()[1:]
+    assert listed and all(line.startswith("model/") for line in listed)
+    assert [line.split()[0] for line in run("ls", store, "wte").stdout.splitlines()[1:]] == [
+        k for k in shardstore.open(store).keys() if "wte" in k]
+    assert "no key matches 'nothing'" in error_line("ls", store, "nothing")
+    after = run("status", store, "--storage-options", "{}")
+    assert after.returncode == 0 and "ranks ingested: 2/2" in after.stdout
+    assert "--storage-options" in error_line_or_usage("status", store, "--storage-options", "not json")
+
+
+def error_line_or_usage(*args: object) -> str:
+    """A bad option value: click's own usage error (exit 2), on one line, no traceback."""
+    proc = run(*args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr

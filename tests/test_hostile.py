@@ -336,3 +336,44 @@ def test_a_planted_scratch_link_is_refused(forged: Path, tmp_path: Path) -> None
         shutil.copy(forged / f"rank{r}.pt", src)
     assert_refused(cli("unshard", src, out, "-j", "1"), "symbolic link")
     assert not list(elsewhere.iterdir())
+
+
+def test_a_rank_file_that_is_a_symbolic_link_loop(forged: Path, tmp_path: Path) -> None:
+    (tmp_path / "a.pt").symlink_to(tmp_path / "b.pt")
+    (tmp_path / "b.pt").symlink_to(tmp_path / "a.pt")
+    assert_refused(cli("ingest", tmp_path / "s", tmp_path / "a.pt", "-j", "1"), "a.pt: cannot read",
+                   "symbolic links")
+    assert not (tmp_path / "s").exists()
+
+
+def test_unshard_into_a_path_under_a_file_is_refused_before_any_ingest(forged: Path, tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    assert_refused(cli("unshard", forged, tmp_path / "afile" / "out", limit=False),
+                   "afile/out: a part of the path is a file")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_a_distcp_file_the_metadata_names_but_the_folder_lacks(tmp_path: Path) -> None:
+    """Refused by name before a store is made: no traceback, no scratch store left behind."""
+    src = tmp_path / "ckpt"
+    shutil.copytree(Path(__file__).parent / "corpus" / "data" / "torchtitan-dcp-t2.13-w2" / "step-2", src)
+    (src / "__1_0.distcp").unlink()
+    out = tmp_path / "out"
+    assert_refused(cli("unshard", src, out, limit=False), "__1_0.distcp: no such file (the checkpoint names it)")
+    assert not shardstore.scratch_location(out).exists()
+
+
+def test_json_nested_too_deeply_is_refused_by_name(tmp_path: Path) -> None:
+    """A safetensors header or an OLMo-core metadata.json of a hundred thousand brackets: one line."""
+    from shardstore.errors import CheckpointError
+    from shardstore.read.olmo_core import _read_json
+    from shardstore.read.safetensors_file import SafetensorsFile
+
+    deep = b"[" * 100_000 + b"]" * 100_000
+    header = b'{"a":' + deep + b"}"
+    (tmp_path / "x.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CheckpointError, match=r"x\.safetensors: safetensors header nested too deeply"):
+        SafetensorsFile(tmp_path / "x.safetensors")
+    (tmp_path / "metadata.json").write_bytes(deep)
+    with pytest.raises(CheckpointError, match=r"metadata\.json: JSON nested too deeply"):
+        _read_json(str(tmp_path / "metadata.json"), None)

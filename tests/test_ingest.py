@@ -76,21 +76,30 @@ def test_sigkill_at_any_moment_then_rerun_equals_a_clean_ingest(checkpoints, tmp
     files = [str(f) for f in sorted(src.glob("rank*.pt"))]
     shardstore.ingest(tmp_path / "clean", files, jobs=1)
     cmd = [sys.executable, "-m", "shardstore.cli", "ingest", str(tmp_path / "s"), *files, "-j", "1", "-q"]
+    manifest, ranks = tmp_path / "s" / "__shardstore__" / "manifest.json", tmp_path / "s" / "__shardstore__" / "ranks"
+    target = seed % 5  # the kill comes once this many ranks are committed, a moment into the next one
     proc = subprocess.Popen(cmd)
-    time.sleep(random.Random(seed).uniform(0.3, 1.6))  # from start-up to done: the kill lands anywhere
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline and not (
+            manifest.exists() and len(list(ranks.glob("*.json"))) >= target):
+        time.sleep(0.002)
+    time.sleep(random.Random(seed).uniform(0, 0.03))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    if (tmp_path / "s" / "__shardstore__" / "manifest.json").exists():
-        store = shardstore.open(tmp_path / "s")
-        for rank, record in store.records().items():  # whatever is marked done is really there, whole
-            for path, cells in record.cells.items():
-                entry = store.manifest.arrays[path]
-                for flat in cells:
-                    key = store.cell_key(path, entry.cell_index(flat))
-                    assert (tmp_path / "s" / key).read_bytes() == (tmp_path / "clean" / key).read_bytes(), key
-            if record.staged:
-                staged = (tmp_path / "s" / "__shardstore__" / "staging" / f"{rank}.bin").read_bytes()
-                assert len(staged) == max(start + n for pieces in record.staged.values() for *_, start, n in pieces)
+    # the kill landed where it was meant to: the store exists and the ingest had not finished
+    assert proc.returncode == -signal.SIGKILL, f"the ingest ended ({proc.returncode}) before the kill"
+    committed = len(list(ranks.glob("*.json")))
+    assert manifest.exists() and target <= committed < len(files), (target, committed)
+    store = shardstore.open(tmp_path / "s")
+    for rank, record in store.records().items():  # whatever is marked done is really there, whole
+        for path, cells in record.cells.items():
+            entry = store.manifest.arrays[path]
+            for flat in cells:
+                key = store.cell_key(path, entry.cell_index(flat))
+                assert (tmp_path / "s" / key).read_bytes() == (tmp_path / "clean" / key).read_bytes(), key
+        if record.staged:
+            staged = (tmp_path / "s" / "__shardstore__" / "staging" / f"{rank}.bin").read_bytes()
+            assert len(staged) == max(start + n for pieces in record.staged.values() for *_, start, n in pieces)
     assert subprocess.run(cmd).returncode == 0
     assert content(tmp_path / "s") == content(tmp_path / "clean")
     assert not list((tmp_path / "s").rglob("*.tmp"))
@@ -122,3 +131,82 @@ def test_full_disk_leaves_the_rank_not_done_and_a_rerun_completes(checkpoints, t
         assert content(disk / "s") == content(tmp_path / "clean")
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def _steps(src: Path, out: Path) -> tuple[Path, Path]:
+    """Two steps of one run, rank files of the same names and byte sizes: step 2 is step 1 with every
+    rank's largest tensor storage changed, both written by one zip writer (valid CRCs, same layout)."""
+    from tests.fixtures.forge import records, write_zip
+
+    steps = out / "step1", out / "step2"
+    for step in steps:
+        step.mkdir(parents=True)
+    for f in sorted(src.glob("rank*.pt")):
+        entries = records(f)
+        write_zip(steps[0] / f.name, entries)
+        big = max(range(len(entries)), key=lambda i: len(entries[i][1]) if "/data/" in entries[i][0] else -1)
+        name, data = entries[big]
+        entries[big] = (name, bytes(b ^ 0x01 for b in data))  # a new step: every value moved a little
+        write_zip(steps[1] / f.name, entries)
+        assert (steps[0] / f.name).stat().st_size == (steps[1] / f.name).stat().st_size
+    return steps
+
+
+def _model(out: Path) -> dict[str, bytes]:
+    from safetensors.torch import load_file
+
+    return {k: v.numpy().tobytes() for k, v in load_file(out / "model.safetensors").items()}
+
+
+def test_a_store_reused_for_the_next_checkpoint_refuses_it(checkpoints, tmp_path: Path) -> None:
+    """`unshard step2 --store S` after `unshard step1 --store S`: same names, same sizes, other contents.
+    Refused in one line naming the rank, the file and the store, before any byte is written; the store
+    still exports step 1 exactly."""
+    step1, step2 = _steps(checkpoints(3), tmp_path)
+    shardstore.unshard(step1, tmp_path / "out1", store=tmp_path / "S", jobs=2)
+    before = content(tmp_path / "S")
+    with pytest.raises(CheckpointError, match=r"step2/rank\d\.pt: .*/S already holds rank \d from another file "
+                                              r"\(rank\d\.pt, with other contents\): the store holds another checkpoint"):
+        shardstore.unshard(step2, tmp_path / "out2", store=tmp_path / "S", jobs=2)
+    assert content(tmp_path / "S") == before and not (tmp_path / "out2" / "model.safetensors").exists()
+    shardstore.export(tmp_path / "S", tmp_path / "again")
+    assert _model(tmp_path / "again") == _model(tmp_path / "out1")
+    shardstore.unshard(step2, tmp_path / "fresh2", store=tmp_path / "S2", jobs=2)
+    assert _model(tmp_path / "fresh2") != _model(tmp_path / "out1")  # the steps really differ
+
+
+def test_files_replaced_in_place_are_never_resumed_into_a_mix(checkpoints, tmp_path: Path) -> None:
+    """A run stopped with part of step 1 in its scratch store; the job then saves step 2 over the same
+    files (same names and sizes). The rerun starts again and exports step 2 exactly, not a mix."""
+    step1, step2 = _steps(checkpoints(3), tmp_path)
+    shardstore.unshard(step2, tmp_path / "want", store=tmp_path / "clean", jobs=2)
+    folder, out = tmp_path / "latest", tmp_path / "out"
+    folder.mkdir()
+    for f in step1.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    files = sorted(folder.glob("rank*.pt"))
+    shardstore.ingest(shardstore.scratch_location(out), files[:2], jobs=1)  # the run that stopped
+    for f in step2.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())  # saved over, in place
+    shardstore.unshard(folder, out, jobs=2)
+    assert _model(out) == _model(tmp_path / "want")
+    # a store of one's own is never silently restarted: the changed file is refused
+    shardstore.ingest(tmp_path / "mine", [step1 / "rank0.pt"], jobs=1)
+    with pytest.raises(CheckpointError, match="already holds rank 0 from another file"):
+        shardstore.ingest(tmp_path / "mine", [step2 / "rank0.pt"], jobs=1)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_refused_first_file_leaves_no_store(tmp_path: Path, world: int) -> None:
+    """A damaged first file (here: a value the store cannot keep, refused by its worker after the plan was
+    made from it) leaves no store behind; the genuine files then ingest into the same path."""
+    from tests.fixtures.forge import forge_sharded
+
+    src = tmp_path / "ckpt"
+    forge_sharded(src, [("rank0.pt", 0, "unstorable")] + [(f"rank{r}.pt", r, None) for r in range(1, world)], world)
+    with pytest.raises(CheckpointError, match=r"rank0\.pt: info: cannot store a value of type ShardParamInfo"):
+        shardstore.unshard(src, tmp_path / "out", store=tmp_path / "S", jobs=1)
+    assert not (tmp_path / "S").exists()
+    forge_sharded(src, [("rank0.pt", 0, None)], world)  # re-downloaded: the genuine file, of other keys
+    shardstore.unshard(src, tmp_path / "out", store=tmp_path / "S", jobs=1)
+    assert shardstore.open(tmp_path / "S")["step"] == 7 and shardstore.open(tmp_path / "S").status().ok

@@ -77,6 +77,32 @@ def _scoped(status: Status, node: Node) -> Status:
     return Status(status.world_size, status.ranks_done, missing, [p for p in status.complete if p in inside], partial)
 
 
+def check_request(out_dir: str | os.PathLike[str], format: str = "safetensors", select: str | None = None,
+                  strip_prefix: str | None = None, dtype: str | None = None,
+                  hf_config: str | os.PathLike[str] | None = None, scheduler: str | None = None) -> Path:
+    """Everything about an export that can be refused without the store: `unshard` asks this before it
+    ingests anything, so a mistyped option costs nothing."""
+    if format not in FORMATS:
+        raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
+    if dtype is not None and dtype not in CAST_DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, not {dtype!r}")
+    if hf_config is not None and format != "hf":
+        raise ExportError("--hf-config applies to --format hf only")
+    if hf_config is not None and not Path(hf_config).exists():
+        raise ExportError(f"{hf_config}: no such config file or folder (--hf-config)")
+    if scheduler and format != "safetensors":
+        raise ExportError(f"--scheduler exports safetensors only, not {format}")
+    if format in ("torch", "dcp") and (select or strip_prefix or dtype):
+        raise ExportError("--select, --strip-prefix and --dtype apply to safetensors and hf output only")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a directory")
+    above = next((p for p in out.absolute().parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ExportError(f"{out}: a part of the path is a file ({above})")
+    return out
+
+
 def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safetensors", select: str | None = None,
            strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
            progress: Callable[[int], None] | None = None, allow_partial: bool = False,
@@ -92,14 +118,9 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     this export is complete; files no export writes are never touched. `on_start` hears the number of
     tensor bytes to write (what `progress` will count up to) once the export is planned.
     """
-    if format not in FORMATS:
-        raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
-    if dtype is not None and dtype not in CAST_DTYPES:
-        raise ExportError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, not {dtype!r}")
+    out = check_request(out_dir, format, select, strip_prefix, dtype, hf_config, scheduler)
     full = status = store.status()
     node = None
-    if hf_config is not None and format != "hf":
-        raise ExportError("--hf-config applies to --format hf only")
     if format in ("safetensors", "hf"):  # only the exported subtree has to be complete
         node = node_at(store.manifest.tree, model_subtree(store) if select is None else select)
         status = _scoped(full, node)
@@ -114,14 +135,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         missing = ", ".join(map(str, full.ranks_missing[:20])) + (" ..." if len(full.ranks_missing) > 20 else "")
         raise StoreError(f"{store.location}: incomplete store, cannot export; ranks missing: {missing or 'none'}"
                          f"; tensors incomplete: {len(status.partial)}")
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"{out}: exists and is not a directory")
-    if scheduler and format != "safetensors":
-        raise ExportError(f"--scheduler exports safetensors only, not {format}")
     if format in ("torch", "dcp"):
-        if select or strip_prefix or dtype:
-            raise ExportError("--select, --strip-prefix and --dtype apply to safetensors and hf output only")
         nbytes = sum(a.nbytes for a in store.manifest.arrays.values())
         planned = torch_files(store) if format == "torch" else [f"__{i}_0.distcp" for i in range(jobs)] + [METADATA]
     elif format == "hf":

@@ -157,6 +157,7 @@ done:
 typedef struct { unsigned char *p; size_t len, cap; } Buf;
 
 static int buf_add(Buf *b, const void *src, size_t n) {
+    if (n == 0) return 0; /* memcpy from or to NULL is undefined even for 0 bytes (a pickle starting with PUT) */
     if (b->len + n > b->cap) {
         size_t cap = b->cap ? b->cap : 4096;
         while (cap < b->len + n) cap *= 2;

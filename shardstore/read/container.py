@@ -46,6 +46,8 @@ def _open_regular(path: Path) -> Any:
         raise CheckpointError(f"{path}: is a directory, not a rank file") from None
     except PermissionError:
         raise CheckpointError(f"{path}: permission denied") from None
+    except OSError as exc:  # a symbolic-link loop, a name too long, an I/O error
+        raise CheckpointError(f"{path}: cannot open ({exc.strerror or exc})") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         kind = "a directory" if path.is_dir() else "not a regular file"

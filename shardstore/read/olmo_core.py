@@ -76,6 +76,8 @@ def _read_json(path: str, storage_options: StorageOptions | None) -> tuple[Any, 
         return json.loads(raw), hashlib.blake2b(raw, digest_size=16).hexdigest()
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: unreadable JSON ({str(exc)[:80]})") from None
+    except RecursionError:  # OLMo-core's metadata is a few levels deep
+        raise CheckpointError(f"{path}: JSON nested too deeply (forged or damaged)") from None
 
 
 def _file_order(name: str) -> tuple:

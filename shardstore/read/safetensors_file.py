@@ -47,6 +47,8 @@ class SafetensorsFile:
             header = json.loads(self.file.read(8, n))
         except (ValueError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{self.path}: unreadable safetensors header ({str(exc)[:80]})") from None
+        except RecursionError:  # safetensors' own headers are two levels deep
+            raise CheckpointError(f"{self.path}: safetensors header nested too deeply (forged or damaged)") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: safetensors header is not a JSON object")
         metadata = header.pop("__metadata__", None) or {}

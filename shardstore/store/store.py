@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -142,6 +143,17 @@ class Store:
 
     def cell_key(self, path: str, index: tuple[int, ...]) -> str:
         return cell_key(path, index, self.manifest.separator)
+
+    def discard(self) -> None:
+        """Remove the whole store. Only for one that holds nothing committed (see ingest.create_store)."""
+        root = self.backend.local_path("")
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
+            return
+        from ..locations import filesystem
+
+        fs, path = filesystem(self.location, self.storage_options)
+        fs.rm(path, recursive=True)
 
     def check_compatible(self, other: Manifest, where: str) -> None:
         mine = self.manifest

@@ -1,0 +1,67 @@
+"""Which file a unit of work was: enough to tell the same file from another one without reading its data.
+
+A store records the identity of every file it ingested, so a rerun skips a file only when it is the one
+already in, and a rank's file replaced by another checkpoint's (the next step saved over `latest/`, a
+same-size file re-downloaded from a newer run) is never mixed with what the store holds.
+
+- A zip (every `torch.save` file: rank files, OLMo's model/optim/train files): the digest of its central
+  directory, every record's name, size and CRC-32, which torch computed from the data as it wrote it. So
+  it is a digest of the content: a copy is the same file, any changed tensor is another one.
+- Anything else (safetensors shards, DCP's .distcp files, which hold one zip per item): the size and the
+  first and last 64 KiB. A training step changes every parameter, so two steps' files differ there; a
+  file whose bytes there are the same is, for this purpose, the same file.
+Reading either costs one or two small reads from the file's ends (one request each on object storage).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+
+from ..errors import CheckpointError
+from ..locations import StorageOptions
+from .container import DataFile, TorchZip
+
+SAMPLE = 1 << 16
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
+
+
+def file_identity(path: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> str:
+    """`zip:<digest>` or `sample:<digest>` of the file at `path` (see the module's docstring)."""
+    data = DataFile(path, storage_options)
+    try:
+        return identity_of(data)
+    finally:
+        data.close()
+
+
+def identity_of(data: DataFile) -> str:
+    """The identity of a file already open (a worker's unit: no second open, no extra request)."""
+    digest = hashlib.blake2b(str(data.size).encode(), digest_size=16)
+    entries = _whole_zip(data)
+    if entries is not None:
+        for name, size, crc in sorted(entries):
+            digest.update(f"\0{name}\0{size}\0{crc}".encode("utf-8", "surrogatepass"))
+        return f"zip:{digest.hexdigest()}"
+    digest.update(data.read(0, min(SAMPLE, data.size)))
+    digest.update(data.read(max(0, data.size - SAMPLE), min(SAMPLE, data.size)))
+    return f"sample:{digest.hexdigest()}"
+
+
+def _whole_zip(data: DataFile) -> list[tuple[str, int, int]] | None:
+    """Every record of the file as one zip, or None where it is not one: not a zip at all, or a zip that
+    starts later in the file (the last item of a .distcp file)."""
+    if data.size < _LOCAL_HEADER.size:
+        return None
+    sig, name_len, extra_len = _LOCAL_HEADER.unpack(data.read(0, _LOCAL_HEADER.size))
+    if sig != b"PK\x03\x04":
+        return None
+    try:
+        zf = TorchZip(data)
+    except CheckpointError:
+        return None
+    entries = list(zf.entries.values())
+    if not entries or min(e.offset for e in entries) != _LOCAL_HEADER.size + name_len + extra_len:
+        return None
+    return [(e.name, e.size, e.crc) for e in entries]
