@@ -20,8 +20,8 @@ from .locations import StorageOptions, filesystem, is_url
 from .plan import plan_checkpoint
 from .read.layouts import name_rank
 from .read import tensors
-from .read.container import DataFile, TorchZip
-from .read.identity import file_identity, identity_of
+from .read.container import TorchZip
+from .read.identity import file_identity, identity_of, zip_identity
 from .read.rankfile import LocalPiece, RankFile, ShardedLeaf
 from .read.source import Source, open_unit
 from .read.unpickle import TensorRef, gc_paused
@@ -153,7 +153,7 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
                    store.manifest.extra)
     try:
         _check_against(store, rf)
-        identity = identity_of(_data_file(rf))
+        identity = _identity(rf)
         _check_identity(store, rf, identity)
         writer = UnitWriter(store, rf.path, verify_replicas)
         arrays = store.manifest.arrays
@@ -175,10 +175,14 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
         rf.close()
 
 
-def _data_file(unit: Any) -> DataFile:
-    """The open file behind a unit (a rank file's zip, an OLMo file's container, a .distcp file)."""
-    holder = getattr(unit, "zip", None) or getattr(unit, "container", None) or unit
-    return holder.file
+def _identity(unit: Any) -> str:
+    """The identity of a unit's file (read/identity.py), from what the worker already opened: the zip a
+    rank file (or an OLMo file) is, else the .distcp or safetensors file itself."""
+    holder = getattr(unit, "rf", unit)  # an OLMo trainer-state unit wraps its rank file
+    holder = getattr(holder, "zip", None) or getattr(holder, "container", None) or holder
+    if isinstance(holder, TorchZip) and holder.start == 0 and holder.size == holder.file.size:
+        return zip_identity(holder)
+    return identity_of(holder.file)
 
 
 def _check_identity(store: Store, unit: Any, identity: str) -> None:

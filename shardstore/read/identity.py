@@ -37,13 +37,26 @@ def file_identity(path: str | os.PathLike[str], storage_options: StorageOptions 
 
 
 def identity_of(data: DataFile) -> str:
-    """The identity of a file already open (a worker's unit: no second open, no extra request)."""
-    digest = hashlib.blake2b(str(data.size).encode(), digest_size=16)
+    """The identity of a file already open."""
     entries = _whole_zip(data)
-    if entries is not None:
-        for name, size, crc in sorted(entries):
-            digest.update(f"\0{name}\0{size}\0{crc}".encode("utf-8", "surrogatepass"))
-        return f"zip:{digest.hexdigest()}"
+    return _of_zip(data.size, entries) if entries is not None else _sampled(data)
+
+
+def zip_identity(zf: TorchZip) -> str:
+    """The identity of a file a worker already opened as one zip (a rank file): from the central
+    directory it parsed, so it costs no read at all."""
+    return _of_zip(zf.file.size, [(e.name, e.size, e.crc) for e in zf.entries.values()])
+
+
+def _of_zip(size: int, entries: list[tuple[str, int, int]]) -> str:
+    digest = hashlib.blake2b(str(size).encode(), digest_size=16)
+    for name, length, crc in sorted(entries):
+        digest.update(f"\0{name}\0{length}\0{crc}".encode("utf-8", "surrogatepass"))
+    return f"zip:{digest.hexdigest()}"
+
+
+def _sampled(data: DataFile) -> str:
+    digest = hashlib.blake2b(str(data.size).encode(), digest_size=16)
     digest.update(data.read(0, min(SAMPLE, data.size)))
     digest.update(data.read(max(0, data.size - SAMPLE), min(SAMPLE, data.size)))
     return f"sample:{digest.hexdigest()}"
