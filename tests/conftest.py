@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 from pathlib import Path
@@ -134,9 +135,12 @@ def expected(folder: Path) -> dict[str, Any]:
     return torch.load(folder / "expected.pt.ref", weights_only=True)
 
 
-def assert_bitwise_equal(actual: Any, want: Any, where: str = "") -> None:
-    """Same structure, same container types, and every tensor identical bit for bit."""
-    if isinstance(want, torch.Tensor):
+def assert_bitwise_equal(actual: Any, want: Any, where: str = "", ordered: bool = False) -> None:
+    """Same structure, same container types, and every tensor identical bit for bit; io.BytesIO buffers
+    by content. With `ordered`, dict keys in the same order too."""
+    if isinstance(want, io.BytesIO):
+        assert isinstance(actual, io.BytesIO) and actual.getvalue() == want.getvalue(), f"{where}: buffers differ"
+    elif isinstance(want, torch.Tensor):
         assert isinstance(actual, torch.Tensor), f"{where}: {type(actual).__name__}, want a tensor"
         assert actual.dtype == want.dtype and actual.shape == want.shape, \
             f"{where}: {actual.dtype}{list(actual.shape)} != {want.dtype}{list(want.shape)}"
@@ -146,11 +150,12 @@ def assert_bitwise_equal(actual: Any, want: Any, where: str = "") -> None:
     elif isinstance(want, dict):
         assert isinstance(actual, dict), f"{where}: {type(actual).__name__}, want a dict"
         assert set(actual) == set(want), f"{where}: keys {sorted(map(str, set(actual) ^ set(want)))} differ"
+        assert not ordered or list(actual) == list(want), f"{where}: keys in order {list(actual)}, want {list(want)}"
         for k in want:
-            assert_bitwise_equal(actual[k], want[k], f"{where}/{k}")
+            assert_bitwise_equal(actual[k], want[k], f"{where}/{k}", ordered)
     elif isinstance(want, (list, tuple)):
-        assert type(actual) is type(want) and len(actual) == len(want), f"{where}: {actual!r} != {want!r}"
+        assert type(actual) is type(want) and len(actual) == len(want), f"{where}: {actual!r:.200} != {want!r:.200}"
         for i, (a, b) in enumerate(zip(actual, want)):
-            assert_bitwise_equal(a, b, f"{where}/{i}")
+            assert_bitwise_equal(a, b, f"{where}/{i}", ordered)
     else:
         assert actual == want, f"{where}: {actual!r} != {want!r}"

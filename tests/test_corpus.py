@@ -8,7 +8,6 @@ code paths (tests/corpus/make.py); this test only reads them.
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import shardstore
+from tests.conftest import assert_bitwise_equal
 from tests.corpus.make import digests
 
 DATA = Path(__file__).parent / "corpus" / "data"
@@ -129,24 +129,6 @@ def test_dcp(name: str, stores, tmp_path: Path) -> None:
     assert_matches(name, as_gathered(member(name)["trainer"], sd), "--format dcp")
 
 
-def _same(actual: Any, want: Any, where: str) -> None:
-    """Same structure and values; tensors bit for bit; BytesIO by content."""
-    if isinstance(want, io.BytesIO):
-        assert isinstance(actual, io.BytesIO) and actual.getvalue() == want.getvalue(), where
-    elif isinstance(want, torch.Tensor):
-        assert isinstance(actual, torch.Tensor) and digests(actual) == digests(want), where
-    elif isinstance(want, dict):
-        assert isinstance(actual, dict) and list(actual) == list(want), f"{where}: {list(actual)} != {list(want)}"
-        for k in want:
-            _same(actual[k], want[k], f"{where}/{k}")
-    elif isinstance(want, (list, tuple)):
-        assert type(actual) is type(want) and len(actual) == len(want), f"{where}: {actual!r:.200} != {want!r:.200}"
-        for i, (a, b) in enumerate(zip(actual, want)):
-            _same(a, b, f"{where}/{i}")
-    else:
-        assert actual == want, f"{where}: {actual!r:.200} != {want!r:.200}"
-
-
 DCP_MEMBERS = [n for n in MEMBERS if member(n)["trainer"].endswith("-dcp")]
 
 
@@ -160,4 +142,4 @@ def test_dcp_torch_is_dcp_to_torch_save(name: str, stores, tmp_path: Path) -> No
     (folder,) = [p.parent for p in (DATA / name).glob("*/.metadata")]
     dcp_to_torch_save(folder, tmp_path / "torch-own.pt")
     want = torch.load(tmp_path / "torch-own.pt", weights_only=False)
-    _same(_torch_export(name, store, tmp_path / "torch"), want, name)
+    assert_bitwise_equal(_torch_export(name, store, tmp_path / "torch"), want, name, ordered=True)

@@ -203,13 +203,15 @@ def dcp_folder(src: str | os.PathLike[str], tag: str | None, step: int | None,
         found += sorted(p.name for p in root.iterdir() if p.is_dir() and (p / "model_and_optim" / ".metadata").is_file())
     if not found:
         return None
+    there = found
     if tag not in (None, "latest"):
         found = [f for f in found if f == tag]
     if step is not None:
         found = [f for f in found if f.endswith((f"ba{step}", f"step{step}"))]
     if len(found) != 1:
         if not found:
-            raise CheckpointError(f"{src}: no DCP checkpoint matches {'--tag ' + tag if tag else f'--step {step}'}")
+            raise CheckpointError(f"{src}: no DCP checkpoint matches {'--tag ' + tag if tag else f'--step {step}'}; "
+                                  f"it holds {', '.join(there)}")
         raise CheckpointError(f"{src}: holds more than one checkpoint ({', '.join(found)}); pick one with --tag or --step")
     folder = join(src, found[0])
     return folder if has_metadata(folder, storage_options) else join(folder, "model_and_optim")
@@ -253,6 +255,7 @@ def _folder_checkpoint(src: str, tag: str | None, step: int | None,
              for format, module in FOLDER_FORMATS.items() if module().detect(os.path.join(src, name), storage_options)]
     if not below:
         return None
+    there = ", ".join(os.path.basename(b[1]) for b in below)
     if tag not in (None, "latest"):
         below = [b for b in below if os.path.basename(b[1]) == tag]
     if step is not None:
@@ -260,7 +263,8 @@ def _folder_checkpoint(src: str, tag: str | None, step: int | None,
     if len(below) != 1:
         names = ", ".join(os.path.basename(b[1]) for b in below)
         if not below:
-            raise CheckpointError(f"{src}: no checkpoint matches {'--tag ' + tag if tag else f'--step {step}'}")
+            raise CheckpointError(f"{src}: no checkpoint matches {'--tag ' + tag if tag else f'--step {step}'}; "
+                                  f"it holds {there}")
         raise CheckpointError(f"{src}: holds more than one checkpoint ({names}); pick one with --tag or --step")
     return below[0]
 

@@ -167,6 +167,8 @@ def test_a_run_folder_of_steps_is_searched_one_level_down(olmo_checkpoints, tmp_
     copy_checkpoint(olmo_checkpoints("olmo_core", "flat", 3), run / "step2000")
     line = error_line("unshard", str(run), str(tmp_path / "out"), "-q")
     assert "holds more than one checkpoint (step1000, step2000); pick one with --tag or --step" in line
+    line = error_line("unshard", str(run), str(tmp_path / "out"), "--step", "3000", "-q")
+    assert line.endswith("no checkpoint matches --step 3000; it holds step1000, step2000"), line
     shardstore.unshard(run, tmp_path / "out", step=1000, format="torch", jobs=1)
     _check_torch_output(tmp_path / "out", run / "step1000")
 
