@@ -252,16 +252,18 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
     files: list[str | os.PathLike[str]] = list(source.units)
     _check_readable(files)
     jobs = max(1, min(jobs or default_jobs(), len(files)))
-    with Pool(jobs, scheduler) as pool:  # workers start now: their start-up overlaps creating the store
-        created = not Store.exists(location, source.storage_options)
-        store = create_store(location, source, strict)
-        try:
+    created, store = not Store.exists(location, source.storage_options), None
+    try:
+        with Pool(jobs, scheduler) as pool:  # workers start now: their start-up overlaps creating the store
+            store = create_store(location, source, strict)
             _run(store, pool, files, IngestOptions(verify_replicas, None, strict, source.format),
                  on_created=on_created, only=only, on_start=on_start, on_done=on_done)
-        except BaseException:
-            if created and not store.records():  # nothing was accepted: leave no store planned from refused files
-                store.discard()
-            raise
+    except BaseException:
+        # Nothing was accepted: leave no store planned from refused files. Only once the pool is shut down
+        # (every task that was running has ended), and never on Dask, whose tasks may outlive this run.
+        if created and store is not None and scheduler is None and not store.records():
+            store.discard()
+        raise
     store.assemble_ready(verify=verify_replicas)
     return store
 
@@ -280,6 +282,8 @@ def _check_readable(files: Sequence[str | os.PathLike[str]]) -> None:
             raise CheckpointError(f"{f}: no such file (the checkpoint names it)") from None
         except OSError as exc:
             raise CheckpointError(f"{f}: cannot read ({exc.strerror or exc})") from None
+        if stat.S_ISDIR(mode):
+            raise CheckpointError(f"{f}: is a directory, not a rank file")
         if not stat.S_ISREG(mode):
             raise CheckpointError(f"{f}: is not a regular file")
 

@@ -210,3 +210,17 @@ def test_a_refused_first_file_leaves_no_store(tmp_path: Path, world: int) -> Non
     forge_sharded(src, [("rank0.pt", 0, None)], world)  # re-downloaded: the genuine file, of other keys
     shardstore.unshard(src, tmp_path / "out", store=tmp_path / "S", jobs=1)
     assert shardstore.open(tmp_path / "S")["step"] == 7 and shardstore.open(tmp_path / "S").status().ok
+
+
+def test_a_refusal_never_removes_a_store_another_worker_is_committing_to(tmp_path: Path) -> None:
+    """With two workers, rank 1 is refused while rank 0 is still being ingested: the store is kept
+    (decided only once every running task has ended), with rank 0 committed, and the rerun completes it."""
+    from tests.fixtures.forge import forge_sharded
+
+    src = tmp_path / "ckpt"
+    forge_sharded(src, [("rank0.pt", 0, None), ("rank1.pt", 1, "unstorable")], 2)
+    with pytest.raises(CheckpointError, match=r"rank1\.pt: its keys differ from the checkpoint in the store"):
+        shardstore.ingest(tmp_path / "S", [src / "rank0.pt", src / "rank1.pt"], jobs=2)  # planned from rank 0
+    assert shardstore.open(tmp_path / "S").status().ranks_done == [0]
+    forge_sharded(src, [("rank1.pt", 1, None)], 2)
+    assert shardstore.ingest(tmp_path / "S", sorted(src.glob("rank*.pt")), jobs=2).status().ok
