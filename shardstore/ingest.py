@@ -188,7 +188,7 @@ def _identity(unit: Any) -> str:
 def _check_identity(store: Store, unit: Any, identity: str) -> None:
     """A rank committed from one file is never overwritten by another: the store would then hold two
     checkpoints (a committed cell is never rewritten, so the old tensors would stay beside new values)."""
-    record = store.records().get(unit.rank)
+    record = store.record(unit.rank)
     if record is not None and record.identity is not None and record.identity != identity:
         raise CheckpointError(
             f"{unit.path}: {store.location} already holds rank {unit.rank} from another file ({record.file}, "

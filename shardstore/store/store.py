@@ -211,13 +211,23 @@ class Store:
                     continue  # not a commit record (a stray file, an editor's backup): never trusted
                 rank = int(name[:-5])
                 if rank not in self._records and rank < self.manifest.world_size:
-                    where = f"{self.location}: {key}"
-                    try:
-                        data = json.loads(self.backend.read(key))
-                    except ValueError:
-                        data = None
-                    self._records[rank] = CommitRecord.from_json(data, where)
+                    self._records[rank] = self._load_record(key)
         return dict(sorted(self._records.items()))
+
+    def record(self, rank: int) -> CommitRecord | None:
+        """Rank `rank`'s commit record, or None: read on its own (a worker checking its own rank), not by
+        listing every record (a request per file on object storage)."""
+        key = f"{RANKS}/{rank}.json"
+        if rank not in self._records and self.backend.exists(key):
+            self._records[rank] = self._load_record(key)
+        return self._records.get(rank)
+
+    def _load_record(self, key: str) -> CommitRecord:
+        try:
+            data = json.loads(self.backend.read(key))
+        except ValueError:
+            data = None
+        return CommitRecord.from_json(data, f"{self.location}: {key}")
 
     def cells_present(self, path: str) -> set[int]:
         """Flat indices of the cells of `path` that committed ranks have delivered."""
