@@ -180,9 +180,8 @@ def _identity(unit: Any) -> str:
     rank file (or an OLMo file) is, else the .distcp or safetensors file itself."""
     holder = getattr(unit, "rf", unit)  # an OLMo trainer-state unit wraps its rank file
     holder = getattr(holder, "zip", None) or getattr(holder, "container", None) or holder
-    if isinstance(holder, TorchZip) and holder.start == 0 and holder.size == holder.file.size:
-        return zip_identity(holder)
-    return identity_of(holder.file)
+    identity = zip_identity(holder) if isinstance(holder, TorchZip) else None
+    return identity if identity is not None else identity_of(holder.file)
 
 
 def _check_identity(store: Store, unit: Any, identity: str) -> None:
@@ -332,12 +331,13 @@ def _not_yet_done(store: Store, files: Sequence[str | os.PathLike[str]],
         return list(files)
     known = {(rec.file, rec.identity) for rec in records if rec.identity is not None}
     sized = {(rec.file, rec.bytes) for rec in records if rec.identity is None}
+    names = {file for file, _ in known}
     todo = []
     for f in files:
         name = os.path.basename(os.fspath(f))
         if sized and (name, _size(f, store.storage_options)) in sized:
             continue
-        if not any(file == name for file, _ in known) or (name, file_identity(f, store.storage_options)) not in known:
+        if name not in names or (name, file_identity(f, store.storage_options)) not in known:
             todo.append(f)
     return todo
 

@@ -42,10 +42,11 @@ def identity_of(data: DataFile) -> str:
     return _of_zip(data.size, entries) if entries is not None else _sampled(data)
 
 
-def zip_identity(zf: TorchZip) -> str:
-    """The identity of a file a worker already opened as one zip (a rank file): from the central
-    directory it parsed, so it costs no read at all."""
-    return _of_zip(zf.file.size, [(e.name, e.size, e.crc) for e in zf.entries.values()])
+def zip_identity(zf: TorchZip) -> str | None:
+    """The identity of a file a worker already opened as a zip (a rank file), from the central directory
+    it parsed; None where that zip is not the whole file (then `identity_of` its file)."""
+    entries = _entries_if_whole(zf)
+    return None if entries is None else _of_zip(zf.file.size, entries)
 
 
 def _of_zip(size: int, entries: list[tuple[str, int, int]]) -> str:
@@ -63,18 +64,23 @@ def _sampled(data: DataFile) -> str:
 
 
 def _whole_zip(data: DataFile) -> list[tuple[str, int, int]] | None:
-    """Every record of the file as one zip, or None where it is not one: not a zip at all, or a zip that
-    starts later in the file (the last item of a .distcp file)."""
-    if data.size < _LOCAL_HEADER.size:
-        return None
-    sig, name_len, extra_len = _LOCAL_HEADER.unpack(data.read(0, _LOCAL_HEADER.size))
-    if sig != b"PK\x03\x04":
+    """Every record of the file as one zip, or None where it is not one (see `_entries_if_whole`)."""
+    if data.size < _LOCAL_HEADER.size or data.read(0, 4) != b"PK\x03\x04":
         return None
     try:
         zf = TorchZip(data)
     except CheckpointError:
         return None
+    return _entries_if_whole(zf)
+
+
+def _entries_if_whole(zf: TorchZip) -> list[tuple[str, int, int]] | None:
+    """The zip's records, where the zip is the whole file: its first record is the file's first local
+    header. A .distcp file parses as a zip too, its last item's, which starts later in the file."""
     entries = list(zf.entries.values())
-    if not entries or min(e.offset for e in entries) != _LOCAL_HEADER.size + name_len + extra_len:
+    if zf.start != 0 or zf.file.size < _LOCAL_HEADER.size or not entries:
+        return None
+    sig, name_len, extra_len = _LOCAL_HEADER.unpack(zf.file.read(0, _LOCAL_HEADER.size))
+    if sig != b"PK\x03\x04" or min(e.offset for e in entries) != _LOCAL_HEADER.size + name_len + extra_len:
         return None
     return [(e.name, e.size, e.crc) for e in entries]
