@@ -127,8 +127,10 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     scratch = scratch_location(out_dir)
     if store is None and scratch.is_symlink():
         raise ExportError(f"{scratch}: is a symbolic link; shardstore keeps its scratch store only inside OUT")
-    if store is None and Store.exists(scratch) and _ingest.source_changed(Store.open(scratch), source.units):
-        shutil.rmtree(scratch)  # started on another checkpoint (a newer step saved over this one): start again
+    if store is None and Store.exists(scratch):
+        previous = Store.open(scratch)
+        if _ingest.source_changed(previous, source.units):
+            previous.discard()  # started on another checkpoint (a newer step saved over this one): start again
     location = store if store is not None else scratch  # may be a URL: no Path()
     fmt = export_options.get("format", "safetensors")
 

@@ -348,16 +348,16 @@ def source_changed(store: Store, files: Sequence[str | os.PathLike[str]]) -> boo
     records = [rec for rec in store.records().values() if rec.identity is not None]
     if not records:
         return False
-    by_name: dict[str, set[str]] = {}
+    by_name: dict[str, list[str | os.PathLike[str]]] = {}
     for f in files:
-        by_name.setdefault(os.path.basename(os.fspath(f)), set())
+        by_name.setdefault(os.path.basename(os.fspath(f)), []).append(f)
+    identities: dict[str, set[str]] = {}  # read only for the names a record needs, once each
     for rec in records:
         if rec.file not in by_name:
             return True
-        if not by_name[rec.file]:
-            by_name[rec.file] = {file_identity(f, store.storage_options) for f in files
-                                 if os.path.basename(os.fspath(f)) == rec.file}
-        if rec.identity not in by_name[rec.file]:
+        if rec.file not in identities:
+            identities[rec.file] = {file_identity(f, store.storage_options) for f in by_name[rec.file]}
+        if rec.identity not in identities[rec.file]:
             return True
     return False
 

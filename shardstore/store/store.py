@@ -30,7 +30,7 @@ import zarr
 from .. import dtypes
 from ..crc import crc32_combine
 from ..errors import CheckpointError, StoreError
-from ..locations import StorageOptions
+from ..locations import StorageOptions, filesystem
 from ..ranges import FileRange, Part, part_length
 from .backend import Backend, open_backend
 from .manifest import MANIFEST_KEY, ArrayEntry, CommitRecord, Manifest
@@ -150,8 +150,6 @@ class Store:
         if root is not None:
             shutil.rmtree(root, ignore_errors=True)
             return
-        from ..locations import filesystem
-
         fs, path = filesystem(self.location, self.storage_options)
         fs.rm(path, recursive=True)
 
