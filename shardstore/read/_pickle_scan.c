@@ -492,6 +492,16 @@ static PyObject *skim(PyObject *self, PyObject *args) {
                 goto done;
             copied = pos = stop;
             top_atom = -1;
+            if (pos < s.n && (s.raw[pos] == 'q' || s.raw[pos] == 'r')) {
+                /* memoised after its items: the entry is the cut list's own, so a GET of it elsewhere reads
+                 * back the elided record (which the caller checks nothing kept), never the placeholder */
+                long long put_end = op_end(&s, pos, &arg);
+                if (put_end < 0) { give_up = 1; break; }
+                int r = memo_set(&s, arg, key == 1 ? spans - 1 : PLACEMENTS, 0);
+                if (r < 0) goto done;
+                if (r) { give_up = 1; break; }
+                copied = pos = put_end;
+            }
             continue;
         } else {
             top_atom = is_atom(op) ? pos : -1;

@@ -156,3 +156,43 @@ def test_the_skimmer_survives_damage(forged: Path):
         except CheckpointError:
             outcomes.add("refused")
     assert outcomes == {"read whole", "skimmed", "refused"}
+
+
+def _memoised_after_items(data: bytes, read_back: bool) -> bytes:
+    """data.pkl with the first shard list memoised after its items (`] ( ... e PUT n`, not `] PUT n ( ... e`),
+    and, with `read_back`, a trainer value `leak` that reads the list back through the memo (`GET n`)."""
+    import pickletools
+
+    ops = list(pickletools.genops(data))
+    i = next(i for i, (_, arg, _) in enumerate(ops) if arg == "shards_metadata")
+    assert [op.name for op, _, _ in ops[i + 2:i + 5]] == ["EMPTY_LIST", "BINPUT", "MARK"]
+    put, mark = ops[i + 3][2], ops[i + 4][2]
+    depth = 0
+    for op, _, pos in ops[i + 4:]:
+        depth += (op.name == "MARK") - (pickletools.markobject in op.stack_before)
+        if depth == 0:
+            end = pos + 1
+            break
+    memo = data[put:mark]  # BINPUT n
+    data = data[:put] + data[mark:end] + memo + data[end:]
+    if not read_back:
+        return data
+    assert data.endswith(b"u.")  # the top-level dict's last SETITEMS: add `leak` to it
+    return data[:-1] + b"X\x04\x00\x00\x00leakh" + memo[1:] + b"s."
+
+
+@native
+def test_a_list_read_back_through_the_memo_is_read_whole(forged: Path, tmp_path: Path):
+    """A shard list memoised after its items is skimmed; one that a trainer value also reads back through
+    the memo makes the file read whole, so that value is what the whole file holds, never a placeholder."""
+    first = forge.patch_pickle(forged / "rank0.pt", tmp_path / "rank0.pt", lambda d: _memoised_after_items(d, False))
+    planned = _planned(first)
+    assert len(planned) == 2  # the form is skimmed: every list has its digest
+    src = forge.patch_pickle(forged / "rank1.pt", tmp_path / "rank1.pt", lambda d: _memoised_after_items(d, True))
+    skimmed = read_rank_file(src, values.encode, planned=planned)
+    whole = read_rank_file(src, values.encode)
+    assert not any(leaf.planned for leaf in skimmed.leaves.values() if isinstance(leaf, ShardedLeaf))
+    shards = [[(v.shard_offsets, v.shard_sizes) for v in rf.leaves.pop("leak")] for rf in (skimmed, whole)]
+    assert shards[0] == shards[1] == [([0, 0], [300, 600]), ([300, 0], [300, 600])]
+    _same(skimmed, whole)
+    skimmed.close(), whole.close()
