@@ -110,6 +110,32 @@ def scratch_location(out_dir: PathLike) -> Path:
     return Path(out_dir) / SCRATCH
 
 
+def check_space(store: Store, units: int, only: str | None, out_dir: PathLike, output: int) -> None:
+    """Refuse, before the ingest, a run whose store and output cannot fit, where the file systems can
+    tell (local paths; statvfs): what the store still has to take (its arrays, or the exported subtree's,
+    less what committed units hold) and what the export will write. Small values are left out, so this
+    errs towards letting a run start."""
+    from .locations import is_url
+    from .progress import size_text
+
+    done = len(store.records()) / max(units, 1)
+    stored = sum(a.nbytes for p, a in store.manifest.arrays.items() if _ingest.under(p, only))
+    by_device: dict[int, list[tuple[str, str, int]]] = {}
+    for what, where, nbytes in (("the store", store.location, int(stored * (1 - done))),
+                                ("the output", os.fspath(out_dir), output)):
+        if is_url(where) or nbytes <= 0:
+            continue
+        existing = next(p for p in [Path(where), *Path(where).absolute().parents] if p.exists())
+        by_device.setdefault(os.stat(existing).st_dev, []).append((what, os.fspath(existing), nbytes))
+    for needs in by_device.values():
+        fs = os.statvfs(needs[0][1])
+        free = fs.f_bavail * fs.f_frsize
+        if sum(n for *_, n in needs) > free:
+            parts = " + ".join(f"{size_text(n)} for {what}" for what, _, n in needs)
+            raise ExportError(f"{out_dir}: not enough disk space: this run needs about {parts}, but {needs[0][1]} "
+                              f"has {size_text(free)} free; free some space, or choose another OUT (or --store)")
+
+
 def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None, tag: str | None = None,
             step: int | None = None, jobs: int | None = None, verify_replicas: bool = False,
             storage_options: StorageOptions | None = None, scheduler: str | None = None, strict: bool = False,
@@ -124,6 +150,8 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
                                       if k in ("format", "select", "strip_prefix", "dtype", "hf_config")})
     progress = _progress(progress)
     source = open_source(src_dir, tag, step, storage_options)
+    if os.path.normpath(source.folder) != os.path.normpath(src_dir):
+        progress.note(f"unshard: the checkpoint in {source.folder}")
     scratch = scratch_location(out_dir)
     if store is None and scratch.is_symlink():
         raise ExportError(f"{scratch}: is a symbolic link; shardstore keeps its scratch store only inside OUT")
@@ -142,6 +170,14 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
             raise CheckpointError(f"{src_dir}: world size is {st.manifest.world_size} but rank files are missing "
                                   f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
 
+    def before_ingest(st: Store) -> None:  # the store is planned and nothing is read yet
+        all_ranks_present(st)
+        _export.preflight(st, out_dir, fmt, export_options.get("select"),  # type: ignore[arg-type]
+                          export_options.get("hf_config"), bool(export_options.get("overwrite")))  # type: ignore[arg-type]
+        output = _export.output_bytes(st, fmt, export_options.get("select"),  # type: ignore[arg-type]
+                                      export_options.get("dtype"))  # type: ignore[arg-type]
+        check_space(st, len(source.units), exported_subtree(st), out_dir, output)
+
     def exported_subtree(st: Store) -> str | None:
         # A scratch store only feeds this export: for safetensors, write just the tensors it takes
         # (the model, not the optimizer state, which is usually twice its size).
@@ -152,7 +188,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
 
     st = ingest(location, source, jobs=jobs, verify_replicas=verify_replicas, storage_options=storage_options,
                 scheduler=scheduler, strict=strict, progress=progress, only=exported_subtree,
-                on_created=all_ranks_present)
+                on_created=before_ingest)
     result = export(st, out_dir, scheduler=scheduler if fmt == "safetensors" else None, jobs=jobs,
                     progress=progress, **export_options)  # type: ignore[arg-type]
     if store is None:  # done: the scratch store has served its purpose

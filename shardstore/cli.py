@@ -17,6 +17,7 @@ import numpy as np
 from . import api, values
 from .errors import ShardstoreError, StoreError
 from .export import CAST_DTYPES, FORMATS
+from .plan import LAYOUTS
 from .progress import QUIET, ConsoleProgress, Progress, size_text
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
@@ -74,7 +75,8 @@ class _Group(click.Group):
 def _kept(ctx: click.Context) -> str:
     """Where the work of a failed or interrupted run is kept, for the end of its one line ("" if nowhere)."""
     where = ctx.meta.get("shardstore.kept", lambda: None)()
-    return f"; the work so far is kept in {where}, rerun the same command to resume" if where else ""
+    return f"; the work so far is kept in {where}: once that is put right, a rerun into the same OUT resumes from it" \
+        if where else ""
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -311,12 +313,12 @@ def _summary(store: str) -> tuple[Any, Any, list[str]]:
             counts[kind] = counts.get(kind, 0) + 1
         described = " + ".join(f"{n} {kind}" for kind, n in counts.items())
         replicas = m.extra.get("replicas", 1)
-        return st, s, [f"format: {fmt} ({described})", f"layout: {m.layout}"]\
+        return st, s, [f"format: {fmt} ({described})", f"layout: {LAYOUTS.get(m.layout, m.layout)}"]\
             + ([f"hybrid sharding: {replicas} replica groups"] if replicas > 1 else []) \
             + [f"files ingested: {len(s.ranks_done)}/{len(files)}"
                + (f"; missing: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}" if missing else "")]
     replicas = m.extra.get("replicas", 1)
-    return st, s, ["format: torch-save rank files", f"layout: {m.layout}",
+    return st, s, ["format: torch-save rank files", f"layout: {LAYOUTS.get(m.layout, m.layout)}",
                    f"world size: {m.world_size}" + (f" ({replicas} replica groups of {m.extra['group_size']})"
                                                     if replicas > 1 else ""),
                    f"ranks ingested: {len(s.ranks_done)}/{m.world_size}"

@@ -139,6 +139,13 @@ def plan_replicated(path: str, ref: TensorRef) -> ArrayEntry:
                       staged=False, replicated=True)
 
 
+# What each layout says about the checkpoint: which trainer's nesting it is, not which model (OLMo's
+# trainer trains Llamas too).
+LAYOUTS = {"olmo": "olmo (OLMo trainer's nesting: model, optim and trainer state at the top)",
+           "composer": "composer (Composer's nesting: state/model, state/optimizers)",
+           "generic": "generic (a state dict of the trainer's own nesting)"}
+
+
 def detect_layout(tree: Node) -> str:
     """Which trainer wrote this: decides where the model weights are and how torch export splits files."""
     top = {c.path for _, c in tree.children}

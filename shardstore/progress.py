@@ -22,6 +22,9 @@ class Progress:
     def end(self) -> None:
         """The current phase finished."""
 
+    def note(self, text: str) -> None:
+        """Something the user should know before the work starts (which checkpoint was found)."""
+
 
 QUIET = Progress()
 
@@ -62,6 +65,9 @@ class ConsoleProgress(Progress):
             resumed = f" ({size_text(self.before)} were already done)" if self.before else ""
             print(f"{self.phase}: {size_text(self.moved)} in {took:.1f} s{resumed}", file=sys.stderr, flush=True)
         self.phase = ""
+
+    def note(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
 
     def abandon(self) -> None:
         """On an error: the error line, not a stalled bar, is what the user should see last."""

@@ -142,3 +142,46 @@ def test_the_readme_api_examples_run_verbatim_as_a_plain_script(checkpoints, tmp
     assert set(got) == {k.removeprefix("model.") for k in want}
     assert all(got[k.removeprefix("model.")].equal(v.to(torch.bfloat16)) for k, v in want.items())
     assert re.search(r"^export: .* in [0-9.]+ s$", run.stderr, re.M)  # progress=True, one line per phase
+
+
+class _Phases(shardstore.Progress):
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    def start(self, phase: str, total: int | None, done: int = 0) -> None:
+        self.started.append(phase)
+
+
+def test_mistakes_are_refused_before_anything_is_ingested(checkpoints, tmp_path: Path, monkeypatch) -> None:
+    """Each of these is known once the checkpoint is planned: refused then, in one line, with no ingest
+    begun and no scratch store left behind."""
+    import os
+
+    from shardstore.errors import ExportError
+
+    src = checkpoints(2)  # OLMo's trainer layout with no config.yaml: nothing says which HF model it is
+    out = tmp_path / "out"
+
+    def refused(error: type[Exception], match: str, **options: object) -> None:
+        phases = _Phases()
+        with pytest.raises(error, match=match):
+            shardstore.unshard(src, out, jobs=1, progress=phases, **options)
+        assert phases.started == [] and not shardstore.scratch_location(out).exists()
+
+    refused(TypeError, "unexpected keyword argument 'fromat'", fromat="hf")
+    refused(ExportError, "no config.yaml .* give --hf-config PATH", format="hf")
+    refused(ExportError, "no subtree", select="nowhere")
+    shardstore.unshard(src, out, jobs=1)  # model.safetensors
+    refused(ExportError, r"earlier export that this one would not replace \(model.safetensors\); use --overwrite",
+            format="torch")
+    real = os.statvfs
+
+    def nearly_full(path: object) -> os.statvfs_result:
+        fs = real(path)
+        return os.statvfs_result((fs.f_bsize, 4096, fs.f_blocks, 10, 10) + tuple(fs)[5:])  # 40 KiB free
+
+    monkeypatch.setattr(os, "statvfs", nearly_full)
+    refused(ExportError, r"not enough disk space: this run needs about .* for the store \+ .* for the output, "
+                         r"but .* has 40.0 KiB free", format="dcp", overwrite=True)
+    monkeypatch.undo()
+    assert shardstore.unshard(src, out, jobs=1, format="torch", overwrite=True).replaced == [out / "model.safetensors"]

@@ -44,7 +44,8 @@ def test_unshard_ls_and_export(checkpoints, tmp_path: Path) -> None:
 
     ls = run("ls", tmp_path / "store")
     assert ls.returncode == 0
-    assert "layout: olmo   world size: 2   ranks ingested: 2/2" in ls.stdout
+    assert "layout: olmo (OLMo trainer's nesting: model, optim and trainer state at the top)   world size: 2   " \
+           "ranks ingested: 2/2" in ls.stdout
     assert any(line.split()[:4] == ["model/wte.weight", "float32", "[1000,", "300]"] for line in ls.stdout.splitlines())
     lines = {line.split()[0]: line for line in ls.stdout.splitlines()[1:]}
     assert "differs per rank" in lines["rng/cuda"] and "tensor(uint8[5056])" in lines["rng/cuda"]
@@ -56,6 +57,16 @@ def test_unshard_ls_and_export(checkpoints, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (tmp_path / "pt").iterdir()) == ["model.pt", "optim.pt", "train.pt"]
     assert "wrote" in proc.stdout and "export" in proc.stderr  # the progress bar
+
+
+def test_unshard_says_which_checkpoint_it_found(checkpoints, tmp_path: Path) -> None:
+    run_folder = tmp_path / "run"
+    shutil.copytree(checkpoints(2), run_folder / "ckpt", ignore=shutil.ignore_patterns("expected.pt.ref"))
+    proc = run("unshard", run_folder, tmp_path / "out", "-j", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines()[0] == f"unshard: the checkpoint in {run_folder / 'ckpt'}"
+    again = run("unshard", run_folder / "ckpt", tmp_path / "out2", "-j", "1")  # named exactly: nothing to say
+    assert [line.split(":")[0] for line in again.stderr.splitlines()] == ["ingest", "export"], again.stderr
 
 
 def test_missing_and_empty_folders(tmp_path: Path) -> None:

@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .. import tempfiles
+from .. import dtypes, tempfiles
 from ..errors import ExportError, StoreError
 from ..read.source import Node
 from ..store.store import Status, Store
 from .output import OutputFile, output_error
 from .resolve import leaves, node_at
 from .dcp import METADATA, export_dcp
-from .hf import export_hf, plan_hf, planned_files
+from .hf import NO_HF_DESCRIPTION, export_hf, has_hf_description, plan_hf, planned_files
 from .safetensors import export_safetensors, plan_safetensors
 from .torch import export_torch, torch_files
 
@@ -37,6 +37,13 @@ class ExportResult:
 _OUTPUT_NAME = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
                           r"|(model|optim|train|checkpoint)\.pt|__\d+_0\.distcp|\.metadata|config\.yaml"
                           r"|config\.json|generation_config\.json)\Z")
+
+
+# What each format may write, by name: before the store holds data an export's exact files are not known
+# (a safetensors split depends on the sizes of small values), but which names it could write are.
+_MAY_WRITE = {"safetensors": r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json",
+              "dcp": r"__\d+_0\.distcp|\.metadata"}
+_MAY_WRITE["hf"] = _MAY_WRITE["safetensors"] + r"|config\.json|generation_config\.json"
 
 
 def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
@@ -103,6 +110,47 @@ def check_request(out_dir: str | os.PathLike[str], format: str = "safetensors", 
     return out
 
 
+def output_bytes(store: Store, format: str = "safetensors", select: str | None = None, dtype: str | None = None) -> int:
+    """About how many bytes the export will write: its sharded tensors (small values aside)."""
+    if format in ("torch", "dcp"):
+        return sum(a.nbytes for a in store.manifest.arrays.values())
+    inside = {path for _, path in leaves(node_at(store.manifest.tree, model_subtree(store) if select is None else select))}
+    total = 0
+    for path, entry in store.manifest.arrays.items():
+        if path in inside:
+            cast = dtype if dtype and entry.dtype in ("float64", "float32", "float16", "bfloat16") else entry.dtype
+            total += entry.nbytes // dtypes.info(entry.dtype).itemsize * dtypes.info(cast).itemsize
+    return total
+
+
+def preflight(store: Store, out_dir: str | os.PathLike[str], format: str = "safetensors", select: str | None = None,
+              hf_config: str | os.PathLike[str] | None = None, overwrite: bool = False) -> None:
+    """What an export of `store` can be refused for from its plan alone, before any rank is ingested
+    (`unshard` asks this once the store is planned, so a mistake costs no ingest): a subtree that is not
+    there, a Hugging Face export with nothing to describe the model, and an earlier export of another
+    format in OUT. `export` checks the rest, exactly, once the data is in."""
+    out = Path(out_dir)
+    if format in ("safetensors", "hf"):
+        node_at(store.manifest.tree, model_subtree(store) if select is None else select)
+    if format == "hf" and hf_config is None and not has_hf_description(store):
+        raise ExportError(NO_HF_DESCRIPTION)
+    if overwrite:
+        return
+    side = set(store.manifest.extra.get("side_files", {})) if format != "hf" else set()
+    may_write = _MAY_WRITE.get(format)
+    exact = torch_files(store) if format == "torch" else []
+    stale = [p for p in previous_outputs(out, exact + list(side))
+             if may_write is None or not re.fullmatch(may_write, p.name)]
+    if stale:
+        raise ExportError(_stale_message(out, stale))
+
+
+def _stale_message(out: Path, stale: list[Path]) -> str:
+    names = ", ".join(p.name for p in stale[:6]) + (" ..." if len(stale) > 6 else "")
+    return (f"{out}: holds files of an earlier export that this one would not replace ({names}); "
+            f"use --overwrite to replace that export, or another folder")
+
+
 def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safetensors", select: str | None = None,
            strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
            progress: Callable[[int], None] | None = None, allow_partial: bool = False,
@@ -150,9 +198,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     planned = planned + list(side_files)
     stale = previous_outputs(out, planned)
     if stale and not overwrite:
-        names = ", ".join(p.name for p in stale[:6]) + (" ..." if len(stale) > 6 else "")
-        raise ExportError(f"{out}: holds files of an earlier export that this one would not replace ({names}); "
-                          f"use --overwrite to replace that export, or another folder")
+        raise ExportError(_stale_message(out, stale))
     try:
         out.mkdir(parents=True, exist_ok=True)
         tempfiles.sweep(out, recursive=False)  # what a killed export left behind

@@ -81,6 +81,11 @@ class Source:
     storage_options: StorageOptions | None = None
     side_files: list[str] = field(default_factory=list)  # the run's config.yaml: copied beside the export
 
+    @property
+    def folder(self) -> str:
+        """The folder every file of the checkpoint is in: where it was found."""
+        return "/".join(os.path.commonprefix([u.split("/")[:-1] for u in self.units]))
+
     def spec(self, encode_key: Any, strict: bool = False) -> CheckpointSpec:
         spec = self._spec(encode_key, strict)
         if self.side_files:

@@ -59,7 +59,7 @@ def test_composer_hsdp_unshards_bit_exactly(composer: Path, tmp_path: Path) -> N
 
     ls = subprocess.run([sys.executable, "-m", "shardstore.cli", "ls", str(tmp_path / "store")], capture_output=True,
                         text=True)
-    assert "layout: composer   world size: 8 (2 replica groups of 4)   ranks ingested: 8/8" in ls.stdout
+    assert "layout: composer (Composer's nesting: state/model, state/optimizers)   world size: 8 (2 replica groups of 4)   ranks ingested: 8/8" in ls.stdout
     store = shardstore.open(tmp_path / "store")
     assert store.manifest.layout == "composer"
     assert store.manifest.extra == {"group_size": 4, "replicas": 2, "format": "torch-save"}

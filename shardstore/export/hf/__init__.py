@@ -29,6 +29,16 @@ COMPOSER_HF = "state/integrations/huggingface"
 MAX_CONFIG_FILE = 64 << 20  # tokenizer.json of large vocabularies is tens of MB
 
 
+NO_HF_DESCRIPTION = ("cannot tell which Hugging Face model this is: the checkpoint has no config.yaml (OLMo) and no "
+                     "Hugging Face config (Composer); give --hf-config PATH")
+
+
+def has_hf_description(store: Store) -> bool:
+    """Whether the checkpoint may describe its model itself, from its plan alone (no rank need be in):
+    the run's config.yaml, or Composer's Hugging Face metadata."""
+    return _holder(store, COMPOSER_HF) is not None or "config.yaml" in store.manifest.extra.get("side_files", {})
+
+
 def _side_config(store: Store, name: str) -> bytes | None:
     import base64
 
@@ -70,8 +80,7 @@ def _from_olmo(store: Store, subtree: str) -> tuple[HFModel, dict[str, str]]:
 
     raw = _side_config(store, "config.yaml")
     if raw is None:
-        raise ExportError("cannot tell which Hugging Face model this is: the store has no config.yaml (OLMo), no "
-                          "Hugging Face config (Composer); give --hf-config PATH")
+        raise ExportError(NO_HF_DESCRIPTION)
     try:
         cfg = (yaml.safe_load(raw) or {}).get("model")
     except (yaml.YAMLError, AttributeError) as exc:
@@ -84,24 +93,31 @@ def _from_olmo(store: Store, subtree: str) -> tuple[HFModel, dict[str, str]]:
     return olmo.plan(cfg, list(names), shapes), names
 
 
-def _value_at(store: Store, path: str) -> Any:
-    """The value at `path`, whether the store keeps it as a subtree or inside a value above it (a dict of
-    plain values is one leaf); None if there is none."""
+def _holder(store: Store, path: str) -> tuple[Any, list[str]] | None:
+    """The node that holds `path`, whether the store keeps it as a subtree or inside a value above it (a
+    dict of plain values is one leaf), and the keys below that node; None if there is none."""
     parts = path.split("/")
     for depth in range(len(parts), 0, -1):
         try:
             node = node_at(store.manifest.tree, "/".join(parts[:depth]))
         except ExportError:
             continue
-        if depth < len(parts) and node.kind != "leaf":
-            return None
-        value = build(store, node, plain_dicts=True)
-        for key in parts[depth:]:
-            if not isinstance(value, dict) or key not in value:
-                return None
-            value = value[key]
-        return value
+        return (node, parts[depth:]) if depth == len(parts) or node.kind == "leaf" else None
     return None
+
+
+def _value_at(store: Store, path: str) -> Any:
+    """The value at `path` (see `_holder`); None if there is none."""
+    held = _holder(store, path)
+    if held is None:
+        return None
+    node, below = held
+    value = build(store, node, plain_dicts=True)
+    for key in below:
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
 
 
 def _from_composer(store: Store, subtree: str, meta: Any) -> tuple[HFModel, dict[str, str]]:
