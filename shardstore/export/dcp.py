@@ -37,6 +37,9 @@ class CellRef(ArrayRef):
     def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
         return store.cell_parts(self.path, self.index)
 
+    def stored_crc(self, store: Store) -> int | None:
+        return store.cell_crc(self.path, self.index)  # this cell's own, never the whole array's
+
 
 @dataclass(frozen=True)
 class Item:

@@ -37,6 +37,11 @@ class ArrayRef:
     def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
         return store.stream(self.path, allow_partial=allow_partial, rows=self.rows)
 
+    def stored_crc(self, store: Store) -> int | None:
+        """The CRC-32 of exactly these bytes, combined from what the source files stored, where known (else
+        the writer computes it from the bytes)."""
+        return store.stored_crc(self.path) if self.rows is None else None
+
 
 def object_value(store: Store, path: str, rank: int | None = None) -> Any:
     """A leaf's value: the lowest rank's, or `rank`'s."""

@@ -141,7 +141,7 @@ def write_zip(out: OutputFile, archive: str, obj: Any, store: Store, partial: di
     zw.add_bytes("byteorder", b"little")
     for key, source in enumerate(pickler.storages):
         if isinstance(source, ArrayRef):
-            known = store.stored_crc(source.path) if partial is None and source.rows is None else None
+            known = source.stored_crc(store) if partial is None else None
             zw.add(f"data/{key}", source.parts(store, allow_partial=partial is not None), source.nbytes, known)
         else:
             raw = source.cpu().reshape(-1).view(torch.uint8).numpy().tobytes() if source.numel() else b""

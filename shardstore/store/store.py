@@ -436,6 +436,13 @@ class Store:
             total = crcs[i] if total is None else crc32_combine(total, crcs[i], (hi - lo) * row_bytes)
         return total
 
+    def cell_crc(self, path: str, index: tuple[int, ...]) -> int | None:
+        """The CRC-32 of one cell's bytes in C order, where the unit that wrote it recorded the one its source
+        file stores for exactly those bytes; else None."""
+        flat = str(self.manifest.arrays[path].flat_index(index))
+        return next((rec.crcs[path][flat] for rec in self.records(refresh=False).values()
+                     if flat in rec.crcs.get(path, {})), None)
+
     def cell_parts(self, path: str, index: tuple[int, ...], max_bytes: int = 16 << 20) -> Iterator[Part]:
         """One cell's values in C order, clipped to the array: where the cell spans its trailing dimensions
         whole they are a prefix of its shard file (file ranges, copied kernel-side), else Zarr reads them."""
