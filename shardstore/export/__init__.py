@@ -15,7 +15,7 @@ from ..read.source import Node
 from ..store.store import Status, Store
 from .output import OutputFile, output_error
 from .resolve import leaves, node_at
-from .dcp import METADATA, export_dcp
+from .dcp import METADATA, export_dcp, plan_dcp
 from .hf import NO_HF_DESCRIPTION, export_hf, has_hf_description, plan_hf, planned_files
 from .safetensors import export_safetensors, plan_safetensors
 from .torch import export_torch, torch_files
@@ -183,9 +183,11 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         missing = ", ".join(map(str, full.ranks_missing[:20])) + (" ..." if len(full.ranks_missing) > 20 else "")
         raise StoreError(f"{store.location}: incomplete store, cannot export; ranks missing: {missing or 'none'}"
                          f"; tensors incomplete: {len(status.partial)}")
-    if format in ("torch", "dcp"):
-        nbytes = sum(a.nbytes for a in store.manifest.arrays.values())
-        planned = torch_files(store) if format == "torch" else [f"__{i}_0.distcp" for i in range(jobs)] + [METADATA]
+    if format == "torch":
+        nbytes, planned = sum(a.nbytes for a in store.manifest.arrays.values()), torch_files(store)
+    elif format == "dcp":
+        dcp_plan = plan_dcp(store, jobs)
+        nbytes, planned = dcp_plan.nbytes, dcp_plan.names + [METADATA]
     elif format == "hf":
         hf_model, plan = plan_hf(store, model_subtree(store) if select is None else select, hf_config,
                                  strip_prefix, dtype, max_shard_size)
@@ -207,7 +209,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         if format == "torch":
             result = ExportResult(export_torch(store, out, progress, partial), partial=partial)
         elif format == "dcp":
-            result = ExportResult(export_dcp(store, out, jobs, progress, partial), partial=partial)
+            result = ExportResult(export_dcp(store, out, dcp_plan, jobs, progress, partial), partial=partial)
         elif format == "hf":
             result = ExportResult(export_hf(store, out, hf_model, plan, progress, partial), partial=partial,
                                   notes=hf_model.notes)

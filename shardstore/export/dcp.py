@@ -100,7 +100,7 @@ def _write_file(location: str, storage_options: dict[str, Any] | None, path: str
 def _write_items(store: Store, path: Path, items: list[Item], partial: bool,
                  progress: Callable[[int], None] | None = None) -> Written:
     written = []
-    with OutputFile(path, progress) as out:
+    with OutputFile(path) as out:
         for item in items:
             start = out.pos
             if isinstance(item.source, CellRef):
@@ -112,31 +112,66 @@ def _write_items(store: Store, path: Path, items: list[Item], partial: bool,
                     obj = obj[key]
             write_zip(out, "archive", obj, store, {"partial": "true"} if partial else None)
             written.append((item, start, out.pos - start))
+            if progress:
+                progress(item.nbytes)
     return path.name, written
 
 
-def export_dcp(store: Store, out_dir: Path, jobs: int = 1, progress: Callable[[int], None] | None = None,
-               partial: dict[str, str] | None = None) -> list[Path]:
-    """Write `out_dir/__{i}_0.distcp` (i < jobs) and then `out_dir/.metadata`."""
+FILE_BYTES = 256 << 20  # a .distcp file's share of the tensors: one worker task, one step of the progress
+INLINE_BYTES = 64 << 20  # below this, starting workers costs more than they save: one file, written here
+
+
+@dataclass(frozen=True)
+class DcpPlan:
+    described: dict[str, Any]
+    mappings: dict[str, tuple]
+    files: list[list[Item]]  # the items of each .distcp file
+
+    @property
+    def names(self) -> list[str]:
+        return [f"__{i}_0.distcp" for i in range(len(self.files))]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for items in self.files for item in items)
+
+
+def plan_dcp(store: Store, jobs: int = 1) -> DcpPlan:
+    """Which item goes into which .distcp file: the largest first, each to the lightest file, in files of
+    about FILE_BYTES (at least one per worker), so the work spreads and progress moves file by file."""
     described, mappings, items = _plan(store)
-    jobs = max(1, min(jobs, len(items)))
-    files: list[list[Item]] = [[] for _ in range(jobs)]
-    load = [0] * jobs
-    for item in sorted(items, key=lambda it: -it.nbytes):  # the largest first, each to the lightest file
+    total = sum(item.nbytes for item in items)
+    count = 1 if jobs == 1 or total < INLINE_BYTES else max(jobs, -(-total // FILE_BYTES))
+    count = max(1, min(count, len(items)))
+    files: list[list[Item]] = [[] for _ in range(count)]
+    load = [0] * count
+    for item in sorted(items, key=lambda it: -it.nbytes):
         i = load.index(min(load))
         files[i].append(item)
         load[i] += item.nbytes
-    names = [f"__{i}_0.distcp" for i in range(jobs)]
+    return DcpPlan(described, mappings, files)
+
+
+def export_dcp(store: Store, out_dir: Path, plan: DcpPlan, jobs: int = 1, progress: Callable[[int], None] | None = None,
+               partial: dict[str, str] | None = None) -> list[Path]:
+    """Write every planned `out_dir/__{i}_0.distcp` (by `jobs` workers), and then `out_dir/.metadata`.
+    `progress` hears each item's tensor bytes as it is written (here), or each file's once it is (workers)."""
     results: list[Written] = []
-    with Pool(jobs) as pool:
+    names = plan.names
+
+    def done(result: Written) -> None:
+        results.append(result)
+        if progress:
+            progress(sum(item.nbytes for item, _, _ in result[1]))
+
+    with Pool(max(1, min(jobs, len(names)))) as pool:
         if pool.inline:
-            results.append(_write_items(store, out_dir / names[0], files[0], partial is not None, progress))
+            for name, items in zip(names, plan.files):
+                results.append(_write_items(store, out_dir / name, items, partial is not None, progress))
         else:
             pool.run(_write_file, [(store.location, store.storage_options, str(out_dir / n), f, partial is not None)
-                                   for n, f in zip(names, files)], names, results.append)
-            if progress:
-                progress(sum(load))
-    metadata = _metadata(described, mappings, results)
+                                   for n, f in zip(names, plan.files)], names, done)
+    metadata = _metadata(plan.described, plan.mappings, results)
     with OutputFile(out_dir / METADATA) as out:
         out.write(metadata)
     return [out_dir / n for n in names] + [out_dir / METADATA]

@@ -7,15 +7,19 @@ from pathlib import Path
 import torch
 
 import shardstore
+from shardstore.export import dcp as dcp_export
 from tests.conftest import assert_bitwise_equal, expected
 from tests.fixtures.dcp import resume
 
 
-def test_a_legacy_checkpoint_resumes_on_fewer_ranks_with_dcp_load(checkpoints, tmp_path: Path) -> None:
+def test_a_legacy_checkpoint_resumes_on_fewer_ranks_with_dcp_load(checkpoints, tmp_path: Path, monkeypatch) -> None:
     src = checkpoints(3)  # saved by 3 FSDP1 ranks, legacy ShardedTensor rank files
     want = expected(src)
+    monkeypatch.setattr(dcp_export, "INLINE_BYTES", 0)  # workers even for this small a checkpoint,
+    monkeypatch.setattr(dcp_export, "FILE_BYTES", 1 << 20)  # each writing files of about 1 MiB
     result = shardstore.unshard(src, tmp_path / "dcp", format="dcp", jobs=2)
-    assert sorted(p.name for p in result.files) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    names = sorted(p.name for p in result.files)
+    assert names == [".metadata"] + [f"__{i}_0.distcp" for i in range(len(names) - 1)] and len(names) > 3
     got = resume(tmp_path / "dcp", 2, tmp_path / "gathered.pt")  # FSDP2 DTensors at world size 2
     assert_bitwise_equal(got["model"], want["model"], "model")
     for fqn, moments in want["optim"]["state"].items():
@@ -58,3 +62,29 @@ def test_every_item_is_a_zip_whose_crcs_match_its_bytes(checkpoints, tmp_path: P
             f.seek(info.offset)
             item = zipfile.ZipFile(io.BytesIO(f.read(info.length)))
         assert item.testzip() is None, (index.fqn, index.offset)
+
+
+class _Counted(shardstore.Progress):
+    def __init__(self) -> None:
+        self.total: int | None = None
+        self.steps: list[int] = []
+
+    def start(self, phase: str, total: int | None, done: int = 0) -> None:
+        self.total = total
+
+    def advance(self, nbytes: int) -> None:
+        self.steps.append(nbytes)
+
+
+def test_progress_counts_the_same_tensor_bytes_however_many_workers(checkpoints, tmp_path: Path, monkeypatch) -> None:
+    """The bar's total is what it counts up to, with one worker or several; several advance it file by
+    file, not once at the end."""
+    store = shardstore.ingest(tmp_path / "store", sorted(checkpoints(3).glob("rank*.pt")), jobs=1)
+    alone, shared = _Counted(), _Counted()
+    shardstore.export(store, tmp_path / "one", format="dcp", jobs=1, progress=alone)
+    monkeypatch.setattr(dcp_export, "INLINE_BYTES", 0)
+    monkeypatch.setattr(dcp_export, "FILE_BYTES", 1 << 20)
+    shardstore.export(store, tmp_path / "two", format="dcp", jobs=2, progress=shared)
+    assert alone.total == shared.total == sum(alone.steps) == sum(shared.steps) > 0
+    assert alone.total >= sum(a.nbytes for a in store.manifest.arrays.values())
+    assert len(shared.steps) == len(list((tmp_path / "two").glob("*.distcp"))) > 2
