@@ -17,7 +17,7 @@ from .output import OutputFile, output_error
 from .resolve import leaves, node_at
 from .dcp import METADATA, export_dcp, plan_dcp
 from .hf import NO_HF_DESCRIPTION, export_hf, has_hf_description, plan_hf, planned_files
-from .safetensors import export_safetensors, plan_safetensors
+from .safetensors import CASTABLE, export_safetensors, plan_safetensors
 from .torch import export_torch, torch_files
 
 FORMATS = ("safetensors", "torch", "dcp", "hf")
@@ -118,7 +118,7 @@ def output_bytes(store: Store, format: str = "safetensors", select: str | None =
     total = 0
     for path, entry in store.manifest.arrays.items():
         if path in inside:
-            cast = dtype if dtype and entry.dtype in ("float64", "float32", "float16", "bfloat16") else entry.dtype
+            cast = dtype if dtype and entry.dtype in CASTABLE else entry.dtype
             total += entry.nbytes // dtypes.info(entry.dtype).itemsize * dtypes.info(cast).itemsize
     return total
 

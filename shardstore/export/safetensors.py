@@ -28,6 +28,7 @@ from .output import OutputFile
 from .resolve import ArrayRef, build, leaves
 
 CAST_BLOCK_BYTES = 16 << 20
+CASTABLE = ("float64", "float32", "float16", "bfloat16")  # what --dtype casts; other dtypes pass unchanged
 
 
 @dataclass
@@ -89,8 +90,7 @@ def tensor_item(store: Store, key: str, path: str, cast: str | None,
                           f"must be") from None
     if dtypes.info(dtype).safetensors is None:
         raise ExportError(f"{path}: torch.{dtype} has no safetensors dtype")
-    floating = dtype in ("float64", "float32", "float16", "bfloat16")
-    return Item(key, source, cast if cast and floating else dtype, shape)
+    return Item(key, source, cast if cast and dtype in CASTABLE else dtype, shape)
 
 
 def _header(items: list[Item], metadata: dict[str, str]) -> bytes:
