@@ -11,8 +11,8 @@ from typing import Callable, Sequence
 from . import export as _export
 from . import ingest as _ingest
 from .errors import CheckpointError, ExportError
-from .locations import StorageOptions
-from .progress import Progress
+from .locations import StorageOptions, is_url
+from .progress import Progress, size_text
 from .progress import resolve as _progress
 from .runner import default_jobs
 from .read.layouts import missing_ranks
@@ -115,9 +115,6 @@ def check_space(store: Store, units: int, only: str | None, out_dir: PathLike, o
     tell (local paths; statvfs): what the store still has to take (its arrays, or the exported subtree's,
     less what committed units hold) and what the export will write. Small values are left out, so this
     errs towards letting a run start."""
-    from .locations import is_url
-    from .progress import size_text
-
     done = len(store.records()) / max(units, 1)
     stored = sum(a.nbytes for p, a in store.manifest.arrays.items() if _ingest.under(p, only))
     by_device: dict[int, list[tuple[str, str, int]]] = {}
