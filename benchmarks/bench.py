@@ -51,11 +51,13 @@ class Scenario:
     world: int
     spec: ModelSpec
     olmo: bool = True
+    olmo_why: str = "needs ~2.2x the checkpoint in RAM, more than this machine has"  # when olmo is False
     olmo_timeout: float = 3600.0
     show_key: str = "model/transformer.wte.weight"
     s3: bool = False  # also ingest from (and into) a local S3 API server
     format: str = "torch-save"  # or "dcp": a torch.distributed.checkpoint folder, against dcp_to_torch_save
     subset: int | None = None  # only the first this many rank files, each full size: per-file ingest cost
+    group: int | None = None  # hybrid sharding: shard groups of this many ranks (each group a whole copy)
 
 
 SCENARIOS = {
@@ -66,9 +68,13 @@ SCENARIOS = {
     # 46 MB of which is pickle. All 1024 would take 131 GB; 8 of them, each exactly as it would be, show
     # the per-file cost (OLMo's unsharder needs every rank, so it is not run).
     "w1024-7b": Scenario("olmo7b-w1024 (8 of 1024 ranks)", 1024, ModelSpec(4096, 32, olmo1=True), olmo=False,
-                         subset=8),
+                         subset=8, olmo_why="needs every rank file"),
     # OLMo's unsharder needs ~2.2x the checkpoint in RAM: more than this machine's 24 GB.
     "large": Scenario("olmo-d2048-l16-w8", 8, ModelSpec(2048, 16), olmo=False),
+    # Hybrid sharding: every replica group's shard lists name its own ranks, so no file's lists are the
+    # plan's; OLMo's unsharder refuses such checkpoints (it asserts equal metadata on every rank).
+    "hsdp": Scenario("olmo-d256-l8-hsdp-w256 (2 groups of 128)", 256, ModelSpec(256, 8, vocab=4096), olmo=False,
+                     group=128, olmo_why="refuses hybrid sharding (it asserts equal shard metadata on every rank)"),
     "dcp": Scenario("olmo-d1024-l10-dcp-w4", 4, ModelSpec(1024, 10), olmo=False, format="dcp",
                     show_key="model/transformer_wte_weight"),
 }
@@ -134,7 +140,7 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
 
         ckpt = generate_dcp(out / "ckpt" / sc.name, sc.world, sc.spec)
     else:
-        ckpt = generate(out / "ckpt" / sc.name.split(" ")[0], sc.world, sc.spec, ranks=sc.subset)
+        ckpt = generate(out / "ckpt" / sc.name.split(" ")[0], sc.world, sc.spec, ranks=sc.subset, group=sc.group)
     files = checkpoint_files(sc, ckpt)
     work = out / "work"
     shardstore = [sys.executable, "-m", "shardstore.cli"]
@@ -213,7 +219,7 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
         fresh()
     elif not sc.olmo and sc.format != "dcp":
         results.append(Result(sc.name, "OLMo unsharder (threads)", None, None,
-                              "not run: needs ~2.2x the checkpoint in RAM, more than this machine has"))
+                              f"not run: {sc.olmo_why}"))
     shutil.rmtree(work, ignore_errors=True)
     for r in results:
         r.note = r.note or ""
@@ -334,7 +340,7 @@ def plot(results: list[Result], path: Path, worlds: dict[str, int]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="shardstore benchmark harness")
-    ap.add_argument("--scenarios", default="w8,w256,w1024,w1024-7b,large,dcp")
+    ap.add_argument("--scenarios", default="w8,w256,w1024,w1024-7b,large,hsdp,dcp")
     ap.add_argument("--out", type=Path, default=HERE / "out")
     ap.add_argument("--no-olmo", action="store_true", help="skip OLMo's unsharder")
     ap.add_argument("--contenders", default="", help="only contenders whose name contains one of these (comma "

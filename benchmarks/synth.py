@@ -82,11 +82,15 @@ def _sharded(name: str, shape: tuple[int, ...], rank: int, world: int, pg: Any, 
 
 
 def rank_state(spec: ModelSpec, rank: int, world: int, pg: Any, device: torch.device) -> dict[str, Any]:
-    """What OLMo's legacy checkpointer saves on `rank`: model, optim (AdamW, after one step), rng, trainer."""
+    """What OLMo's legacy checkpointer saves on `rank`: model, optim (AdamW, after one step), rng, trainer.
+    `pg` is the group the tensors are sharded over: the world, or under hybrid sharding the rank's shard
+    group (its replica group's copy, whose chunks are numbered by the rank within it)."""
     shapes = spec.shapes()
-    model = collections.OrderedDict((n, _sharded(n, s, rank, world, pg, device)) for n, s in shapes.items())
-    state = {n: {"step": torch.tensor(1.0), "exp_avg": _sharded(n + "/exp_avg", s, rank, world, pg, device),
-                 "exp_avg_sq": _sharded(n + "/exp_avg_sq", s, rank, world, pg, device)} for n, s in shapes.items()}
+    shard_rank, shards = dist.get_rank(pg), dist.get_world_size(pg)
+    model = collections.OrderedDict((n, _sharded(n, s, shard_rank, shards, pg, device)) for n, s in shapes.items())
+    state = {n: {"step": torch.tensor(1.0), "exp_avg": _sharded(n + "/exp_avg", s, shard_rank, shards, pg, device),
+                 "exp_avg_sq": _sharded(n + "/exp_avg_sq", s, shard_rank, shards, pg, device)}
+             for n, s in shapes.items()}
     return {"model": model,
             "optim": {"state": state, "param_groups": [{"lr": 4e-4, "betas": (0.9, 0.95), "eps": 1e-5,
                                                         "weight_decay": 0.1, "params": list(shapes)}]},
@@ -104,7 +108,7 @@ def write_rank(out: Path, spec: ModelSpec, rank: int, world: int, pg: Any, devic
     return path
 
 
-def _write_ranks(out: str, spec: ModelSpec, ranks: list[int], world: int, device: str) -> None:
+def _write_ranks(out: str, spec: ModelSpec, ranks: list[int], world: int, device: str, group: int) -> None:
     import warnings
 
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -115,20 +119,27 @@ def _write_ranks(out: str, spec: ModelSpec, ranks: list[int], world: int, device
             continue
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
         try:
-            write_rank(Path(out), spec, rank, world, dist.group.WORLD, torch.device(device))
+            # hybrid sharding: every rank makes every shard group, as torch's HSDP set-up does
+            shard_groups = [dist.new_group(list(range(g, g + group))) for g in range(0, world, group)] \
+                if group < world else [dist.group.WORLD]
+            write_rank(Path(out), spec, rank, world, shard_groups[rank // group], torch.device(device))
         finally:
             dist.destroy_process_group()
 
 
 def generate(out: str | os.PathLike[str], world: int, spec: ModelSpec, jobs: int = 2, device: str = "cpu",
-             ranks: int | None = None) -> Path:
+             ranks: int | None = None, group: int | None = None) -> Path:
     """Write rank0.pt ... rank{world-1}.pt into `out` (ranks already there are kept); with `ranks`, only the
-    first that many: a subset of a checkpoint too big for the disk, whose files are each full size."""
+    first that many: a subset of a checkpoint too big for the disk, whose files are each full size. With
+    `group`, hybrid sharding: shard groups of that many ranks, each holding a whole copy."""
+    group = group or world
+    if world % group:
+        raise ValueError(f"world size {world} is not a multiple of the shard group's {group}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ranks = list(range(world if ranks is None else ranks))
     (out / "config.yaml").write_text(spec.config_yaml())
     with ProcessPoolExecutor(jobs) as pool:
         list(pool.map(_write_ranks, [str(out)] * jobs, [spec] * jobs, [ranks[i::jobs] for i in range(jobs)],
-                      [world] * jobs, [device] * jobs))
+                      [world] * jobs, [device] * jobs, [group] * jobs))
     return out

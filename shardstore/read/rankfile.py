@@ -251,17 +251,22 @@ def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr,
     local shard against its own entry in the global metadata, and every tensor view against its storages.
     With `planned` (each ShardedTensor's digest of its shard list, read/skim.py, where the plan is FSDP's
     chunk layout) the lists are skimmed instead of built when every digest matches: each local shard is
-    then checked against the chunk layout. With `digests` (the planner), the lists are skimmed too, one
-    decoded per distinct digest, and the digests kept (`RankFile.digests`) for the plan."""
+    then checked against the chunk layout. Otherwise (digests that differ, or `planned` empty: a plan that
+    is not one chunk layout over the world, as under hybrid sharding), and with `digests` (the planner),
+    the lists are skimmed too, one decoded per distinct digest, and the digests kept (`RankFile.digests`).
+    With `planned` None the file is read whole."""
     name = os.fspath(path)
     zf = TorchZip(path, storage_options)
     with closed_on_error(zf.close, name):
         zf.verify("data.pkl")
         data = zf.record("data.pkl")
-        skimmed = _skim(name, data, strict, encode_key, forms=digests) if planned or digests else None
+        skimmed = _skim(name, data, strict, encode_key, forms=True) if planned is not None or digests else None
         if skimmed is not None and planned and skimmed.digests == planned:  # a worker: its lists are the plan's
             rf = _rank_file(name, zf, skimmed.skeleton, skimmed.raw, planned=True)
-        elif skimmed is not None and digests:  # the planner: one list decoded per distinct digest
+        elif skimmed is not None:
+            # The planner, or a worker whose lists are not the plan's chunk layout (under hybrid sharding every
+            # replica group's lists name its own ranks): one list decoded per distinct digest, then every
+            # check a whole read makes, on the same lists a whole read would build.
             skimmed.restore_lists(name, strict)
             rf = _rank_file(name, zf, skimmed.skeleton, skimmed.raw)
             rf.digests = skimmed.digests
@@ -345,14 +350,15 @@ def _rank_file(name: str, zf: TorchZip, skeleton: Skeleton, raw: dict[str, Any],
 
 def spec_of(rf: RankFile) -> CheckpointSpec:
     """A rank file describes the whole checkpoint: every rank's shards of every tensor are in its metadata.
-    Where that is FSDP's chunk layout throughout, the spec keeps each list's digest (`extra["skim"]`), so
-    workers can skim their files' lists instead of building them (read/skim.py)."""
+    Where the lists can be skimmed, the spec says so (`extra["skim"]`, read/skim.py): with each list's
+    digest where that is FSDP's chunk layout over the world (workers whose lists match then never build
+    them), else empty (workers decode one list per distinct digest of their own)."""
     arrays = {p: leaf.spec for p, leaf in rf.leaves.items() if isinstance(leaf, ShardedLeaf)}
     replicated = {p: leaf for p, leaf in rf.leaves.items() if isinstance(leaf, TensorRef) and leaf.shape}
     objects = [p for p in rf.leaves if p not in arrays and p not in replicated]
     spec = CheckpointSpec("torch-save", rf.world_size, rf.group_size, rf.skeleton, arrays, replicated, objects)
     layouts = {(id(a.shards), a.shape): a for a in arrays.values()}  # tensors sharing a list share its check
-    if rf.digests and rf.group_size == rf.world_size and set(rf.digests) == set(arrays) \
-            and all(is_chunk_layout(a, rf.world_size) for a in layouts.values()):
-        spec.extra["skim"] = rf.digests
+    if rf.digests and set(rf.digests) == set(arrays):
+        chunked = rf.group_size == rf.world_size and all(is_chunk_layout(a, rf.world_size) for a in layouts.values())
+        spec.extra["skim"] = rf.digests if chunked else {}
     return spec
