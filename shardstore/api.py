@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 
 from . import export as _export
 from . import ingest as _ingest
+from .export import direct as _direct
 from .errors import CheckpointError, ExportError
 from .locations import StorageOptions, is_url
 from .progress import Progress, size_text
@@ -32,7 +33,8 @@ def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None
            on_done: Callable[[_ingest.Ingested], None] | None = None, verify_replicas: bool = False,
            storage_options: StorageOptions | None = None, scheduler: str | None = None, strict: bool = False,
            progress: Progress | bool = False, only: Callable[[Store], str | None] | None = None,
-           on_created: Callable[[Store], None] | None = None) -> Store:
+           on_created: Callable[[Store], None] | None = None,
+           direct: Callable[[Store], _direct.Layout | None] | None = None) -> Store:
     """Ingest rank files (or a DCP checkpoint's .distcp files, or a `Source`) into `store` (created on first
     use); any subset, in any order, any number of times.
 
@@ -51,7 +53,7 @@ def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None
 
     source = files if isinstance(files, Source) else source_of_files(list(files), storage_options)
     st = _ingest.ingest(store, source, jobs=jobs, on_done=done, verify_replicas=verify_replicas, scheduler=scheduler,
-                        strict=strict, only=only, on_created=on_created,
+                        strict=strict, only=only, on_created=on_created, direct=direct,
                         on_start=lambda total, before: progress.start("ingest", total, before))
     progress.end()
     return st
@@ -110,13 +112,14 @@ def scratch_location(out_dir: PathLike) -> Path:
     return Path(out_dir) / SCRATCH
 
 
-def check_space(store: Store, units: int, only: str | None, out_dir: PathLike, output: int) -> None:
+def check_space(store: Store, units: int, only: str | None, out_dir: PathLike, output: int,
+                in_store: bool = True) -> None:
     """Refuse, before the ingest, a run whose store and output cannot fit, where the file systems can
     tell (local paths; statvfs): what the store still has to take (its arrays, or the exported subtree's,
-    less what committed units hold) and what the export will write. Small values are left out, so this
-    errs towards letting a run start."""
+    less what committed units hold; nothing where they go straight into the output) and what the export
+    will write. Small values are left out, so this errs towards letting a run start."""
     done = len(store.records()) / max(units, 1)
-    stored = sum(a.nbytes for p, a in store.manifest.arrays.items() if _ingest.under(p, only))
+    stored = sum(a.nbytes for p, a in store.manifest.arrays.items() if _ingest.under(p, only)) if in_store else 0
     by_device: dict[int, list[tuple[str, str, int]]] = {}
     for what, where, nbytes in (("the store", store.location, int(stored * (1 - done))),
                                 ("the output", os.fspath(out_dir), output)):
@@ -167,13 +170,21 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
             raise CheckpointError(f"{src_dir}: world size is {st.manifest.world_size} but rank files are missing "
                                   f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
 
+    # One write: with a scratch store on local disk, the ingest writes the output itself where the plan
+    # lays it out (export/direct.py); the store then keeps only values, and the journal of units.
+    one_pass = store is None and scheduler is None and not verify_replicas and not is_url(os.fspath(out_dir))
+    planned: list[_export.Direct | None] = [None]
+
     def before_ingest(st: Store) -> None:  # the store is planned and nothing is read yet
         all_ranks_present(st)
         _export.preflight(st, out_dir, fmt, export_options.get("select"),  # type: ignore[arg-type]
                           export_options.get("hf_config"), bool(export_options.get("overwrite")))  # type: ignore[arg-type]
         output = _export.output_bytes(st, fmt, export_options.get("select"),  # type: ignore[arg-type]
                                       export_options.get("dtype"))  # type: ignore[arg-type]
-        check_space(st, len(source.units), exported_subtree(st), out_dir, output)
+        if one_pass:
+            planned[0] = _export.plan_direct(st, **{k: v for k, v in export_options.items()  # type: ignore[arg-type]
+                                                    if k not in ("overwrite", "allow_partial")})
+        check_space(st, len(source.units), exported_subtree(st), out_dir, output, in_store=planned[0] is None)
 
     def exported_subtree(st: Store) -> str | None:
         # A scratch store only feeds this export: for safetensors, write just the tensors it takes
@@ -185,9 +196,12 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
 
     st = ingest(location, source, jobs=jobs, verify_replicas=verify_replicas, storage_options=storage_options,
                 scheduler=scheduler, strict=strict, progress=progress, only=exported_subtree,
-                on_created=before_ingest)
-    result = export(st, out_dir, scheduler=scheduler if fmt == "safetensors" else None, jobs=jobs,
-                    progress=progress, **export_options)  # type: ignore[arg-type]
+                on_created=before_ingest, direct=lambda st: planned[0].layout if planned[0] is not None else None)
+    if planned[0] is not None:
+        result = _export.finish_direct(st, out_dir, planned[0], bool(export_options.get("overwrite")))
+    else:
+        result = export(st, out_dir, scheduler=scheduler if fmt == "safetensors" else None, jobs=jobs,
+                        progress=progress, **export_options)  # type: ignore[arg-type]
     if store is None:  # done: the scratch store has served its purpose
         shutil.rmtree(scratch, ignore_errors=True)
     return result

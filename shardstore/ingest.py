@@ -17,6 +17,7 @@ import numpy as np
 from . import values
 from .errors import CheckpointError, StoreError, named
 from .locations import StorageOptions, filesystem, is_url
+from .export.direct import DirectWriter, Layout
 from .plan import plan_checkpoint
 from .read.layouts import name_rank
 from .read import tensors
@@ -45,6 +46,7 @@ class IngestOptions:
     only: str | None = None  # write only this subtree's tensors (a scratch store that feeds one export)
     strict: bool = False  # refuse every global outside the allowlist, instead of keeping opaque records
     format: str = "torch-save"  # how to open a unit of work (read/source.py)
+    direct: Layout | None = None  # the arrays it places go straight into these output files (export/direct.py)
 
 
 FORMAT_NAMES = {"dcp": "DCP", "olmo-local": "OLMo `local`", "olmo-core": "OLMo-core"}
@@ -161,15 +163,26 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
             if leaf_path not in arrays:  # before any tensor byte is written
                 encoded = _encoded(leaf, _encode_tensor(writer, rf.value_zip(leaf_path)), f"{rf.path}: {leaf_path}")
                 writer.value(leaf_path, encoded)
-        for leaf_path, leaf in rf.leaves.items():
-            entry = arrays.get(leaf_path)
-            if entry is None or not under(leaf_path, only):
-                continue
-            pieces = ([LocalPiece((0,) * len(entry.shape), entry.shape, leaf, rf.value_zip(leaf_path))]
-                      if entry.replicated else leaf.pieces)
-            for piece in pieces:
-                writer.piece(entry, piece)
-        writer.commit(rf.rank, rf.path, rf.size, only, rf.world_size, rf.group_rank, rf.group_size, identity)
+        direct = DirectWriter(options.direct) if options.direct is not None else None
+        try:
+            for leaf_path, leaf in rf.leaves.items():
+                entry = arrays.get(leaf_path)
+                if entry is None or not under(leaf_path, only):
+                    continue
+                sink: Any = direct if direct is not None and direct.places(leaf_path) else writer
+                if entry.replicated and sink is direct and rf.rank != 0:
+                    continue  # every unit holds it whole: the first one writes it
+                pieces = ([LocalPiece((0,) * len(entry.shape), entry.shape, leaf, rf.value_zip(leaf_path))]
+                          if entry.replicated else leaf.pieces)
+                for piece in pieces:
+                    sink.piece(entry, piece)
+            if direct is not None:
+                direct.sync()  # durable before the commit that journals it
+        finally:
+            if direct is not None:
+                direct.close()
+        writer.commit(rf.rank, rf.path, rf.size, only, rf.world_size, rf.group_rank, rf.group_size, identity,
+                      options.direct.digest if options.direct is not None else None)
         return Ingested(rf.rank, rf.path, rf.size)
     finally:
         rf.close()
@@ -233,7 +246,8 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
            on_done: Callable[[Ingested], None] | None = None, verify_replicas: bool = False,
            on_created: Callable[[Store], None] | None = None,
            scheduler: str | None = None, only: Callable[[Store], str | None] | None = None, strict: bool = False,
-           on_start: Callable[[int | None, int], None] | None = None) -> Store:
+           on_start: Callable[[int | None, int], None] | None = None,
+           direct: Callable[[Store], Layout | None] | None = None) -> Store:
     """Ingest a checkpoint's units of work (rank files, .distcp files) into the store at `location`
     (created from the checkpoint's spec if it does not exist).
 
@@ -242,7 +256,8 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
     `on_created` sees the store before any rank is ingested (and may refuse it by raising). Ranks already
     committed from a file of the same name and size are skipped, so a rerun does only what is missing.
     With `scheduler` ("dask" for a local cluster, or a scheduler address) the ranks run as Dask tasks.
-    `only(store)` may name the one subtree whose tensors to write (see `ingest_file`). `strict` refuses
+    `only(store)` may name the one subtree whose tensors to write (see `ingest_file`), and `direct(store)` the
+    output layout whose arrays go straight into their output files (export/direct.py). `strict` refuses
     every pickled global outside the allowlist. `on_start(total, done)` hears, once the store is open, the
     bytes of all `files` and of those already in it (None for the total when any file is remote).
     """
@@ -256,7 +271,7 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
         with Pool(jobs, scheduler) as pool:  # workers start now: their start-up overlaps creating the store
             store = create_store(location, source, strict)
             _run(store, pool, files, IngestOptions(verify_replicas, None, strict, source.format),
-                 on_created=on_created, only=only, on_start=on_start, on_done=on_done)
+                 on_created=on_created, only=only, on_start=on_start, on_done=on_done, direct=direct)
     except BaseException:
         # Nothing was accepted: leave no store planned from refused files. Only once the pool is shut down
         # (every task that was running has ended), and never on Dask, whose tasks may outlive this run.
@@ -289,18 +304,20 @@ def _check_readable(files: Sequence[str | os.PathLike[str]]) -> None:
 
 def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options: IngestOptions,
          on_created: Callable[[Store], None] | None, only: Callable[[Store], str | None] | None,
-         on_start: Callable[[int | None, int], None] | None, on_done: Callable[[Ingested], None] | None) -> None:
+         on_start: Callable[[int | None, int], None] | None, on_done: Callable[[Ingested], None] | None,
+         direct: Callable[[Store], Layout | None] | None = None) -> None:
     """The ingest itself, once the store is open: every file not yet in, on the pool."""
     if on_created:
         on_created(store)
     store.sweep_temporaries()  # what writers killed mid-write left behind
     subtree = only(store) if only else None
-    todo = _not_yet_done(store, files, subtree)
+    layout = direct(store) if direct else None
+    todo = _not_yet_done(store, files, subtree, layout.digest if layout is not None else None)
     if on_start:  # sizes of local files only: asking object storage would cost a request per file
         local = not any(is_url(os.fspath(f)) for f in files)
         total = sum(os.path.getsize(f) for f in files) if local else None
         on_start(total, total - sum(os.path.getsize(f) for f in todo) if total is not None else 0)
-    options = replace(options, only=subtree)
+    options = replace(options, only=subtree, direct=layout)
     seen: dict[int, str] = {}
 
     def done(result: Ingested) -> None:
@@ -318,15 +335,17 @@ def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options:
         pool.run(_worker, [(store.location, p, options, store.storage_options) for p in paths], names, done)
 
 
-def _not_yet_done(store: Store, files: Sequence[str | os.PathLike[str]],
-                  subtree: str | None) -> list[str | os.PathLike[str]]:
+def _not_yet_done(store: Store, files: Sequence[str | os.PathLike[str]], subtree: str | None,
+                  direct: str | None = None) -> list[str | os.PathLike[str]]:
     """The files not committed yet, with at least the tensors this run needs (a rank ingested for a
     safetensors-only scratch store lacks the optimizer). A file counts as committed only when a record
     names the same file with the same identity (read/identity.py): a file replaced by another of the same
     name and size, a newer step saved over it, is ingested again, and its worker refuses it if its rank
-    holds the other file. Records from before identities fall back to the name and size."""
-    records = [rec for rec in store.records().values()
-               if rec.only is None or (subtree is not None and under(subtree, rec.only))]
+    holds the other file. Records from before identities fall back to the name and size. A unit whose
+    pieces went into output files counts only for a run writing that same layout (`direct`), and one
+    whose pieces went into the store only for a run that reads them from there."""
+    records = [rec for rec in store.records().values() if rec.direct == direct
+               and (rec.only is None or (subtree is not None and under(subtree, rec.only)))]
     if not records:
         return list(files)
     known = {(rec.file, rec.identity) for rec in records if rec.identity is not None}

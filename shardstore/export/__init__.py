@@ -16,8 +16,10 @@ from ..store.store import Status, Store
 from .output import OutputFile, output_error
 from .resolve import leaves, node_at
 from .dcp import METADATA, export_dcp, plan_dcp
-from .hf import NO_HF_DESCRIPTION, export_hf, has_hf_description, plan_hf, planned_files
-from .safetensors import CASTABLE, export_safetensors, plan_safetensors
+from . import direct
+from .hf import NO_HF_DESCRIPTION, export_hf, has_hf_description, in_values, plan_hf, planned_files, write_model_files
+from .hf.spec import HFModel
+from .safetensors import CASTABLE, SafetensorsPlan, export_safetensors, plan_safetensors, write_index
 from .torch import export_torch, torch_files
 
 FORMATS = ("safetensors", "torch", "dcp", "hf")
@@ -226,3 +228,70 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         raise error from None
     result.replaced = stale
     return result
+
+
+@dataclass(frozen=True)
+class Direct:
+    """An export written by the ingest itself (export/direct.py): its layout, and what finishes it."""
+
+    layout: direct.Layout
+    plan: SafetensorsPlan
+    model: HFModel | None  # for hf: the config and tokenizer files written beside the weights
+
+    @property
+    def files(self) -> list[str]:
+        return planned_files(self.model, self.plan) if self.model else self.plan.files
+
+
+def plan_direct(store: Store, format: str = "safetensors", select: str | None = None, strip_prefix: str | None = None,
+                dtype: str | None = None, max_shard_size: int = 5_000_000_000,
+                hf_config: str | os.PathLike[str] | None = None) -> Direct | None:
+    """The export laid out from the plan alone, for the ingest to write straight into; None where it
+    cannot be (see export/direct.py), and the store then feeds the export as usual."""
+    if format not in ("safetensors", "hf") or store.manifest.extra.get("replicas", 1) > 1:
+        return None
+    subtree = model_subtree(store) if select is None else select
+    node = node_at(store.manifest.tree, subtree)
+    if any(path not in store.manifest.arrays for _, path in leaves(node)):
+        return None  # a plain value's shape comes with the data
+    if format == "hf":
+        if hf_config is None and in_values(store):
+            return None
+        model, plan = plan_hf(store, subtree, hf_config, strip_prefix, dtype, max_shard_size)
+    else:
+        model, plan = None, plan_safetensors(store, node, strip_prefix, dtype, max_shard_size)
+    lay = direct.layout(store, plan, subtree)
+    if lay is None:
+        return None
+    direct.prepare(store, plan, lay)
+    return Direct(lay, plan, model)
+
+
+def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct, overwrite: bool = False) -> ExportResult:
+    """Once every unit is in: the output files renamed into OUT, the index, config and side files beside
+    them, and an earlier export's files removed (`overwrite`)."""
+    out = Path(out_dir)
+    done = [rec for rec in store.records().values() if rec.direct == planned.layout.digest]
+    if len(done) != store.manifest.world_size:
+        raise StoreError(f"{store.location}: {len(done)} of {store.manifest.world_size} units are in; cannot finish")
+    side_files = store.manifest.extra.get("side_files", {}) if planned.model is None else {}
+    stale = previous_outputs(out, planned.files + list(side_files))
+    if stale and not overwrite:
+        raise ExportError(_stale_message(out, stale))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfiles.sweep(out, recursive=False)
+        files = []
+        for name in planned.layout.names:
+            os.replace(Path(planned.layout.folder) / name, out / name)
+            files.append(out / name)
+        files += write_index(out, planned.plan)
+        files += write_model_files(out, planned.model) if planned.model else write_side_files(side_files, out)
+        for path in stale:
+            path.unlink(missing_ok=True)
+    except OSError as exc:
+        error = output_error(out, exc)
+        if error is None:
+            raise
+        raise error from None
+    return ExportResult(files, planned.plan.skipped, replaced=stale, notes=planned.model.notes if planned.model else [])

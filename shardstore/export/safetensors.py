@@ -93,7 +93,7 @@ def tensor_item(store: Store, key: str, path: str, cast: str | None,
     return Item(key, source, cast if cast and dtype in CASTABLE else dtype, shape)
 
 
-def _header(items: list[Item], metadata: dict[str, str]) -> bytes:
+def header(items: list[Item], metadata: dict[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": {"format": "pt", **metadata}}
     offset = 0
     for it in items:
@@ -145,7 +145,7 @@ def write_file(store: Store, path: Path, group: list[Item], partial: dict[str, s
                progress: Callable[[int], None] | None = None) -> Path:
     """One safetensors file: header first, then every tensor streamed from the store."""
     with OutputFile(path, progress) as out:
-        out.write(_header(group, partial or {}))
+        out.write(header(group, partial or {}))
         for it in group:
             out.write_parts(_tensor_bytes(store, it, partial is not None))
     return path
@@ -210,12 +210,18 @@ def export_safetensors(store: Store, out_dir: Path, plan: SafetensorsPlan, progr
         written.sort()
         if progress:
             progress(sum(it.nbytes for it in items))
-    if len(groups) > 1:
-        # As transformers' save_pretrained writes it (total_parameters since transformers 4.47).
-        index = {"metadata": {"total_parameters": sum(math.prod(it.shape) for it in items),
-                              "total_size": sum(it.nbytes for it in items)},
-                 "weight_map": {it.key: name for name, group in zip(names, groups) for it in group}}
-        with OutputFile(out_dir / INDEX) as out:
-            out.write(json.dumps(index, indent=2).encode() + b"\n")
-        written.append(out_dir / INDEX)
-    return written
+    return written + write_index(out_dir, plan)
+
+
+def write_index(out_dir: Path, plan: SafetensorsPlan) -> list[Path]:
+    """model.safetensors.index.json where the export is split, as transformers' save_pretrained writes it
+    (total_parameters since transformers 4.47)."""
+    if len(plan.groups) == 1:
+        return []
+    items = [it for group in plan.groups for it in group]
+    index = {"metadata": {"total_parameters": sum(math.prod(it.shape) for it in items),
+                          "total_size": sum(it.nbytes for it in items)},
+             "weight_map": {it.key: name for name, group in zip(plan.names, plan.groups) for it in group}}
+    with OutputFile(out_dir / INDEX) as out:
+        out.write(json.dumps(index, indent=2).encode() + b"\n")
+    return [out_dir / INDEX]

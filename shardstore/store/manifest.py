@@ -160,25 +160,27 @@ class CommitRecord:
     group_size: int = 0
     crcs: dict[str, dict[str, int]] = field(default_factory=dict)  # path -> cell -> its source's CRC-32
     identity: str | None = None  # which file it was (read/identity.py); None in stores from before it
+    direct: str | None = None  # its pieces went straight into the output of this layout (export/direct.py)
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "world_size": self.world_size, "group_rank": self.group_rank,
                 "group_size": self.group_size, "file": self.file, "bytes": self.bytes, "only": self.only,
                 "cells": self.cells, "staged": self.staged, "objects": self.objects, "crcs": self.crcs,
-                "identity": self.identity}
+                "identity": self.identity, "direct": self.direct}
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> "CommitRecord":
         try:
             record = cls(d["rank"], d["file"], d["bytes"], d["cells"], d["staged"], d["objects"], d.get("only"),
                          d.get("world_size", 0), d.get("group_rank", 0), d.get("group_size", 0), d.get("crcs", {}),
-                         d.get("identity"))
+                         d.get("identity"), d.get("direct"))
         except (KeyError, TypeError):
             record = None
         if record is None or not all(isinstance(v, t) for v, t in (
                 (record.rank, int), (record.file, str), (record.bytes, int), (record.cells, dict),
                 (record.staged, dict), (record.objects, dict), (record.crcs, dict))) \
-                or not isinstance(record.identity, (str, type(None))) or not all(
+                or not isinstance(record.identity, (str, type(None))) or not isinstance(record.direct, (str, type(None))) \
+                or not all(
                 isinstance(c, dict) and all(isinstance(v, int) for v in c.values()) for c in record.crcs.values()):
             raise StoreError(f"{where}: damaged commit record; delete it and ingest that rank again")
         return record

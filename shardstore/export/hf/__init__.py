@@ -33,10 +33,16 @@ NO_HF_DESCRIPTION = ("cannot tell which Hugging Face model this is: the checkpoi
                      "Hugging Face config (Composer); give --hf-config PATH")
 
 
+def in_values(store: Store) -> bool:
+    """Whether the model is described by values the store holds (Composer's Hugging Face metadata), which
+    only the data brings."""
+    return _holder(store, COMPOSER_HF) is not None
+
+
 def has_hf_description(store: Store) -> bool:
     """Whether the checkpoint may describe its model itself, from its plan alone (no rank need be in):
     the run's config.yaml, or Composer's Hugging Face metadata."""
-    return _holder(store, COMPOSER_HF) is not None or "config.yaml" in store.manifest.extra.get("side_files", {})
+    return in_values(store) or "config.yaml" in store.manifest.extra.get("side_files", {})
 
 
 def _side_config(store: Store, name: str) -> bytes | None:
@@ -207,7 +213,12 @@ def planned_files(model: HFModel, plan: SafetensorsPlan) -> list[str]:
 
 def export_hf(store: Store, out_dir: Path, model: HFModel, plan: SafetensorsPlan,
               progress: Callable[[int], None] | None = None, partial: dict[str, str] | None = None) -> list[Path]:
-    written = export_safetensors(store, out_dir, plan, progress, partial)
+    return export_safetensors(store, out_dir, plan, progress, partial) + write_model_files(out_dir, model)
+
+
+def write_model_files(out_dir: Path, model: HFModel) -> list[Path]:
+    """config.json, generation_config.json where known, and the tokenizer files: beside the weights."""
+    written = []
     texts = {CONFIG: json.dumps(model.config, indent=2).encode() + b"\n"}
     if model.generation:
         texts[GENERATION] = json.dumps(model.generation, indent=2).encode() + b"\n"

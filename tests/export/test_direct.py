@@ -1,0 +1,130 @@
+"""One read, one write (export/direct.py): `unshard` without `--store` writes each shard straight into the
+output, and the output is byte for byte what the two-step path (ingest into a store, then export) writes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import shardstore
+from shardstore.export import plan_direct
+from tests.conftest import assert_bitwise_equal, expected
+
+
+class _Phases(shardstore.Progress):
+    def __init__(self) -> None:
+        self.phases: list[str] = []
+
+    def start(self, phase: str, total: int | None, done: int = 0) -> None:
+        self.phases.append(phase)
+
+
+def _same_as_two_step(src: Path, tmp_path: Path, **options: object) -> Path:
+    """Unshard `src` both ways; the one-pass run must have been one pass (no export phase), and every file
+    it wrote must equal the two-step run's byte for byte. Returns the one-pass output folder."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    phases = _Phases()
+    direct = shardstore.unshard(src, one, jobs=2, progress=phases, **options)
+    assert phases.phases == ["ingest"], phases.phases  # nothing was exported from a store
+    assert not shardstore.scratch_location(one).exists()
+    shardstore.unshard(src, two, store=tmp_path / "store", jobs=2, **options)
+    assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in two.iterdir())
+    for path in direct.files:
+        assert path.read_bytes() == (two / path.name).read_bytes(), path.name
+    return one
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_files_in_one_pass(world: int, checkpoints, tmp_path: Path) -> None:
+    """ShardedTensors, their rows split evenly (2) and unevenly (3)."""
+    src = checkpoints(world)
+    out = _same_as_two_step(src, tmp_path)
+    assert_bitwise_equal(load_file(out / "model.safetensors"), expected(src)["model"])
+
+
+def test_casts_splits_and_renames_in_one_pass(checkpoints, tmp_path: Path) -> None:
+    src = checkpoints(3)
+    out = _same_as_two_step(src, tmp_path, dtype="bfloat16", max_shard_size=200_000, strip_prefix="w")
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors.index.json" in names and len([n for n in names if n.startswith("model-")]) == 2
+    got = {}
+    for name in names:
+        if name.endswith(".safetensors"):
+            got |= load_file(out / name)
+    want = {k.removeprefix("w"): v.to(torch.bfloat16) for k, v in expected(src)["model"].items()}
+    assert_bitwise_equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["tp", "fsdp2"])
+def test_dcp_boxes_on_two_dimensions_in_one_pass(kind: str, dcp_checkpoints, tmp_path: Path) -> None:
+    """tp: RowwiseParallel x FSDP, so some boxes are column blocks, written row by row."""
+    src = dcp_checkpoints(kind)
+    out = _same_as_two_step(src, tmp_path)
+    want = torch.load(f"{src}.expected.pt.ref", weights_only=False)["model"]
+    assert_bitwise_equal(load_file(out / "model.safetensors"), want)
+
+
+def test_flat_parameters_in_one_pass(olmo_checkpoints, tmp_path: Path) -> None:
+    """OLMo `local`: element ranges of flat parameters, one of them astride two ranks mid-row."""
+    src = olmo_checkpoints("local", "2.2", 3)
+    out = _same_as_two_step(src, tmp_path)
+    assert_bitwise_equal(load_file(out / "model.safetensors"), expected(src)["model"])
+
+
+def test_a_hugging_face_folder_in_one_pass(checkpoints, tmp_path: Path) -> None:
+    src = checkpoints(4, "hf")
+    out = _same_as_two_step(src, tmp_path, format="hf", hf_config=src / "hf-config")
+    assert (out / "config.json").exists()
+
+
+def test_hybrid_sharding_and_plain_values_take_the_two_step_path(layout_checkpoints, checkpoints,
+                                                                 tmp_path: Path) -> None:
+    """Under hybrid sharding every replica group holds every byte (until one group is chosen to write, the
+    store decides); at world size 1 the small plain tensors are values, whose shapes come with the data."""
+    hsdp = layout_checkpoints("composer-hsdp", 8, "composer", steps=(10, 20), replicas=2, device="cuda",
+                              devices_per_node=4)
+    single = checkpoints(1)
+    for src, tag in ((hsdp, "latest"), (single, None)):
+        phases = _Phases()
+        out = tmp_path / f"out-{src.name}"
+        shardstore.unshard(src, out, jobs=2, tag=tag, progress=phases)
+        assert phases.phases == ["ingest", "export"]
+        store = shardstore.ingest(tmp_path / f"store-{src.name}", shardstore.rank_files(src, tag=tag), jobs=1)
+        assert plan_direct(store) is None
+    assert_bitwise_equal(load_file(tmp_path / "out-tiny-float32-w1" / "model.safetensors"), expected(single)["model"])
+
+
+@pytest.mark.parametrize("target", [0, 1, 2])
+def test_sigkill_mid_way_leaves_nothing_finished_and_the_rerun_completes(target: int, checkpoints,
+                                                                        tmp_path: Path) -> None:
+    """Killed once `target` units are journalled: OUT holds nothing that looks finished, and the same
+    command resumes, skipping the journalled units, to the same bytes as a clean run."""
+    src = checkpoints(6)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "shardstore.cli", "unshard", str(src), str(out), "-j", "1", "-q"]
+    ranks = shardstore.scratch_location(out) / "__shardstore__" / "ranks"
+    for attempt in range(5):  # a busy machine may let every unit commit before the kill lands: again
+        proc = subprocess.Popen(cmd)
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline and len(list(ranks.glob("*.json"))) < target + 1:
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        committed = len(list(ranks.glob("*.json")))
+        if proc.returncode == -signal.SIGKILL and committed < 6:
+            break
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    assert proc.returncode == -signal.SIGKILL and target <= committed < 6, (proc.returncode, committed)
+    assert not (out / "model.safetensors").exists()  # the output is still inside the scratch store
+    rerun = subprocess.run(cmd[:-1], capture_output=True, text=True)  # without -q: its one line per phase
+    assert rerun.returncode == 0, rerun.stderr
+    assert ("were already done" in rerun.stderr) == (committed > 0), rerun.stderr  # journalled units skipped
+    assert_bitwise_equal(load_file(out / "model.safetensors"), expected(src)["model"])
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
