@@ -35,6 +35,8 @@ class RemoteRange:
 
 Part = Union[bytes, bytearray, memoryview, FileRange, RemoteRange]
 BLOCK = 16 << 20
+# copy_file_range cannot copy between these files (other file systems, an old kernel): copy through memory
+NOT_HERE = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 
 def part_length(part: Part) -> int:
@@ -65,7 +67,7 @@ def copy_range(src: FileRange, dst_fd: int) -> None:
         try:
             n = os.copy_file_range(src.fd, dst_fd, min(left, 1 << 30), offset)
         except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            if exc.errno not in NOT_HERE:
                 raise
             n = 0
         if n == 0:  # not supported here (or a short source): fall back to plain reads

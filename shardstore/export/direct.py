@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes
-from ..ranges import FileRange, Part, blocks, part_length
+from ..ranges import NOT_HERE, FileRange, Part, blocks, part_length
 from ..store.manifest import ArrayEntry
 from ..store.store import Store
+from .output import output_error
 from .resolve import ArrayRef, leaves, node_at
 from .safetensors import CAST_BLOCK_BYTES, SafetensorsPlan, _cast, header
 
@@ -127,11 +128,19 @@ class DirectWriter:
         """Write one piece (a box of the array, or an element range of a flat one) to every place of it."""
         if not all(piece.sizes):
             return
-        for target in self.layout.targets[entry.path]:
-            for first, count, out_at in _runs(entry, piece, target):
-                self._write(entry, piece, first, count, target, out_at)
+        values: list[np.ndarray] = []  # the piece's elements in C order, built once if a run needs them
+        try:
+            for target in self.layout.targets[entry.path]:
+                for first, count, out_at in _runs(entry, piece, target):
+                    self._write(entry, piece, values, first, count, target, out_at)
+        except OSError as exc:  # a full disk, a read-only one: one line naming the file, not a traceback
+            error = output_error(Path(self.layout.folder), exc)
+            if error is None:
+                raise
+            raise error from None
 
-    def _write(self, entry: ArrayEntry, piece: Any, first: int, count: int, target: Target, out_at: int) -> None:
+    def _write(self, entry: ArrayEntry, piece: Any, values: list[np.ndarray], first: int, count: int,
+               target: Target, out_at: int) -> None:
         """`count` elements of `piece` from its element `first` (C order within the piece), to element
         `out_at` of the target's tensor."""
         src, dst = dtypes.info(entry.dtype), dtypes.info(target.dtype)
@@ -141,8 +150,9 @@ class DirectWriter:
         if first % row == 0 and count % row == 0:
             part = piece.rows(first // row, count // row)
         if part is None:
-            flat = np.ascontiguousarray(piece.values()).reshape(-1)
-            part = flat[first:first + count].data
+            if not values:
+                values.append(np.ascontiguousarray(piece.values()).reshape(-1))
+            part = values[0][first:first + count].data
         if target.dtype == entry.dtype:
             _put(part, fd, offset)
             return
@@ -203,7 +213,9 @@ def _put(part: Part, fd: int, offset: int) -> None:
         while left:
             try:
                 n = os.copy_file_range(part.fd, fd, min(left, 1 << 30), src, offset)
-            except OSError:
+            except OSError as exc:
+                if exc.errno not in NOT_HERE:
+                    raise
                 n = 0
             if n == 0:  # not supported here: through memory
                 for block in blocks([FileRange(part.fd, src, left, part.source)]):
