@@ -164,14 +164,15 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
                 encoded = _encoded(leaf, _encode_tensor(writer, rf.value_zip(leaf_path)), f"{rf.path}: {leaf_path}")
                 writer.value(leaf_path, encoded)
         direct = DirectWriter(options.direct) if options.direct is not None else None
+        writes = direct is not None and direct.claim(rf.group_rank, rf.rank)  # hybrid: one copy per group rank
         try:
             for leaf_path, leaf in rf.leaves.items():
                 entry = arrays.get(leaf_path)
                 if entry is None or not under(leaf_path, only):
                     continue
                 sink: Any = direct if direct is not None and direct.places(leaf_path) else writer
-                if entry.replicated and sink is direct and rf.rank != 0:
-                    continue  # every unit holds it whole: the first one writes it
+                if sink is direct and (not writes or entry.replicated and rf.group_rank != 0):
+                    continue  # another unit writes this copy (every unit holds a plain tensor whole)
                 pieces = ([LocalPiece((0,) * len(entry.shape), entry.shape, leaf, rf.value_zip(leaf_path))]
                           if entry.replicated else leaf.pieces)
                 for piece in pieces:

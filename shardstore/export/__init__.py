@@ -248,7 +248,8 @@ def plan_direct(store: Store, format: str = "safetensors", select: str | None = 
                 hf_config: str | os.PathLike[str] | None = None) -> Direct | None:
     """The export laid out from the plan alone, for the ingest to write straight into; None where it
     cannot be (see export/direct.py), and the store then feeds the export as usual."""
-    if format not in ("safetensors", "hf") or store.manifest.extra.get("replicas", 1) > 1:
+    if format not in ("safetensors", "hf") or (store.manifest.extra.get("replicas", 1) > 1
+                                               and store.manifest.extra.get("format", "torch-save") != "torch-save"):
         return None
     subtree = model_subtree(store) if select is None else select
     node = node_at(store.manifest.tree, subtree)

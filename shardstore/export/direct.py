@@ -10,10 +10,16 @@ scratch store, which keeps its values and is the journal a rerun resumes from. T
 scratch store until every unit is in; then they are renamed into OUT, so a run killed at any moment leaves
 nothing in OUT that looks finished.
 
+Under hybrid sharding every replica group's files hold every byte, and the units of one rank in the
+shard group hold the same pieces. The first unit of each group rank to start claims it (a file created
+exclusively) and writes; the others only check and commit. A claim counts only once its unit is
+journalled: a run that starts again voids the claims of units that never committed, so their pieces are
+written by whichever unit of that group rank comes next.
+
 Where this does not apply the two-step path runs (ingest into the scratch store, then export from it):
 tensors the plan cannot place before the data is read (plain values under the model: their shapes come
-with the data; a Composer model's config lives in its values), hybrid sharding (replica groups would
-each write every byte), `--verify-replicas`, Dask, `--store`, and OUT on object storage.
+with the data; a Composer model's config lives in its values), hybrid sharding of other formats than
+rank files, `--verify-replicas`, Dask, `--store`, and OUT on object storage.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +45,7 @@ from .safetensors import CAST_BLOCK_BYTES, SafetensorsPlan, _cast, header
 
 FOLDER = "__shardstore__/direct"  # inside the scratch store: the output files while they are written
 LAYOUT = "layout.json"
+CLAIMS = "claims"  # hybrid sharding: which unit writes each rank of the shard group
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,7 @@ class Layout:
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     targets: dict[str, tuple[Target, ...]]  # store path -> its places
+    replicated: bool = False  # hybrid sharding: one unit per rank of the shard group writes (claims)
 
     @property
     def digest(self) -> str:
@@ -84,7 +93,8 @@ def layout(store: Store, plan: SafetensorsPlan, subtree: str) -> Layout | None:
             offset += item.nbytes
         sizes.append(offset)
     folder = os.path.join(os.fspath(store.location), FOLDER)
-    return Layout(folder, tuple(plan.names), tuple(sizes), {p: tuple(t) for p, t in targets.items()})
+    return Layout(folder, tuple(plan.names), tuple(sizes), {p: tuple(t) for p, t in targets.items()},
+                  store.manifest.extra.get("replicas", 1) > 1)
 
 
 def prepare(store: Store, plan: SafetensorsPlan, lay: Layout) -> None:
@@ -93,8 +103,11 @@ def prepare(store: Store, plan: SafetensorsPlan, lay: Layout) -> None:
     folder = Path(lay.folder)
     marker = folder / LAYOUT
     if marker.exists() and marker.read_text() == lay.digest:
+        _void_claims(store, folder / CLAIMS, lay.digest)
         return
-    folder.mkdir(parents=True, exist_ok=True)
+    if (folder / CLAIMS).exists():
+        shutil.rmtree(folder / CLAIMS)
+    (folder / CLAIMS).mkdir(parents=True)
     marker.unlink(missing_ok=True)
     for name, group, size in zip(lay.names, plan.groups, lay.sizes):
         fd = os.open(folder / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -107,6 +120,15 @@ def prepare(store: Store, plan: SafetensorsPlan, lay: Layout) -> None:
     tmp = folder / f".{LAYOUT}.tmp"
     tmp.write_text(lay.digest)
     os.replace(tmp, marker)
+
+
+def _void_claims(store: Store, claims: Path, digest: str) -> None:
+    """A claim whose unit was never journalled (its run died) no longer holds: another unit of its group
+    rank writes those pieces."""
+    journalled = {rec.rank for rec in store.records().values() if rec.direct == digest}
+    for claim in claims.iterdir():
+        if int(claim.read_text() or -1) not in journalled:
+            claim.unlink()
 
 
 class DirectWriter:
@@ -123,6 +145,24 @@ class DirectWriter:
 
     def places(self, path: str) -> bool:
         return path in self.layout.targets
+
+    def claim(self, group_rank: int, rank: int) -> bool:
+        """Whether this unit writes its pieces: always, but under hybrid sharding only the first unit of
+        its rank in the shard group (the others hold a copy of the same pieces)."""
+        if not self.layout.replicated:
+            return True
+        path = os.path.join(self.layout.folder, CLAIMS, str(group_rank))
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            with open(path) as f:
+                return f.read() == str(rank)  # this unit's own claim, from before a crash
+        try:
+            os.write(fd, str(rank).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
 
     def piece(self, entry: ArrayEntry, piece: Any) -> None:
         """Write one piece (a box of the array, or an element range of a flat one) to every place of it."""

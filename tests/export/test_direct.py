@@ -84,21 +84,54 @@ def test_a_hugging_face_folder_in_one_pass(checkpoints, tmp_path: Path) -> None:
     assert (out / "config.json").exists()
 
 
-def test_hybrid_sharding_and_plain_values_take_the_two_step_path(layout_checkpoints, checkpoints,
-                                                                 tmp_path: Path) -> None:
-    """Under hybrid sharding every replica group holds every byte (until one group is chosen to write, the
-    store decides); at world size 1 the small plain tensors are values, whose shapes come with the data."""
-    hsdp = layout_checkpoints("composer-hsdp", 8, "composer", steps=(10, 20), replicas=2, device="cuda",
-                              devices_per_node=4)
+@pytest.mark.parametrize("member", ["composer-t2.13-hsdp-w4", "composer-t2.1-hsdp-w4", "composer-t2.0-hsdp-w4"])
+def test_hybrid_sharding_in_one_pass(member: str, tmp_path: Path) -> None:
+    """Genuine HSDP rank files (2 replica groups of 2; torch 2.0 and 2.1 number placements within the
+    group, 2.13 globally): one unit of each group rank writes, and the output is the two-step one."""
+    src = Path(__file__).parents[1] / "corpus" / "data" / member / "ep0-ba1"
+    _same_as_two_step(src, tmp_path, strip_prefix="model.")
+
+
+def test_a_claim_whose_unit_never_committed_is_void(tmp_path: Path) -> None:
+    """A unit that claimed its group rank and died before its commit: the rerun's units of that group
+    rank write instead, and the output is whole."""
+    from shardstore.export import direct
+
+    src = Path(__file__).parents[1] / "corpus" / "data" / "composer-t2.13-hsdp-w4" / "ep0-ba1"
+    out = tmp_path / "out"
+    scratch = shardstore.scratch_location(out)
+    original = direct.DirectWriter.claim
+
+    def die_after_claiming(self, group_rank: int, rank: int) -> bool:
+        won = original(self, group_rank, rank)
+        if won and group_rank == 1:
+            raise KeyboardInterrupt  # killed between its claim and its commit
+        return won
+
+    direct.DirectWriter.claim = die_after_claiming
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            shardstore.unshard(src, out, jobs=1)
+    finally:
+        direct.DirectWriter.claim = original
+    claims = scratch / direct.FOLDER / direct.CLAIMS
+    assert (claims / "1").read_text() == "1" and 1 not in shardstore.open(scratch).records()
+    assert plan_direct(shardstore.open(scratch)) is not None  # what the rerun lays out first
+    assert sorted(p.name for p in claims.iterdir()) == ["0"]  # rank 0's claim holds: it was journalled
+    shardstore.unshard(src, out, jobs=1)
+    two = shardstore.unshard(src, tmp_path / "two", store=tmp_path / "store", jobs=1)
+    assert (out / "model.safetensors").read_bytes() == two.files[0].read_bytes()
+
+
+def test_plain_values_under_the_model_take_the_two_step_path(checkpoints, tmp_path: Path) -> None:
+    """At world size 1 the small plain tensors are values, whose shapes come with the data."""
     single = checkpoints(1)
-    for src, tag in ((hsdp, "latest"), (single, None)):
-        phases = _Phases()
-        out = tmp_path / f"out-{src.name}"
-        shardstore.unshard(src, out, jobs=2, tag=tag, progress=phases)
-        assert phases.phases == ["ingest", "export"]
-        store = shardstore.ingest(tmp_path / f"store-{src.name}", shardstore.rank_files(src, tag=tag), jobs=1)
-        assert plan_direct(store) is None
-    assert_bitwise_equal(load_file(tmp_path / "out-tiny-float32-w1" / "model.safetensors"), expected(single)["model"])
+    phases = _Phases()
+    shardstore.unshard(single, tmp_path / "out", jobs=2, progress=phases)
+    assert phases.phases == ["ingest", "export"]
+    store = shardstore.ingest(tmp_path / "store", shardstore.rank_files(single), jobs=1)
+    assert plan_direct(store) is None
+    assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), expected(single)["model"])
 
 
 @pytest.mark.parametrize("target", [0, 1, 2])
