@@ -283,8 +283,13 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
         out.mkdir(parents=True, exist_ok=True)
         tempfiles.sweep(out, recursive=False)
         files = []
+        folder = Path(planned.layout.folder)
+        moving = folder / direct.MOVING  # a rerun after a crash mid-way knows which files moved already
+        moved_before = moving.exists()
+        moving.touch()
         for name in planned.layout.names:
-            os.replace(Path(planned.layout.folder) / name, out / name)
+            if not (moved_before and not (folder / name).exists() and (out / name).exists()):
+                os.replace(folder / name, out / name)
             files.append(out / name)
         files += write_index(out, planned.plan)
         files += write_model_files(out, planned.model) if planned.model else write_side_files(side_files, out)

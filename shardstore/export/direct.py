@@ -46,6 +46,7 @@ from .safetensors import CAST_BLOCK_BYTES, SafetensorsPlan, _cast, header
 FOLDER = "__shardstore__/direct"  # inside the scratch store: the output files while they are written
 LAYOUT = "layout.json"
 CLAIMS = "claims"  # hybrid sharding: which unit writes each rank of the shard group
+MOVING = "moving"  # the files are being renamed into OUT: one missing here is there already
 
 
 @dataclass(frozen=True)

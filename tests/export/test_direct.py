@@ -161,3 +161,42 @@ def test_sigkill_mid_way_leaves_nothing_finished_and_the_rerun_completes(target:
     assert ("were already done" in rerun.stderr) == (committed > 0), rerun.stderr  # journalled units skipped
     assert_bitwise_equal(load_file(out / "model.safetensors"), expected(src)["model"])
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+
+
+def test_a_crash_while_moving_the_files_into_out_resumes(checkpoints, tmp_path: Path, monkeypatch) -> None:
+    """Killed after the first of two files moved into OUT: the rerun moves the other and finishes."""
+    import os
+
+    src = checkpoints(3)
+    out = tmp_path / "out"
+    real, moved = os.replace, []
+
+    def replace_once(a: object, b: object) -> None:
+        if Path(b).parent != out:  # the store's own atomic writes
+            return real(a, b)
+        if moved:
+            raise KeyboardInterrupt  # killed between the two renames into OUT
+        real(a, b)
+        moved.append(Path(b))
+
+    monkeypatch.setattr(os, "replace", replace_once)
+    with pytest.raises(KeyboardInterrupt):
+        shardstore.unshard(src, out, jobs=1, max_shard_size=600_000)
+    monkeypatch.undo()
+    assert [p.name for p in moved] == ["model-00001-of-00002.safetensors"] and not (out / "model.safetensors.index.json").exists()
+    shardstore.unshard(src, out, jobs=1, max_shard_size=600_000)
+    got = load_file(out / "model-00001-of-00002.safetensors") | load_file(out / "model-00002-of-00002.safetensors")
+    assert_bitwise_equal(got, expected(src)["model"])
+
+
+def test_an_earlier_export_in_out_is_refused_or_replaced(checkpoints, tmp_path: Path) -> None:
+    from shardstore.errors import ExportError
+
+    src = checkpoints(3)
+    out = tmp_path / "out"
+    shardstore.unshard(src, out, jobs=1, max_shard_size=600_000)  # two files and an index
+    with pytest.raises(ExportError, match="earlier export that this one would not replace"):
+        shardstore.unshard(src, out, jobs=1)
+    result = shardstore.unshard(src, out, jobs=1, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"] and len(result.replaced) == 3
+    assert_bitwise_equal(load_file(out / "model.safetensors"), expected(src)["model"])
