@@ -5,9 +5,10 @@ from __future__ import annotations
 import base64
 import os
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from .. import dtypes, tempfiles
 from ..errors import ExportError, StoreError
@@ -203,9 +204,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     stale = previous_outputs(out, planned)
     if stale and not overwrite:
         raise ExportError(_stale_message(out, stale))
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tempfiles.sweep(out, recursive=False)  # what a killed export left behind
+    with _writing_into(out, stale):
         if on_start:
             on_start(nbytes)
         if format == "torch":
@@ -219,15 +218,25 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
             files = export_safetensors(store, out, plan, progress, partial, scheduler, jobs)
             result = ExportResult(files, plan.skipped, partial)
         result.files += write_side_files(side_files, out)
-        for path in stale:  # only now that the new export is whole
+    result.replaced = stale
+    return result
+
+
+@contextmanager
+def _writing_into(out: Path, stale: list[Path]) -> Iterator[None]:
+    """OUT made, and swept of what a killed export left behind; an earlier export's files removed only
+    once the new one is whole; an OSError the folder causes (a full disk) turned into one line."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfiles.sweep(out, recursive=False)
+        yield
+        for path in stale:
             path.unlink(missing_ok=True)
     except OSError as exc:
         error = output_error(out, exc)
         if error is None:
             raise
         raise error from None
-    result.replaced = stale
-    return result
 
 
 @dataclass(frozen=True)
@@ -261,7 +270,7 @@ def plan_direct(store: Store, format: str = "safetensors", select: str | None = 
         model, plan = plan_hf(store, subtree, hf_config, strip_prefix, dtype, max_shard_size)
     else:
         model, plan = None, plan_safetensors(store, node, strip_prefix, dtype, max_shard_size)
-    lay = direct.layout(store, plan, subtree)
+    lay = direct.layout(store, plan)
     if lay is None:
         return None
     direct.prepare(store, plan, lay)
@@ -279,9 +288,7 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
     stale = previous_outputs(out, planned.files + list(side_files))
     if stale and not overwrite:
         raise ExportError(_stale_message(out, stale))
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tempfiles.sweep(out, recursive=False)
+    with _writing_into(out, stale):
         files = []
         folder = Path(planned.layout.folder)
         moving = folder / direct.MOVING  # a rerun after a crash mid-way knows which files moved already
@@ -293,11 +300,4 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
             files.append(out / name)
         files += write_index(out, planned.plan)
         files += write_model_files(out, planned.model) if planned.model else write_side_files(side_files, out)
-        for path in stale:
-            path.unlink(missing_ok=True)
-    except OSError as exc:
-        error = output_error(out, exc)
-        if error is None:
-            raise
-        raise error from None
     return ExportResult(files, planned.plan.skipped, replaced=stale, notes=planned.model.notes if planned.model else [])

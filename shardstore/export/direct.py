@@ -40,7 +40,7 @@ from ..ranges import NOT_HERE, FileRange, Part, blocks, part_length
 from ..store.manifest import ArrayEntry
 from ..store.store import Store
 from .output import output_error
-from .resolve import ArrayRef, leaves, node_at
+from .resolve import ArrayRef
 from .safetensors import CAST_BLOCK_BYTES, SafetensorsPlan, _cast, header
 
 FOLDER = "__shardstore__/direct"  # inside the scratch store: the output files while they are written
@@ -67,7 +67,7 @@ class Layout:
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     targets: dict[str, tuple[Target, ...]]  # store path -> its places
-    replicated: bool = False  # hybrid sharding: one unit per rank of the shard group writes (claims)
+    hybrid: bool = False  # hybrid sharding: one unit per rank of the shard group writes (claims)
 
     @property
     def digest(self) -> str:
@@ -76,12 +76,9 @@ class Layout:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def layout(store: Store, plan: SafetensorsPlan, subtree: str) -> Layout | None:
+def layout(store: Store, plan: SafetensorsPlan) -> Layout | None:
     """The output's layout, or None where a tensor of the export is not an array of the plan (a plain
     value, whose shape comes with the data): the two-step path then runs."""
-    node = node_at(store.manifest.tree, subtree)
-    if any(path not in store.manifest.arrays for _, path in leaves(node)):
-        return None
     targets: dict[str, list[Target]] = {}
     sizes = []
     for i, group in enumerate(plan.groups):
@@ -150,7 +147,7 @@ class DirectWriter:
     def claim(self, group_rank: int, rank: int) -> bool:
         """Whether this unit writes its pieces: always, but under hybrid sharding only the first unit of
         its rank in the shard group (the others hold a copy of the same pieces)."""
-        if not self.layout.replicated:
+        if not self.layout.hybrid:
             return True
         path = os.path.join(self.layout.folder, CLAIMS, str(group_rank))
         try:
