@@ -200,3 +200,28 @@ def test_an_earlier_export_in_out_is_refused_or_replaced(checkpoints, tmp_path: 
     result = shardstore.unshard(src, out, jobs=1, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"] and len(result.replaced) == 3
     assert_bitwise_equal(load_file(out / "model.safetensors"), expected(src)["model"])
+
+
+def test_a_full_disk_is_one_line_and_the_rerun_completes(checkpoints, tmp_path: Path) -> None:
+    """OUT on a real, tiny disk that holds the output (so the check before the ingest lets it start) but
+    not the scratch store's records beside it: one line, no traceback, and once space is freed the same
+    command completes, bit-exact."""
+    src = checkpoints(3)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    size = (src / "rank0.pt").stat().st_size // 2  # above the 1.2 MB output, below what the run writes
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={max(size, 1_400_000)}", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()[:100]}); needs root")
+    try:
+        cmd = [sys.executable, "-m", "shardstore.cli", "unshard", str(src), str(disk / "out"), "-j", "1", "-q"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert "no space left on device" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+        assert not (disk / "out" / "model.safetensors").exists()
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # free space
+        assert subprocess.run(cmd).returncode == 0
+        assert_bitwise_equal(load_file(disk / "out" / "model.safetensors"), expected(src)["model"])
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
