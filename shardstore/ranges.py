@@ -61,11 +61,13 @@ def blocks(parts: Iterable[Part], size: int = BLOCK) -> Iterator[bytes | memoryv
                 yield view[off:off + size]
 
 
-def copy_range(src: FileRange, dst_fd: int) -> None:
+def copy_range(src: FileRange, dst_fd: int, dst_offset: int | None = None) -> None:
+    """Copy `src` into `dst_fd`, kernel-side where the two files allow it: at the file's position, or at
+    `dst_offset` (the position left as it is, so several writers can fill one file)."""
     offset, left = src.offset, src.length
     while left:
         try:
-            n = os.copy_file_range(src.fd, dst_fd, min(left, 1 << 30), offset)
+            n = os.copy_file_range(src.fd, dst_fd, min(left, 1 << 30), offset, dst_offset)
         except OSError as exc:
             if exc.errno not in NOT_HERE:
                 raise
@@ -74,6 +76,8 @@ def copy_range(src: FileRange, dst_fd: int) -> None:
             data = os.pread(src.fd, min(left, 16 << 20), offset)
             if not data:
                 raise StoreError(f"{src.source} ended {left} bytes early (changed while being read?)")
-            n = os.write(dst_fd, data)
+            n = os.write(dst_fd, data) if dst_offset is None else os.pwrite(dst_fd, data, dst_offset)
         offset += n
         left -= n
+        if dst_offset is not None:
+            dst_offset += n

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes
-from ..ranges import NOT_HERE, FileRange, Part, blocks, part_length
+from ..ranges import FileRange, Part, blocks, copy_range, part_length
 from ..store.manifest import ArrayEntry
 from ..store.store import Store
 from .output import output_error
@@ -247,20 +247,7 @@ def _runs(entry: ArrayEntry, piece: Any, target: Target) -> list[tuple[int, int,
 
 def _put(part: Part, fd: int, offset: int) -> None:
     if isinstance(part, FileRange):
-        left, src = part.length, part.offset
-        while left:
-            try:
-                n = os.copy_file_range(part.fd, fd, min(left, 1 << 30), src, offset)
-            except OSError as exc:
-                if exc.errno not in NOT_HERE:
-                    raise
-                n = 0
-            if n == 0:  # not supported here: through memory
-                for block in blocks([FileRange(part.fd, src, left, part.source)]):
-                    _pwrite(fd, block, offset)
-                    offset += len(block)
-                return
-            src, offset, left = src + n, offset + n, left - n
+        copy_range(part, fd, offset)
         return
     for block in blocks([part]):
         _pwrite(fd, block, offset)

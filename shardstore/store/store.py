@@ -80,6 +80,7 @@ class Store:
         self.manifest = manifest
         self._zarr_root: zarr.Group | None = None
         self._records: dict[int, CommitRecord] = {}
+        self._crcs: tuple[int, dict[str, dict[int, int]]] = (0, {})  # (records indexed, path -> cell -> CRC)
         self._staging: dict[int, bytes] | None = None  # during assembly: staging files read whole, by rank
         self._staged_bytes = 0
 
@@ -425,8 +426,7 @@ class Store:
         plan = self.manifest.arrays[path]
         if not all(plan.shape) or tuple(plan.cell[1:]) != tuple(plan.shape[1:]):
             return None
-        crcs = {int(cell): crc for rec in self.records(refresh=False).values()
-                for cell, crc in rec.crcs.get(path, {}).items()}
+        crcs = self._recorded_crcs(path)
         row_bytes = math.prod(plan.shape[1:]) * dtypes.info(plan.dtype).itemsize
         total = None
         for i in range(plan.grid[0]):
@@ -439,9 +439,19 @@ class Store:
     def cell_crc(self, path: str, index: tuple[int, ...]) -> int | None:
         """The CRC-32 of one cell's bytes in C order, where the unit that wrote it recorded the one its source
         file stores for exactly those bytes; else None."""
-        flat = str(self.manifest.arrays[path].flat_index(index))
-        return next((rec.crcs[path][flat] for rec in self.records(refresh=False).values()
-                     if flat in rec.crcs.get(path, {})), None)
+        return self._recorded_crcs(path).get(self.manifest.arrays[path].flat_index(index))
+
+    def _recorded_crcs(self, path: str) -> dict[int, int]:
+        """Cell -> the CRC-32 its unit recorded, for one array: every commit record's, indexed once (an
+        export asks for each of thousands of cells) and again only when more records have been read."""
+        records = self.records(refresh=False)
+        if self._crcs[0] != len(records):
+            index: dict[str, dict[int, int]] = {}
+            for rec in records.values():
+                for p, cells in rec.crcs.items():
+                    index.setdefault(p, {}).update((int(cell), crc) for cell, crc in cells.items())
+            self._crcs = (len(records), index)
+        return self._crcs[1].get(path, {})
 
     def cell_parts(self, path: str, index: tuple[int, ...], max_bytes: int = 16 << 20) -> Iterator[Part]:
         """One cell's values in C order, clipped to the array: where the cell spans its trailing dimensions
