@@ -148,6 +148,15 @@ def preflight(store: Store, out_dir: str | os.PathLike[str], format: str = "safe
         raise ExportError(_stale_message(out, stale))
 
 
+def _earlier_export(out: Path, planned: list[str], overwrite: bool) -> list[Path]:
+    """The files of an earlier export in `out` that this one would not replace: refused, unless
+    `overwrite` (they are then removed once the new export is whole)."""
+    stale = previous_outputs(out, planned)
+    if stale and not overwrite:
+        raise ExportError(_stale_message(out, stale))
+    return stale
+
+
 def _stale_message(out: Path, stale: list[Path]) -> str:
     names = ", ".join(p.name for p in stale[:6]) + (" ..." if len(stale) > 6 else "")
     return (f"{out}: holds files of an earlier export that this one would not replace ({names}); "
@@ -201,9 +210,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         planned, nbytes = plan.files, plan.nbytes
     side_files = store.manifest.extra.get("side_files", {}) if format != "hf" else {}
     planned = planned + list(side_files)
-    stale = previous_outputs(out, planned)
-    if stale and not overwrite:
-        raise ExportError(_stale_message(out, stale))
+    stale = _earlier_export(out, planned, overwrite)
     with _writing_into(out, stale):
         if on_start:
             on_start(nbytes)
@@ -285,9 +292,7 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
     if len(done) != store.manifest.world_size:
         raise StoreError(f"{store.location}: {len(done)} of {store.manifest.world_size} units are in; cannot finish")
     side_files = store.manifest.extra.get("side_files", {}) if planned.model is None else {}
-    stale = previous_outputs(out, planned.files + list(side_files))
-    if stale and not overwrite:
-        raise ExportError(_stale_message(out, stale))
+    stale = _earlier_export(out, planned.files + list(side_files), overwrite)
     with _writing_into(out, stale):
         files = []
         folder = Path(planned.layout.folder)
