@@ -278,8 +278,6 @@ def plan_direct(store: Store, format: str = "safetensors", select: str | None = 
     else:
         model, plan = None, plan_safetensors(store, node, strip_prefix, dtype, max_shard_size)
     lay = direct.layout(store, plan)
-    if lay is None:
-        return None
     direct.prepare(store, plan, lay)
     return Direct(lay, plan, model)
 

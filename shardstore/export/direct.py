@@ -76,17 +76,15 @@ class Layout:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def layout(store: Store, plan: SafetensorsPlan) -> Layout | None:
-    """The output's layout, or None where a tensor of the export is not an array of the plan (a plain
-    value, whose shape comes with the data): the two-step path then runs."""
+def layout(store: Store, plan: SafetensorsPlan) -> Layout:
+    """The output's layout: every tensor of `plan` an array of the store's plan (the caller made sure)."""
     targets: dict[str, list[Target]] = {}
     sizes = []
     for i, group in enumerate(plan.groups):
         offset = len(header(group, {}))
         for item in group:
             ref = item.source
-            if not isinstance(ref, ArrayRef):
-                return None
+            assert isinstance(ref, ArrayRef), item.key  # plain values never reach a one-pass plan
             targets.setdefault(ref.path, []).append(Target(i, offset, ref.rows, item.dtype))
             offset += item.nbytes
         sizes.append(offset)
