@@ -5,11 +5,16 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
+
+import shardstore
 
 from tests.fixtures.fsdp import make_checkpoint
 from tests.fixtures.layouts import make_layout_checkpoint
@@ -159,3 +164,39 @@ def assert_bitwise_equal(actual: Any, want: Any, where: str = "", ordered: bool 
             assert_bitwise_equal(a, b, f"{where}/{i}", ordered)
     else:
         assert actual == want, f"{where}: {actual!r} != {want!r}"
+
+
+class Phases(shardstore.Progress):
+    """A progress that records which phases ran (ingest, export): what tells the one-pass unshard apart."""
+
+    def __init__(self) -> None:
+        self.phases: list[str] = []
+
+    def start(self, phase: str, total: int | None, done: int = 0) -> None:
+        self.phases.append(phase)
+
+
+def sigkill_mid_way(cmd: list[str], store: Path, units: int, commits: int, reset: Path | None = None,
+                    delay: Callable[[int], float] = lambda attempt: 0.0) -> int:
+    """Run `cmd` (an ingest into `store`, or an unshard whose scratch store it is) and SIGKILL it once the
+    store exists with `commits` units committed, `delay(attempt)` seconds later. A busy machine can let every
+    unit commit before the kill lands: `reset` (default: the store) is then removed and the run tried
+    again, up to 5 times. Asserts the kill landed mid-way; returns how many units were committed by then."""
+    manifest, ranks = store / "__shardstore__" / "manifest.json", store / "__shardstore__" / "ranks"
+    for attempt in range(5):
+        proc = subprocess.Popen(cmd)
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline and not (
+                manifest.exists() and len(list(ranks.glob("*.json"))) >= commits):
+            time.sleep(0.002)
+        time.sleep(delay(attempt))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        committed = len(list(ranks.glob("*.json")))
+        if proc.returncode == -signal.SIGKILL and manifest.exists() and committed < units:
+            break
+        shutil.rmtree(reset or store, ignore_errors=True)
+    # the kill landed where it was meant to: the store exists and the run had not finished
+    assert proc.returncode == -signal.SIGKILL, f"the run ended ({proc.returncode}) before the kill"
+    assert manifest.exists() and commits <= committed < units, (commits, committed)
+    return committed

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import shardstore
-from tests.conftest import assert_bitwise_equal, expected
+from tests.conftest import Phases, assert_bitwise_equal, expected
 from tests.fixtures.fsdp import trainer_state
 
 
@@ -146,14 +146,6 @@ def test_the_readme_api_examples_run_verbatim_as_a_plain_script(checkpoints, tmp
     assert re.search(r"^export: .* in [0-9.]+ s$", run.stderr, re.M)  # progress=True, one line per phase
 
 
-class _Phases(shardstore.Progress):
-    def __init__(self) -> None:
-        self.started: list[str] = []
-
-    def start(self, phase: str, total: int | None, done: int = 0) -> None:
-        self.started.append(phase)
-
-
 def test_mistakes_are_refused_before_anything_is_ingested(checkpoints, tmp_path: Path, monkeypatch) -> None:
     """Each of these is known once the checkpoint is planned: refused then, in one line, with no ingest
     begun and no scratch store left behind."""
@@ -165,10 +157,10 @@ def test_mistakes_are_refused_before_anything_is_ingested(checkpoints, tmp_path:
     out = tmp_path / "out"
 
     def refused(error: type[Exception], match: str, **options: object) -> None:
-        phases = _Phases()
+        phases = Phases()
         with pytest.raises(error, match=match):
             shardstore.unshard(src, out, jobs=1, progress=phases, **options)
-        assert phases.started == [] and not shardstore.scratch_location(out).exists()
+        assert phases.phases == [] and not shardstore.scratch_location(out).exists()
 
     refused(TypeError, "unexpected keyword argument 'fromat'", fromat="hf")
     refused(ExportError, "no config.yaml .* give --hf-config PATH", format="hf")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import shutil
 from pathlib import Path
 
 import pytest
 
 import shardstore
 from shardstore.errors import CheckpointError
+from tests.conftest import sigkill_mid_way
 
 
 def content(store: Path) -> dict[str, str]:
@@ -68,33 +68,16 @@ def test_two_processes_ingesting_into_one_new_store_at_once(checkpoints, tmp_pat
 @pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
 def test_sigkill_at_any_moment_then_rerun_equals_a_clean_ingest(checkpoints, tmp_path: Path, seed: int) -> None:
     import random
-    import signal
     import subprocess
     import sys
-    import time
 
     src = checkpoints(6)
     files = [str(f) for f in sorted(src.glob("rank*.pt"))]
     shardstore.ingest(tmp_path / "clean", files, jobs=1)
     cmd = [sys.executable, "-m", "shardstore.cli", "ingest", str(tmp_path / "s"), *files, "-j", "1", "-q"]
-    manifest, ranks = tmp_path / "s" / "__shardstore__" / "manifest.json", tmp_path / "s" / "__shardstore__" / "ranks"
-    target = seed % 5  # the kill comes once this many ranks are committed, a moment into the next one
-    for attempt in range(5):  # a busy machine may let the last ranks commit before the kill: try again
-        proc = subprocess.Popen(cmd)
-        deadline = time.monotonic() + 240
-        while proc.poll() is None and time.monotonic() < deadline and not (
-                manifest.exists() and len(list(ranks.glob("*.json"))) >= target):
-            time.sleep(0.002)
-        time.sleep(random.Random(seed + attempt).uniform(0, 0.03) if attempt == 0 else 0)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        committed = len(list(ranks.glob("*.json")))
-        if proc.returncode == -signal.SIGKILL and manifest.exists() and committed < len(files):
-            break
-        shutil.rmtree(tmp_path / "s", ignore_errors=True)
-    # the kill landed where it was meant to: the store exists and the ingest had not finished
-    assert proc.returncode == -signal.SIGKILL, f"the ingest ended ({proc.returncode}) before the kill"
-    assert manifest.exists() and target <= committed < len(files), (target, committed)
+    # the kill comes once seed % 5 ranks are committed, a moment into the next one
+    sigkill_mid_way(cmd, tmp_path / "s", len(files), seed % 5,
+                    delay=lambda attempt: random.Random(seed + attempt).uniform(0, 0.03) if attempt == 0 else 0)
     store = shardstore.open(tmp_path / "s")
     for rank, record in store.records().items():  # whatever is marked done is really there, whole
         for path, cells in record.cells.items():

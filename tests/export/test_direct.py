@@ -3,10 +3,8 @@ output, and the output is byte for byte what the two-step path (ingest into a st
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,22 +13,14 @@ from safetensors.torch import load_file
 
 import shardstore
 from shardstore.export import plan_direct
-from tests.conftest import assert_bitwise_equal, expected
-
-
-class _Phases(shardstore.Progress):
-    def __init__(self) -> None:
-        self.phases: list[str] = []
-
-    def start(self, phase: str, total: int | None, done: int = 0) -> None:
-        self.phases.append(phase)
+from tests.conftest import Phases, assert_bitwise_equal, expected, sigkill_mid_way
 
 
 def _same_as_two_step(src: Path, tmp_path: Path, **options: object) -> Path:
     """Unshard `src` both ways; the one-pass run must have been one pass (no export phase), and every file
     it wrote must equal the two-step run's byte for byte. Returns the one-pass output folder."""
     one, two = tmp_path / "one", tmp_path / "two"
-    phases = _Phases()
+    phases = Phases()
     direct = shardstore.unshard(src, one, jobs=2, progress=phases, **options)
     assert phases.phases == ["ingest"], phases.phases  # nothing was exported from a store
     assert not shardstore.scratch_location(one).exists()
@@ -126,7 +116,7 @@ def test_a_claim_whose_unit_never_committed_is_void(tmp_path: Path) -> None:
 def test_plain_values_under_the_model_take_the_two_step_path(checkpoints, tmp_path: Path) -> None:
     """At world size 1 the small plain tensors are values, whose shapes come with the data."""
     single = checkpoints(1)
-    phases = _Phases()
+    phases = Phases()
     shardstore.unshard(single, tmp_path / "out", jobs=2, progress=phases)
     assert phases.phases == ["ingest", "export"]
     store = shardstore.ingest(tmp_path / "store", shardstore.rank_files(single), jobs=1)
@@ -142,19 +132,7 @@ def test_sigkill_mid_way_leaves_nothing_finished_and_the_rerun_completes(target:
     src = checkpoints(6)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "shardstore.cli", "unshard", str(src), str(out), "-j", "1", "-q"]
-    ranks = shardstore.scratch_location(out) / "__shardstore__" / "ranks"
-    for attempt in range(5):  # a busy machine may let every unit commit before the kill lands: again
-        proc = subprocess.Popen(cmd)
-        deadline = time.monotonic() + 240
-        while proc.poll() is None and time.monotonic() < deadline and len(list(ranks.glob("*.json"))) < target + 1:
-            time.sleep(0.002)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        committed = len(list(ranks.glob("*.json")))
-        if proc.returncode == -signal.SIGKILL and committed < 6:
-            break
-        subprocess.run(["rm", "-rf", str(out)], check=True)
-    assert proc.returncode == -signal.SIGKILL and target <= committed < 6, (proc.returncode, committed)
+    committed = sigkill_mid_way(cmd, shardstore.scratch_location(out), 6, target, reset=out)
     assert not (out / "model.safetensors").exists()  # the output is still inside the scratch store
     rerun = subprocess.run(cmd[:-1], capture_output=True, text=True)  # without -q: its one line per phase
     assert rerun.returncode == 0, rerun.stderr
