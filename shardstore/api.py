@@ -171,9 +171,9 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
                                   f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
 
     # One write: with a scratch store on local disk, the ingest writes the output itself where the plan
-    # lays it out (export/direct.py); the store then keeps only values, and the journal of units.
+    # lays it out (export/direct/); the store then keeps only values, and the journal of units.
     one_pass = store is None and scheduler is None and not verify_replicas and not is_url(os.fspath(out_dir))
-    planned: list[_export.Direct | None] = [None]
+    planned: list[_export.DirectExport | None] = [None]
 
     def before_ingest(st: Store) -> None:  # the store is planned and nothing is read yet
         all_ranks_present(st)
@@ -183,7 +183,8 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
                                       export_options.get("dtype"))  # type: ignore[arg-type]
         if one_pass:
             planned[0] = _export.plan_direct(st, **{k: v for k, v in export_options.items()  # type: ignore[arg-type]
-                                                    if k not in ("overwrite", "allow_partial")})
+                                                    if k not in ("overwrite", "allow_partial")},
+                                             jobs=jobs or os.cpu_count() or 1)
         check_space(st, len(source.units), exported_subtree(st), out_dir, output, in_store=planned[0] is None)
 
     def exported_subtree(st: Store) -> str | None:

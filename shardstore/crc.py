@@ -6,9 +6,18 @@ record, copied unchanged, the tensor's CRC follows from those stored values and 
 the torch export copies the bytes kernel-side instead of reading them all to checksum them. This is
 zlib's algorithm (crc32.c, `crc32_combine_gen`): multiply the first CRC by x^(8·len2) modulo the CRC
 polynomial, then add the second.
+
+The one-pass torch export combines a CRC for every piece a worker wrote (tens of thousands at large world
+sizes), so zlib's own function is called where the system's zlib can be loaded (about 1 µs a call, against
+about 40 µs here); this module's Python gives identical results anywhere else.
 """
 
 from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from functools import lru_cache
+from typing import Callable
 
 _POLY = 0xEDB88320  # the reflected CRC-32 polynomial
 
@@ -37,6 +46,7 @@ def _powers() -> list[int]:
 _X2N = _powers()
 
 
+@lru_cache(maxsize=4096)  # pieces of one checkpoint come in a few lengths
 def _x8nmodp(n: int) -> int:
     """x^(8·n) modulo the polynomial."""
     p, k = 1 << 31, 3  # x^0; 8·n = n·2^3
@@ -48,6 +58,21 @@ def _x8nmodp(n: int) -> int:
     return p
 
 
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+def py_crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32 of A + B from crc32(A), crc32(B) and len(B)."""
     return _multmodp(_x8nmodp(len2), crc1) ^ crc2
+
+
+def _zlib_combine() -> Callable[[int, int, int], int] | None:
+    name = ctypes.util.find_library("z")
+    try:
+        combine = ctypes.CDLL(name).crc32_combine64 if name else None
+    except (OSError, AttributeError):
+        return None
+    if combine is None:
+        return None
+    combine.restype, combine.argtypes = ctypes.c_ulong, [ctypes.c_ulong, ctypes.c_ulong, ctypes.c_int64]
+    return combine
+
+
+crc32_combine: Callable[[int, int, int], int] = _zlib_combine() or py_crc32_combine

@@ -46,7 +46,7 @@ class IngestOptions:
     only: str | None = None  # write only this subtree's tensors (a scratch store that feeds one export)
     strict: bool = False  # refuse every global outside the allowlist, instead of keeping opaque records
     format: str = "torch-save"  # how to open a unit of work (read/source.py)
-    direct: Layout | None = None  # the arrays it places go straight into these output files (export/direct.py)
+    direct: Layout | None = None  # the arrays it places go straight into these output files (export/direct/)
 
 
 FORMAT_NAMES = {"dcp": "DCP", "olmo-local": "OLMo `local`", "olmo-core": "OLMo-core"}
@@ -183,7 +183,8 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
             if direct is not None:
                 direct.close()
         writer.commit(rf.rank, rf.path, rf.size, only, rf.world_size, rf.group_rank, rf.group_size, identity,
-                      options.direct.digest if options.direct is not None else None)
+                      options.direct.digest if options.direct is not None else None,
+                      direct.runs if direct is not None else None)
         return Ingested(rf.rank, rf.path, rf.size)
     finally:
         rf.close()
@@ -258,7 +259,7 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
     committed from a file of the same name and size are skipped, so a rerun does only what is missing.
     With `scheduler` ("dask" for a local cluster, or a scheduler address) the ranks run as Dask tasks.
     `only(store)` may name the one subtree whose tensors to write (see `ingest_file`), and `direct(store)` the
-    output layout whose arrays go straight into their output files (export/direct.py). `strict` refuses
+    output layout whose arrays go straight into their output files (export/direct/). `strict` refuses
     every pickled global outside the allowlist. `on_start(total, done)` hears, once the store is open, the
     bytes of all `files` and of those already in it (None for the total when any file is remote).
     """

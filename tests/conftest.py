@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import numpy as np
 import torch
 
 import shardstore
@@ -152,6 +153,9 @@ def assert_bitwise_equal(actual: Any, want: Any, where: str = "", ordered: bool 
         a = actual.contiguous().reshape(-1).view(torch.uint8)
         b = want.contiguous().reshape(-1).view(torch.uint8)
         assert torch.equal(a, b), f"{where}: values differ"
+    elif isinstance(want, np.ndarray):  # an RNG state
+        assert isinstance(actual, np.ndarray) and actual.dtype == want.dtype and actual.shape == want.shape \
+            and actual.tobytes() == want.tobytes(), f"{where}: arrays differ"
     elif isinstance(want, dict):
         assert isinstance(actual, dict), f"{where}: {type(actual).__name__}, want a dict"
         assert set(actual) == set(want), f"{where}: keys {sorted(map(str, set(actual) ^ set(want)))} differ"

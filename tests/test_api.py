@@ -97,7 +97,7 @@ def test_safetensors_options(checkpoints, tmp_path: Path) -> None:
 
 
 def test_unshard_to_safetensors_writes_no_tensor_into_its_scratch_store(checkpoints, tmp_path: Path) -> None:
-    """The model goes straight into the output (export/direct.py); the optimizer, which safetensors does
+    """The model goes straight into the output (export/direct/); the optimizer, which safetensors does
     not take, is never written anywhere."""
     from shardstore import api
 
@@ -143,7 +143,7 @@ def test_the_readme_api_examples_run_verbatim_as_a_plain_script(checkpoints, tmp
     got = load_file(tmp_path / "demo" / "st" / "model.safetensors")  # the bf16 re-export, prefix stripped
     assert set(got) == {k.removeprefix("model.") for k in want}
     assert all(got[k.removeprefix("model.")].equal(v.to(torch.bfloat16)) for k, v in want.items())
-    assert re.search(r"^export: .* in [0-9.]+ s$", run.stderr, re.M)  # progress=True, one line per phase
+    assert re.search(r"^ingest: .* in [0-9.]+ s$", run.stderr, re.M)  # progress=True, one line per phase
 
 
 def test_mistakes_are_refused_before_anything_is_ingested(checkpoints, tmp_path: Path, monkeypatch) -> None:
@@ -175,7 +175,9 @@ def test_mistakes_are_refused_before_anything_is_ingested(checkpoints, tmp_path:
         return os.statvfs_result((fs.f_bsize, 4096, fs.f_blocks, 10, 10) + tuple(fs)[5:])  # 40 KiB free
 
     monkeypatch.setattr(os, "statvfs", nearly_full)
+    refused(ExportError, r"not enough disk space: this run needs about [0-9.]+ MiB for the output, "
+                         r"but .* has 40.0 KiB free", format="dcp", overwrite=True)  # one pass: no store copy
     refused(ExportError, r"not enough disk space: this run needs about .* for the store \+ .* for the output, "
-                         r"but .* has 40.0 KiB free", format="dcp", overwrite=True)
+                         r"but .* has 40.0 KiB free", format="dcp", overwrite=True, verify_replicas=True)
     monkeypatch.undo()
     assert shardstore.unshard(src, out, jobs=1, format="torch", overwrite=True).replaced == [out / "model.safetensors"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import os
 import re
 from contextlib import contextmanager
@@ -14,13 +13,15 @@ from .. import dtypes, tempfiles
 from ..errors import ExportError, StoreError
 from ..read.source import Node
 from ..store.store import Status, Store
-from .output import OutputFile, output_error
+from .output import output_error, write_side_files
 from .resolve import leaves, node_at
 from .dcp import METADATA, export_dcp, plan_dcp
-from . import direct
-from .hf import NO_HF_DESCRIPTION, export_hf, has_hf_description, in_values, plan_hf, planned_files, write_model_files
-from .hf.spec import HFModel
-from .safetensors import CASTABLE, SafetensorsPlan, export_safetensors, plan_safetensors, write_index
+from .direct import MOVING, DirectExport
+from .direct import dcp as direct_dcp
+from .direct import safetensors as direct_safetensors
+from .direct import torch as direct_torch
+from .hf import NO_HF_DESCRIPTION, export_hf, has_hf_description, in_values, plan_hf, planned_files
+from .safetensors import CASTABLE, export_safetensors, plan_safetensors
 from .torch import export_torch, torch_files
 
 FORMATS = ("safetensors", "torch", "dcp", "hf")
@@ -54,17 +55,6 @@ def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
     if not out.is_dir():
         return []
     return sorted(p for p in out.iterdir() if _OUTPUT_NAME.match(p.name) and p.name not in planned)
-
-
-def write_side_files(side_files: dict[str, str], out: Path) -> list[Path]:
-    """The run's files the store kept (config.yaml: OLMo's unsharder copies it beside model.pt, and the
-    Hugging Face converters read it from there), written back byte for byte."""
-    written = []
-    for name, data in side_files.items():
-        with OutputFile(out / name) as f:
-            f.write(base64.b64decode(data))
-        written.append(out / name)
-    return written
 
 
 def model_subtree(store: Store) -> str:
@@ -246,27 +236,17 @@ def _writing_into(out: Path, stale: list[Path]) -> Iterator[None]:
         raise error from None
 
 
-@dataclass(frozen=True)
-class Direct:
-    """An export written by the ingest itself (export/direct.py): its layout, and what finishes it."""
-
-    layout: direct.Layout
-    plan: SafetensorsPlan
-    model: HFModel | None  # for hf: the config and tokenizer files written beside the weights
-
-    @property
-    def files(self) -> list[str]:
-        return planned_files(self.model, self.plan) if self.model else self.plan.files
-
-
 def plan_direct(store: Store, format: str = "safetensors", select: str | None = None, strip_prefix: str | None = None,
                 dtype: str | None = None, max_shard_size: int = 5_000_000_000,
-                hf_config: str | os.PathLike[str] | None = None) -> Direct | None:
-    """The export laid out from the plan alone, for the ingest to write straight into; None where it
-    cannot be (see export/direct.py), and the store then feeds the export as usual."""
-    if format not in ("safetensors", "hf") or (store.manifest.extra.get("replicas", 1) > 1
-                                               and store.manifest.extra.get("format", "torch-save") != "torch-save"):
+                hf_config: str | os.PathLike[str] | None = None, jobs: int = 1) -> DirectExport | None:
+    """The export laid out from the plan alone and its files prepared, for the ingest to write straight
+    into; None where it cannot be (see export/direct/), and the store then feeds the export as usual."""
+    if store.manifest.extra.get("replicas", 1) > 1 and store.manifest.extra.get("format", "torch-save") != "torch-save":
         return None
+    if format == "torch":
+        return direct_torch.plan(store)
+    if format == "dcp":
+        return direct_dcp.plan(store, jobs)
     subtree = model_subtree(store) if select is None else select
     node = node_at(store.manifest.tree, subtree)
     if any(path not in store.manifest.arrays for _, path in leaves(node)):
@@ -277,30 +257,30 @@ def plan_direct(store: Store, format: str = "safetensors", select: str | None = 
         model, plan = plan_hf(store, subtree, hf_config, strip_prefix, dtype, max_shard_size)
     else:
         model, plan = None, plan_safetensors(store, node, strip_prefix, dtype, max_shard_size)
-    lay = direct.layout(store, plan)
-    direct.prepare(store, plan, lay)
-    return Direct(lay, plan, model)
+    return direct_safetensors.plan(store, plan, model)
 
 
-def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct, overwrite: bool = False) -> ExportResult:
-    """Once every unit is in: the output files renamed into OUT, the index, config and side files beside
-    them, and an earlier export's files removed (`overwrite`)."""
+def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: DirectExport,
+                  overwrite: bool = False) -> ExportResult:
+    """Once every unit is in: the export sealed, its files renamed into OUT, the files beside them
+    written, and an earlier export's files removed (`overwrite`)."""
     out = Path(out_dir)
     done = [rec for rec in store.records().values() if rec.direct == planned.layout.digest]
     if len(done) != store.manifest.world_size:
         raise StoreError(f"{store.location}: {len(done)} of {store.manifest.world_size} units are in; cannot finish")
-    side_files = store.manifest.extra.get("side_files", {}) if planned.model is None else {}
+    side_files = store.manifest.extra.get("side_files", {}) if planned.side_files else {}
     stale = _earlier_export(out, planned.files + list(side_files), overwrite)
     with _writing_into(out, stale):
         files = []
         folder = Path(planned.layout.folder)
-        moving = folder / direct.MOVING  # a rerun after a crash mid-way knows which files moved already
+        moving = folder / MOVING  # a rerun after a crash mid-way knows which files moved already
         moved_before = moving.exists()
-        moving.touch()
+        if not moved_before:
+            planned.seal(store)
+            moving.touch()
         for name in planned.layout.names:
             if not (moved_before and not (folder / name).exists() and (out / name).exists()):
                 os.replace(folder / name, out / name)
             files.append(out / name)
-        files += write_index(out, planned.plan)
-        files += write_model_files(out, planned.model) if planned.model else write_side_files(side_files, out)
-    return ExportResult(files, planned.plan.skipped, replaced=stale, notes=planned.model.notes if planned.model else [])
+        files += planned.finish(store, out) + write_side_files(side_files, out)
+    return ExportResult(files, planned.skipped, replaced=stale, notes=planned.notes)

@@ -15,7 +15,7 @@ import io
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 from ..errors import ExportError
 from ..ranges import Part
@@ -49,18 +49,14 @@ class Item:
     nbytes: int
 
 
-def _plan(store: Store) -> tuple[dict[str, Any], dict[str, tuple], list[Item]]:
+def describe(store: Store) -> tuple[dict[str, Any], dict[str, tuple], list[Item]]:
     """(what each flattened key is, planner_data, items) for the whole store. Keys are flattened by torch's
     own `flatten_state_dict`, which goes into containers the store keeps as one value (param_groups)."""
     import torch
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     flat, mappings = flatten_state_dict(build(store, store.manifest.tree))
-    leaf_of: dict[tuple[Any, ...], str] = {}
-    for keys, path in leaves(store.manifest.tree, dcp_names=True):
-        if leaf_of.setdefault(tuple(keys), path) != path:  # e.g. keys 0 and "0" of one dict
-            raise ExportError(f"{path}: DCP names it {'.'.join(map(str, keys))!r}, as it names "
-                              f"{leaf_of[tuple(keys)]}; --format dcp cannot keep both (--format torch can)")
+    leaf_of = dcp_names(store)
     described: dict[str, Any] = {}
     items: list[Item] = []
     for fqn, value in flat.items():
@@ -88,16 +84,26 @@ def _plan(store: Store) -> tuple[dict[str, Any], dict[str, tuple], list[Item]]:
     return described, mappings, items
 
 
+def dcp_names(store: Store) -> dict[tuple[Any, ...], str]:
+    """The store path of each leaf, by the keys DCP names it with; refused where two leaves get one name."""
+    leaf_of: dict[tuple[Any, ...], str] = {}
+    for keys, path in leaves(store.manifest.tree, dcp_names=True):
+        if leaf_of.setdefault(tuple(keys), path) != path:  # e.g. keys 0 and "0" of one dict
+            raise ExportError(f"{path}: DCP names it {'.'.join(map(str, keys))!r}, as it names "
+                              f"{leaf_of[tuple(keys)]}; --format dcp cannot keep both (--format torch can)")
+    return leaf_of
+
+
 Written = tuple[str, list[tuple[Item, int, int]]]  # a file's name, and (item, offset, length) of each item in it
 
 
 def _write_file(location: str, storage_options: dict[str, Any] | None, path: str, items: list[Item],
                 partial: bool) -> Written:
     """One .distcp file, in a worker: every item a torch.save zip, one after another."""
-    return _write_items(Store.open(location, storage_options), Path(path), items, partial)
+    return write_items(Store.open(location, storage_options), Path(path), items, partial)
 
 
-def _write_items(store: Store, path: Path, items: list[Item], partial: bool,
+def write_items(store: Store, path: Path, items: list[Item], partial: bool,
                  progress: Callable[[int], None] | None = None) -> Written:
     written = []
     with OutputFile(path) as out:
@@ -129,7 +135,7 @@ class DcpPlan:
 
     @property
     def names(self) -> list[str]:
-        return [f"__{i}_0.distcp" for i in range(len(self.files))]
+        return [distcp_name(i) for i in range(len(self.files))]
 
     @property
     def nbytes(self) -> int:
@@ -139,17 +145,29 @@ class DcpPlan:
 def plan_dcp(store: Store, jobs: int = 1) -> DcpPlan:
     """Which item goes into which .distcp file: the largest first, each to the lightest file, in files of
     about FILE_BYTES (at least one per worker), so the work spreads and progress moves file by file."""
-    described, mappings, items = _plan(store)
+    described, mappings, items = describe(store)
+    return DcpPlan(described, mappings, spread(items, jobs))
+
+
+Sized = TypeVar("Sized", Item, CellRef)
+
+
+def spread(items: list[Sized], jobs: int) -> list[list[Sized]]:
+    """The items in .distcp files: the largest first, each to the lightest file."""
     total = sum(item.nbytes for item in items)
     count = 1 if jobs == 1 or total < INLINE_BYTES else max(jobs, -(-total // FILE_BYTES))
     count = max(1, min(count, len(items)))
-    files: list[list[Item]] = [[] for _ in range(count)]
+    files: list[list[Sized]] = [[] for _ in range(count)]
     load = [0] * count
     for item in sorted(items, key=lambda it: -it.nbytes):
         i = load.index(min(load))
         files[i].append(item)
         load[i] += item.nbytes
-    return DcpPlan(described, mappings, files)
+    return files
+
+
+def distcp_name(i: int) -> str:
+    return f"__{i}_0.distcp"
 
 
 def export_dcp(store: Store, out_dir: Path, plan: DcpPlan, jobs: int = 1, progress: Callable[[int], None] | None = None,
@@ -167,17 +185,17 @@ def export_dcp(store: Store, out_dir: Path, plan: DcpPlan, jobs: int = 1, progre
     with Pool(max(1, min(jobs, len(names)))) as pool:
         if pool.inline:
             for name, items in zip(names, plan.files):
-                results.append(_write_items(store, out_dir / name, items, partial is not None, progress))
+                results.append(write_items(store, out_dir / name, items, partial is not None, progress))
         else:
             pool.run(_write_file, [(store.location, store.storage_options, str(out_dir / n), f, partial is not None)
                                    for n, f in zip(names, plan.files)], names, done)
-    metadata = _metadata(plan.described, plan.mappings, results)
+    described_metadata = metadata(plan.described, plan.mappings, results)
     with OutputFile(out_dir / METADATA) as out:
-        out.write(metadata)
+        out.write(described_metadata)
     return [out_dir / n for n in names] + [out_dir / METADATA]
 
 
-def _metadata(described: dict[str, Any], mappings: dict[str, tuple], results: list[Written]) -> bytes:
+def metadata(described: dict[str, Any], mappings: dict[str, tuple], results: list[Written]) -> bytes:
     """`.metadata` exactly as torch writes it: its own classes, pickled with pickle's default protocol."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo

@@ -7,6 +7,7 @@ copies, which the zip format needs.
 
 from __future__ import annotations
 
+import base64
 import errno
 import os
 import zlib
@@ -34,6 +35,8 @@ def output_error(out: Path, exc: OSError) -> ExportError | None:
 
 
 class OutputFile:
+    reopened = False
+
     def __init__(self, path: Path, progress: Callable[[int], None] | None = None):
         self.path = path
         self.tmp = tempfiles.temp_path(path)
@@ -76,13 +79,27 @@ class OutputFile:
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
-        os.replace(self.tmp, self.path)
+        if not self.reopened:
+            os.replace(self.tmp, self.path)
 
     def abort(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        self.tmp.unlink(missing_ok=True)
+        if not self.reopened:
+            self.tmp.unlink(missing_ok=True)
+
+    @classmethod
+    def reopen(cls, path: Path, pos: int) -> "OutputFile":
+        """A file laid out earlier (export/direct/), written on from `pos`, whatever followed it cut off:
+        committing makes it durable where it is; aborting leaves it for a rerun to write on again."""
+        out = cls.__new__(cls)
+        out.path = out.tmp = path
+        out.fd = os.open(path, os.O_RDWR)
+        os.ftruncate(out.fd, pos)
+        os.lseek(out.fd, pos, os.SEEK_SET)
+        out.pos, out.progress, out.reopened = pos, None, True
+        return out
 
     def __enter__(self) -> "OutputFile":
         return self
@@ -92,3 +109,14 @@ class OutputFile:
             self.commit()
         else:
             self.abort()
+
+
+def write_side_files(side_files: dict[str, str], out: Path) -> list[Path]:
+    """The run's files the store kept (config.yaml: OLMo's unsharder copies it beside model.pt, and the
+    Hugging Face converters read it from there), written back byte for byte."""
+    written = []
+    for name, data in side_files.items():
+        with OutputFile(out / name) as f:
+            f.write(base64.b64decode(data))
+        written.append(out / name)
+    return written

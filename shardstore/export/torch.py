@@ -16,6 +16,7 @@ import math
 import pickle
 import secrets
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from .. import dtypes
@@ -24,7 +25,7 @@ from ..read.source import Node
 from ..store.store import Store
 from .output import OutputFile
 from .resolve import ArrayRef, build, leaves, node_at
-from .torchzip import TorchZipWriter
+from .torchzip import Sink, TorchZipWriter
 
 # torch.save's own pickle protocol; also what the OLMo files are.
 PROTOCOL = 2
@@ -62,15 +63,19 @@ class _Pickler(pickle._Pickler):
     dispatch[GlobalRef] = save_global_ref
     dispatch[Opaque] = save_opaque
 
-    def __init__(self, buf: io.BytesIO):
+    def __init__(self, buf: io.BytesIO, placed: dict[str, str] | None = None):
         super().__init__(buf, protocol=PROTOCOL)
-        self.storages: list[Any] = []  # ArrayRef or torch.Tensor, in storage-key order
+        self.placed = placed or {}  # store path -> storage key of an array written already (one pass)
+        self.storages: list[tuple[str, Any]] = []  # (key, ArrayRef or torch.Tensor) of every other storage
         self._ids: dict[int, str] = {}
 
     def _storage(self, source: Any) -> "_Storage":
-        key = self._ids.setdefault(id(source), str(len(self.storages)))
-        if int(key) == len(self.storages):
-            self.storages.append(source)
+        if isinstance(source, ArrayRef) and source.rows is None and source.path in self.placed:
+            return _Storage(self.placed[source.path], source)
+        key = self._ids.get(id(source))
+        if key is None:  # (the sources stay listed, so an id is never reused for another)
+            key = self._ids[id(source)] = str(len(self.placed) + len(self.storages))
+            self.storages.append((key, source))
         return _Storage(key, source)
 
     def reducer_override(self, obj: Any) -> Any:
@@ -126,21 +131,32 @@ def save(store: Store, obj: Any, path: Path, progress: Callable[[int], None] | N
         write_zip(out, path.stem, obj, store, partial, force_zip64)
 
 
-def write_zip(out: OutputFile, archive: str, obj: Any, store: Store, partial: dict[str, str] | None = None,
-              force_zip64: bool = False) -> None:
-    """What torch.save writes for `obj`, at the output's current position."""
+def write_zip(out: Sink, archive: str, obj: Any, store: Store, partial: dict[str, str] | None = None,
+              force_zip64: bool = False, holes: bool = False) -> TorchZipWriter:
+    """What torch.save writes for `obj`, at the output's current position; with `holes`, the store's
+    arrays are left as holes for the one-pass export's workers to fill (export/direct/)."""
+    zw = TorchZipWriter(out, archive, force_zip64=force_zip64)
+    write_entries(zw, obj, store, partial, holes=holes)
+    zw.close()
+    return zw
+
+
+def write_entries(zw: TorchZipWriter, obj: Any, store: Store, partial: dict[str, str] | None = None,
+                  placed: dict[str, str] | None = None, holes: bool = False) -> None:
+    """The pickle and every storage of `obj` but those `placed` already (store path -> storage key)."""
     import torch
 
     buf = io.BytesIO()
-    pickler = _Pickler(buf)
+    pickler = _Pickler(buf, placed)
     pickler.dump(obj)
-    zw = TorchZipWriter(out, archive, force_zip64=force_zip64)
     zw.add_bytes("data.pkl", buf.getvalue())
     zw.add_bytes(".format_version", b"1")
     zw.add_bytes(".storage_alignment", str(64).encode())
     zw.add_bytes("byteorder", b"little")
-    for key, source in enumerate(pickler.storages):
-        if isinstance(source, ArrayRef):
+    for key, source in pickler.storages:
+        if isinstance(source, ArrayRef) and holes:
+            zw.hole(f"data/{key}", source.nbytes)
+        elif isinstance(source, ArrayRef):
             known = source.stored_crc(store) if partial is None else None
             zw.add(f"data/{key}", source.parts(store, allow_partial=partial is not None), source.nbytes, known)
         else:
@@ -150,41 +166,64 @@ def write_zip(out: OutputFile, archive: str, obj: Any, store: Store, partial: di
     zw.add_bytes(".data/serialization_id", secrets.token_hex(20).encode())
     if partial is not None:
         zw.add_bytes("shardstore_partial.json", json.dumps(partial).encode())
-    zw.close()
 
 
-def torch_files(store: Store) -> list[str]:
-    """The files `export_torch` writes for this store's layout."""
-    return ["model.pt", "optim.pt", "train.pt"] if store.manifest.layout == "olmo" else ["checkpoint.pt"]
+@dataclass(frozen=True)
+class TorchFile:
+    """One file `--format torch` writes: what of the tree it holds."""
+
+    name: str
+    node: Node
+    dropped: tuple[str, ...] = ()  # top-level keys left out
+    plain_dicts: bool = False  # OrderedDicts written as dicts (what OLMo's unsharder returns)
+
+    def arrays(self, store: Store) -> list[str]:
+        """The store paths of its sharded arrays, in state-dict order: known before any value is."""
+        return [path for keys, path in leaves(self.node) if path in store.manifest.arrays
+                and not (keys and keys[0] in self.dropped)]
 
 
-def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | None = None,
-                 partial: dict[str, str] | None = None) -> list[Path]:
+def torch_layout(store: Store) -> list[TorchFile]:
+    """The files `export_torch` writes for this store's layout, and what each holds."""
     tree = store.manifest.tree
     if store.manifest.layout == "olmo":
-        written = []
-        for name in ("model", "optim"):
-            target = out_dir / f"{name}.pt"
-            save(store, build(store, node_at(tree, name), plain_dicts=True), target, progress, partial=partial)
-            written.append(target)
-        rest = dict(build(store, tree, plain_dicts=True))
         # OLMo's legacy unsharder leaves the per-rank RNG states out of train.pt; for the formats with
         # train/rank{r}.pt files its unsharders write rank 0's file whole.
         dropped = ("model", "optim", "rng") if store.manifest.extra.get("format", "torch-save") == "torch-save" \
             else ("model", "optim")
-        for name in dropped:
-            rest.pop(name, None)
-        save(store, rest, out_dir / "train.pt", progress, partial=partial)
-        return written + [out_dir / "train.pt"]
-    target = out_dir / "checkpoint.pt"
-    state = build(store, tree)
-    rng_node = node_at(tree, "rng") if store.manifest.layout == "composer" and isinstance(state.get("rng"), list) else None
-    holders = _holders(store, rng_node) if rng_node is not None else []
+        return [TorchFile("model.pt", node_at(tree, "model"), plain_dicts=True),
+                TorchFile("optim.pt", node_at(tree, "optim"), plain_dicts=True),
+                TorchFile("train.pt", tree, dropped, plain_dicts=True)]
+    return [TorchFile("checkpoint.pt", tree)]
+
+
+def torch_files(store: Store) -> list[str]:
+    """The names of the files `export_torch` writes."""
+    return [f.name for f in torch_layout(store)]
+
+
+def torch_object(store: Store, file: TorchFile) -> Any:
+    """What one of the files holds, its arrays as ArrayRefs."""
+    state = build(store, file.node, plain_dicts=file.plain_dicts)
+    if file.dropped:
+        return {k: v for k, v in state.items() if k not in file.dropped}
+    if store.manifest.layout != "composer" or not isinstance(state.get("rng"), list):
+        return state
+    rng_node = node_at(file.node, "rng")
+    holders = _holders(store, rng_node)
     if len(holders) > 1:  # one rank file each: every rank's one-element list, in rank order
         state["rng"] = [item for rank in holders for item in build(store, rng_node, rank=rank)]
     # else: saved once (Composer >= 0.16's DCP keeps every rank's state in global rank 0's list): as it is
-    save(store, state, target, progress, partial=partial)
-    return [target]
+    return state
+
+
+def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | None = None,
+                 partial: dict[str, str] | None = None) -> list[Path]:
+    written = []
+    for file in torch_layout(store):
+        save(store, torch_object(store, file), out_dir / file.name, progress, partial=partial)
+        written.append(out_dir / file.name)
+    return written
 
 
 def _holders(store: Store, node: Node) -> list[int]:

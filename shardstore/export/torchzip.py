@@ -4,34 +4,52 @@ torch.save needs the whole state dict in memory; this writes the pickle first (t
 storage ids) and then streams each storage's bytes from the store, patching CRC and sizes in each local
 header afterwards. Entries are STORED and 64-byte aligned like torch's own, with ZIP64 records where
 sizes or offsets need them.
+
+An entry can also be a hole (`hole`): its header is written and its bytes are left for others to fill
+(the one-pass export's workers, export/direct/); its CRC is patched in once they have (`crc_at`).
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Iterable
+from typing import Iterable, Protocol
 
 from ..ranges import Part
-from .output import OutputFile
 
 ALIGN = 64
 _LIMIT = 0xFFFFFFFF
+
+
+class Sink(Protocol):
+    """Where a zip is written: an output file (OutputFile), or a sketch of one (export/direct/)."""
+
+    pos: int
+
+    def write(self, data: bytes | bytearray | memoryview) -> None: ...
+
+    def write_parts(self, parts: Iterable[Part], crc: int | None = None) -> int | None: ...
+
+    def pwrite(self, data: bytes, offset: int) -> None: ...
+
+    def skip(self, n: int) -> None: ...
 
 
 class TorchZipWriter:
     """Writes one zip at the output's current position; its offsets count from there (a zip embedded in a
     larger file, as a DCP .distcp item is, reads as if it stood alone)."""
 
-    def __init__(self, out: OutputFile, archive: str, force_zip64: bool = False):
+    def __init__(self, out: Sink, archive: str, force_zip64: bool = False):
         self.out = out
         self.archive = archive
         self.force_zip64 = force_zip64
         self.base = out.pos
         self.central: list[tuple[bytes, int, int, int]] = []  # name, crc, size, header offset (from base)
+        self.holes: dict[str, tuple[int, int]] = {}  # a hole's name -> (its data's position, size) in the sink
+        self._index: dict[bytes, int] = {}  # a hole's place in `central`
+        self._central_at: dict[bytes, int] = {}  # an entry's central record's position in the sink
 
-    def add(self, name: str, parts: Iterable[Part], size: int, crc: int | None = None) -> None:
-        """One STORED entry of `size` bytes. With `crc` (the bytes' CRC-32, known beforehand) the parts are
-        copied kernel-side; without, they are read once to compute it."""
+    def _header(self, name: str, size: int) -> tuple[bytes, int]:
+        """An entry's local header (CRC 0, patched later), written; and its offset from `base`."""
         full = f"{self.archive}/{name}".encode()
         zip64 = self.force_zip64 or size >= _LIMIT
         header_at = self.out.pos - self.base
@@ -42,15 +60,44 @@ class TorchZipWriter:
         shown = _LIMIT if zip64 else size
         self.out.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, 0, 0x21, 0, shown, shown,
                                    len(full), len(extra)) + full + extra)
+        return full, header_at
+
+    def add(self, name: str, parts: Iterable[Part], size: int, crc: int | None = None) -> None:
+        """One STORED entry of `size` bytes. With `crc` (the bytes' CRC-32, known beforehand) the parts are
+        copied kernel-side; without, they are read once to compute it."""
+        full, header_at = self._header(name, size)
+        start = self.out.pos
         if crc is None:
             crc = self.out.write_parts(parts, crc=0)
         else:
             self.out.write_parts(parts)
-        written = self.out.pos - self.base - header_at - 30 - len(full) - len(extra)
-        if written != size:
-            raise ValueError(f"{name}: wrote {written} of {size} bytes")
+        if self.out.pos - start != size:
+            raise ValueError(f"{name}: wrote {self.out.pos - start} of {size} bytes")
         self.out.pwrite(struct.pack("<I", crc), self.base + header_at + 14)
         self.central.append((full, crc, size, header_at))
+
+    def hole(self, name: str, size: int) -> int:
+        """An entry whose `size` bytes others write, at the position returned; CRC 0 until `crc_at` says
+        where to patch it."""
+        full, header_at = self._header(name, size)
+        at = self.out.pos
+        self.out.skip(size)
+        self.holes[name] = (at, size)
+        self._index[full] = len(self.central)
+        self.central.append((full, 0, size, header_at))
+        return at
+
+    def set_crc(self, name: str, crc: int) -> None:
+        """A hole's CRC, for the central directory `close` writes."""
+        i = self._index[f"{self.archive}/{name}".encode()]
+        full, _, size, header_at = self.central[i]
+        self.central[i] = (full, crc, size, header_at)
+
+    def crc_at(self, name: str) -> list[int]:
+        """Where an entry's CRC-32 is in the sink: its local header, and its central record once closed."""
+        full = f"{self.archive}/{name}".encode()
+        header_at = self.central[self._index[full]][3]
+        return [self.base + header_at + 14] + ([self._central_at[full] + 16] if full in self._central_at else [])
 
     def add_bytes(self, name: str, data: bytes) -> None:
         self.add(name, [data], len(data))
@@ -58,6 +105,7 @@ class TorchZipWriter:
     def close(self) -> None:
         start = self.out.pos - self.base
         for name, crc, size, offset in self.central:
+            self._central_at[name] = self.out.pos
             big = self.force_zip64 or size >= _LIMIT or offset >= _LIMIT
             extra = struct.pack("<HHQQQ", 1, 24, size, size, offset) if big else b""
             self.out.write(struct.pack(

@@ -160,20 +160,21 @@ class CommitRecord:
     group_size: int = 0
     crcs: dict[str, dict[str, int]] = field(default_factory=dict)  # path -> cell -> its source's CRC-32
     identity: str | None = None  # which file it was (read/identity.py); None in stores from before it
-    direct: str | None = None  # its pieces went straight into the output of this layout (export/direct.py)
+    direct: str | None = None  # its pieces went straight into the output of this layout (export/direct/)
+    runs: list[list[int]] = field(default_factory=list)  # [file, offset, length, CRC-32] it wrote into zip entries
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "world_size": self.world_size, "group_rank": self.group_rank,
                 "group_size": self.group_size, "file": self.file, "bytes": self.bytes, "only": self.only,
                 "cells": self.cells, "staged": self.staged, "objects": self.objects, "crcs": self.crcs,
-                "identity": self.identity, "direct": self.direct}
+                "identity": self.identity, "direct": self.direct, "runs": self.runs}
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> "CommitRecord":
         try:
             record = cls(d["rank"], d["file"], d["bytes"], d["cells"], d["staged"], d["objects"], d.get("only"),
                          d.get("world_size", 0), d.get("group_rank", 0), d.get("group_size", 0), d.get("crcs", {}),
-                         d.get("identity"), d.get("direct"))
+                         d.get("identity"), d.get("direct"), d.get("runs", []))
         except (KeyError, TypeError):
             record = None
         if record is None or not all(isinstance(v, t) for v, t in (
@@ -181,6 +182,8 @@ class CommitRecord:
                 (record.staged, dict), (record.objects, dict), (record.crcs, dict))) \
                 or not isinstance(record.identity, (str, type(None))) or not isinstance(record.direct, (str, type(None))) \
                 or not all(
-                isinstance(c, dict) and all(isinstance(v, int) for v in c.values()) for c in record.crcs.values()):
+                isinstance(c, dict) and all(isinstance(v, int) for v in c.values()) for c in record.crcs.values()) \
+                or not isinstance(record.runs, list) or not all(
+                isinstance(r, list) and len(r) == 4 and all(isinstance(v, int) for v in r) for r in record.runs):
             raise StoreError(f"{where}: damaged commit record; delete it and ingest that rank again")
         return record

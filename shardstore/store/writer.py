@@ -107,12 +107,13 @@ class UnitWriter:
         self._staged_bytes += nbytes
 
     def commit(self, rank: int, path: str, nbytes: int, only: str | None, world_size: int, group_rank: int,
-               group_size: int, identity: str | None = None, direct: str | None = None) -> None:
+               group_size: int, identity: str | None = None, direct: str | None = None,
+               runs: list[list[int]] | None = None) -> None:
         if self._staging:
             self.written.append(self.store.write_staging(rank, self._staging))
         self.store.commit_rank(CommitRecord(rank, os.path.basename(path), nbytes, self.cells, self.staged,
                                             self.objects, only, world_size, group_rank, group_size, self.crcs,
-                                            identity, direct), self.written)
+                                            identity, direct, runs or []), self.written)
 
     def _verify(self, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part]) -> None:
         """Compare this unit's copy of a cell with the committed one; name the first difference."""

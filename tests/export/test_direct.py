@@ -1,10 +1,12 @@
-"""One read, one write (export/direct.py): `unshard` without `--store` writes each shard straight into the
+"""One read, one write (export/direct/): `unshard` without `--store` writes each shard straight into the
 output, and the output is byte for byte what the two-step path (ingest into a store, then export) writes."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -17,18 +19,44 @@ from tests.conftest import Phases, assert_bitwise_equal, expected, sigkill_mid_w
 
 
 def _same_as_two_step(src: Path, tmp_path: Path, **options: object) -> Path:
-    """Unshard `src` both ways; the one-pass run must have been one pass (no export phase), and every file
-    it wrote must equal the two-step run's byte for byte. Returns the one-pass output folder."""
+    """Unshard `src` both ways; the one-pass run must have been one pass (no export phase), and what it
+    wrote must equal the two-step run's: byte for byte, or, for torch and DCP (whose zips carry a random
+    serialization id, and lay their records out in another order), loaded the same bit for bit with
+    every zip record's CRC-32 right. Returns the one-pass output folder."""
     one, two = tmp_path / "one", tmp_path / "two"
     phases = Phases()
     direct = shardstore.unshard(src, one, jobs=2, progress=phases, **options)
     assert phases.phases == ["ingest"], phases.phases  # nothing was exported from a store
     assert not shardstore.scratch_location(one).exists()
     shardstore.unshard(src, two, store=tmp_path / "store", jobs=2, **options)
+    if options.get("format") == "dcp":
+        assert_bitwise_equal(_dcp_state(one, tmp_path / "one.pt"), _dcp_state(two, tmp_path / "two.pt"), ordered=True)
+        assert sorted(p.name for p in direct.files) == sorted(p.name for p in one.iterdir())
+        return one
     assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in two.iterdir())
     for path in direct.files:
-        assert path.read_bytes() == (two / path.name).read_bytes(), path.name
+        if path.suffix == ".pt":
+            assert zipfile.ZipFile(path).testzip() is None, path.name  # every record's CRC-32
+            assert_bitwise_equal(torch.load(path, weights_only=False), torch.load(two / path.name, weights_only=False),
+                                 path.name, ordered=True)
+        else:
+            assert path.read_bytes() == (two / path.name).read_bytes(), path.name
     return one
+
+
+def _dcp_state(folder: Path, into: Path) -> dict:
+    """A DCP folder as torch's own dcp_to_torch_save reads it, after checking every item's zip CRCs."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    for info in FileSystemReader(str(folder)).read_metadata().storage_data.values():
+        with open(folder / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            item = f.read(info.length)
+        if item[:4] == b"PK\x03\x04":  # a tensor, or a value, torch.save'd
+            assert zipfile.ZipFile(io.BytesIO(item)).testzip() is None, info
+    dcp_to_torch_save(folder, into)
+    return torch.load(into, weights_only=False)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -72,6 +100,88 @@ def test_a_hugging_face_folder_in_one_pass(checkpoints, tmp_path: Path) -> None:
     src = checkpoints(4, "hf")
     out = _same_as_two_step(src, tmp_path, format="hf", hf_config=src / "hf-config")
     assert (out / "config.json").exists()
+
+
+@pytest.mark.parametrize("format", ["torch", "dcp"])
+@pytest.mark.parametrize("world", [1, 3])
+def test_torch_and_dcp_from_rank_files_in_one_pass(format: str, world: int, checkpoints, tmp_path: Path) -> None:
+    """OLMo's three files (or a DCP folder) laid out up front; at world size 1 the small tensors are plain
+    values, which the seal writes from the store."""
+    src = checkpoints(world)
+    out = _same_as_two_step(src, tmp_path, format=format)
+    if format == "torch":
+        assert_bitwise_equal(torch.load(out / "model.pt", weights_only=False), expected(src)["model"])
+
+
+@pytest.mark.parametrize("format", ["torch", "dcp"])
+@pytest.mark.parametrize("kind", ["tp", "fsdp2"])
+def test_torch_and_dcp_from_dcp_boxes_in_one_pass(format: str, kind: str, dcp_checkpoints, tmp_path: Path) -> None:
+    """Column boxes (tp) are written row by row and record no CRCs: the seal reads those entries back."""
+    src = dcp_checkpoints(kind)
+    out = _same_as_two_step(src, tmp_path, format=format)
+    want = torch.load(f"{src}.expected.pt.ref", weights_only=False)["model"]
+    if format == "torch":  # OLMo's layout: model.pt, optim.pt, train.pt
+        assert_bitwise_equal(torch.load(out / "model.pt", weights_only=False), dict(want))
+
+
+def test_entries_whose_pieces_record_no_crc_are_read_back(dcp_checkpoints, tmp_path: Path, monkeypatch) -> None:
+    """A piece written in more runs than the workers record CRCs for (a column box, row by row): the seal
+    reads its entry back from the file, and the CRC is right."""
+    from shardstore.export.direct import layout, writer
+
+    monkeypatch.setattr(writer, "RECORDED_RUNS", 1)
+    read_back = []
+    real_pread = layout.os.pread
+    monkeypatch.setattr(layout.os, "pread", lambda fd, n, at: read_back.append(n) or real_pread(fd, n, at))
+    src = dcp_checkpoints("tp")
+    out = shardstore.unshard(src, tmp_path / "out", format="torch", jobs=1)
+    assert read_back  # some entry was checksummed from the file
+    for path in out.files:
+        assert zipfile.ZipFile(path).testzip() is None, path.name
+    want = torch.load(f"{src}.expected.pt.ref", weights_only=False)["model"]
+    assert_bitwise_equal(torch.load(tmp_path / "out" / "model.pt", weights_only=False), dict(want))
+
+
+@pytest.mark.parametrize("format", ["torch", "dcp"])
+def test_torch_and_dcp_from_flat_parameters_in_one_pass(format: str, olmo_checkpoints, tmp_path: Path) -> None:
+    src = olmo_checkpoints("local", "2.2", 3)
+    _same_as_two_step(src, tmp_path, format=format)
+
+
+@pytest.mark.parametrize("format", ["torch", "dcp"])
+def test_torch_and_dcp_under_hybrid_sharding_in_one_pass(format: str, tmp_path: Path) -> None:
+    """Composer's HSDP files: one unit per group rank writes; checkpoint.pt keeps every rank's RNG state."""
+    src = Path(__file__).parents[1] / "corpus" / "data" / "composer-t2.13-hsdp-w4" / "ep0-ba1"
+    _same_as_two_step(src, tmp_path, format=format)
+
+
+def test_a_crash_while_sealing_a_torch_export_resumes(checkpoints, tmp_path: Path, monkeypatch) -> None:
+    """Killed while the seal writes the second file's pickle and directory (the first is sealed): OUT
+    holds nothing, and the rerun seals both again from the same journal."""
+    from shardstore.export.direct import torch as direct_torch
+
+    src = checkpoints(3)
+    out = tmp_path / "out"
+    real, sealed = direct_torch.write_entries, []
+
+    def die_on_the_second(zw, *args, **kwargs):
+        if sealed:
+            zw.out.write(b"half a pickle")
+            raise KeyboardInterrupt
+        sealed.append(zw.archive)
+        return real(zw, *args, **kwargs)
+
+    monkeypatch.setattr(direct_torch, "write_entries", die_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        shardstore.unshard(src, out, format="torch", jobs=1)
+    monkeypatch.undo()
+    assert sealed == ["model"] and not any(out.glob("*.pt"))
+    phases = Phases()
+    shardstore.unshard(src, out, format="torch", jobs=1, progress=phases)
+    assert phases.phases == ["ingest"]  # every unit was journalled: only the seal and the move were left
+    for name in ("model", "optim"):
+        assert zipfile.ZipFile(out / f"{name}.pt").testzip() is None
+        assert_bitwise_equal(torch.load(out / f"{name}.pt", weights_only=False), expected(src)[name])
 
 
 @pytest.mark.parametrize("member", ["composer-t2.13-hsdp-w4", "composer-t2.1-hsdp-w4", "composer-t2.0-hsdp-w4"])
@@ -124,21 +234,29 @@ def test_plain_values_under_the_model_take_the_two_step_path(checkpoints, tmp_pa
     assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), expected(single)["model"])
 
 
-@pytest.mark.parametrize("target", [0, 1, 2])
-def test_sigkill_mid_way_leaves_nothing_finished_and_the_rerun_completes(target: int, checkpoints,
+@pytest.mark.parametrize("format,target", [("safetensors", 0), ("safetensors", 1), ("safetensors", 2),
+                                           ("torch", 1), ("dcp", 2)])
+def test_sigkill_mid_way_leaves_nothing_finished_and_the_rerun_completes(format: str, target: int, checkpoints,
                                                                         tmp_path: Path) -> None:
     """Killed once `target` units are journalled: OUT holds nothing that looks finished, and the same
-    command resumes, skipping the journalled units, to the same bytes as a clean run."""
+    command resumes, skipping the journalled units, to what a clean run writes."""
     src = checkpoints(6)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "shardstore.cli", "unshard", str(src), str(out), "-j", "1", "-q"]
-    committed = sigkill_mid_way(cmd, shardstore.scratch_location(out), 6, target, reset=out)
-    assert not (out / "model.safetensors").exists()  # the output is still inside the scratch store
+    cmd = [sys.executable, "-m", "shardstore.cli", "unshard", str(src), str(out), "-j", "1", "--format", format, "-q"]
+    scratch = shardstore.scratch_location(out)
+    committed = sigkill_mid_way(cmd, scratch, 6, target, reset=out)
+    assert [p.name for p in out.iterdir()] == [scratch.name]  # the output is still inside the scratch store
     rerun = subprocess.run(cmd[:-1], capture_output=True, text=True)  # without -q: its one line per phase
     assert rerun.returncode == 0, rerun.stderr
     assert ("were already done" in rerun.stderr) == (committed > 0), rerun.stderr  # journalled units skipped
-    assert_bitwise_equal(load_file(out / "model.safetensors"), expected(src)["model"])
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    if format == "safetensors":
+        assert_bitwise_equal(load_file(out / "model.safetensors"), expected(src)["model"])
+        assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    elif format == "torch":
+        assert zipfile.ZipFile(out / "optim.pt").testzip() is None
+        assert_bitwise_equal(torch.load(out / "optim.pt", weights_only=False), expected(src)["optim"])
+    else:
+        assert_bitwise_equal(_dcp_state(out, tmp_path / "dcp.pt")["model"], expected(src)["model"])
 
 
 def test_a_crash_while_moving_the_files_into_out_resumes(checkpoints, tmp_path: Path, monkeypatch) -> None:

@@ -1,0 +1,64 @@
+"""Safetensors and Hugging Face folders in one pass: the header first, every tensor's bytes where it
+says; a row block of a split weight (`att_proj` -> q, k, v) is a box of the fused array."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...store.store import Store
+from ..hf import planned_files, write_model_files
+from ..hf.spec import HFModel
+from ..resolve import ArrayRef
+from ..safetensors import SafetensorsPlan, header, write_index
+from . import DirectExport
+from .layout import Layout, Target, new_layout, prepare
+
+
+@dataclass(frozen=True)
+class SafetensorsDirect(DirectExport):
+    layout: Layout
+    plan: SafetensorsPlan
+    model: HFModel | None  # for hf: the config and tokenizer files written beside the weights
+
+    @property
+    def files(self) -> list[str]:
+        return planned_files(self.model, self.plan) if self.model else self.plan.files
+
+    @property
+    def skipped(self) -> list[str]:
+        return self.plan.skipped
+
+    @property
+    def notes(self) -> list[str]:
+        return self.model.notes if self.model else []
+
+    @property
+    def side_files(self) -> bool:
+        return self.model is None
+
+    def finish(self, store: Store, out: Path) -> list[Path]:
+        return write_index(out, self.plan) + (write_model_files(out, self.model) if self.model else [])
+
+
+def plan(store: Store, plan: SafetensorsPlan, model: HFModel | None) -> SafetensorsDirect:
+    """The layout of `plan`, whose every tensor is an array of the store's plan (the caller made sure)."""
+    targets: dict[str, list[Target]] = {}
+    sizes, heads = [], []
+    for i, group in enumerate(plan.groups):
+        head = header(group, {})
+        offset = len(head)
+        for item in group:
+            ref = item.source
+            assert isinstance(ref, ArrayRef), item.key  # plain values never reach a one-pass plan
+            box = None
+            if ref.rows is not None:
+                shape = store.manifest.arrays[ref.path].shape
+                box = ((ref.rows[0],) + (0,) * (len(shape) - 1), (ref.rows[1] - ref.rows[0],) + shape[1:])
+            targets.setdefault(ref.path, []).append(Target(i, offset, box, item.dtype))
+            offset += item.nbytes
+        sizes.append(offset)
+        heads.append([(0, head)])
+    lay = new_layout(store, plan.names, sizes, targets)
+    prepare(store, lay, heads)
+    return SafetensorsDirect(lay, plan, model)

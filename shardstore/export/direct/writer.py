@@ -1,0 +1,169 @@
+"""A worker's sink for the pieces the layout places: each written where it goes in the output.
+
+The store's `UnitWriter` is the other sink (ingest.py hands each piece to one or the other): both take
+the same pieces from the read side. A piece is written kernel-side where its bytes are contiguous in both
+files (copy_file_range from the rank file), row by row for a box that is not, cast block by block under
+`--dtype`. Into a zip entry (torch, DCP) the worker also records each run's CRC-32 (the rank file's own
+where the run is one of its storage records whole) for the finish to combine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ... import dtypes
+from ...ranges import FileRange, Part, blocks, copy_range, part_length
+from ...store.manifest import ArrayEntry
+from ..output import output_error
+from ..safetensors import CAST_BLOCK_BYTES, _cast
+from .layout import CLAIMS, Layout, Target
+
+RECORDED_RUNS = 64  # a piece in more runs than this (a column box, row by row): the finish reads it back
+
+
+class DirectWriter:
+    def __init__(self, lay: Layout):
+        self.layout = lay
+        self.fds: dict[int, int] = {}
+        self.runs: list[list[int]] = []  # [file, offset, length, CRC-32] written into zip entries
+
+    def _fd(self, file: int) -> int:
+        if file not in self.fds:
+            self.fds[file] = os.open(os.path.join(self.layout.folder, self.layout.names[file]), os.O_WRONLY)
+        return self.fds[file]
+
+    def places(self, path: str) -> bool:
+        return path in self.layout.targets
+
+    def claim(self, group_rank: int, rank: int) -> bool:
+        """Whether this unit writes its pieces: always, but under hybrid sharding only the first unit of
+        its rank in the shard group (the others hold a copy of the same pieces)."""
+        if not self.layout.hybrid:
+            return True
+        path = os.path.join(self.layout.folder, CLAIMS, str(group_rank))
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            with open(path) as f:
+                return f.read() == str(rank)  # this unit's own claim, from before a crash
+        try:
+            os.write(fd, str(rank).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
+    def piece(self, entry: ArrayEntry, piece: Any) -> None:
+        """Write one piece (a box of the array, or an element range of a flat one) to every place of it."""
+        if not all(piece.sizes):
+            return
+        values: list[np.ndarray] = []  # the piece's elements in C order, built once if a run needs them
+        try:
+            for target in self.layout.targets[entry.path]:
+                runs = _runs(entry, piece, target)
+                record = target.crc and len(runs) <= RECORDED_RUNS
+                for first, count, out_at in runs:
+                    self._write(entry, piece, values, first, count, target, out_at, record)
+        except OSError as exc:  # a full disk, a read-only one: one line naming the file, not a traceback
+            error = output_error(Path(self.layout.folder), exc)
+            if error is None:
+                raise
+            raise error from None
+
+    def _write(self, entry: ArrayEntry, piece: Any, values: list[np.ndarray], first: int, count: int,
+               target: Target, out_at: int, record: bool) -> None:
+        """`count` elements of `piece` from its element `first` (C order within the piece), to element
+        `out_at` of the target's tensor; with `record`, the run's CRC-32 noted."""
+        src, dst = dtypes.info(entry.dtype), dtypes.info(target.dtype)
+        fd, offset = self._fd(target.file), target.offset + out_at * dst.itemsize
+        row = math.prod(piece.sizes[1:])
+        part: Part | None = None
+        if first % row == 0 and count % row == 0:
+            part = piece.rows(first // row, count // row)
+        if part is None:
+            if not values:
+                values.append(np.ascontiguousarray(piece.values()).reshape(-1))
+            part = values[0][first:first + count].data
+        if target.dtype != entry.dtype:
+            for block in blocks([part], CAST_BLOCK_BYTES - CAST_BLOCK_BYTES % src.itemsize):
+                data = _cast(np.frombuffer(block, dtype=src.raw), src, target.dtype)
+                _pwrite(fd, data, offset)
+                offset += len(data)
+            return
+        known = piece.crc() if record and first == 0 and count == math.prod(piece.sizes) else None
+        if record and known is None:  # read once, checksummed on the way
+            crc, at = 0, offset
+            for block in blocks([part]):
+                crc = zlib.crc32(block, crc)
+                _pwrite(fd, block, at)
+                at += part_length(block)
+            self.runs.append([target.file, offset, at - offset, crc])
+            return
+        _put(part, fd, offset)
+        if record:
+            self.runs.append([target.file, offset, part_length(part), known])
+
+    def sync(self) -> None:
+        """Make everything written durable: before the unit's commit, which is the journal."""
+        for fd in self.fds.values():
+            os.fsync(fd)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _runs(entry: ArrayEntry, piece: Any, target: Target) -> list[tuple[int, int, int]]:
+    """(first element in the piece, count, first element in the target's tensor) of each contiguous run
+    of the piece's elements that the target takes, in C order."""
+    shape = entry.shape
+    t_off, t_size = target.box if target.box is not None else ((0,) * len(shape), shape)
+    if entry.flat:  # an element range of the flattened array; a target of whole rows
+        (start,), (count,) = piece.offsets, piece.sizes
+        row = math.prod(shape[1:])
+        a, b = max(start, t_off[0] * row), min(start + count, (t_off[0] + t_size[0]) * row)
+        return [(a - start, b - a, a - t_off[0] * row)] if a < b else []
+    p_off, p_size = piece.offsets, piece.sizes
+    lo = [max(p, t) for p, t in zip(p_off, t_off)]
+    hi = [min(p + s, t + u) for p, s, t, u in zip(p_off, p_size, t_off, t_size)]
+    if any(a >= b for a, b in zip(lo, hi)):
+        return []
+    # From dimension k on, the overlap is all of the piece and all of the target: contiguous in both, so
+    # each run spans those dimensions and its extent in dimension k - 1.
+    k = len(shape)
+    while k > 0 and lo[k - 1] == p_off[k - 1] == t_off[k - 1] and hi[k - 1] - lo[k - 1] == p_size[k - 1] == t_size[k - 1]:
+        k -= 1
+    if k == 0:  # the piece is the target
+        return [(0, math.prod(p_size), 0)]
+    run = (hi[k - 1] - lo[k - 1]) * math.prod(p_size[k:])
+    in_strides = [math.prod(p_size[d + 1:]) for d in range(len(shape))]
+    out_strides = [math.prod(t_size[d + 1:]) for d in range(len(shape))]
+    runs = []
+    for index in np.ndindex(*(b - a for a, b in zip(lo[:k - 1], hi[:k - 1]))):
+        at = [a + i for a, i in zip(lo, index)] + [lo[k - 1]]
+        runs.append((sum((a - o) * s for a, o, s in zip(at, p_off, in_strides)), run,
+                     sum((a - o) * s for a, o, s in zip(at, t_off, out_strides))))
+    return runs
+
+
+def _put(part: Part, fd: int, offset: int) -> None:
+    if isinstance(part, FileRange):
+        copy_range(part, fd, offset)
+        return
+    for block in blocks([part]):
+        _pwrite(fd, block, offset)
+        offset += part_length(block)
+
+
+def _pwrite(fd: int, data: Any, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
