@@ -10,7 +10,7 @@ and peak RSS of the largest process with /usr/bin/time:
   since shardstore makes its data durable before it calls a rank done);
 - `shardstore ingest`, then `shardstore show` of one 4-row slice from that store (wall clock of the
   whole command, and bytes it read), then `shardstore export` to safetensors;
-- `shardstore unshard` end to end, to safetensors, to torch and (with the run's config.yaml) to `hf`;
+- `shardstore unshard` end to end, to safetensors, to torch, to DCP and (with the run's config.yaml) to `hf`;
 - `shardstore ingest` with rank files and store on a local S3 API server (moto), counting the requests
   the server answered (its access log);
 - for `w1024-7b`, a subset of a checkpoint too large for the disk: rank 0 ingested alone (it plans the
@@ -201,6 +201,8 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
     run("shardstore unshard safetensors", [*shardstore, "unshard", str(ckpt), str(work / "st"), "-q"])
     fresh()
     run("shardstore unshard torch", [*shardstore, "unshard", str(ckpt), str(work / "pt"), "--format", "torch", "-q"])
+    fresh()
+    run("shardstore unshard dcp", [*shardstore, "unshard", str(ckpt), str(work / "dcp"), "--format", "dcp", "-q"])
     fresh()
     if (ckpt / "config.yaml").exists():
         run("shardstore unshard hf", [*shardstore, "unshard", str(ckpt), str(work / "hf"), "--format", "hf", "-q"])

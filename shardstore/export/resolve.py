@@ -43,14 +43,14 @@ class ArrayRef:
         return store.stored_crc(self.path) if self.rows is None else None
 
 
-def object_value(store: Store, path: str, rank: int | None = None) -> Any:
-    """A leaf's value: the lowest rank's, or `rank`'s."""
+def object_value(store: Store, path: str, rank: int | None = None, lean: bool = False) -> Any:
+    """A leaf's value: the lowest rank's, or `rank`'s (`lean`: see handle.decode_value)."""
     by_rank = store.object_values(path)
     if not by_rank:
         raise ExportError(f"{path}: no rank holding it has been ingested")
     if rank is not None and rank not in by_rank:
         raise ExportError(f"{path}: rank {rank} has not been ingested")
-    return decode_value(store, by_rank[min(by_rank) if rank is None else rank])
+    return decode_value(store, by_rank[min(by_rank) if rank is None else rank], lean)
 
 
 def node_at(tree: Node, select: str) -> Node:
@@ -64,16 +64,16 @@ def node_at(tree: Node, select: str) -> Node:
     return node
 
 
-def build(store: Store, node: Node, plain_dicts: bool = False, rank: int | None = None) -> Any:
+def build(store: Store, node: Node, plain_dicts: bool = False, rank: int | None = None, lean: bool = False) -> Any:
     """The state dict below `node`, with ArrayRefs for sharded tensors; per-rank values from `rank`
-    (default: the lowest rank)."""
+    (default: the lowest rank); `lean`, values without torch (see handle.decode_value)."""
     if node.kind == "leaf":
         entry = store.manifest.arrays.get(node.path)
         if entry is not None:
             return ArrayRef(node.path, entry.dtype, entry.shape)
-        value = object_value(store, node.path, rank)
+        value = object_value(store, node.path, rank, lean)
         return _plain(value) if plain_dicts else value
-    items = [(values.decode(k, tensor=_no_tensor), build(store, c, plain_dicts, rank)) for k, c in node.children]
+    items = [(values.decode(k, tensor=_no_tensor), build(store, c, plain_dicts, rank, lean)) for k, c in node.children]
     if node.kind == "odict" and not plain_dicts:
         return collections.OrderedDict(items)
     if node.kind in ("dict", "odict"):

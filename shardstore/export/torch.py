@@ -9,7 +9,6 @@ order, as Composer's own monolithic checkpoints do.
 
 from __future__ import annotations
 
-import collections
 import io
 import json
 import math
@@ -21,7 +20,9 @@ from typing import Any, Callable
 
 from .. import dtypes
 from ..read.opaque import GlobalRef, Opaque
+from ..read.unpickle import TorchDevice, TorchDType, TorchVersion
 from ..read.source import Node
+from ..store.handle import TensorValue, tensor_value
 from ..store.store import Store
 from .output import OutputFile
 from .resolve import ArrayRef, build, leaves, node_at
@@ -66,10 +67,45 @@ class _Pickler(pickle._Pickler):
     def __init__(self, buf: io.BytesIO, placed: dict[str, str] | None = None):
         super().__init__(buf, protocol=PROTOCOL)
         self.placed = placed or {}  # store path -> storage key of an array written already (one pass)
-        self.storages: list[tuple[str, Any]] = []  # (key, ArrayRef or torch.Tensor) of every other storage
+        self.storages: list[tuple[str, Any]] = []  # (key, ArrayRef or TensorValue) of every other storage
         self._ids: dict[int, str] = {}
+        self._rebuilt: dict[int, tuple[Any, Opaque]] = {}  # id(tensor) -> (it, its rebuild): one per tensor
 
-    def _storage(self, source: Any) -> "_Storage":
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        """torch's objects written as torch.save writes them, from shardstore's stand-ins: no torch here."""
+        if isinstance(obj, (ArrayRef, TensorValue)):
+            obj = self._rebuild(obj)
+        elif isinstance(obj, TorchDType):
+            obj = GlobalRef("torch", str(obj))
+        elif isinstance(obj, TorchDevice):
+            obj = Opaque("torch", "device", (str(obj),))
+        elif isinstance(obj, TorchVersion):
+            obj = Opaque("torch.torch_version", "TorchVersion", (str(obj),))
+        elif type(obj).__module__ == "torch" and type(obj).__name__ in ("Tensor", "Parameter"):
+            obj = self._rebuild(obj)  # a value decoded with torch (DCP's items)
+        super().save(obj, save_persistent_id)
+
+    def _rebuild(self, obj: Any) -> Opaque:
+        """`torch._utils._rebuild_tensor_v2(storage, 0, size, stride, False, OrderedDict())`, as torch.save
+        pickles a contiguous tensor (v3, with the dtype, where no typed storage class exists)."""
+        if id(obj) in self._rebuilt:
+            return self._rebuilt[id(obj)][1]
+        tensor = obj if isinstance(obj, (ArrayRef, TensorValue)) else tensor_value(obj)
+        shape, dtype = tuple(tensor.shape), tensor.dtype
+        stride, acc = [], 1
+        for d in reversed(shape):
+            stride.append(acc)
+            acc *= max(d, 1)
+        args: tuple = (self._storage(tensor), 0, shape, tuple(reversed(stride)), False,
+                       Opaque("collections", "OrderedDict"))
+        name = "_rebuild_tensor_v2"
+        if not dtypes.info(dtype).storage_class:
+            args, name = args + (GlobalRef("torch", dtype),), "_rebuild_tensor_v3"
+        rebuilt = Opaque("torch._utils", name, args)
+        self._rebuilt[id(obj)] = (obj, rebuilt)  # (the tensor stays referenced: its id is not reused)
+        return rebuilt
+
+    def _storage(self, source: "ArrayRef | TensorValue") -> "_Storage":
         if isinstance(source, ArrayRef) and source.rows is None and source.path in self.placed:
             return _Storage(self.placed[source.path], source)
         key = self._ids.get(id(source))
@@ -78,46 +114,20 @@ class _Pickler(pickle._Pickler):
             self.storages.append((key, source))
         return _Storage(key, source)
 
-    def reducer_override(self, obj: Any) -> Any:
-        import torch
-
-        if isinstance(obj, ArrayRef):
-            return _rebuild(self._storage(obj), obj.dtype, obj.shape)
-        if isinstance(obj, torch.Tensor):
-            tensor = obj.detach().contiguous()
-            return _rebuild(self._storage(tensor), str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
-        return NotImplemented
-
     def persistent_id(self, obj: Any) -> Any:
-        import torch
-
         if not isinstance(obj, _Storage):
             return None
-        info = dtypes.info(obj.dtype)
+        info = dtypes.info(obj.source.dtype)
         numel = math.prod(obj.source.shape)
         if info.storage_class:
-            return ("storage", getattr(torch, info.storage_class), obj.key, "cpu", numel)
-        return ("storage", torch.UntypedStorage, obj.key, "cpu", numel * info.itemsize)
+            return ("storage", GlobalRef("torch", info.storage_class), obj.key, "cpu", numel)
+        return ("storage", GlobalRef("torch.storage", "UntypedStorage"), obj.key, "cpu", numel * info.itemsize)
 
 
+@dataclass(frozen=True)
 class _Storage:
-    def __init__(self, key: str, source: Any):
-        self.key, self.source = key, source
-        self.dtype = source.dtype if isinstance(source, ArrayRef) else str(source.dtype).removeprefix("torch.")
-
-
-def _rebuild(storage: _Storage, dtype: str, shape: tuple[int, ...]) -> tuple:
-    import torch
-
-    stride, acc = [], 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= max(d, 1)
-    stride = tuple(reversed(stride))
-    if dtypes.info(dtype).storage_class:
-        return torch._utils._rebuild_tensor_v2, (storage, 0, torch.Size(shape), stride, False, collections.OrderedDict())
-    return (torch._utils._rebuild_tensor_v3,
-            (storage, 0, torch.Size(shape), stride, False, collections.OrderedDict(), getattr(torch, dtype)))
+    key: str
+    source: "ArrayRef | TensorValue"
 
 
 def save(store: Store, obj: Any, path: Path, progress: Callable[[int], None] | None = None,
@@ -144,8 +154,6 @@ def write_zip(out: Sink, archive: str, obj: Any, store: Store, partial: dict[str
 def write_entries(zw: TorchZipWriter, obj: Any, store: Store, partial: dict[str, str] | None = None,
                   placed: dict[str, str] | None = None, holes: bool = False) -> None:
     """The pickle and every storage of `obj` but those `placed` already (store path -> storage key)."""
-    import torch
-
     buf = io.BytesIO()
     pickler = _Pickler(buf, placed)
     pickler.dump(obj)
@@ -160,8 +168,7 @@ def write_entries(zw: TorchZipWriter, obj: Any, store: Store, partial: dict[str,
             known = source.stored_crc(store) if partial is None else None
             zw.add(f"data/{key}", source.parts(store, allow_partial=partial is not None), source.nbytes, known)
         else:
-            raw = source.cpu().reshape(-1).view(torch.uint8).numpy().tobytes() if source.numel() else b""
-            zw.add_bytes(f"data/{key}", raw)
+            zw.add_bytes(f"data/{key}", source.data)
     zw.add_bytes("version", b"3\n")
     zw.add_bytes(".data/serialization_id", secrets.token_hex(20).encode())
     if partial is not None:
@@ -204,7 +211,7 @@ def torch_files(store: Store) -> list[str]:
 
 def torch_object(store: Store, file: TorchFile) -> Any:
     """What one of the files holds, its arrays as ArrayRefs."""
-    state = build(store, file.node, plain_dicts=file.plain_dicts)
+    state = build(store, file.node, plain_dicts=file.plain_dicts, lean=True)
     if file.dropped:
         return {k: v for k, v in state.items() if k not in file.dropped}
     if store.manifest.layout != "composer" or not isinstance(state.get("rng"), list):
@@ -212,7 +219,7 @@ def torch_object(store: Store, file: TorchFile) -> Any:
     rng_node = node_at(file.node, "rng")
     holders = _holders(store, rng_node)
     if len(holders) > 1:  # one rank file each: every rank's one-element list, in rank order
-        state["rng"] = [item for rank in holders for item in build(store, rng_node, rank=rank)]
+        state["rng"] = [item for rank in holders for item in build(store, rng_node, rank=rank, lean=True)]
     # else: saved once (Composer >= 0.16's DCP keeps every rank's state in global rank 0's list): as it is
     return state
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -180,7 +181,28 @@ def decode_tensor(store: "Store", record: dict[str, Any]) -> "torch.Tensor":
     return to_torch(np.frombuffer(bytearray(raw), dtype=info.raw).reshape(record["shape"]), info.name)
 
 
-def decode_value(store: "Store", encoded: Any) -> Any:
+@dataclass(frozen=True)
+class TensorValue:
+    """A plain tensor's dtype, shape and bytes (C order): what the torch writer needs of it, without torch."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+def tensor_value(tensor: "torch.Tensor") -> TensorValue:
+    import torch
+
+    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    return TensorValue(str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), raw)
+
+
+def decode_value(store: "Store", encoded: Any, lean: bool = False) -> Any:
+    """A stored value as torch objects; `lean`, with shardstore's stand-ins for them instead (TensorValue,
+    TorchDType, TorchDevice, TorchVersion), so that writing it back needs no torch."""
+    if lean:
+        return values.decode(encoded, tensor=lambda rec: TensorValue(
+            dtypes.info(rec["dtype"]).name, tuple(rec["shape"]), store.blob(rec["blob"]) if "blob" in rec else base64.b64decode(rec["data"])))
     import torch
 
     return values.decode(encoded, tensor=lambda rec: decode_tensor(store, rec),
