@@ -172,7 +172,9 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
 
     # One write: with a scratch store on local disk, the ingest writes the output itself where the plan
     # lays it out (export/direct/); the store then keeps only values, and the journal of units.
-    one_pass = store is None and scheduler is None and not verify_replicas and not is_url(os.fspath(out_dir))
+    # Under Dask the workers write into OUT too: it must be a folder they all see (local, or a cluster's
+    # shared file system), as the scratch store inside it must be for the two-step path.
+    one_pass = store is None and not verify_replicas and not is_url(os.fspath(out_dir))
     planned: list[_export.DirectExport | None] = [None]
 
     def before_ingest(st: Store) -> None:  # the store is planned and nothing is read yet

@@ -85,3 +85,23 @@ def test_export_one_task_per_safetensors_file(cluster, checkpoints, tmp_path: Pa
     assert_bitwise_equal(merged, expected(src)["model"])
     tasks = client.run_on_scheduler(lambda dask_scheduler: [k for k in dask_scheduler.task_prefixes])
     assert "shardstore-export" in " ".join(tasks)
+
+
+def test_unshard_on_a_dask_cluster_writes_in_one_pass(cluster, checkpoints, tmp_path: Path) -> None:
+    """OUT on a file system every worker sees: the Dask workers write the shards straight into the
+    output, as local workers do, and the output is what local workers write."""
+    from tests.conftest import Phases
+
+    c, _ = cluster
+    src = checkpoints(3)
+    for fmt, name in (("safetensors", "model.safetensors"), ("torch", "model.pt")):
+        phases = Phases()
+        shardstore.unshard(src, tmp_path / fmt, format=fmt, scheduler=c.scheduler_address, progress=phases)
+        assert phases.phases == ["ingest"], phases.phases  # no export from a store
+        local = shardstore.unshard(src, tmp_path / f"{fmt}-local", format=fmt, jobs=2)
+        if fmt == "safetensors":
+            assert (tmp_path / fmt / name).read_bytes() == local.files[0].read_bytes()
+        else:
+            import torch
+
+            assert_bitwise_equal(torch.load(tmp_path / fmt / name, weights_only=False), expected(src)["model"])
