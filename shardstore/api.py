@@ -186,7 +186,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
         if one_pass:
             planned[0] = _export.plan_direct(st, **{k: v for k, v in export_options.items()  # type: ignore[arg-type]
                                                     if k not in ("overwrite", "allow_partial")},
-                                             jobs=jobs or os.cpu_count() or 1)
+                                             jobs=jobs or default_jobs())
         check_space(st, len(source.units), exported_subtree(st), out_dir, output, in_store=planned[0] is None)
 
     def exported_subtree(st: Store) -> str | None:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import shardstore
 from shardstore.errors import CheckpointError
-from tests.conftest import assert_bitwise_equal, expected, upload
+from tests.conftest import Phases, assert_bitwise_equal, expected, upload
 
 
 @pytest.fixture
@@ -90,8 +90,6 @@ def test_export_one_task_per_safetensors_file(cluster, checkpoints, tmp_path: Pa
 def test_unshard_on_a_dask_cluster_writes_in_one_pass(cluster, checkpoints, tmp_path: Path) -> None:
     """OUT on a file system every worker sees: the Dask workers write the shards straight into the
     output, as local workers do, and the output is what local workers write."""
-    from tests.conftest import Phases
-
     c, _ = cluster
     src = checkpoints(3)
     for fmt, name in (("safetensors", "model.safetensors"), ("torch", "model.pt")):

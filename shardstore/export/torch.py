@@ -68,7 +68,6 @@ class _Pickler(pickle._Pickler):
         super().__init__(buf, protocol=PROTOCOL)
         self.placed = placed or {}  # store path -> storage key of an array written already (one pass)
         self.storages: list[tuple[str, Any]] = []  # (key, ArrayRef or TensorValue) of every other storage
-        self._ids: dict[int, str] = {}
         self._rebuilt: dict[int, tuple[Any, Opaque]] = {}  # id(tensor) -> (it, its rebuild): one per tensor
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
@@ -108,10 +107,8 @@ class _Pickler(pickle._Pickler):
     def _storage(self, source: "ArrayRef | TensorValue") -> "_Storage":
         if isinstance(source, ArrayRef) and source.rows is None and source.path in self.placed:
             return _Storage(self.placed[source.path], source)
-        key = self._ids.get(id(source))
-        if key is None:  # (the sources stay listed, so an id is never reused for another)
-            key = self._ids[id(source)] = str(len(self.placed) + len(self.storages))
-            self.storages.append((key, source))
+        key = str(len(self.placed) + len(self.storages))  # called once per tensor (`_rebuild` keeps them)
+        self.storages.append((key, source))
         return _Storage(key, source)
 
     def persistent_id(self, obj: Any) -> Any:

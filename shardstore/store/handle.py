@@ -174,10 +174,15 @@ def to_torch(raw: np.ndarray, dtype: str) -> "torch.Tensor":
     return torch.from_numpy(arr).view(getattr(torch, dtypes.info(dtype).name))
 
 
+def _tensor_bytes(store: "Store", record: dict[str, Any]) -> bytes:
+    """A "$tensor" record's bytes: inline, or a blob of the store."""
+    return store.blob(record["blob"]) if "blob" in record else base64.b64decode(record["data"])
+
+
 def decode_tensor(store: "Store", record: dict[str, Any]) -> "torch.Tensor":
     """A plain tensor from its "$tensor" record."""
     info = dtypes.info(record["dtype"])
-    raw = store.blob(record["blob"]) if "blob" in record else base64.b64decode(record["data"])
+    raw = _tensor_bytes(store, record)
     return to_torch(np.frombuffer(bytearray(raw), dtype=info.raw).reshape(record["shape"]), info.name)
 
 
@@ -202,7 +207,7 @@ def decode_value(store: "Store", encoded: Any, lean: bool = False) -> Any:
     TorchDType, TorchDevice, TorchVersion), so that writing it back needs no torch."""
     if lean:
         return values.decode(encoded, tensor=lambda rec: TensorValue(
-            dtypes.info(rec["dtype"]).name, tuple(rec["shape"]), store.blob(rec["blob"]) if "blob" in rec else base64.b64decode(rec["data"])))
+            dtypes.info(rec["dtype"]).name, tuple(rec["shape"]), _tensor_bytes(store, rec)))
     import torch
 
     return values.decode(encoded, tensor=lambda rec: decode_tensor(store, rec),

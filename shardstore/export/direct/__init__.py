@@ -20,7 +20,8 @@ written by whichever unit of that group rank comes next.
 Where this does not apply the two-step path runs (ingest into the scratch store, then export from it):
 safetensors tensors the plan cannot place before the data is read (plain values under the model: their
 shapes come with the data; a Composer model's config lives in its values), hybrid sharding of other
-formats than rank files, `--verify-replicas`, Dask, `--store`, and OUT on object storage.
+formats than rank files, `--verify-replicas`, `--store`, and OUT on object storage. Dask workers write
+into OUT as local ones do: it must be a folder they all see.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class DirectExport(ABC):
         return []
 
     def seal(self, store: Store) -> None:
-        """The files' last bytes, once every unit is in; nothing to do for most formats."""
+        """The files' last bytes, once every unit is in (a torch zip's pickle and directory, the CRCs);
+        nothing for safetensors."""
 
     def finish(self, store: Store, out: Path) -> list[Path]:
         """The files beside the laid-out ones, in OUT (the run's side files aside)."""

@@ -10,6 +10,7 @@ and `.metadata`, which makes the folder a checkpoint, is written last.
 from __future__ import annotations
 
 import struct
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,21 +40,13 @@ class DcpDirect(DirectExport):
 
     def seal(self, store: Store) -> None:
         runs = journalled_runs(store, self.layout)
-        fds: dict[int, OutputFile] = {}
-        try:
+        with ExitStack() as stack:  # each file made durable, or left for the rerun, as it exits
+            files = [stack.enter_context(OutputFile.reopen(Path(self.layout.folder) / name, size))
+                     for name, size in zip(self.layout.names, self.layout.sizes)]
             for file, _, _, at, size, positions in self.laid.values():
-                if file not in fds:
-                    path = Path(self.layout.folder) / self.layout.names[file]
-                    fds[file] = OutputFile.reopen(path, self.layout.sizes[file])
-                crc = struct.pack("<I", entry_crc(runs.get(file, []), at, size, fds[file].fd))
+                crc = struct.pack("<I", entry_crc(runs.get(file, []), at, size, files[file].fd))
                 for position in positions:
-                    fds[file].pwrite(crc, position)
-        except BaseException:
-            for out in fds.values():
-                out.abort()
-            raise
-        for out in fds.values():
-            out.commit()
+                    files[file].pwrite(crc, position)
 
     def finish(self, store: Store, out: Path) -> list[Path]:
         described, mappings, items = describe(store)

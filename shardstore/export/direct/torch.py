@@ -61,8 +61,8 @@ def _sketch(store: Store, file: TorchFile) -> tuple[TorchZipWriter, dict[str, st
 
 def plan(store: Store) -> TorchDirect:
     targets: dict[str, list[Target]] = {}
-    sizes, heads = [], []
-    for i, file in enumerate(torch_layout(store)):
+    sizes, heads, files = [], [], torch_layout(store)
+    for i, file in enumerate(files):
         zw, placed = _sketch(store, file)
         for path, key in placed.items():
             at, _ = zw.holes[f"data/{key}"]
@@ -70,6 +70,6 @@ def plan(store: Store) -> TorchDirect:
         assert isinstance(zw.out, Sketch)
         sizes.append(zw.out.pos)
         heads.append(zw.out.writes)
-    lay = new_layout(store, [f.name for f in torch_layout(store)], sizes, targets)
+    lay = new_layout(store, [f.name for f in files], sizes, targets)
     prepare(store, lay, heads)
     return TorchDirect(lay)

@@ -97,17 +97,9 @@ class DirectWriter:
                 offset += len(data)
             return
         known = piece.crc() if record and first == 0 and count == math.prod(piece.sizes) else None
-        if record and known is None:  # read once, checksummed on the way
-            crc, at = 0, offset
-            for block in blocks([part]):
-                crc = zlib.crc32(block, crc)
-                _pwrite(fd, block, at)
-                at += part_length(block)
-            self.runs.append([target.file, offset, at - offset, crc])
-            return
-        _put(part, fd, offset)
+        crc = _put(part, fd, offset, checksum=record and known is None)  # else kernel-side where it can
         if record:
-            self.runs.append([target.file, offset, part_length(part), known])
+            self.runs.append([target.file, offset, part_length(part), known if known is not None else crc])
 
     def sync(self) -> None:
         """Make everything written durable: before the unit's commit, which is the journal."""
@@ -153,13 +145,18 @@ def _runs(entry: ArrayEntry, piece: Any, target: Target) -> list[tuple[int, int,
     return runs
 
 
-def _put(part: Part, fd: int, offset: int) -> None:
-    if isinstance(part, FileRange):
+def _put(part: Part, fd: int, offset: int, checksum: bool = False) -> int | None:
+    """Write `part` at `offset`; with `checksum`, read once through memory and return its CRC-32."""
+    if isinstance(part, FileRange) and not checksum:
         copy_range(part, fd, offset)
-        return
+        return None
+    crc = 0
     for block in blocks([part]):
+        if checksum:
+            crc = zlib.crc32(block, crc)
         _pwrite(fd, block, offset)
         offset += part_length(block)
+    return crc if checksum else None
 
 
 def _pwrite(fd: int, data: Any, offset: int) -> None:
