@@ -8,6 +8,7 @@ No chunk has two writers, so workers never coordinate. The workers are the runne
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -15,7 +16,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import values
-from .errors import CheckpointError, StoreError, named
+from .errors import CheckpointError, StoreError, closed_on_error, named
 from .locations import StorageOptions, filesystem, is_url
 from .export.direct import DirectWriter, Layout
 from .plan import plan_checkpoint
@@ -138,21 +139,23 @@ def under(path: str, subtree: str | None) -> bool:
     return subtree is None or subtree == "" or path == subtree or path.startswith(subtree.rstrip("/") + "/")
 
 
-def ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptions = IngestOptions()) -> Ingested:
+def ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptions = IngestOptions(),
+                unit: Any = None) -> Ingested:
     """Ingest one rank file into an existing store: the whole job of one worker.
 
     Under hybrid sharding every shard exists once per replica group: the first copy to arrive is written,
     later ones are skipped (or, with `verify_replicas`, compared bit for bit). With `only`, tensors outside
     that subtree are not written (values still are): for a scratch store that only feeds one export.
+    `unit` is the file already open (the one planning read); it is closed here either way.
     """
     with gc_paused():
-        return _ingest_file(store, path, options)
+        return _ingest_file(store, path, options, unit)
 
 
-def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptions) -> Ingested:
+def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptions, unit: Any) -> Ingested:
     verify_replicas, only = options.verify_replicas, options.only
-    rf = open_unit(options.format, os.fspath(path), store.storage_options, options.strict, values.encode,
-                   store.manifest.extra)
+    rf = unit if unit is not None else open_unit(options.format, os.fspath(path), store.storage_options,
+                                                 options.strict, values.encode, store.manifest.extra)
     try:
         _check_against(store, rf)
         identity = _identity(rf)
@@ -229,19 +232,29 @@ def create_store(location: str | os.PathLike[str], source: Source, strict: bool 
     that a worker reads again, and each worker checks its own file against the plan anyway. A store that
     holds nothing committed was planned by a run whose files were all refused (a damaged first file): if
     today's files plan it differently, it is planned again rather than refusing the genuine files."""
+    store, unit = _planned_store(location, source, strict)
+    if unit is not None:
+        unit.close()
+    return store
+
+
+def _planned_store(location: str | os.PathLike[str], source: Source, strict: bool) -> tuple[Store, Any | None]:
+    """`create_store`, also handing back the unit planning opened (Source.plan), which the caller closes."""
     existing = Store.open(location, source.storage_options) if Store.exists(location, source.storage_options) else None
     if existing is not None and source.format == "torch-save" and existing.records():
-        return existing
+        return existing, None
     try:
-        manifest = plan_checkpoint(source.spec(values.encode, strict))
+        spec, unit = source.plan(values.encode, strict)
     except CheckpointError as exc:
         raise named(exc, source.units[0]) from None
-    if existing is not None and not existing.records():
-        try:
-            existing.check_compatible(manifest, str(location))
-        except StoreError:
-            existing.discard()
-    return Store.create(location, manifest, source.storage_options)
+    with closed_on_error(unit.close if unit is not None else lambda: None, source.units[0]):
+        manifest = plan_checkpoint(spec)
+        if existing is not None and not existing.records():
+            try:
+                existing.check_compatible(manifest, str(location))
+            except StoreError:
+                existing.discard()
+        return Store.create(location, manifest, source.storage_options), unit
 
 
 def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = None,
@@ -268,18 +281,21 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
     files: list[str | os.PathLike[str]] = list(source.units)
     _check_readable(files)
     jobs = max(1, min(jobs or default_jobs(), len(files)))
-    created, store = not Store.exists(location, source.storage_options), None
+    created, store, held = not Store.exists(location, source.storage_options), None, None
     try:
         with Pool(jobs, scheduler) as pool:  # workers start now: their start-up overlaps creating the store
-            store = create_store(location, source, strict)
+            store, held = _planned_store(location, source, strict)
             _run(store, pool, files, IngestOptions(verify_replicas, None, strict, source.format),
-                 on_created=on_created, only=only, on_start=on_start, on_done=on_done, direct=direct)
+                 on_created=on_created, only=only, on_start=on_start, on_done=on_done, direct=direct, held=held)
     except BaseException:
         # Nothing was accepted: leave no store planned from refused files. Only once the pool is shut down
         # (every task that was running has ended), and never on Dask, whose tasks may outlive this run.
         if created and store is not None and scheduler is None and not store.records():
             store.discard()
         raise
+    finally:
+        if held is not None:
+            held.close()
     store.assemble_ready(verify=verify_replicas)
     return store
 
@@ -307,8 +323,9 @@ def _check_readable(files: Sequence[str | os.PathLike[str]]) -> None:
 def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options: IngestOptions,
          on_created: Callable[[Store], None] | None, only: Callable[[Store], str | None] | None,
          on_start: Callable[[int | None, int], None] | None, on_done: Callable[[Ingested], None] | None,
-         direct: Callable[[Store], Layout | None] | None = None) -> None:
-    """The ingest itself, once the store is open: every file not yet in, on the pool."""
+         direct: Callable[[Store], Layout | None] | None = None, held: Any = None) -> None:
+    """The ingest itself, once the store is open: every file not yet in, on the pool. The unit planning
+    opened (`held`), if still to do, is ingested here, beside the workers, from what planning read."""
     if on_created:
         on_created(store)
     store.sweep_temporaries()  # what writers killed mid-write left behind
@@ -330,11 +347,15 @@ def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options:
             on_done(result)
 
     paths = [os.fspath(f) for f in todo]
+    here = None
+    if held is not None and held.path in paths and pool.scheduler is None:
+        paths.remove(held.path)
+        here = functools.partial(ingest_file, store, held.path, options, held)
     names = [f"ingest-{p.rsplit('/', 1)[-1]}" for p in paths]
     if pool.inline:  # this process: the store just opened, not one cached by an earlier run
-        pool.run(lambda p: ingest_file(store, p, options), [(p,) for p in paths], names, done)
+        pool.run(lambda p: ingest_file(store, p, options), [(p,) for p in paths], names, done, here)
     else:
-        pool.run(_worker, [(store.location, p, options, store.storage_options) for p in paths], names, done)
+        pool.run(_worker, [(store.location, p, options, store.storage_options) for p in paths], names, done, here)
 
 
 def _not_yet_done(store: Store, files: Sequence[str | os.PathLike[str]], subtree: str | None,

@@ -18,7 +18,7 @@ import multiprocessing.context
 import os
 import sys
 import threading
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
@@ -76,27 +76,36 @@ class Pool:
         """Tasks run in this process (so `fn` may be any callable, holding objects of this process)."""
         return self.scheduler is None and self._executor is None
 
-    def run(self, fn: Callable[..., Any], args: list[tuple], names: list[str], on_done: Callable[[Any], None]) -> None:
+    def run(self, fn: Callable[..., Any], args: list[tuple], names: list[str], on_done: Callable[[Any], None],
+            here: Callable[[], Any] | None = None) -> None:
         """fn(*a) for every a in `args`; each result goes to `on_done` as it comes; the first failure ends the
-        run (and what has not started is cancelled). `names` name the tasks on Dask."""
+        run (and what has not started is cancelled). `names` name the tasks on Dask. `here` is one more task
+        that must run in this process (it holds an open file), on a thread beside the workers; the run
+        returns or fails only once it has ended, so nothing is left writing."""
         if self.scheduler is not None:
+            assert here is None, "a Dask run has no task of its own"
             from .distributed import run_tasks
 
             run_tasks(self.scheduler, self.jobs, fn, args, names, on_done)
         elif self._executor is None:
+            if here is not None:
+                on_done(here())
             for a in args:
                 on_done(fn(*a))
         else:
-            pending: set[Future[Any]] = {self._executor.submit(fn, *a) for a in args}
-            try:
-                while pending:
-                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in finished:
-                        on_done(fut.result())
-            except BaseException:
-                for fut in pending:
-                    fut.cancel()
-                raise
+            with ThreadPoolExecutor(1) as thread:
+                pending: set[Future[Any]] = {self._executor.submit(fn, *a) for a in args}
+                if here is not None:
+                    pending.add(thread.submit(here))
+                try:
+                    while pending:
+                        finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                        for fut in finished:
+                            on_done(fut.result())
+                except BaseException:
+                    for fut in pending:
+                        fut.cancel()
+                    raise
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """One task on a local worker, for callers that poll (watch)."""

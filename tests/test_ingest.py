@@ -27,6 +27,45 @@ def test_reingest_in_any_order_and_parallel_is_identical(checkpoints, tmp_path: 
     assert shardstore.open(tmp_path / "b").status().ok
 
 
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_new_store_reads_rank_0_once(checkpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       jobs: int) -> None:
+    """Planning opens rank 0 whole; this process then ingests it from there (beside the workers, with
+    jobs=2) instead of a worker reading it again, and closes it when done."""
+    import importlib
+    import os
+
+    from shardstore.read import rankfile
+
+    ingest_module = importlib.import_module("shardstore.ingest")  # the package's `ingest` is the function
+
+    opened: list[str] = []
+    here: list[tuple[str, bool]] = []
+    read, ingest_file = rankfile.read_rank_file, ingest_module.ingest_file
+
+    def counting_read(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        opened.append(Path(path).name)
+        return read(path, *args, **kwargs)
+
+    def noting_ingest(store, path, options, unit=None):  # type: ignore[no-untyped-def]
+        here.append((Path(path).name, unit is not None))
+        return ingest_file(store, path, options, unit)
+
+    monkeypatch.setattr(rankfile, "read_rank_file", counting_read)
+    monkeypatch.setattr(ingest_module, "ingest_file", noting_ingest)
+    files = sorted(checkpoints(3).glob("rank*.pt"))
+    shardstore.ingest(tmp_path / "s", files, jobs=jobs)
+    if jobs == 1:
+        assert sorted(opened) == ["rank0.pt", "rank1.pt", "rank2.pt"]
+        assert here == [("rank0.pt", True), ("rank1.pt", False), ("rank2.pt", False)]
+    else:  # the workers read ranks 1 and 2 in their own processes
+        assert opened == ["rank0.pt"] and here == [("rank0.pt", True)]
+    assert not [f for f in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{f}") == str(files[0])]
+    shardstore.ingest(tmp_path / "other", files[::-1], jobs=1)  # rank 0 read by its own open
+    assert content(tmp_path / "s") == content(tmp_path / "other")
+    assert shardstore.open(tmp_path / "s").status().ok
+
+
 def test_rank_file_from_another_checkpoint_is_refused(checkpoints, tmp_path: Path) -> None:
     shardstore.ingest(tmp_path / "s", [checkpoints(2) / "rank0.pt"], jobs=1)
     before = content(tmp_path / "s")

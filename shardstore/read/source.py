@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions, filesystem, is_url, local
 
 # A tensor at or below this size held whole by one unit is kept as a value, like a rank file's plain
@@ -87,29 +87,36 @@ class Source:
         return "/".join(os.path.commonprefix([u.split("/")[:-1] for u in self.units]))
 
     def spec(self, encode_key: Any, strict: bool = False) -> CheckpointSpec:
-        spec = self._spec(encode_key, strict)
-        if self.side_files:
-            spec.extra["side_files"] = {_name(f): _side_file(f, self.storage_options) for f in self.side_files}
+        spec, unit = self.plan(encode_key, strict)
+        if unit is not None:
+            unit.close()
         return spec
 
-    def _spec(self, encode_key: Any, strict: bool) -> CheckpointSpec:
+    def plan(self, encode_key: Any, strict: bool = False) -> tuple[CheckpointSpec, Any | None]:
+        """The spec, and the unit planning had to open whole to make it (rank 0 of per-rank files), left
+        open for the caller, who owns it: ingesting it from there reads that file once, not twice."""
+        spec, unit = self._spec(encode_key, strict)
+        if self.side_files:
+            spec.extra["side_files"] = {_name(f): _side_file(f, self.storage_options) for f in self.side_files}
+        return spec, unit
+
+    def _spec(self, encode_key: Any, strict: bool) -> tuple[CheckpointSpec, Any | None]:
         if self.format == "dcp":
             from . import dcp
 
             trainer = [u for u in self.units if u.endswith(".pt")]
             return dcp.spec(dcp.read_checkpoint(_folder(self.units[0]), self.storage_options), encode_key, trainer,
-                            strict, self.storage_options)
+                            strict, self.storage_options), None
         if self.format in FOLDER_FORMATS:
             module, run = FOLDER_FORMATS[self.format](), _folder(_folder(self.units[0]))
-            return module.spec(run, module.units(run, self.storage_options), encode_key, strict, self.storage_options)
+            return module.spec(run, module.units(run, self.storage_options), encode_key, strict,
+                               self.storage_options), None
         from .rankfile import read_rank_file, spec_of
 
         rf = read_rank_file(self.units[0], encode_key=encode_key, storage_options=self.storage_options,
                             strict=strict, digests=True)
-        try:
-            return spec_of(rf)
-        finally:
-            rf.close()
+        with closed_on_error(rf.close, rf.path):
+            return spec_of(rf), rf
 
 
 MAX_SIDE_FILE = 1 << 20
