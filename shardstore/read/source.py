@@ -145,8 +145,15 @@ def _olmo_core() -> Any:
     return olmo_core
 
 
-# Formats whose units live in sub-folders (model/, optim/, train/) of one checkpoint folder.
-FOLDER_FORMATS: dict[str, Callable[[], Any]] = {"olmo-local": _olmo_local, "olmo-core": _olmo_core}
+def _dtensor() -> Any:
+    from . import dtensor
+
+    return dtensor
+
+
+# Formats whose units live in sub-folders (model/, optim/, train/, actor/) of one checkpoint folder.
+FOLDER_FORMATS: dict[str, Callable[[], Any]] = {"olmo-local": _olmo_local, "olmo-core": _olmo_core,
+                                                "dtensor": _dtensor}
 
 
 def _folder(path: str) -> str:
@@ -248,7 +255,9 @@ def open_source(src: str | os.PathLike[str], tag: str | None = None, step: int |
     if found is not None:
         format, run = found
         module = FOLDER_FORMATS[format]()
-        return Source(format, module.units(run, storage_options), storage_options, _config(run, storage_options))
+        side = getattr(module, "side_files", lambda run, storage_options: [])(run, storage_options)
+        return Source(format, module.units(run, storage_options), storage_options,
+                      _config(run, storage_options) + side)
     files = [os.fspath(f) for f in discover(src, tag, step, storage_options)]
     return Source("torch-save", files, storage_options, _config(_folder(files[0]), storage_options))
 
@@ -257,9 +266,12 @@ def _folder_checkpoint(src: str, tag: str | None, step: int | None,
                        storage_options: StorageOptions | None) -> tuple[str, str] | None:
     """(format, folder) when `src` is an OLMo `local` / OLMo-core checkpoint, or a run folder holding such
     checkpoints one level down (step1000/, step2000/: pick one with --tag or --step)."""
+    parent = _folder(src.rstrip("/\\"))
     for format, module in FOLDER_FORMATS.items():
         if module().detect(src, storage_options):
             return format, src
+        if parent and module().detect(parent, storage_options):  # given its model/ or actor/ sub-folder
+            return format, parent
     if is_url(src) or not os.path.isdir(local(src)):
         return None
     below = [(format, os.path.join(src, name)) for name in sorted(os.listdir(local(src)))
@@ -268,10 +280,12 @@ def _folder_checkpoint(src: str, tag: str | None, step: int | None,
     if not below:
         return None
     there = ", ".join(os.path.basename(b[1]) for b in below)
+    if tag in (None, "latest") and step is None and len(below) > 1:
+        step = _latest_step(src)
     if tag not in (None, "latest"):
         below = [b for b in below if os.path.basename(b[1]) == tag]
     if step is not None:
-        below = [b for b in below if re.search(rf"(?:^|[-_])step0*{step}$", os.path.basename(b[1]))]
+        below = [b for b in below if re.search(rf"(?:^|[-_])step_?0*{step}$", os.path.basename(b[1]))]
     if len(below) != 1:
         names = ", ".join(os.path.basename(b[1]) for b in below)
         if not below:
@@ -279,6 +293,20 @@ def _folder_checkpoint(src: str, tag: str | None, step: int | None,
                                   f"it holds {there}")
         raise CheckpointError(f"{src}: holds more than one checkpoint ({names}); pick one with --tag or --step")
     return below[0]
+
+
+LATEST = "latest_checkpointed_iteration.txt"  # veRL's (and Megatron's) pointer to the newest step
+
+
+def _latest_step(run: str) -> int | None:
+    """The step a run folder's latest_checkpointed_iteration.txt names, if it has one."""
+    path = os.path.join(local(run), LATEST)
+    if not os.path.isfile(path):
+        return None
+    text = open(path, "rb").read(64).strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path}: names no step ({text[:20]!r}); pick a checkpoint with --tag or --step")
+    return int(text)
 
 
 CONFIG = "config.yaml"

@@ -13,11 +13,11 @@ from typing import Any
 from .. import paths
 from ..errors import CheckpointError
 from .source import Node, Skeleton
-from .unpickle import ShardedTensor, TensorRef
+from .unpickle import DTensor, ShardedTensor, TensorRef
 
 
 def _holds_tensor(obj: Any) -> bool:
-    if isinstance(obj, (ShardedTensor, TensorRef)):
+    if isinstance(obj, (ShardedTensor, DTensor, TensorRef)):
         return True
     if isinstance(obj, dict):
         return any(_holds_tensor(v) for v in obj.values())

@@ -140,6 +140,55 @@ class ShardedTensor(_Record):
         self.pg_state = state[2] if len(state) > 2 else None
 
 
+class DTensor(_Record):
+    """The stand-in for torch's DTensor: `_local_tensor` (a TensorRef) and `_spec` (a DTensorSpec)."""
+
+    _local_tensor: Any
+    _spec: Any
+
+    def __setstate__(self, state: Any) -> None:
+        # torch pickles a tensor subclass's state as its __dict__, or as (dict, slots) where it has slots.
+        parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+        for part in parts:
+            if part is not None and not isinstance(part, dict):
+                raise CheckpointError("unexpected pickled state for DTensor")
+            self.__dict__.update(part or {})
+
+
+class DTensorSpec(_Record):
+    """DTensorSpec: mesh, placements (one per mesh dimension), tensor_meta (global shape, stride, dtype)."""
+
+
+class DeviceMesh(_Record):
+    """DeviceMesh, as data: its ranks (`mesh`, or `_rank_map` with `_layout` since torch 2.10), dimension
+    names and this rank's coordinate. Its process groups are names only; nothing is looked up or joined."""
+
+
+class MeshLayout(_Record):
+    """torch's private `_MeshLayout` / `_FlatLayout` (shape and stride of a mesh over its rank map)."""
+
+
+class Placement(_Record):
+    """A DTensor placement: `Shard` (dim), `_StridedShard` (dim, split_factor), `Replicate`, `Partial`."""
+
+    kind = ""
+
+
+def _placement(kind: str) -> type:
+    return type(kind, (Placement,), {"kind": kind, "__module__": __name__})
+
+
+class TensorMeta(NamedTuple):
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: Any
+
+
+class ShardOrderEntry(NamedTuple):
+    tensor_dim: int
+    mesh_dims: tuple[int, ...]
+
+
 class DcpMetadata(_Record):
     """torch.distributed.checkpoint's Metadata: state_dict_metadata, planner_data, storage_data, ..."""
 
@@ -184,14 +233,14 @@ class _TensorType:
 
 
 def _wrapper_subclass(cls: Any, dtype: Any, size: Any, *rest: Any) -> Any:
-    if cls is ShardedTensor:
-        return ShardedTensor.__new__(ShardedTensor)
+    if cls is ShardedTensor or cls is DTensor:
+        return cls.__new__(cls)
     raise UnsafePickleError(f"tensor subclass {getattr(cls, '__name__', cls)!r} is not supported")
 
 
 def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: tuple, state: Any) -> Any:
     ret = func(*args)
-    if isinstance(ret, ShardedTensor):
+    if isinstance(ret, (ShardedTensor, DTensor)):
         ret.__setstate__(state)
     return ret
 
@@ -309,6 +358,17 @@ ALLOWED: dict[tuple[str, str], Any] = {
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _mem_format,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): DcpStorageInfo,
     ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo"): DcpStorageInfo,
+    # DTensors (FSDP2, FSDP1 with a device mesh) in per-rank torch.save files; the modules moved in torch 2.4
+    **{(f"torch.distributed.{m}", "DTensor"): DTensor for m in ("tensor", "_tensor", "_tensor.api", "tensor._api")},
+    **{(f"torch.distributed.{m}", n): c for m in ("tensor._dtensor_spec", "_tensor._dtensor_spec",
+                                                  "_tensor.placement_types", "tensor.placement_types")
+       for n, c in (("DTensorSpec", DTensorSpec), ("TensorMeta", TensorMeta), ("ShardOrderEntry", ShardOrderEntry))},
+    **{(f"torch.distributed.{m}", n): _placement(n) for m in ("tensor.placement_types", "_tensor.placement_types")
+       for n in ("Shard", "_StridedShard", "Replicate", "Partial", "_Partial")},
+    ("torch.distributed.device_mesh", "DeviceMesh"): DeviceMesh,
+    ("torch.distributed._tensor.device_mesh", "DeviceMesh"): DeviceMesh,
+    ("torch.distributed._mesh_layout", "_MeshLayout"): MeshLayout,
+    ("torch.distributed._mesh_layout", "_FlatLayout"): MeshLayout,
     # FSDP1 flat-parameter metadata in OLMo's `local` model files (the module moved in torch 2.1)
     ("torch.distributed.fsdp._flat_param", "_ShardParamInfo"): ShardParamInfo,
     ("torch.distributed.fsdp.flat_param", "_ShardParamInfo"): ShardParamInfo,
