@@ -83,6 +83,23 @@ def dcp_checkpoints(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def verl_checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    """verl_checkpoints(kind, world_size) -> a veRL run folder (tests/fixtures/verl.py); what the processes
+    gathered is `<folder>.expected.pt.ref` beside it."""
+    from tests.fixtures.verl import make_verl_checkpoint
+
+    base = CACHE or tmp_path_factory.mktemp("verl")
+
+    def get(kind: str, world_size: int) -> Path:
+        out = base / f"verl-{kind}-w{world_size}"
+        if not Path(f"{out}.expected.pt.ref").exists():
+            make_verl_checkpoint(out, world_size, kind)
+        return out
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def olmo_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     """olmo_checkpoints(kind, variant, world_size) -> a checkpoint folder as OLMo wrote it
     (tests/fixtures/olmo.py: "local" 2.2/2.0, "olmo_core" flat/dtensor), torch's gather in expected.pt.ref."""

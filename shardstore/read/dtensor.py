@@ -402,6 +402,21 @@ def _check_tiling(arrays: dict[str, ShardedSpec], where: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- units
+def _check_coordinate(leaf: DTensor, layout: Layout, f: _File, path: str) -> None:
+    """The mesh a rank pickles says where that rank sits in it: a file renamed to another rank's name is
+    refused here, naming both."""
+    saved = leaf._spec.__dict__["mesh"].__dict__.get("_coordinate_on_dim")
+    if saved is None or layout.mesh is None:
+        return
+    mine = layout.mesh.coordinate(f.rank)
+    if mine is None or tuple(saved) != mine:
+        at = layout.mesh.ranks[sum(c * math.prod(layout.mesh.shape[i + 1:]) for i, c in enumerate(saved))] \
+            if len(saved) == len(layout.mesh.shape) and all(0 <= c < n for c, n in zip(saved, layout.mesh.shape)) \
+            else "?"
+        raise CheckpointError(f"{f.path}: {path}: named rank {f.rank}, but its device mesh places it at rank {at} "
+                              f"(a renamed or copied file)")
+
+
 def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
               facts: dict[str, Any]) -> FileUnit:
     """One rank's file, checked against the plan: the same keys and layouts as rank 0's file of its kind
@@ -424,6 +439,8 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
                 unit.leaves[p] = leaf
                 continue
             layout, local = layouts[p]
+            if isinstance(leaf, DTensor):
+                _check_coordinate(leaf, layout, f, p)
             mine = [(o, s) for r, o, s in _boxes(layout, f.world, mesh) if r == f.rank]
             shape = _global_shape(layout, mesh)
             if layout.kind == "whole" and f.rank != 0:

@@ -5,6 +5,7 @@ Where the model's Hugging Face description comes from, first match wins:
   names (after `strip_prefix`);
 - a Composer checkpoint of a transformers model (llm-foundry's ComposerHFCausalLM) carries its config and
   tokenizer files under `state/integrations/huggingface`; weights lose Composer's `model.` prefix;
+- a checkpoint saved with its Hugging Face files beside it (veRL's huggingface/), kept as side files;
 - an OLMo checkpoint with the run's config.yaml kept in the store: OLMo 1 or OLMo 2 (`olmo.py`).
 The weights go out through the safetensors writer, so splits stream and copies stay kernel-side.
 """
@@ -42,7 +43,8 @@ def in_values(store: Store) -> bool:
 def has_hf_description(store: Store) -> bool:
     """Whether the checkpoint may describe its model itself, from its plan alone (no rank need be in):
     the run's config.yaml, or Composer's Hugging Face metadata."""
-    return in_values(store) or "config.yaml" in store.manifest.extra.get("side_files", {})
+    side = store.manifest.extra.get("side_files", {})
+    return in_values(store) or "config.yaml" in side or CONFIG in side
 
 
 def _side_config(store: Store, name: str) -> bytes | None:
@@ -161,23 +163,46 @@ def _from_user(store: Store, subtree: str, hf_config: str | os.PathLike[str], st
     folder = where if where.is_dir() else None
     config_path = where / CONFIG if folder else where
     try:
-        config = json.loads(config_path.read_bytes())
+        files = {CONFIG: config_path.read_bytes()}
     except FileNotFoundError:
         raise ExportError(f"{config_path}: no such file (--hf-config takes a config.json or a folder holding one)") from None
-    except ValueError as exc:
-        raise ExportError(f"{config_path}: not JSON ({str(exc)[:80]})") from None
-    if not isinstance(config, dict):
-        raise ExportError(f"{config_path}: not a Hugging Face config (a JSON object)")
-    files = {}
     if folder is not None:  # tokenizer and generation files beside it, copied as they are
         for p in sorted(folder.iterdir()):
-            if p.is_file() and p.name != CONFIG and p.suffix in (".json", ".txt", ".model", ".tiktoken") \
+            if p.is_file() and p.name != CONFIG and p.suffix in HF_FILE_KINDS \
                     and not p.name.endswith(".safetensors.index.json"):
                 if p.stat().st_size > MAX_CONFIG_FILE:
                     raise ExportError(f"{p}: {p.stat().st_size} bytes; not a tokenizer or config file")
                 files[p.name] = p.read_bytes()
+    return _from_files(store, subtree, strip_prefix, files, str(config_path))
+
+
+# The files of a Hugging Face model folder besides its weights, and the trainers' own beside them.
+HF_FILE_KINDS = (".json", ".txt", ".model", ".tiktoken", ".jinja")
+NOT_HF_FILES = ("fsdp_config.json", "config.yaml")
+
+
+def _from_files(store: Store, subtree: str, strip_prefix: str | None, files: dict[str, bytes],
+                where: str) -> tuple[HFModel, dict[str, str]]:
+    """A model described by its Hugging Face files (config.json first), weights named as they are."""
+    try:
+        config = json.loads(files[CONFIG])
+    except ValueError as exc:
+        raise ExportError(f"{where}: not JSON ({str(exc)[:80]})") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{where}: not a Hugging Face config (a JSON object)")
+    rest = {n: data for n, data in files.items() if n != CONFIG and n not in NOT_HF_FILES}
     names = _model_leaves(store, subtree, strip_prefix)
-    return HFModel(config, None, [HFTensor(n, n) for n in names], files), names
+    return HFModel(config, None, [HFTensor(n, n) for n in names], rest), names
+
+
+def _from_side_files(store: Store, subtree: str, strip_prefix: str | None) -> tuple[HFModel, dict[str, str]]:
+    """A checkpoint saved with its model's Hugging Face files beside it (veRL's huggingface/: config,
+    generation config, tokenizer), kept in the store as side files."""
+    import base64
+
+    side = store.manifest.extra.get("side_files", {})
+    files = {n: base64.b64decode(data) for n, data in side.items() if n.endswith(HF_FILE_KINDS)}
+    return _from_files(store, subtree, strip_prefix, files, f"the checkpoint's {CONFIG}")
 
 
 def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | None, strip_prefix: str | None
@@ -186,7 +211,11 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
     if hf_config is not None:
         return _from_user(store, subtree, hf_config, strip_prefix)
     meta = _value_at(store, COMPOSER_HF)
-    return _from_composer(store, subtree, meta) if meta else _from_olmo(store, subtree)
+    if meta:
+        return _from_composer(store, subtree, meta)
+    if CONFIG in store.manifest.extra.get("side_files", {}):
+        return _from_side_files(store, subtree, strip_prefix)
+    return _from_olmo(store, subtree)
 
 
 def plan_hf(store: Store, subtree: str, hf_config: str | os.PathLike[str] | None, strip_prefix: str | None,
@@ -202,8 +231,9 @@ def plan_hf(store: Store, subtree: str, hf_config: str | os.PathLike[str] | None
         raise ExportError("no tensors to export")
     dtypes = {it.dtype for it in items}
     floating = sorted(d for d in dtypes if d in ("float32", "bfloat16", "float16", "float64"))
-    if floating:
-        model.config = {**model.config, "torch_dtype": floating[0] if len(floating) == 1 else "float32"}
+    if floating:  # transformers >= 4.56 writes "dtype", older versions "torch_dtype": say it in the config's own key
+        keys = [k for k in ("dtype", "torch_dtype") if k in model.config] or ["torch_dtype"]
+        model.config = {**model.config, **{k: floating[0] if len(floating) == 1 else "float32" for k in keys}}
     return model, plan_items(items, [], max_shard_size)
 
 

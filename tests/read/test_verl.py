@@ -1,0 +1,143 @@
+"""veRL checkpoints (per-rank DTensor files), end to end: every output format against what the writing
+processes gathered themselves, bit for bit; the files from torch 2.6 kept in tests/fixtures/data."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardstore
+from shardstore.errors import CheckpointError
+from shardstore.read.source import open_source
+from tests.conftest import assert_bitwise_equal
+
+OLD = Path(__file__).parent.parent / "fixtures" / "data" / "verl-t2.6"
+ACTOR = "global_step_7/actor"
+# (FSDP strategy and mesh, world size): veRL's default, its HSDP mesh, world size 1, FSDP2 and FSDP2 HSDP.
+RUNS = [("fsdp1", 3), ("fsdp1-hsdp", 4), ("fsdp1", 1), ("fsdp2", 4), ("fsdp2-hsdp", 4)]
+OLD_RUNS = ["fsdp1-w3", "fsdp1-hsdp-w4", "fsdp2-w4"]
+
+
+def _source(request: pytest.FixtureRequest, run: str) -> Path:
+    if run.startswith("t2.6/"):
+        return OLD / run.removeprefix("t2.6/")
+    kind, world = run.rsplit("-w", 1)
+    return request.getfixturevalue("verl_checkpoints")(kind, int(world))
+
+
+def _expected(src: Path) -> dict:
+    return torch.load(f"{src}.expected.pt.ref", weights_only=False)
+
+
+def _check_torch_export(out: Path, src: Path) -> None:
+    want = _expected(src)
+    model = torch.load(out / "model.pt", weights_only=True)
+    assert_bitwise_equal(model, want["model"], "model", ordered=True)
+    optim = torch.load(out / "optim.pt", weights_only=True)
+    if "optim" in want:  # FSDP2: each parameter's moments, keyed by its index as the optimizer keys it
+        for index, name in enumerate(want["param_names"]):
+            assert_bitwise_equal(optim["state"][index], want["optim"]["state"][name], f"optim/{name}")
+        assert optim["param_groups"][0]["params"] == list(range(len(want["param_names"])))
+    else:  # FSDP1: each flat parameter's state, as the ranks' shards all-gathered
+        assert_bitwise_equal(optim["state"], want["optim_flat"], "optim/state")
+    rank0 = torch.load(src / ACTOR / next(p.name for p in (src / ACTOR).glob("extra_state_*_rank_0.pt")),
+                       weights_only=False)
+    train = torch.load(out / "train.pt", weights_only=False)
+    assert_bitwise_equal(train["extra_state"]["rng"], rank0["rng"], "rng")  # rank 0's, as the store keeps values
+
+
+@pytest.mark.parametrize("run", [f"{k}-w{w}" for k, w in RUNS] + [f"t2.6/{r}" for r in OLD_RUNS])
+def test_torch_export_is_what_the_processes_gathered(run: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    src = _source(request, run)
+    shardstore.unshard(src, tmp_path / "out", format="torch", jobs=2)
+    _check_torch_export(tmp_path / "out", src)
+
+
+@pytest.mark.parametrize("run", ["fsdp2-hsdp-w4", "fsdp1-w3"])
+def test_safetensors_and_dcp_exports(run: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src = _source(request, run)
+    want = _expected(src)["model"]
+    shardstore.unshard(src, tmp_path / "st", jobs=2)
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), dict(want), "safetensors")
+    shardstore.unshard(src, tmp_path / "dcp", format="dcp", jobs=2)
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "dcp.pt")
+    assert_bitwise_equal(torch.load(tmp_path / "dcp.pt", weights_only=False)["model"], dict(want), "dcp")
+
+
+@pytest.mark.parametrize("run", ["fsdp2-w4", "fsdp1-hsdp-w4", "t2.6/fsdp1-w3"])
+def test_hf_export_loads_with_the_gathered_models_logits(run: str, request: pytest.FixtureRequest,
+                                                         tmp_path: Path) -> None:
+    """Config, generation config and tokenizer come from veRL's huggingface/ folder with no flag; the
+    checkpoint's own dtype is kept (veRL's merger casts to bf16)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.fixtures.verl import IDS
+
+    src = _source(request, run)
+    shardstore.unshard(src, tmp_path / "hf", format="hf", jobs=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert model.dtype == torch.float32
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=IDS).logits, _expected(src)["logits"])
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok("w1 w5")["input_ids"] == AutoTokenizer.from_pretrained(src / ACTOR / "huggingface")("w1 w5")["input_ids"]
+    assert not (tmp_path / "hf" / "fsdp_config.json").exists()
+
+
+def test_the_run_the_step_and_the_actor_folder_name_one_checkpoint(verl_checkpoints, tmp_path: Path) -> None:
+    run = shutil.copytree(verl_checkpoints("fsdp1", 3), tmp_path / "run")
+    older = run / "global_step_3"
+    shutil.copytree(run / "global_step_7", older)
+    units = open_source(run / "global_step_7").units
+    assert len(units) == 9 and units[0].endswith("actor/model_world_size_3_rank_0.pt") \
+        and units[-1].endswith("actor/extra_state_world_size_3_rank_2.pt")
+    assert open_source(run).units == units  # latest_checkpointed_iteration.txt names step 7
+    assert open_source(run / "global_step_7" / "actor").units == units
+    assert open_source(run, step=3).units == open_source(older).units != units
+    (run / "latest_checkpointed_iteration.txt").unlink()
+    with pytest.raises(CheckpointError, match="holds more than one checkpoint"):
+        open_source(run)
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and "/ranks/" not in str(p) and "manifest" not in p.name}
+
+
+def test_any_order_or_subset_of_units_gives_the_same_store(verl_checkpoints, tmp_path: Path) -> None:
+    src = verl_checkpoints("fsdp2-hsdp", 4) / "global_step_7"
+    units = open_source(src).units
+    shardstore.ingest(tmp_path / "a", open_source(src), jobs=1)
+    shardstore.ingest(tmp_path / "b", [units[5], units[2]], jobs=1)  # two first, the rest later, backwards
+    assert not shardstore.open(tmp_path / "b").status().ok
+    shardstore.ingest(tmp_path / "b", units[::-1], jobs=2)
+    assert _digests(tmp_path / "a") == _digests(tmp_path / "b")
+    assert shardstore.open(tmp_path / "b").status().ok
+
+
+def test_a_file_of_another_kind_or_checkpoint_is_refused_by_name(verl_checkpoints, tmp_path: Path) -> None:
+    run = shutil.copytree(verl_checkpoints("fsdp1", 3), tmp_path / "run")
+    actor = run / ACTOR
+    shutil.copy(actor / "optim_world_size_3_rank_1.pt", actor / "model_world_size_3_rank_1.pt")
+    with pytest.raises(CheckpointError, match="model_world_size_3_rank_1.pt: its keys or tensor layouts differ"):
+        shardstore.unshard(run, tmp_path / "out", jobs=1)
+    (actor / "model_world_size_3_rank_1.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"model_world_size_3_rank_1.pt: missing \(the checkpoint is incomplete\)"):
+        open_source(run)
+
+
+def test_a_rank_file_claiming_another_ranks_box_is_refused(verl_checkpoints, tmp_path: Path) -> None:
+    """Rank 1's model file saved under rank 2's name: the mesh it pickled places it at rank 1, and it is
+    refused before anything is written."""
+    run = shutil.copytree(verl_checkpoints("fsdp1", 3), tmp_path / "run")
+    actor = run / ACTOR
+    shutil.copy(actor / "model_world_size_3_rank_1.pt", actor / "model_world_size_3_rank_2.pt")
+    with pytest.raises(CheckpointError, match="model_world_size_3_rank_2.pt: .*named rank 2, but its device mesh places it at rank 1"):
+        shardstore.ingest(tmp_path / "s", [actor / "model_world_size_3_rank_2.pt"], jobs=1)
