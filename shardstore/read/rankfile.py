@@ -19,7 +19,7 @@ from .container import TorchZip
 from .source import CheckpointSpec
 from .skim import Skimmed, skim
 from .tree import Skeleton, flatten
-from .unpickle import ShardedTensor, TensorRef, load
+from .unpickle import DTensor, ShardedTensor, TensorRef, load
 
 
 @dataclass(frozen=True)
@@ -331,6 +331,9 @@ def _rank_file(name: str, zf: TorchZip, skeleton: Skeleton, raw: dict[str, Any],
         if isinstance(leaf, ShardedTensor):
             leaves[p] = _sharded_leaf(leaf, f"{name}: {p}", zf, planned, shared)
             groups.add(_group(leaf.pg_state, name))
+        elif isinstance(leaf, DTensor):
+            raise CheckpointError(f"{name}: {p} is a DTensor; per-rank DTensor files are read in veRL's layout "
+                                  f"(actor/model_world_size_W_rank_R.pt beside optim_ and extra_state_ files)")
         else:
             leaves[p] = leaf
     if len(groups) > 1:
