@@ -100,6 +100,15 @@ def verl_checkpoints(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def dcp_hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with DCP's Hugging Face safetensors, sharded/ and consolidated/ (tests/fixtures/dcp_hf.py),
+    what the processes gathered in its expected.pt.ref."""
+    from tests.fixtures.dcp_hf import make_dcp_hf_checkpoint
+
+    return cached(CACHE or tmp_path_factory.mktemp("dcp-hf"), "dcp-hf-w3", make_dcp_hf_checkpoint)
+
+
+@pytest.fixture(scope="session")
 def olmo_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     """olmo_checkpoints(kind, variant, world_size) -> a checkpoint folder as OLMo wrote it
     (tests/fixtures/olmo.py: "local" 2.2/2.0, "olmo_core" flat/dtensor), torch's gather in expected.pt.ref."""

@@ -42,6 +42,7 @@ from .unpickle import DeviceMesh, DTensor, Placement, TensorRef, load
 
 FORMAT = "dtensor"
 ACTOR = "actor"
+UNIT_FOLDERS = (ACTOR,)  # a path to it names the step folder's checkpoint
 KINDS = ("model", "optim", "extra_state")
 UNIT_FILE = re.compile(r"(?P<kind>model|optim|extra_state)_world_size_(?P<world>\d+)_rank_(?P<rank>\d+)\.pt\Z")
 HF_FOLDER = "huggingface"

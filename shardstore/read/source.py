@@ -108,7 +108,8 @@ class Source:
             return dcp.spec(dcp.read_checkpoint(_folder(self.units[0]), self.storage_options), encode_key, trainer,
                             strict, self.storage_options), None
         if self.format in FOLDER_FORMATS:
-            module, run = FOLDER_FORMATS[self.format](), _folder(_folder(self.units[0]))
+            module = FOLDER_FORMATS[self.format]()
+            run = run_of(module, self.units[0])
             return module.spec(run, module.units(run, self.storage_options), encode_key, strict,
                                self.storage_options), None
         from .rankfile import read_rank_file, spec_of
@@ -151,9 +152,21 @@ def _dtensor() -> Any:
     return dtensor
 
 
+def _dcp_hf() -> Any:
+    from . import dcp_hf
+
+    return dcp_hf
+
+
+def run_of(module: Any, unit: str) -> str:
+    """The checkpoint folder a unit file of a folder format lies in: one level up for formats whose
+    files are the folder's own, else two (model/rank0.pt, actor/model_..._rank_0.pt)."""
+    return getattr(module, "run_of", lambda path: _folder(_folder(path)))(unit)
+
+
 # Formats whose units live in sub-folders (model/, optim/, train/, actor/) of one checkpoint folder.
 FOLDER_FORMATS: dict[str, Callable[[], Any]] = {"olmo-local": _olmo_local, "olmo-core": _olmo_core,
-                                                "dtensor": _dtensor}
+                                                "dtensor": _dtensor, "dcp-hf": _dcp_hf}
 
 
 def _folder(path: str) -> str:
@@ -270,8 +283,8 @@ def _folder_checkpoint(src: str, tag: str | None, step: int | None,
     for format, module in FOLDER_FORMATS.items():
         if module().detect(src, storage_options):
             return format, src
-        if parent and module().detect(parent, storage_options):  # given its model/ or actor/ sub-folder
-            return format, parent
+        if _name(src.rstrip("/\\")) in getattr(module(), "UNIT_FOLDERS", ()) and module().detect(parent, storage_options):
+            return format, parent  # given the sub-folder its files are in (veRL's actor/)
     if is_url(src) or not os.path.isdir(local(src)):
         return None
     below = [(format, os.path.join(src, name)) for name in sorted(os.listdir(local(src)))
@@ -327,7 +340,7 @@ def source_of_files(files: list[str | os.PathLike[str]], storage_options: Storag
             and (is_url(names[0]) or os.path.isdir(names[0])):
         return open_source(names[0], storage_options=storage_options)  # a checkpoint folder
     for format, module in FOLDER_FORMATS.items():
-        runs = {_folder(_folder(n)) for n in names}
+        runs = {run_of(module(), n) for n in names}
         if len(runs) == 1 and module().detect(next(iter(runs)), storage_options):
             run = runs.pop()
             return Source(format, names, storage_options, _config(run, storage_options))

@@ -1,0 +1,70 @@
+"""DCP's Hugging Face safetensors (torch's HuggingFaceStorageWriter), sharded and consolidated, against
+what the writing processes gathered, in every output format."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardstore
+from shardstore.errors import CheckpointError
+from shardstore.read.source import open_source
+from tests.conftest import assert_bitwise_equal
+
+
+@pytest.mark.parametrize("form", ["sharded", "consolidated"])
+def test_every_format_is_the_gathered_model(form: str, dcp_hf_checkpoint: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src = dcp_hf_checkpoint / form
+    want = torch.load(dcp_hf_checkpoint / "expected.pt.ref", weights_only=False)
+    assert open_source(src).format == "dcp-hf"
+    shardstore.unshard(src, tmp_path / "torch", format="torch", jobs=2)
+    assert_bitwise_equal(torch.load(tmp_path / "torch" / "checkpoint.pt", weights_only=True), dict(want["model"]),
+                         "torch", ordered=form == "sharded")  # DCP's list keeps the state dict's order
+    shardstore.unshard(src, tmp_path / "st", jobs=2)
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), dict(want["model"]), "safetensors")
+    shardstore.unshard(src, tmp_path / "dcp", format="dcp", jobs=2)
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "dcp.pt")
+    assert_bitwise_equal(torch.load(tmp_path / "dcp.pt", weights_only=False), dict(want["model"]), "dcp")
+
+
+def test_hf_export_takes_the_config_beside_the_weights(dcp_hf_checkpoint: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.fixtures.verl import IDS
+
+    shardstore.unshard(dcp_hf_checkpoint / "sharded", tmp_path / "hf", format="hf", jobs=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        got = model(input_ids=IDS).logits
+    assert torch.equal(got, torch.load(dcp_hf_checkpoint / "expected.pt.ref", weights_only=False)["logits"])
+
+
+def test_a_shard_file_of_another_save_is_refused(dcp_hf_checkpoint: Path, tmp_path: Path) -> None:
+    """A file replaced by one of another save: planning again refuses the folder, naming the file, and a
+    worker handed it under the old plan refuses it by its header."""
+    from shardstore.read import dcp_hf
+
+    src = shutil.copytree(dcp_hf_checkpoint / "sharded", tmp_path / "src")
+    swapped = src / "shard-00002-model-00001-of-00001.safetensors"
+    store = shardstore.ingest(tmp_path / "s", [src / "shard-00001-model-00001-of-00001.safetensors"], jobs=1)
+    shutil.copy(dcp_hf_checkpoint / "consolidated" / "sharded" / "shard-00002-model-00001-of-00002.safetensors", swapped)
+    with pytest.raises(CheckpointError, match="shard-00002-model-00001-of-00001.safetensors: "):
+        shardstore.ingest(tmp_path / "s", [swapped], jobs=1)
+    assert shardstore.open(tmp_path / "s").status().ranks_done == [0]
+    with pytest.raises(CheckpointError, match="shard-00002-model-00001-of-00001.safetensors: its header differs"):
+        dcp_hf.open_unit(str(swapped), None, False, repr, store.manifest.extra)
+
+
+def test_forged_offsets_are_refused_before_anything_is_written(dcp_hf_checkpoint: Path, tmp_path: Path) -> None:
+    """Two files claiming the same rows leave others uncovered: the plan refuses it up front."""
+    src = shutil.copytree(dcp_hf_checkpoint / "sharded", tmp_path / "src")
+    shutil.copy(src / "shard-00001-model-00001-of-00001.safetensors", src / "shard-00002-model-00001-of-00001.safetensors")
+    with pytest.raises(CheckpointError):
+        shardstore.unshard(src, tmp_path / "out", jobs=1)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
