@@ -37,7 +37,7 @@ from .olmo import FileUnit, relative
 from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
 from .source import SMALL_TENSOR_BYTES, CheckpointSpec, Node
 from .trainer import join, listing
-from .tree import _holds_tensor, flatten
+from .tree import flatten
 from .unpickle import DeviceMesh, DTensor, Placement, TensorRef, load
 
 FORMAT = "dtensor"
@@ -263,13 +263,10 @@ def _read(path: str, storage_options: StorageOptions | None, strict: bool, encod
     with closed_on_error(zf.close, path):
         zf.verify("data.pkl")
         obj = load(zf.record("data.pkl"), path, strict)
-        if _holds_tensor(obj):
-            try:
-                tree, leaves = flatten({kind: obj}, encode_key)
-            except RecursionError:
-                raise CheckpointError(f"{path}: values nested too deeply, or containing themselves") from None
-        else:  # an optimizer that has taken no step yet: param_groups only
-            tree, leaves = Node("dict", "", [(encode_key(kind), Node("leaf", kind))]), {kind: obj}
+        try:  # an optimizer that has taken no step yet holds no tensor: one value under its kind
+            tree, leaves = flatten({kind: obj}, encode_key)
+        except RecursionError:
+            raise CheckpointError(f"{path}: values nested too deeply, or containing themselves") from None
         return _File(path, kind, world, rank, zf, tree, leaves)
 
 

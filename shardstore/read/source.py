@@ -263,7 +263,7 @@ def open_source(src: str | os.PathLike[str], tag: str | None = None, step: int |
         files = read_checkpoint(folder, storage_options).files
         run = _folder(folder) if _name(folder) == "model_and_optim" else folder
         return Source("dcp", [join(folder, f) for f in files] + trainer_files(folder, storage_options), storage_options,
-                      _config(run, storage_options))
+                      _config(run, storage_options) + _config(run, storage_options, JSON_CONFIG))
     found = _folder_checkpoint(src, tag, step, storage_options)
     if found is not None:
         format, run = found
@@ -325,11 +325,15 @@ def _latest_step(run: str) -> int | None:
 CONFIG = "config.yaml"
 
 
-def _config(folder: str, storage_options: StorageOptions | None) -> list[str]:
-    """The run's config.yaml in the checkpoint folder, if there is one (OLMo's unsharder copies it)."""
+JSON_CONFIG = "config.json"  # OLMo-core's experiment config in each checkpoint; the HF Trainer's model config
+
+
+def _config(folder: str, storage_options: StorageOptions | None, name: str = CONFIG) -> list[str]:
+    """The run's config.yaml (or `name`) in the checkpoint folder, if there is one (OLMo's unsharder
+    copies config.yaml; OLMo-core's trainer writes config.json into every checkpoint)."""
     from .trainer import join, listing
 
-    path = join(folder, CONFIG)
+    path = join(folder, name)
     return [path] if path in listing(folder, storage_options) else []
 
 

@@ -33,6 +33,18 @@ def flatten(obj: Any, encode_key: Any) -> tuple[Skeleton, dict[str, Any]]:
     (encoded by `encode_key`; a list's keys are its indices), and leaves.
     """
     leaves: dict[str, Any] = {}
+    if type(obj) in (dict, collections.OrderedDict) and obj and not _holds_tensor(obj):
+        # A state of values only (a trainer-state file: OLMo-core's train/rank0.pt holds its step and data
+        # loader position): each top-level key a leaf, so it joins a checkpoint's tree key by key.
+        kind = "odict" if isinstance(obj, collections.OrderedDict) else "dict"
+        children = []
+        for key, value in obj.items():
+            path = paths.escape(key)
+            if path in leaves:
+                raise CheckpointError(f"two keys of the state dict map to the same path {path!r}")
+            leaves[path] = value
+            children.append((encode_key(key), Node("leaf", path)))
+        return Node(kind, "", children), leaves
     return _walk(obj, "", leaves, encode_key), leaves
 
 

@@ -5,6 +5,8 @@ Where the model's Hugging Face description comes from, first match wins:
   names (after `strip_prefix`);
 - a Composer checkpoint of a transformers model (llm-foundry's ComposerHFCausalLM) carries its config and
   tokenizer files under `state/integrations/huggingface`; weights lose Composer's `model.` prefix;
+- an OLMo-core trainer checkpoint, from the experiment config.json its trainer writes beside it
+  (`olmo_core.py`);
 - a checkpoint saved with its Hugging Face files beside it (veRL's huggingface/), kept as side files;
 - an OLMo checkpoint with the run's config.yaml kept in the store: OLMo 1 or OLMo 2 (`olmo.py`).
 The weights go out through the safetensors writer, so splits stream and copies stay kernel-side.
@@ -22,7 +24,7 @@ from ...store.store import Store
 from ..output import OutputFile
 from ..resolve import build, leaves, node_at
 from ..safetensors import SafetensorsPlan, export_safetensors, plan_items, tensor_item
-from . import olmo
+from . import olmo, olmo_core
 from .spec import HFModel, HFTensor
 
 CONFIG, GENERATION = "config.json", "generation_config.json"
@@ -195,6 +197,22 @@ def _from_files(store: Store, subtree: str, strip_prefix: str | None, files: dic
     return HFModel(config, None, [HFTensor(n, n) for n in names], rest), names
 
 
+def _experiment_config(store: Store) -> dict[str, Any] | None:
+    """OLMo-core's experiment config, when that is what the checkpoint's config.json is."""
+    raw = _side_config(store, CONFIG)
+    try:
+        config = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return config if olmo_core.is_experiment_config(config) else None
+
+
+def _from_olmo_core(store: Store, subtree: str, experiment: dict[str, Any]) -> tuple[HFModel, dict[str, str]]:
+    names = _model_leaves(store, subtree, None, lambda n: olmo.normalise(n, 1))
+    shapes = {n: s for n, p in names.items() if (s := _shape(store, p)) is not None}
+    return olmo_core.plan(experiment, list(names), shapes), names
+
+
 def _from_side_files(store: Store, subtree: str, strip_prefix: str | None) -> tuple[HFModel, dict[str, str]]:
     """A checkpoint saved with its model's Hugging Face files beside it (veRL's huggingface/: config,
     generation config, tokenizer), kept in the store as side files."""
@@ -214,6 +232,9 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
     if meta:
         return _from_composer(store, subtree, meta)
     if CONFIG in store.manifest.extra.get("side_files", {}):
+        experiment = _experiment_config(store)
+        if experiment is not None:
+            return _from_olmo_core(store, subtree, experiment)
         return _from_side_files(store, subtree, strip_prefix)
     return _from_olmo(store, subtree)
 
