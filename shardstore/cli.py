@@ -124,7 +124,8 @@ def _export_options(f: Any) -> Any:
                      help="safetensors: model weights, HF-style. torch: model.pt/optim.pt/train.pt (OLMo) "
                           "or checkpoint.pt. dcp: a torch.distributed.checkpoint folder, loadable at any world "
                           "size. hf: a folder transformers' from_pretrained loads (OLMo 1/2 from the run's "
-                          "config.yaml, Composer HF models from their own config, else --hf-config)."),
+                          "config.yaml, OLMo-core from its config.json, Composer HF models and veRL from "
+                          "their own config, else --hf-config)."),
         click.option("--hf-config", type=click.Path(exists=True), default=None, metavar="PATH",
                      help="For --format hf: a Hugging Face config.json, or a folder holding one and tokenizer "
                           "files (copied), for checkpoints that carry no config of their own."),
