@@ -29,7 +29,7 @@ from .olmo import FileUnit
 from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
 from .safetensors_file import SafetensorsFile
 from .source import CheckpointSpec, Node
-from .trainer import join, listing
+from .trainer import listing
 
 FORMAT = "dcp-hf"
 SHARDED = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors\Z")

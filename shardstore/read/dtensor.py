@@ -33,7 +33,8 @@ from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions
 from . import tensors
 from .container import TorchZip
-from .olmo import FileUnit, relative
+from . import fsdp_flat
+from .olmo import FileUnit, flat_spec, relative
 from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
 from .source import SMALL_TENSOR_BYTES, CheckpointSpec, Node
 from .trainer import join, listing
@@ -45,6 +46,8 @@ ACTOR = "actor"
 UNIT_FOLDERS = (ACTOR,)  # a path to it names the step folder's checkpoint
 KINDS = ("model", "optim", "extra_state")
 UNIT_FILE = re.compile(r"(?P<kind>model|optim|extra_state)_world_size_(?P<world>\d+)_rank_(?P<rank>\d+)\.pt\Z")
+STATE = "optim/state/"
+PARAM_GROUPS = "optim/param_groups"
 HF_FOLDER = "huggingface"
 SIDE_FILES = ("fsdp_config.json",)
 MAX_MESH = 1 << 20
@@ -280,7 +283,7 @@ def _layouts(f: _File) -> dict[str, tuple[Layout, TensorRef]]:
         elif isinstance(leaf, TensorRef):
             tensors.check_view(f.zip, leaf, path)
             nbytes = math.prod(leaf.shape) * dtypes.info(leaf.dtype).itemsize
-            if f.kind == "optim" and leaf.shape and f.world > 1 and path.startswith("optim/state/"):
+            if f.kind == "optim" and leaf.shape and path.startswith(STATE):
                 if len(leaf.shape) != 1:
                     raise CheckpointError(f"{where}: a plain {len(leaf.shape)}-d optimizer state tensor beside "
                                           f"sharded parameters; expected FSDP1's 1-D flat-parameter shards")
@@ -333,6 +336,68 @@ def _model_mesh(model: dict[str, tuple[Layout, TensorRef]]) -> Mesh | None:
 
 
 # ---------------------------------------------------------------------------------------------- spec
+def _flat_index(path: str) -> str | None:
+    """The optimizer's key of the state entry a path lies in ("3" for optim/state/3/exp_avg)."""
+    return path[len(STATE):].split("/", 1)[0] if path.startswith(STATE) else None
+
+
+def _member_paths(path: str, held: list[fsdp_flat.Member]) -> list[tuple[fsdp_flat.Member, str]]:
+    """optim/state/{k}/{key} -> optim/state/{parameter}/{key} for each parameter flat parameter k holds."""
+    tail = path[len(STATE):].split("/", 1)[1]
+    return [(m, f"{STATE}{m.name}/{tail}") for m in held]
+
+
+def _split(model: _File, model_layouts: dict[str, tuple[Layout, TensorRef]], optim: _File,
+           optim_layouts: dict[str, tuple[Layout, TensorRef]], mesh: Mesh | None) -> dict[str, list[fsdp_flat.Member]] | None:
+    """FSDP1's flat-parameter optimizer state, split per parameter where the model's parameters and
+    FSDP's flattening rule account for every flat parameter's length exactly (fsdp_flat.py)."""
+    lengths: dict[str, int] = {}
+    for path, (layout, _) in optim_layouts.items():
+        if layout.kind == "flat":
+            k = _flat_index(path)
+            if lengths.setdefault(k, layout.shape[0]) != layout.shape[0]:  # type: ignore[arg-type]
+                return None
+    if not lengths:
+        return None
+    params, seen = [], set()
+    model_keys = {node.path[len("model/"):]: key for key, node in _walk_nodes(model.tree) if node.path.startswith("model/")}
+    for path, (layout, _) in model_layouts.items():
+        leaf = model.leaves[path]
+        if id(leaf) in seen:  # a tied weight: one parameter under two keys
+            continue
+        seen.add(id(leaf))
+        if layout.kind == "dtensor" or model.world == 1:
+            params.append((path[len("model/"):], layout.shape))
+    found = fsdp_flat.split(params, list(lengths.values()), 1 if mesh is None else mesh.shape[-1], model_keys)
+    return None if found is None else dict(zip(lengths, found))  # type: ignore[arg-type]
+
+
+def _retree(tree: Node, split: dict[str, list[fsdp_flat.Member]]) -> None:
+    """The optimizer's state keyed by parameter name instead of flat-parameter index, in the model's
+    parameter order (as torch's full optimizer state dicts are)."""
+    nodes = _walk_nodes(tree)
+    state = next(node for _, node in nodes if node.path == STATE.rstrip("/"))
+    order = {node.path[len("model/"):]: i for i, (_, node) in enumerate(nodes) if node.path.startswith("model/")}
+    children = []
+    for key, node in state.children:
+        if node.path[len(STATE):] not in split:  # kept as it is, after the split ones
+            children.append((len(nodes), key, node))
+            continue
+        for m in split[node.path[len(STATE):]]:
+            leaves = [(leaf_key, Node("leaf", f"{STATE}{m.name}/{leaf.path.rsplit('/', 1)[1]}"))
+                      for leaf_key, leaf in node.children]
+            children.append((order[m.name], m.key, Node("dict", f"{STATE}{m.name}", leaves)))
+    state.children = [(key, node) for _, key, node in sorted(children, key=lambda c: c[0])]
+
+
+def _walk_nodes(node: Node) -> list[tuple[Any, Node]]:
+    out = []
+    for key, child in node.children:
+        out.append((key, child))
+        out += _walk_nodes(child)
+    return out
+
+
 def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
          storage_options: StorageOptions | None) -> CheckpointSpec:
     """Planned from rank 0's file of each kind: a DTensor's pickle describes every rank's box."""
@@ -350,6 +415,8 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
         arrays: dict[str, ShardedSpec] = {}
         objects: list[str] = []
         digests = {}
+        optim = next((f for f in files if f.kind == "optim"), None)
+        split = _split(files[0], model, optim, _layouts(optim), mesh) if optim is not None else None
         for f in files:
             layouts = model if f.kind == "model" else _layouts(f)
             if any(l.kind == "flat" for l, _ in layouts.values()) and mesh is None and f.world > 1:
@@ -358,19 +425,33 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
             digests[f.kind] = _digest(f, layouts)
             base = first[f.kind] - f.rank  # unit index of this kind's rank 0
             for path in f.leaves:
+                held = split.get(_flat_index(path)) if split and f.kind == "optim" else None
+                if held is not None:  # a flat parameter's state: one leaf per parameter it holds
+                    for member, place in _member_paths(path, held):
+                        if path not in layouts:
+                            objects.append(place)
+                            continue
+                        layout, _ = layouts[path]
+                        ranges = [(base + r, lo, n) for r, (o,), (size,) in _boxes(layout, f.world, mesh)
+                                  for _, lo, n in fsdp_flat.overlaps([member], o, size)]
+                        arrays[place] = flat_spec(layout.dtype, member.shape, ranges)
+                    continue
                 if path not in layouts:
                     objects.append(path)
                     continue
                 layout, _ = layouts[path]
                 shards = tuple(ShardSpec(o, s, base + r) for r, o, s in _boxes(layout, f.world, mesh))
                 arrays[path] = ShardedSpec(layout.dtype, _global_shape(layout, mesh), shards)
-        _check_tiling(arrays, files[0].path)
+        if split:
+            _retree(tree, split)
+        _check_tiling({p: a for p, a in arrays.items() if not a.flat}, files[0].path)
     finally:
         for f in files:
             f.zip.close()
     digest = hashlib.blake2b(repr(sorted(digests.items())).encode(), digest_size=16).hexdigest()
-    extra = {"units": names, "metadata": digest, "dtensor": {"layouts": digests, "mesh": _mesh_json(mesh)},
-             "replicas": _replicas(arrays)}
+    facts = {"layouts": digests, "mesh": _mesh_json(mesh),
+             "split": {k: [[m.name, list(m.shape), m.start, m.key] for m in held] for k, held in (split or {}).items()}}
+    extra = {"units": names, "metadata": digest, "dtensor": facts, "replicas": _replicas(arrays)}
     return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
 
 
@@ -432,7 +513,16 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
         if _digest(f, layouts) != facts["dtensor"]["layouts"].get(f.kind):
             raise CheckpointError(f"{path}: its keys or tensor layouts differ from rank 0's {f.kind} file the store "
                                   f"was planned from (a file of another checkpoint?)")
+        split = {k: [fsdp_flat.Member(n, tuple(shape), start, key) for n, shape, start, key in held]
+                 for k, held in facts["dtensor"].get("split", {}).items()} if f.kind == "optim" else {}
         for p, leaf in f.leaves.items():
+            held = split.get(_flat_index(p))  # type: ignore[arg-type]
+            if held is not None:
+                _split_leaf(unit, f, p, leaf, layouts.get(p), held, mesh)
+                continue
+            if split and p == PARAM_GROUPS:
+                unit.leaves[p] = _named_groups(leaf, split, path)
+                continue
             if p not in layouts:
                 unit.leaves[p] = leaf
                 continue
@@ -456,3 +546,33 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
             tensors.check_view(f.zip, local, p)
             unit.leaves[p] = ShardedLeaf(layout.dtype, shape, [LocalPiece(offsets, sizes, local, f.zip)])
     return unit
+
+
+def _named_groups(groups: Any, split: dict[str, list[fsdp_flat.Member]], where: str) -> Any:
+    """The param groups with each flat parameter's index replaced by the names of the parameters it
+    holds, as torch's full optimizer state dicts list them."""
+    try:
+        return [{**g, "params": [m.key for k in g["params"] for m in split[str(k)]]} for g in groups]
+    except (TypeError, KeyError, AttributeError):
+        raise CheckpointError(f"{where}: param_groups that do not list the flat parameters the state holds") from None
+
+
+def _split_leaf(unit: FileUnit, f: _File, path: str, leaf: Any, planned: tuple[Layout, TensorRef] | None,
+                held: list[fsdp_flat.Member], mesh: Mesh | None) -> None:
+    """A flat parameter's state entry as the entries of the parameters it holds: a value (`step`) for
+    each, or this rank's slice of the flat vector cut at the parameters' edges."""
+    if planned is None:
+        for _, place in _member_paths(path, held):
+            unit.leaves[place] = leaf
+        return
+    layout, local = planned
+    ((_, (first,), (count,)),) = [b for b in _boxes(layout, f.world, mesh) if b[0] == f.rank]
+    pieces = {m.name: (lo, n) for m, lo, n in fsdp_flat.overlaps(held, first, count)}
+    for m, place in _member_paths(path, held):
+        if m.name not in pieces:
+            unit.leaves[place] = ShardedLeaf(layout.dtype, m.shape, [])
+            continue
+        lo, n = pieces[m.name]
+        view = TensorRef(local.storage, local.offset + m.start + lo - first, (n,), (1,), local.dtype)
+        tensors.check_view(f.zip, view, place)
+        unit.leaves[place] = ShardedLeaf(layout.dtype, m.shape, [LocalPiece((lo,), (n,), view, f.zip)])

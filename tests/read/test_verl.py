@@ -38,12 +38,15 @@ def _check_torch_export(out: Path, src: Path) -> None:
     model = torch.load(out / "model.pt", weights_only=True)
     assert_bitwise_equal(model, want["model"], "model", ordered=True)
     optim = torch.load(out / "optim.pt", weights_only=True)
-    if "optim" in want:  # FSDP2: each parameter's moments, keyed by its index as the optimizer keys it
+    if "optim_flat" in want:  # FSDP1: each flat parameter's state split per parameter, keyed by name
+        names = set(want["param_names"])  # in the model file's order (the order of torch's gather varies)
+        assert list(optim["state"]) == [k for k in want["model"] if k in names]
+        assert_bitwise_equal(optim["state"], want["optim"]["state"], "optim/state")
+        assert sorted(optim["param_groups"][0]["params"]) == sorted(names)
+    else:  # FSDP2: each parameter's moments, keyed by its index as the optimizer keys it
         for index, name in enumerate(want["param_names"]):
             assert_bitwise_equal(optim["state"][index], want["optim"]["state"][name], f"optim/{name}")
         assert optim["param_groups"][0]["params"] == list(range(len(want["param_names"])))
-    else:  # FSDP1: each flat parameter's state, as the ranks' shards all-gathered
-        assert_bitwise_equal(optim["state"], want["optim_flat"], "optim/state")
     rank0 = torch.load(src / ACTOR / next(p.name for p in (src / ACTOR).glob("extra_state_*_rank_0.pt")),
                        weights_only=False)
     train = torch.load(out / "train.pt", weights_only=False)
