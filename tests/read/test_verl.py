@@ -15,16 +15,16 @@ from shardstore.errors import CheckpointError
 from shardstore.read.source import open_source
 from tests.conftest import assert_bitwise_equal
 
-OLD = Path(__file__).parent.parent / "fixtures" / "data" / "verl-t2.6"
+OLD = Path(__file__).parent.parent / "fixtures" / "data" / "verl"
 ACTOR = "global_step_7/actor"
 # (FSDP strategy and mesh, world size): veRL's default, its HSDP mesh, world size 1, FSDP2 and FSDP2 HSDP.
 RUNS = [("fsdp1", 3), ("fsdp1-hsdp", 4), ("fsdp1", 1), ("fsdp2", 4), ("fsdp2-hsdp", 4)]
-OLD_RUNS = ["fsdp1-w3", "fsdp1-hsdp-w4", "fsdp2-w4"]
+OLD_RUNS = ["t2.4/fsdp1-w3", "t2.4/fsdp1-hsdp-w4", "t2.6/fsdp1-w3", "t2.6/fsdp1-hsdp-w4", "t2.6/fsdp2-w4"]
 
 
 def _source(request: pytest.FixtureRequest, run: str) -> Path:
-    if run.startswith("t2.6/"):
-        return OLD / run.removeprefix("t2.6/")
+    if run.startswith("t2."):
+        return OLD / run
     kind, world = run.rsplit("-w", 1)
     return request.getfixturevalue("verl_checkpoints")(kind, int(world))
 
@@ -53,7 +53,7 @@ def _check_torch_export(out: Path, src: Path) -> None:
     assert_bitwise_equal(train["extra_state"]["rng"], rank0["rng"], "rng")  # rank 0's, as the store keeps values
 
 
-@pytest.mark.parametrize("run", [f"{k}-w{w}" for k, w in RUNS] + [f"t2.6/{r}" for r in OLD_RUNS])
+@pytest.mark.parametrize("run", [f"{k}-w{w}" for k, w in RUNS] + OLD_RUNS)
 def test_torch_export_is_what_the_processes_gathered(run: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     src = _source(request, run)
     shardstore.unshard(src, tmp_path / "out", format="torch", jobs=2)
