@@ -19,6 +19,7 @@ from .errors import ShardstoreError, StoreError
 from .export import CAST_DTYPES, FORMATS
 from .plan import LAYOUTS
 from .progress import QUIET, ConsoleProgress, Progress, size_text
+from .read.registry import get
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
@@ -288,29 +289,18 @@ def watch(store: str, src: str, expect: int | None, timeout: float | None, tag: 
     click.echo(f"{store}: complete, {st.manifest.world_size} ranks")
 
 
-def _unit_kind(file: str) -> str:
-    """What kind of file a unit is, by its place in the checkpoint (model/, optim/, train/, .distcp)."""
-    if file.endswith(".distcp"):
-        return ".distcp files"
-    folder = file.split("/")[0] if "/" in file else ""
-    return {"train": "trainer-state files", "model": "model files", "optim": "optimizer files"}.get(folder, "files")
-
-
-_UNIT_FILES = {"dcp": _unit_kind, "olmo-local": _unit_kind, "olmo-core": _unit_kind}
-
-
 def _summary(store: str) -> tuple[Any, Any, list[str]]:
     """(store, status, the lines that describe both): what `status` and `ls` start with."""
     st = api.open(store, _options())
     s = st.status()
     m = st.manifest
     fmt = m.extra.get("format", "torch-save")
-    if fmt in _UNIT_FILES:
+    if "units" in m.extra:  # a format whose units are files the store names (not ranks)
         files = m.extra["units"]
         missing = [files[r] for r in s.ranks_missing]
         counts = {}
         for f in files:
-            kind = _UNIT_FILES[fmt](f)
+            kind = get(fmt).unit_kind(f)
             counts[kind] = counts.get(kind, 0) + 1
         described = " + ".join(f"{n} {kind}" for kind, n in counts.items())
         replicas = m.extra.get("replicas", 1)

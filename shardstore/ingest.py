@@ -24,7 +24,9 @@ from .read.layouts import name_rank
 from .read import tensors
 from .read.container import TorchZip
 from .read.identity import file_identity, identity_of, zip_identity
-from .read.rankfile import LocalPiece, RankFile, ShardedLeaf
+from .read.contract import ArrayLeaf, LocalPiece
+from .read.rankfile import RankFile
+from .read.registry import get
 from .read.source import Source, open_unit
 from .read.unpickle import TensorRef, gc_paused
 from .runner import Pool, default_jobs
@@ -50,9 +52,6 @@ class IngestOptions:
     direct: Layout | None = None  # the arrays it places go straight into these output files (export/direct/)
 
 
-FORMAT_NAMES = {"dcp": "DCP", "olmo-local": "OLMo `local`", "olmo-core": "OLMo-core"}
-
-
 def _check_against(store: Store, unit: Any) -> None:
     """Refuse a unit that is not part of the checkpoint the store was planned from."""
     fmt = store.manifest.extra.get("format", "torch-save")
@@ -62,7 +61,7 @@ def _check_against(store: Store, unit: Any) -> None:
         _check_rank_file(store, unit)
         return
     if unit.digest != store.manifest.extra.get("metadata"):
-        raise CheckpointError(f"{unit.path}: belongs to another {FORMAT_NAMES.get(fmt, fmt)} checkpoint than the "
+        raise CheckpointError(f"{unit.path}: belongs to another {get(fmt).title} checkpoint than the "
                               f"store's (its metadata differs from the one the store was planned from)")
     m = store.manifest
     known = set(m.objects)
@@ -71,8 +70,8 @@ def _check_against(store: Store, unit: Any) -> None:
         if entry is None and path not in known:
             raise CheckpointError(f"{unit.path}: holds {path}, which the checkpoint's plan does not have "
                                   f"(its state differs from the files the plan was read from)")
-        if entry is not None and (not isinstance(leaf, ShardedLeaf) or (leaf.dtype, leaf.shape) != (entry.dtype, entry.shape)):
-            got = f"{leaf.dtype}{list(leaf.shape)}" if isinstance(leaf, ShardedLeaf) else type(leaf).__name__
+        if entry is not None and (not isinstance(leaf, ArrayLeaf) or (leaf.dtype, leaf.shape) != (entry.dtype, entry.shape)):
+            got = f"{leaf.dtype}{list(leaf.shape)}" if isinstance(leaf, ArrayLeaf) else type(leaf).__name__
             raise CheckpointError(f"{unit.path}: {path} is {got} here but {entry.dtype}{list(entry.shape)} in the plan")
 
 
@@ -97,7 +96,7 @@ def _check_rank_file(store: Store, rf: RankFile) -> None:
             if not isinstance(leaf, TensorRef) or (leaf.dtype, tuple(leaf.shape)) != (entry.dtype, entry.shape):
                 raise CheckpointError(f"{rf.path}: {path} differs from the plain tensor in the store (another checkpoint?)")
             continue
-        if not isinstance(leaf, ShardedLeaf):
+        if not isinstance(leaf, ArrayLeaf):
             raise CheckpointError(f"{rf.path}: {path} is not a ShardedTensor here, but is in the store")
         if (leaf.dtype, leaf.shape) != (entry.dtype, entry.shape):
             raise CheckpointError(f"{rf.path}: {path} is {leaf.dtype}{list(leaf.shape)} here but "

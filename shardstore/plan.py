@@ -15,8 +15,8 @@ from functools import reduce
 
 from . import dtypes
 from .errors import CheckpointError
-from .read.rankfile import ShardedSpec, layout_digest
-from .read.source import CheckpointSpec, Node
+from .read.contract import CheckpointSpec, Node, ShardedSpec
+from .read.rankfile import layout_digest
 from .read.unpickle import TensorRef
 from .store.manifest import ArrayEntry, Manifest
 

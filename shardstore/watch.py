@@ -16,13 +16,16 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import CheckpointError, ShardstoreError
-from .ingest import FORMAT_NAMES, IngestOptions, Ingested, _worker, create_store
+from .ingest import IngestOptions, Ingested, _worker, create_store
 from .runner import Pool, default_jobs
 from .locations import StorageOptions
 from .read.container import TorchZip
 from .read.dcp import METADATA, DcpCheckpoint, read_checkpoint
 from .read.layouts import name_rank, refuse_mixed, scan
-from .read.source import FOLDER_FORMATS, Source, dcp_folder
+from .read.dcp import dcp_folder
+from .read.folder import FolderFormat
+from .read.registry import formats
+from .read.source import Source
 from .store.store import Store
 
 
@@ -106,7 +109,7 @@ def _arrivals(src_dir: str | os.PathLike[str], tag: str | None, seen: dict[Path,
     A DCP folder counts once its .metadata reads (torch writes it last; a copy may bring it first) and
     then each .distcp file once it reaches the end of the last item .metadata places in it. Rank files
     count when they are whole zips. Either way a file must also have held still since the last look."""
-    found = dcp_folder(src_dir, tag, None, None)
+    found = dcp_folder(os.fspath(src_dir), tag, None, None)
     if found is not None:
         folder = Path(found)
         ckpt = _metadata(folder, parsed)
@@ -118,9 +121,9 @@ def _arrivals(src_dir: str | os.PathLike[str], tag: str | None, seen: dict[Path,
         units = [folder / f for f in ckpt.files]
         return Source("dcp", [str(u) for u in units]), [
             (path, i) for i, path in enumerate(units) if _still(path, seen, lambda p, size: size >= ends[p.name])]
-    for format, module in FOLDER_FORMATS.items():
-        if module().detect(os.fspath(src_dir)):
-            raise CheckpointError(f"{src_dir}: an {FORMAT_NAMES[format]} checkpoint; watch takes rank files or a DCP folder "
+    for fmt in formats():
+        if isinstance(fmt, FolderFormat) and fmt.module.detect(os.fspath(src_dir)):
+            raise CheckpointError(f"{src_dir}: a checkpoint in the {fmt.title} format; watch takes rank files or a DCP folder "
                                   f"(ingest this one with `shardstore ingest` or `unshard` once it is complete)")
     groups = scan(src_dir, tag)
     refuse_mixed(src_dir, groups, how="--tag")

@@ -8,7 +8,7 @@ import pytest
 
 from shardstore.errors import CheckpointError
 from shardstore.plan import CHUNK_TARGET_BYTES, plan_array
-from shardstore.read.rankfile import ShardedSpec, ShardSpec
+from shardstore.read.contract import ShardedSpec, ShardSpec
 
 
 def fsdp_spec(shape: tuple[int, ...], world: int, dtype: str = "float32") -> ShardedSpec:

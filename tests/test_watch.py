@@ -113,5 +113,5 @@ def test_an_olmo_local_folder_is_refused_by_name(olmo_checkpoints, tmp_path: Pat
     import pytest
 
     src = olmo_checkpoints("local", "2.2", 3)
-    with pytest.raises(shardstore.CheckpointError, match="an OLMo `local` checkpoint; watch takes rank files or a DCP"):
+    with pytest.raises(shardstore.CheckpointError, match="a checkpoint in the OLMo `local` format; watch takes rank files or a DCP"):
         shardstore.watch(tmp_path / "store", src, timeout=5)

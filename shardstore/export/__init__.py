@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 from .. import dtypes, tempfiles
 from ..errors import ExportError, StoreError
-from ..read.source import Node
+from ..read.contract import Node
 from ..store.store import Status, Store
 from .output import output_error, write_side_files
 from .resolve import leaves, node_at

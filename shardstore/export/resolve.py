@@ -17,7 +17,7 @@ from .. import dtypes, values
 from ..errors import ExportError
 from ..store.handle import decode_value
 from ..ranges import Part
-from ..read.source import Node
+from ..read.contract import Node
 from ..store.store import Store
 
 

@@ -22,7 +22,7 @@ from .. import dtypes
 from ..errors import ExportError
 from ..store.store import Store
 from ..ranges import blocks
-from ..read.source import Node
+from ..read.contract import Node
 from ..runner import Pool
 from .output import OutputFile
 from .resolve import ArrayRef, build, leaves

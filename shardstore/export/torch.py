@@ -21,7 +21,7 @@ from typing import Any, Callable
 from .. import dtypes
 from ..read.opaque import GlobalRef, Opaque
 from ..read.unpickle import TorchDevice, TorchDType, TorchVersion
-from ..read.source import Node
+from ..read.contract import Node
 from ..store.handle import TensorValue, tensor_value
 from ..store.store import Store
 from .output import OutputFile

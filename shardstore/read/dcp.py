@@ -24,12 +24,13 @@ from .. import dtypes, paths
 from ..errors import CheckpointError, closed_on_error, named
 from ..locations import StorageOptions, filesystem, is_url, local
 from .container import DataFile, TorchZip, parsed_once, read_small
-from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
-from .source import SMALL_TENSOR_BYTES, CheckpointSpec, Node, Skeleton
+from .contract import SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec, Skeleton
 from . import trainer
 from .tensors import check_view
 from .trainer import TRAIN, TrainerUnit, join, join_trainer_state, open_trainer
 from .unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, TensorRef, load
+
+MODEL_AND_OPTIM = "model_and_optim"  # OLMo's and OLMo-core's DCP folder, beside train/
 
 METADATA = ".metadata"
 MAX_METADATA = 1 << 30  # tens of MB at thousands of ranks; a gigabyte is not a .metadata
@@ -150,7 +151,7 @@ def trainer_files(folder: str, storage_options: StorageOptions | None = None) ->
     """OLMo's `train/rank{r}.pt` (torch_new; OLMo-core trainers too) beside a `model_and_optim/` DCP folder,
     in rank order. Empty for other DCP layouts."""
     parent, name = (folder.rstrip("/").rsplit("/", 1) if is_url(folder) else os.path.split(os.path.normpath(folder)))
-    return trainer.trainer_files(parent, storage_options) if name == "model_and_optim" else []
+    return trainer.trainer_files(parent, storage_options) if name == MODEL_AND_OPTIM else []
 
 
 def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None = None, strict: bool = False,
@@ -244,8 +245,8 @@ def open_trainer_unit(path: str, storage_options: StorageOptions | None, strict:
     from .layouts import name_rank
 
     train = _join_parent(path)
-    ckpt = _checkpoint(join(train, "model_and_optim"), storage_options)
-    count = len(ckpt.files) + len(trainer_files(join(train, "model_and_optim"), storage_options))
+    ckpt = _checkpoint(join(train, MODEL_AND_OPTIM), storage_options)
+    count = len(ckpt.files) + len(trainer_files(join(train, MODEL_AND_OPTIM), storage_options))
     return open_trainer(path, len(ckpt.files) + (name_rank(path) or 0), count, ckpt.digest, storage_options,
                         strict, encode_key)
 
@@ -274,7 +275,7 @@ def open_unit(path: str | os.PathLike[str], storage_options: StorageOptions | No
 
 
 def _read_items(ckpt: DcpCheckpoint, unit: DcpUnit, name: str, strict: bool) -> None:
-    sharded: dict[str, ShardedLeaf] = {}
+    sharded: dict[str, ArrayLeaf] = {}
     for item in ckpt.items:
         if item.file != name:
             continue
@@ -297,6 +298,76 @@ def _read_items(ckpt: DcpCheckpoint, unit: DcpUnit, name: str, strict: bool) -> 
         if len(chunks) == 1 and math.prod(size) * dtypes.info(dtype).itemsize <= SMALL_TENSOR_BYTES:
             unit.leaves[store_path], unit.zips[store_path] = value, zf
             continue
-        leaf = sharded.setdefault(store_path, ShardedLeaf(dtype, size, []))
+        leaf = sharded.setdefault(store_path, ArrayLeaf(dtype, size, []))
         leaf.pieces.append(LocalPiece(item.offsets, sizes, value, zf))
     unit.leaves.update(sharded)
+
+
+# ---------------------------------------------------------------------------------------------- format
+def _resolved(folder: str, storage_options: StorageOptions | None) -> str:
+    """The folder holding .metadata: `folder`, or OLMo's `folder/model_and_optim`."""
+    return folder if has_metadata(folder, storage_options) else join(folder, MODEL_AND_OPTIM)
+
+
+def dcp_folder(src: str, tag: str | None, step: int | None, storage_options: StorageOptions | None) -> str | None:
+    """The DCP checkpoint folder `src` is, or holds (OLMo's model_and_optim/, Composer's ep*-ba*/ and its
+    latest-rank0.pt link, step*/), or None when `src` holds no DCP checkpoint (`watch` asks this while a
+    checkpoint may still be arriving, so nothing of it is read)."""
+    from .source import join as join_path, pick, subfolders
+
+    if FORMAT.detect(src, storage_options):
+        return _resolved(src, storage_options)
+    newest = FORMAT.latest(src, storage_options) if tag in (None, "latest") and step is None else None
+    if newest is not None:
+        return _resolved(newest, storage_options)
+    below = [n for n in subfolders(src, storage_options) if FORMAT.detect(join_path(src, n), storage_options)]
+    return _resolved(join_path(src, pick(src, below, tag, step)), storage_options) if below else None
+
+
+class DcpFormat:
+    name, title = "dcp", "DCP"
+
+    def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
+        return has_metadata(folder, storage_options) or has_metadata(join(folder, MODEL_AND_OPTIM), storage_options)
+
+    def source(self, folder: str, storage_options: StorageOptions | None) -> Any:
+        from .source import JSON_CONFIG, Source, config_files, folder_of, name_of
+
+        folder = _resolved(folder, storage_options)
+        units = [join(folder, f) for f in read_checkpoint(folder, storage_options).files]
+        run = folder_of(folder) if name_of(folder) == MODEL_AND_OPTIM else folder
+        return Source(self.name, units + trainer_files(folder, storage_options), storage_options,
+                      config_files(run, storage_options, "config.yaml", JSON_CONFIG))
+
+    def latest(self, folder: str, storage_options: StorageOptions | None) -> str | None:
+        """Composer's `latest-rank0.pt`: a link to the newest checkpoint folder."""
+        if is_url(folder):
+            return None
+        link = os.path.join(local(folder), "latest-rank0.pt")
+        return os.path.realpath(link) if os.path.isdir(link) and self.detect(link, storage_options) else None
+
+    def of_files(self, files: list[str], storage_options: StorageOptions | None) -> Any:
+        from .source import Source
+
+        if any(f.endswith(".distcp") for f in files) and not all(f.endswith(".distcp") for f in files):
+            raise CheckpointError("give .distcp files of one DCP checkpoint, or rank files, not both")
+        return Source(self.name, files, storage_options) if files and files[0].endswith(".distcp") else None
+
+    def plan(self, source: Any, encode_key: Any, strict: bool) -> tuple[CheckpointSpec, None]:
+        from .source import folder_of
+
+        trainer_state = [u for u in source.units if u.endswith(".pt")]
+        ckpt = read_checkpoint(folder_of(source.units[0]), source.storage_options)
+        return spec(ckpt, encode_key, trainer_state, strict, source.storage_options), None
+
+    def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+                  facts: dict[str, Any]) -> Any:
+        if path.endswith(".pt"):  # OLMo's train/rank<N>.pt beside model_and_optim/
+            return open_trainer_unit(path, storage_options, strict, encode_key)
+        return open_unit(path, storage_options, strict)
+
+    def unit_kind(self, name: str) -> str:
+        return ".distcp files" if name.endswith(".distcp") else "trainer-state files"
+
+
+FORMAT = DcpFormat()

@@ -26,9 +26,8 @@ from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions
 from .. import paths
 from .olmo import FileUnit
-from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
+from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec
 from .safetensors_file import SafetensorsFile
-from .source import CheckpointSpec, Node
 from .trainer import listing
 
 FORMAT = "dcp-hf"
@@ -56,6 +55,10 @@ def detect(folder: str, storage_options: StorageOptions | None = None) -> bool:
 def run_of(unit: str) -> str:
     """The checkpoint folder of one of its files: the files lie in it, not in sub-folders."""
     return unit.replace("\\", "/").rsplit("/", 1)[0]
+
+
+def unit_kind(name: str) -> str:
+    return "safetensors files"
 
 
 def units(folder: str, storage_options: StorageOptions | None = None) -> list[str]:
@@ -158,5 +161,5 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
                 unit.leaves[paths.escape(name)] = ref
                 continue
             shape = tuple(facts["dcp_hf"]["shapes"][paths.escape(name)])
-            unit.leaves[paths.escape(name)] = ShardedLeaf(ref.dtype, shape, [LocalPiece(o, s, ref, st)] if all(s) else [])
+            unit.leaves[paths.escape(name)] = ArrayLeaf(ref.dtype, shape, [LocalPiece(o, s, ref, st)] if all(s) else [])
     return unit

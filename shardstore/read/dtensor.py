@@ -35,8 +35,7 @@ from . import tensors
 from .container import TorchZip
 from . import fsdp_flat
 from .olmo import FileUnit, flat_spec, relative
-from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
-from .source import SMALL_TENSOR_BYTES, CheckpointSpec, Node
+from .contract import SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec
 from .trainer import join, listing
 from .tree import flatten
 from .unpickle import DeviceMesh, DTensor, Placement, TensorRef, load
@@ -236,6 +235,12 @@ def units(folder: str, storage_options: StorageOptions | None = None) -> list[st
                                   + ("missing (the checkpoint is incomplete)" if missing else "beyond the world size"))
         out += [found[(kind, r)] for r in range(world)]
     return out
+
+
+def unit_kind(name: str) -> str:
+    kind = UNIT_FILE.match(name.rsplit("/", 1)[-1])
+    return {"model": "model files", "optim": "optimizer files", "extra_state": "extra-state files"}.get(
+        kind["kind"] if kind else "", "files")
 
 
 def side_files(folder: str, storage_options: StorageOptions | None = None) -> list[str]:
@@ -532,19 +537,19 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
             mine = [(o, s) for r, o, s in _boxes(layout, f.world, mesh) if r == f.rank]
             shape = _global_shape(layout, mesh)
             if layout.kind == "whole" and f.rank != 0:
-                unit.leaves[p] = ShardedLeaf(layout.dtype, shape, [])  # rank 0's copy is the one written
+                unit.leaves[p] = ArrayLeaf(layout.dtype, shape, [])  # rank 0's copy is the one written
                 continue
             if not mine:
                 if math.prod(local.shape):
                     raise CheckpointError(f"{path}: {p}: holds {list(local.shape)} where its rank holds nothing")
-                unit.leaves[p] = ShardedLeaf(layout.dtype, shape, [])
+                unit.leaves[p] = ArrayLeaf(layout.dtype, shape, [])
                 continue
             (offsets, sizes), = mine
             if tuple(local.shape) != sizes:
                 raise CheckpointError(f"{path}: {p}: local tensor {list(local.shape)} is not the {list(sizes)} box "
                                       f"its placements give rank {f.rank}; forged or damaged")
             tensors.check_view(f.zip, local, p)
-            unit.leaves[p] = ShardedLeaf(layout.dtype, shape, [LocalPiece(offsets, sizes, local, f.zip)])
+            unit.leaves[p] = ArrayLeaf(layout.dtype, shape, [LocalPiece(offsets, sizes, local, f.zip)])
     return unit
 
 
@@ -570,9 +575,9 @@ def _split_leaf(unit: FileUnit, f: _File, path: str, leaf: Any, planned: tuple[L
     pieces = {m.name: (lo, n) for m, lo, n in fsdp_flat.overlaps(held, first, count)}
     for m, place in _member_paths(path, held):
         if m.name not in pieces:
-            unit.leaves[place] = ShardedLeaf(layout.dtype, m.shape, [])
+            unit.leaves[place] = ArrayLeaf(layout.dtype, m.shape, [])
             continue
         lo, n = pieces[m.name]
         view = TensorRef(local.storage, local.offset + m.start + lo - first, (n,), (1,), local.dtype)
         tensors.check_view(f.zip, view, place)
-        unit.leaves[place] = ShardedLeaf(layout.dtype, m.shape, [LocalPiece((lo,), (n,), view, f.zip)])
+        unit.leaves[place] = ArrayLeaf(layout.dtype, m.shape, [LocalPiece((lo,), (n,), view, f.zip)])

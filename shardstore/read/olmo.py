@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .. import paths
-from .rankfile import ShardedSpec, ShardSpec
-from .source import Node
+from .contract import Node, ShardedSpec, ShardSpec
 from .trainer import TRAIN
 
 MODEL, OPTIM = "model", "optim"
@@ -77,7 +76,7 @@ def open_olmo_unit(path: str, storage_options: Any, strict: bool, encode_key: An
 
 @dataclass
 class FileUnit:
-    """One file of a checkpoint, opened and checked: its pieces (ShardedLeafs) and values, still on disk.
+    """One file of a checkpoint, opened and checked: its pieces (ArrayLeafs) and values, still on disk.
     `container` is the torch zip or safetensors file the tensors view."""
 
     path: str

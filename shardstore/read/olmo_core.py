@@ -31,9 +31,8 @@ from ..locations import StorageOptions
 from .container import parsed_once, read_small
 from .olmo import (MODEL, OPTIM, PARAM_GROUPS, FileUnit, flat_spec, model_path, model_tree, optim_tree, relative,
                    state_path, open_olmo_unit)
-from .rankfile import LocalPiece, ShardedLeaf, ShardedSpec, ShardSpec
+from .contract import SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec
 from .safetensors_file import SafetensorsFile
-from .source import SMALL_TENSOR_BYTES, CheckpointSpec, Node
 from .tensors import check_view
 from .trainer import join, join_trainer_state, listing, trainer_files
 from .unpickle import TensorRef, load
@@ -311,7 +310,8 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     if train:
         join_trainer_state(tree, objects, train[0], encode_key, storage_options, strict)
     digest = hashlib.blake2b("".join(p.digest for p in parts.values()).encode(), digest_size=16).hexdigest()
-    extra = {"units": names, "metadata": digest, "olmo_core": {"ids": list(ids.items())},
+    extra = {"units": names, "metadata": digest,
+             "olmo_core": {"ids": list(ids.items()), "parts": {k: p.digest for k, p in parts.items()}},
              "replicas": _replicas(arrays)}
     return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
 
@@ -326,6 +326,10 @@ def _open_file(path: str, kind: str, file: str, index: int, count: int, digest: 
                storage_options: StorageOptions | None, strict: bool) -> FileUnit:
     folder = path[: -len(file)].rstrip("/\\")
     part = _part(folder, storage_options)
+    planned = facts["olmo_core"].get("parts", {}).get(kind)  # (stores planned before it was kept: not checked)
+    if planned is not None and part.digest != planned:
+        raise CheckpointError(f"{path}: its {kind}/{METADATA} differs from the one the store was planned from "
+                              f"(a file of another checkpoint)")
     ids = dict((name, pid) for name, pid in facts["olmo_core"]["ids"])
     st = SafetensorsFile(path, storage_options)
     unit = FileUnit(path, index, count, index, count, digest, {}, st)
@@ -353,7 +357,7 @@ def _leaf(st: SafetensorsFile, t: Tensor, file: str) -> Any:
     """A file's share of one tensor: its pieces, or the whole (small) tensor as a value in its real shape.
     A share of no elements may be absent (an optimizer file has no state for parameters its rank lacks)."""
     if t.numel_in(file) == 0 and t.name not in st.tensors and not _is_value(t):
-        return ShardedLeaf(t.dtype, t.shape, [])
+        return ArrayLeaf(t.dtype, t.shape, [])
     data = _stored(st, t, file)
     spec = t.files[file]
     if _is_value(t):
@@ -362,10 +366,10 @@ def _leaf(st: SafetensorsFile, t: Tensor, file: str) -> Any:
     if spec[0] == "box":
         strides = tuple(math.prod(spec[2][i + 1:]) for i in range(len(spec[2])))
         view = TensorRef(data.storage, 0, spec[2], strides, t.dtype)
-        return ShardedLeaf(t.dtype, t.shape, [LocalPiece(spec[1], spec[2], view, st)] if all(spec[2]) else [])
+        return ArrayLeaf(t.dtype, t.shape, [LocalPiece(spec[1], spec[2], view, st)] if all(spec[2]) else [])
     pieces, done = [], 0
     for a, b in spec[1]:
         if b > a:
             pieces.append(LocalPiece((a,), (b - a,), TensorRef(data.storage, done, (b - a,), (1,), t.dtype), st))
         done += b - a
-    return ShardedLeaf(t.dtype, t.shape, pieces)
+    return ArrayLeaf(t.dtype, t.shape, pieces)

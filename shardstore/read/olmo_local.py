@@ -30,8 +30,8 @@ from ..locations import StorageOptions
 from .container import TorchZip, read_small
 from .olmo import (MODEL, OPTIM, PARAM_GROUPS, FileUnit, clean, flat_spec, model_path, model_tree, optim_tree,
                    relative, state_path, open_olmo_unit)
-from .rankfile import MAX_WORLD_SIZE, LocalPiece, ShardedLeaf
-from .source import CheckpointSpec, Node
+from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node
+from .rankfile import MAX_WORLD_SIZE
 from .tensors import check_view
 from .trainer import join, join_trainer_state, listing, trainer_files
 from .unpickle import TensorRef, load
@@ -434,7 +434,7 @@ def _model_leaves(unit: FileUnit, obj: Any, handles: list[Handle], group_rank: i
         for i, lo, n, off in h.pieces(group_rank, group):
             p = h.params[i]
             piece = LocalPiece((lo,), (n,), _slice(unit.container, data, off, n, p.fqn), unit.container)
-            unit.leaves[model_path(p.fqn)] = ShardedLeaf(h.dtype, p.shape, [piece])
+            unit.leaves[model_path(p.fqn)] = ArrayLeaf(h.dtype, p.shape, [piece])
 
 
 def _optim_leaves(unit: FileUnit, obj: Any, handles: list[Handle], group_rank: int, group: int) -> None:
@@ -452,7 +452,7 @@ def _optim_leaves(unit: FileUnit, obj: Any, handles: list[Handle], group_rank: i
                     raise CheckpointError(f"{unit.path}: state {pid}/{key}: {value.shape[0]} elements, but this rank "
                                           f"holds {n} of {fqn}")
                 piece = LocalPiece((lo,), (n,), _slice(unit.container, value, 0, n, f"{fqn} {key}"), unit.container)
-                unit.leaves[path] = ShardedLeaf(value.dtype, shape, [piece])
+                unit.leaves[path] = ArrayLeaf(value.dtype, shape, [piece])
             elif isinstance(value, TensorRef) and value.shape and math.prod(value.shape) == 0:
                 continue  # state for a parameter this rank holds none of
             elif isinstance(value, TensorRef) and value.shape:

@@ -3,74 +3,26 @@
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from .. import dtypes
 from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions
-from ..ranges import FileRange, RemoteRange
 from . import tensors
 from .container import TorchZip
-from .source import CheckpointSpec
+from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec
 from .skim import Skimmed, skim
-from .tree import Skeleton, flatten
+from .contract import Skeleton
+from .tree import flatten
 from .unpickle import DTensor, ShardedTensor, TensorRef, load
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    rank: int  # the placement's rank, as the metadata names it
-
-
-@dataclass(frozen=True)
-class ShardedSpec:
-    """The global description of one ShardedTensor, identical in every rank file of one replica group."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    shards: tuple[ShardSpec, ...]
-    flat: bool = False  # shards are element ranges (offsets, sizes) of the flattened tensor, not boxes
-
-
-@dataclass
-class LocalPiece:
-    """A box of an array held in a file: the store's `Piece` (store/writer.py)."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    tensor: TensorRef
-    zip: TorchZip = field(repr=False)  # the container whose storage the tensor views
-
-    def rows(self, first: int, count: int) -> FileRange | RemoteRange | None:
-        span = tensors.byte_range(self.zip, self.tensor)
-        if span is None:
-            return None
-        row = math.prod(self.sizes[1:]) * dtypes.info(self.tensor.dtype).itemsize
-        return self.zip.range(span[0] + first * row, count * row)
-
-    def values(self) -> np.ndarray:
-        return tensors.array(self.zip, self.tensor)
-
-    def crc(self) -> int | None:
-        """The CRC-32 its file stores for exactly this piece's bytes (a tensor that is its whole storage)."""
-        span = tensors.byte_range(self.zip, self.tensor)
-        key = self.tensor.storage.key
-        if span is None or span != (self.zip.storage_offset(key), self.zip.entries[f"data/{key}"].size):
-            return None
-        return self.zip.stored_crc(key)
 
 
 MAX_WORLD_SIZE = 1 << 20
 
 
-class ShardedLeaf:
+class ShardedLeaf(ArrayLeaf):
     """A ShardedTensor of this rank: dtype, global shape, local pieces, and the global shard list (every
     rank's shard, repeated in every file), parsed once when first asked for.
 
@@ -80,7 +32,7 @@ class ShardedLeaf:
 
     def __init__(self, dtype: str, shape: tuple[int, ...], pieces: list[LocalPiece], metadata: Any = None,
                  where: str = "", planned: bool = False, shared: dict[Any, Any] | None = None):
-        self.dtype, self.shape, self.pieces = dtype, shape, pieces
+        super().__init__(dtype, shape, pieces)
         self._metadata, self._where, self.planned = metadata, where, planned
         # Parsed lists by list object: a skimmed file's tensors of one layout share one decoded list.
         self._shared = {} if shared is None else shared
@@ -365,3 +317,56 @@ def spec_of(rf: RankFile) -> CheckpointSpec:
         chunked = rf.group_size == rf.world_size and all(is_chunk_layout(a, rf.world_size) for a in layouts.values())
         spec.extra["skim"] = rf.digests if chunked else {}
     return spec
+
+
+# ---------------------------------------------------------------------------------------------- format
+class RankFiles:
+    """Per-rank `torch.save` files of ShardedTensors: the format any folder of `*rank<N>.pt` files is
+    read as, so the registry tries it last."""
+
+    name, title = "torch-save", "rank-file"
+
+    def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
+        from .layouts import scan
+
+        try:
+            return bool(scan(folder, storage_options=storage_options))
+        except CheckpointError:
+            return False
+
+    def source(self, folder: str, storage_options: StorageOptions | None) -> Any:
+        return self.find(folder, None, None, storage_options)
+
+    def latest(self, folder: str, storage_options: StorageOptions | None) -> str | None:
+        return None  # Composer's latest-rank{r}.pt links are resolved by `find` (layouts.py)
+
+    def find(self, src: str, tag: str | None, step: int | None, storage_options: StorageOptions | None) -> Any:
+        """The rank files of the one checkpoint in `src` or one level down, picked by `tag` or `step`."""
+        from .layouts import discover
+        from .source import Source, config_files, folder_of
+
+        files = [os.fspath(f) for f in discover(src, tag, step, storage_options)]
+        return Source(self.name, files, storage_options, config_files(folder_of(files[0]), storage_options))
+
+    def of_files(self, files: list[str], storage_options: StorageOptions | None) -> Any:
+        from .source import Source
+
+        return Source(self.name, files, storage_options)
+
+    def plan(self, source: Any, encode_key: Any, strict: bool) -> tuple[CheckpointSpec, RankFile]:
+        """Planned from the first file (every rank's metadata is in every file), which stays open."""
+        rf = read_rank_file(source.units[0], encode_key=encode_key, storage_options=source.storage_options,
+                            strict=strict, digests=True)
+        with closed_on_error(rf.close, rf.path):
+            return spec_of(rf), rf
+
+    def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+                  facts: dict[str, Any]) -> RankFile:
+        return read_rank_file(path, encode_key=encode_key, storage_options=storage_options, strict=strict,
+                              planned=facts.get("skim"))
+
+    def unit_kind(self, name: str) -> str:
+        return "rank files"
+
+
+FORMAT = RankFiles()

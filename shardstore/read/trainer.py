@@ -16,7 +16,7 @@ from ..errors import CheckpointError
 from ..locations import StorageOptions, filesystem, is_url, local
 from .container import TorchZip
 from .layouts import name_rank
-from .source import Node
+from .contract import Node
 
 TRAIN = "train"
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from .. import paths
 from ..errors import CheckpointError
-from .source import Node, Skeleton
+from .contract import Node, Skeleton
 from .unpickle import DTensor, ShardedTensor, TensorRef
 
 
@@ -29,7 +29,7 @@ def _holds_tensor(obj: Any) -> bool:
 def flatten(obj: Any, encode_key: Any) -> tuple[Skeleton, dict[str, Any]]:
     """Return (skeleton, {path: leaf}) in state-dict order. `encode_key` turns a key into JSON.
 
-    The skeleton is a `Node` tree (read/source.py): containers with their children under their keys
+    The skeleton is a `Node` tree (read/contract.py): containers with their children under their keys
     (encoded by `encode_key`; a list's keys are its indices), and leaves.
     """
     leaves: dict[str, Any] = {}

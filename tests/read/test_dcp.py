@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import shardstore
 from tests.conftest import assert_bitwise_equal
+from tests.read.conformance import FormatTests
 
 
 def _expected(folder: Path) -> dict:
@@ -194,3 +195,13 @@ def test_olmo_core_metadata_and_accelerate_folders(dcp_checkpoints, tmp_path: Pa
     monkeypatch.undo()  # olmo_core is gone again: shardstore must not need it
     shardstore.unshard(tmp_path / "run", tmp_path / "pt", format="torch", jobs=1)
     assert_bitwise_equal(_torch_output(tmp_path / "pt"), _expected(src), "OLMo-core metadata")
+
+
+class TestDcpConformance(FormatTests):
+    @pytest.fixture
+    def checkpoint(self, dcp_checkpoints) -> Path:
+        return dcp_checkpoints("tp")  # boxes on both dimensions
+
+    @pytest.fixture
+    def foreign(self, dcp_checkpoints) -> Path:
+        return dcp_checkpoints("fsdp2") / "__1_0.distcp"

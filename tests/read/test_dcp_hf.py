@@ -13,6 +13,7 @@ import shardstore
 from shardstore.errors import CheckpointError
 from shardstore.read.source import open_source
 from tests.conftest import assert_bitwise_equal
+from tests.read.conformance import FormatTests
 
 
 @pytest.mark.parametrize("form", ["sharded", "consolidated"])
@@ -68,3 +69,13 @@ def test_forged_offsets_are_refused_before_anything_is_written(dcp_hf_checkpoint
     with pytest.raises(CheckpointError):
         shardstore.unshard(src, tmp_path / "out", jobs=1)
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+class TestDcpHfConformance(FormatTests):
+    @pytest.fixture
+    def checkpoint(self, dcp_hf_checkpoint) -> Path:
+        return dcp_hf_checkpoint / "sharded"
+
+    @pytest.fixture
+    def foreign(self, dcp_hf_checkpoint) -> Path:
+        return dcp_hf_checkpoint / "consolidated" / "sharded" / "shard-00002-model-00001-of-00002.safetensors"

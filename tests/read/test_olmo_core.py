@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import shardstore
 from tests.conftest import assert_bitwise_equal, copy_checkpoint
 from tests.test_cli import error_line
+from tests.read.conformance import FormatTests
 
 CASES = [("flat", 3), ("dtensor", 4), ("dtensor-hsdp", 4)]  # FSDP1; FSDP2; FSDP2 over 2 replica groups
 
@@ -118,3 +119,13 @@ def test_a_truncated_shard_file_is_refused(olmo_checkpoints, tmp_path: Path) -> 
     path.write_bytes(path.read_bytes()[:-100])
     line = error_line("unshard", str(ckpt), str(tmp_path / "out"), "-q")
     assert "optim/rank_3.safetensors" in line and "truncated" in line
+
+
+class TestOlmoCoreConformance(FormatTests):
+    @pytest.fixture
+    def checkpoint(self, olmo_checkpoints) -> Path:
+        return olmo_checkpoints("olmo_core", "flat", 3)
+
+    @pytest.fixture
+    def foreign(self, olmo_checkpoints) -> Path:
+        return olmo_checkpoints("olmo_core", "dtensor", 3) / "model" / "rank_1.safetensors"

@@ -22,6 +22,7 @@ from shardstore.cli import main
 from shardstore.read.unpickle import ShardParamInfo, load
 from tests.conftest import assert_bitwise_equal, copy_checkpoint
 from tests.test_cli import error_line
+from tests.read.conformance import FormatTests
 
 CASES = [("2.2", 3), ("2.0", 4), ("hsdp", 4)]  # torch 2.1+ (alignment padding); torch <= 2.0.1; 2 replica groups
 
@@ -211,3 +212,13 @@ def test_an_ambiguous_padding_list_is_settled_by_the_ranks_own_infos() -> None:
     for start in (4, 8):
         (kept,) = _narrow([both], [("", copy_of(2, start))], 2, 6, "test")
         assert [[p.start for p in h.params] for h in kept] == [[0, start]]
+
+
+class TestOlmoLocalConformance(FormatTests):
+    @pytest.fixture
+    def checkpoint(self, olmo_checkpoints) -> Path:
+        return olmo_checkpoints("local", "2.2", 3)
+
+    @pytest.fixture
+    def foreign(self, olmo_checkpoints) -> Path:
+        return olmo_checkpoints("local", "2.0", 3) / "model" / "rank1.pt"

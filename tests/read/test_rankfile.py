@@ -9,6 +9,7 @@ import pytest
 
 from shardstore.errors import CheckpointError
 from shardstore.read.rankfile import ShardedLeaf, read_rank_file
+from tests.read.conformance import FormatTests
 
 CORPUS = Path(__file__).parents[1] / "corpus" / "data"
 
@@ -38,3 +39,13 @@ def test_placements_are_read_in_the_numbering_the_file_uses(member: str, numberi
                                                       rf"rank {other} \(.*\); forged or damaged"):
                 leaf.check_own_pieces(other, 4, other % 2, 2)
         rf.close()
+
+
+class TestRankFilesConformance(FormatTests):
+    @pytest.fixture
+    def checkpoint(self, checkpoints) -> Path:
+        return checkpoints(3)
+
+    @pytest.fixture
+    def foreign(self, checkpoints) -> Path:
+        return checkpoints(2) / "rank1.pt"

@@ -14,6 +14,7 @@ import shardstore
 from shardstore.errors import CheckpointError
 from shardstore.read.source import open_source
 from tests.conftest import assert_bitwise_equal
+from tests.read.conformance import FormatTests
 
 OLD = Path(__file__).parent.parent / "fixtures" / "data" / "verl"
 ACTOR = "global_step_7/actor"
@@ -154,3 +155,23 @@ def test_dtensor_rank_files_under_other_names_are_refused_not_misread(verl_check
         shutil.copy(actor / f"model_world_size_4_rank_{r}.pt", tmp_path / f"rank{r}.pt")
     with pytest.raises(CheckpointError, match=r"rank0.pt: model.embed_tokens.weight is a DTensor; per-rank DTensor"):
         shardstore.unshard(tmp_path, tmp_path / "out", jobs=1)
+
+
+class TestVerlConformance(FormatTests):
+    @pytest.fixture
+    def checkpoint(self, verl_checkpoints) -> Path:
+        return verl_checkpoints("fsdp2-hsdp", 4)  # Shard(1) and replica groups
+
+    @pytest.fixture
+    def foreign(self, verl_checkpoints) -> Path:
+        return verl_checkpoints("fsdp1", 3) / ACTOR / "model_world_size_3_rank_1.pt"
+
+
+class TestVerlFlatOptimizerConformance(TestVerlConformance):
+    @pytest.fixture
+    def checkpoint(self, verl_checkpoints) -> Path:
+        return verl_checkpoints("fsdp1", 3)  # flat-parameter optimizer state split per parameter
+
+    @pytest.fixture
+    def foreign(self, verl_checkpoints) -> Path:
+        return verl_checkpoints("fsdp2", 4) / ACTOR / "optim_world_size_4_rank_1.pt"

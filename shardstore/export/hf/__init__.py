@@ -80,7 +80,7 @@ def _shape(store: Store, path: str) -> tuple[int, ...] | None:
 
 
 def _leaf(path: str) -> Any:
-    from ...read.source import Node
+    from ...read.contract import Node
 
     return Node("leaf", path)
 

@@ -1,0 +1,209 @@
+"""The read contract: what every checkpoint format gives the rest of shardstore, typed.
+
+A checkpoint is read in two halves, and a format is whatever makes both:
+- **Planning** (the coordinator, once). A `Format` recognises the checkpoint (`detect`, then `source`,
+  or `of_files` for files named one by one) as a `Source`: its units of work in order, and small side files (a run's config).
+  `plan` reads what it must and gives the `CheckpointSpec`: the key tree, every array's dtype, global
+  shape and boxes with the unit holding each (`ShardedSpec`), and which leaves are plain values. The
+  store is laid out from the spec alone. `spec.extra` holds the format's own facts for its workers.
+- **Ingesting** (a worker per unit, in any order, any number of times). `open_unit` opens one unit with
+  those facts and checks it against them before anything is written: a `Unit` whose `leaves` are
+  `ArrayLeaf`s (the `LocalPiece`s it holds: a box of the array, and where its bytes are in a `Container`)
+  and plain values.
+
+Call sequence: `Format.detect` → `Format.source` → `Format.plan` → (the store is created) → per unit, in workers:
+`Format.open_unit` → leaves → `Unit.close`. Formats are listed in `registry.py`; a new format is one module
+in read/ and one line there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .. import dtypes
+from ..locations import StorageOptions
+from ..ranges import FileRange, RemoteRange
+from . import tensors
+from .unpickle import TensorRef
+
+if TYPE_CHECKING:
+    from .source import Source
+
+# A tensor at or below this size held whole by one unit is kept as a value, like a rank file's plain
+# tensors (an optimizer's step, a scale); anything larger, or split across units, gets an array.
+SMALL_TENSOR_BYTES = 64 << 10
+
+
+# ---------------------------------------------------------------------------------------------- the spec
+@dataclass
+class Node:
+    """One node of a state dict's key tree. A container (`kind` dict, odict, list or tuple) lists its
+    children in order, each under its real key as typed JSON (values.encode); a leaf has none. `path` is
+    the node's store path. The tree is what the store keeps to rebuild the exact nesting."""
+
+    kind: str
+    path: str
+    children: list[tuple[Any, "Node"]] = field(default_factory=list)
+
+    def leaf_paths(self) -> list[str]:
+        """Store paths of every leaf below, in state-dict order."""
+        if self.kind == "leaf":
+            return [self.path]
+        return [p for _, child in self.children for p in child.leaf_paths()]
+
+    def to_json(self) -> dict[str, Any]:
+        if self.kind == "leaf":
+            return {"t": "leaf", "p": self.path}
+        return {"t": self.kind, "p": self.path, "c": [[key, child.to_json()] for key, child in self.children]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Node":
+        return cls(d["t"], d["p"], [(key, cls.from_json(child)) for key, child in d.get("c", ())])
+
+
+Skeleton = Node
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One box of an array (or, for a flat array, one element range), and the unit that holds it."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    rank: int  # the holder: its rank (rank files: as the metadata names it) or its unit number
+
+
+@dataclass(frozen=True)
+class ShardedSpec:
+    """The global description of one array: what the planner lays out."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    shards: tuple[ShardSpec, ...]
+    flat: bool = False  # shards are element ranges (offsets, sizes) of the flattened tensor, not boxes
+
+
+@dataclass
+class CheckpointSpec:
+    """A checkpoint as the planner sees it, whatever its format."""
+
+    format: str  # the registry name of the format that read it
+    world_size: int  # units of work: ranks, or files
+    group_size: int  # units per replica group (hybrid sharding); the world size otherwise
+    tree: Skeleton
+    arrays: dict[str, ShardedSpec]
+    replicated: dict[str, TensorRef]  # a plain tensor every unit holds whole (world size 1)
+    objects: list[str]  # store paths of every other leaf
+    extra: dict[str, Any] = field(default_factory=dict)  # the format's facts for its workers, kept in the store
+
+
+# ---------------------------------------------------------------------------------------------- units
+class Container(Protocol):
+    """What a unit's tensor bytes are read from, in place: a torch zip (container.TorchZip, also inside a
+    .distcp file) or a safetensors file (safetensors_file.SafetensorsFile)."""
+
+    path: str
+    entries: dict[str, Any]  # "data/<key>" -> where each storage record lies
+
+    @property
+    def size(self) -> int: ...
+
+    def range(self, offset: int, length: int) -> FileRange | RemoteRange: ...
+
+    def storage_offset(self, key: str) -> int: ...
+
+    def stored_crc(self, key: str) -> int | None: ...
+
+    def record(self, name: str) -> memoryview: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class LocalPiece:
+    """A box of an array held in a unit (for a flat array, an element range), and where its bytes are: a
+    tensor view into a storage of `zip`. The store's `Piece` (store/writer.py)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    tensor: TensorRef
+    zip: Container = field(repr=False)
+
+    def rows(self, first: int, count: int) -> FileRange | RemoteRange | None:
+        span = tensors.byte_range(self.zip, self.tensor)
+        if span is None:
+            return None
+        row = math.prod(self.sizes[1:]) * dtypes.info(self.tensor.dtype).itemsize
+        return self.zip.range(span[0] + first * row, count * row)
+
+    def values(self) -> Any:
+        return tensors.array(self.zip, self.tensor)
+
+    def crc(self) -> int | None:
+        """The CRC-32 its file stores for exactly this piece's bytes (a tensor that is its whole storage)."""
+        span = tensors.byte_range(self.zip, self.tensor)
+        key = self.tensor.storage.key
+        if span is None or span != (self.zip.storage_offset(key), self.zip.entries[f"data/{key}"].size):
+            return None
+        return self.zip.stored_crc(key)
+
+
+class ArrayLeaf:
+    """A unit's share of one array: dtype, global shape, and the pieces it holds (maybe none)."""
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], pieces: list[LocalPiece]):
+        self.dtype, self.shape, self.pieces = dtype, shape, pieces
+
+
+class Unit(Protocol):
+    """One unit of work, opened and checked: a rank file, a .distcp file, a safetensors shard."""
+
+    path: str
+    rank: int  # its number in the checkpoint
+    world_size: int
+    group_rank: int  # within its replica group (hybrid sharding), else its rank
+    group_size: int
+    leaves: dict[str, Any]  # store path -> ArrayLeaf | TensorRef | plain value
+
+    @property
+    def size(self) -> int: ...
+
+    def value_zip(self, path: str) -> Container: ...
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------- formats
+class Format(Protocol):
+    """One checkpoint format: how it is found, planned, and opened unit by unit. Finding is shared
+    (source.open_source): a folder is asked `detect`, then each of its sub-folders (a run folder of step
+    folders), and `pick` chooses among several by `--tag`/`--step`."""
+
+    name: str  # as stores record it ("torch-save", "dcp", "olmo-core", ...)
+    title: str  # as messages name it ("OLMo-core")
+
+    def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
+        """Whether `folder` itself is a checkpoint in this format: a cheap look that never raises."""
+
+    def source(self, folder: str, storage_options: StorageOptions | None) -> "Source":
+        """The checkpoint `folder` is (`detect` said so): its units in order, and its side files."""
+
+    def latest(self, folder: str, storage_options: StorageOptions | None) -> str | None:
+        """The checkpoint folder that `folder`'s own pointer to its newest names (Composer's
+        latest-rank0.pt link), if it has one."""
+
+    def of_files(self, files: list[str], storage_options: StorageOptions | None) -> "Source | None":
+        """The checkpoint some of whose unit files are `files`, or None when they are not this format's."""
+
+    def plan(self, source: "Source", encode_key: Any, strict: bool) -> tuple[CheckpointSpec, Unit | None]:
+        """The spec, and any unit that planning had to open whole (left open: the caller ingests it from
+        there and closes it)."""
+
+    def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+                  facts: dict[str, Any]) -> Unit:
+        """One unit, checked against `facts` (the spec's extra, as the store kept it)."""
+
+    def unit_kind(self, name: str) -> str:
+        """What a unit is, by the name the store records for it ("model files"): for `ls` and `status`."""

@@ -1,0 +1,69 @@
+"""The `Format` of checkpoints that are one folder of unit files in known places (OLMo `local`, OLMo-core
+0.1, veRL, DCP's Hugging Face safetensors): each such format is a module with
+
+    detect(folder, storage_options) -> bool      the folder is one such checkpoint
+    units(folder, storage_options) -> [path]     every unit file, in order
+    spec(folder, units, encode_key, strict, storage_options) -> CheckpointSpec
+    open_unit(path, storage_options, strict, encode_key, facts) -> Unit
+
+and optionally `side_files(folder, storage_options)` (files to keep beside exports), `run_of(unit)` (the
+checkpoint folder of a unit file: by default two levels up, for units in sub-folders), `UNIT_FOLDERS`
+(sub-folders whose path names the checkpoint above them) and `unit_kind(name)`.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from ..locations import StorageOptions
+from .contract import CheckpointSpec, Unit
+from .source import Source, config_files, folder_of, name_of
+
+
+class FolderFormat:
+    def __init__(self, module: ModuleType, title: str):
+        self.module, self.name, self.title = module, module.FORMAT, title
+
+    def _run_of(self, unit: str) -> str:
+        run_of = getattr(self.module, "run_of", None)
+        return run_of(unit) if run_of is not None else folder_of(folder_of(unit))
+
+    def _source(self, run: str, units: list[str], storage_options: StorageOptions | None) -> Source:
+        side = getattr(self.module, "side_files", lambda folder, options: [])(run, storage_options)
+        return Source(self.name, units, storage_options, config_files(run, storage_options) + side)
+
+    def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
+        return bool(self.module.detect(folder, storage_options))
+
+    def source(self, folder: str, storage_options: StorageOptions | None) -> Source:
+        return self._source(folder, self.module.units(folder, storage_options), storage_options)
+
+    def latest(self, folder: str, storage_options: StorageOptions | None) -> str | None:
+        return None  # a run folder's latest_checkpointed_iteration.txt is read where step folders are picked
+
+    def unit_folder_of(self, folder: str) -> str | None:
+        """The checkpoint folder above `folder` when `folder` is where its units are (veRL's actor/)."""
+        return folder_of(folder.rstrip("/\\")) if name_of(folder) in getattr(self.module, "UNIT_FOLDERS", ()) else None
+
+    def of_files(self, files: list[str], storage_options: StorageOptions | None) -> Source | None:
+        runs = {self._run_of(f) for f in files}
+        if len(runs) != 1 or not self.module.detect(next(iter(runs)), storage_options):
+            return None
+        return self._source(runs.pop(), files, storage_options)
+
+    def plan(self, source: Source, encode_key: Any, strict: bool) -> tuple[CheckpointSpec, Unit | None]:
+        run = self._run_of(source.units[0])
+        units = self.module.units(run, source.storage_options)  # every unit, whichever were given
+        return self.module.spec(run, units, encode_key, strict, source.storage_options), None
+
+    def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+                  facts: dict[str, Any]) -> Unit:
+        return self.module.open_unit(path, storage_options, strict, encode_key, facts)
+
+    def unit_kind(self, name: str) -> str:
+        own = getattr(self.module, "unit_kind", None)
+        if own is not None:
+            return own(name)
+        folder = name.split("/")[0] if "/" in name else ""
+        return {"train": "trainer-state files", "model": "model files", "optim": "optimizer files"}.get(folder, "files")

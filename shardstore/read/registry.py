@@ -1,0 +1,43 @@
+"""Every checkpoint format shardstore reads, in the order a folder is tried against them. A new format is
+a module in read/ implementing `contract.Format` (or, for a folder of unit files, the module functions
+`folder.FolderFormat` wraps) and one line here."""
+
+from __future__ import annotations
+
+import functools
+
+from .contract import Format
+
+
+@functools.cache
+def folder_formats() -> tuple[Format, ...]:
+    """The formats a checkpoint folder is recognised by, in order."""
+    from . import dcp, dcp_hf, dtensor, olmo_core, olmo_local
+    from .folder import FolderFormat
+
+    return (
+        dcp.FORMAT,  # a .metadata file: before anything that also holds .pt files (OLMo's train/)
+        FolderFormat(olmo_local, "OLMo `local`"),
+        FolderFormat(olmo_core, "OLMo-core"),
+        FolderFormat(dtensor, "veRL"),
+        FolderFormat(dcp_hf, "Hugging Face safetensors"),
+    )
+
+
+def fallback() -> Format:
+    """Per-rank ShardedTensor files: what any other folder of `*rank<N>.pt` files is read as (they may be
+    tagged within one folder, so this format finds its own checkpoint: `RankFiles.find`)."""
+    from . import rankfile
+
+    return rankfile.FORMAT
+
+
+def formats() -> tuple[Format, ...]:
+    return (*folder_formats(), fallback())
+
+
+def get(name: str) -> Format:
+    for fmt in formats():
+        if fmt.name == name:
+            return fmt
+    raise KeyError(name)
