@@ -6,7 +6,6 @@ import itertools
 from pathlib import Path
 
 import pytest
-import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
