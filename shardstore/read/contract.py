@@ -2,7 +2,8 @@
 
 A checkpoint is read in two halves, and a format is whatever makes both:
 - **Planning** (the coordinator, once). A `Format` recognises the checkpoint (`detect`, then `source`,
-  or `of_files` for files named one by one) as a `Source`: its units of work in order, and small side files (a run's config).
+  or `of_files` for files named one by one) as a `Source`: its units of work in order, and small side
+  files (a run's config).
   `plan` reads what it must and gives the `CheckpointSpec`: the key tree, every array's dtype, global
   shape and boxes with the unit holding each (`ShardedSpec`), and which leaves are plain values. The
   store is laid out from the spec alone. `spec.extra` holds the format's own facts for its workers.
@@ -11,8 +12,8 @@ A checkpoint is read in two halves, and a format is whatever makes both:
   `ArrayLeaf`s (the `LocalPiece`s it holds: a box of the array, and where its bytes are in a `Container`)
   and plain values.
 
-Call sequence: `Format.detect` → `Format.source` → `Format.plan` → (the store is created) → per unit, in workers:
-`Format.open_unit` → leaves → `Unit.close`. Formats are listed in `registry.py`; a new format is one module
+Call sequence: `Format.detect` → `Format.source` → `Format.plan` → (the store is created) → per unit,
+in workers: `Format.open_unit` → leaves → `Unit.close`. Formats are listed in `registry.py`; a new format is one module
 in read/ and one line there.
 """
 
@@ -34,6 +35,17 @@ if TYPE_CHECKING:
 # A tensor at or below this size held whole by one unit is kept as a value, like a rank file's plain
 # tensors (an optimizer's step, a scale); anything larger, or split across units, gets an array.
 SMALL_TENSOR_BYTES = 64 << 10
+
+
+def whole_numbers(values: Any, what: str) -> tuple[int, ...]:
+    """`values` (a list or tuple: sizes, offsets, ranks a file states) checked to be whole non-negative
+    numbers, or refused naming `what` they are: every format trusts a file's numbers only this far."""
+    out = tuple(values) if isinstance(values, (list, tuple)) else None
+    if out is None or not all(type(v) is int and v >= 0 for v in out):
+        from ..errors import CheckpointError
+
+        raise CheckpointError(f"{what} {values!r:.80} are not whole non-negative numbers (corrupt or forged file)")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- the spec

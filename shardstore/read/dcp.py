@@ -24,7 +24,8 @@ from .. import dtypes, paths
 from ..errors import CheckpointError, closed_on_error, named
 from ..locations import StorageOptions, filesystem, is_url, local
 from .container import DataFile, TorchZip, parsed_once, read_small
-from .contract import SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec, Skeleton
+from .contract import (SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardSpec, ShardedSpec,
+                       Skeleton, whole_numbers)
 from . import trainer
 from .tensors import check_view
 from .trainer import TRAIN, TrainerUnit, join, join_trainer_state, open_trainer
@@ -86,13 +87,6 @@ def read_checkpoint(folder: str | os.PathLike[str], storage_options: StorageOpti
         raise CheckpointError(f"{where}: malformed metadata ({type(exc).__name__}: {str(exc)[:120]})") from None
 
 
-def _ints(values: Any, what: str) -> tuple[int, ...]:
-    out = tuple(values)
-    if not all(type(v) is int and v >= 0 for v in out):
-        raise CheckpointError(f"{what} {out!r:.80} are not whole non-negative numbers")
-    return out
-
-
 def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
     tensors, values = {}, []
     for fqn, meta in md.state_dict_metadata.items():
@@ -101,8 +95,8 @@ def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
         if isinstance(meta, DcpTensorStorage):
             dtype = str(meta.properties.dtype)
             dtypes.info(dtype)
-            size = _ints(meta.size, f"{fqn}: sizes")
-            chunks = [(_ints(c.offsets, f"{fqn}: chunk offsets"), _ints(c.sizes, f"{fqn}: chunk sizes"))
+            size = whole_numbers(meta.size, f"{fqn}: sizes")
+            chunks = [(whole_numbers(c.offsets, f"{fqn}: chunk offsets"), whole_numbers(c.sizes, f"{fqn}: chunk sizes"))
                       for c in meta.chunks]
             tensors[fqn] = (dtype, size, chunks)
         elif isinstance(meta, DcpBytesStorage):
@@ -127,7 +121,7 @@ def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
         name = info.relative_path
         if not isinstance(name, str) or posixpath.basename(name) != name or name in ("", ".", "..") or "\\" in name:
             raise CheckpointError(f"{fqn}: item file {name!r:.80} is not a file name inside the checkpoint folder")
-        offsets = None if getattr(index, "offset", None) is None else _ints(index.offset, f"{fqn}: item offsets")
+        offsets = None if getattr(index, "offset", None) is None else whole_numbers(index.offset, f"{fqn}: item offsets")
         offset, length = info.offset, info.length
         if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
             raise CheckpointError(f"{fqn}: item byte range {offset!r:.30}+{length!r:.30} is impossible")

@@ -35,7 +35,8 @@ from . import tensors
 from .container import TorchZip
 from . import fsdp_flat
 from .olmo import FileUnit, flat_spec, relative
-from .contract import SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec
+from .contract import (SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardSpec, ShardedSpec,
+                       whole_numbers)
 from .trainer import join, listing
 from .tree import flatten
 from .unpickle import DeviceMesh, DTensor, Placement, TensorRef, load
@@ -72,13 +73,6 @@ class Mesh:
         return tuple(reversed(coord))
 
 
-def _ints(value: Any, what: str, where: str) -> tuple[int, ...]:
-    out = tuple(value) if isinstance(value, (tuple, list)) else None
-    if out is None or not all(type(v) is int and v >= 0 for v in out):
-        raise CheckpointError(f"{where}: {what} {value!r:.80} are not whole non-negative numbers (corrupt file)")
-    return out
-
-
 def mesh_of(record: Any, where: str) -> Mesh:
     """The mesh a DeviceMesh pickle describes. torch <= 2.9 keeps the ranks as `mesh` (a tensor whose shape
     is the mesh's) and their flat list; torch >= 2.10 keeps a flat `_rank_map` and a `_layout` (per mesh
@@ -87,12 +81,12 @@ def mesh_of(record: Any, where: str) -> Mesh:
         raise CheckpointError(f"{where}: a DTensor whose mesh is not a DeviceMesh (corrupt file)")
     state = record.__dict__
     if "_layout" in state:
-        flat = _ints(state.get("_flatten_rank_map"), "mesh ranks", where)
+        flat = whole_numbers(state.get("_flatten_rank_map"), f"{where}: mesh ranks")
         axes = getattr(state["_layout"], "__dict__", {}).get("axes")
         if not isinstance(axes, tuple) or not axes:
             raise CheckpointError(f"{where}: a device mesh without a layout (corrupt file)")
-        dims = [(_ints(getattr(a, "__dict__", {}).get("shape"), "mesh sizes", where),
-                 _ints(getattr(a, "__dict__", {}).get("stride"), "mesh strides", where)) for a in axes]
+        dims = [(whole_numbers(getattr(a, "__dict__", {}).get("shape"), f"{where}: mesh sizes"),
+                 whole_numbers(getattr(a, "__dict__", {}).get("stride"), f"{where}: mesh strides")) for a in axes]
         if any(len(s) != len(t) for s, t in dims):
             raise CheckpointError(f"{where}: a device mesh layout of mismatched sizes and strides (corrupt file)")
         shape = tuple(math.prod(s) for s, _ in dims)
@@ -114,8 +108,8 @@ def mesh_of(record: Any, where: str) -> Mesh:
         mesh = state.get("mesh")
         if not isinstance(mesh, TensorRef):
             raise CheckpointError(f"{where}: a device mesh without its ranks (corrupt file)")
-        shape = _ints(mesh.shape, "mesh sizes", where)
-        out = Mesh(shape, _ints(state.get("_flatten_mesh_list"), "mesh ranks", where))
+        shape = whole_numbers(mesh.shape, f"{where}: mesh sizes")
+        out = Mesh(shape, whole_numbers(state.get("_flatten_mesh_list"), f"{where}: mesh ranks"))
     if len(out.ranks) != math.prod(out.shape) or len(set(out.ranks)) != len(out.ranks) or not out.shape:
         raise CheckpointError(f"{where}: a device mesh whose ranks do not fill it (corrupt file)")
     return out
@@ -184,7 +178,7 @@ def _dtensor_layout(leaf: DTensor, where: str) -> tuple[Layout, TensorRef]:
     meta = getattr(spec, "__dict__", {}).get("tensor_meta")
     if not isinstance(local, TensorRef) or meta is None:
         raise CheckpointError(f"{where}: a DTensor without its local tensor or its spec (corrupt file)")
-    shape = _ints(getattr(meta, "shape", None), "sizes", where)
+    shape = whole_numbers(getattr(meta, "shape", None), f"{where}: sizes")
     dtype = str(getattr(meta, "dtype", ""))
     dtypes.info(dtype)
     if local.dtype != dtype:
@@ -201,7 +195,8 @@ def unit_name(kind: str, world: int, rank: int) -> str:
 def _parse(path: str) -> tuple[str, int, int]:
     m = UNIT_FILE.match(path.replace("\\", "/").rsplit("/", 1)[-1])
     if m is None:
-        raise CheckpointError(f"{path}: not a veRL checkpoint file ({{model,optim,extra_state}}_world_size_W_rank_R.pt)")
+        raise CheckpointError(f"{path}: not a veRL checkpoint file "
+                              f"({{model,optim,extra_state}}_world_size_W_rank_R.pt)")
     return m["kind"], int(m["world"]), int(m["rank"])
 
 
@@ -353,7 +348,8 @@ def _member_paths(path: str, held: list[fsdp_flat.Member]) -> list[tuple[fsdp_fl
 
 
 def _split(model: _File, model_layouts: dict[str, tuple[Layout, TensorRef]], optim: _File,
-           optim_layouts: dict[str, tuple[Layout, TensorRef]], mesh: Mesh | None) -> dict[str, list[fsdp_flat.Member]] | None:
+           optim_layouts: dict[str, tuple[Layout, TensorRef]],
+           mesh: Mesh | None) -> dict[str, list[fsdp_flat.Member]] | None:
     """FSDP1's flat-parameter optimizer state, split per parameter where the model's parameters and
     FSDP's flattening rule account for every flat parameter's length exactly (fsdp_flat.py)."""
     lengths: dict[str, int] = {}
@@ -365,7 +361,8 @@ def _split(model: _File, model_layouts: dict[str, tuple[Layout, TensorRef]], opt
     if not lengths:
         return None
     params, seen = [], set()
-    model_keys = {node.path[len("model/"):]: key for key, node in _walk_nodes(model.tree) if node.path.startswith("model/")}
+    model_keys = {node.path[len("model/"):]: key for key, node in _walk_nodes(model.tree)
+                  if node.path.startswith("model/")}
     for path, (layout, _) in model_layouts.items():
         leaf = model.leaves[path]
         if id(leaf) in seen:  # a tied weight: one parameter under two keys

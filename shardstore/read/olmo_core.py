@@ -31,7 +31,8 @@ from ..locations import StorageOptions
 from .container import parsed_once, read_small
 from .olmo import (MODEL, OPTIM, PARAM_GROUPS, FileUnit, flat_spec, model_path, model_tree, optim_tree, relative,
                    state_path, open_olmo_unit)
-from .contract import SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec
+from .contract import (SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardSpec, ShardedSpec,
+                       whole_numbers)
 from .safetensors_file import SafetensorsFile
 from .tensors import check_view
 from .trainer import join, join_trainer_state, listing, trainer_files
@@ -84,12 +85,6 @@ def _file_order(name: str) -> tuple:
     return (0, int(stem)) if stem.isdigit() else (1, name)
 
 
-def _nonneg(values: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(values, list) or not all(type(v) is int and v >= 0 for v in values):
-        raise CheckpointError(f"{what} {values!r:.80} are not whole non-negative numbers")
-    return tuple(values)
-
-
 def _shard(name: str, file: str, spec: Any, shape: tuple[int, ...]) -> tuple:
     where = f"{name} in {file}"
     if not isinstance(spec, dict):
@@ -98,7 +93,7 @@ def _shard(name: str, file: str, spec: Any, shape: tuple[int, ...]) -> tuple:
         ranges = spec["flattened_offsets"]
         if ranges and isinstance(ranges[0], int):  # an old single [start, end)
             ranges = [ranges]
-        out = tuple(_nonneg(r, f"{where}: offsets") for r in ranges)
+        out = tuple(whole_numbers(r, f"{where}: offsets") for r in ranges)
         total = math.prod(shape)
         if any(len(r) != 2 or r[0] > r[1] or r[1] > total for r in out):
             raise CheckpointError(f"{where}: flattened offsets {list(out)!r:.80} outside its {total} elements")
@@ -106,7 +101,7 @@ def _shard(name: str, file: str, spec: Any, shape: tuple[int, ...]) -> tuple:
     local_shape, offset = spec.get("local_shape"), spec.get("global_offset")
     if local_shape is None or offset is None:
         raise CheckpointError(f"{where}: its shard spec has neither flattened_offsets nor local_shape/global_offset")
-    sizes, offsets = _nonneg(local_shape, f"{where}: local_shape"), _nonneg(offset, f"{where}: global_offset")
+    sizes, offsets = whole_numbers(local_shape, f"{where}: local_shape"), whole_numbers(offset, f"{where}: global_offset")
     if len(sizes) != len(shape) or len(offsets) != len(shape) \
             or any(o + n > d for o, n, d in zip(offsets, sizes, shape)):
         raise CheckpointError(f"{where}: box at {list(offsets)} of {list(sizes)} outside {list(shape)}")
@@ -122,7 +117,7 @@ def read_part(folder: str, storage_options: StorageOptions | None) -> Part:
     tensors, files = {}, set()
     try:
         for name, t in tensors_json.items():
-            shape = _nonneg(t["shape"], f"{name}: shape")
+            shape = whole_numbers(t["shape"], f"{name}: shape")
             code = t["dtype"]
             dtype = next((i.name for i in dtypes.BY_NAME.values() if i.safetensors == code), None)
             if dtype is None:

@@ -30,7 +30,7 @@ from ..locations import StorageOptions
 from .container import TorchZip, read_small
 from .olmo import (MODEL, OPTIM, PARAM_GROUPS, FileUnit, clean, flat_spec, model_path, model_tree, optim_tree,
                    relative, state_path, open_olmo_unit)
-from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node
+from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, whole_numbers
 from .rankfile import MAX_WORLD_SIZE
 from .tensors import check_view
 from .trainer import join, join_trainer_state, listing, trainer_files
@@ -144,13 +144,6 @@ def _field(handle: dict[str, Any], name: str, where: str) -> Any:
         raise CheckpointError(f"{where}: its flat parameter metadata has no {name}") from None
 
 
-def _ints(values: Any, what: str) -> list[int]:
-    out = list(values) if isinstance(values, (list, tuple)) else None
-    if out is None or not all(type(v) is int and v >= 0 for v in out):
-        raise CheckpointError(f"{what} {values!r:.80} are not whole non-negative numbers")
-    return out
-
-
 def _handles(prefix: str, h: dict[str, Any], where: str) -> list[Handle]:
     """Every layout one rank's copy of a handle's metadata can describe: where each parameter starts
     depends on the alignment FSDP used, which the file does not record (`_layouts`)."""
@@ -161,13 +154,13 @@ def _handles(prefix: str, h: dict[str, Any], where: str) -> list[Handle]:
     if not isinstance(fqns, (list, tuple)) or not all(isinstance(f, str) for f in fqns) \
             or not isinstance(shapes, (list, tuple)) or len(shapes) != len(fqns):
         raise CheckpointError(f"{where}: malformed _fqns / _shapes")
-    shapes = [tuple(_ints(s, f"{where}: shape of {f}")) for f, s in zip(fqns, shapes)]
-    numels = _ints(_field(h, "_numels", where), f"{where}: _numels")
+    shapes = [tuple(whole_numbers(s, f"{where}: shape of {f}")) for f, s in zip(fqns, shapes)]
+    numels = list(whole_numbers(_field(h, "_numels", where), f"{where}: _numels"))
     if numels != [math.prod(s) for s in shapes]:
         raise CheckpointError(f"{where}: _numels disagree with _shapes")
     old = "flat_param._shard_param_infos" not in h
     # torch 2.0.x's FlatParameter had no padding list; 2.1+ saves one even when it equals _numels
-    padded = _ints(h.get("flat_param._numels_with_padding", numels), f"{where}: _numels_with_padding")
+    padded = list(whole_numbers(h.get("flat_param._numels_with_padding", numels), f"{where}: _numels_with_padding"))
     layouts = _layouts(numels, padded)
     if not layouts:
         raise CheckpointError(f"{where}: _numels_with_padding is not FSDP's padding of _numels")

@@ -12,7 +12,7 @@ from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions
 from . import tensors
 from .container import TorchZip
-from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec
+from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec, whole_numbers
 from .skim import Skimmed, skim
 from .contract import Skeleton
 from .tree import flatten
@@ -147,13 +147,8 @@ class RankFile:
 
 
 def _ints(values: Any, what: str, where: str) -> tuple[int, ...]:
-    try:
-        out = tuple(values)
-    except TypeError:
-        out = (values,)
-    if not all(type(v) is int and v >= 0 for v in out):
-        raise CheckpointError(f"{where}: {what} {out!r:.80} are not whole non-negative numbers (corrupt file)")
-    return out
+    """ShardedTensor metadata's sizes and offsets (a torch.Size, a list; old files may give one int)."""
+    return whole_numbers(values if isinstance(values, (list, tuple)) else (values,), f"{where}: {what}")
 
 
 def _sharded_leaf(st: ShardedTensor, where: str, zf: TorchZip, planned: bool, shared: dict[Any, Any]) -> ShardedLeaf:
