@@ -111,6 +111,19 @@ class CheckpointSpec:
     extra: dict[str, Any] = field(default_factory=dict)  # the format's facts for its workers, kept in the store
 
 
+def replica_count(arrays: dict[str, ShardedSpec]) -> int:
+    """The most units holding any one box (one per replica group under hybrid sharding, where a format
+    lists every group's holders): with more than one, the store writes each cell once, from the first
+    unit to commit it."""
+    most = 1
+    for a in arrays.values():
+        counts: dict[tuple, int] = {}
+        for s in a.shards:
+            counts[(s.offsets, s.sizes)] = counts.get((s.offsets, s.sizes), 0) + 1
+        most = max(most, *counts.values()) if counts else most
+    return most
+
+
 # ---------------------------------------------------------------------------------------------- units
 class Container(Protocol):
     """What a unit's tensor bytes are read from, in place: a torch zip (container.TorchZip, also inside a

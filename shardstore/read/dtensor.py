@@ -36,7 +36,7 @@ from .container import TorchZip
 from . import fsdp_flat
 from .olmo import FileUnit, flat_spec, relative
 from .contract import (SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardSpec, ShardedSpec,
-                       whole_numbers)
+                       replica_count, whole_numbers)
 from .trainer import join, listing
 from .tree import flatten
 from .unpickle import DeviceMesh, DTensor, Placement, TensorRef, load
@@ -453,23 +453,12 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     digest = hashlib.blake2b(repr(sorted(digests.items())).encode(), digest_size=16).hexdigest()
     facts = {"layouts": digests, "mesh": _mesh_json(mesh),
              "split": {k: [[m.name, list(m.shape), m.start, m.key] for m in held] for k, held in (split or {}).items()}}
-    extra = {"units": names, "metadata": digest, "dtensor": facts, "replicas": _replicas(arrays)}
+    extra = {"units": names, "metadata": digest, "dtensor": facts, "replicas": replica_count(arrays)}
     return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
 
 
 def _mesh_json(mesh: Mesh | None) -> Any:
     return None if mesh is None else {"shape": list(mesh.shape), "ranks": list(mesh.ranks)}
-
-
-def _replicas(arrays: dict[str, ShardedSpec]) -> int:
-    """How many units hold each box (one per replica group under HSDP): the store writes a cell once."""
-    most = 1
-    for a in arrays.values():
-        counts: dict[tuple, int] = {}
-        for s in a.shards:
-            counts[(s.offsets, s.sizes)] = counts.get((s.offsets, s.sizes), 0) + 1
-        most = max(most, *counts.values()) if counts else most
-    return most
 
 
 def _check_tiling(arrays: dict[str, ShardedSpec], where: str) -> None:

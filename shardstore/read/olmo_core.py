@@ -32,7 +32,7 @@ from .container import parsed_once, read_small
 from .olmo import (MODEL, OPTIM, PARAM_GROUPS, FileUnit, flat_spec, model_path, model_tree, optim_tree, relative,
                    state_path, open_olmo_unit)
 from .contract import (SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardSpec, ShardedSpec,
-                       whole_numbers)
+                       replica_count, whole_numbers)
 from .safetensors_file import SafetensorsFile
 from .tensors import check_view
 from .trainer import join, join_trainer_state, listing, trainer_files
@@ -250,18 +250,6 @@ def _split(name: str) -> tuple[str, str] | None:
     return param, key
 
 
-def _replicas(arrays: dict[str, ShardedSpec]) -> int:
-    """How many files hold each box (DTensor under hybrid sharding lists every replica group's files):
-    with more than one, the store writes a cell once, from the first file to commit it."""
-    most = 1
-    for spec in arrays.values():
-        counts: dict[tuple, int] = {}
-        for s in spec.shards:
-            counts[(s.offsets, s.sizes)] = counts.get((s.offsets, s.sizes), 0) + 1
-        most = max(most, *counts.values()) if counts else most
-    return most
-
-
 def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
          storage_options: StorageOptions | None) -> CheckpointSpec:
     parts = _parts(folder, storage_options)
@@ -307,7 +295,7 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     digest = hashlib.blake2b("".join(p.digest for p in parts.values()).encode(), digest_size=16).hexdigest()
     extra = {"units": names, "metadata": digest,
              "olmo_core": {"ids": list(ids.items()), "parts": {k: p.digest for k, p in parts.items()}},
-             "replicas": _replicas(arrays)}
+             "replicas": replica_count(arrays)}
     return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
 
 
