@@ -12,6 +12,7 @@ from . import export as _export
 from . import ingest as _ingest
 from .export import direct as _direct
 from .errors import CheckpointError, ExportError
+from .read.registry import get
 from .locations import StorageOptions, is_url
 from .progress import Progress, size_text
 from .progress import resolve as _progress
@@ -163,8 +164,8 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     fmt = export_options.get("format", "safetensors")
 
     def all_ranks_present(st: Store) -> None:
-        if source.format != "torch-save":
-            return  # the metadata names every file; each is opened as it is ingested
+        if not get(source.format).ranked:
+            return  # the checkpoint's metadata names every file; each is opened as it is ingested
         missing = missing_ranks(source.units, st.manifest.world_size)
         if missing:
             raise CheckpointError(f"{src_dir}: world size is {st.manifest.world_size} but rank files are missing "

@@ -309,7 +309,7 @@ def _summary(store: str) -> tuple[Any, Any, list[str]]:
             + [f"files ingested: {len(s.ranks_done)}/{len(files)}"
                + (f"; missing: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}" if missing else "")]
     replicas = m.extra.get("replicas", 1)
-    return st, s, ["format: torch-save rank files", f"layout: {LAYOUTS.get(m.layout, m.layout)}",
+    return st, s, [f"format: {get(fmt).title} rank files", f"layout: {LAYOUTS.get(m.layout, m.layout)}",
                    f"world size: {m.world_size}" + (f" ({replicas} replica groups of {m.extra['group_size']})"
                                                     if replicas > 1 else ""),
                    f"ranks ingested: {len(s.ranks_done)}/{m.world_size}"

@@ -100,6 +100,23 @@ def verl_checkpoints(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def fsdp2_files(tmp_path_factory: pytest.TempPathFactory):
+    """fsdp2_files(kind, world_size) -> a folder of per-rank `torch.save`d FSDP2 state dicts
+    (tests/fixtures/fsdp2_files.py), the processes' gather in `<folder>.expected.pt.ref`."""
+    from tests.fixtures.fsdp2_files import make_fsdp2_files
+
+    base = CACHE or tmp_path_factory.mktemp("fsdp2-files")
+
+    def get(kind: str, world_size: int) -> Path:
+        out = base / f"{kind}-w{world_size}"
+        if not Path(f"{out}.expected.pt.ref").exists():
+            make_fsdp2_files(out, world_size, kind)
+        return out
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def dcp_hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with DCP's Hugging Face safetensors, sharded/ and consolidated/ (tests/fixtures/dcp_hf.py),
     what the processes gathered in its expected.pt.ref."""

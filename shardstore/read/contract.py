@@ -208,6 +208,7 @@ class Format(Protocol):
 
     name: str  # as stores record it ("torch-save", "dcp", "olmo-core", ...)
     title: str  # as messages name it ("OLMo-core")
+    ranked: bool  # units are found by the ranks their names carry: a missing one shows only against the world size
 
     def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
         """Whether `folder` itself is a checkpoint in this format: a cheap look that never raises."""

@@ -278,9 +278,8 @@ def _rank_file(name: str, zf: TorchZip, skeleton: Skeleton, raw: dict[str, Any],
         if isinstance(leaf, ShardedTensor):
             leaves[p] = _sharded_leaf(leaf, f"{name}: {p}", zf, planned, shared)
             groups.add(_group(leaf.pg_state, name))
-        elif isinstance(leaf, DTensor):
-            raise CheckpointError(f"{name}: {p} is a DTensor; per-rank DTensor files are read in veRL's layout "
-                                  f"(actor/model_world_size_W_rank_R.pt beside optim_ and extra_state_ files)")
+        elif isinstance(leaf, DTensor):  # a file among ShardedTensor rank files, or named as one
+            raise CheckpointError(f"{name}: {p} is a DTensor, in a checkpoint of ShardedTensor rank files")
         else:
             leaves[p] = leaf
     if len(groups) > 1:
@@ -319,7 +318,7 @@ class RankFiles:
     """Per-rank `torch.save` files of ShardedTensors: the format any folder of `*rank<N>.pt` files is
     read as, so the registry tries it last."""
 
-    name, title = "torch-save", "rank-file"
+    name, title, ranked = "torch-save", "ShardedTensor", True
 
     def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
         from .layouts import scan
@@ -341,12 +340,19 @@ class RankFiles:
         from .source import Source, config_files, folder_of
 
         files = [os.fspath(f) for f in discover(src, tag, step, storage_options)]
-        return Source(self.name, files, storage_options, config_files(folder_of(files[0]), storage_options))
+        return Source(self._format_of(files, storage_options), files, storage_options,
+                      config_files(folder_of(files[0]), storage_options))
 
     def of_files(self, files: list[str], storage_options: StorageOptions | None) -> Any:
         from .source import Source
 
-        return Source(self.name, files, storage_options)
+        return Source(self._format_of(files, storage_options), files, storage_options)
+
+    def _format_of(self, files: list[str], storage_options: StorageOptions | None) -> str:
+        """Rank files of DTensors (a plain FSDP2 `torch.save` per rank) are read by read/dtensor.py."""
+        from .dtensor import FORMAT, holds_dtensors
+
+        return FORMAT if files and holds_dtensors(files[0], storage_options) else self.name
 
     def plan(self, source: Any, encode_key: Any, strict: bool) -> tuple[CheckpointSpec, RankFile]:
         """Planned from the first file (every rank's metadata is in every file), which stays open."""

@@ -12,14 +12,14 @@ from .contract import Format
 @functools.cache
 def folder_formats() -> tuple[Format, ...]:
     """The formats a checkpoint folder is recognised by, in order."""
-    from . import dcp, dcp_hf, dtensor, olmo_core, olmo_local
+    from . import dcp, dcp_hf, olmo_core, olmo_local, verl
     from .folder import FolderFormat
 
     return (
         dcp.FORMAT,  # a .metadata file: before anything that also holds .pt files (OLMo's train/)
         FolderFormat(olmo_local, "OLMo `local`"),
         FolderFormat(olmo_core, "OLMo-core"),
-        FolderFormat(dtensor, "veRL"),
+        FolderFormat(verl, "veRL"),
         FolderFormat(dcp_hf, "Hugging Face safetensors"),
     )
 
@@ -33,7 +33,9 @@ def fallback() -> Format:
 
 
 def formats() -> tuple[Format, ...]:
-    return (*folder_formats(), fallback())
+    from . import dtensor
+
+    return (*folder_formats(), fallback(), dtensor.FILES)  # per-rank DTensor files: routed by RankFiles
 
 
 def get(name: str) -> Format:

@@ -147,16 +147,6 @@ def test_a_rank_file_claiming_another_ranks_box_is_refused(verl_checkpoints, tmp
         shardstore.ingest(tmp_path / "s", [actor / "model_world_size_3_rank_2.pt"], jobs=1)
 
 
-def test_dtensor_rank_files_under_other_names_are_refused_not_misread(verl_checkpoints, tmp_path: Path) -> None:
-    """Per-rank DTensor files outside veRL's layout (rank0.pt, ...) are not read as ShardedTensor rank
-    files with the DTensors as opaque values: one line says what is read."""
-    actor = verl_checkpoints("fsdp2", 4) / ACTOR
-    for r in range(4):
-        shutil.copy(actor / f"model_world_size_4_rank_{r}.pt", tmp_path / f"rank{r}.pt")
-    with pytest.raises(CheckpointError, match=r"rank0.pt: model.embed_tokens.weight is a DTensor; per-rank DTensor"):
-        shardstore.unshard(tmp_path, tmp_path / "out", jobs=1)
-
-
 class TestVerlConformance(FormatTests):
     @pytest.fixture
     def checkpoint(self, verl_checkpoints) -> Path:

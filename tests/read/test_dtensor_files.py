@@ -1,0 +1,47 @@
+"""Per-rank `torch.save` files of a plain FSDP2 run (DTensor state dicts under `*rank<N>.pt` names),
+against what the writing processes gathered, bit for bit."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardstore
+from shardstore.errors import CheckpointError
+from shardstore.read.source import open_source
+from tests.conftest import assert_bitwise_equal
+from tests.read.conformance import FormatTests
+
+
+@pytest.mark.parametrize("kind, world", [("fsdp2", 3), ("hsdp", 4)])
+def test_plain_fsdp2_rank_files_unshard_bit_exactly(kind: str, world: int, fsdp2_files, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    src = fsdp2_files(kind, world)
+    assert open_source(src).format == "dtensor-files"
+    want = dict(torch.load(f"{src}.expected.pt.ref", weights_only=True))
+    shardstore.unshard(src, tmp_path / "torch", format="torch", jobs=2)
+    assert_bitwise_equal(torch.load(tmp_path / "torch" / "checkpoint.pt", weights_only=True), want, "torch",
+                         ordered=True)
+    shardstore.unshard(src, tmp_path / "st", jobs=2)
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), want, "safetensors")
+
+
+def test_a_missing_rank_file_is_named_before_anything_is_read(fsdp2_files, tmp_path: Path) -> None:
+    src = shutil.copytree(fsdp2_files("fsdp2", 3), tmp_path / "src")
+    (src / "model_rank1.pt").unlink()
+    with pytest.raises(CheckpointError, match="missing for ranks 1"):
+        shardstore.unshard(src, tmp_path / "out", jobs=1)
+
+
+class TestDTensorFilesConformance(FormatTests):
+    @pytest.fixture
+    def checkpoint(self, fsdp2_files) -> Path:
+        return fsdp2_files("hsdp", 4)
+
+    @pytest.fixture
+    def foreign(self, fsdp2_files) -> Path:
+        return fsdp2_files("fsdp2", 3) / "model_rank1.pt"
