@@ -24,7 +24,7 @@ from .read.dcp import METADATA, DcpCheckpoint, read_checkpoint
 from .read.layouts import name_rank, refuse_mixed, scan
 from .read.dcp import dcp_folder
 from .read.folder import FolderFormat
-from .read.registry import formats
+from .read.registry import fallback, formats
 from .read.source import Source
 from .store.store import Store
 
@@ -129,7 +129,8 @@ def _arrivals(src_dir: str | os.PathLike[str], tag: str | None, seen: dict[Path,
     refuse_mixed(src_dir, groups, how="--tag")
     ready = [(path, rank) for ranks in groups.values() for rank, path in ranks.items()
              if _still(path, seen, lambda p, size: _complete(p))]
-    return Source("torch-save", [str(p) for p, _ in ready[:1]]), ready
+    first = [str(p) for p, _ in ready[:1]]  # rank files of ShardedTensors, or of DTensors (plain FSDP2)
+    return (fallback().of_files(first, None) if first else Source(fallback().name, [])), ready
 
 
 def _metadata(folder: Path, parsed: dict[tuple[int, int], DcpCheckpoint]) -> DcpCheckpoint | None:

@@ -115,3 +115,24 @@ def test_an_olmo_local_folder_is_refused_by_name(olmo_checkpoints, tmp_path: Pat
     src = olmo_checkpoints("local", "2.2", 3)
     with pytest.raises(shardstore.CheckpointError, match="a checkpoint in the OLMo `local` format; watch takes rank files or a DCP"):
         shardstore.watch(tmp_path / "store", src, timeout=5)
+
+
+def test_plain_fsdp2_rank_files_arriving_are_ingested(fsdp2_files, tmp_path: Path) -> None:
+    """Per-rank DTensor files (a plain FSDP2 save) arriving one by one, rank 2 first: the store is
+    planned from the first to arrive and fills as the others do."""
+    ckpt = fsdp2_files("fsdp2", 3)
+    src, store = tmp_path / "incoming", tmp_path / "store"
+    src.mkdir()
+    proc = start_watch(store, src, "--timeout", "240", "-q")
+    try:
+        for rank in (2, 0, 1):
+            shutil.copy(ckpt / f"model_rank{rank}.pt", src / f".model_rank{rank}.pt.partial")
+            os.rename(src / f".model_rank{rank}.pt.partial", src / f"model_rank{rank}.pt")
+            wait_for(lambda: rank in committed(store))
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    shardstore.export(store, tmp_path / "out")
+    assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"),
+                         dict(torch.load(f"{ckpt}.expected.pt.ref", weights_only=True)))

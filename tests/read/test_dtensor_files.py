@@ -28,6 +28,29 @@ def test_plain_fsdp2_rank_files_unshard_bit_exactly(kind: str, world: int, fsdp2
                          ordered=True)
     shardstore.unshard(src, tmp_path / "st", jobs=2)
     assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), want, "safetensors")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    shardstore.unshard(src, tmp_path / "dcp", format="dcp", jobs=2)
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "dcp.pt")
+    assert_bitwise_equal(torch.load(tmp_path / "dcp.pt", weights_only=False), want, "dcp")
+
+
+def test_hf_export_with_the_models_config(fsdp2_files, tmp_path: Path) -> None:
+    """Plain rank files carry no model description: --hf-config names it, and the weights load with the
+    gathered model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.fixtures.verl import IDS, _model
+
+    src = fsdp2_files("fsdp2", 3)
+    config = tmp_path / "config"
+    _model().config.save_pretrained(config)
+    shardstore.unshard(src, tmp_path / "hf", format="hf", hf_config=config, jobs=2)
+    reference = _model()
+    reference.load_state_dict(torch.load(f"{src}.expected.pt.ref", weights_only=True))
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(input_ids=IDS).logits
+        assert torch.equal(got, reference.eval()(input_ids=IDS).logits)
 
 
 def test_a_missing_rank_file_is_named_before_anything_is_read(fsdp2_files, tmp_path: Path) -> None:

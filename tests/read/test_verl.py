@@ -61,7 +61,7 @@ def test_torch_export_is_what_the_processes_gathered(run: str, request: pytest.F
     _check_torch_export(tmp_path / "out", src)
 
 
-@pytest.mark.parametrize("run", ["fsdp2-hsdp-w4", "fsdp1-w3"])
+@pytest.mark.parametrize("run", ["fsdp2-hsdp-w4", "fsdp1-w3", "fsdp1-w1"])
 def test_safetensors_and_dcp_exports(run: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -75,7 +75,7 @@ def test_safetensors_and_dcp_exports(run: str, request: pytest.FixtureRequest, t
     assert_bitwise_equal(torch.load(tmp_path / "dcp.pt", weights_only=False)["model"], dict(want), "dcp")
 
 
-@pytest.mark.parametrize("run", ["fsdp2-w4", "fsdp1-hsdp-w4", "t2.6/fsdp1-w3"])
+@pytest.mark.parametrize("run", ["fsdp2-w4", "fsdp1-hsdp-w4", "fsdp2-hsdp-w4", "fsdp1-w1", "t2.6/fsdp1-w3"])
 def test_hf_export_loads_with_the_gathered_models_logits(run: str, request: pytest.FixtureRequest,
                                                          tmp_path: Path) -> None:
     """Config, generation config and tokenizer come from veRL's huggingface/ folder with no flag; the
@@ -165,3 +165,21 @@ class TestVerlFlatOptimizerConformance(TestVerlConformance):
     @pytest.fixture
     def foreign(self, verl_checkpoints) -> Path:
         return verl_checkpoints("fsdp2", 4) / ACTOR / "optim_world_size_4_rank_1.pt"
+
+
+def test_a_lora_only_save_is_exported_as_it_is_and_refused_as_a_model(tmp_path: Path) -> None:
+    """A checkpoint of LoRA adapter weights only: safetensors writes them as they are; --format hf says
+    why it cannot be a model, before anything is read."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "lora"
+    folder.mkdir()
+    weights = {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.arange(32.).reshape(4, 8),
+               "model.layers.0.self_attn.q_proj.lora_B.weight": torch.arange(24.).reshape(6, 4)}
+    save_file(weights, folder / "model.safetensors")
+    shardstore.unshard(folder, tmp_path / "st", jobs=1)
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), weights, "adapter")
+    with pytest.raises(shardstore.ExportError, match="holds LoRA adapter weights only"):
+        shardstore.unshard(folder, tmp_path / "hf", format="hf", jobs=1,
+                           hf_config=Path(__file__).parent.parent / "fixtures" / "data" / "verl" / "t2.6" /
+                           "fsdp1-w3" / "global_step_7" / "actor" / "huggingface")

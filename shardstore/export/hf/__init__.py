@@ -242,6 +242,10 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
 def plan_hf(store: Store, subtree: str, hf_config: str | os.PathLike[str] | None, strip_prefix: str | None,
             cast: str | None, max_shard_size: int) -> tuple[HFModel, SafetensorsPlan]:
     model, names = describe(store, subtree, hf_config, strip_prefix)
+    if names and all("lora_" in n for n in names):
+        raise ExportError(f"{subtree or 'the checkpoint'}: holds LoRA adapter weights only (every tensor is a "
+                          f"lora_ weight, e.g. {next(iter(names))}), not a model from_pretrained can load; "
+                          f"export them as they are with --format safetensors or torch")
     items = []
     for t in model.tensors:
         item = tensor_item(store, t.key, names[t.source], cast, t.rows)
