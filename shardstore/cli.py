@@ -294,23 +294,23 @@ def _summary(store: str) -> tuple[Any, Any, list[str]]:
     st = api.open(store, _options())
     s = st.status()
     m = st.manifest
-    fmt = m.extra.get("format", "torch-save")
-    if "units" in m.extra:  # a format whose units are files the store names (not ranks)
-        files = m.extra["units"]
+    fmt = m.facts.format
+    if m.facts.units is not None:  # a format whose units are files the store names (not ranks)
+        files = list(m.facts.units)
         missing = [files[r] for r in s.ranks_missing]
         counts = {}
         for f in files:
             kind = get(fmt).unit_kind(f)
             counts[kind] = counts.get(kind, 0) + 1
         described = " + ".join(f"{n} {kind}" for kind, n in counts.items())
-        replicas = m.extra.get("replicas", 1)
+        replicas = m.facts.replicas
         return st, s, [f"format: {fmt} ({described})", f"layout: {LAYOUTS.get(m.layout, m.layout)}"]\
             + ([f"hybrid sharding: {replicas} replica groups"] if replicas > 1 else []) \
             + [f"files ingested: {len(s.ranks_done)}/{len(files)}"
                + (f"; missing: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}" if missing else "")]
-    replicas = m.extra.get("replicas", 1)
+    replicas = m.facts.replicas
     return st, s, [f"format: {get(fmt).title} rank files", f"layout: {LAYOUTS.get(m.layout, m.layout)}",
-                   f"world size: {m.world_size}" + (f" ({replicas} replica groups of {m.extra['group_size']})"
+                   f"world size: {m.world_size}" + (f" ({replicas} replica groups of {m.facts.group_size})"
                                                     if replicas > 1 else ""),
                    f"ranks ingested: {len(s.ranks_done)}/{m.world_size}"
                    + (f"; missing: {_ranks(s.ranks_missing)}" if s.ranks_missing else "")]

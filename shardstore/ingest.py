@@ -54,13 +54,13 @@ class IngestOptions:
 
 def _check_against(store: Store, unit: Any) -> None:
     """Refuse a unit that is not part of the checkpoint the store was planned from."""
-    fmt = store.manifest.extra.get("format", "torch-save")
+    fmt = store.manifest.facts.format
     if isinstance(unit, RankFile) != (fmt == "torch-save"):
         raise CheckpointError(f"{unit.path}: the store holds a {fmt} checkpoint, this file is not part of one")
     if isinstance(unit, RankFile):
         _check_rank_file(store, unit)
         return
-    if unit.digest != store.manifest.extra.get("metadata"):
+    if unit.digest != store.manifest.facts.metadata:
         raise CheckpointError(f"{unit.path}: belongs to another {get(fmt).title} checkpoint than the "
                               f"store's (its metadata differs from the one the store was planned from)")
     m = store.manifest
@@ -80,9 +80,9 @@ def _check_rank_file(store: Store, rf: RankFile) -> None:
     claimed = name_rank(rf.path)
     if claimed is not None and claimed != rf.rank:
         raise CheckpointError(f"{rf.path}: named rank {claimed} but holds rank {rf.rank} (renamed file?)")
-    if rf.group_size != m.extra.get("group_size", rf.group_size):
+    if rf.group_size != m.facts.group_size:
         raise CheckpointError(f"{rf.path}: sharded over groups of {rf.group_size} ranks, but the store holds a "
-                              f"checkpoint sharded over {m.extra['group_size']} (another checkpoint?)")
+                              f"checkpoint sharded over {m.facts.group_size} (another checkpoint?)")
     if rf.world_size != m.world_size:
         raise CheckpointError(f"{rf.path}: from a world of {rf.world_size} ranks, but the store holds a checkpoint "
                               f"of {m.world_size} (a rank file from another checkpoint?)")
@@ -154,7 +154,7 @@ def ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptio
 def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptions, unit: Any) -> Ingested:
     verify_replicas, only = options.verify_replicas, options.only
     rf = unit if unit is not None else open_unit(options.format, os.fspath(path), store.storage_options,
-                                                 options.strict, values.encode, store.manifest.extra)
+                                                 options.strict, values.encode, store.manifest.facts.reader_view())
     try:
         _check_against(store, rf)
         identity = _identity(rf)
@@ -240,7 +240,7 @@ def create_store(location: str | os.PathLike[str], source: Source, strict: bool 
 def _planned_store(location: str | os.PathLike[str], source: Source, strict: bool) -> tuple[Store, Any | None]:
     """`create_store`, also handing back the unit planning opened (Source.plan), which the caller closes."""
     existing = Store.open(location, source.storage_options) if Store.exists(location, source.storage_options) else None
-    if existing is not None and source.format == "torch-save" and existing.records():
+    if existing is not None and get(source.format).ranked and existing.records():
         return existing, None
     try:
         spec, unit = source.plan(values.encode, strict)

@@ -18,7 +18,7 @@ from .errors import CheckpointError
 from .read.contract import CheckpointSpec, Node, ShardedSpec
 from .read.rankfile import layout_digest
 from .read.unpickle import TensorRef
-from .store.manifest import ArrayEntry, Manifest
+from .store.manifest import ArrayEntry, CheckpointFacts, Manifest
 
 CHUNK_TARGET_BYTES = 1 << 20  # inner chunk: the unit a lazy read fetches
 MIN_CHUNK_BYTES = 64 << 10
@@ -172,7 +172,6 @@ def plan_checkpoint(spec: CheckpointSpec, layout: str | None = None) -> Manifest
             objects.append(path)
     order = {p: i for i, p in enumerate(spec.tree.leaf_paths())}
     objects.sort(key=lambda p: order.get(p, len(order)))
-    extra = {"group_size": spec.group_size, "replicas": max(1, spec.world_size // spec.group_size),
-             "format": spec.format, **spec.extra}
-    return Manifest(layout or detect_layout(spec.tree), spec.world_size, spec.tree, arrays, objects, extra)
+    facts = CheckpointFacts.of(spec.format, spec.group_size, max(1, spec.world_size // spec.group_size), spec.extra)
+    return Manifest(layout or detect_layout(spec.tree), spec.world_size, spec.tree, arrays, objects, facts)
 

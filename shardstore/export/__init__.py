@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 from .. import dtypes, tempfiles
 from ..errors import ExportError, StoreError
 from ..read.contract import Node
+from ..read.registry import get
 from ..store.store import Status, Store
 from .output import output_error, write_side_files
 from .resolve import leaves, node_at
@@ -129,7 +130,7 @@ def preflight(store: Store, out_dir: str | os.PathLike[str], format: str = "safe
         raise ExportError(NO_HF_DESCRIPTION)
     if overwrite:
         return
-    side = set(store.manifest.extra.get("side_files", {})) if format != "hf" else set()
+    side = set(store.manifest.facts.side_files) if format != "hf" else set()
     may_write = _MAY_WRITE.get(format)
     exact = torch_files(store) if format == "torch" else []
     stale = [p for p in previous_outputs(out, exact + list(side))
@@ -198,7 +199,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         assert node is not None
         plan = plan_safetensors(store, node, strip_prefix, dtype, max_shard_size)
         planned, nbytes = plan.files, plan.nbytes
-    side_files = store.manifest.extra.get("side_files", {}) if format != "hf" else {}
+    side_files = store.manifest.facts.side_files if format != "hf" else {}
     planned = planned + list(side_files)
     stale = _earlier_export(out, planned, overwrite)
     with _writing_into(out, stale):
@@ -241,7 +242,7 @@ def plan_direct(store: Store, format: str = "safetensors", select: str | None = 
                 hf_config: str | os.PathLike[str] | None = None, jobs: int = 1) -> DirectExport | None:
     """The export laid out from the plan alone and its files prepared, for the ingest to write straight
     into; None where it cannot be (see export/direct/), and the store then feeds the export as usual."""
-    if store.manifest.extra.get("replicas", 1) > 1 and store.manifest.extra.get("format", "torch-save") != "torch-save":
+    if store.manifest.facts.replicas > 1 and not get(store.manifest.facts.format).group_claims:
         return None
     if format == "torch":
         return direct_torch.plan(store)
@@ -268,7 +269,7 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
     done = [rec for rec in store.records().values() if rec.direct == planned.layout.digest]
     if len(done) != store.manifest.world_size:
         raise StoreError(f"{store.location}: {len(done)} of {store.manifest.world_size} units are in; cannot finish")
-    side_files = store.manifest.extra.get("side_files", {}) if planned.side_files else {}
+    side_files = store.manifest.facts.side_files if planned.side_files else {}
     stale = _earlier_export(out, planned.files + list(side_files), overwrite)
     with _writing_into(out, stale):
         files = []

@@ -22,6 +22,7 @@ from .. import dtypes
 from ..read.opaque import GlobalRef, Opaque
 from ..read.unpickle import TorchDevice, TorchDType, TorchVersion
 from ..read.contract import Node
+from ..read.registry import get
 from ..store.handle import TensorValue, tensor_value
 from ..store.store import Store
 from .output import OutputFile
@@ -193,8 +194,7 @@ def torch_layout(store: Store) -> list[TorchFile]:
     if store.manifest.layout == "olmo":
         # OLMo's legacy unsharder leaves the per-rank RNG states out of train.pt; for the formats with
         # train/rank{r}.pt files its unsharders write rank 0's file whole.
-        dropped = ("model", "optim", "rng") if store.manifest.extra.get("format", "torch-save") == "torch-save" \
-            else ("model", "optim")
+        dropped = ("model", "optim", "rng") if get(store.manifest.facts.format).ranked else ("model", "optim")
         return [TorchFile("model.pt", node_at(tree, "model"), plain_dicts=True),
                 TorchFile("optim.pt", node_at(tree, "optim"), plain_dicts=True),
                 TorchFile("train.pt", tree, dropped, plain_dicts=True)]

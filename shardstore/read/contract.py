@@ -13,8 +13,8 @@ A checkpoint is read in two halves, and a format is whatever makes both:
   and plain values.
 
 Call sequence: `Format.detect` → `Format.source` → `Format.plan` → (the store is created) → per unit,
-in workers: `Format.open_unit` → leaves → `Unit.close`. Formats are listed in `registry.py`; a new format is one module
-in read/ and one line there.
+in workers: `Format.open_unit` → leaves → `Unit.close`. Formats are listed in `registry.py`; a new format
+is one module in read/ and one line there.
 """
 
 from __future__ import annotations
@@ -209,6 +209,8 @@ class Format(Protocol):
     name: str  # as stores record it ("torch-save", "dcp", "olmo-core", ...)
     title: str  # as messages name it ("OLMo-core")
     ranked: bool  # units are found by the ranks their names carry: a missing one shows only against the world size
+    group_claims: bool  # a unit's group_rank numbers its share within its replica group (one writer per group rank)
+    keeps_empty_values: bool  # an empty dict or list among the values survives (DCP drops them)
 
     def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
         """Whether `folder` itself is a checkpoint in this format: a cheap look that never raises."""

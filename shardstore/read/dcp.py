@@ -320,6 +320,7 @@ def dcp_folder(src: str, tag: str | None, step: int | None, storage_options: Sto
 
 class DcpFormat:
     name, title, ranked = "dcp", "DCP", False
+    group_claims, keeps_empty_values = False, False  # DCP stores nested values key by key
 
     def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
         return has_metadata(folder, storage_options) or has_metadata(join(folder, MODEL_AND_OPTIM), storage_options)

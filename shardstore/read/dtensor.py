@@ -342,6 +342,7 @@ class DTensorFiles:
     order; the state dict's own keys are the top level."""
 
     name, title, ranked = FORMAT, "DTensor", True
+    group_claims, keeps_empty_values = False, True  # every unit is its own group rank: replicas are deduplicated
 
     def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
         return False  # found through rank-file discovery (RankFiles.find), which routes them here

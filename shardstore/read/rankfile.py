@@ -319,6 +319,7 @@ class RankFiles:
     read as, so the registry tries it last."""
 
     name, title, ranked = "torch-save", "ShardedTensor", True
+    group_claims, keeps_empty_values = True, True
 
     def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
         from .layouts import scan

@@ -102,6 +102,68 @@ class ArrayEntry:
                    d.get("replicated", False), d.get("layout"), d.get("flat", False))
 
 
+FACTS_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What a store keeps of the checkpoint it was planned from, besides its tree and arrays: typed and
+    versioned (`FACTS_VERSION`). Everything but `reader` is read across shardstore; `reader` holds the
+    format's own facts for its workers (read/contract.py: `CheckpointSpec.extra`), which only that
+    format reads, and which `open_unit` gets back as they were (`reader_view`)."""
+
+    format: str = "torch-save"  # the registry name of the format that planned the store
+    group_size: int = 1  # units per replica group (hybrid sharding)
+    replicas: int = 1  # the most units holding any one box
+    side_files: dict[str, str] = field(default_factory=dict)  # name -> base64: the run's config, written back
+    units: tuple[str, ...] | None = None  # the unit files by name, for formats whose checkpoint lists them
+    metadata: str | None = None  # a digest of what the plan was read from (a unit of another is refused)
+    reader: dict[str, Any] = field(default_factory=dict)
+    version: int = FACTS_VERSION
+
+    TYPED = ("format", "group_size", "replicas", "side_files", "units", "metadata")
+
+    @classmethod
+    def of(cls, format: str, group_size: int, replicas: int, extra: dict[str, Any]) -> "CheckpointFacts":
+        """From a format's spec: its typed facts taken out of `extra`, the rest kept for its reader."""
+        units = extra.get("units")
+        return cls(format, group_size, extra.get("replicas", replicas), dict(extra.get("side_files", {})),
+                   None if units is None else tuple(units), extra.get("metadata"),
+                   {k: v for k, v in extra.items() if k not in cls.TYPED})
+
+    def reader_view(self) -> dict[str, Any]:
+        """What the format's `open_unit` is given: its own facts, and the units and digest it planned."""
+        return {**self.reader, "units": list(self.units or ()), "metadata": self.metadata}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "format": self.format, "group_size": self.group_size,
+                "replicas": self.replicas, "side_files": self.side_files,
+                "units": None if self.units is None else list(self.units), "metadata": self.metadata,
+                "reader": self.reader}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], where: str) -> "CheckpointFacts":
+        if not isinstance(d, dict):
+            raise StoreError(f"{where}: corrupt manifest (checkpoint facts)")
+        if d.get("version", 0) > FACTS_VERSION:
+            raise StoreError(f"{where}: checkpoint facts of version {d.get('version')}, written by a newer "
+                             f"shardstore; upgrade shardstore")
+        units = d.get("units")
+        facts = cls(d.get("format", "torch-save"), d.get("group_size", 1), d.get("replicas", 1),
+                    d.get("side_files") or {}, None if units is None else tuple(units), d.get("metadata"),
+                    d.get("reader") or {}, d.get("version", FACTS_VERSION))
+        if not (isinstance(facts.format, str) and type(facts.group_size) is int and type(facts.replicas) is int
+                and isinstance(facts.side_files, dict) and isinstance(facts.reader, dict)):
+            raise StoreError(f"{where}: corrupt manifest (checkpoint facts)")
+        return facts
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> "CheckpointFacts":
+        """A store written before the facts were typed (its manifest's untyped `extra`)."""
+        return cls.of(extra.get("format", "torch-save"), extra.get("group_size", 1), extra.get("replicas", 1),
+                      extra)
+
+
 @dataclass
 class Manifest:
     layout: str
@@ -109,7 +171,7 @@ class Manifest:
     tree: Node
     arrays: dict[str, ArrayEntry]
     objects: list[str]  # paths of every leaf that is not a sharded tensor
-    extra: dict[str, Any] = field(default_factory=dict)  # layout-specific facts (replica groups, ...)
+    facts: CheckpointFacts = field(default_factory=CheckpointFacts)
     version: int = FORMAT_VERSION  # of the store this manifest was written for
 
     @property
@@ -120,7 +182,7 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         return {
             "format": "shardstore", "version": self.version, "layout": self.layout,
-            "world_size": self.world_size, "extra": self.extra, "tree": self.tree.to_json(),
+            "world_size": self.world_size, "facts": self.facts.to_json(), "tree": self.tree.to_json(),
             "arrays": {p: a.to_json() for p, a in self.arrays.items()}, "objects": self.objects,
         }
 
@@ -133,8 +195,10 @@ class Manifest:
                              f"this one reads up to {FORMAT_VERSION}); upgrade shardstore")
         try:
             arrays = {p: ArrayEntry.from_json(p, a) for p, a in d["arrays"].items()}
+            facts = (CheckpointFacts.from_json(d["facts"], where) if "facts" in d
+                     else CheckpointFacts.from_extra(d.get("extra", {})))
             manifest = cls(d["layout"], d["world_size"], Node.from_json(d["tree"]), arrays, d["objects"],
-                           d.get("extra", {}), int(d.get("version", 1)))
+                           facts, int(d.get("version", 1)))
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise StoreError(f"{where}: corrupt manifest ({type(exc).__name__}: {str(exc)[:80]})") from None
         if not (isinstance(manifest.world_size, int) and 0 < manifest.world_size <= 1 << 20

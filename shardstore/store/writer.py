@@ -48,7 +48,7 @@ class UnitWriter:
         self.objects: dict[str, Any] = {}
         self._staging: list[Part] = []
         self._staged_bytes = 0
-        self._replicas = store.manifest.extra.get("replicas", 1)
+        self._replicas = store.manifest.facts.replicas
         store.records()  # what other units have committed so far decides which replica cells to write
 
     def put_blob(self, data: bytes | memoryview) -> str:

@@ -37,7 +37,7 @@ def test_dcp_unshards_bit_exact_in_both_formats(kind: str, dcp_checkpoints, tmp_
     shardstore.export(tmp_path / "store", tmp_path / "st")
     assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), want["model"], f"{kind} safetensors")
     store = shardstore.open(tmp_path / "store")
-    assert store.manifest.extra["format"] == "dcp" and store.status().ok
+    assert store.manifest.facts.format == "dcp" and store.status().ok
     assert store["trainer/config/name"] == kind and store["trainer/step"] == 3
 
 

@@ -59,7 +59,7 @@ def test_a_shard_file_of_another_save_is_refused(dcp_hf_checkpoint: Path, tmp_pa
         shardstore.ingest(tmp_path / "s", [swapped], jobs=1)
     assert shardstore.open(tmp_path / "s").status().ranks_done == [0]
     with pytest.raises(CheckpointError, match="shard-00002-model-00001-of-00001.safetensors: its header differs"):
-        dcp_hf.open_unit(str(swapped), None, False, repr, store.manifest.extra)
+        dcp_hf.open_unit(str(swapped), None, False, repr, store.manifest.facts.reader_view())
 
 
 def test_forged_offsets_are_refused_before_anything_is_written(dcp_hf_checkpoint: Path, tmp_path: Path) -> None:

@@ -63,7 +63,8 @@ def test_composer_hsdp_unshards_bit_exactly(composer: Path, tmp_path: Path) -> N
     store = shardstore.open(tmp_path / "store")
     assert store.manifest.layout == "composer"
     # skimmed, each file decoding its own group's lists (no one list is every group's)
-    assert store.manifest.extra == {"group_size": 4, "replicas": 2, "format": "torch-save", "skim": {}}
+    facts = store.manifest.facts
+    assert (facts.group_size, facts.replicas, facts.format, facts.reader) == (4, 2, "torch-save", {"skim": {}})
     assert store["state/timestamp"]["batch"] == 20  # the step --tag latest points at
     assert store.values("state/dataset_state")[5] == {"train": {"sample_in_epoch": 645}}
 

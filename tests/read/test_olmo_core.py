@@ -53,7 +53,7 @@ def test_olmo_core_unshards_like_olmo_core_itself(variant: str, world: int, olmo
 
     shardstore.export(tmp_path / "store", tmp_path / "st")
     assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), model_want, "safetensors")
-    assert shardstore.open(tmp_path / "store").manifest.extra["format"] == "olmo-core"
+    assert shardstore.open(tmp_path / "store").manifest.facts.format == "olmo-core"
 
 
 def test_a_step_stored_by_one_rank_only_is_a_scalar(olmo_checkpoints, tmp_path: Path) -> None:
@@ -66,7 +66,7 @@ def test_a_step_stored_by_one_rank_only_is_a_scalar(olmo_checkpoints, tmp_path: 
     shardstore.ingest(tmp_path / "store", [src], jobs=1)
     store = shardstore.open(tmp_path / "store")
     param = name[len("state."):-len(".__step")]
-    pid = next(pid for p, pid in store.manifest.extra["olmo_core"]["ids"] if p == param)
+    pid = next(pid for p, pid in store.manifest.facts.reader["olmo_core"]["ids"] if p == param)
     step = store[f"optim/state/{pid}/step"]
     assert isinstance(step, torch.Tensor) and step.shape == () and step.item() == 1.0
 

@@ -58,7 +58,7 @@ def test_local_unshards_bit_exact_in_both_formats(variant: str, world: int, olmo
     shardstore.export(tmp_path / "store", tmp_path / "st")
     assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), _want(src)["model"], "safetensors")
     store = shardstore.open(tmp_path / "store")
-    assert store.manifest.extra["format"] == "olmo-local"
+    assert store.manifest.facts.format == "olmo-local"
     assert store.manifest.world_size == 3 * world  # model, optim and train file of every rank
 
 
@@ -153,7 +153,7 @@ def test_the_store_keeps_the_layout_it_planned_from(olmo_checkpoints, tmp_path: 
     src = olmo_checkpoints("local", "2.2", 3)
     shardstore.ingest(tmp_path / "store", [src / "model" / "rank0.pt"], jobs=1)
     manifest = json.loads((tmp_path / "store" / "__shardstore__" / "manifest.json").read_text())
-    layout = manifest["extra"]["olmo_local"]
+    layout = manifest["facts"]["reader"]["olmo_local"]
     assert layout["world"] == 3 and layout["group"] == 3 and len(layout["handles"]) == 3
     block = layout["handles"][1]
     assert [p[0] for p in block["params"]][:2] == ["transformer.blocks.0.ff_proj.weight",

@@ -55,3 +55,28 @@ def test_a_format_1_store_is_still_read_and_completed(checkpoints, tmp_path: Pat
     from safetensors.numpy import load_file
 
     assert np.array_equal(load_file(tmp_path / "out" / "model.safetensors")["wte.weight"], want)
+
+
+def test_the_checkpoint_facts_are_typed_and_versioned(checkpoints, tmp_path: Path) -> None:
+    """A store written before the facts were typed (an untyped `extra`) reads as the same facts and is
+    completed; facts of a newer version are refused, naming the store."""
+    from shardstore.store.manifest import CheckpointFacts
+
+    src = checkpoints(2)
+    shardstore.ingest(tmp_path / "s", [src / "rank0.pt"], jobs=1)
+    manifest = tmp_path / "s" / MANIFEST_KEY
+    data = json.loads(manifest.read_text())
+    facts = data["facts"]
+    assert facts["format"] == "torch-save" and facts["version"] == 1 and "skim" in facts["reader"]
+    legacy = {k: v for k, v in data.items() if k != "facts"}
+    legacy["extra"] = {"group_size": facts["group_size"], "replicas": facts["replicas"], "format": facts["format"],
+                       **facts["reader"]}
+    manifest.write_text(json.dumps(legacy))
+    store = shardstore.open(tmp_path / "s")
+    assert store.manifest.facts == CheckpointFacts.from_json(facts, "x")
+    shardstore.ingest(tmp_path / "s", [src / "rank1.pt"], jobs=1)
+    assert shardstore.open(tmp_path / "s").status().ok
+    data["facts"]["version"] = 2  # the typed manifest, as written before, from a newer shardstore
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(StoreError, match="checkpoint facts of version 2, written by a newer shardstore"):
+        shardstore.open(tmp_path / "s")

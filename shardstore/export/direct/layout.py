@@ -61,7 +61,7 @@ class Layout:
 def new_layout(store: Store, names: Iterable[str], sizes: Iterable[int],
                targets: dict[str, list[Target]]) -> Layout:
     return Layout(os.path.join(os.fspath(store.location), FOLDER), tuple(names), tuple(sizes),
-                  {p: tuple(t) for p, t in targets.items()}, store.manifest.extra.get("replicas", 1) > 1)
+                  {p: tuple(t) for p, t in targets.items()}, store.manifest.facts.replicas > 1)
 
 
 class Sketch:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...errors import ExportError
+from ...read.registry import get
 from ...store.store import Store
 from ..output import OutputFile
 from ..resolve import build, leaves, node_at
@@ -45,14 +46,14 @@ def in_values(store: Store) -> bool:
 def has_hf_description(store: Store) -> bool:
     """Whether the checkpoint may describe its model itself, from its plan alone (no rank need be in):
     the run's config.yaml, or Composer's Hugging Face metadata."""
-    side = store.manifest.extra.get("side_files", {})
+    side = store.manifest.facts.side_files
     return in_values(store) or "config.yaml" in side or CONFIG in side
 
 
 def _side_config(store: Store, name: str) -> bytes | None:
     import base64
 
-    data = store.manifest.extra.get("side_files", {}).get(name)
+    data = store.manifest.facts.side_files.get(name)
     return None if data is None else base64.b64decode(data)
 
 
@@ -140,7 +141,7 @@ def _from_composer(store: Store, subtree: str, meta: Any) -> tuple[HFModel, dict
     files: dict[str, bytes] = {}
     tokenizer = meta.get("tokenizer") or {}
     notes = []
-    if tokenizer and store.manifest.extra.get("format") == "dcp":
+    if tokenizer and not get(store.manifest.facts.format).keeps_empty_values:
         # DCP stores nested values key by key and keeps no entry for an empty dict or list, so the
         # tokenizer files it holds are not the files Composer saved (tokenizer.json's empty
         # `special_tokens` is gone): written, they would be wrong bytes.
@@ -218,7 +219,7 @@ def _from_side_files(store: Store, subtree: str, strip_prefix: str | None) -> tu
     generation config, tokenizer), kept in the store as side files."""
     import base64
 
-    side = store.manifest.extra.get("side_files", {})
+    side = store.manifest.facts.side_files
     files = {n: base64.b64decode(data) for n, data in side.items() if n.endswith(HF_FILE_KINDS)}
     return _from_files(store, subtree, strip_prefix, files, f"the checkpoint's {CONFIG}")
 
@@ -231,7 +232,7 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
     meta = _value_at(store, COMPOSER_HF)
     if meta:
         return _from_composer(store, subtree, meta)
-    if CONFIG in store.manifest.extra.get("side_files", {}):
+    if CONFIG in store.manifest.facts.side_files:
         experiment = _experiment_config(store)
         if experiment is not None:
             return _from_olmo_core(store, subtree, experiment)
