@@ -28,7 +28,8 @@ from .contract import (SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece
                        Skeleton, whole_numbers)
 from . import trainer
 from .tensors import check_view
-from .trainer import TRAIN, TrainerUnit, join, join_trainer_state, open_trainer
+from .source import join
+from .trainer import TRAIN, TrainerUnit, join_trainer_state, open_trainer
 from .unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, TensorRef, load
 
 MODEL_AND_OPTIM = "model_and_optim"  # OLMo's and OLMo-core's DCP folder, beside train/

@@ -28,7 +28,7 @@ from .. import paths
 from .olmo import FileUnit
 from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec
 from .safetensors_file import SafetensorsFile
-from .trainer import listing
+from .source import listing
 
 FORMAT = "dcp-hf"
 SHARDED = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors\Z")

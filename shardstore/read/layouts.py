@@ -114,8 +114,9 @@ def _filter(groups: dict[str, dict[int, Path]], tag: str | None, step: int | Non
     if tag not in (None, "latest"):
         groups = {g: r for g, r in groups.items() if g == tag}
     if step is not None:
-        at_step = re.compile(rf"(?:^|[-_/])(?:ba|step)0*{step}$")
-        groups = {g: r for g, r in groups.items() if at_step.search(g)}
+        from .source import names_step
+
+        groups = {g: r for g, r in groups.items() if names_step(g, step)}
     return groups
 
 

@@ -35,7 +35,8 @@ from .contract import (SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece
                        replica_count, whole_numbers)
 from .safetensors_file import SafetensorsFile
 from .tensors import check_view
-from .trainer import join, join_trainer_state, listing, trainer_files
+from .source import join, listing
+from .trainer import join_trainer_state, trainer_files
 from .unpickle import TensorRef, load
 
 FORMAT = "olmo-core"

@@ -33,7 +33,8 @@ from .olmo import (MODEL, OPTIM, PARAM_GROUPS, FileUnit, clean, flat_spec, model
 from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, whole_numbers
 from .rankfile import MAX_WORLD_SIZE
 from .tensors import check_view
-from .trainer import join, join_trainer_state, listing, trainer_files
+from .source import join, listing
+from .trainer import join_trainer_state, trainer_files
 from .unpickle import TensorRef, load
 
 FORMAT = "olmo-local"

@@ -123,15 +123,15 @@ def folder_of(path: str) -> str:
 
 def pick(src: str, candidates: list[str], tag: str | None, step: int | None) -> str:
     """The one of `candidates` (checkpoint folders found in `src`, by name) that `tag` or `step` names.
-    Without either, the one `src`'s latest_checkpointed_iteration.txt names, or the only one. `--step N`
-    matches a name ending in `stepN`, `step_N` or `baN`."""
+    Without either, the one `src`'s latest_checkpointed_iteration.txt names, or the only one (`--step`:
+    `names_step`)."""
     there = candidates
     if tag in (None, "latest") and step is None and len(candidates) > 1:
         step = _latest_step(src)
     if tag not in (None, "latest"):
         candidates = [c for c in candidates if c == tag]
     if step is not None:
-        candidates = [c for c in candidates if re.search(rf"(?:^|[-_])(?:step_?|ba)0*{step}$", c)]
+        candidates = [c for c in candidates if names_step(c, step)]
     if len(candidates) != 1:
         if not candidates:
             raise CheckpointError(f"{src}: no checkpoint matches {'--tag ' + tag if tag else f'--step {step}'}; "
@@ -139,6 +139,12 @@ def pick(src: str, candidates: list[str], tag: str | None, step: int | None) -> 
         raise CheckpointError(f"{src}: holds more than one checkpoint ({', '.join(candidates)}); pick one with "
                               f"--tag or --step")
     return candidates[0]
+
+
+def names_step(name: str, step: int) -> bool:
+    """Whether a checkpoint's name (a folder, or a rank file's tag) is of step `step`: it ends in `stepN`,
+    `step_N` (veRL's global_step_N) or `baN` (Composer's ep0-baN), the number with or without zeros."""
+    return re.search(rf"(?:^|[-_/])(?:step_?|ba)0*{step}$", name) is not None
 
 
 def _latest_step(run: str) -> int | None:
@@ -156,7 +162,18 @@ def _latest_step(run: str) -> int | None:
 
 
 def join(folder: str, name: str) -> str:
-    return f"{folder.rstrip('/')}/{name}" if is_url(folder) else os.path.join(folder, name)
+    """`name` inside `folder`, a URL or a local path (file:// URLs become plain paths)."""
+    return f"{folder.rstrip('/')}/{name}" if is_url(folder) else os.path.join(local(folder), name)
+
+
+def listing(folder: str, storage_options: StorageOptions | None) -> list[str]:
+    """The paths of the files in `folder` (empty if it does not exist)."""
+    if is_url(folder):
+        fs, base = filesystem(folder, storage_options)
+        return [join(folder, p.rstrip("/").rsplit("/", 1)[-1])
+                for p in (fs.ls(base, detail=False) if fs.isdir(base) else [])]
+    folder = local(folder)
+    return [os.path.join(folder, n) for n in sorted(os.listdir(folder))] if os.path.isdir(folder) else []
 
 
 def subfolders(src: str, storage_options: StorageOptions | None) -> list[str]:
@@ -174,8 +191,6 @@ def subfolders(src: str, storage_options: StorageOptions | None) -> list[str]:
 
 def config_files(folder: str, storage_options: StorageOptions | None, *names: str) -> list[str]:
     """Those of `names` (default: the run's config.yaml) that are files in `folder`."""
-    from .trainer import join, listing
-
     there = listing(folder, storage_options)
     return [join(folder, n) for n in (names or (CONFIG,)) if join(folder, n) in there]
 

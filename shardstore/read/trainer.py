@@ -8,31 +8,17 @@ the torch export's train.pt comes from rank 0, as OLMo's unsharders take it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError
-from ..locations import StorageOptions, filesystem, is_url, local
+from ..locations import StorageOptions
 from .container import TorchZip
 from .layouts import name_rank
 from .contract import Node
+from .source import join, listing
 
 TRAIN = "train"
-
-
-def join(folder: str, name: str) -> str:
-    """`name` inside `folder`, a URL or a local path (file:// URLs become plain paths)."""
-    return f"{folder.rstrip('/')}/{name}" if is_url(folder) else os.path.join(local(folder), name)
-
-
-def listing(folder: str, storage_options: StorageOptions | None) -> list[str]:
-    """The paths of the files in `folder` (empty if it does not exist)."""
-    if is_url(folder):
-        fs, base = filesystem(folder, storage_options)
-        return [join(folder, p.rstrip("/").rsplit("/", 1)[-1]) for p in (fs.ls(base, detail=False) if fs.isdir(base) else [])]
-    folder = local(folder)
-    return [os.path.join(folder, n) for n in sorted(os.listdir(folder))] if os.path.isdir(folder) else []
 
 
 def trainer_files(checkpoint: str, storage_options: StorageOptions | None = None) -> list[str]:

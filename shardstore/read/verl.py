@@ -25,7 +25,7 @@ from .dtensor import (STATE, File, Layout, Mesh, array_leaf, array_spec, boxes, 
                       mesh_from_json, mesh_json, model_mesh, read_file)
 from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, replica_count
 from .olmo import FileUnit, flat_spec, relative
-from .trainer import join, listing
+from .source import join, listing
 from .unpickle import TensorRef
 
 FORMAT = "verl"
