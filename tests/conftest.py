@@ -82,21 +82,25 @@ def dcp_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+def kinds_by_world(base: Path, prefix: str, make: Callable[[Path, int, str], object]) -> Callable[[str, int], Path]:
+    """get(kind, world_size) -> folder `base/<prefix><kind>-w<world_size>`, made by `make(out, world, kind)`
+    unless finished before (its `<folder>.expected.pt.ref`, written last, is there)."""
+    def get(kind: str, world_size: int) -> Path:
+        out = base / f"{prefix}{kind}-w{world_size}"
+        if not Path(f"{out}.expected.pt.ref").exists():
+            make(out, world_size, kind)
+        return out
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def verl_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     """verl_checkpoints(kind, world_size) -> a veRL run folder (tests/fixtures/verl.py); what the processes
     gathered is `<folder>.expected.pt.ref` beside it."""
     from tests.fixtures.verl import make_verl_checkpoint
 
-    base = CACHE or tmp_path_factory.mktemp("verl")
-
-    def get(kind: str, world_size: int) -> Path:
-        out = base / f"verl-{kind}-w{world_size}"
-        if not Path(f"{out}.expected.pt.ref").exists():
-            make_verl_checkpoint(out, world_size, kind)
-        return out
-
-    return get
+    return kinds_by_world(CACHE or tmp_path_factory.mktemp("verl"), "verl-", make_verl_checkpoint)
 
 
 @pytest.fixture(scope="session")
@@ -105,15 +109,7 @@ def fsdp2_files(tmp_path_factory: pytest.TempPathFactory):
     (tests/fixtures/fsdp2_files.py), the processes' gather in `<folder>.expected.pt.ref`."""
     from tests.fixtures.fsdp2_files import make_fsdp2_files
 
-    base = CACHE or tmp_path_factory.mktemp("fsdp2-files")
-
-    def get(kind: str, world_size: int) -> Path:
-        out = base / f"{kind}-w{world_size}"
-        if not Path(f"{out}.expected.pt.ref").exists():
-            make_fsdp2_files(out, world_size, kind)
-        return out
-
-    return get
+    return kinds_by_world(CACHE or tmp_path_factory.mktemp("fsdp2-files"), "", make_fsdp2_files)
 
 
 @pytest.fixture(scope="session")
