@@ -231,26 +231,24 @@ def digest_of(f: File, layouts: dict[str, tuple[Layout, TensorRef]]) -> str:
     return hashlib.blake2b(repr(described).encode(), digest_size=16).hexdigest()
 
 
+def box_of(layout: Layout, rank: int, mesh: Mesh | None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(offsets, sizes) of the box rank `rank` holds of one array, or None when it holds none of it."""
+    if layout.kind == "whole":
+        return ((0,) * len(layout.shape), layout.shape) if rank == 0 else None
+    used = layout.mesh if layout.kind == "dtensor" else mesh
+    coord = used.coordinate(rank) if used is not None else (0,) * (1 if layout.kind == "flat" else 0)
+    if coord is None:
+        return None  # a rank outside this tensor's mesh holds none of it
+    if layout.kind == "flat":
+        n = layout.shape[0]
+        return (coord[-1] * n,), (n,)
+    offsets, sizes = local_box(layout.shape, used.shape, layout.placements, coord)  # type: ignore[union-attr]
+    return (offsets, sizes) if all(sizes) else None
+
+
 def boxes(layout: Layout, world: int, mesh: Mesh | None) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
-    """(rank, offsets, sizes) of every rank's non-empty box of one array."""
-    out = []
-    for rank in range(world):
-        if layout.kind == "whole":
-            if rank == 0:
-                out.append((0, (0,) * len(layout.shape), layout.shape))
-            continue
-        used = layout.mesh if layout.kind == "dtensor" else mesh
-        coord = used.coordinate(rank) if used is not None else (0,) * (1 if layout.kind == "flat" else 0)
-        if coord is None:
-            continue  # a rank outside this tensor's mesh holds none of it
-        if layout.kind == "flat":
-            n = layout.shape[0]
-            out.append((rank, (coord[-1] * n,), (n,)))
-            continue
-        offsets, sizes = local_box(layout.shape, used.shape, layout.placements, coord)  # type: ignore[union-attr]
-        if all(sizes):
-            out.append((rank, offsets, sizes))
-    return out
+    """(rank, offsets, sizes) of every rank's non-empty box of one array: what the planner lays out."""
+    return [(rank, *box) for rank in range(world) if (box := box_of(layout, rank, mesh)) is not None]
 
 
 def global_shape(layout: Layout, mesh: Mesh | None) -> tuple[int, ...]:
@@ -269,16 +267,6 @@ def model_mesh(model: dict[str, tuple[Layout, TensorRef]]) -> Mesh | None:
 
 def mesh_json(mesh: Mesh | None) -> Any:
     return None if mesh is None else {"shape": list(mesh.shape), "ranks": list(mesh.ranks)}
-
-
-def check_tiling(arrays: dict[str, ShardedSpec], where: str) -> None:
-    """One replica group's boxes must cover each array exactly (torch.chunk boxes tile by construction;
-    a forged mesh or placement that leaves a hole is refused here, before anything is written)."""
-    for path, a in arrays.items():
-        distinct = {(s.offsets, s.sizes) for s in a.shards}
-        if sum(math.prod(s) for _, s in distinct) != math.prod(a.shape):
-            raise CheckpointError(f"{where}: {path}: the ranks' boxes do not cover the tensor exactly once "
-                                  f"(forged or damaged placements)")
 
 
 def check_coordinate(leaf: DTensor, layout: Layout, f: File, path: str) -> None:
@@ -301,15 +289,15 @@ def array_leaf(f: File, path: str, leaf: Any, layout: Layout, local: TensorRef, 
     checked against the local tensor it holds (rank 0's copy of a plain tensor; none elsewhere)."""
     if isinstance(leaf, DTensor):
         check_coordinate(leaf, layout, f, path)
-    mine = [(o, s) for r, o, s in boxes(layout, f.world, mesh) if r == f.rank]
+    mine = box_of(layout, f.rank, mesh)  # this rank's only: a worker never walks the whole world
     shape = global_shape(layout, mesh)
     if layout.kind == "whole" and f.rank != 0:
         return ArrayLeaf(layout.dtype, shape, [])  # rank 0's copy is the one written
-    if not mine:
+    if mine is None:
         if math.prod(local.shape):
             raise CheckpointError(f"{f.path}: {path}: holds {list(local.shape)} where its rank holds nothing")
         return ArrayLeaf(layout.dtype, shape, [])
-    (offsets, sizes), = mine
+    offsets, sizes = mine
     if tuple(local.shape) != sizes:
         raise CheckpointError(f"{f.path}: {path}: local tensor {list(local.shape)} is not the {list(sizes)} box "
                               f"its placements give rank {f.rank}; forged or damaged")
@@ -378,7 +366,6 @@ class DTensorFiles:
                 raise CheckpointError(f"{f.path}: its device mesh holds ranks {sorted(mesh.ranks)[:8]}, not the "
                                       f"{world} of a world size of {world}")
             arrays = {p: array_spec(layout, world, mesh, 0) for p, (layout, _) in layouts.items()}
-            check_tiling(arrays, f.path)
             objects = [p for p in f.leaves if p not in layouts]
             extra = {"metadata": digest_of(f, layouts),
                      "dtensor_files": {"world": world}, "replicas": replica_count(arrays)}

@@ -24,6 +24,7 @@ from .source import Source, config_files, folder_of, name_of
 class FolderFormat:
     ranked = False  # every unit is listed by the checkpoint's own metadata or layout
     group_claims, keeps_empty_values = False, True
+
     def __init__(self, module: ModuleType, title: str):
         self.module, self.name, self.title = module, module.FORMAT, title
 
