@@ -5,8 +5,11 @@ mesh: the mesh's shape and the global rank at each coordinate. That is the whole
 rank 0's file plans the checkpoint, and each worker checks that its own file describes the same layout
 (a digest of it) and that its local tensor is the box the layout gives its rank. A box follows
 `torch.chunk`, dimension by dimension in mesh order (DTensor's `compute_local_shape_and_global_offset`);
-a rank may hold an empty one. `Replicate()` dimensions hold copies: under HSDP each box is held once per
-replica group, and the store writes it once. `Partial` (a pending reduction) and `_StridedShard` are
+a rank may hold an empty one. `_StridedShard` (FSDP2 over tensor parallelism, where the tensor-parallel
+split came first) and torch 2.13's `shard_order` are followed as DTensor follows them, and a shard that is
+then not one box of the tensor is refused. `Replicate()` dimensions hold copies: under HSDP each box is held
+once per replica group, and the store writes it once; so are the copies of a sliced mesh (FSDP2's dp
+sub-mesh of a (dp, tp) mesh: its DTensors held by every dp group). `Partial` (a pending reduction) is
 refused by name.
 
 Nothing in these pickles is imported or called: DTensor, its spec, the mesh and the placements are inert
@@ -21,8 +24,9 @@ them here rather than to ShardedTensor rank files).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import dtypes
@@ -44,14 +48,20 @@ STATE = "optim/state/"  # veRL's optimizer state, where plain 1-D tensors are FS
 # ---------------------------------------------------------------------------------------------- layout
 @dataclass(frozen=True)
 class Mesh:
-    """A device mesh as data: its shape, and the global rank at each coordinate (C order)."""
+    """A device mesh as data: its shape, and the global rank at each coordinate (C order) of each of its
+    `groups` copies. A mesh sliced out of a larger one (FSDP's data-parallel dimension of a (dp, tp) mesh)
+    is one of several disjoint copies, one per coordinate of the dimensions sliced away, and every rank sits
+    in exactly one: listing them all, copy after copy, makes a layout read the same from every rank's file,
+    and makes the other copies what they are, replicas."""
 
     shape: tuple[int, ...]
     ranks: tuple[int, ...]
+    groups: int = 1
+    names: tuple[str, ...] | None = None
 
     def coordinate(self, rank: int) -> tuple[int, ...] | None:
         try:
-            flat = self.ranks.index(rank)
+            flat = self.ranks.index(rank) % math.prod(self.shape)
         except ValueError:
             return None
         coord = []
@@ -61,10 +71,35 @@ class Mesh:
         return tuple(reversed(coord))
 
 
+def _names(state: dict[str, Any], where: str) -> tuple[str, ...] | None:
+    names = state.get("_mesh_dim_names", state.get("mesh_dim_names"))
+    if names is None:
+        return None
+    if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"{where}: device mesh dimension names that are not names (corrupt file)")
+    return names
+
+
+def _cosets(offsets: list[int], size: int, where: str) -> list[int]:
+    """Every copy of a layout over a rank map of `size`: the layout's own offsets, shifted to each position
+    not yet covered, in order (what torch's `_MeshLayout.remap_to_tensor` lays out with the complement)."""
+    covered = [False] * size
+    out = []
+    for base in range(size):
+        if covered[base]:
+            continue
+        for o in offsets:
+            if base + o >= size or covered[base + o]:
+                raise CheckpointError(f"{where}: a device mesh layout that does not tile its ranks (corrupt file)")
+            covered[base + o] = True
+            out.append(base + o)
+    return out
+
+
 def mesh_of(record: Any, where: str) -> Mesh:
     """The mesh a DeviceMesh pickle describes. torch <= 2.9 keeps the ranks as `mesh` (a tensor whose shape
-    is the mesh's) and their flat list; torch >= 2.10 keeps a flat `_rank_map` and a `_layout` (per mesh
-    dimension, a size and a stride into it)."""
+    is the mesh's: the copy this rank is in) and their flat list; torch >= 2.10 keeps the root mesh's flat
+    `_rank_map` and a `_layout` (per mesh dimension, sizes and strides into it) that every copy shares."""
     if not isinstance(record, DeviceMesh):
         raise CheckpointError(f"{where}: a DTensor whose mesh is not a DeviceMesh (corrupt file)")
     state = record.__dict__
@@ -78,9 +113,9 @@ def mesh_of(record: Any, where: str) -> Mesh:
         if any(len(s) != len(t) for s, t in dims):
             raise CheckpointError(f"{where}: a device mesh layout of mismatched sizes and strides (corrupt file)")
         shape = tuple(math.prod(s) for s, _ in dims)
-        if math.prod(shape) > MAX_MESH:
-            raise CheckpointError(f"{where}: a device mesh of {math.prod(shape)} ranks (corrupt file)")
-        ranks = []
+        if math.prod(shape) > MAX_MESH or len(flat) > MAX_MESH:
+            raise CheckpointError(f"{where}: a device mesh of {max(math.prod(shape), len(flat))} ranks (corrupt file)")
+        offsets = []
         for index in range(math.prod(shape)):
             offset, rest = 0, index
             for (sizes, strides), size in zip(reversed(dims), reversed(shape)):
@@ -88,62 +123,135 @@ def mesh_of(record: Any, where: str) -> Mesh:
                 for s, t in zip(reversed(sizes), reversed(strides)):
                     offset += (sub % s) * t
                     sub //= s
-            if offset >= len(flat):
-                raise CheckpointError(f"{where}: a device mesh layout reaching past its ranks (corrupt file)")
-            ranks.append(flat[offset])
-        out = Mesh(shape, tuple(ranks))
+            offsets.append(offset)
+        out = Mesh(shape, tuple(flat[o] for o in _cosets(offsets, len(flat), where)), len(flat) // math.prod(shape),
+                   _names(state, where))
     else:
         mesh = state.get("mesh")
         if not isinstance(mesh, TensorRef):
             raise CheckpointError(f"{where}: a device mesh without its ranks (corrupt file)")
         shape = whole_numbers(mesh.shape, f"{where}: mesh sizes")
-        out = Mesh(shape, whole_numbers(state.get("_flatten_mesh_list"), f"{where}: mesh ranks"))
-    if len(out.ranks) != math.prod(out.shape) or len(set(out.ranks)) != len(out.ranks) or not out.shape:
+        out = Mesh(shape, whole_numbers(state.get("_flatten_mesh_list"), f"{where}: mesh ranks"), 1,
+                   _names(state, where))
+    if (len(out.ranks) != out.groups * math.prod(out.shape) or len(set(out.ranks)) != len(out.ranks)
+            or not out.shape):
         raise CheckpointError(f"{where}: a device mesh whose ranks do not fill it (corrupt file)")
     return out
 
 
-def placements_of(spec: Any, ndim: int, mesh: Mesh, where: str) -> tuple[tuple[str, int], ...]:
-    """("shard", tensor dim) or ("replicate", -1) per mesh dimension."""
+def completed(mesh: Mesh, meshes: list[Mesh]) -> Mesh:
+    """A sliced mesh as torch <= 2.9 pickles it (only the copy holding this rank) with all its copies, from a
+    mesh of the same file it was sliced from (the largest whose named dimensions include its own, holding its
+    ranks at the place slicing would put them). Without one it stays the one copy it is."""
+    if mesh.groups != 1 or mesh.names is None:
+        return mesh
+    for root in sorted(meshes, key=lambda m: -len(m.ranks)):
+        if root.groups != 1 or root.names is None or len(root.ranks) <= len(mesh.ranks) \
+                or not set(mesh.names) <= set(root.names) or len(set(root.names)) != len(root.names):
+            continue
+        kept = [root.names.index(n) for n in mesh.names]
+        if [root.shape[i] for i in kept] != list(mesh.shape):
+            continue
+        others = [i for i in range(len(root.shape)) if i not in kept]
+        strides = [math.prod(root.shape[i + 1:]) for i in range(len(root.shape))]
+        ranks = []
+        for away in itertools.product(*(range(root.shape[i]) for i in others)):
+            for here in itertools.product(*(range(n) for n in mesh.shape)):
+                coord = dict(zip(others, away)) | dict(zip(kept, here))
+                ranks.append(root.ranks[sum(coord[i] * strides[i] for i in range(len(root.shape)))])
+        out = Mesh(mesh.shape, tuple(ranks), len(ranks) // math.prod(mesh.shape), mesh.names)
+        if set(mesh.ranks) <= set(ranks) and out.coordinate(mesh.ranks[0]) == (0,) * len(mesh.shape) and \
+                all(out.coordinate(r) == mesh.coordinate(r) for r in mesh.ranks):
+            return out
+    return mesh
+
+
+Step = tuple[str, int, int]  # ("shard", tensor dim, split factor) or ("replicate", -1, 1), per mesh dimension
+
+
+def placements_of(spec: Any, ndim: int, mesh: Mesh, where: str) -> tuple[Step, ...]:
+    """One step per mesh dimension, applied left to right as DTensor does. `_StridedShard(d, sf)` (FSDP2 over
+    tensor parallelism: the tensor-parallel split happened first) keeps its split factor; torch >= 2.13's
+    `shard_order` (plain `Shard`s applied in another order) becomes the split factors torch itself derives
+    from it (`DTensorSpec._convert_shard_order_to_StridedShard`)."""
     placements = getattr(spec, "__dict__", {}).get("placements")
     if not isinstance(placements, tuple) or len(placements) != len(mesh.shape):
         raise CheckpointError(f"{where}: a DTensor whose placements do not match its mesh (corrupt file)")
-    out = []
+    out: list[Step] = []
     for p in placements:
         kind = p.kind if isinstance(p, Placement) else type(p).__name__
         if kind == "Replicate":
-            out.append(("replicate", -1))
-        elif kind == "Shard":
-            dim = p.__dict__.get("dim")
+            out.append(("replicate", -1, 1))
+        elif kind in ("Shard", "_StridedShard"):
+            dim, split = p.__dict__.get("dim"), p.__dict__.get("split_factor", 1) if kind != "Shard" else 1
             if type(dim) is not int or not -ndim <= dim < ndim:
-                raise CheckpointError(f"{where}: a Shard placement on dimension {dim!r:.20} of a {ndim}-d tensor")
-            out.append(("shard", dim % ndim))
+                raise CheckpointError(f"{where}: a {kind} placement on dimension {dim!r:.20} of a {ndim}-d tensor")
+            if type(split) is not int or not 1 <= split <= math.prod(mesh.shape):
+                raise CheckpointError(f"{where}: a _StridedShard split factor of {split!r:.20} (corrupt file)")
+            out.append(("shard", dim % ndim, split))
         elif kind in ("Partial", "_Partial"):
             raise CheckpointError(f"{where}: a Partial DTensor (a reduction still pending when it was saved); "
                                   f"its ranks' values are summands, not shards, and are not read")
-        elif kind == "_StridedShard":
-            raise CheckpointError(f"{where}: a _StridedShard placement (FSDP2 over tensor parallelism) is not "
-                                  f"read yet")
         else:
             raise CheckpointError(f"{where}: an unknown DTensor placement {kind!r:.40}")
+    order = spec.__dict__.get("shard_order")
+    if order is not None and not spec.__dict__.get("use_strided_shard_as_shard_order"):
+        for entry in order:
+            dim, mesh_dims = entry
+            if type(dim) is not int or not isinstance(mesh_dims, tuple) or \
+                    any(type(m) is not int or not 0 <= m < len(out) or out[m][:2] != ("shard", dim % ndim)
+                        for m in mesh_dims) or len(set(mesh_dims)) != len(mesh_dims):
+                raise CheckpointError(f"{where}: a shard order that does not match its placements (corrupt file)")
+            for i, m in enumerate(mesh_dims):
+                out[m] = ("shard", dim % ndim, math.prod(mesh.shape[e] for e in mesh_dims[:i] if e > m))
     return tuple(out)
 
 
-def local_box(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[tuple[str, int], ...],
-              coord: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The box a mesh coordinate holds: `torch.chunk` of each sharded dimension, in mesh order."""
-    offsets, sizes = [0] * len(shape), list(shape)
-    for (kind, dim), n, c in zip(placements, mesh_shape, coord):
+def _chunk(size: int, n: int, c: int) -> tuple[int, int]:
+    """Positions [a, b) of `torch.chunk`'s chunk c of n over `size` (empty past the end)."""
+    step = -(-size // n)
+    a = min(size, step * c)
+    return a, min(size, a + step)
+
+
+def _take(runs: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The global indices at positions `spans` of the sequence `runs` describes, as merged runs."""
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        pos = 0
+        for s, e in runs:
+            lo, hi = max(a, pos), min(b, pos + e - s)
+            if lo < hi:
+                start, stop = s + lo - pos, s + hi - pos
+                if out and out[-1][1] == start:
+                    out[-1] = (out[-1][0], stop)
+                else:
+                    out.append((start, stop))
+            pos += e - s
+    return out
+
+
+def local_box(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Step, ...],
+              coord: tuple[int, ...], where: str = "") -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box a mesh coordinate holds, as DTensor's `_compute_local_shape_and_global_offset` computes it:
+    `torch.chunk` of each sharded dimension in mesh order, a `_StridedShard` taking chunk c of each of its
+    split-factor pieces. A rank may hold an empty box; one whose indices are not one run is refused."""
+    runs = [[(0, n)] if n else [] for n in shape]
+    for (kind, dim, split), n, c in zip(placements, mesh_shape, coord):
         if kind != "shard":
             continue
-        size = sizes[dim]
-        chunk = -(-size // n) if size % n else size // n
-        start = chunk * c
-        if start >= size:
-            sizes[dim], offsets[dim] = 0, offsets[dim] + size
-        else:
-            sizes[dim], offsets[dim] = min(size, start + chunk) - start, offsets[dim] + start
-    return tuple(offsets), tuple(sizes)
+        size = sum(e - s for s, e in runs[dim])
+        spans = []
+        for piece in range(split):
+            p0, p1 = _chunk(size, split, piece)
+            q0, q1 = _chunk(p1 - p0, n, c)
+            spans.append((p0 + q0, p0 + q1))
+        runs[dim] = _take(runs[dim], spans)
+    if any(len(r) > 1 for r in runs):
+        raise CheckpointError(f"{where}: a strided DTensor layout whose shard at mesh coordinate {list(coord)} is "
+                              f"not one box of the tensor; not read")
+    return (tuple(r[0][0] if r else n for r, n in zip(runs, shape)),
+            tuple(r[0][1] - r[0][0] if r else 0 for r in runs))
 
 
 @dataclass(frozen=True)
@@ -153,12 +261,13 @@ class Layout:
     kind: str  # "dtensor", "flat" (an FSDP1 flat parameter's 1-D optimizer shard), "whole" (a plain tensor)
     dtype: str
     shape: tuple[int, ...]  # global shape (the shard's length for "flat")
-    placements: tuple[tuple[str, int], ...] = ()
+    placements: tuple[Step, ...] = ()
     mesh: Mesh | None = None
+    where: str = field(default="", compare=False)
 
     def describe(self) -> tuple:
         return (self.kind, self.dtype, self.shape, self.placements,
-                None if self.mesh is None else (self.mesh.shape, self.mesh.ranks))
+                None if self.mesh is None else (self.mesh.shape, self.mesh.ranks, self.mesh.groups))
 
 
 def dtensor_layout(leaf: DTensor, where: str) -> tuple[Layout, TensorRef]:
@@ -172,8 +281,7 @@ def dtensor_layout(leaf: DTensor, where: str) -> tuple[Layout, TensorRef]:
     if local.dtype != dtype:
         raise CheckpointError(f"{where}: local tensor is torch.{local.dtype}, its DTensor says torch.{dtype}")
     mesh = mesh_of(spec.__dict__.get("mesh"), where)
-    return Layout("dtensor", dtype, shape, placements_of(spec, len(shape), mesh, where), mesh), local
-
+    return Layout("dtensor", dtype, shape, placements_of(spec, len(shape), mesh, where), mesh, where), local
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -222,7 +330,9 @@ def layouts_of(f: File) -> dict[str, tuple[Layout, TensorRef]]:
                 out[path] = (Layout("flat", leaf.dtype, leaf.shape, (("shard", 0),), None), leaf)
             elif leaf.shape and (f.kind == "model" or nbytes > SMALL_TENSOR_BYTES):  # weights are arrays
                 out[path] = (Layout("whole", leaf.dtype, leaf.shape), leaf)
-    return out
+    meshes = list({layout.mesh for layout, _ in out.values() if layout.mesh is not None})
+    return {p: (replace(layout, mesh=completed(layout.mesh, meshes)) if layout.mesh is not None else layout, local)
+            for p, (layout, local) in out.items()}
 
 
 def digest_of(f: File, layouts: dict[str, tuple[Layout, TensorRef]]) -> str:
@@ -242,7 +352,8 @@ def box_of(layout: Layout, rank: int, mesh: Mesh | None) -> tuple[tuple[int, ...
     if layout.kind == "flat":
         n = layout.shape[0]
         return (coord[-1] * n,), (n,)
-    offsets, sizes = local_box(layout.shape, used.shape, layout.placements, coord)  # type: ignore[union-attr]
+    offsets, sizes = local_box(layout.shape, used.shape, layout.placements, coord,  # type: ignore[union-attr]
+                               layout.where)
     return (offsets, sizes) if all(sizes) else None
 
 
@@ -266,22 +377,23 @@ def model_mesh(model: dict[str, tuple[Layout, TensorRef]]) -> Mesh | None:
 
 
 def mesh_json(mesh: Mesh | None) -> Any:
-    return None if mesh is None else {"shape": list(mesh.shape), "ranks": list(mesh.ranks)}
+    return None if mesh is None else {"shape": list(mesh.shape), "ranks": list(mesh.ranks), "groups": mesh.groups}
 
 
 def check_coordinate(leaf: DTensor, layout: Layout, f: File, path: str) -> None:
-    """The mesh a rank pickles says where that rank sits in it: a file renamed to another rank's name is
-    refused here, naming both."""
-    saved = leaf._spec.__dict__["mesh"].__dict__.get("_coordinate_on_dim")
+    """The mesh a rank pickles says where that rank sits in it (and, since torch 2.10, which rank saved it):
+    a file renamed to another rank's name is refused here, naming both."""
+    state = leaf._spec.__dict__["mesh"].__dict__
+    saved, saver = state.get("_coordinate_on_dim"), state.get("_rank")
+    if type(saver) is int and saver != f.rank:
+        raise CheckpointError(f"{f.path}: {path}: named rank {f.rank}, but saved by rank {saver} "
+                              f"(a renamed or copied file)")
     if saved is None or layout.mesh is None:
         return
     mine = layout.mesh.coordinate(f.rank)
     if mine is None or tuple(saved) != mine:
-        at = layout.mesh.ranks[sum(c * math.prod(layout.mesh.shape[i + 1:]) for i, c in enumerate(saved))] \
-            if len(saved) == len(layout.mesh.shape) and all(0 <= c < n for c, n in zip(saved, layout.mesh.shape)) \
-            else "?"
-        raise CheckpointError(f"{f.path}: {path}: named rank {f.rank}, but its device mesh places it at rank {at} "
-                              f"(a renamed or copied file)")
+        raise CheckpointError(f"{f.path}: {path}: named rank {f.rank}, but its device mesh places it at "
+                              f"coordinate {list(saved)!r:.40}, not {list(mine or ())} (a renamed or copied file)")
 
 
 def array_leaf(f: File, path: str, leaf: Any, layout: Layout, local: TensorRef, mesh: Mesh | None) -> ArrayLeaf:
@@ -312,7 +424,7 @@ def array_spec(layout: Layout, world: int, mesh: Mesh | None, base: int) -> Shar
 
 
 def mesh_from_json(facts: Any) -> Mesh | None:
-    return None if facts is None else Mesh(tuple(facts["shape"]), tuple(facts["ranks"]))
+    return None if facts is None else Mesh(tuple(facts["shape"]), tuple(facts["ranks"]), facts.get("groups", 1))
 
 
 # ---------------------------------------------------------------------------------------------- format
@@ -354,17 +466,18 @@ class DTensorFiles:
         return read_file(path, "", world, rank, storage_options, strict, encode_key)
 
     def plan(self, source: Any, encode_key: Any, strict: bool) -> tuple[CheckpointSpec, None]:
-        """Planned from the first file: its DTensors' mesh says the world size (the files given may be
+        """Planned from the first file: its DTensors' meshes say the world size (the files given may be
         some of them: ingesting ranks as they arrive)."""
         f = self._file(source.units[0], MAX_MESH, source.storage_options, strict, encode_key)
         try:
             layouts = layouts_of(f)
-            mesh = model_mesh(layouts)
-            world = len(source.units) if mesh is None else len(mesh.ranks)
+            ranks = {r for layout, _ in layouts.values() if layout.mesh is not None for r in layout.mesh.ranks}
+            world = len(ranks) if ranks else len(source.units)
             f.world = world
-            if mesh is not None and set(mesh.ranks) != set(range(world)):
-                raise CheckpointError(f"{f.path}: its device mesh holds ranks {sorted(mesh.ranks)[:8]}, not the "
+            if ranks and ranks != set(range(world)):
+                raise CheckpointError(f"{f.path}: its device meshes hold ranks {sorted(ranks)[:8]}, not the "
                                       f"{world} of a world size of {world}")
+            mesh = model_mesh(layouts)
             arrays = {p: array_spec(layout, world, mesh, 0) for p, (layout, _) in layouts.items()}
             objects = [p for p in f.leaves if p not in layouts]
             extra = {"metadata": digest_of(f, layouts),

@@ -137,13 +137,16 @@ def test_a_file_of_another_kind_or_checkpoint_is_refused_by_name(verl_checkpoint
         open_source(run)
 
 
-def test_a_rank_file_claiming_another_ranks_box_is_refused(verl_checkpoints, tmp_path: Path) -> None:
-    """Rank 1's model file saved under rank 2's name: the mesh it pickled places it at rank 1, and it is
-    refused before anything is written."""
-    run = shutil.copytree(verl_checkpoints("fsdp1", 3), tmp_path / "run")
-    actor = run / ACTOR
+@pytest.mark.parametrize("run, says", [("fsdp1-w3", "saved by rank 1"),
+                                       ("t2.6/fsdp1-w3", r"its device mesh places it at coordinate \[1\], not \[2\]")])
+def test_a_rank_file_claiming_another_ranks_box_is_refused(run: str, says: str, request: pytest.FixtureRequest,
+                                                           tmp_path: Path) -> None:
+    """Rank 1's model file saved under rank 2's name: the mesh it pickled places it at rank 1 (torch >= 2.10
+    also names the rank that saved it), and it is refused before anything is written."""
+    src = _source(request, run)
+    actor = shutil.copytree(src / ACTOR, tmp_path / "actor")
     shutil.copy(actor / "model_world_size_3_rank_1.pt", actor / "model_world_size_3_rank_2.pt")
-    with pytest.raises(CheckpointError, match="model_world_size_3_rank_2.pt: .*named rank 2, but its device mesh places it at rank 1"):
+    with pytest.raises(CheckpointError, match=f"model_world_size_3_rank_2.pt: .*named rank 2, but {says}"):
         shardstore.ingest(tmp_path / "s", [actor / "model_world_size_3_rank_2.pt"], jobs=1)
 
 
