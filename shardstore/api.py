@@ -88,7 +88,7 @@ def watch(store: PathLike, src_dir: PathLike, expect: int | None = None, timeout
           on_world_size: Callable[[int], None] | None = None, storage_options: StorageOptions | None = None,
           strict: bool = False) -> Store:
     """Ingest rank files as they arrive in `src_dir` until the store is complete (or `timeout` passes)."""
-    from .watch import watch as _watch
+    from .watcher import watch as _watch
 
     return _watch(store, src_dir, expect=expect, timeout=timeout, jobs=jobs, poll=poll, tag=tag, on_done=on_done,
                   on_world_size=on_world_size, storage_options=storage_options, strict=strict)

@@ -30,6 +30,7 @@ from . import tensors
 from .unpickle import TensorRef
 
 if TYPE_CHECKING:
+    from .arrival import Arrived, Looks
     from .source import Source
 
 # A tensor at or below this size held whole by one unit is kept as a value, like a rank file's plain
@@ -232,6 +233,12 @@ class Format(Protocol):
     def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
                   facts: dict[str, Any]) -> Unit:
         """One unit, checked against `facts` (the spec's extra, as the store kept it)."""
+
+    def arrivals(self, folder: str, tag: str | None, looks: "Looks") -> "Arrived | None":
+        """For `watch`: the checkpoint of this format arriving in `folder` (a local folder), and which of its
+        unit files are whole and have held still since the previous look (`looks.still`); None when
+        `folder` holds none of this format's. A format whose units cannot be told complete while they
+        arrive refuses by name."""
 
     def unit_kind(self, name: str) -> str:
         """What a unit is, by the name the store records for it ("model files"): for `ls` and `status`."""

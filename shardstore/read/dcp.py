@@ -362,6 +362,26 @@ class DcpFormat:
             return open_trainer_unit(path, storage_options, strict, encode_key)
         return open_unit(path, storage_options, strict)
 
+    def arrivals(self, folder: str, tag: str | None, looks: Any) -> Any:
+        """A DCP folder counts once its .metadata reads (torch writes it last; a copy may bring it first),
+        then each .distcp file once it reaches the end of the last item .metadata places in it."""
+        from .arrival import Arrived
+        from .source import Source
+
+        found = dcp_folder(folder, tag, None, None)
+        if found is None:
+            return None
+        ckpt = looks.parse(os.path.join(found, METADATA), lambda path: read_checkpoint(found))
+        if ckpt is None:
+            return Arrived(Source(self.name, []), [])  # still being written: look again
+        ends: dict[str, int] = {}
+        for item in ckpt.items:
+            ends[item.file] = max(ends.get(item.file, 0), item.offset + item.length)
+        units = [os.path.join(found, f) for f in ckpt.files]
+        return Arrived(Source(self.name, units), [
+            (path, i) for i, path in enumerate(units)
+            if looks.still(path, lambda p, size: size >= ends[os.path.basename(p)])])
+
     def unit_kind(self, name: str) -> str:
         return ".distcp files" if name.endswith(".distcp") else "trainer-state files"
 

@@ -500,6 +500,9 @@ class DTensorFiles:
                 unit.leaves[p] = array_leaf(f, p, leaf, *layouts[p], mesh) if p in layouts else leaf
         return unit
 
+    def arrivals(self, folder: str, tag: str | None, looks: Any) -> None:
+        return None  # arriving rank files are RankFiles', which routes them here
+
     def unit_kind(self, name: str) -> str:
         return "rank files"
 

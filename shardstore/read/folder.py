@@ -16,9 +16,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from ..errors import CheckpointError
 from ..locations import StorageOptions
 from .contract import CheckpointSpec, Unit
-from .source import Source, config_files, folder_of, name_of
+from .source import Source, config_files, folder_of, join, name_of, subfolders
 
 
 class FolderFormat:
@@ -63,6 +64,18 @@ class FolderFormat:
     def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
                   facts: dict[str, Any]) -> Unit:
         return self.module.open_unit(path, storage_options, strict, encode_key, facts)
+
+    def arrivals(self, folder: str, tag: str | None, looks: Any) -> None:
+        """Their units are only known whole against the checkpoint's own metadata or layout, written with
+        them: a folder that is, or holds, such a checkpoint (in its unit folder or one level down, as
+        `open_source` finds them) is refused, by name, rather than read half-written."""
+        up = self.unit_folder_of(folder)
+        if self.detect(folder, None) or (up is not None and self.detect(up, None)) or \
+                any(self.detect(join(folder, name), None) for name in subfolders(folder, None)):
+            raise CheckpointError(f"{folder}: a checkpoint in the {self.title} format; watch takes rank files or "
+                                  f"a DCP folder (ingest this one with `shardstore ingest` or `unshard` once it "
+                                  f"is complete)")
+        return None
 
     def unit_kind(self, name: str) -> str:
         own = getattr(self.module, "unit_kind", None)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import dtypes
-from ..errors import CheckpointError, closed_on_error
+from ..errors import CheckpointError, ShardstoreError, closed_on_error
 from ..locations import StorageOptions
 from . import tensors
 from .container import TorchZip
@@ -367,8 +367,30 @@ class RankFiles:
         return read_rank_file(path, encode_key=encode_key, storage_options=storage_options, strict=strict,
                               planned=facts.get("skim"))
 
+    def arrivals(self, folder: str, tag: str | None, looks: Any) -> Any:
+        """Rank files (of ShardedTensors, or of DTensors: rank 0's routes them) count once each is a whole
+        torch zip; any folder is one, perhaps still empty."""
+        from .arrival import Arrived
+        from .layouts import refuse_mixed, scan
+        from .source import Source
+
+        groups = scan(folder, tag)
+        refuse_mixed(folder, groups, how="--tag")
+        ready = [(os.fspath(path), rank) for ranks in groups.values() for rank, path in ranks.items()
+                 if looks.still(os.fspath(path), lambda p, size: _whole_zip(p))]
+        first = [p for p, _ in ready[:1]]
+        return Arrived(self.of_files(first, None) if first else Source(self.name, []), ready)
+
     def unit_kind(self, name: str) -> str:
         return "rank files"
+
+
+def _whole_zip(path: str) -> bool:
+    try:
+        TorchZip(path).close()
+        return True
+    except ShardstoreError:
+        return False
 
 
 FORMAT = RankFiles()

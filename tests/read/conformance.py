@@ -6,7 +6,8 @@ tests subclass `FormatTests` and provide two fixtures,
 
 and so show, on real files, what the rest of shardstore relies on (read/contract.py): the spec tiles
 every array exactly once; each unit's pieces are the boxes the spec says it holds; any order or subset of
-units gives the same store; a unit of another checkpoint is refused by the worker that opens it.
+units gives the same store; a unit of another checkpoint is refused by the worker that opens it; `watch`
+takes every unit of the folder as it stands, or the format refuses it by name.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import shardstore
 from shardstore import values
 from shardstore.errors import CheckpointError
 from shardstore.ingest import IngestOptions, ingest_file
+from shardstore.read.arrival import Looks, arriving
 from shardstore.read.contract import ArrayLeaf, ShardedSpec
+from shardstore.read.registry import get
 from shardstore.read.source import open_source, open_unit
 
 
@@ -100,3 +103,21 @@ class FormatTests:
         with pytest.raises(CheckpointError, match=foreign.name):
             ingest_file(store, foreign, IngestOptions(format=source.format))
         assert _digests(tmp_path / "s") == before
+
+    def test_arrivals_take_the_checkpoint_or_refuse_it_by_name(self, checkpoint: Path) -> None:
+        """What `watch` sees of the folder as it stands, complete: after two looks (a file must hold still
+        between them) every unit file is ready and none twice, under the format the folder is read as; or
+        the format refuses, naming itself."""
+        source = open_source(checkpoint)
+        fmt = get(source.format)
+        looks = Looks()
+        try:
+            arriving(str(checkpoint), None, looks)
+            arrived = arriving(str(checkpoint), None, looks)
+        except CheckpointError as e:
+            assert f"in the {fmt.title} format; watch takes" in str(e)
+            return
+        assert arrived.source.format == source.format
+        paths = [p for p, _ in arrived.ready]
+        assert sorted(paths) == sorted(u for u in source.units if not u.endswith(".pt") or fmt.ranked)
+        assert len({n for _, n in arrived.ready}) == len(paths)

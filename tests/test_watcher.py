@@ -115,6 +115,7 @@ def test_an_olmo_local_folder_is_refused_by_name(olmo_checkpoints, tmp_path: Pat
     src = olmo_checkpoints("local", "2.2", 3)
     with pytest.raises(shardstore.CheckpointError, match="a checkpoint in the OLMo `local` format; watch takes rank files or a DCP"):
         shardstore.watch(tmp_path / "store", src, timeout=5)
+    assert callable(shardstore.watch)  # used once, still the function (no submodule of that name shadows it)
 
 
 def test_plain_fsdp2_rank_files_arriving_are_ingested(fsdp2_files, tmp_path: Path) -> None:
