@@ -73,3 +73,31 @@ def overlaps(members: list[Member], first: int, count: int) -> list[tuple[Member
         if lo < hi:
             out.append((m, lo - m.start, hi - lo))
     return out
+
+
+def ragged(numels: list[int], lengths: dict[int, dict[int, int]], groups: list[list[int]]) -> \
+        dict[int, list[tuple[int, int, int]]] | None:
+    """With `use_orig_params=True` the optimizer keeps state per original parameter (keyed by its index in
+    the model's parameter order), but each rank only the 1-D part of that parameter's elements its flat
+    shard covers, and none where it covers none. Shards are consecutive, so within a replica group (ranks
+    in shard order) a parameter's parts follow each other: (rank, first element, count) of each part, for
+    every group, given each rank's `{index: count}`. A parameter no rank holds state for (frozen) has no
+    parts. None unless every group's parts add up to every other parameter's size exactly and the groups
+    hold the same parts."""
+    out: dict[int, list[tuple[int, int, int]]] = {i: [] for i in range(len(numels))}
+    first: list[list[int]] | None = None
+    for group in groups:
+        seen = [[lengths.get(r, {}).get(i, 0) for r in group] for i in range(len(numels))]
+        if any(i not in range(len(numels)) for r in group for i in lengths.get(r, {})):
+            return None
+        if first is None:
+            first = seen
+        if seen != first or any(sum(parts) not in (0, n) for parts, n in zip(seen, numels)):
+            return None
+        for i, parts in enumerate(seen):
+            start = 0
+            for r, n in zip(group, parts):
+                if n:
+                    out[i].append((r, start, n))
+                start += n
+    return out

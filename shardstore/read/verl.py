@@ -15,6 +15,7 @@ order (padding included).
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from typing import Any
 
@@ -129,9 +130,16 @@ def _split(model: File, model_layouts: dict[str, tuple[Layout, TensorRef]], opti
                 return None
     if not lengths:
         return None
+    params, model_keys = _parameters(model, model_layouts)
+    found = fsdp_flat.split(params, list(lengths.values()), 1 if mesh is None else mesh.shape[-1], model_keys)
+    return None if found is None else dict(zip(lengths, found))  # type: ignore[arg-type]
+
+
+def _parameters(model: File, model_layouts: dict[str, tuple[Layout, TensorRef]]) -> \
+        tuple[list[tuple[str, tuple[int, ...]]], dict[str, Any]]:
+    """The model's parameters in order (store name, global shape), a tied weight once; and each store
+    name's key as the state dict has it."""
     params, seen = [], set()
-    model_keys = {node.path[len("model/"):]: key for key, node in _walk_nodes(model.tree)
-                  if node.path.startswith("model/")}
     for path, (layout, _) in model_layouts.items():
         leaf = model.leaves[path]
         if id(leaf) in seen:  # a tied weight: one parameter under two keys
@@ -139,8 +147,58 @@ def _split(model: File, model_layouts: dict[str, tuple[Layout, TensorRef]], opti
         seen.add(id(leaf))
         if layout.kind == "dtensor" or model.world == 1:
             params.append((path[len("model/"):], layout.shape))
-    found = fsdp_flat.split(params, list(lengths.values()), 1 if mesh is None else mesh.shape[-1], model_keys)
-    return None if found is None else dict(zip(lengths, found))  # type: ignore[arg-type]
+    keys = {node.path[len("model/"):]: key for key, node in _walk_nodes(model.tree) if node.path.startswith("model/")}
+    return params, keys
+
+
+def _group_count(optim: File) -> int | None:
+    """How many parameters the optimizer's param_groups list."""
+    groups = optim.leaves.get(PARAM_GROUPS)
+    try:
+        return sum(len(g["params"]) for g in groups)  # type: ignore[union-attr]
+    except (TypeError, KeyError):
+        return None
+
+
+def _ragged(model: File, model_layouts: dict[str, tuple[Layout, TensorRef]], optim: File, paths: list[str],
+            mesh: Mesh | None, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> Any:
+    """FSDP1 with `use_orig_params=True` (veRL's choice when part of a model is frozen): the optimizer's
+    state is per original parameter, each rank holding a differently sized 1-D part, or none
+    (fsdp_flat.ragged). Told apart from flat parameters by its param_groups listing every model parameter.
+    Every rank's optimizer file is read (its pickle) to place the parts: the trees, per-rank digests, the
+    parts, and each parameter as a one-member split; None when the files are not so."""
+    params, keys = _parameters(model, model_layouts)
+    if mesh is None or _group_count(optim) != len(params) or len(params) == len(mesh.ranks):
+        return None
+    files = [optim] + [_read(p, storage_options, strict, encode_key) for p in paths[1:]]
+    try:
+        lengths: dict[int, dict[int, int]] = {}
+        digests = []
+        for f in files:
+            layouts = layouts_of(f)
+            digests.append(digest_of(f, layouts))
+            mine: dict[int, int] = {}
+            for path, (layout, _) in layouts.items():
+                index = _flat_index(path)
+                if layout.kind != "flat" or not (index or "").isdigit():
+                    return None
+                if mine.setdefault(int(index), layout.shape[0]) != layout.shape[0]:  # type: ignore[arg-type]
+                    raise CheckpointError(f"{f.path}: {path}: {layout.shape[0]} elements, but the other state of "
+                                          f"parameter {index} here has {mine[int(index)]}")
+            lengths[f.rank] = mine
+        groups = [list(mesh.ranks[i:i + mesh.shape[-1]]) for i in range(0, len(mesh.ranks), mesh.shape[-1])]
+        parts = fsdp_flat.ragged([math.prod(shape) for _, shape in params], lengths, groups)
+        if parts is None:
+            raise CheckpointError(f"{optim.path}: optimizer state per original parameter (use_orig_params=True) "
+                                  f"whose ranks' parts do not add up to the model's parameters; not guessed at")
+        trees = [f.tree for f in files]
+        leaves = {p: leaf for f in reversed(files) for p, leaf in f.leaves.items()}  # the lowest rank's
+        layouts = {p: lay for f in reversed(files) for p, lay in layouts_of(f).items()}
+    finally:
+        for f in files[1:]:
+            f.zip.close()
+    split = {str(i): [fsdp_flat.Member(name, shape, 0, keys.get(name, name))] for i, (name, shape) in enumerate(params)}
+    return trees, digests, parts, split, leaves, layouts
 
 
 def _retree(tree: Node, split: dict[str, list[fsdp_flat.Member]]) -> None:
@@ -159,6 +217,18 @@ def _retree(tree: Node, split: dict[str, list[fsdp_flat.Member]]) -> None:
                       for leaf_key, leaf in node.children]
             children.append((order[m.name], m.key, Node("dict", f"{STATE}{m.name}", leaves)))
     state.children = [(key, node) for _, key, node in sorted(children, key=lambda c: c[0])]
+
+
+def _union_state(tree: Node, trees: list[Node]) -> None:
+    """The optimizer's state entries of every rank's file (each holds only the parameters its shard
+    covers), in index order, the lowest rank's node for each."""
+    states = [next(node for _, node in _walk_nodes(t) if node.path == STATE.rstrip("/")) for t in trees]
+    entries: dict[Any, Node] = {}
+    for state in states:
+        for key, node in state.children:
+            entries.setdefault(key, node)
+    mine = next(node for _, node in _walk_nodes(tree) if node.path == STATE.rstrip("/"))
+    mine.children = sorted(entries.items(), key=lambda kv: int(kv[1].path[len(STATE):]))
 
 
 def _walk_nodes(node: Node) -> list[tuple[Any, Node]]:
@@ -187,15 +257,24 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
         objects: list[str] = []
         digests = {}
         optim = next((f for f in files if f.kind == "optim"), None)
-        split = _split(files[0], model, optim, layouts_of(optim), mesh) if optim is not None else None
+        ragged = None if optim is None else _ragged(
+            files[0], model, optim, [u for u in unit_paths if _parse(u)[0] == "optim"], mesh, storage_options,
+            strict, encode_key)
+        if ragged is not None:
+            trees, rank_digests, parts, split, _, _ = ragged
+            _union_state(tree, trees)
+        else:
+            split = _split(files[0], model, optim, layouts_of(optim), mesh) if optim is not None else None
         for f in files:
-            layouts = model if f.kind == "model" else layouts_of(f)
+            leaves, layouts = (ragged[4], ragged[5]) if ragged and f.kind == "optim" else \
+                (f.leaves, model if f.kind == "model" else layouts_of(f))
             if any(l.kind == "flat" for l, _ in layouts.values()) and mesh is None and f.world > 1:
                 raise CheckpointError(f"{f.path}: FSDP1 flat-parameter optimizer shards, but the model files do not "
                                       f"say which mesh dimension they are sharded over")
-            digests[f.kind] = digest_of(f, layouts)
+            digests[f.kind] = digest_of(f, layouts) if not (ragged and f.kind == "optim") else \
+                hashlib.blake2b(repr(rank_digests).encode(), digest_size=16).hexdigest()
             base = first[f.kind] - f.rank  # unit index of this kind's rank 0
-            for path in f.leaves:
+            for path in leaves:
                 held = split.get(_flat_index(path)) if split and f.kind == "optim" else None
                 if held is not None:  # a flat parameter's state: one leaf per parameter it holds
                     for member, place in _member_paths(path, held):
@@ -203,8 +282,9 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
                             objects.append(place)
                             continue
                         layout, _ = layouts[path]
-                        ranges = [(base + r, lo, n) for r, (o,), (size,) in boxes(layout, f.world, mesh)
-                                  for _, lo, n in fsdp_flat.overlaps([member], o, size)]
+                        ranges = [(base + r, lo, n) for r, lo, n in parts[int(_flat_index(path))]] if ragged else \
+                            [(base + r, lo, n) for r, (o,), (size,) in boxes(layout, f.world, mesh)
+                             for _, lo, n in fsdp_flat.overlaps([member], o, size)]
                         arrays[place] = flat_spec(layout.dtype, member.shape, ranges)
                     continue
                 if path not in layouts:
@@ -219,6 +299,8 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     digest = hashlib.blake2b(repr(sorted(digests.items())).encode(), digest_size=16).hexdigest()
     facts = {"layouts": digests, "mesh": mesh_json(mesh),
              "split": {k: [[m.name, list(m.shape), m.start, m.key] for m in held] for k, held in (split or {}).items()}}
+    if ragged is not None:
+        facts["ragged"] = {"digests": rank_digests, "parts": {str(i): [list(p) for p in ps] for i, ps in parts.items()}}
     extra = {"units": names, "metadata": digest, "verl": facts, "replicas": replica_count(arrays)}
     return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
 
@@ -237,13 +319,20 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
     with closed_on_error(unit.close, path):
         mesh = mesh_from_json(facts["verl"]["mesh"])
         layouts = layouts_of(f)
-        if digest_of(f, layouts) != facts["verl"]["layouts"].get(f.kind):
-            raise CheckpointError(f"{path}: its keys or tensor layouts differ from rank 0's {f.kind} file the store "
-                                  f"was planned from (a file of another checkpoint?)")
+        ragged = facts["verl"].get("ragged") if f.kind == "optim" else None
+        want = ragged["digests"][f.rank] if ragged and f.rank < len(ragged["digests"]) else \
+            facts["verl"]["layouts"].get(f.kind)
+        if digest_of(f, layouts) != want:
+            raise CheckpointError(f"{path}: its keys or tensor layouts differ from " +
+                                  (f"rank {f.rank}'s" if ragged else f"rank 0's {f.kind}") +
+                                  " file the store was planned from (a file of another checkpoint?)")
         split = {k: [fsdp_flat.Member(n, tuple(shape), start, key) for n, shape, start, key in held]
                  for k, held in facts["verl"].get("split", {}).items()} if f.kind == "optim" else {}
         for p, leaf in f.leaves.items():
             held = split.get(_flat_index(p))  # type: ignore[arg-type]
+            if held is not None and ragged:
+                _part_leaf(unit, f, p, leaf, layouts.get(p), held[0], ragged["parts"][_flat_index(p)])
+                continue
             if held is not None:
                 _split_leaf(unit, f, p, leaf, layouts.get(p), held, mesh)
                 continue
@@ -285,3 +374,20 @@ def _split_leaf(unit: FileUnit, f: File, path: str, leaf: Any, planned: tuple[La
         view = TensorRef(local.storage, local.offset + m.start + lo - first, (n,), (1,), local.dtype)
         tensors.check_view(f.zip, view, place)
         unit.leaves[place] = ArrayLeaf(layout.dtype, m.shape, [LocalPiece((lo,), (n,), view, f.zip)])
+
+
+def _part_leaf(unit: FileUnit, f: File, path: str, leaf: Any, planned: tuple[Layout, TensorRef] | None,
+               member: fsdp_flat.Member, parts: list[list[int]]) -> None:
+    """A parameter's state entry under `use_orig_params=True`: a value (`step`), or this rank's part of the
+    parameter's elements, where the plan placed it."""
+    (_, place), = _member_paths(path, [member])
+    if planned is None:
+        unit.leaves[place] = leaf
+        return
+    layout, local = planned
+    mine = next(((lo, n) for r, lo, n in parts if r == f.rank), None)
+    if mine is None or (mine[1],) != tuple(local.shape):
+        raise CheckpointError(f"{f.path}: {path}: {list(local.shape)} elements where the plan gives rank {f.rank} "
+                              f"{mine[1] if mine else 'none'}")
+    tensors.check_view(f.zip, local, place)
+    unit.leaves[place] = ArrayLeaf(layout.dtype, member.shape, [LocalPiece((mine[0],), (mine[1],), local, f.zip)])

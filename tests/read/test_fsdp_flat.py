@@ -28,3 +28,19 @@ def test_overlaps_cut_a_ranks_slice_at_parameter_edges() -> None:
     members = [Member("a", (5,), 0, "a"), Member("b", (3, 2), 5, "b")]
     assert overlaps(members, 4, 4) == [(members[0], 4, 1), (members[1], 0, 3)]
     assert overlaps(members, 11, 3) == []  # padding only
+
+
+def test_ragged_parts_follow_each_other_in_shard_order() -> None:
+    """use_orig_params=True: per-rank part sizes of each parameter, within each replica group; a frozen
+    parameter (no state anywhere) has none; parts that do not add up, or replica groups that differ, are
+    not placed."""
+    from shardstore.read.fsdp_flat import ragged
+
+    numels = [10, 4, 6]  # parameter 1 frozen
+    lengths = {0: {0: 7}, 1: {0: 3, 2: 4}, 2: {2: 2}}
+    assert ragged(numels, lengths, [[0, 1, 2]]) == {0: [(0, 0, 7), (1, 7, 3)], 1: [], 2: [(1, 0, 4), (2, 4, 2)]}
+    hsdp = {**lengths, **{r + 3: v for r, v in lengths.items()}}
+    assert ragged(numels, hsdp, [[0, 1, 2], [3, 4, 5]])[0] == [(0, 0, 7), (1, 7, 3), (3, 0, 7), (4, 7, 3)]
+    assert ragged(numels, {**lengths, 2: {2: 1}}, [[0, 1, 2]]) is None  # 4 + 1 != 6
+    assert ragged(numels, {**hsdp, 5: {2: 1}, 4: {0: 3, 2: 5}}, [[0, 1, 2], [3, 4, 5]]) is None
+    assert ragged(numels, {**lengths, 2: {7: 2}}, [[0, 1, 2]]) is None  # an index the model does not have

@@ -19,7 +19,10 @@ from tests.read.conformance import FormatTests
 OLD = Path(__file__).parent.parent / "fixtures" / "data" / "verl"
 ACTOR = "global_step_7/actor"
 # (FSDP strategy and mesh, world size): veRL's default, its HSDP mesh, world size 1, FSDP2 and FSDP2 HSDP.
-RUNS = [("fsdp1", 3), ("fsdp1-hsdp", 4), ("fsdp1", 1), ("fsdp2", 4), ("fsdp2-hsdp", 4)]
+# use_orig_params=True (veRL's choice when part of a model is frozen; one norm weight is): per-parameter
+# optimizer parts of every size, none for the frozen one.
+RUNS = [("fsdp1", 3), ("fsdp1-hsdp", 4), ("fsdp1", 1), ("fsdp2", 4), ("fsdp2-hsdp", 4), ("fsdp1-orig", 3),
+        ("fsdp1-hsdp-orig", 4)]
 OLD_RUNS = ["t2.4/fsdp1-w3", "t2.4/fsdp1-hsdp-w4", "t2.6/fsdp1-w3", "t2.6/fsdp1-hsdp-w4", "t2.6/fsdp2-w4"]
 
 
@@ -39,9 +42,9 @@ def _check_torch_export(out: Path, src: Path) -> None:
     model = torch.load(out / "model.pt", weights_only=True)
     assert_bitwise_equal(model, want["model"], "model", ordered=True)
     optim = torch.load(out / "optim.pt", weights_only=True)
-    if "optim_flat" in want:  # FSDP1: each flat parameter's state split per parameter, keyed by name
+    if "fsdp1" in src.name:  # each (flat) parameter's state, per parameter, keyed by name
         names = set(want["param_names"])  # in the model file's order (the order of torch's gather varies)
-        assert list(optim["state"]) == [k for k in want["model"] if k in names]
+        assert list(optim["state"]) == [k for k in want["model"] if k in want["optim"]["state"]]
         assert_bitwise_equal(optim["state"], want["optim"]["state"], "optim/state")
         assert sorted(optim["param_groups"][0]["params"]) == sorted(names)
     else:  # FSDP2: each parameter's moments, keyed by its index as the optimizer keys it
@@ -75,7 +78,8 @@ def test_safetensors_and_dcp_exports(run: str, request: pytest.FixtureRequest, t
     assert_bitwise_equal(torch.load(tmp_path / "dcp.pt", weights_only=False)["model"], dict(want), "dcp")
 
 
-@pytest.mark.parametrize("run", ["fsdp2-w4", "fsdp1-hsdp-w4", "fsdp2-hsdp-w4", "fsdp1-w1", "t2.6/fsdp1-w3"])
+@pytest.mark.parametrize("run", ["fsdp2-w4", "fsdp1-hsdp-w4", "fsdp2-hsdp-w4", "fsdp1-w1", "t2.6/fsdp1-w3",
+                                 "fsdp1-orig-w3"])
 def test_hf_export_loads_with_the_gathered_models_logits(run: str, request: pytest.FixtureRequest,
                                                          tmp_path: Path) -> None:
     """Config, generation config and tokenizer come from veRL's huggingface/ folder with no flag; the
@@ -186,3 +190,9 @@ def test_a_lora_only_save_is_exported_as_it_is_and_refused_as_a_model(tmp_path: 
         shardstore.unshard(folder, tmp_path / "hf", format="hf", jobs=1,
                            hf_config=Path(__file__).parent.parent / "fixtures" / "data" / "verl" / "t2.6" /
                            "fsdp1-w3" / "global_step_7" / "actor" / "huggingface")
+
+
+class TestVerlOrigParamsConformance(TestVerlConformance):
+    @pytest.fixture
+    def checkpoint(self, verl_checkpoints) -> Path:
+        return verl_checkpoints("fsdp1-hsdp-orig", 4)  # parts of every size, replica groups, a frozen parameter
