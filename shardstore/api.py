@@ -52,6 +52,8 @@ def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None
         if on_done:
             on_done(result)
 
+    if isinstance(files, (str, os.PathLike)):  # one folder (or file), not the characters of its name
+        files = [files]
     source = files if isinstance(files, Source) else source_of_files(list(files), storage_options)
     st = _ingest.ingest(store, source, jobs=jobs, on_done=done, verify_replicas=verify_replicas, scheduler=scheduler,
                         strict=strict, only=only, on_created=on_created, direct=direct,

@@ -208,7 +208,7 @@ def torch_files(store: Store) -> list[str]:
 
 def torch_object(store: Store, file: TorchFile) -> Any:
     """What one of the files holds, its arrays as ArrayRefs."""
-    state = build(store, file.node, plain_dicts=file.plain_dicts, lean=True)
+    state = _tied(store, file.node, build(store, file.node, plain_dicts=file.plain_dicts, lean=True))
     if file.dropped:
         return {k: v for k, v in state.items() if k not in file.dropped}
     if store.manifest.layout != "composer" or not isinstance(state.get("rng"), list):
@@ -228,6 +228,29 @@ def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | 
         save(store, torch_object(store, file), out_dir / file.name, progress, partial=partial)
         written.append(out_dir / file.name)
     return written
+
+
+def _tied(store: Store, node: Node, state: Any) -> Any:
+    """Tied names (DeepSpeed's shared_params) added as the very tensor they are tied to, as the trainer's
+    own state dict has them: one storage, two names."""
+    tied = store.manifest.facts.tied
+    if not tied:
+        return state
+    full = {path: keys for keys, path in leaves(store.manifest.tree)}
+    here = {path: keys for keys, path in leaves(node)}
+    for alias, target in tied:
+        if target not in here:
+            continue
+        depth = len(full[target]) - len(here[target])
+        if list(alias[:depth]) != full[target][:depth] or len(alias) <= depth:
+            continue
+        value, holder = state, state
+        for key in here[target]:
+            value = value[key]
+        for key in alias[depth:-1]:
+            holder = holder[key]
+        holder[alias[-1]] = value
+    return state
 
 
 def _holders(store: Store, node: Node) -> list[int]:

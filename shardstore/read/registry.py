@@ -12,7 +12,7 @@ from .contract import Format
 @functools.cache
 def folder_formats() -> tuple[Format, ...]:
     """The formats a checkpoint folder is recognised by, in order."""
-    from . import dcp, dcp_hf, olmo_core, olmo_local, verl
+    from . import dcp, dcp_hf, deepspeed, olmo_core, olmo_local, verl
     from .folder import FolderFormat
 
     return (
@@ -20,6 +20,7 @@ def folder_formats() -> tuple[Format, ...]:
         FolderFormat(olmo_local, "OLMo `local`"),
         FolderFormat(olmo_core, "OLMo-core"),
         FolderFormat(verl, "veRL"),
+        FolderFormat(deepspeed, "DeepSpeed ZeRO"),
         FolderFormat(dcp_hf, "Hugging Face safetensors"),
     )
 

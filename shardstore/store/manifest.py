@@ -120,8 +120,11 @@ class CheckpointFacts:
     metadata: str | None = None  # a digest of what the plan was read from (a unit of another is refused)
     reader: dict[str, Any] = field(default_factory=dict)
     version: int = FACTS_VERSION
+    # tied names: (the keys of a name that is another's tensor, the store path of that tensor), written as
+    # the same tensor where the output can share one (torch) and left out where it cannot
+    tied: tuple[tuple[tuple[str, ...], str], ...] = ()
 
-    TYPED = ("format", "group_size", "replicas", "side_files", "units", "metadata")
+    TYPED = ("format", "group_size", "replicas", "side_files", "units", "metadata", "tied")
 
     @classmethod
     def of(cls, format: str, group_size: int, replicas: int, extra: dict[str, Any]) -> "CheckpointFacts":
@@ -129,7 +132,8 @@ class CheckpointFacts:
         units = extra.get("units")
         return cls(format, group_size, extra.get("replicas", replicas), dict(extra.get("side_files", {})),
                    None if units is None else tuple(units), extra.get("metadata"),
-                   {k: v for k, v in extra.items() if k not in cls.TYPED})
+                   {k: v for k, v in extra.items() if k not in cls.TYPED},
+                   tied=tuple((tuple(keys), path) for keys, path in extra.get("tied", ())))
 
     def reader_view(self) -> dict[str, Any]:
         """What the format's `open_unit` is given: its own facts, and the units and digest it planned."""
@@ -139,7 +143,7 @@ class CheckpointFacts:
         return {"version": self.version, "format": self.format, "group_size": self.group_size,
                 "replicas": self.replicas, "side_files": self.side_files,
                 "units": None if self.units is None else list(self.units), "metadata": self.metadata,
-                "reader": self.reader}
+                "reader": self.reader, "tied": [[list(keys), path] for keys, path in self.tied]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str) -> "CheckpointFacts":
@@ -151,7 +155,8 @@ class CheckpointFacts:
         units = d.get("units")
         facts = cls(d.get("format", "torch-save"), d.get("group_size", 1), d.get("replicas", 1),
                     d.get("side_files") or {}, None if units is None else tuple(units), d.get("metadata"),
-                    d.get("reader") or {}, d.get("version", FACTS_VERSION))
+                    d.get("reader") or {}, d.get("version", FACTS_VERSION),
+                    tuple((tuple(keys), path) for keys, path in d.get("tied") or ()))
         if not (isinstance(facts.format, str) and type(facts.group_size) is int and type(facts.replicas) is int
                 and isinstance(facts.side_files, dict) and isinstance(facts.reader, dict)):
             raise StoreError(f"{where}: corrupt manifest (checkpoint facts)")

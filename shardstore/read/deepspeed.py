@@ -1,0 +1,576 @@
+"""DeepSpeed ZeRO checkpoints (`engine.save_checkpoint`, stages 1, 2 and 3), read without DeepSpeed.
+
+A save folder (the HF Trainer's `checkpoint-N/`) holds `latest` (the tag) and `<tag>/` (`global_stepN/`):
+- ZeRO-1/2: `mp_rank_00_model_states.pt` (`module`: the model's 16-bit or fp32 weights and buffers;
+  `param_shapes`: per optimizer group, `{name: shape}` in flattening order; `frozen_param_shapes` and
+  `frozen_param_fragments` (whole); `shared_params`: `{tied name: name}`; the engine's counters, LR
+  scheduler and config), and `[bf16_]zero_pp_rank_{d}_mp_rank_00_optim_states.pt` per data-parallel rank:
+  `single_partition_of_fp32_groups` (this rank's part of each group's flat fp32 masters), the base
+  optimizer's state over the same parts (`base_optimizer_state`), `group_paddings`,
+  `param_alignment_paddings`, `partition_count`. A group's parameters are laid end to end (each followed
+  by its alignment padding), padded at the end, and cut into `partition_count` equal parts; the last
+  rank's masters are saved without the end padding (its `group_paddings`), its moments with it.
+- ZeRO-3: per rank `zero_pp_rank_{r}_mp_rank_00_model_states.pt` (`module` of size-0 placeholders, this
+  rank's `frozen_param_fragments`) and `..._optim_states.pt` (`fp32_flat_groups`, the base optimizer's
+  state under `optimizer_state_dict`). Every parameter is partitioned on its own: `ceil(numel / W)`
+  elements per rank, the last zero-padded, laid end to end per group in each rank's flat part.
+
+This is DeepSpeed's own `zero_to_fp32.py` rule, derived here from `param_shapes` and checked against
+every file's own part lengths (a part of the wrong length, or a file of another run, is refused naming
+it). The store's tree: `model` (the fp32 masters of trainable parameters, frozen parameters in their own
+dtype, buffers, in the module's order; a tied name is not a tensor of its own but a fact,
+`CheckpointFacts.tied`), `optim` (`{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups":
+[{hyperparameters..., "params": [names]}]}`, as torch's optimizers key state, by name) and `train` (the
+rest of the model-states file: counters, LR scheduler, config). DeepSpeed's own classes in these pickles
+(`ZeroStageEnum`, `LossScaler`, `fragment_address`) are inert records; nothing of DeepSpeed is imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointError, closed_on_error
+from ..locations import StorageOptions
+from . import fsdp_flat, tensors
+from .container import TorchZip, read_small
+from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, replica_count
+from .olmo import FileUnit, flat_spec, relative
+from .opaque import Building, building_class
+from .source import folder_of, join, listing, subfolders
+from .tree import flatten
+from .unpickle import TensorRef, load
+
+FORMAT = "deepspeed"
+LATEST = "latest"
+MODEL_STATES = re.compile(r"(?:zero_pp_rank_(?P<rank>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt\Z")
+OPTIM_STATES = re.compile(r"(?P<bf16>bf16_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt\Z")
+# DeepSpeed's classes its checkpoints pickle: inert records (strict mode included), never imported.
+PLACEHOLDERS = {key: building_class(*key) for key in (
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+)}
+# What the model-states file holds besides the engine's own state (which becomes `train`).
+LAYOUT_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+               "shared_params", "optimizer")
+# The HF Trainer's own files beside the tag folder, which are not the model's.
+NOT_MODEL_FILES = ("trainer_state.json",)
+HF_KINDS = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+MAX_TAG = 256
+
+
+# ---------------------------------------------------------------------------------------------- finding
+def _tag_folder(folder: str, storage_options: StorageOptions | None) -> str | None:
+    """The tag folder `folder` is, or the one its `latest` names; None if neither holds ZeRO files."""
+    names = [p.rsplit("/", 1)[-1] for p in listing(folder, storage_options)]
+    if any(MODEL_STATES.match(n) for n in names) and any(OPTIM_STATES.match(n) for n in names):
+        return folder
+    if LATEST in names:
+        try:
+            tag = read_small(join(folder, LATEST), storage_options, MAX_TAG, "DeepSpeed's latest").decode().strip()
+        except (CheckpointError, UnicodeDecodeError):
+            return None
+        if tag and "/" not in tag and tag in subfolders(folder, storage_options):
+            inner = join(folder, tag)
+            return inner if _tag_folder(inner, storage_options) == inner else None
+    return None
+
+
+def detect(folder: str, storage_options: StorageOptions | None = None) -> bool:
+    """A tag folder of ZeRO files, or a save folder (the HF Trainer's checkpoint-N/) whose `latest` names one."""
+    return _tag_folder(folder, storage_options) is not None
+
+
+def run_of(unit: str) -> str:
+    return folder_of(unit)
+
+
+def _files(tag: str, storage_options: StorageOptions | None) -> tuple[dict[int, str], dict[int, str]]:
+    model: dict[int, str] = {}
+    optim: dict[int, str] = {}
+    for p in listing(tag, storage_options):
+        name = p.rsplit("/", 1)[-1]
+        m, o = MODEL_STATES.match(name), OPTIM_STATES.match(name)
+        for found, into in ((m, model), (o, optim)):
+            if found is None:
+                continue
+            if int(found["mp"]) != 0:
+                raise CheckpointError(f"{p}: a model-parallel rank's file (tensor or pipeline parallelism); only "
+                                      f"data-parallel ZeRO checkpoints (mp_rank_00) are read")
+            into[int(found["rank"] or 0)] = p
+    return model, optim
+
+
+def units(folder: str, storage_options: StorageOptions | None = None) -> list[str]:
+    """The model-states file(s), then every rank's optimizer file, in rank order; refused naming what is
+    missing."""
+    tag = _tag_folder(folder, storage_options)
+    if tag is None:
+        raise CheckpointError(f"{folder}: not a DeepSpeed checkpoint folder")
+    model, optim = _files(tag, storage_options)
+    world = max(optim) + 1 if optim else 0
+    for found, what in ((optim, "zero_pp_rank_{r}_mp_rank_00_optim_states.pt"),
+                        (model if len(model) > 1 or 0 not in model else {}, "zero_pp_rank_{r}_mp_rank_00_model_states.pt")):
+        missing = [r for r in range(world) if r not in found] if found else []
+        if missing:
+            raise CheckpointError(f"{join(tag, what.format(r=missing[0]))}: missing (the checkpoint is incomplete)")
+    return [model[r] for r in sorted(model)] + [optim[r] for r in range(world)]
+
+
+def side_files(folder: str, storage_options: StorageOptions | None = None) -> list[str]:
+    """The model's Hugging Face files the HF Trainer puts beside the tag folder (config, generation config,
+    tokenizer), which `--format hf` uses with no flag."""
+    tag = _tag_folder(folder, storage_options)
+    above = folder_of(tag) if tag is not None else folder
+    return [p for p in listing(above, storage_options)
+            if p.endswith(HF_KINDS) and p.rsplit("/", 1)[-1] not in NOT_MODEL_FILES]
+
+
+def unit_kind(name: str) -> str:
+    return "model-states files" if MODEL_STATES.match(name.rsplit("/", 1)[-1]) else "optimizer files"
+
+
+# ---------------------------------------------------------------------------------------------- reading
+@dataclass
+class _File:
+    path: str
+    zip: TorchZip
+    state: Any
+
+
+def _read(path: str, storage_options: StorageOptions | None, strict: bool) -> _File:
+    zf = TorchZip(path, storage_options)
+    with closed_on_error(zf.close, path):
+        zf.verify("data.pkl")
+        state = load(zf.record("data.pkl"), path, strict, PLACEHOLDERS)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path}: not a DeepSpeed checkpoint file (holds a {type(state).__name__})")
+        return _File(path, zf, state)
+
+
+def _get(d: Any, key: str, where: str, kind: type | tuple[type, ...] = object) -> Any:
+    if not isinstance(d, dict) or key not in d or not isinstance(d[key], kind):
+        raise CheckpointError(f"{where}: no {key!r} of the expected kind (not a DeepSpeed ZeRO checkpoint file?)")
+    return d[key]
+
+
+def _count(value: Any, where: str) -> int:
+    if type(value) is not int or value < 0:
+        raise CheckpointError(f"{where}: {value!r:.40} is not a count (corrupt file)")
+    return value
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the model-states file and rank 0's optimizer file say of the whole checkpoint."""
+
+    stage: int
+    world: int
+    groups: list[list[tuple[str, tuple[int, ...]]]]  # per optimizer group, its parameters in order
+    frozen: dict[str, tuple[int, ...]]
+    shared: dict[str, str]  # tied name -> the name it is
+    paddings: list[list[int]]  # ZeRO-1/2: each parameter's alignment padding after it
+    parts: list[int]  # per group: each rank's part length (ZeRO-1/2, padding included; ZeRO-3: ignored)
+
+    def members(self, g: int) -> list[fsdp_flat.Member]:
+        """ZeRO-1/2: group g's parameters where they lie in the group's flat vector."""
+        out, start = [], 0
+        for (name, shape), pad in zip(self.groups[g], self.paddings[g]):
+            out.append(fsdp_flat.Member(name, shape, start, name))
+            start += math.prod(shape) + pad
+        return out
+
+    def end(self, g: int) -> int:
+        return sum(math.prod(s) + p for (_, s), p in zip(self.groups[g], self.paddings[g]))
+
+    def z3_offsets(self, g: int) -> list[tuple[str, tuple[int, ...], int, int]]:
+        """ZeRO-3: (name, shape, offset in each rank's flat part, elements per rank) of group g's parameters."""
+        out, offset = [], 0
+        for name, shape in self.groups[g]:
+            per = -(-math.prod(shape) // self.world)
+            out.append((name, shape, offset, per))
+            offset += per
+        return out
+
+    def flat_length(self, g: int) -> int:
+        """The length of each rank's flat part of group g (ZeRO-1/2: padding included)."""
+        return self.parts[g] if self.stage < 3 else sum(per for _, _, _, per in self.z3_offsets(g))
+
+    def digest(self) -> str:
+        return hashlib.blake2b(repr((self.stage, self.world, self.groups, self.frozen, self.shared, self.paddings,
+                                     self.parts)).encode(), digest_size=16).hexdigest()
+
+
+def _shapes(value: Any, where: str) -> list[tuple[str, tuple[int, ...]]]:
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: param_shapes that are not {{name: shape}} (corrupt file)")
+    out = []
+    for name, shape in value.items():
+        if not isinstance(name, str) or not isinstance(shape, (tuple, list)) \
+                or not all(type(n) is int and n >= 0 for n in shape):
+            raise CheckpointError(f"{where}: a parameter shape {name!r:.60}: {shape!r:.40} (corrupt file)")
+        out.append((name, tuple(shape)))
+    return out
+
+
+def _stage(optim: dict, where: str) -> int:
+    stage = _get(optim, "zero_stage", where)
+    value = stage.args[0] if isinstance(stage, Building) and stage.args else stage
+    if type(value) is not int or value not in (1, 2, 3):
+        raise CheckpointError(f"{where}: ZeRO stage {value!r:.20}; stages 1, 2 and 3 are read")
+    return value
+
+
+def _world(optim: dict, where: str) -> int:
+    count = _get(optim, "partition_count", where)
+    counts = count if isinstance(count, list) else [count]
+    if not counts or len(set(counts)) != 1:
+        raise CheckpointError(f"{where}: groups partitioned over {counts!r:.60} ranks (expert parallelism); one "
+                              f"data-parallel size is read")
+    return _count(counts[0], where)
+
+
+def _layout(model: _File, optim: _File) -> Layout:
+    ms, od = model.state, _get(optim.state, "optimizer_state_dict", optim.path, dict)
+    stage, world = _stage(od, optim.path), _world(od, optim.path)
+    groups = [_shapes(g, model.path) for g in _get(ms, "param_shapes", model.path, list)]
+    frozen = dict(_shapes(ms.get("frozen_param_shapes") or {}, model.path))
+    shared = ms.get("shared_params") or {}
+    if not isinstance(shared, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in shared.items()):
+        raise CheckpointError(f"{model.path}: shared_params that are not {{name: name}} (corrupt file)")
+    if stage < 3:
+        pads = od.get("param_alignment_paddings") or [[0] * len(g) for g in groups]
+        if not isinstance(pads, list) or len(pads) != len(groups) or \
+                any(not isinstance(p, list) or len(p) != len(g) for p, g in zip(pads, groups)):
+            raise CheckpointError(f"{optim.path}: param_alignment_paddings that do not match param_shapes")
+        paddings = [[_count(x, optim.path) for x in p] for p in pads]
+        fp32 = _get(od, "single_partition_of_fp32_groups", optim.path, list)
+        own = _get(od, "group_paddings", optim.path, list)
+        if len(fp32) != len(groups) or len(own) != len(groups):
+            raise CheckpointError(f"{optim.path}: {len(fp32)} fp32 groups for {len(groups)} groups of parameters")
+        parts = [_part(t, optim.path) + _count(p, optim.path) for t, p in zip(fp32, own)]
+    else:
+        paddings, parts = [[0] * len(g) for g in groups], [0] * len(groups)
+    return Layout(stage, world, groups, frozen, shared, paddings, parts)
+
+
+def _part(t: Any, where: str) -> int:
+    if not isinstance(t, TensorRef) or len(t.shape) != 1:
+        raise CheckpointError(f"{where}: a flat part that is not a 1-D tensor (corrupt file)")
+    return t.shape[0]
+
+
+# ---------------------------------------------------------------------------------------------- spec
+def _rank(path: str) -> tuple[str, int]:
+    name = path.replace("\\", "/").rsplit("/", 1)[-1]
+    m, o = MODEL_STATES.match(name), OPTIM_STATES.match(name)
+    if o is not None:
+        return "optim", int(o["rank"])
+    if m is not None:
+        return "model", int(m["rank"] or 0)
+    raise CheckpointError(f"{path}: not a DeepSpeed ZeRO checkpoint file")
+
+
+def _train_tree(model: _File, encode_key: Any) -> tuple[Node, dict[str, Any]]:
+    rest = {k: v for k, v in model.state.items() if k not in LAYOUT_KEYS and k not in ("model", "optim")}
+    return flatten(rest, encode_key)
+
+
+def _model_names(layout: Layout, ms: dict, where: str) -> list[str]:
+    """Every tensor of the model, in the module's order (its state dict's), tied names left out: trainable
+    and frozen parameters, buffers, and under ZeRO-1 frozen weights `module` alone keeps."""
+    module = _get(ms, "module", where, dict)
+    known = {n for g in layout.groups for n, _ in g} | set(layout.frozen)
+    return [n for n in module if n not in layout.shared] + [n for n in known if n not in module]
+
+
+def _whole(layout: Layout, name: str, ms: dict, where: str) -> TensorRef | None:
+    """The tensor the model-states file holds whole for a name no optimizer part holds (a buffer, a frozen
+    parameter under ZeRO-1/2); None for a size-0 ZeRO-3 placeholder of a parameter held elsewhere."""
+    fragments = ms.get("frozen_param_fragments") or {}
+    ref = fragments.get(name) if name in fragments else ms["module"].get(name)
+    if layout.stage == 3 and name in layout.frozen:
+        return None
+    if not isinstance(ref, TensorRef):
+        if name in ms["module"]:
+            return ms["module"][name]  # a value, kept as it is
+        raise CheckpointError(f"{where}: parameter {name} is in no optimizer group and not in the module")
+    if layout.stage == 3 and not math.prod(ref.shape) and ref.shape != ():
+        raise CheckpointError(f"{where}: {name} is a ZeRO-3 placeholder, but in no optimizer group and not frozen")
+    return ref
+
+
+def _optim_state(od: dict, stage: int, where: str) -> dict:
+    base = od.get("base_optimizer_state" if stage < 3 else "optimizer_state_dict")
+    if not isinstance(base, dict) or not isinstance(base.get("state"), dict) or \
+            not isinstance(base.get("param_groups"), list):
+        raise CheckpointError(f"{where}: no torch optimizer state over its flat parts (an elastic or "
+                              f"already-stripped checkpoint?); not read")
+    return base
+
+
+def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
+         storage_options: StorageOptions | None) -> CheckpointSpec:
+    """Planned from the (rank 0) model-states file and rank 0's optimizer file: with `param_shapes` and
+    the partition rule they place every rank's part."""
+    models = [u for u in unit_paths if _rank(u)[0] == "model"]
+    optims = [u for u in unit_paths if _rank(u)[0] == "optim"]
+    model, optim = _read(models[0], storage_options, strict), None
+    try:
+        optim = _read(optims[0], storage_options, strict)
+        layout = _layout(model, optim)
+        if len(optims) != layout.world:
+            raise CheckpointError(f"{optims[0]}: partitioned over {layout.world} ranks, but the folder holds "
+                                  f"{len(optims)} optimizer files")
+        if layout.stage == 3 and len(models) != layout.world:
+            raise CheckpointError(f"{models[0]}: ZeRO-3 keeps a model-states file per rank; {len(models)} of "
+                                  f"{layout.world} are there")
+        od = optim.state["optimizer_state_dict"]
+        base = _optim_state(od, layout.stage, optim.path)
+        arrays: dict[str, ShardedSpec] = {}
+        objects: list[str] = []
+        leaves: dict[str, str] = {}
+        m0, o0 = 0, len(models)  # unit indices of the first model-states and optimizer files
+        trainable = {n: g for g, ps in enumerate(layout.groups) for n, _ in ps}
+        fp32_dtype = _fp32_dtype(od, layout.stage, optim.path)
+        names = _model_names(layout, model.state, model.path)
+        for name in names:
+            path = leaves[name] = f"model/{encode_key(name)}"
+            if name in trainable:
+                g = trainable[name]
+                arrays[path] = flat_spec(fp32_dtype, dict(layout.groups[g])[name], _ranges(layout, g, name, o0))
+            elif layout.stage == 3 and name in layout.frozen:
+                arrays[path] = _z3_frozen_spec(layout, name, model, m0)
+            else:
+                ref = _whole(layout, name, model.state, model.path)
+                if isinstance(ref, TensorRef) and ref.shape:
+                    arrays[path] = flat_spec(ref.dtype, tuple(ref.shape), [(m0, 0, math.prod(ref.shape))])
+                else:
+                    objects.append(path)
+        state_nodes = []
+        for name in [n for n in names if n in trainable]:
+            g = trainable[name]
+            shape = dict(layout.groups[g])[name]
+            children = []
+            for key, value in base["state"].get(g, {}).items():
+                path = f"optim/state/{encode_key(name)}/{encode_key(key)}"
+                if isinstance(value, TensorRef) and value.shape == (layout.flat_length(g),):
+                    arrays[path] = flat_spec(value.dtype, shape, _ranges(layout, g, name, o0))
+                else:
+                    objects.append(path)
+                children.append((key, Node("leaf", path)))
+            state_nodes.append((name, Node("dict", f"optim/state/{encode_key(name)}", children)))
+        objects.append("optim/param_groups")
+        train_tree, _ = _train_tree(model, encode_key)
+        objects += train_tree.leaf_paths()
+        model_node = Node("dict", "model", [(n, Node("leaf", leaves[n])) for n in names])
+        optim_node = Node("dict", "optim", [("state", Node("dict", "optim/state", state_nodes)),
+                                             ("param_groups", Node("leaf", "optim/param_groups"))])
+        tree = Node("dict", "", [("model", model_node), ("optim", optim_node)] + train_tree.children)
+    finally:
+        model.zip.close()
+        if optim is not None:
+            optim.zip.close()
+    listed = [relative(u) for u in unit_paths]
+    facts = {"layout": layout.digest(), "stage": layout.stage, "world": layout.world,
+             "groups": [[[n, list(s)] for n, s in g] for g in layout.groups],
+             "frozen": {n: list(s) for n, s in layout.frozen.items()}, "paddings": layout.paddings,
+             "parts": layout.parts, "shared": layout.shared, "models": len(models), "fp32": fp32_dtype}
+    extra = {"units": listed, "metadata": layout.digest(), "deepspeed": facts, "replicas": replica_count(arrays),
+             "tied": [[["model", a], f"model/{encode_key(b)}"] for a, b in layout.shared.items() if b in names]}
+    return CheckpointSpec(FORMAT, len(listed), len(listed), tree, arrays, {}, objects, extra)
+
+
+def _fp32_dtype(od: dict, stage: int, where: str) -> str:
+    groups = _get(od, "single_partition_of_fp32_groups" if stage < 3 else "fp32_flat_groups", where, list)
+    kinds = {t.dtype for t in groups if isinstance(t, TensorRef)}
+    if len(kinds) != 1:
+        raise CheckpointError(f"{where}: fp32 groups of dtypes {sorted(kinds)} (corrupt file)")
+    return kinds.pop()
+
+
+def _ranges(layout: Layout, g: int, name: str, base: int) -> list[tuple[int, int, int]]:
+    """(unit, first element, count) of each rank's part of parameter `name` (group g)."""
+    if layout.stage == 3:
+        for n, shape, _, per in layout.z3_offsets(g):
+            if n == name:
+                numel = math.prod(shape)
+                return [(base + r, r * per, min(per, numel - r * per)) for r in range(layout.world) if r * per < numel]
+    member = next(m for m in layout.members(g) if m.name == name)
+    part = layout.parts[g]
+    return [(base + r, lo, n) for r in range(layout.world) for _, lo, n in fsdp_flat.overlaps([member], r * part, part)]
+
+
+def _z3_frozen_spec(layout: Layout, name: str, model: _File, base: int) -> ShardedSpec:
+    """A frozen parameter under ZeRO-3: `ceil(numel / W)` elements in each rank's model-states file."""
+    shape = layout.frozen[name]
+    ref = (model.state.get("frozen_param_fragments") or {}).get(name)
+    if not isinstance(ref, TensorRef):
+        raise CheckpointError(f"{model.path}: frozen parameter {name} has no fragment")
+    numel, per = math.prod(shape), -(-math.prod(shape) // layout.world)
+    return flat_spec(ref.dtype, shape, [(base + r, r * per, min(per, numel - r * per))
+                                        for r in range(layout.world) if r * per < numel])
+
+
+# ---------------------------------------------------------------------------------------------- units
+def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+              facts: dict[str, Any]) -> FileUnit:
+    """One file, checked against the plan: its stage, world and part lengths are the plan's, then each of
+    its parts is cut at the parameters' edges."""
+    listed = facts.get("units", [])
+    if relative(path) not in listed or "deepspeed" not in facts:
+        raise CheckpointError(f"{path}: not a file of the DeepSpeed checkpoint the store holds")
+    index, count = listed.index(relative(path)), len(listed)
+    ds = facts["deepspeed"]
+    layout = Layout(ds["stage"], ds["world"], [[(n, tuple(s)) for n, s in g] for g in ds["groups"]],
+                    {n: tuple(s) for n, s in ds["frozen"].items()}, ds["shared"], ds["paddings"], ds["parts"])
+    kind, rank = _rank(path)
+    f = _read(path, storage_options, strict)
+    unit = FileUnit(path, index, count, index, count, facts["metadata"], {}, f.zip)
+    with closed_on_error(unit.close, path):
+        if kind == "model":
+            _model_unit(unit, f, layout, rank, encode_key)
+        else:
+            _optim_unit(unit, f, layout, rank, encode_key, ds["fp32"])
+    return unit
+
+
+def _check(layout: Layout, f: _File, planned: str) -> None:
+    if layout.digest() != planned:
+        raise CheckpointError(f"{f.path}: belongs to another DeepSpeed checkpoint than the store's")
+
+
+def _model_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key: Any) -> None:
+    """Rank 0's model-states file: the tensors it holds whole and the engine's state; under ZeRO-3 every
+    rank's also its frozen parameters' fragments."""
+    ms = f.state
+    groups = [_shapes(g, f.path) for g in _get(ms, "param_shapes", f.path, list)]
+    if groups != layout.groups or dict(_shapes(ms.get("frozen_param_shapes") or {}, f.path)) != layout.frozen:
+        raise CheckpointError(f"{f.path}: its parameters differ from the checkpoint the store was planned from "
+                              f"(a file of another run?)")
+    trainable = {n for g in layout.groups for n, _ in g}
+    for name in _model_names(layout, ms, f.path):
+        place = f"model/{encode_key(name)}"
+        if name in trainable:
+            continue
+        if layout.stage == 3 and name in layout.frozen:
+            unit.leaves[place] = _z3_fragment(f, layout, name, rank, place)
+        elif rank == 0:
+            ref = _whole(layout, name, ms, f.path)
+            unit.leaves[place] = _whole_leaf(f, ref, place) if isinstance(ref, TensorRef) and ref.shape else ref
+    if rank == 0:
+        _, values = _train_tree(f, encode_key)
+        unit.leaves.update(values)
+
+
+def _z3_fragment(f: _File, layout: Layout, name: str, rank: int, place: str) -> ArrayLeaf:
+    shape = layout.frozen[name]
+    ref = (f.state.get("frozen_param_fragments") or {}).get(name)
+    numel, per = math.prod(shape), -(-math.prod(shape) // layout.world)
+    if not isinstance(ref, TensorRef) or tuple(ref.shape) != (per,):
+        raise CheckpointError(f"{f.path}: frozen fragment {name} is not the {per} elements each of "
+                              f"{layout.world} ranks holds")
+    n = min(per, numel - rank * per)
+    if n <= 0:
+        return ArrayLeaf(ref.dtype, shape, [])
+    view = TensorRef(ref.storage, ref.offset, (n,), (1,), ref.dtype)
+    tensors.check_view(f.zip, view, place)
+    return ArrayLeaf(ref.dtype, shape, [LocalPiece((rank * per,), (n,), view, f.zip)])
+
+
+def _whole_leaf(f: _File, ref: TensorRef, place: str) -> ArrayLeaf:
+    if tuple(ref.stride) != _contiguous(tuple(ref.shape)):
+        raise CheckpointError(f"{f.path}: {place} is not contiguous in its storage; not read")
+    numel = math.prod(ref.shape)
+    flat = TensorRef(ref.storage, ref.offset, (numel,), (1,), ref.dtype)
+    tensors.check_view(f.zip, flat, place)
+    return ArrayLeaf(ref.dtype, tuple(ref.shape), [LocalPiece((0,), (numel,), flat, f.zip)])
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def _optim_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key: Any, fp32_dtype: str) -> None:
+    od = _get(f.state, "optimizer_state_dict", f.path, dict)
+    if _stage(od, f.path) != layout.stage or _world(od, f.path) != layout.world:
+        raise CheckpointError(f"{f.path}: ZeRO-{_stage(od, f.path)} over {_world(od, f.path)} ranks, but the store "
+                              f"holds ZeRO-{layout.stage} over {layout.world}")
+    if not 0 <= rank < layout.world:
+        raise CheckpointError(f"{f.path}: rank {rank} outside the {layout.world} the checkpoint has")
+    base = _optim_state(od, layout.stage, f.path)
+    fp32 = _get(od, "single_partition_of_fp32_groups" if layout.stage < 3 else "fp32_flat_groups", f.path, list)
+    if len(fp32) != len(layout.groups):
+        raise CheckpointError(f"{f.path}: {len(fp32)} fp32 groups, the checkpoint {len(layout.groups)}")
+    for g, part in enumerate(fp32):
+        have = _part(part, f.path)
+        want, keep = _expected_part(layout, g, rank, od, f.path)
+        if have != want:
+            raise CheckpointError(f"{f.path}: group {g}'s fp32 part holds {have} elements, not the {want} this "
+                                  f"rank's share of the plan is (a file of another run, or damaged)")
+        _cut(unit, f, layout, g, rank, part, have, lambda n: f"model/{encode_key(n)}")
+        state = base["state"].get(g, {})
+        for key, value in state.items():
+            if isinstance(value, TensorRef) and tuple(value.shape) == (keep,):
+                if value.shape[0] != keep:
+                    raise CheckpointError(f"{f.path}: group {g}'s {key} holds {value.shape[0]} elements, not {keep}")
+                _cut(unit, f, layout, g, rank, value, keep, lambda n, k=key: f"optim/state/{encode_key(n)}/{encode_key(k)}")
+            else:
+                for name, _ in layout.groups[g]:
+                    unit.leaves[f"optim/state/{encode_key(name)}/{encode_key(key)}"] = value
+    if rank == 0:
+        groups = base["param_groups"]
+        if not isinstance(groups, list) or len(groups) != len(layout.groups) or not all(isinstance(g, dict) for g in groups):
+            raise CheckpointError(f"{f.path}: param_groups that do not match param_shapes (corrupt file)")
+        unit.leaves["optim/param_groups"] = [{**{k: v for k, v in g.items() if k != "params"},
+                                              "params": [n for n, _ in layout.groups[i]]} for i, g in enumerate(groups)]
+
+
+def _expected_part(layout: Layout, g: int, rank: int, od: dict, where: str) -> tuple[int, int]:
+    """(the fp32 part's length, the moments' length) this rank's file must hold of group g."""
+    if layout.stage == 3:
+        n = sum(per for _, _, _, per in layout.z3_offsets(g))
+        return n, n
+    part = layout.parts[g]
+    pad = max(0, min(part, (rank + 1) * part - layout.end(g)))  # the end padding this rank's part holds
+    own = _get(od, "group_paddings", where, list)
+    if len(own) != len(layout.groups) or own[g] != pad:
+        raise CheckpointError(f"{where}: group {g}'s padding is {own[g] if g < len(own) else None}, not the {pad} "
+                              f"its rank's share of the plan has")
+    return part - pad, part
+
+
+def _cut(unit: FileUnit, f: _File, layout: Layout, g: int, rank: int, flat: TensorRef, length: int,
+         place: Any) -> None:
+    """This rank's flat part of group g cut at its parameters' edges, one piece each it holds."""
+    if tuple(flat.stride) != (1,):
+        raise CheckpointError(f"{f.path}: a flat part that is not contiguous (corrupt file)")
+    if layout.stage == 3:
+        pieces = []
+        for name, shape, offset, per in layout.z3_offsets(g):
+            numel = math.prod(shape)
+            n = min(per, numel - rank * per)
+            pieces.append((name, shape, offset, rank * per, n))
+    else:
+        part = layout.parts[g]
+        pieces = [(m.name, m.shape, m.start + lo - rank * part, lo, n)
+                  for m, lo, n in fsdp_flat.overlaps(layout.members(g), rank * part, min(part, length))]
+        held = {p[0] for p in pieces}
+        pieces += [(n, s, 0, 0, 0) for n, s in layout.groups[g] if n not in held]
+    for name, shape, at, first, n in pieces:
+        path = place(name)
+        if n <= 0:
+            unit.leaves[path] = ArrayLeaf(flat.dtype, shape, [])
+            continue
+        view = TensorRef(flat.storage, flat.offset + at, (n,), (1,), flat.dtype)
+        tensors.check_view(f.zip, view, path)
+        unit.leaves[path] = ArrayLeaf(flat.dtype, shape, [LocalPiece((first,), (n,), view, f.zip)])
