@@ -20,8 +20,8 @@ every file's own part lengths (a part of the wrong length, or a file of another 
 it). The store's tree: `model` (the fp32 masters of trainable parameters, frozen parameters in their own
 dtype, buffers, in the module's order; a tied name is not a tensor of its own but a fact,
 `CheckpointFacts.tied`), `optim` (`{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups":
-[{hyperparameters..., "params": [names]}]}`, as torch's optimizers key state, by name) and `train` (the
-rest of the model-states file: counters, LR scheduler, config). DeepSpeed's own classes in these pickles
+[{hyperparameters..., "params": [names]}]}`, as torch's optimizers key state, by name), and beside them the rest of
+the model-states file (the engine's counters, LR scheduler, config, client state). DeepSpeed's own classes in these pickles
 (`ZeroStageEnum`, `LossScaler`, `fragment_address`) are inert records; nothing of DeepSpeed is imported.
 """
 
@@ -55,7 +55,7 @@ PLACEHOLDERS = {key: building_class(*key) for key in (
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
     ("deepspeed.utils.tensor_fragment", "fragment_address"),
 )}
-# What the model-states file holds besides the engine's own state (which becomes `train`).
+# What the model-states file holds besides the engine's own state (kept beside `model` and `optim`).
 LAYOUT_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
                "shared_params", "optimizer")
 # The HF Trainer's own files beside the tag folder, which are not the model's.
