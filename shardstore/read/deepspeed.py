@@ -511,9 +511,12 @@ def _optim_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key:
     fp32 = _get(od, "single_partition_of_fp32_groups" if layout.stage < 3 else "fp32_flat_groups", f.path, list)
     if len(fp32) != len(layout.groups):
         raise CheckpointError(f"{f.path}: {len(fp32)} fp32 groups, the checkpoint {len(layout.groups)}")
+    mappings = od.get("param_slice_mappings")
     for g, part in enumerate(fp32):
         have = _part(part, f.path)
         want, keep = _expected_part(layout, g, rank, od, f.path)
+        if layout.stage < 3 and isinstance(mappings, list) and len(mappings) == len(fp32):
+            _check_mapping(f.path, mappings[g], layout, g, rank)
         if have != want:
             raise CheckpointError(f"{f.path}: group {g}'s fp32 part holds {have} elements, not the {want} this "
                                   f"rank's share of the plan is (a file of another run, or damaged)")
@@ -533,6 +536,21 @@ def _optim_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key:
             raise CheckpointError(f"{f.path}: param_groups that do not match param_shapes (corrupt file)")
         unit.leaves["optim/param_groups"] = [{**{k: v for k, v in g.items() if k != "params"},
                                               "params": [n for n, _ in layout.groups[i]]} for i, g in enumerate(groups)]
+
+
+def _check_mapping(where: str, saved: Any, layout: Layout, g: int, rank: int) -> None:
+    """ZeRO-1/2 files say which parameters their part holds, where (`param_slice_mappings`): a rank's
+    file copied over another's holds the same lengths, but not its slices."""
+    part = layout.parts[g]
+    want = {m.name: (m.start + lo - rank * part, n) for m, lo, n in fsdp_flat.overlaps(layout.members(g), rank * part, part)}
+    got = {}
+    for name, address in (saved.items() if isinstance(saved, dict) else ()):
+        fields = getattr(address, "state", None)
+        if isinstance(fields, dict):
+            got[name] = (fields.get("start"), fields.get("numel"))
+    if got != want:
+        raise CheckpointError(f"{where}: holds the slices of other parameters than rank {rank}'s part of group {g} "
+                              f"(a file of another rank or run)")
 
 
 def _expected_part(layout: Layout, g: int, rank: int, od: dict, where: str) -> tuple[int, int]:

@@ -1,0 +1,166 @@
+"""DeepSpeed ZeRO checkpoints written by DeepSpeed 0.19.8's own engine (tests/fixtures/deepspeed_zero.py;
+the files are kept in tests/fixtures/data/deepspeed/), against what DeepSpeed itself reconstructs
+(`get_fp32_state_dict_from_zero_checkpoint`) and what the live ranks gathered, bit for bit.
+
+| kind | ZeRO stage | precision | optimizer | files |
+|---|---|---|---|---|
+| z1 | 1 | fp32 | DeepSpeedZeroOptimizer | mp_rank_00 + 3 optimizer files |
+| z2 | 2 | fp32 | DeepSpeedZeroOptimizer | mp_rank_00 + 3 optimizer files |
+| z3 | 3 | fp32 | DeepSpeedZeroOptimizer_Stage3 | 3 model-states + 3 optimizer files |
+| z1-bf16 | 1 | bf16 | BF16_Optimizer (`bf16_` prefix) | mp_rank_00 + 3 optimizer files |
+| z2-bf16 | 2 | bf16 | DeepSpeedZeroOptimizer | mp_rank_00 + 3 optimizer files |
+| z3-bf16 | 3 | bf16 | DeepSpeedZeroOptimizer_Stage3 | 3 model-states + 3 optimizer files |
+
+All at W = 3 with vocab 97 (no part boundary falls on a parameter edge), tied embeddings, one frozen
+norm weight and the HF Trainer's two parameter groups. Under ZeRO-1 DeepSpeed's own `zero_to_fp32`
+drops the frozen parameter (it keeps no `frozen_param_shapes`): the live ranks' value is the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardstore
+from shardstore.errors import CheckpointError
+from shardstore.read.source import open_source
+from tests.conftest import assert_bitwise_equal
+from tests.read.conformance import FormatTests
+
+DATA = Path(__file__).parent.parent / "fixtures" / "data" / "deepspeed"
+KINDS = ["z1", "z2", "z3", "z1-bf16", "z2-bf16", "z3-bf16"]
+TAG = "global_step2"
+
+
+def _src(kind: str) -> Path:
+    return DATA / f"{kind}-w3"
+
+
+def _expected(kind: str) -> dict:
+    return torch.load(f"{_src(kind)}.expected.pt.ref", weights_only=False)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_torch_export_is_deepspeeds_reconstruction_and_the_live_gather(kind: str, tmp_path: Path) -> None:
+    """model.pt: DeepSpeed's fp32 state dict (tied names sharing one storage, as its own has them), and
+    every parameter as the live ranks gathered it (the frozen one in its own dtype); optim.pt: each
+    parameter's moments and step keyed by name, and the groups' hyperparameters with their names."""
+    want = _expected(kind)
+    assert open_source(_src(kind)).format == "deepspeed"
+    shardstore.unshard(_src(kind), tmp_path / "out", format="torch", jobs=2)
+    model = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    for name, tensor in want["fp32"].items():
+        assert_bitwise_equal(model[name], tensor, name)
+    for name, tensor in want["live"]["fp32"].items():
+        assert_bitwise_equal(model[name], tensor, name)
+    assert model["lm_head.weight"].untyped_storage().data_ptr() == \
+        model["model.embed_tokens.weight"].untyped_storage().data_ptr()
+    optim = torch.load(tmp_path / "out" / "optim.pt", weights_only=True)
+    assert set(optim["state"]) == set(want["live"]["moments"])  # the frozen parameter has none
+    for name, moments in want["live"]["moments"].items():
+        for key, tensor in moments.items():
+            assert_bitwise_equal(optim["state"][name][key], tensor, f"{name}/{key}")
+        assert optim["state"][name]["step"].item() == 2
+    assert optim["param_groups"] == want["param_groups"]
+    train = torch.load(tmp_path / "out" / "train.pt", weights_only=False)
+    assert train["global_steps"] == 2 and train["ds_version"] == "0.19.8"
+
+
+@pytest.mark.parametrize("kind", ["z1", "z3-bf16"])
+def test_safetensors_and_dcp_exports(kind: str, tmp_path: Path) -> None:
+    """safetensors cannot share a tensor between names: the tied name is left out (the model ties it)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    want = _expected(kind)
+    weights = {**want["fp32"], **want["live"]["fp32"]}
+    del weights["lm_head.weight"]
+    shardstore.unshard(_src(kind), tmp_path / "st", jobs=2)
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), weights, "safetensors")
+    shardstore.unshard(_src(kind), tmp_path / "dcp", format="dcp", jobs=2)
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "dcp.pt")
+    got = torch.load(tmp_path / "dcp.pt", weights_only=False)
+    assert_bitwise_equal(got["model"], weights, "dcp")
+    assert_bitwise_equal(got["optim"]["state"]["model.norm.weight"]["exp_avg"],
+                         want["live"]["moments"]["model.norm.weight"]["exp_avg"], "dcp moments")
+
+
+@pytest.mark.parametrize("kind", ["z1-bf16", "z2", "z3-bf16"])
+def test_hf_export_loads_with_the_gathered_models_logits(kind: str, tmp_path: Path) -> None:
+    """Config, generation config and tokenizer from beside the tag folder, no flag; the fp32 masters are
+    the weights, and config.json says float32 though the Trainer's says bfloat16 for a bf16 run."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.fixtures.deepspeed_zero import IDS
+
+    shardstore.unshard(_src(kind), tmp_path / "hf", format="hf", jobs=2)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["dtype"] == "float32"
+    if kind.endswith("bf16"):
+        assert json.loads((_src(kind) / "config.json").read_text())["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=IDS).logits, _expected(kind)["logits"])
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")("w1 w5")["input_ids"] == \
+        AutoTokenizer.from_pretrained(_src(kind))("w1 w5")["input_ids"]
+    shardstore.unshard(_src(kind), tmp_path / "hf16", format="hf", dtype="bfloat16", jobs=2)
+    assert json.loads((tmp_path / "hf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf16").dtype == torch.bfloat16
+
+
+def test_the_save_folder_the_tag_folder_and_a_run_of_checkpoints(tmp_path: Path) -> None:
+    """The Trainer's checkpoint-N/ (its `latest` names the tag), the tag folder itself, and a run folder of
+    several checkpoint-N/ picked by --step name the same files."""
+    units = open_source(_src("z2")).units
+    assert len(units) == 4 and units[0].endswith(f"{TAG}/mp_rank_00_model_states.pt")
+    assert open_source(_src("z2") / TAG).units == units
+    run = tmp_path / "run"
+    for step in (2, 4):
+        shutil.copytree(_src("z2"), run / f"checkpoint-{step}")
+    assert open_source(run, step=4).units[0].startswith(str(run / "checkpoint-4"))
+    with pytest.raises(CheckpointError, match="holds more than one checkpoint"):
+        open_source(run)
+
+
+def test_strict_reads_deepspeeds_own_records(tmp_path: Path) -> None:
+    """ZeroStageEnum, LossScaler and fragment_address are inert records even under --strict (nothing of
+    DeepSpeed is imported); any other class is still refused."""
+    shardstore.unshard(_src("z1-bf16"), tmp_path / "out", format="torch", strict=True, jobs=1)
+    assert (tmp_path / "out" / "model.pt").exists()
+
+
+def test_a_missing_optimizer_file_is_named_before_anything_is_read(tmp_path: Path) -> None:
+    src = shutil.copytree(_src("z3"), tmp_path / "src")
+    (src / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states.pt: missing"):
+        open_source(src)
+
+
+@pytest.mark.parametrize("copied, over, says", [
+    ("zero_pp_rank_1_mp_rank_00_optim_states.pt", "zero_pp_rank_2_mp_rank_00_optim_states.pt",
+     "group 0's padding is 0, not"),  # the last rank alone holds the end padding
+    ("zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+     "holds the slices of other parameters than rank 1's"),  # the same lengths: told apart by its slices
+])
+def test_a_rank_file_copied_over_another_is_refused_by_name(copied: str, over: str, says: str,
+                                                           tmp_path: Path) -> None:
+    src = shutil.copytree(_src("z2"), tmp_path / "src")
+    shutil.copy(src / TAG / copied, src / TAG / over)
+    with pytest.raises(CheckpointError, match=f"{over}: {says}"):
+        shardstore.unshard(src, tmp_path / "out", format="torch", jobs=1)
+    assert not (tmp_path / "out" / "model.pt").exists()
+
+
+class TestDeepSpeedConformance(FormatTests):
+    @pytest.fixture(params=["z2", "z3-bf16"])
+    def checkpoint(self, request) -> Path:
+        return _src(request.param)
+
+    @pytest.fixture
+    def foreign(self, checkpoint: Path) -> Path:
+        other = "z3" if checkpoint.name.startswith("z2") else "z2"
+        return _src(other) / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
