@@ -1,0 +1,106 @@
+"""DeepSpeed ZeRO checkpoints: shardstore against DeepSpeed's own `zero_to_fp32.py`, and against the disk.
+
+    python benchmarks/deepspeed_bench.py [--out benchmarks/out] [--ds-python PATH]
+
+Generates once (cached under --out/ckpt), with DeepSpeed's own engine in gloo processes
+(tests/fixtures/deepspeed_zero.py, run by `--ds-python`, a Python with deepspeed 0.19.8 installed), a
+~125M-parameter Qwen2-shaped model (untied embeddings: `zero_to_fp32.py --safe_serialization` fails on
+tied ones) trained in bf16 and saved at W = 4 under ZeRO-2 and ZeRO-3: about 1.7 GB each (bf16 weights,
+fp32 masters and two fp32 moments). For each, page cache dropped
+before every run (bench.py's `timed`):
+- `cp` + `sync` of the files a weights export has to read (the floor);
+- `zero_to_fp32.py --safe_serialization` (the copy DeepSpeed puts in the checkpoint, run by --ds-python);
+- `shardstore unshard --format safetensors` (the same output: fp32 weights as safetensors) and
+  `--format hf` (plus config and tokenizer);
+- `shardstore unshard --format torch` (weights, moments keyed by name, engine state).
+Also the CLI's own start-up (`shardstore --version`, caches warm). It prints a markdown table and writes
+deepspeed.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from bench import timed  # noqa: E402
+
+# untied: `zero_to_fp32.py --safe_serialization` fails on tied embeddings (safetensors refuses shared tensors)
+DIMS = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+        "num_attention_heads": 12, "num_key_value_heads": 4, "tie_word_embeddings": False}
+WORLD = 4
+TAG = "global_step2"
+
+
+def _generate(ckpt: Path, kind: str, ds_python: str) -> None:
+    if (ckpt / "latest").exists():
+        return
+    code = ("import sys; from tests.fixtures.deepspeed_zero import make_deepspeed_checkpoint as m; "
+            f"m(sys.argv[1], {WORLD}, {kind!r}, {DIMS!r})")
+    subprocess.run([ds_python, "-c", code, str(ckpt)], check=True, cwd=HERE.parent)
+
+
+def _startup() -> float:
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "shardstore", "--version"], check=True, capture_output=True)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=HERE / "out")
+    ap.add_argument("--ds-python", default="/tmp/venvds/bin/python")
+    args = ap.parse_args()
+    report = {"world": WORLD, "startup": _startup(), "stages": {}}
+    for kind in ("z2-bf16", "z3-bf16"):
+        ckpt = args.out / "ckpt" / f"deepspeed-qwen2-125m-{kind}-w{WORLD}"
+        _generate(ckpt, kind, args.ds_python)
+        tag = ckpt / TAG
+        total = sum(p.stat().st_size for p in tag.iterdir())
+        # what a weights export reads: every optimizer file (the fp32 masters are in them) and the model states
+        needed = sorted(tag.glob("*_states.pt"))
+        work = args.out / "deepspeed-work"
+        shardstore = [sys.executable, "-m", "shardstore", "unshard", str(ckpt)]
+        runs = {
+            "`cp` + `sync` of the files read": ["sh", "-c", f"mkdir -p {work}/cp && cp {' '.join(map(str, needed))} "
+                                                            f"{work}/cp/ && sync"],
+            "`zero_to_fp32.py --safe_serialization`": [args.ds_python, str(ckpt / "zero_to_fp32.py"), str(ckpt),
+                                                       str(work / "z2f"), "--safe_serialization"],
+            "shardstore `unshard --format safetensors`": [*shardstore, str(work / "st"), "-q"],
+            "shardstore `unshard --format hf`": [*shardstore, str(work / "hf"), "--format", "hf", "-q"],
+            "shardstore `unshard --format torch` (weights + moments)": [*shardstore, str(work / "torch"),
+                                                                        "--format", "torch", "-q"],
+        }
+        results = []
+        for name, cmd in runs.items():
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            wall, rss, _ = timed(cmd, env={"DS_ACCELERATOR": "cpu"})
+            results.append({"contender": name, "wall": wall, "peak_rss": rss})
+            print(f"{kind} {name}: {wall:.2f} s, {rss / 2**20:.0f} MB", flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+        report["stages"][kind] = {"total_bytes": total, "results": results}
+    print(f"\nCLI start-up (`shardstore --version`, warm): {report['startup']:.2f} s")
+    for kind, stage in report["stages"].items():
+        results = stage["results"]
+        floor, contender = results[0]["wall"], results[1]["wall"]
+        print(f"\n{kind} at W={WORLD}: {stage['total_bytes'] / 1e9:.2f} GB\n")
+        print("| contender | wall | vs `zero_to_fp32` | vs floor + start-up | peak RSS |\n|---|---:|---:|---:|---:|")
+        for r in results:
+            print(f"| {r['contender']} | {r['wall']:.2f} s | {contender / r['wall']:.2f}× faster | "
+                  f"{r['wall'] / (floor + report['startup']):.2f}× | {r['peak_rss'] / 2**20:.0f} MB |")
+    (args.out / "deepspeed.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
