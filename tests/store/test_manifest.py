@@ -80,3 +80,16 @@ def test_the_checkpoint_facts_are_typed_and_versioned(checkpoints, tmp_path: Pat
     manifest.write_text(json.dumps(data))
     with pytest.raises(StoreError, match="checkpoint facts of version 2, written by a newer shardstore"):
         shardstore.open(tmp_path / "s")
+
+
+def test_tied_names_round_trip_and_older_facts_have_none() -> None:
+    """DeepSpeed's shared_params are a typed fact: (the tied name's keys, the store path of its tensor);
+    facts written before it existed read as none."""
+    from shardstore.store.manifest import CheckpointFacts
+
+    facts = CheckpointFacts.of("deepspeed", 1, 1, {"tied": [[["model", "lm_head.weight"], "model/wte"]], "x": 1})
+    assert facts.tied == ((("model", "lm_head.weight"), "model/wte"),) and facts.reader == {"x": 1}
+    again = CheckpointFacts.from_json(json.loads(json.dumps(facts.to_json())), "m")
+    assert again == facts
+    older = {k: v for k, v in facts.to_json().items() if k != "tied"}
+    assert CheckpointFacts.from_json(older, "m").tied == ()
