@@ -8,7 +8,8 @@ Generates once (cached under --out/ckpt), with DeepSpeed's own engine in gloo pr
 tied ones) trained in bf16 and saved at W = 4 under ZeRO-2 and ZeRO-3: about 1.7 GB each (bf16 weights,
 fp32 masters and two fp32 moments). For each, page cache dropped
 before every run (bench.py's `timed`):
-- `cp` + `sync` of the files a weights export has to read (the floor);
+- the floor: `cp` + `sync` of the weights' bytes (shardstore's safetensors output, made first and kept:
+  the same bytes read once and written once);
 - `zero_to_fp32.py --safe_serialization` (the copy DeepSpeed puts in the checkpoint, run by --ds-python);
 - `shardstore unshard --format safetensors` (the same output: fp32 weights as safetensors) and
   `--format hf` (plus config and tokenizer);
@@ -67,13 +68,13 @@ def main() -> None:
         _generate(ckpt, kind, args.ds_python)
         tag = ckpt / TAG
         total = sum(p.stat().st_size for p in tag.iterdir())
-        # what a weights export reads: every optimizer file (the fp32 masters are in them) and the model states
-        needed = sorted(tag.glob("*_states.pt"))
-        work = args.out / "deepspeed-work"
+        work, kept = args.out / "deepspeed-work", args.out / "deepspeed-weights"
         shardstore = [sys.executable, "-m", "shardstore", "unshard", str(ckpt)]
+        shutil.rmtree(kept, ignore_errors=True)
+        subprocess.run([*shardstore, str(kept), "-q"], check=True)
         runs = {
-            "`cp` + `sync` of the files read": ["sh", "-c", f"mkdir -p {work}/cp && cp {' '.join(map(str, needed))} "
-                                                            f"{work}/cp/ && sync"],
+            "floor: `cp` + `sync` of the weights' bytes": ["sh", "-c", f"mkdir -p {work}/cp && cp "
+                                                                      f"{kept}/model.safetensors {work}/cp/ && sync"],
             "`zero_to_fp32.py --safe_serialization`": [args.ds_python, str(ckpt / "zero_to_fp32.py"), str(ckpt),
                                                        str(work / "z2f"), "--safe_serialization"],
             "shardstore `unshard --format safetensors`": [*shardstore, str(work / "st"), "-q"],
@@ -89,15 +90,17 @@ def main() -> None:
             results.append({"contender": name, "wall": wall, "peak_rss": rss})
             print(f"{kind} {name}: {wall:.2f} s, {rss / 2**20:.0f} MB", flush=True)
         shutil.rmtree(work, ignore_errors=True)
-        report["stages"][kind] = {"total_bytes": total, "results": results}
+        report["stages"][kind] = {"total_bytes": total, "weights_bytes": (kept / "model.safetensors").stat().st_size,
+                                  "results": results}
+        shutil.rmtree(kept, ignore_errors=True)
     print(f"\nCLI start-up (`shardstore --version`, warm): {report['startup']:.2f} s")
     for kind, stage in report["stages"].items():
         results = stage["results"]
         floor, contender = results[0]["wall"], results[1]["wall"]
-        print(f"\n{kind} at W={WORLD}: {stage['total_bytes'] / 1e9:.2f} GB\n")
+        print(f"\n{kind} at W={WORLD}: {stage['total_bytes'] / 1e9:.2f} GB, weights {stage['weights_bytes'] / 1e9:.2f} GB\n")
         print("| contender | wall | vs `zero_to_fp32` | vs floor + start-up | peak RSS |\n|---|---:|---:|---:|---:|")
         for r in results:
-            print(f"| {r['contender']} | {r['wall']:.2f} s | {contender / r['wall']:.2f}× faster | "
+            print(f"| {r['contender']} | {r['wall']:.2f} s | {contender / r['wall']:.2f}× | "
                   f"{r['wall'] / (floor + report['startup']):.2f}× | {r['peak_rss'] / 2**20:.0f} MB |")
     (args.out / "deepspeed.json").write_text(json.dumps(report, indent=1))
 
