@@ -14,9 +14,11 @@ import errno
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
-import zarr.storage
+
+if TYPE_CHECKING:
+    import zarr.abc.store
 
 from .. import tempfiles
 from ..errors import StoreError
@@ -165,6 +167,8 @@ class LocalBackend:
         return self._path(key)
 
     def zarr_store(self, read_only: bool = True) -> zarr.abc.store.Store:
+        import zarr.storage
+
         return zarr.storage.LocalStore(self.root, read_only=read_only)
 
 
@@ -232,6 +236,8 @@ class FsspecBackend:
         return 0  # writes are never visible half-done, so nothing is left behind
 
     def zarr_store(self, read_only: bool = True) -> zarr.abc.store.Store:
+        import zarr.storage
+
         return zarr.storage.FsspecStore.from_url(self.root, storage_options=self.storage_options,
                                                  read_only=read_only)
 

@@ -1,8 +1,10 @@
 """Zarr v3 files written directly: array metadata (zarr.json) and shard files (`sharding_indexed`).
 
-Array metadata is zarr-python's own: a template made once per dtype by `zarr.create_array` in memory,
-with shape, grid and attributes filled in, so creating hundreds of arrays is one small file write each
-instead of one trip through Zarr's async machinery each.
+Array metadata is zarr-python's own: the document `zarr.create_array` writes for an uncompressed sharded
+array of each dtype (`zarr_template`; tests/store/test_shardfile.py holds `template` to it for every dtype
+the store uses), with shape, grid and attributes filled in, so creating hundreds of arrays is one small
+file write each, with neither a trip through Zarr's async machinery each nor importing Zarr (a third of a
+second on a cold start) where nothing else needs it.
 
 With no compression and inner chunks that span the cell's trailing dimensions, inner chunk k of a cell
 is simply rows [k*r, (k+1)*r) of the cell in C order. A shard file is therefore the cell's raw bytes,
@@ -29,8 +31,8 @@ EMPTY = 2**64 - 1
 GROUP_METADATA = json.dumps({"attributes": {}, "zarr_format": 3, "node_type": "group"}).encode()
 
 
-@functools.lru_cache(maxsize=None)
-def _template(raw: str) -> dict[str, Any]:
+def zarr_template(raw: str) -> dict[str, Any]:
+    """What zarr-python itself writes (the reference `template` is tested against)."""
     import zarr
     import zarr.storage
 
@@ -40,11 +42,30 @@ def _template(raw: str) -> dict[str, Any]:
     return json.loads(mem._store_dict["zarr.json"].to_bytes())
 
 
+@functools.lru_cache(maxsize=None)
+def template(raw: str) -> dict[str, Any]:
+    """zarr.json of a (1,)-shaped uncompressed sharded array of numpy dtype `raw`, as zarr-python 3 writes
+    it: single-byte types carry no endianness, complex fill values are [re, im], bool's is false."""
+    dt = np.dtype(raw)
+    data_bytes: dict[str, Any] = {"name": "bytes"} if dt.itemsize == 1 else \
+        {"name": "bytes", "configuration": {"endian": "little"}}
+    fill: Any = False if dt.kind == "b" else [0.0, 0.0] if dt.kind == "c" else 0.0 if dt.kind == "f" else 0
+    return {"shape": [1], "data_type": dt.name,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1]}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": fill,
+            "codecs": [{"name": "sharding_indexed", "configuration": {
+                "chunk_shape": [1], "codecs": [data_bytes],
+                "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                "index_location": "end"}}],
+            "attributes": {}, "zarr_format": 3, "node_type": "array", "storage_transformers": []}
+
+
 def array_metadata(raw: np.dtype, shape: tuple[int, ...], cell: tuple[int, ...], chunk: tuple[int, ...],
                    attributes: dict[str, Any], separator: str = "/") -> dict[str, Any]:
     """zarr.json of an uncompressed sharded array, exactly as zarr-python would write it (with the chunk
     key `separator`)."""
-    meta = copy.deepcopy(_template(raw.str))
+    meta = copy.deepcopy(template(raw.str))
     meta["chunk_key_encoding"]["configuration"]["separator"] = separator
     meta["shape"] = list(shape)
     meta["chunk_grid"]["configuration"]["chunk_shape"] = list(cell)

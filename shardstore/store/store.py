@@ -22,10 +22,12 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
-import zarr
+
+if TYPE_CHECKING:
+    import zarr
 
 from .. import dtypes
 from ..crc import crc32_combine
@@ -375,6 +377,8 @@ class Store:
     # ------------------------------------------------------------------ reading
     @property
     def zarr(self) -> zarr.Group:
+        import zarr  # only here: a store's own reads and writes never need it
+
         if self._zarr_root is None:
             self._zarr_root = zarr.open_group(store=self.backend.zarr_store(), mode="r", zarr_format=3)
         return self._zarr_root

@@ -49,3 +49,15 @@ def test_array_metadata_is_what_zarr_writes(tmp_path: Path, dtype, shape, cell, 
                       chunk_key_encoding={"name": "default", "separator": separator})
     want = json.loads((tmp_path / "a" / "zarr.json").read_text())
     assert array_metadata(np.dtype(dtype), shape, cell, chunk, {"torch_dtype": "x"}, separator) == want
+
+
+def test_the_array_metadata_template_is_zarrs_own_for_every_dtype() -> None:
+    """shardstore writes zarr.json from its own template (no Zarr import on the way): for every raw dtype
+    the store holds, and the records node's, exactly what zarr-python writes."""
+    from shardstore import dtypes
+    from shardstore.store.shardfile import template, zarr_template
+
+    raws = {info.raw.str for info in dtypes.BY_NAME.values()} | {"|u1"}
+    assert len(raws) >= 10
+    for raw in sorted(raws):
+        assert template(raw) == zarr_template(raw), raw
