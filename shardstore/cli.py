@@ -88,8 +88,10 @@ def _kept(ctx: click.Context) -> str:
 @click.pass_context
 def main(ctx: click.Context, storage_options: str | None) -> None:
     """Unshard sharded PyTorch checkpoints through a Zarr store: per-rank torch.save files of FSDP
-    ShardedTensors (rank0.pt ... rankN.pt, OLMo, Composer), torch.distributed.checkpoint folders (DCP),
-    OLMo `local` and OLMo-core folders. Out come safetensors, a Hugging Face folder, torch files or DCP.
+    ShardedTensors (rank0.pt ... rankN.pt, OLMo, Composer) or DTensors (FSDP2, veRL),
+    torch.distributed.checkpoint folders (DCP, and its Hugging Face safetensors), OLMo `local` and
+    OLMo-core folders, DeepSpeed ZeRO 1/2/3 checkpoints. Out come safetensors, a Hugging Face folder,
+    torch files or DCP.
 
     STORE, SRC and rank files may be local paths or URLs (s3://bucket/path, gs://..., file://...).
     """
