@@ -94,6 +94,16 @@ def kinds_by_world(base: Path, prefix: str, make: Callable[[Path, int, str], obj
     return get
 
 
+@pytest.fixture
+def cluster(s3):
+    """A real Dask cluster: two worker processes over TCP on loopback (and the S3 server)."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as c, Client(c) as client:
+        yield c, client
+
+
 @pytest.fixture(scope="session")
 def verl_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     """verl_checkpoints(kind, world_size) -> a veRL run folder (tests/fixtures/verl.py); what the processes

@@ -15,15 +15,6 @@ from shardstore.errors import CheckpointError
 from tests.conftest import Phases, assert_bitwise_equal, expected, upload
 
 
-@pytest.fixture
-def cluster(s3):
-    from distributed import Client, LocalCluster
-
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as c, Client(c) as client:
-        yield c, client
-
-
 def test_eight_ranks_on_two_workers_one_killed_mid_run(cluster, checkpoints, tmp_path: Path) -> None:
     c, client = cluster
     src = checkpoints(8)

@@ -32,7 +32,6 @@ from shardstore.errors import CheckpointError
 from shardstore.read.source import open_source
 from tests.conftest import assert_bitwise_equal
 from tests.read.conformance import FormatTests
-from tests.test_distributed import cluster  # noqa: F401  (the Dask cluster fixture)
 
 DATA = Path(__file__).parent.parent / "fixtures" / "data" / "deepspeed"
 KINDS = ["z1", "z2", "z3", "z1-bf16", "z2-bf16", "z3-bf16", "z2-fp16", "z3-fp16"]
