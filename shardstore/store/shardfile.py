@@ -15,8 +15,6 @@ decoding and re-encoding them chunk by chunk.
 
 from __future__ import annotations
 
-import copy
-import functools
 import json
 import math
 import struct
@@ -42,10 +40,10 @@ def zarr_template(raw: str) -> dict[str, Any]:
     return json.loads(mem._store_dict["zarr.json"].to_bytes())
 
 
-@functools.lru_cache(maxsize=None)
 def template(raw: str) -> dict[str, Any]:
     """zarr.json of a (1,)-shaped uncompressed sharded array of numpy dtype `raw`, as zarr-python 3 writes
-    it: single-byte types carry no endianness, complex fill values are [re, im], bool's is false."""
+    it: single-byte types carry no endianness, complex fill values are [re, im], bool's is false. A new
+    document each call (cheaper than copying one: a store is hundreds of them)."""
     dt = np.dtype(raw)
     data_bytes: dict[str, Any] = {"name": "bytes"} if dt.itemsize == 1 else \
         {"name": "bytes", "configuration": {"endian": "little"}}
@@ -65,7 +63,7 @@ def array_metadata(raw: np.dtype, shape: tuple[int, ...], cell: tuple[int, ...],
                    attributes: dict[str, Any], separator: str = "/") -> dict[str, Any]:
     """zarr.json of an uncompressed sharded array, exactly as zarr-python would write it (with the chunk
     key `separator`)."""
-    meta = copy.deepcopy(template(raw.str))
+    meta = template(raw.str)
     meta["chunk_key_encoding"]["configuration"]["separator"] = separator
     meta["shape"] = list(shape)
     meta["chunk_grid"]["configuration"]["chunk_shape"] = list(cell)
