@@ -14,8 +14,9 @@ before every run (bench.py's `timed`):
 - `shardstore unshard --format safetensors` (the same output: fp32 weights as safetensors) and
   `--format hf` (plus config and tokenizer);
 - `shardstore unshard --format torch` (weights, moments keyed by name, engine state).
-Also the CLI's own start-up (`shardstore --version`, caches warm). It prints a markdown table and writes
-deepspeed.json to --out.
+Also the CLI's own start-up (`shardstore --version`, caches warm). Each contender runs --repeat times
+(default 3), in turn, and its median is reported (single runs on this disk vary by ±0.4 s). It prints a
+markdown table and writes deepspeed.json to --out.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -61,6 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=HERE / "out")
     ap.add_argument("--ds-python", default="/tmp/venvds/bin/python")
+    ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     report = {"world": WORLD, "startup": _startup(), "stages": {}}
     for kind in ("z2-bf16", "z3-bf16"):
@@ -82,13 +85,18 @@ def main() -> None:
             "shardstore `unshard --format torch` (weights + moments)": [*shardstore, str(work / "torch"),
                                                                         "--format", "torch", "-q"],
         }
-        results = []
-        for name, cmd in runs.items():
-            shutil.rmtree(work, ignore_errors=True)
-            work.mkdir(parents=True)
-            wall, rss, _ = timed(cmd, env={"DS_ACCELERATOR": "cpu"})
-            results.append({"contender": name, "wall": wall, "peak_rss": rss})
-            print(f"{kind} {name}: {wall:.2f} s, {rss / 2**20:.0f} MB", flush=True)
+        walls: dict[str, list[float]] = {name: [] for name in runs}
+        rsses: dict[str, list[int]] = {name: [] for name in runs}
+        for _ in range(args.repeat):
+            for name, cmd in runs.items():
+                shutil.rmtree(work, ignore_errors=True)
+                work.mkdir(parents=True)
+                wall, rss, _ = timed(cmd, env={"DS_ACCELERATOR": "cpu"})
+                walls[name].append(wall)
+                rsses[name].append(rss)
+                print(f"{kind} {name}: {wall:.2f} s, {rss / 2**20:.0f} MB", flush=True)
+        results = [{"contender": name, "wall": statistics.median(walls[name]), "walls": walls[name],
+                    "peak_rss": max(rsses[name])} for name in runs]
         shutil.rmtree(work, ignore_errors=True)
         report["stages"][kind] = {"total_bytes": total, "weights_bytes": (kept / "model.safetensors").stat().st_size,
                                   "results": results}
