@@ -1,6 +1,7 @@
 """The benchmark harness: shardstore against today's unsharder and against the disk itself.
 
     python benchmarks/bench.py [--scenarios w8,w256,w1024,w1024-7b,large,dcp] [--out benchmarks/out] [--no-olmo]
+                               [--deepspeed PY]
 
 For each scenario it generates an OLMo-like checkpoint once (benchmarks/synth.py; cached under --out),
 then runs every contender with the page cache dropped before each run (when root), timing wall clock
@@ -19,7 +20,9 @@ and peak RSS of the largest process with /usr/bin/time:
   thread mode and shared-memory mode, run as its own unshard script does (benchmarks/olmo_baseline.py).
 
 It prints a markdown table, writes results.json and a PNG plot to --out, and copies the plot to
-benchmarks/results.png.
+benchmarks/results.png. With `--deepspeed PY` (a Python with deepspeed installed) it also runs the ZeRO-2
+and ZeRO-3 rows against `zero_to_fp32.py` (benchmarks/deepspeed_bench.py; `--scenarios ""` for those
+alone).
 """
 
 from __future__ import annotations
@@ -347,7 +350,15 @@ def main() -> None:
     ap.add_argument("--no-olmo", action="store_true", help="skip OLMo's unsharder")
     ap.add_argument("--contenders", default="", help="only contenders whose name contains one of these (comma "
                     "separated), replacing just their rows in results.json")
+    ap.add_argument("--deepspeed", metavar="PY", help="also the DeepSpeed ZeRO rows, generated and timed "
+                    "against zero_to_fp32.py with this Python (it needs deepspeed)")
     args = ap.parse_args()
+    if args.deepspeed:
+        from deepspeed_bench import run as run_deepspeed
+
+        run_deepspeed(argparse.Namespace(out=args.out, ds_python=args.deepspeed, repeat=3))
+        if not args.scenarios:
+            return
     with_olmo = not args.no_olmo and ensure_olmo()
     if not args.no_olmo and not with_olmo:
         print("warning: could not import OLMo's unsharder; its rows are skipped", file=sys.stderr)

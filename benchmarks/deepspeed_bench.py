@@ -64,7 +64,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "out")
     ap.add_argument("--ds-python", default="/tmp/venvds/bin/python")
     ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
+    run(ap.parse_args())
+
+
+def run(args: argparse.Namespace) -> None:
+    """The DeepSpeed rows (`args`: out, ds_python, repeat); also `bench.py --deepspeed PY`."""
     report = {"world": WORLD, "startup": _startup(), "stages": {}}
     for kind in ("z2-bf16", "z3-bf16"):
         ckpt = args.out / "ckpt" / f"deepspeed-qwen2-125m-{kind}-w{WORLD}"
