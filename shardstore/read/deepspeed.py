@@ -336,14 +336,14 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
         objects: list[str] = []
         leaves: dict[str, str] = {}
         m0, o0 = 0, len(models)  # unit indices of the first model-states and optimizer files
-        trainable = {n: g for g, ps in enumerate(layout.groups) for n, _ in ps}
+        trainable = {m.name: (g, m) for g in range(len(layout.groups)) for m in layout.members(g)}
         fp32_dtype = _fp32_dtype(od, layout.stage, optim.path)
         names = _model_names(layout, model.state, model.path)
         for name in names:
             path = leaves[name] = f"model/{encode_key(name)}"
             if name in trainable:
-                g = trainable[name]
-                arrays[path] = flat_spec(fp32_dtype, dict(layout.groups[g])[name], _ranges(layout, g, name, o0))
+                g, member = trainable[name]
+                arrays[path] = flat_spec(fp32_dtype, member.shape, _ranges(layout, member, g, o0))
             elif layout.stage == 3 and name in layout.frozen:
                 arrays[path] = _z3_frozen_spec(layout, name, model, m0)
             else:
@@ -354,13 +354,12 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
                     objects.append(path)
         state_nodes = []
         for name in [n for n in names if n in trainable]:
-            g = trainable[name]
-            shape = dict(layout.groups[g])[name]
+            g, member = trainable[name]
             children = []
             for key, value in base["state"].get(g, {}).items():
                 path = f"optim/state/{encode_key(name)}/{encode_key(key)}"
                 if isinstance(value, TensorRef) and value.shape == (layout.flat_length(g),):
-                    arrays[path] = flat_spec(value.dtype, shape, _ranges(layout, g, name, o0))
+                    arrays[path] = flat_spec(value.dtype, member.shape, _ranges(layout, member, g, o0))
                 else:
                     objects.append(path)
                 children.append((key, Node("leaf", path)))
@@ -394,16 +393,18 @@ def _fp32_dtype(od: dict, stage: int, where: str) -> str:
     return kinds.pop()
 
 
-def _ranges(layout: Layout, g: int, name: str, base: int) -> list[tuple[int, int, int]]:
-    """(unit, first element, count) of each rank's part of parameter `name` (group g)."""
+def _ranges(layout: Layout, member: fsdp_flat.Member, g: int, base: int) -> list[tuple[int, int, int]]:
+    """(unit, first element, count) of each rank's part of parameter `member` (group g); only the ranks
+    whose parts it overlaps are looked at."""
     if layout.stage == 3:
-        for n, shape, _, per in layout.z3_offsets(g):
-            if n == name:
-                numel = math.prod(shape)
-                return [(base + r, r * per, min(per, numel - r * per)) for r in range(layout.world) if r * per < numel]
-    member = next(m for m in layout.members(g) if m.name == name)
+        numel, per = member.numel, -(-member.numel // layout.world)
+        return [(base + r, r * per, min(per, numel - r * per)) for r in range(layout.world) if r * per < numel]
     part = layout.parts[g]
-    return [(base + r, lo, n) for r in range(layout.world) for _, lo, n in fsdp_flat.overlaps([member], r * part, part)]
+    if not part or not member.numel:
+        return []
+    first, last = member.start // part, (member.start + member.numel - 1) // part
+    return [(base + r, lo, n) for r in range(first, min(last, layout.world - 1) + 1)
+            for _, lo, n in fsdp_flat.overlaps([member], r * part, part)]
 
 
 def _z3_frozen_spec(layout: Layout, name: str, model: _File, base: int) -> ShardedSpec:
