@@ -141,7 +141,7 @@ def plan_replicated(path: str, ref: TensorRef) -> ArrayEntry:
 
 # What each layout says about the checkpoint: which trainer's nesting it is, not which model (OLMo's
 # trainer trains Llamas too).
-LAYOUTS = {"olmo": "olmo (OLMo trainer's nesting: model, optim and trainer state at the top)",
+LAYOUTS = {"olmo": "olmo (model, optim and trainer state at the top, as OLMo, veRL and DeepSpeed nest them)",
            "composer": "composer (Composer's nesting: state/model, state/optimizers)",
            "generic": "generic (a state dict of the trainer's own nesting)"}
 

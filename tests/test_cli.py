@@ -44,7 +44,7 @@ def test_unshard_ls_and_export(checkpoints, tmp_path: Path) -> None:
 
     ls = run("ls", tmp_path / "store")
     assert ls.returncode == 0
-    assert "layout: olmo (OLMo trainer's nesting: model, optim and trainer state at the top)   world size: 2   " \
+    assert "layout: olmo (model, optim and trainer state at the top, as OLMo, veRL and DeepSpeed nest them)   world size: 2   " \
            "ranks ingested: 2/2" in ls.stdout
     assert any(line.split()[:4] == ["model/wte.weight", "float32", "[1000,", "300]"] for line in ls.stdout.splitlines())
     lines = {line.split()[0]: line for line in ls.stdout.splitlines()[1:]}
