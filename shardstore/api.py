@@ -35,7 +35,7 @@ def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None
            storage_options: StorageOptions | None = None, scheduler: str | None = None, strict: bool = False,
            progress: Progress | bool = False, only: Callable[[Store], str | None] | None = None,
            on_created: Callable[[Store], None] | None = None,
-           direct: Callable[[Store], _direct.Layout | None] | None = None) -> Store:
+           direct: Callable[[Store], _direct.Layout | None] | None = None, scratch: bool = False) -> Store:
     """Ingest rank files (or a DCP checkpoint's .distcp files, or a `Source`) into `store` (created on first
     use); any subset, in any order, any number of times.
 
@@ -44,6 +44,8 @@ def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None
     task per rank file on a Dask cluster instead of local worker processes. Objects of classes outside
     torch (a trainer's own) are kept as `Opaque` records; `strict` refuses them instead. `progress`: a
     `Progress`, or True for what the CLI shows (a bar per phase on a terminal, else one line per phase).
+    A `scratch` store serves only a one-pass export (`unshard`): its arrays get their Zarr metadata only
+    if anything is to be written into them.
     """
     progress = _progress(progress)
 
@@ -56,7 +58,7 @@ def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None
         files = [files]
     source = files if isinstance(files, Source) else source_of_files(list(files), storage_options)
     st = _ingest.ingest(store, source, jobs=jobs, on_done=done, verify_replicas=verify_replicas, scheduler=scheduler,
-                        strict=strict, only=only, on_created=on_created, direct=direct,
+                        strict=strict, only=only, on_created=on_created, direct=direct, scratch=scratch,
                         on_start=lambda total, before: progress.start("ingest", total, before))
     progress.end()
     return st
@@ -202,7 +204,8 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
 
     st = ingest(location, source, jobs=jobs, verify_replicas=verify_replicas, storage_options=storage_options,
                 scheduler=scheduler, strict=strict, progress=progress, only=exported_subtree,
-                on_created=before_ingest, direct=lambda st: planned[0].layout if planned[0] is not None else None)
+                on_created=before_ingest, direct=lambda st: planned[0].layout if planned[0] is not None else None,
+                scratch=one_pass)
     if planned[0] is not None:
         result = _export.finish_direct(st, out_dir, planned[0], bool(export_options.get("overwrite")))
     else:

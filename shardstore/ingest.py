@@ -237,7 +237,8 @@ def create_store(location: str | os.PathLike[str], source: Source, strict: bool 
     return store
 
 
-def _planned_store(location: str | os.PathLike[str], source: Source, strict: bool) -> tuple[Store, Any | None]:
+def _planned_store(location: str | os.PathLike[str], source: Source, strict: bool,
+                   scratch: bool = False) -> tuple[Store, Any | None]:
     """`create_store`, also handing back the unit planning opened (Source.plan), which the caller closes."""
     existing = Store.open(location, source.storage_options) if Store.exists(location, source.storage_options) else None
     if existing is not None and get(source.format).ranked and existing.records():
@@ -253,7 +254,7 @@ def _planned_store(location: str | os.PathLike[str], source: Source, strict: boo
                 existing.check_compatible(manifest, str(location))
             except StoreError:
                 existing.discard()
-        return Store.create(location, manifest, source.storage_options), unit
+        return Store.create(location, manifest, source.storage_options, array_metadata=not scratch), unit
 
 
 def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = None,
@@ -261,7 +262,7 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
            on_created: Callable[[Store], None] | None = None,
            scheduler: str | None = None, only: Callable[[Store], str | None] | None = None, strict: bool = False,
            on_start: Callable[[int | None, int], None] | None = None,
-           direct: Callable[[Store], Layout | None] | None = None) -> Store:
+           direct: Callable[[Store], Layout | None] | None = None, scratch: bool = False) -> Store:
     """Ingest a checkpoint's units of work (rank files, .distcp files) into the store at `location`
     (created from the checkpoint's spec if it does not exist).
 
@@ -274,6 +275,8 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
     output layout whose arrays go straight into their output files (export/direct/). `strict` refuses
     every pickled global outside the allowlist. `on_start(total, done)` hears, once the store is open, the
     bytes of all `files` and of those already in it (None for the total when any file is remote).
+    A `scratch` store (a one-pass export's) gets its arrays' Zarr metadata only if the export turns out
+    to write into the store after all (`direct` gives no layout).
     """
     if not source.units:
         raise CheckpointError("no rank files to ingest")
@@ -283,7 +286,7 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
     created, store, held = not Store.exists(location, source.storage_options), None, None
     try:
         with Pool(jobs, scheduler) as pool:  # workers start now: their start-up overlaps creating the store
-            store, held = _planned_store(location, source, strict)
+            store, held = _planned_store(location, source, strict, scratch)
             _run(store, pool, files, IngestOptions(verify_replicas, None, strict, source.format),
                  on_created=on_created, only=only, on_start=on_start, on_done=on_done, direct=direct, held=held)
     except BaseException:
@@ -330,6 +333,8 @@ def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options:
     store.sweep_temporaries()  # what writers killed mid-write left behind
     subtree = only(store) if only else None
     layout = direct(store) if direct else None
+    if layout is None:  # pieces go into the store's own arrays: Zarr must be able to read them
+        store.ensure_array_metadata()
     todo = _not_yet_done(store, files, subtree, layout.digest if layout is not None else None)
     if on_start:  # sizes of local files only: asking object storage would cost a request per file
         local = not any(is_url(os.fspath(f)) for f in files)

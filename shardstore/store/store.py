@@ -52,6 +52,22 @@ def first_difference(a: bytes, b: bytes, itemsize: int, shape: tuple[int, ...], 
     return [int(o + i) for o, i in zip(origin, np.unravel_index(at, shape))]
 
 
+def _write_array_metadata(backend: Backend, manifest: Manifest, location: str) -> None:
+    """Each array's zarr.json, in manifest order, never overwriting one that differs (another process may
+    be writing that array's cells right now)."""
+    for entry in manifest.arrays.values():
+        info = dtypes.info(entry.dtype)
+        meta = array_metadata(info.raw, entry.shape, tuple(max(c, 1) for c in entry.cell),
+                              tuple(max(c, 1) for c in entry.chunk), {"torch_dtype": entry.dtype},
+                              manifest.separator)
+        key = f"{entry.path}/zarr.json"
+        if not backend.exists(key):
+            backend.write(key, [json.dumps(meta).encode()])
+        elif json.loads(backend.read(key)) != meta:
+            raise StoreError(f"{location}: already holds a different array at {entry.path}; "
+                             f"use an empty folder for a new store")
+
+
 def cell_key(path: str, index: tuple[int, ...], separator: str = ".") -> str:
     """Zarr's default chunk key. Stores of format 2 use "." (every cell file of an array in one folder:
     at world size 1024 a rank writes hundreds of cells, and a new folder for each cost more than the
@@ -110,8 +126,10 @@ class Store:
 
     @classmethod
     def create(cls, location: str | os.PathLike[str], manifest: Manifest,
-               storage_options: StorageOptions | None = None) -> "Store":
-        """Create the store for `manifest`, or open it if it exists and holds the same checkpoint layout."""
+               storage_options: StorageOptions | None = None, array_metadata: bool = True) -> "Store":
+        """Create the store for `manifest`, or open it if it exists and holds the same checkpoint layout.
+        Without `array_metadata` (a scratch store whose arrays a one-pass export writes straight into its
+        output) no array's zarr.json is written until `ensure_array_metadata`."""
         backend = open_backend(location, storage_options)
         if backend.exists(MANIFEST_KEY):
             store = cls.open(location, storage_options)
@@ -125,24 +143,21 @@ class Store:
                 backend.write(key, [GROUP_METADATA])
         if not backend.exists(RECORDS_NODE):
             backend.write(RECORDS_NODE, [json.dumps(records_node_metadata()).encode()])
-        for entry in manifest.arrays.values():
-            info = dtypes.info(entry.dtype)
-            meta = array_metadata(info.raw, entry.shape, tuple(max(c, 1) for c in entry.cell),
-                                  tuple(max(c, 1) for c in entry.chunk), {"torch_dtype": entry.dtype},
-                                  manifest.separator)
-            key = f"{entry.path}/zarr.json"
-            if not backend.exists(key):
-                backend.write(key, [json.dumps(meta).encode()])
-            elif json.loads(backend.read(key)) != meta:
-                # Never overwrite: another process may be writing this array's cells right now.
-                raise StoreError(f"{location}: already holds a different array at {entry.path}; "
-                                 f"use an empty folder for a new store")
+        if array_metadata:
+            _write_array_metadata(backend, manifest, str(location))
         if backend.exists(MANIFEST_KEY):
             store = cls.open(location, storage_options)
             store.check_compatible(manifest, str(location))
             return store
         backend.write(MANIFEST_KEY, [json.dumps(manifest.to_json()).encode()], durable=True)
         return cls(backend, manifest)
+
+    def ensure_array_metadata(self) -> None:
+        """Every array's zarr.json, where a store was created without them (`create`): before any array is
+        written into the store. The last array's is written last, so its presence says all are there."""
+        arrays = list(self.manifest.arrays.values())
+        if arrays and not self.backend.exists(f"{arrays[-1].path}/zarr.json"):
+            _write_array_metadata(self.backend, self.manifest, self.location)
 
     def cell_key(self, path: str, index: tuple[int, ...]) -> str:
         return cell_key(path, index, self.manifest.separator)

@@ -23,3 +23,27 @@ def test_zarr_walks_the_store_without_warnings_and_reads_the_same_bits(checkpoin
     assert "model/wte.weight" in members and members["__shardstore__"].shape == (0,)
     want = expected(src)["model"]["wte.weight"].numpy()
     assert np.array_equal(members["model/wte.weight"][:], want)
+
+
+def _metadata(store: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.rglob("zarr.json"))}
+
+
+def test_a_scratch_store_writes_array_metadata_only_once_an_array_is_to_be_written(checkpoints,
+                                                                                  tmp_path: Path) -> None:
+    """A one-pass unshard's scratch store never holds array data, so its arrays get no zarr.json; when the
+    export turns out to write into the store after all (no direct layout), every array gets the zarr.json
+    a normal store has, and Zarr reads the same bits."""
+    from shardstore.store.store import Store
+
+    src = checkpoints(2)
+    files = sorted(src.glob("rank*.pt"))
+    normal = shardstore.ingest(tmp_path / "normal", files, jobs=1)
+    lean = Store.create(tmp_path / "lean", normal.manifest, array_metadata=False)
+    assert not any(f"{a}/zarr.json" in _metadata(tmp_path / "lean") for a in normal.manifest.arrays)
+    lean.ensure_array_metadata()
+    assert _metadata(tmp_path / "lean") == _metadata(tmp_path / "normal")
+    shardstore.ingest(tmp_path / "scratch", files, jobs=1, scratch=True, direct=lambda st: None)
+    assert _metadata(tmp_path / "scratch") == _metadata(tmp_path / "normal")
+    group = zarr.open_group(tmp_path / "scratch", mode="r", zarr_format=3)
+    assert np.array_equal(group["model/wte.weight"][:], expected(src)["model"]["wte.weight"].numpy())
