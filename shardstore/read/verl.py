@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError, closed_on_error
@@ -160,13 +161,25 @@ def _group_count(optim: File) -> int | None:
         return None
 
 
+@dataclass(frozen=True)
+class _Ragged:
+    """Every rank's optimizer file under `use_orig_params=True`, as planning needs them."""
+
+    trees: list[Node]
+    digests: list[str]  # per rank: each file is checked against its own
+    parts: dict[int, list[tuple[int, int, int]]]  # parameter index -> (rank, first element, count)
+    split: dict[str, list[fsdp_flat.Member]]  # each parameter as a one-member split
+    leaves: dict[str, Any]  # every path any rank holds, the lowest rank's leaf
+    layouts: dict[str, tuple[Layout, TensorRef]]
+
+
 def _ragged(model: File, model_layouts: dict[str, tuple[Layout, TensorRef]], optim: File, paths: list[str],
-            mesh: Mesh | None, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> Any:
+            mesh: Mesh | None, storage_options: StorageOptions | None, strict: bool,
+            encode_key: Any) -> _Ragged | None:
     """FSDP1 with `use_orig_params=True` (veRL's choice when part of a model is frozen): the optimizer's
     state is per original parameter, each rank holding a differently sized 1-D part, or none
     (fsdp_flat.ragged). Told apart from flat parameters by its param_groups listing every model parameter.
-    Every rank's optimizer file is read (its pickle) to place the parts: the trees, per-rank digests, the
-    parts, and each parameter as a one-member split; None when the files are not so."""
+    Every rank's optimizer file is read (its pickle) to place the parts; None when the files are not so."""
     params, keys = _parameters(model, model_layouts)
     if mesh is None or _group_count(optim) != len(params) or len(params) == len(mesh.ranks):
         return None
@@ -174,8 +187,8 @@ def _ragged(model: File, model_layouts: dict[str, tuple[Layout, TensorRef]], opt
     try:
         lengths: dict[int, dict[int, int]] = {}
         digests = []
-        for f in files:
-            layouts = layouts_of(f)
+        per_file = [layouts_of(f) for f in files]
+        for f, layouts in zip(files, per_file):
             digests.append(digest_of(f, layouts))
             mine: dict[int, int] = {}
             for path, (layout, _) in layouts.items():
@@ -191,14 +204,13 @@ def _ragged(model: File, model_layouts: dict[str, tuple[Layout, TensorRef]], opt
         if parts is None:
             raise CheckpointError(f"{optim.path}: optimizer state per original parameter (use_orig_params=True) "
                                   f"whose ranks' parts do not add up to the model's parameters; not guessed at")
-        trees = [f.tree for f in files]
         leaves = {p: leaf for f in reversed(files) for p, leaf in f.leaves.items()}  # the lowest rank's
-        layouts = {p: lay for f in reversed(files) for p, lay in layouts_of(f).items()}
+        layouts = {p: lay for lay_of in reversed(per_file) for p, lay in lay_of.items()}
     finally:
         for f in files[1:]:
             f.zip.close()
     split = {str(i): [fsdp_flat.Member(name, shape, 0, keys.get(name, name))] for i, (name, shape) in enumerate(params)}
-    return trees, digests, parts, split, leaves, layouts
+    return _Ragged([f.tree for f in files], digests, parts, split, leaves, layouts)
 
 
 def _retree(tree: Node, split: dict[str, list[fsdp_flat.Member]]) -> None:
@@ -261,18 +273,18 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
             files[0], model, optim, [u for u in unit_paths if _parse(u)[0] == "optim"], mesh, storage_options,
             strict, encode_key)
         if ragged is not None:
-            trees, rank_digests, parts, split, _, _ = ragged
-            _union_state(tree, trees)
+            split = ragged.split
+            _union_state(tree, ragged.trees)
         else:
             split = _split(files[0], model, optim, layouts_of(optim), mesh) if optim is not None else None
         for f in files:
-            leaves, layouts = (ragged[4], ragged[5]) if ragged and f.kind == "optim" else \
+            leaves, layouts = (ragged.leaves, ragged.layouts) if ragged and f.kind == "optim" else \
                 (f.leaves, model if f.kind == "model" else layouts_of(f))
             if any(l.kind == "flat" for l, _ in layouts.values()) and mesh is None and f.world > 1:
                 raise CheckpointError(f"{f.path}: FSDP1 flat-parameter optimizer shards, but the model files do not "
                                       f"say which mesh dimension they are sharded over")
             digests[f.kind] = digest_of(f, layouts) if not (ragged and f.kind == "optim") else \
-                hashlib.blake2b(repr(rank_digests).encode(), digest_size=16).hexdigest()
+                hashlib.blake2b(repr(ragged.digests).encode(), digest_size=16).hexdigest()
             base = first[f.kind] - f.rank  # unit index of this kind's rank 0
             for path in leaves:
                 held = split.get(_flat_index(path)) if split and f.kind == "optim" else None
@@ -282,7 +294,7 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
                             objects.append(place)
                             continue
                         layout, _ = layouts[path]
-                        ranges = [(base + r, lo, n) for r, lo, n in parts[int(_flat_index(path))]] if ragged else \
+                        ranges = [(base + r, lo, n) for r, lo, n in ragged.parts[int(_flat_index(path))]] if ragged else \
                             [(base + r, lo, n) for r, (o,), (size,) in boxes(layout, f.world, mesh)
                              for _, lo, n in fsdp_flat.overlaps([member], o, size)]
                         arrays[place] = flat_spec(layout.dtype, member.shape, ranges)
@@ -300,7 +312,8 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     facts = {"layouts": digests, "mesh": mesh_json(mesh),
              "split": {k: [[m.name, list(m.shape), m.start, m.key] for m in held] for k, held in (split or {}).items()}}
     if ragged is not None:
-        facts["ragged"] = {"digests": rank_digests, "parts": {str(i): [list(p) for p in ps] for i, ps in parts.items()}}
+        facts["ragged"] = {"digests": ragged.digests,
+                           "parts": {str(i): [list(p) for p in ps] for i, ps in ragged.parts.items()}}
     extra = {"units": names, "metadata": digest, "verl": facts, "replicas": replica_count(arrays)}
     return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
 
