@@ -114,11 +114,12 @@ def units(folder: str, storage_options: StorageOptions | None = None) -> list[st
         raise CheckpointError(f"{folder}: not a DeepSpeed checkpoint folder")
     model, optim = _files(tag, storage_options)
     world = max(optim) + 1 if optim else 0
-    for found, what in ((optim, "zero_pp_rank_{r}_mp_rank_00_optim_states.pt"),
-                        (model if len(model) > 1 or 0 not in model else {}, "zero_pp_rank_{r}_mp_rank_00_model_states.pt")):
+    per_rank_models = len(model) > 1 or 0 not in model  # ZeRO-3's, else the one mp_rank_00 file
+    for found, kind in ((optim, "optim"), (model if per_rank_models else {}, "model")):
         missing = [r for r in range(world) if r not in found] if found else []
         if missing:
-            raise CheckpointError(f"{join(tag, what.format(r=missing[0]))}: missing (the checkpoint is incomplete)")
+            raise CheckpointError(f"{join(tag, f'zero_pp_rank_{missing[0]}_mp_rank_00_{kind}_states.pt')}: "
+                                  f"missing (the checkpoint is incomplete)")
     return [model[r] for r in sorted(model)] + [optim[r] for r in range(world)]
 
 
@@ -187,6 +188,12 @@ class Layout:
 
     def end(self, g: int) -> int:
         return sum(math.prod(s) + p for (_, s), p in zip(self.groups[g], self.paddings[g]))
+
+    def z3_share(self, numel: int, rank: int) -> tuple[int, int]:
+        """ZeRO-3: (first element, count) of a parameter's `numel` that `rank` holds: `ceil(numel / W)` per
+        rank, the last ones short or empty (their parts zero-padded)."""
+        per = -(-numel // self.world)
+        return rank * per, max(0, min(per, numel - rank * per))
 
     def z3_offsets(self, g: int) -> list[tuple[str, tuple[int, ...], int, int]]:
         """ZeRO-3: (name, shape, offset in each rank's flat part, elements per rank) of group g's parameters."""
@@ -289,13 +296,11 @@ def _model_names(layout: Layout, ms: dict, where: str) -> list[str]:
     return [n for n in module if n not in layout.shared] + [n for n in known if n not in module]
 
 
-def _whole(layout: Layout, name: str, ms: dict, where: str) -> TensorRef | None:
-    """The tensor the model-states file holds whole for a name no optimizer part holds (a buffer, a frozen
-    parameter under ZeRO-1/2); None for a size-0 ZeRO-3 placeholder of a parameter held elsewhere."""
+def _whole(layout: Layout, name: str, ms: dict, where: str) -> Any:
+    """What the model-states file holds whole for a name no optimizer part holds (a buffer, a frozen
+    parameter but ZeRO-3's): a tensor, or a value kept as it is."""
     fragments = ms.get("frozen_param_fragments") or {}
     ref = fragments.get(name) if name in fragments else ms["module"].get(name)
-    if layout.stage == 3 and name in layout.frozen:
-        return None
     if not isinstance(ref, TensorRef):
         if name in ms["module"]:
             return ms["module"][name]  # a value, kept as it is
@@ -376,10 +381,9 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
         if optim is not None:
             optim.zip.close()
     listed = [relative(u) for u in unit_paths]
-    facts = {"layout": layout.digest(), "stage": layout.stage, "world": layout.world,
-             "groups": [[[n, list(s)] for n, s in g] for g in layout.groups],
+    facts = {"stage": layout.stage, "world": layout.world, "groups": [[[n, list(s)] for n, s in g] for g in layout.groups],
              "frozen": {n: list(s) for n, s in layout.frozen.items()}, "paddings": layout.paddings,
-             "parts": layout.parts, "shared": layout.shared, "models": len(models), "fp32": fp32_dtype}
+             "parts": layout.parts, "shared": layout.shared}
     extra = {"units": listed, "metadata": layout.digest(), "deepspeed": facts, "replicas": replica_count(arrays),
              "tied": [[["model", a], f"model/{encode_key(b)}"] for a, b in layout.shared.items() if b in names]}
     return CheckpointSpec(FORMAT, len(listed), len(listed), tree, arrays, {}, objects, extra)
@@ -397,8 +401,7 @@ def _ranges(layout: Layout, member: fsdp_flat.Member, g: int, base: int) -> list
     """(unit, first element, count) of each rank's part of parameter `member` (group g); only the ranks
     whose parts it overlaps are looked at."""
     if layout.stage == 3:
-        numel, per = member.numel, -(-member.numel // layout.world)
-        return [(base + r, r * per, min(per, numel - r * per)) for r in range(layout.world) if r * per < numel]
+        return [(base + r, *share) for r in range(layout.world) if (share := layout.z3_share(member.numel, r))[1]]
     part = layout.parts[g]
     if not part or not member.numel:
         return []
@@ -413,9 +416,8 @@ def _z3_frozen_spec(layout: Layout, name: str, model: _File, base: int) -> Shard
     ref = (model.state.get("frozen_param_fragments") or {}).get(name)
     if not isinstance(ref, TensorRef):
         raise CheckpointError(f"{model.path}: frozen parameter {name} has no fragment")
-    numel, per = math.prod(shape), -(-math.prod(shape) // layout.world)
-    return flat_spec(ref.dtype, shape, [(base + r, r * per, min(per, numel - r * per))
-                                        for r in range(layout.world) if r * per < numel])
+    return flat_spec(ref.dtype, shape, [(base + r, *share) for r in range(layout.world)
+                                        if (share := layout.z3_share(math.prod(shape), r))[1]])
 
 
 # ---------------------------------------------------------------------------------------------- units
@@ -437,13 +439,8 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
         if kind == "model":
             _model_unit(unit, f, layout, rank, encode_key)
         else:
-            _optim_unit(unit, f, layout, rank, encode_key, ds["fp32"])
+            _optim_unit(unit, f, layout, rank, encode_key)
     return unit
-
-
-def _check(layout: Layout, f: _File, planned: str) -> None:
-    if layout.digest() != planned:
-        raise CheckpointError(f"{f.path}: belongs to another DeepSpeed checkpoint than the store's")
 
 
 def _model_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key: Any) -> None:
@@ -472,20 +469,21 @@ def _model_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key:
 def _z3_fragment(f: _File, layout: Layout, name: str, rank: int, place: str) -> ArrayLeaf:
     shape = layout.frozen[name]
     ref = (f.state.get("frozen_param_fragments") or {}).get(name)
-    numel, per = math.prod(shape), -(-math.prod(shape) // layout.world)
+    per = -(-math.prod(shape) // layout.world)
     if not isinstance(ref, TensorRef) or tuple(ref.shape) != (per,):
         raise CheckpointError(f"{f.path}: frozen fragment {name} is not the {per} elements each of "
                               f"{layout.world} ranks holds")
-    n = min(per, numel - rank * per)
-    if n <= 0:
+    first, n = layout.z3_share(math.prod(shape), rank)
+    if not n:
         return ArrayLeaf(ref.dtype, shape, [])
     view = TensorRef(ref.storage, ref.offset, (n,), (1,), ref.dtype)
     tensors.check_view(f.zip, view, place)
-    return ArrayLeaf(ref.dtype, shape, [LocalPiece((rank * per,), (n,), view, f.zip)])
+    return ArrayLeaf(ref.dtype, shape, [LocalPiece((first,), (n,), view, f.zip)])
 
 
 def _whole_leaf(f: _File, ref: TensorRef, place: str) -> ArrayLeaf:
-    if tuple(ref.stride) != _contiguous(tuple(ref.shape)):
+    """A whole tensor as the one piece of its flat array: its elements, one contiguous run."""
+    if tensors.byte_range(f.zip, ref) is None:
         raise CheckpointError(f"{f.path}: {place} is not contiguous in its storage; not read")
     numel = math.prod(ref.shape)
     flat = TensorRef(ref.storage, ref.offset, (numel,), (1,), ref.dtype)
@@ -493,15 +491,7 @@ def _whole_leaf(f: _File, ref: TensorRef, place: str) -> ArrayLeaf:
     return ArrayLeaf(ref.dtype, tuple(ref.shape), [LocalPiece((0,), (numel,), flat, f.zip)])
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
-
-
-def _optim_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key: Any, fp32_dtype: str) -> None:
+def _optim_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key: Any) -> None:
     od = _get(f.state, "optimizer_state_dict", f.path, dict)
     if _stage(od, f.path) != layout.stage or _world(od, f.path) != layout.world:
         raise CheckpointError(f"{f.path}: ZeRO-{_stage(od, f.path)} over {_world(od, f.path)} ranks, but the store "
@@ -524,9 +514,9 @@ def _optim_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key:
         _cut(unit, f, layout, g, rank, part, have, lambda n: f"model/{encode_key(n)}")
         state = base["state"].get(g, {})
         for key, value in state.items():
+            # a moment; anything else is a value (so a moment of another length is refused by the
+            # ingest's check against the plan, which has an array there)
             if isinstance(value, TensorRef) and tuple(value.shape) == (keep,):
-                if value.shape[0] != keep:
-                    raise CheckpointError(f"{f.path}: group {g}'s {key} holds {value.shape[0]} elements, not {keep}")
                 _cut(unit, f, layout, g, rank, value, keep, lambda n, k=key: f"optim/state/{encode_key(n)}/{encode_key(k)}")
             else:
                 for name, _ in layout.groups[g]:
@@ -574,11 +564,8 @@ def _cut(unit: FileUnit, f: _File, layout: Layout, g: int, rank: int, flat: Tens
     if tuple(flat.stride) != (1,):
         raise CheckpointError(f"{f.path}: a flat part that is not contiguous (corrupt file)")
     if layout.stage == 3:
-        pieces = []
-        for name, shape, offset, per in layout.z3_offsets(g):
-            numel = math.prod(shape)
-            n = min(per, numel - rank * per)
-            pieces.append((name, shape, offset, rank * per, n))
+        pieces = [(name, shape, offset, *layout.z3_share(math.prod(shape), rank))
+                  for name, shape, offset, _ in layout.z3_offsets(g)]
     else:
         part = layout.parts[g]
         pieces = [(m.name, m.shape, m.start + lo - rank * part, lo, n)
