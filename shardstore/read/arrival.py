@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..errors import CheckpointError
+
 
 @dataclass(frozen=True)
 class Arrived:
@@ -46,8 +48,6 @@ class Looks:
     def parse(self, path: str, read: Callable[[str], Any]) -> Any:
         """`read(path)` once per version of the file, or None while it is absent or does not read yet
         (`read` raising CheckpointError)."""
-        from ..errors import CheckpointError
-
         try:
             st = os.stat(path)
         except FileNotFoundError:
