@@ -331,7 +331,8 @@ def layouts_of(f: File) -> dict[str, tuple[Layout, TensorRef]]:
             elif leaf.shape and (f.kind == "model" or nbytes > SMALL_TENSOR_BYTES):  # weights are arrays
                 out[path] = (Layout("whole", leaf.dtype, leaf.shape), leaf)
     meshes = list({layout.mesh for layout, _ in out.values() if layout.mesh is not None})
-    return {p: (replace(layout, mesh=completed(layout.mesh, meshes)) if layout.mesh is not None else layout, local)
+    whole = {m: completed(m, meshes) for m in meshes}  # once per distinct mesh, not per tensor
+    return {p: (replace(layout, mesh=whole[layout.mesh]) if layout.mesh is not None else layout, local)
             for p, (layout, local) in out.items()}
 
 
