@@ -16,8 +16,9 @@ before every run (bench.py's `timed`):
 - `shardstore unshard --format torch` (weights, moments keyed by name, engine state).
 Peak memory is both the largest process's (`/usr/bin/time`) and, sampled from /proc every 20 ms, all
 the processes of the command together (the coordinator and its workers).
-Also the CLI's own start-up (`shardstore --version`, caches warm). Each contender runs --repeat times
-(default 3), in turn, and its median is reported (single runs on this disk vary by ±0.4 s). It prints a
+Also the CLI's own start-up (`shardstore --version`, caches warm). shardstore is byte-compiled first, as
+an installed copy is. Each contender runs --repeat times (default 5), in turn, and its median is
+reported (single runs on this disk vary by ±0.4 s). It prints a
 markdown table and writes deepspeed.json to --out.
 """
 
@@ -35,7 +36,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from bench import timed, timed_tree  # noqa: E402
+from bench import compile_shardstore, timed, timed_tree  # noqa: E402
 
 # untied: `zero_to_fp32.py --safe_serialization` fails on tied embeddings (safetensors refuses shared tensors)
 DIMS = {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
@@ -65,12 +66,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=HERE / "out")
     ap.add_argument("--ds-python", default="/tmp/venvds/bin/python")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     run(ap.parse_args())
 
 
 def run(args: argparse.Namespace) -> None:
     """The DeepSpeed rows (`args`: out, ds_python, repeat); also `bench.py --deepspeed PY`."""
+    compile_shardstore()
     report = {"world": WORLD, "startup": _startup(), "stages": {}}
     for kind in ("z2-bf16", "z3-bf16"):
         ckpt = args.out / "ckpt" / f"deepspeed-qwen2-125m-{kind}-w{WORLD}"

@@ -53,8 +53,13 @@ def first_difference(a: bytes, b: bytes, itemsize: int, shape: tuple[int, ...], 
 
 
 def _write_array_metadata(backend: Backend, manifest: Manifest, location: str) -> None:
-    """Each array's zarr.json, in manifest order, never overwriting one that differs (another process may
-    be writing that array's cells right now)."""
+    """The zarr.json of each group above an array, then each array's, in manifest order, never overwriting
+    one that differs (another process may be writing that array's cells right now)."""
+    groups = {p.rsplit("/", 1)[0] for p in manifest.arrays if "/" in p}
+    groups |= {g.rsplit("/", i)[0] for g in list(groups) for i in range(1, g.count("/") + 1)}
+    for group in sorted(groups):
+        if not backend.exists(f"{group}/zarr.json"):
+            backend.write(f"{group}/zarr.json", [GROUP_METADATA])
     for entry in manifest.arrays.values():
         info = dtypes.info(entry.dtype)
         meta = array_metadata(info.raw, entry.shape, tuple(max(c, 1) for c in entry.cell),
@@ -129,18 +134,14 @@ class Store:
                storage_options: StorageOptions | None = None, array_metadata: bool = True) -> "Store":
         """Create the store for `manifest`, or open it if it exists and holds the same checkpoint layout.
         Without `array_metadata` (a scratch store whose arrays a one-pass export writes straight into its
-        output) no array's zarr.json is written until `ensure_array_metadata`."""
+        output) no zarr.json of an array, or of a group above one, is written until `ensure_array_metadata`."""
         backend = open_backend(location, storage_options)
         if backend.exists(MANIFEST_KEY):
             store = cls.open(location, storage_options)
             store.check_compatible(manifest, str(location))
             return store
-        groups = {"", *(p.rsplit("/", 1)[0] if "/" in p else "" for p in manifest.arrays)}
-        groups |= {g.rsplit("/", i)[0] for g in list(groups) for i in range(1, g.count("/") + 1)}
-        for group in sorted(groups):
-            key = f"{group}/zarr.json" if group else "zarr.json"
-            if not backend.exists(key):
-                backend.write(key, [GROUP_METADATA])
+        if not backend.exists("zarr.json"):
+            backend.write("zarr.json", [GROUP_METADATA])
         if not backend.exists(RECORDS_NODE):
             backend.write(RECORDS_NODE, [json.dumps(records_node_metadata()).encode()])
         if array_metadata:
@@ -292,6 +293,7 @@ class Store:
         """
         written = []
         self._staging, self._staged_bytes = {}, 0
+        self.records()  # once: what every array below is assembled from (a listing each was a request each)
         try:
             for path, entry in self.manifest.arrays.items():
                 if entry.flat and not entry.staged:
@@ -333,7 +335,7 @@ class Store:
     def _staged_pieces(self, entry: ArrayEntry, verify: bool = False) -> dict[tuple, tuple[int, int, int]]:
         """(offsets, sizes) -> (rank, start, nbytes) of every committed piece of a staged array."""
         pieces: dict[tuple, tuple[int, int, int]] = {}
-        for rank, rec in self.records().items():
+        for rank, rec in self.records(refresh=False).items():
             for offsets, sizes, start, nbytes in rec.staged.get(entry.path, ()):
                 key = (tuple(offsets), tuple(sizes))
                 if key not in pieces:

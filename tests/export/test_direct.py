@@ -305,10 +305,10 @@ def test_a_full_disk_is_one_line_and_the_rerun_completes(checkpoints, tmp_path: 
     src = checkpoints(3)
     disk = tmp_path / "disk"
     disk.mkdir()
-    # 1.32 MB: the 1.21 MB output and the space check's margin fit, the scratch store's records (each
-    # file a whole page on tmpfs) and the export journal beside them do not (measured: the run fails between
-    # 1.29 and 1.35 MB, and completes from 1.38 MB)
-    size = 1_320_000
+    # 1.285 MB: the 1.21 MB output and the space check's margin fit, the scratch store's records (each
+    # file a whole page on tmpfs) and the export journal beside them do not (measured: the run fails in
+    # the scratch store between 1.26 and 1.31 MB, and completes from 1.315 MB)
+    size = 1_285_000
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
                              capture_output=True, text=True)
     if mounted.returncode != 0:

@@ -1,0 +1,69 @@
+"""The worker pool: how local workers start, and that it makes no difference to what they write."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardstore import runner
+
+# Run in a fresh interpreter: this test process may be running other threads (a Dask cluster's, Zarr's).
+# With an argument, a thread that waits is started first, as a notebook kernel or a Dask client would.
+UNSHARD = """
+import hashlib, json, sys, threading
+import shardstore
+from shardstore import runner
+
+methods = []
+original = runner.Pool.__init__
+def spy(self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    methods.append(self.start_method)
+runner.Pool.__init__ = spy
+
+stop = threading.Event()
+if sys.argv[3] == "thread":
+    threading.Thread(target=stop.wait).start()
+try:
+    shardstore.unshard(sys.argv[1], sys.argv[2], jobs=2, dtype="bfloat16")  # workers cast with torch
+finally:
+    stop.set()
+digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in __import__("pathlib").Path(sys.argv[2]).iterdir()}
+print(json.dumps({"methods": methods, "digests": digests}))
+"""
+
+
+def _unshard(src: Path, out: Path, threads: str) -> dict:
+    run = subprocess.run([sys.executable, "-c", UNSHARD, str(src), str(out), threads], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_forked_and_spawned_workers_write_the_same_bytes(checkpoints, tmp_path: Path) -> None:
+    """A single-threaded process that has not loaded torch forks its workers (ready at once); beside
+    another thread it spawns them. The output is the same, byte for byte, cast by torch in the workers."""
+    src = checkpoints(4)
+    forked = _unshard(src, tmp_path / "forked", "none")
+    spawned = _unshard(src, tmp_path / "spawned", "thread")
+    assert forked["methods"] == ["fork"] and spawned["methods"] == ["spawn"]
+    assert forked["digests"] and forked["digests"] == spawned["digests"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_a_process_that_loaded_torch_spawns() -> None:
+    """A forked worker casting with torch could hang in the OpenMP pool the parent's torch ran."""
+    probe = "import sys; {}from shardstore import runner; print(runner.start_method())"
+    methods = [subprocess.run([sys.executable, "-c", probe.format(first)], capture_output=True, text=True,
+                              check=True).stdout.strip() for first in ("", "import torch; ")]
+    assert methods == ["fork", "spawn"]
+
+
+def test_an_inline_or_dask_pool_starts_no_local_workers() -> None:
+    assert runner.Pool(1).start_method is None
+    assert runner.Pool(2, scheduler="tcp://127.0.0.1:1").start_method is None  # no connection until run
