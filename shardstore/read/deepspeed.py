@@ -10,10 +10,22 @@ A save folder (the HF Trainer's `checkpoint-N/`) holds `latest` (the tag) and `<
   `param_alignment_paddings`, `partition_count`. A group's parameters are laid end to end (each followed
   by its alignment padding), padded at the end, and cut into `partition_count` equal parts; the last
   rank's masters are saved without the end padding (its `group_paddings`), its moments with it.
+  ZeRO-1 with bf16 weights and fp32 gradient accumulation (`data_types.grad_accum_dtype`, as Megatron-
+  DeepSpeed runs) is DeepSpeed's BF16_Optimizer instead: the same files, but no `zero_stage` and no
+  alignment paddings (parameters end to end), and every rank's masters saved with its end padding.
+  DeepSpeed's own `zero_to_fp32` refuses these ("is not a zero checkpoint").
 - ZeRO-3: per rank `zero_pp_rank_{r}_mp_rank_00_model_states.pt` (`module` of size-0 placeholders, this
   rank's `frozen_param_fragments`) and `..._optim_states.pt` (`fp32_flat_groups`, the base optimizer's
   state under `optimizer_state_dict`). Every parameter is partitioned on its own: `ceil(numel / W)`
   elements per rank, the last zero-padded, laid end to end per group in each rank's flat part.
+
+- ZeRO-0 (DeepSpeed without ZeRO: `zero_optimization.stage` 0, as Accelerate and the HF Trainer run it):
+  `mp_rank_00_model_states.pt` alone, holding everything whole. `module` is the model in the dtype the
+  run computed in (fp32, or bf16/fp16 under mixed precision), names sharing one tensor tied; `optimizer`
+  is the torch optimizer's state, or DeepSpeed's fp16/bf16 wrapper's around it with the fp32 masters in
+  `fp32_groups`, by group and position: the file does not say which parameter each is (nor which group
+  a parameter is in), so they are kept as saved, not guessed. DeepSpeed's own `zero_to_fp32` refuses
+  these folders.
 
 This is DeepSpeed's own `zero_to_fp32.py` rule, derived here from `param_shapes` and checked against
 every file's own part lengths (a part of the wrong length, or a file of another run, is refused naming
@@ -33,6 +45,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from .. import paths
 from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions
 from . import fsdp_flat, tensors
@@ -68,7 +81,7 @@ MAX_TAG = 256
 def _tag_folder(folder: str, storage_options: StorageOptions | None) -> str | None:
     """The tag folder `folder` is, or the one its `latest` names; None if neither holds ZeRO files."""
     names = [p.rsplit("/", 1)[-1] for p in listing(folder, storage_options)]
-    if any(MODEL_STATES.match(n) for n in names) and any(OPTIM_STATES.match(n) for n in names):
+    if any(MODEL_STATES.match(n) for n in names):  # ZeRO-0's is alone (else: refused naming what is missing)
         return folder
     if LATEST in names:
         try:
@@ -177,6 +190,7 @@ class Layout:
     shared: dict[str, str]  # tied name -> the name it is
     paddings: list[list[int]]  # ZeRO-1/2: each parameter's alignment padding after it
     parts: list[int]  # per group: each rank's part length (ZeRO-1/2, padding included; ZeRO-3: ignored)
+    padded_masters: bool = False  # BF16_Optimizer: the last rank's fp32 part is saved with its end padding
 
     def members(self, g: int) -> list[fsdp_flat.Member]:
         """ZeRO-1/2: group g's parameters where they lie in the group's flat vector."""
@@ -210,7 +224,7 @@ class Layout:
 
     def digest(self) -> str:
         return hashlib.blake2b(repr((self.stage, self.world, self.groups, self.frozen, self.shared, self.paddings,
-                                     self.parts)).encode(), digest_size=16).hexdigest()
+                                     self.parts, self.padded_masters)).encode(), digest_size=16).hexdigest()
 
 
 def _shapes(value: Any, where: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -225,7 +239,15 @@ def _shapes(value: Any, where: str) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def _bf16_optimizer(optim: dict) -> bool:
+    """BF16_Optimizer's state (ZeRO-1, bf16 with fp32 gradient accumulation): ZeRO-1's keys but no stage."""
+    return "zero_stage" not in optim and all(k in optim for k in ("single_partition_of_fp32_groups",
+                                                                      "base_optimizer_state", "group_paddings"))
+
+
 def _stage(optim: dict, where: str) -> int:
+    if _bf16_optimizer(optim):
+        return 1
     stage = _get(optim, "zero_stage", where)
     value = stage.args[0] if isinstance(stage, Building) and stage.args else stage
     if type(value) is not int or value not in (1, 2, 3):
@@ -260,10 +282,11 @@ def _layout(model: _File, optim: _File) -> Layout:
         own = _get(od, "group_paddings", optim.path, list)
         if len(fp32) != len(groups) or len(own) != len(groups):
             raise CheckpointError(f"{optim.path}: {len(fp32)} fp32 groups for {len(groups)} groups of parameters")
-        parts = [_part(t, optim.path) + _count(p, optim.path) for t, p in zip(fp32, own)]
+        padded = _bf16_optimizer(od)
+        parts = [_part(t, optim.path) + (0 if padded else _count(p, optim.path)) for t, p in zip(fp32, own)]
     else:
-        paddings, parts = [[0] * len(g) for g in groups], [0] * len(groups)
-    return Layout(stage, world, groups, frozen, shared, paddings, parts)
+        paddings, parts, padded = [[0] * len(g) for g in groups], [0] * len(groups), False
+    return Layout(stage, world, groups, frozen, shared, paddings, parts, padded)
 
 
 def _part(t: Any, where: str) -> int:
@@ -326,6 +349,8 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     models = [u for u in unit_paths if _rank(u)[0] == "model"]
     optims = [u for u in unit_paths if _rank(u)[0] == "optim"]
     model, optim = _read(models[0], storage_options, strict), None
+    if not optims:
+        return _unpartitioned_spec(model, unit_paths, encode_key)
     try:
         optim = _read(optims[0], storage_options, strict)
         layout = _layout(model, optim)
@@ -383,10 +408,52 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     listed = [relative(u) for u in unit_paths]
     facts = {"stage": layout.stage, "world": layout.world, "groups": [[[n, list(s)] for n, s in g] for g in layout.groups],
              "frozen": {n: list(s) for n, s in layout.frozen.items()}, "paddings": layout.paddings,
-             "parts": layout.parts, "shared": layout.shared}
+             "parts": layout.parts, "shared": layout.shared, "padded_masters": layout.padded_masters}
     extra = {"units": listed, "metadata": layout.digest(), "deepspeed": facts, "replicas": replica_count(arrays),
              "tied": [[["model", a], f"model/{encode_key(b)}"] for a, b in layout.shared.items() if b in names]}
     return CheckpointSpec(FORMAT, len(listed), len(listed), tree, arrays, {}, objects, extra)
+
+
+def _unpartitioned(f: _File, encode_key: Any) -> tuple[Node, dict[str, Any], dict[str, str]]:
+    """ZeRO-0's file: (tree, leaves by path, {tied name: name}). `module` becomes `model` (a name viewing
+    the same tensor as an earlier one is tied to it, not a tensor of its own), `optimizer` becomes `optim`
+    as saved, and the engine's state sits beside them."""
+    ms = f.state
+    if ms.get("param_shapes") is not None:
+        raise CheckpointError(f"{f.path}: a ZeRO checkpoint, but its optimizer files (*zero_pp_rank_*_optim_"
+                              f"states.pt) are missing")
+    first: dict[tuple, str] = {}
+    tied: dict[str, str] = {}
+    model: dict[str, Any] = {}
+    for name, value in _get(ms, "module", f.path, dict).items():
+        if isinstance(value, TensorRef) and value.shape:
+            same = (value.storage.key, value.offset, tuple(value.shape), tuple(value.stride), value.dtype)
+            if same in first:
+                tied[name] = first[same]
+                continue
+            first[same] = name
+        model[name] = value
+    state = {"model": model, **({"optim": ms["optimizer"]} if ms.get("optimizer") is not None else {}),
+             **{k: v for k, v in ms.items() if k not in LAYOUT_KEYS and k not in ("model", "optim")}}
+    tree, leaves = flatten(state, encode_key)
+    return tree, leaves, tied
+
+
+def _unpartitioned_spec(model: _File, unit_paths: list[str], encode_key: Any) -> CheckpointSpec:
+    """ZeRO-0: one file, every tensor whole in it."""
+    try:
+        tree, leaves, tied = _unpartitioned(model, encode_key)
+    finally:
+        model.zip.close()
+    arrays = {path: flat_spec(ref.dtype, tuple(ref.shape), [(0, 0, math.prod(ref.shape))])
+              for path, ref in leaves.items() if isinstance(ref, TensorRef) and ref.shape}
+    layout = Layout(0, 1, [], {}, tied, [], [])
+    facts = {"stage": 0, "world": 1, "groups": [], "frozen": {}, "paddings": [], "parts": [], "shared": tied}
+    extra = {"units": [relative(u) for u in unit_paths], "metadata": layout.digest(), "deepspeed": facts,
+             "replicas": replica_count(arrays),
+             "tied": [[["model", a], paths.join("model", paths.escape(b))] for a, b in tied.items()]}
+    objects = [p for p in leaves if p not in arrays]
+    return CheckpointSpec(FORMAT, 1, 1, tree, arrays, {}, objects, extra)
 
 
 def _fp32_dtype(od: dict, stage: int, where: str) -> str:
@@ -431,12 +498,17 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
     index, count = listed.index(relative(path)), len(listed)
     ds = facts["deepspeed"]
     layout = Layout(ds["stage"], ds["world"], [[(n, tuple(s)) for n, s in g] for g in ds["groups"]],
-                    {n: tuple(s) for n, s in ds["frozen"].items()}, ds["shared"], ds["paddings"], ds["parts"])
+                    {n: tuple(s) for n, s in ds["frozen"].items()}, ds["shared"], ds["paddings"], ds["parts"],
+                    ds.get("padded_masters", False))
     kind, rank = _rank(path)
     f = _read(path, storage_options, strict)
     unit = FileUnit(path, index, count, index, count, facts["metadata"], {}, f.zip)
     with closed_on_error(unit.close, path):
-        if kind == "model":
+        if layout.stage == 0:
+            _, leaves, _ = _unpartitioned(f, encode_key)
+            unit.leaves.update({p: _whole_leaf(f, v, p) if isinstance(v, TensorRef) and v.shape else v
+                                for p, v in leaves.items()})
+        elif kind == "model":
             _model_unit(unit, f, layout, rank, encode_key)
         else:
             _optim_unit(unit, f, layout, rank, encode_key)
@@ -493,9 +565,11 @@ def _whole_leaf(f: _File, ref: TensorRef, place: str) -> ArrayLeaf:
 
 def _optim_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key: Any) -> None:
     od = _get(f.state, "optimizer_state_dict", f.path, dict)
-    if _stage(od, f.path) != layout.stage or _world(od, f.path) != layout.world:
-        raise CheckpointError(f"{f.path}: ZeRO-{_stage(od, f.path)} over {_world(od, f.path)} ranks, but the store "
-                              f"holds ZeRO-{layout.stage} over {layout.world}")
+    mine = (_stage(od, f.path), _world(od, f.path), _bf16_optimizer(od))
+    if mine != (layout.stage, layout.world, layout.padded_masters):
+        kind = [f"ZeRO-{stage}{' (BF16_Optimizer)' if bf16 else ''} over {world} ranks"
+                for stage, world, bf16 in (mine, (layout.stage, layout.world, layout.padded_masters))]
+        raise CheckpointError(f"{f.path}: {kind[0]}, but the store holds {kind[1]}")
     if not 0 <= rank < layout.world:
         raise CheckpointError(f"{f.path}: rank {rank} outside the {layout.world} the checkpoint has")
     base = _optim_state(od, layout.stage, f.path)
@@ -555,7 +629,7 @@ def _expected_part(layout: Layout, g: int, rank: int, od: dict, where: str) -> t
     if len(own) != len(layout.groups) or own[g] != pad:
         raise CheckpointError(f"{where}: group {g}'s padding is {own[g] if g < len(own) else None}, not the {pad} "
                               f"its rank's share of the plan has")
-    return part - pad, part
+    return (part if layout.padded_masters else part - pad), part
 
 
 def _cut(unit: FileUnit, f: _File, layout: Layout, g: int, rank: int, flat: TensorRef, length: int,

@@ -7,15 +7,21 @@ the files are kept in tests/fixtures/data/deepspeed/), against what DeepSpeed it
 | z1 | 1 | fp32 | DeepSpeedZeroOptimizer | mp_rank_00 + 3 optimizer files |
 | z2 | 2 | fp32 | DeepSpeedZeroOptimizer | mp_rank_00 + 3 optimizer files |
 | z3 | 3 | fp32 | DeepSpeedZeroOptimizer_Stage3 | 3 model-states + 3 optimizer files |
-| z1-bf16 | 1 | bf16 | BF16_Optimizer (`bf16_` prefix) | mp_rank_00 + 3 optimizer files |
+| z1-bf16 | 1 | bf16 | DeepSpeedZeroOptimizer (`bf16_` prefix) | mp_rank_00 + 3 optimizer files |
 | z2-bf16 | 2 | bf16 | DeepSpeedZeroOptimizer | mp_rank_00 + 3 optimizer files |
 | z3-bf16 | 3 | bf16 | DeepSpeedZeroOptimizer_Stage3 | 3 model-states + 3 optimizer files |
 | z2-fp16 | 2 | fp16, dynamic loss scale | DeepSpeedZeroOptimizer | mp_rank_00 + 3 optimizer files |
 | z3-fp16 | 3 | fp16, dynamic loss scale | DeepSpeedZeroOptimizer_Stage3 | 3 model-states + 3 optimizer files |
+| z1-bf16-fp32acc | 1 | bf16, fp32 gradient accumulation | BF16_Optimizer (no `zero_stage`; `zero_to_fp32` fails on it) | mp_rank_00 + 3 optimizer files |
+| z2-bf16-offload | 2 | bf16, optimizer offloaded to the CPU | DeepSpeedZeroOptimizer | mp_rank_00 + 3 optimizer files |
+| z3-bf16-offload | 3 | bf16, optimizer and parameters offloaded | DeepSpeedZeroOptimizer_Stage3 | 3 model-states + 3 optimizer files |
+| z0, z0-bf16 | 0 (no ZeRO) | fp32; bf16 | torch AdamW; FP16_UnfusedOptimizer around it | mp_rank_00 alone (`zero_to_fp32` fails on it) |
 
 All at W = 3 with vocab 97 (no part boundary falls on a parameter edge), tied embeddings, one frozen
 norm weight and the HF Trainer's two parameter groups. Under ZeRO-1 DeepSpeed's own `zero_to_fp32`
-drops the frozen parameter (it keeps no `frozen_param_shapes`): the live ranks' value is the reference.
+drops the frozen parameter (it keeps no `frozen_param_shapes`), and it fails on BF16_Optimizer's and
+ZeRO-0's files: the live ranks' values are the reference. ZeRO-0 partitions nothing: the reference is the
+live engine's module and optimizer state as they are.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from tests.conftest import assert_bitwise_equal
 from tests.read.conformance import FormatTests
 
 DATA = Path(__file__).parent.parent / "fixtures" / "data" / "deepspeed"
-KINDS = ["z1", "z2", "z3", "z1-bf16", "z2-bf16", "z3-bf16", "z2-fp16", "z3-fp16"]
+KINDS = ["z1", "z2", "z3", "z1-bf16", "z2-bf16", "z3-bf16", "z2-fp16", "z3-fp16", "z1-bf16-fp32acc",
+         "z2-bf16-offload", "z3-bf16-offload"]
 TAG = "global_step2"
 
 
@@ -73,6 +80,62 @@ def test_torch_export_is_deepspeeds_reconstruction_and_the_live_gather(kind: str
     assert optim["param_groups"] == want["param_groups"]
 
 
+def _same(got: object, want: object, where: str) -> None:
+    """Equal as torch.load gives them back: containers key for key and in order, tensors bit for bit."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), where
+        assert_bitwise_equal({where: got}, {where: want}, where)
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and list(got) == list(want), f"{where}: keys {list(got)[:5]} {list(want)[:5]}"
+        for key in want:
+            _same(got[key], want[key], f"{where}/{key}")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want)):
+            _same(a, b, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+@pytest.mark.parametrize("kind", ["z0", "z0-bf16"])
+def test_zero0_is_the_live_engines_module_and_optimizer_state(kind: str, tmp_path: Path) -> None:
+    """Without ZeRO the one file holds everything whole: model.pt is the engine's module state dict (the
+    tied name sharing the embedding's storage), optim.pt its optimizer's state as it saved it (under bf16
+    DeepSpeed's wrapper, whose fp32 masters the file does not name); `--format hf` writes the module's
+    weights in their own dtype and says so, and reproduces the module's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.fixtures.deepspeed_zero import IDS
+
+    want = _expected(kind)
+    assert "NoneType" in want["zero_to_fp32_error"]  # DeepSpeed's own tool fails on this folder
+    shardstore.unshard(_src(kind), tmp_path / "pt", format="torch", jobs=2)
+    model = torch.load(tmp_path / "pt" / "model.pt", weights_only=True)
+    _same(model, want["live"]["module"], "model")
+    assert model["lm_head.weight"].untyped_storage().data_ptr() == \
+        model["model.embed_tokens.weight"].untyped_storage().data_ptr()
+    _same(torch.load(tmp_path / "pt" / "optim.pt", weights_only=True), want["live"]["optimizer"], "optim")
+    assert torch.load(tmp_path / "pt" / "train.pt", weights_only=False)["global_steps"] == 2
+    shardstore.unshard(_src(kind), tmp_path / "hf", format="hf", jobs=2)
+    dtype = want["live"]["module"]["model.norm.weight"].dtype
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf.dtype == dtype
+    with torch.no_grad():
+        assert torch.equal(hf(input_ids=IDS).logits, want["logits"])
+
+
+def test_a_zero_checkpoint_without_its_optimizer_files_is_refused_by_name(tmp_path: Path) -> None:
+    """A ZeRO-2 folder left with its model-states file alone is not read as ZeRO-0's."""
+    src = shutil.copytree(_src("z2"), tmp_path / "src")
+    for f in (src / TAG).glob("*optim_states.pt"):
+        f.unlink()
+    with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt: a ZeRO checkpoint, but its optimizer "
+                                              "files .* are missing"):
+        shardstore.unshard(src, tmp_path / "out", jobs=1)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
 @pytest.mark.parametrize("kind", ["z1", "z3-bf16"])
 def test_safetensors_and_dcp_exports(kind: str, tmp_path: Path) -> None:
     """safetensors cannot share a tensor between names: the tied name is left out (the model ties it)."""
@@ -92,7 +155,7 @@ def test_safetensors_and_dcp_exports(kind: str, tmp_path: Path) -> None:
                          want["live"]["moments"]["model.norm.weight"]["exp_avg"], "dcp moments")
 
 
-@pytest.mark.parametrize("kind", ["z1-bf16", "z2", "z3-bf16", "z2-fp16"])
+@pytest.mark.parametrize("kind", ["z1-bf16", "z2", "z3-bf16", "z2-fp16", "z1-bf16-fp32acc"])
 def test_hf_export_loads_with_the_gathered_models_logits(kind: str, tmp_path: Path) -> None:
     """Config, generation config and tokenizer from beside the tag folder, no flag; the fp32 masters are
     the weights, and config.json says float32 though the Trainer's says bfloat16 for a bf16 run."""
@@ -129,10 +192,11 @@ def test_the_save_folder_the_tag_folder_and_a_run_of_checkpoints(tmp_path: Path)
         open_source(run)
 
 
-def test_strict_reads_deepspeeds_own_records(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["z1-bf16", "z1-bf16-fp32acc", "z0-bf16"])
+def test_strict_reads_deepspeeds_own_records(kind: str, tmp_path: Path) -> None:
     """ZeroStageEnum, LossScaler and fragment_address are inert records even under --strict (nothing of
     DeepSpeed is imported); any other class is still refused."""
-    shardstore.unshard(_src("z1-bf16"), tmp_path / "out", format="torch", strict=True, jobs=1)
+    shardstore.unshard(_src(kind), tmp_path / "out", format="torch", strict=True, jobs=1)
     assert (tmp_path / "out" / "model.pt").exists()
 
 
@@ -175,7 +239,7 @@ def test_from_object_storage_on_a_dask_cluster(cluster, tmp_path: Path) -> None:
 
 
 class TestDeepSpeedConformance(FormatTests):
-    @pytest.fixture(params=["z2", "z3-bf16"])
+    @pytest.fixture(params=["z2", "z3-bf16", "z1-bf16-fp32acc", "z0-bf16"])
     def checkpoint(self, request) -> Path:
         return _src(request.param)
 
