@@ -28,14 +28,12 @@ from .. import paths
 from .olmo import FileUnit
 from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec
 from .safetensors_file import SafetensorsFile
-from .source import listing
+from .source import hf_model_file, listing
 
 FORMAT = "dcp-hf"
 SHARDED = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors\Z")
 CONSOLIDATED = re.compile(r"model(-\d+-of-\d+)?\.safetensors\Z")
 INFO = "DCP_SHARDING_INFO"
-MODEL_FILES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
-NOT_SIDE = ("model.safetensors.index.json",)
 
 
 def _name(path: str) -> str:
@@ -71,7 +69,7 @@ def side_files(folder: str, storage_options: StorageOptions | None = None) -> li
     places = [folder] + ([run_of(folder.rstrip("/"))] if _name(folder.rstrip("/")) == "sharded" else [])
     for place in places:
         found = [p for p in listing(place, storage_options)
-                 if _name(p).endswith(MODEL_FILES) and _name(p) not in NOT_SIDE]
+                 if hf_model_file(_name(p))]
         if any(_name(p) == "config.json" for p in found):
             return found
     return []

@@ -53,7 +53,7 @@ from .container import TorchZip, read_small
 from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, replica_count
 from .olmo import FileUnit, flat_spec, relative
 from .opaque import Building, building_class
-from .source import folder_of, join, listing, subfolders
+from .source import folder_of, hf_model_file, join, listing, subfolders
 from .tree import flatten
 from .unpickle import TensorRef, load
 
@@ -71,9 +71,6 @@ PLACEHOLDERS = {key: building_class(*key) for key in (
 # What the model-states file holds besides the engine's own state (kept beside `model` and `optim`).
 LAYOUT_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
                "shared_params", "optimizer")
-# The HF Trainer's own files beside the tag folder, which are not the model's.
-NOT_MODEL_FILES = ("trainer_state.json",)
-HF_KINDS = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 MAX_TAG = 256
 
 
@@ -142,7 +139,7 @@ def side_files(folder: str, storage_options: StorageOptions | None = None) -> li
     tag = _tag_folder(folder, storage_options)
     above = folder_of(tag) if tag is not None else folder
     return [p for p in listing(above, storage_options)
-            if p.endswith(HF_KINDS) and p.rsplit("/", 1)[-1] not in NOT_MODEL_FILES]
+            if hf_model_file(p.rsplit("/", 1)[-1])]
 
 
 def unit_kind(name: str) -> str:

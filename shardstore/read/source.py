@@ -22,6 +22,17 @@ MAX_SIDE_FILE = 64 << 20  # a tokenizer.json of a large vocabulary is several MB
 CONFIG = "config.yaml"  # OLMo's run config, copied beside every export as OLMo's unsharder does
 JSON_CONFIG = "config.json"  # OLMo-core's experiment config in each checkpoint; the HF Trainer's model config
 LATEST = "latest_checkpointed_iteration.txt"  # veRL's (and Megatron's) pointer to the newest step
+# A model's Hugging Face files besides its weights (config, generation config, tokenizer), which trainers
+# keep beside their checkpoints: what `--format hf` takes with no flag...
+HF_MODEL_FILES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
+# ...but for those describing other weights or the run: an index of weights (an export writes its own), a
+# PEFT adapter's config (no adapter is exported), the HF Trainer's own state.
+NOT_HF_MODEL_FILES = ("adapter_config.json", "trainer_state.json")
+
+
+def hf_model_file(name: str) -> bool:
+    """Whether a file of this name beside a checkpoint is one of its model's Hugging Face files."""
+    return name.endswith(HF_MODEL_FILES) and not name.endswith(".index.json") and name not in NOT_HF_MODEL_FILES
 
 
 @dataclass

@@ -27,7 +27,7 @@ from .dtensor import (STATE, File, Layout, Mesh, array_leaf, array_spec, box_of,
                       mesh_from_json, mesh_json, model_mesh, read_file)
 from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, replica_count
 from .olmo import FileUnit, flat_spec, relative
-from .source import join, listing
+from .source import hf_model_file, join, listing
 from .unpickle import TensorRef
 
 FORMAT = "verl"
@@ -97,7 +97,7 @@ def side_files(folder: str, storage_options: StorageOptions | None = None) -> li
     actor = join(folder, ACTOR)
     here = [p for p in listing(actor, storage_options) if p.rsplit("/", 1)[-1] in SIDE_FILES]
     return here + [p for p in listing(join(actor, HF_FOLDER), storage_options)
-                   if p.rsplit(".", 1)[-1] in ("json", "txt", "model", "jinja", "tiktoken")]
+                   if hf_model_file(p.rsplit("/", 1)[-1])]
 
 
 

@@ -199,6 +199,32 @@ def test_the_save_folder_the_tag_folder_and_a_run_of_checkpoints(tmp_path: Path)
         open_source(run)
 
 
+def test_the_trainers_own_files_in_checkpoint_n_are_not_the_models(tmp_path: Path) -> None:
+    """The HF Trainer's checkpoint-N/ also holds the 16-bit weights it saved itself (model.safetensors,
+    here sharded with its index), its state, arguments and RNG states, DeepSpeed's zero_to_fp32.py, and
+    (a PEFT run) adapter_config.json: the DeepSpeed checkpoint is read, and only the model's config,
+    generation config and tokenizer go beside the export; no index or adapter config describing other
+    weights."""
+    from safetensors.torch import load_file, save_file
+
+    src = shutil.copytree(_src("z2-bf16"), tmp_path / "checkpoint-2")
+    module = {k: v.to(torch.bfloat16) for k, v in _expected("z2-bf16")["live"]["module"].items() if "lm_head" not in k}
+    save_file(module, src / "model.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "model.safetensors" for k in module}}))
+    (src / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    (src / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    for name in ("training_args.bin", "rng_state_0.pth", "zero_to_fp32.py"):
+        (src / name).write_bytes(b"not the model")
+    assert open_source(src).format == "deepspeed"
+    model = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+    for fmt in ("hf", "safetensors"):
+        shardstore.unshard(src, tmp_path / fmt, format=fmt, jobs=2)
+        assert {p.name for p in (tmp_path / fmt).iterdir()} == model | {"model.safetensors"}, fmt
+    want = {**_expected("z2-bf16")["fp32"]}
+    del want["lm_head.weight"]
+    assert_bitwise_equal(load_file(tmp_path / "hf" / "model.safetensors"), want, "the fp32 masters")
+
+
 @pytest.mark.parametrize("kind", ["z1-bf16", "z1-bf16-fp32acc", "z0-bf16"])
 def test_strict_reads_deepspeeds_own_records(kind: str, tmp_path: Path) -> None:
     """ZeroStageEnum, LossScaler and fragment_address are inert records even under --strict (nothing of

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from ...errors import ExportError
 from ...read.registry import get
+from ...read.source import hf_model_file
 from ...store.store import Store
 from ..output import OutputFile
 from ..resolve import build, leaves, node_at
@@ -171,16 +172,14 @@ def _from_user(store: Store, subtree: str, hf_config: str | os.PathLike[str], st
         raise ExportError(f"{config_path}: no such file (--hf-config takes a config.json or a folder holding one)") from None
     if folder is not None:  # tokenizer and generation files beside it, copied as they are
         for p in sorted(folder.iterdir()):
-            if p.is_file() and p.name != CONFIG and p.suffix in HF_FILE_KINDS \
-                    and not p.name.endswith(".safetensors.index.json"):
+            if p.is_file() and p.name != CONFIG and hf_model_file(p.name):
                 if p.stat().st_size > MAX_CONFIG_FILE:
                     raise ExportError(f"{p}: {p.stat().st_size} bytes; not a tokenizer or config file")
                 files[p.name] = p.read_bytes()
     return _from_files(store, subtree, strip_prefix, files, str(config_path))
 
 
-# The files of a Hugging Face model folder besides its weights, and the trainers' own beside them.
-HF_FILE_KINDS = (".json", ".txt", ".model", ".tiktoken", ".jinja")
+# The trainers' own files beside a model's (kept beside other exports, not in a Hugging Face folder).
 NOT_HF_FILES = ("fsdp_config.json", "config.yaml")
 
 
@@ -220,7 +219,7 @@ def _from_side_files(store: Store, subtree: str, strip_prefix: str | None) -> tu
     import base64
 
     side = store.manifest.facts.side_files
-    files = {n: base64.b64decode(data) for n, data in side.items() if n.endswith(HF_FILE_KINDS)}
+    files = {n: base64.b64decode(data) for n, data in side.items() if hf_model_file(n)}
     return _from_files(store, subtree, strip_prefix, files, f"the checkpoint's {CONFIG}")
 
 
