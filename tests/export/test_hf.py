@@ -162,3 +162,23 @@ def test_olmo_features_transformers_cannot_express_are_refused(olmo_models, tmp_
     (ckpt / "config.yaml").write_text(config.replace("  d_model: 64", "  d_model: 32", 1))
     line = error_line("unshard", str(ckpt), str(tmp_path / "b"), "--format", "hf", "-q")
     assert "transformer.wte.weight is [128, 64], but config.yaml implies [128, 32]" in line
+
+
+def test_a_peft_models_weights_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """A LoRA run's model holds the base weights under PEFT's names (`base_layer`) and the adapters:
+    under the base model's config.json transformers would start those weights afresh, silently. Refused
+    in one line naming a weight, before any work; safetensors still exports them as they are."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    names = ["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight",
+             "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight",
+             "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"]
+    save_file({n: torch.ones(4, 4) for n in names}, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    line = error_line("unshard", str(src), str(tmp_path / "hf"), "--format", "hf", "-q")
+    assert "q_proj.base_layer.weight: a PEFT adapter's weight (a LoRA run)" in line and "merge the adapters" in line
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
+    shardstore.unshard(src, tmp_path / "st")
+    assert sorted(load_file(tmp_path / "st" / "model.safetensors")) == sorted(names)

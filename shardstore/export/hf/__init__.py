@@ -179,6 +179,9 @@ def _from_user(store: Store, subtree: str, hf_config: str | os.PathLike[str], st
     return _from_files(store, subtree, strip_prefix, files, str(config_path))
 
 
+# What PEFT names its adapters' weights and the layers it wraps (`base_layer`).
+PEFT_MARKS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B", ".lora_magnitude_vector",
+              ".base_layer.")
 # The trainers' own files beside a model's (kept beside other exports, not in a Hugging Face folder).
 NOT_HF_FILES = ("fsdp_config.json", "config.yaml")
 
@@ -194,6 +197,11 @@ def _from_files(store: Store, subtree: str, strip_prefix: str | None, files: dic
         raise ExportError(f"{where}: not a Hugging Face config (a JSON object)")
     rest = {n: data for n, data in files.items() if n != CONFIG and n not in NOT_HF_FILES}
     names = _model_leaves(store, subtree, strip_prefix)
+    adapter = next((n for n in names if any(mark in n for mark in PEFT_MARKS)), None)
+    if adapter is not None:
+        raise ExportError(f"{adapter}: a PEFT adapter's weight (a LoRA run); under {CONFIG}'s model these names "
+                          f"would not load (transformers would start those weights afresh): merge the "
+                          f"adapters with peft, or export --format safetensors")
     return HFModel(config, None, [HFTensor(n, n) for n in names], rest), names
 
 
