@@ -178,7 +178,9 @@ def test_a_peft_models_weights_are_refused_before_anything_is_written(tmp_path: 
     save_file({n: torch.ones(4, 4) for n in names}, src / "model.safetensors")
     (src / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     line = error_line("unshard", str(src), str(tmp_path / "hf"), "--format", "hf", "-q")
-    assert "q_proj.base_layer.weight: a PEFT adapter's weight (a LoRA run)" in line and "merge the adapters" in line
+    assert "holds a PEFT (LoRA) model: the base weights under PEFT's names, and its adapters (e.g. " \
+           "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight)" in line
+    assert "merge the adapters with peft" in line
     assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
     shardstore.unshard(src, tmp_path / "st")
     assert sorted(load_file(tmp_path / "st" / "model.safetensors")) == sorted(names)

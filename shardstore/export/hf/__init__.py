@@ -179,9 +179,9 @@ def _from_user(store: Store, subtree: str, hf_config: str | os.PathLike[str], st
     return _from_files(store, subtree, strip_prefix, files, str(config_path))
 
 
-# What PEFT names its adapters' weights and the layers it wraps (`base_layer`).
-PEFT_MARKS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B", ".lora_magnitude_vector",
-              ".base_layer.")
+# What PEFT names its adapters' weights, and the layers it wraps.
+ADAPTER_MARKS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B", ".lora_magnitude_vector")
+WRAPPED_MARK = ".base_layer."
 # The trainers' own files beside a model's (kept beside other exports, not in a Hugging Face folder).
 NOT_HF_FILES = ("fsdp_config.json", "config.yaml")
 
@@ -197,11 +197,6 @@ def _from_files(store: Store, subtree: str, strip_prefix: str | None, files: dic
         raise ExportError(f"{where}: not a Hugging Face config (a JSON object)")
     rest = {n: data for n, data in files.items() if n != CONFIG and n not in NOT_HF_FILES}
     names = _model_leaves(store, subtree, strip_prefix)
-    adapter = next((n for n in names if any(mark in n for mark in PEFT_MARKS)), None)
-    if adapter is not None:
-        raise ExportError(f"{adapter}: a PEFT adapter's weight (a LoRA run); under {CONFIG}'s model these names "
-                          f"would not load (transformers would start those weights afresh): merge the "
-                          f"adapters with peft, or export --format safetensors")
     return HFModel(config, None, [HFTensor(n, n) for n in names], rest), names
 
 
@@ -250,10 +245,15 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
 def plan_hf(store: Store, subtree: str, hf_config: str | os.PathLike[str] | None, strip_prefix: str | None,
             cast: str | None, max_shard_size: int) -> tuple[HFModel, SafetensorsPlan]:
     model, names = describe(store, subtree, hf_config, strip_prefix)
-    if names and all("lora_" in n for n in names):
-        raise ExportError(f"{subtree or 'the checkpoint'}: holds LoRA adapter weights only (every tensor is a "
-                          f"lora_ weight, e.g. {next(iter(names))}), not a model from_pretrained can load; "
-                          f"export them as they are with --format safetensors or torch")
+    adapters = [n for n in names if any(mark in n for mark in ADAPTER_MARKS)]
+    wrapped = [n for n in names if WRAPPED_MARK in n]
+    if adapters or wrapped:  # transformers would not load these names into the config's model: it would
+        what = (f"holds LoRA adapter weights only (every tensor is one, e.g. {adapters[0]})"  # start them afresh
+                if len(adapters) == len(names) else
+                f"holds a PEFT (LoRA) model: the base weights under PEFT's names, and its adapters (e.g. "
+                f"{(wrapped or adapters)[0]})")
+        raise ExportError(f"{subtree or 'the checkpoint'}: {what}, not a model from_pretrained can load; merge the "
+                          f"adapters with peft, or export them as they are with --format safetensors or torch")
     items = []
     for t in model.tensors:
         item = tensor_item(store, t.key, names[t.source], cast, t.rows)
