@@ -104,7 +104,8 @@ class Store:
         self._zarr_root: zarr.Group | None = None
         self._records: dict[int, CommitRecord] = {}
         self._crcs: tuple[int, dict[str, dict[int, int]]] = (0, {})  # (records indexed, path -> cell -> CRC)
-        self._staging: dict[int, bytes] | None = None  # during assembly: staging files read whole, by rank
+        self._staging: dict[int, bytes | None] | None = None  # during assembly: staging files read whole, by
+        # rank (None: one too large for what is left of the cache, read piece by piece)
         self._staged_bytes = 0
 
     # ------------------------------------------------------------------ opening and creating
@@ -376,16 +377,16 @@ class Store:
 
     def _staged(self, rank: int, start: int, nbytes: int) -> bytes:
         """A staged piece's bytes. While assembling, each rank's staging file is read whole, once, and kept
-        (up to STAGING_CACHE_BYTES in all, then piece by piece): on object storage that is one request per
-        rank instead of one per piece of every staged tensor."""
+        while all kept fit in STAGING_CACHE_BYTES (a larger one is read piece by piece): on object storage
+        that is one request per rank instead of one per piece of every staged tensor."""
         key = f"{STAGING}/{rank}.bin"
-        if self._staging is not None and rank not in self._staging and self._staged_bytes < STAGING_CACHE_BYTES:
-            self._staging[rank] = self.backend.read(key)
-            self._staged_bytes += len(self._staging[rank])
-        if self._staging is not None and rank in self._staging:
-            data = self._staging[rank][start:start + nbytes]
-        else:
-            data = self.backend.read(key, start, nbytes)
+        if self._staging is not None and rank not in self._staging:
+            size = self.backend.size(key)
+            fits = self._staged_bytes + size <= STAGING_CACHE_BYTES
+            self._staging[rank] = self.backend.read(key) if fits else None
+            self._staged_bytes += size if fits else 0
+        whole = self._staging.get(rank) if self._staging is not None else None
+        data = whole[start:start + nbytes] if whole is not None else self.backend.read(key, start, nbytes)
         if len(data) != nbytes:
             raise StoreError(f"{self.location}: {STAGING}/{rank}.bin is shorter than its commit record says; "
                              f"the store is damaged (re-ingest rank {rank})")

@@ -47,3 +47,42 @@ def test_a_scratch_store_writes_array_metadata_only_once_an_array_is_to_be_writt
     assert _metadata(tmp_path / "scratch") == _metadata(tmp_path / "normal")
     group = zarr.open_group(tmp_path / "scratch", mode="r", zarr_format=3)
     assert np.array_equal(group["model/wte.weight"][:], expected(src)["model"]["wte.weight"].numpy())
+
+
+def test_assembly_keeps_no_more_staging_bytes_than_its_cache_holds(checkpoints, tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """Assembling staged arrays reads a rank's staging file whole only while all kept fit the cache; one
+    that would not fit is read piece by piece. The arrays are the same bits either way."""
+    from shardstore.store import backend, store as store_module
+
+    src = checkpoints(3)
+    files = sorted(src.glob("rank*.pt"))
+    want = expected(src)["model"]
+    real = backend.LocalBackend.read
+    kept: list[int] = []
+
+    def spy(self, key, start=0, length=None):
+        data = real(self, key, start, length)
+        if key.startswith("__shardstore__/staging/") and length is None:
+            kept.append(len(data))
+        return data
+
+    sizes: list[int] = []
+    for name in ("roomy", "tight"):
+        if sizes:  # room for the largest staging file, not for two
+            monkeypatch.setattr(store_module, "STAGING_CACHE_BYTES", max(sizes) + 1)
+        kept.clear()
+        with monkeypatch.context() as m:
+            m.setattr(backend.LocalBackend, "read", spy)
+            shardstore.ingest(tmp_path / name, files, jobs=1)
+        sizes = sorted(p.stat().st_size for p in (tmp_path / name / "__shardstore__" / "staging").iterdir())
+        group = zarr.open_group(tmp_path / name, mode="r", zarr_format=3)
+        staged = [p for p, e in shardstore.open(tmp_path / name).manifest.arrays.items()
+                  if e.staged and p.removeprefix("model/") in want]
+        assert staged
+        for path in staged:
+            assert np.array_equal(group[path][:], want[path.removeprefix("model/")].numpy()), path
+        if name == "roomy":
+            assert sorted(kept) == sizes and len(sizes) == 3 and sum(sizes[:2]) > max(sizes) + 1
+        else:
+            assert len(kept) == 1 and sum(kept) <= max(sizes) + 1
