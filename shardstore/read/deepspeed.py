@@ -60,6 +60,7 @@ from .unpickle import TensorRef, load
 FORMAT = "deepspeed"
 LATEST = "latest"
 MODEL_STATES = re.compile(r"(?:zero_pp_rank_(?P<rank>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt\Z")
+LAYER_STATES = re.compile(r"layer_\d+-model_\d+-model_states\.pt\Z")  # pipeline parallelism's (PipelineModule)
 OPTIM_STATES = re.compile(r"(?P<bf16>bf16_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt\Z")
 # DeepSpeed's classes its checkpoints pickle: inert records (strict mode included), never imported.
 PLACEHOLDERS = {key: building_class(*key) for key in (
@@ -105,6 +106,10 @@ def _files(tag: str, storage_options: StorageOptions | None) -> tuple[dict[int, 
     optim: dict[int, str] = {}
     for p in listing(tag, storage_options):
         name = p.rsplit("/", 1)[-1]
+        if LAYER_STATES.match(name):
+            raise CheckpointError(f"{p}: a pipeline-parallel checkpoint (its layers in layer_*-model_states.pt "
+                                  f"files, as Megatron-DeepSpeed saves them); only data-parallel ZeRO "
+                                  f"checkpoints are read")
         m, o = MODEL_STATES.match(name), OPTIM_STATES.match(name)
         for found, into in ((m, model), (o, optim)):
             if found is None:

@@ -132,6 +132,16 @@ def test_zero0_is_the_live_engines_module_and_optimizer_state(kind: str, tmp_pat
         assert torch.equal(hf(input_ids=IDS).logits, want["logits"])
 
 
+def test_model_and_pipeline_parallel_checkpoints_are_refused_by_name(tmp_path: Path) -> None:
+    """Megatron-DeepSpeed's: tensor-parallel ranks (mp_rank_01) and pipeline stages (layer_*-model_states.pt)."""
+    for extra, says in (("mp_rank_01_model_states.pt", "a model-parallel rank's file"),
+                        ("layer_01-model_00-model_states.pt", "a pipeline-parallel checkpoint")):
+        src = shutil.copytree(_src("z1"), tmp_path / extra)
+        shutil.copy(src / TAG / "mp_rank_00_model_states.pt", src / TAG / extra)
+        with pytest.raises(CheckpointError, match=f"{extra}: {says}"):
+            open_source(src)
+
+
 def test_a_zero_checkpoint_without_its_optimizer_files_is_refused_by_name(tmp_path: Path) -> None:
     """A ZeRO-2 folder left with its model-states file alone is not read as ZeRO-0's."""
     src = shutil.copytree(_src("z2"), tmp_path / "src")
