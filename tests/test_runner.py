@@ -8,13 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from shardstore import runner
+from tests.conftest import assert_bitwise_equal, expected
 
 # Run in a fresh interpreter: this test process may be running other threads (a Dask cluster's, Zarr's).
-# With an argument, a thread that waits is started first, as a notebook kernel or a Dask client would.
+# With "thread", a thread that waits is started first, as a notebook kernel or a Dask client would.
 UNSHARD = """
-import hashlib, json, sys, threading
+import hashlib, json, pathlib, sys, threading
 import shardstore
 from shardstore import runner
 
@@ -32,7 +35,7 @@ try:
     shardstore.unshard(sys.argv[1], sys.argv[2], jobs=2, dtype="bfloat16")  # workers cast with torch
 finally:
     stop.set()
-digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in __import__("pathlib").Path(sys.argv[2]).iterdir()}
+digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in pathlib.Path(sys.argv[2]).iterdir()}
 print(json.dumps({"methods": methods, "digests": digests}))
 """
 
@@ -53,6 +56,8 @@ def test_forked_and_spawned_workers_write_the_same_bytes(checkpoints, tmp_path: 
     spawned = _unshard(src, tmp_path / "spawned", "thread")
     assert forked["methods"] == ["fork"] and spawned["methods"] == ["spawn"]
     assert forked["digests"] and forked["digests"] == spawned["digests"]
+    want = {k: v.to(torch.bfloat16) for k, v in expected(src)["model"].items()}
+    assert_bitwise_equal(load_file(tmp_path / "forked" / "model.safetensors"), want, "bf16")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
