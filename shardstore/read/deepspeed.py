@@ -42,8 +42,8 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 from .. import paths
 from ..errors import CheckpointError, closed_on_error
@@ -291,6 +291,27 @@ def _layout(model: _File, optim: _File) -> Layout:
     return Layout(stage, world, groups, frozen, shared, paddings, parts, padded)
 
 
+def _flat_order(layout: Layout, module: dict, mappings_of: Callable[[int], Any]) -> Layout:
+    """ZeRO-1/2's groups in the order their parameters lie in the flat vectors. That is param_shapes' order,
+    but under `round_robin_gradients` DeepSpeed (0.19 at least) saves param_shapes in its round-robin order
+    while the flat vectors keep the module's; its own zero_to_fp32 trusts param_shapes and rebuilds such a
+    checkpoint wrong. The files' `param_slice_mappings` say which: ranks' mappings (`mappings_of(rank)`)
+    are read until one order alone agrees with them. Every rank's file is checked against the order
+    chosen when it is ingested."""
+    position = {name: i for i, name in enumerate(module)}
+    by_module = [sorted(g, key=lambda p: position.get(p[0], len(position))) for g in layout.groups]
+    candidates = [layout, replace(layout, groups=by_module)] if by_module != layout.groups else [layout]
+    for rank in range(layout.world if len(candidates) > 1 else 0):
+        mappings = mappings_of(rank)
+        if not isinstance(mappings, list) or len(mappings) != len(layout.groups):
+            return layout  # no mappings to tell: param_shapes' order, as zero_to_fp32 reads it
+        candidates = [c for c in candidates if all(_mapping_holds(mappings[g], c, g, rank)
+                                                   for g in range(len(c.groups)))]
+        if len(candidates) <= 1:
+            break
+    return candidates[0] if candidates else layout
+
+
 def _part(t: Any, where: str) -> int:
     if not isinstance(t, TensorRef) or len(t.shape) != 1:
         raise CheckpointError(f"{where}: a flat part that is not a 1-D tensor (corrupt file)")
@@ -356,6 +377,9 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     try:
         optim = _read(optims[0], storage_options, strict)
         layout = _layout(model, optim)
+        if layout.stage < 3:
+            layout = _flat_order(layout, _get(model.state, "module", model.path, dict),
+                                 lambda r: _mappings(optim if r == 0 else None, optims[r], storage_options, strict))
         if len(optims) != layout.world:
             raise CheckpointError(f"{optims[0]}: partitioned over {layout.world} ranks, but the folder holds "
                                   f"{len(optims)} optimizer files")
@@ -458,6 +482,16 @@ def _unpartitioned_spec(model: _File, unit_paths: list[str], encode_key: Any) ->
     return CheckpointSpec(FORMAT, 1, 1, tree, arrays, {}, objects, extra)
 
 
+def _mappings(opened: _File | None, path: str, storage_options: StorageOptions | None, strict: bool) -> Any:
+    """An optimizer file's `param_slice_mappings` (its pickle read, if not open already)."""
+    f = opened if opened is not None else _read(path, storage_options, strict)
+    try:
+        return _get(f.state, "optimizer_state_dict", f.path, dict).get("param_slice_mappings")
+    finally:
+        if opened is None:
+            f.zip.close()
+
+
 def _fp32_dtype(od: dict, stage: int, where: str) -> str:
     groups = _get(od, "single_partition_of_fp32_groups" if stage < 3 else "fp32_flat_groups", where, list)
     kinds = {t.dtype for t in groups if isinstance(t, TensorRef)}
@@ -521,8 +555,9 @@ def _model_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key:
     """Rank 0's model-states file: the tensors it holds whole and the engine's state; under ZeRO-3 every
     rank's also its frozen parameters' fragments."""
     ms = f.state
-    groups = [_shapes(g, f.path) for g in _get(ms, "param_shapes", f.path, list)]
-    if groups != layout.groups or dict(_shapes(ms.get("frozen_param_shapes") or {}, f.path)) != layout.frozen:
+    groups = [dict(_shapes(g, f.path)) for g in _get(ms, "param_shapes", f.path, list)]
+    if groups != [dict(g) for g in layout.groups] or \
+            dict(_shapes(ms.get("frozen_param_shapes") or {}, f.path)) != layout.frozen:
         raise CheckpointError(f"{f.path}: its parameters differ from the checkpoint the store was planned from "
                               f"(a file of another run?)")
     trainable = {n for g in layout.groups for n, _ in g}
@@ -605,9 +640,9 @@ def _optim_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key:
                                               "params": [n for n, _ in layout.groups[i]]} for i, g in enumerate(groups)]
 
 
-def _check_mapping(where: str, saved: Any, layout: Layout, g: int, rank: int) -> None:
-    """ZeRO-1/2 files say which parameters their part holds, where (`param_slice_mappings`): a rank's
-    file copied over another's holds the same lengths, but not its slices."""
+def _mapping_holds(saved: Any, layout: Layout, g: int, rank: int) -> bool:
+    """Whether a ZeRO-1/2 file's own `param_slice_mappings` of group g (which parameters its part holds,
+    where) are what the layout gives rank `rank`'s part."""
     part = layout.parts[g]
     want = {m.name: (m.start + lo - rank * part, n) for m, lo, n in fsdp_flat.overlaps(layout.members(g), rank * part, part)}
     got = {}
@@ -615,7 +650,12 @@ def _check_mapping(where: str, saved: Any, layout: Layout, g: int, rank: int) ->
         fields = getattr(address, "state", None)
         if isinstance(fields, dict):
             got[name] = (fields.get("start"), fields.get("numel"))
-    if got != want:
+    return got == want
+
+
+def _check_mapping(where: str, saved: Any, layout: Layout, g: int, rank: int) -> None:
+    """A rank's file copied over another's holds the same lengths, but not its slices."""
+    if not _mapping_holds(saved, layout, g, rank):
         raise CheckpointError(f"{where}: holds the slices of other parameters than rank {rank}'s part of group {g} "
                               f"(a file of another rank or run)")
 
