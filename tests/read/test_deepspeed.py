@@ -299,3 +299,29 @@ class TestDeepSpeedConformance(FormatTests):
     def foreign(self, checkpoint: Path) -> Path:
         other = "z3" if checkpoint.name.startswith("z2") else "z2"
         return _src(other) / TAG / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+def test_the_flat_order_is_read_from_as_many_ranks_mappings_as_it_takes() -> None:
+    """Rank 0's part may lie within the first parameter (a large embedding, many ranks), where both
+    orders agree: later ranks' mappings decide, and no more are read than that."""
+    from types import SimpleNamespace
+
+    from shardstore.read.deepspeed import Layout, _flat_order
+
+    saved = [("emb", (10,)), ("b", (5,)), ("a", (5,))]  # param_shapes, in round-robin order
+    layout = Layout(2, 4, [saved], {}, {}, [[0, 0, 0]], [5])
+    module = {"emb": None, "a": None, "b": None}  # the order the flat vector keeps
+    truth = [("emb", 0, 10), ("a", 10, 5), ("b", 15, 5)]
+
+    def mappings(rank: int) -> list[dict[str, SimpleNamespace]]:
+        asked.append(rank)
+        lo, hi = rank * 5, rank * 5 + 5
+        return [{n: SimpleNamespace(state={"start": max(s, lo) - lo, "numel": min(s + k, hi) - max(s, lo)})
+                 for n, s, k in truth if s < hi and s + k > lo}]
+
+    asked: list[int] = []
+    assert _flat_order(layout, module, mappings).groups == [[("emb", (10,)), ("a", (5,)), ("b", (5,))]]
+    assert asked == [0, 1, 2]  # ranks 0 and 1 hold only the embedding
+    asked.clear()
+    assert _flat_order(Layout(2, 4, [saved[:1]], {}, {}, [[0]], [5]), {"emb": None}, mappings).groups == [saved[:1]]
+    assert asked == []  # one order only: nothing to read
