@@ -228,6 +228,18 @@ class Layout:
         return hashlib.blake2b(repr((self.stage, self.world, self.groups, self.frozen, self.shared, self.paddings,
                                      self.parts, self.padded_masters)).encode(), digest_size=16).hexdigest()
 
+    def facts(self) -> dict[str, Any]:
+        """The layout as the store keeps it for the workers (`from_facts` reads it back)."""
+        return {"stage": self.stage, "world": self.world, "groups": [[[n, list(s)] for n, s in g] for g in self.groups],
+                "frozen": {n: list(s) for n, s in self.frozen.items()}, "paddings": self.paddings,
+                "parts": self.parts, "shared": self.shared, "padded_masters": self.padded_masters}
+
+    @classmethod
+    def from_facts(cls, ds: dict[str, Any]) -> "Layout":
+        return cls(ds["stage"], ds["world"], [[(n, tuple(s)) for n, s in g] for g in ds["groups"]],
+                   {n: tuple(s) for n, s in ds["frozen"].items()}, ds["shared"], ds["paddings"], ds["parts"],
+                   ds.get("padded_masters", False))
+
 
 def _shapes(value: Any, where: str) -> list[tuple[str, tuple[int, ...]]]:
     if not isinstance(value, dict):
@@ -404,8 +416,9 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
                 arrays[path] = _z3_frozen_spec(layout, name, model, m0)
             else:
                 ref = _whole(layout, name, model.state, model.path)
-                if isinstance(ref, TensorRef) and ref.shape:
-                    arrays[path] = flat_spec(ref.dtype, tuple(ref.shape), [(m0, 0, math.prod(ref.shape))])
+                whole = _whole_spec(ref, m0)
+                if whole is not None:
+                    arrays[path] = whole
                 else:
                     objects.append(path)
         state_nodes = []
@@ -432,10 +445,7 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
         if optim is not None:
             optim.zip.close()
     listed = [relative(u) for u in unit_paths]
-    facts = {"stage": layout.stage, "world": layout.world, "groups": [[[n, list(s)] for n, s in g] for g in layout.groups],
-             "frozen": {n: list(s) for n, s in layout.frozen.items()}, "paddings": layout.paddings,
-             "parts": layout.parts, "shared": layout.shared, "padded_masters": layout.padded_masters}
-    extra = {"units": listed, "metadata": layout.digest(), "deepspeed": facts, "replicas": replica_count(arrays),
+    extra = {"units": listed, "metadata": layout.digest(), "deepspeed": layout.facts(), "replicas": replica_count(arrays),
              "tied": [[["model", a], f"model/{encode_key(b)}"] for a, b in layout.shared.items() if b in names]}
     return CheckpointSpec(FORMAT, len(listed), len(listed), tree, arrays, {}, objects, extra)
 
@@ -471,11 +481,9 @@ def _unpartitioned_spec(model: _File, unit_paths: list[str], encode_key: Any) ->
         tree, leaves, tied = _unpartitioned(model, encode_key)
     finally:
         model.zip.close()
-    arrays = {path: flat_spec(ref.dtype, tuple(ref.shape), [(0, 0, math.prod(ref.shape))])
-              for path, ref in leaves.items() if isinstance(ref, TensorRef) and ref.shape}
+    arrays = {path: whole for path, ref in leaves.items() if (whole := _whole_spec(ref, 0)) is not None}
     layout = Layout(0, 1, [], {}, tied, [], [])
-    facts = {"stage": 0, "world": 1, "groups": [], "frozen": {}, "paddings": [], "parts": [], "shared": tied}
-    extra = {"units": [relative(u) for u in unit_paths], "metadata": layout.digest(), "deepspeed": facts,
+    extra = {"units": [relative(u) for u in unit_paths], "metadata": layout.digest(), "deepspeed": layout.facts(),
              "replicas": replica_count(arrays),
              "tied": [[["model", a], paths.join("model", paths.escape(b))] for a, b in tied.items()]}
     objects = [p for p in leaves if p not in arrays]
@@ -532,18 +540,14 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
     if relative(path) not in listed or "deepspeed" not in facts:
         raise CheckpointError(f"{path}: not a file of the DeepSpeed checkpoint the store holds")
     index, count = listed.index(relative(path)), len(listed)
-    ds = facts["deepspeed"]
-    layout = Layout(ds["stage"], ds["world"], [[(n, tuple(s)) for n, s in g] for g in ds["groups"]],
-                    {n: tuple(s) for n, s in ds["frozen"].items()}, ds["shared"], ds["paddings"], ds["parts"],
-                    ds.get("padded_masters", False))
+    layout = Layout.from_facts(facts["deepspeed"])
     kind, rank = _rank(path)
     f = _read(path, storage_options, strict)
     unit = FileUnit(path, index, count, index, count, facts["metadata"], {}, f.zip)
     with closed_on_error(unit.close, path):
         if layout.stage == 0:
             _, leaves, _ = _unpartitioned(f, encode_key)
-            unit.leaves.update({p: _whole_leaf(f, v, p) if isinstance(v, TensorRef) and v.shape else v
-                                for p, v in leaves.items()})
+            unit.leaves.update({p: _held_whole(f, v, p) for p, v in leaves.items()})
         elif kind == "model":
             _model_unit(unit, f, layout, rank, encode_key)
         else:
@@ -568,8 +572,7 @@ def _model_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key:
         if layout.stage == 3 and name in layout.frozen:
             unit.leaves[place] = _z3_fragment(f, layout, name, rank, place)
         elif rank == 0:
-            ref = _whole(layout, name, ms, f.path)
-            unit.leaves[place] = _whole_leaf(f, ref, place) if isinstance(ref, TensorRef) and ref.shape else ref
+            unit.leaves[place] = _held_whole(f, _whole(layout, name, ms, f.path), place)
     if rank == 0:
         _, values = _train_tree(f, encode_key)
         unit.leaves.update(values)
@@ -590,14 +593,25 @@ def _z3_fragment(f: _File, layout: Layout, name: str, rank: int, place: str) -> 
     return ArrayLeaf(ref.dtype, shape, [LocalPiece((first,), (n,), view, f.zip)])
 
 
-def _whole_leaf(f: _File, ref: TensorRef, place: str) -> ArrayLeaf:
-    """A whole tensor as the one piece of its flat array: its elements, one contiguous run."""
-    if tensors.byte_range(f.zip, ref) is None:
+def _whole_spec(value: Any, unit: int) -> ShardedSpec | None:
+    """A tensor one file holds whole (`unit`), as a flat array; None for a value (a 0-d tensor included),
+    which the store keeps as it is. `_held_whole` is what that file's unit holds of it."""
+    if not isinstance(value, TensorRef) or not value.shape:
+        return None
+    return flat_spec(value.dtype, tuple(value.shape), [(unit, 0, math.prod(value.shape))])
+
+
+def _held_whole(f: _File, value: Any, place: str) -> Any:
+    """What the file holds of a value `_whole_spec` planned: a tensor as the one piece of its flat array
+    (its elements, one contiguous run), anything else as it is."""
+    if not isinstance(value, TensorRef) or not value.shape:
+        return value
+    if tensors.byte_range(f.zip, value) is None:
         raise CheckpointError(f"{f.path}: {place} is not contiguous in its storage; not read")
-    numel = math.prod(ref.shape)
-    flat = TensorRef(ref.storage, ref.offset, (numel,), (1,), ref.dtype)
+    numel = math.prod(value.shape)
+    flat = TensorRef(value.storage, value.offset, (numel,), (1,), value.dtype)
     tensors.check_view(f.zip, flat, place)
-    return ArrayLeaf(ref.dtype, tuple(ref.shape), [LocalPiece((0,), (numel,), flat, f.zip)])
+    return ArrayLeaf(value.dtype, tuple(value.shape), [LocalPiece((0,), (numel,), flat, f.zip)])
 
 
 def _optim_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key: Any) -> None:
