@@ -93,23 +93,6 @@ def test_torch_export_is_deepspeeds_reconstruction_and_the_live_gather(kind: str
     assert optim["param_groups"] == want["param_groups"]
 
 
-def _same(got: object, want: object, where: str) -> None:
-    """Equal as torch.load gives them back: containers key for key and in order, tensors bit for bit."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), where
-        assert_bitwise_equal({where: got}, {where: want}, where)
-    elif isinstance(want, dict):
-        assert isinstance(got, dict) and list(got) == list(want), f"{where}: keys {list(got)[:5]} {list(want)[:5]}"
-        for key in want:
-            _same(got[key], want[key], f"{where}/{key}")
-    elif isinstance(want, (list, tuple)):
-        assert type(got) is type(want) and len(got) == len(want), where
-        for i, (a, b) in enumerate(zip(got, want)):
-            _same(a, b, f"{where}[{i}]")
-    else:
-        assert got == want, f"{where}: {got!r} != {want!r}"
-
-
 @pytest.mark.parametrize("kind", ["z0", "z0-bf16"])
 def test_zero0_is_the_live_engines_module_and_optimizer_state(kind: str, tmp_path: Path) -> None:
     """Without ZeRO the one file holds everything whole: model.pt is the engine's module state dict (the
@@ -124,10 +107,11 @@ def test_zero0_is_the_live_engines_module_and_optimizer_state(kind: str, tmp_pat
     assert "NoneType" in want["zero_to_fp32_error"]  # DeepSpeed's own tool fails on this folder
     shardstore.unshard(_src(kind), tmp_path / "pt", format="torch", jobs=2)
     model = torch.load(tmp_path / "pt" / "model.pt", weights_only=True)
-    _same(model, want["live"]["module"], "model")
+    assert_bitwise_equal(model, want["live"]["module"], "model", ordered=True)
     assert model["lm_head.weight"].untyped_storage().data_ptr() == \
         model["model.embed_tokens.weight"].untyped_storage().data_ptr()
-    _same(torch.load(tmp_path / "pt" / "optim.pt", weights_only=True), want["live"]["optimizer"], "optim")
+    assert_bitwise_equal(torch.load(tmp_path / "pt" / "optim.pt", weights_only=True), want["live"]["optimizer"],
+                         "optim", ordered=True)
     assert torch.load(tmp_path / "pt" / "train.pt", weights_only=False)["global_steps"] == 2
     shardstore.unshard(_src(kind), tmp_path / "hf", format="hf", jobs=2)
     dtype = want["live"]["module"]["model.norm.weight"].dtype
