@@ -378,12 +378,14 @@ class Store:
     def _staged(self, rank: int, start: int, nbytes: int) -> bytes:
         """A staged piece's bytes. While assembling, each rank's staging file is read whole, once, and kept
         while all kept fit in STAGING_CACHE_BYTES (a larger one is read piece by piece): on object storage
-        that is one request per rank instead of one per piece of every staged tensor."""
+        that is one request per rank instead of one per piece of every staged tensor. Its size is its
+        commit record's (what assembly lists the records for), not another request."""
         key = f"{STAGING}/{rank}.bin"
         if self._staging is not None and rank not in self._staging:
-            size = self.backend.size(key)
+            size = max((start + n for pieces in self._records[rank].staged.values() for *_, start, n in pieces),
+                       default=0)
             fits = self._staged_bytes + size <= STAGING_CACHE_BYTES
-            self._staging[rank] = self.backend.read(key) if fits else None
+            self._staging[rank] = self.backend.read(key, 0, size) if fits else None
             self._staged_bytes += size if fits else 0
         whole = self._staging.get(rank) if self._staging is not None else None
         data = whole[start:start + nbytes] if whole is not None else self.backend.read(key, start, nbytes)

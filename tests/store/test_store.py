@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -61,11 +62,18 @@ def test_assembly_keeps_no_more_staging_bytes_than_its_cache_holds(checkpoints, 
     real = backend.LocalBackend.read
     kept: list[int] = []
 
-    def spy(self, key, start=0, length=None):
+    def spy(self, key, start=0, length=None):  # notes each staging file read whole
         data = real(self, key, start, length)
-        if key.startswith("__shardstore__/staging/") and length is None:
+        if key.startswith("__shardstore__/staging/") and start == 0 and len(data) == os.path.getsize(self._path(key)):
             kept.append(len(data))
         return data
+
+    sized: list[str] = []  # a staging file's size is its commit record's: no request (on object storage) each
+    real_size = backend.LocalBackend.size
+
+    def size_spy(self, key):
+        sized.append(key)
+        return real_size(self, key)
 
     sizes: list[int] = []
     for name in ("roomy", "tight"):
@@ -74,7 +82,9 @@ def test_assembly_keeps_no_more_staging_bytes_than_its_cache_holds(checkpoints, 
         kept.clear()
         with monkeypatch.context() as m:
             m.setattr(backend.LocalBackend, "read", spy)
+            m.setattr(backend.LocalBackend, "size", size_spy)
             shardstore.ingest(tmp_path / name, files, jobs=1)
+        assert not [k for k in sized if k.startswith("__shardstore__/staging/")]
         sizes = sorted(p.stat().st_size for p in (tmp_path / name / "__shardstore__" / "staging").iterdir())
         group = zarr.open_group(tmp_path / name, mode="r", zarr_format=3)
         staged = [p for p, e in shardstore.open(tmp_path / name).manifest.arrays.items()
