@@ -1,8 +1,8 @@
 """Zarr v3 files written directly: array metadata (zarr.json) and shard files (`sharding_indexed`).
 
 Array metadata is zarr-python's own: the document `zarr.create_array` writes for an uncompressed sharded
-array of each dtype (`zarr_template`; tests/store/test_shardfile.py holds `template` to it for every dtype
-the store uses), with shape, grid and attributes filled in, so creating hundreds of arrays is one small
+array of each dtype (`template`; tests/store/test_shardfile.py holds it to zarr-python's own for every
+dtype the store uses), with shape, grid and attributes filled in, so creating hundreds of arrays is one small
 file write each, with neither a trip through Zarr's async machinery each nor importing Zarr (a third of a
 second on a cold start) where nothing else needs it.
 
@@ -27,17 +27,6 @@ from ..ranges import Part
 
 EMPTY = 2**64 - 1
 GROUP_METADATA = json.dumps({"attributes": {}, "zarr_format": 3, "node_type": "group"}).encode()
-
-
-def zarr_template(raw: str) -> dict[str, Any]:
-    """What zarr-python itself writes (the reference `template` is tested against)."""
-    import zarr
-    import zarr.storage
-
-    mem = zarr.storage.MemoryStore()
-    zarr.create_array(store=mem, shape=(1,), chunks=(1,), shards=(1,), dtype=np.dtype(raw), fill_value=0,
-                      compressors=None, filters=None, zarr_format=3)
-    return json.loads(mem._store_dict["zarr.json"].to_bytes())
 
 
 def template(raw: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,6 @@ def test_matches_zarr_byte_for_byte(tmp_path: Path, shape, cell, chunk) -> None:
 @pytest.mark.parametrize("shape, cell, chunk", [((10, 3), (4, 3), (2, 3)), ((0, 5), (1, 5), (1, 5)), ((7,), (7,), (7,))])
 @pytest.mark.parametrize("separator", [".", "/"])
 def test_array_metadata_is_what_zarr_writes(tmp_path: Path, dtype, shape, cell, chunk, separator) -> None:
-    import json
 
     from shardstore.store.shardfile import array_metadata
 
@@ -54,8 +54,16 @@ def test_array_metadata_is_what_zarr_writes(tmp_path: Path, dtype, shape, cell, 
 def test_the_array_metadata_template_is_zarrs_own_for_every_dtype() -> None:
     """shardstore writes zarr.json from its own template (no Zarr import on the way): for every raw dtype
     the store holds, and the records node's, exactly what zarr-python writes."""
+    import zarr.storage
+
     from shardstore import dtypes
-    from shardstore.store.shardfile import template, zarr_template
+    from shardstore.store.shardfile import template
+
+    def zarr_template(raw: str) -> dict:  # what zarr-python itself writes
+        mem = zarr.storage.MemoryStore()
+        zarr.create_array(store=mem, shape=(1,), chunks=(1,), shards=(1,), dtype=np.dtype(raw), fill_value=0,
+                          compressors=None, filters=None, zarr_format=3)
+        return json.loads(mem._store_dict["zarr.json"].to_bytes())
 
     raws = {info.raw.str for info in dtypes.BY_NAME.values()} | {"|u1"}
     assert len(raws) >= 10
