@@ -41,7 +41,6 @@ def test_matches_zarr_byte_for_byte(tmp_path: Path, shape, cell, chunk) -> None:
 @pytest.mark.parametrize("shape, cell, chunk", [((10, 3), (4, 3), (2, 3)), ((0, 5), (1, 5), (1, 5)), ((7,), (7,), (7,))])
 @pytest.mark.parametrize("separator", [".", "/"])
 def test_array_metadata_is_what_zarr_writes(tmp_path: Path, dtype, shape, cell, chunk, separator) -> None:
-
     from shardstore.store.shardfile import array_metadata
 
     zarr.create_array(store=str(tmp_path), name="a", shape=shape, chunks=chunk, shards=cell, dtype=np.dtype(dtype),
