@@ -141,6 +141,32 @@ def check_space(store: Store, units: int, only: str | None, out_dir: PathLike, o
                               f"has {size_text(free)} free; free some space, or choose another OUT (or --store)")
 
 
+def _missing_folders(out_dir: PathLike) -> list[Path]:
+    """OUT and those of its parents that do not exist yet, deepest first (none for a URL)."""
+    if is_url(os.fspath(out_dir)):
+        return []
+    path, made = Path(out_dir).absolute(), []
+    while not path.exists() and path != path.parent:
+        made.append(path)
+        path = path.parent
+    return made
+
+
+def _outside_checkpoint(source: Source, out_dir: PathLike, store: PathLike | None) -> None:
+    """Refuse an OUT or a store inside the checkpoint's own folder: what is written there would be read as
+    (part of) the checkpoint by the next run, and a rerun would convert its own output."""
+    if is_url(source.folder):
+        return
+    folder = os.path.realpath(source.folder)
+    for what, where in (("OUT", out_dir), ("--store", store)):
+        if where is None or is_url(os.fspath(where)):
+            continue
+        path = os.path.realpath(where)
+        if path == folder or path.startswith(folder.rstrip(os.sep) + os.sep):
+            raise ExportError(f"{where}: {what} is inside the checkpoint's folder {source.folder}; "
+                              f"write it elsewhere, so the checkpoint stays as its trainer left it")
+
+
 def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None, tag: str | None = None,
             step: int | None = None, jobs: int | None = None, verify_replicas: bool = False,
             storage_options: StorageOptions | None = None, scheduler: str | None = None, strict: bool = False,
@@ -155,6 +181,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
                                       if k in ("format", "select", "strip_prefix", "dtype", "hf_config")})
     progress = _progress(progress)
     source = open_source(src_dir, tag, step, storage_options)
+    _outside_checkpoint(source, out_dir, store)
     if os.path.normpath(source.folder) != os.path.normpath(src_dir):
         progress.note(f"unshard: the checkpoint in {source.folder}")
     scratch = scratch_location(out_dir)
@@ -202,10 +229,19 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
         select = export_options.get("select")
         return str(select) if select is not None else _export.model_subtree(st)
 
-    st = ingest(location, source, jobs=jobs, verify_replicas=verify_replicas, storage_options=storage_options,
-                scheduler=scheduler, strict=strict, progress=progress, only=exported_subtree,
-                on_created=before_ingest, direct=lambda st: planned[0].layout if planned[0] is not None else None,
-                scratch=one_pass)
+    made = _missing_folders(out_dir)
+    try:
+        st = ingest(location, source, jobs=jobs, verify_replicas=verify_replicas, storage_options=storage_options,
+                    scheduler=scheduler, strict=strict, progress=progress, only=exported_subtree,
+                    on_created=before_ingest, direct=lambda st: planned[0].layout if planned[0] is not None else None,
+                    scratch=one_pass)
+    except BaseException:
+        for folder in made:  # a refusal before any unit was accepted leaves OUT as it was: not there
+            try:
+                os.rmdir(folder)
+            except OSError:
+                break  # not empty: a scratch store kept for a rerun, or files of the user's
+        raise
     if planned[0] is not None:
         result = _export.finish_direct(st, out_dir, planned[0], bool(export_options.get("overwrite")))
     else:

@@ -30,6 +30,7 @@ from .read.registry import get
 from .read.source import Source, open_unit
 from .read.unpickle import TensorRef, gc_paused
 from .runner import Pool, default_jobs
+from .store.onesave import check_one_save, of_records
 from .store.store import Store
 from .store.writer import UnitWriter
 
@@ -165,6 +166,8 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
             if leaf_path not in arrays:  # before any tensor byte is written
                 encoded = _encoded(leaf, _encode_tensor(writer, rf.value_zip(leaf_path)), f"{rf.path}: {leaf_path}")
                 writer.value(leaf_path, encoded)
+        # before any tensor byte: a unit of another save than the units already in is refused
+        check_one_save(of_records(store.records(refresh=False)) + [(os.path.basename(rf.path), writer.objects)])
         direct = DirectWriter(options.direct) if options.direct is not None else None
         writes = direct is not None and direct.claim(rf.group_rank, rf.rank)  # hybrid: one copy per group rank
         try:

@@ -377,3 +377,44 @@ def test_json_nested_too_deeply_is_refused_by_name(tmp_path: Path) -> None:
     (tmp_path / "metadata.json").write_bytes(deep)
     with pytest.raises(CheckpointError, match=r"metadata\.json: JSON nested too deeply"):
         _read_json(str(tmp_path / "metadata.json"), None)
+
+
+# ------------------------------------------------------------------------------------ own output
+def _genuine_copy(forged: Path, src: Path) -> Path:
+    src.mkdir()
+    for r in (0, 1):
+        shutil.copy(forged / f"rank{r}.pt", src)
+    return src
+
+
+@pytest.mark.parametrize("where", ["SRC", "SRC/out", "--store SRC/store"])
+def test_an_output_or_store_inside_the_checkpoint_folder_is_refused_up_front(where: str, forged: Path,
+                                                                             tmp_path: Path) -> None:
+    src = _genuine_copy(forged, tmp_path / "src")
+    before = snapshot(src)
+    args = (["unshard", src, tmp_path / "out", "--store", src / "store"] if where.startswith("--store")
+            else ["unshard", src, src if where == "SRC" else src / "out"])
+    assert_refused(cli(*args, "-j", "1", limit=False), "inside the checkpoint's folder", str(src))
+    assert snapshot(src) == before and sorted(p.name for p in src.iterdir()) == ["rank0.pt", "rank1.pt"]
+
+
+def test_an_export_beside_the_rank_files_is_never_taken_for_the_checkpoint(forged: Path, tmp_path: Path) -> None:
+    """An export a user moved into the checkpoint's folder: discovery names both, and takes neither."""
+    src = _genuine_copy(forged, tmp_path / "src")
+    assert cli("unshard", src, tmp_path / "out", "-j", "1", "-q", limit=False).returncode == 0
+    shutil.copy(tmp_path / "out" / "model.safetensors", src)
+    assert_refused(cli("unshard", src, tmp_path / "again", "--format", "torch", "-q", limit=False),
+                   "holds two checkpoints", "rank0.pt")
+    assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.parametrize("case", ["missing rank", "no model description"])
+def test_up_front_refusals_leave_no_out_folder(case: str, forged: Path, tmp_path: Path) -> None:
+    src = _genuine_copy(forged, tmp_path / "src")
+    if case == "missing rank":
+        (src / "rank1.pt").unlink()
+    out = tmp_path / "new" / "out"
+    args = ["--format", "hf"] if case == "no model description" else []
+    assert_refused(cli("unshard", src, out, *args, "-j", "1", limit=False),
+                   "rank files are missing" if case == "missing rank" else "hf-config")
+    assert not (tmp_path / "new").exists()

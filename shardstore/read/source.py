@@ -76,6 +76,7 @@ def open_source(src: str | os.PathLike[str], tag: str | None = None, step: int |
     src = os.fspath(src)
     for fmt in folder_formats():
         if fmt.detect(src, storage_options):
+            _one_checkpoint(src, fmt.title, storage_options)
             return fmt.source(src, storage_options)
     for fmt in folder_formats():
         up = getattr(fmt, "unit_folder_of", lambda folder: None)(src)
@@ -96,6 +97,19 @@ def open_source(src: str | os.PathLike[str], tag: str | None = None, step: int |
         name = pick(src, list(below), tag, step)
         return below[name].source(join(src, name), storage_options)
     return fallback().find(src, tag, step, storage_options)  # type: ignore[attr-defined]
+
+
+def _one_checkpoint(src: str, title: str, storage_options: StorageOptions | None) -> None:
+    """Refuse a folder that holds a checkpoint in a folder format beside rank files of another: an export
+    written into the checkpoint's own folder (a model.safetensors, a DCP .metadata) would otherwise be
+    taken for the checkpoint the next time, in place of the rank files."""
+    from .layouts import name_rank
+
+    ranked = sorted(name_of(p) for p in listing(src, storage_options) if name_rank(name_of(p)) is not None)
+    if ranked:
+        raise CheckpointError(f"{src}: holds two checkpoints, {title} files and rank files ({ranked[0]}"
+                              f"{' ...' if len(ranked) > 1 else ''}); move one of them out (an export written "
+                              f"into the checkpoint's own folder?)")
 
 
 def source_of_files(files: list[str | os.PathLike[str]], storage_options: StorageOptions | None = None) -> Source:

@@ -1,0 +1,94 @@
+"""One save, provably: the units of a store agree on every value that names the moment they were saved.
+
+A folder can mix two saves of one run with the same shapes (a job that crashed while saving over
+`latest/`, an interrupted copy); every file then passes its own checks, and only the values that every
+rank of one save shares give the mix away: the optimizer's step and param_groups (its learning rate
+moves every step), the trainer's step and epoch counters, DeepSpeed's global_steps and version, Composer's
+timestamp. Those are compared across every unit's commit record, in a value's own path or inside a value
+(a trainer state held as one dict). Values that genuinely differ per rank — RNG states, data-loader and
+sampler positions — are never compared, wherever they sit.
+
+Formats whose units share no such value (a DCP checkpoint's .distcp files hold each item once) are held
+together by their own metadata instead: each unit is checked against the digest the store was planned
+from.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Iterable, Iterator
+
+from ..errors import CheckpointError
+from ..values import preview
+from .manifest import CommitRecord
+
+# The names trainers give the counters and settings that all ranks of one save share.
+SAVE_NAMES = frozenset({
+    "step", "global_step", "global_steps", "global_samples", "skipped_steps", "iteration", "epoch",
+    "timestamp", "param_groups", "ds_version", "ds_config", "checkpoint_version", "global_train_tokens_seen",
+    "global_train_examples_seen", "global_train_examples_seen_this_epoch", "consumed_train_samples",
+    "num_floating_point_operations_so_far", "last_epoch", "_step_count",
+})
+# Parts of a state that differ per rank in a genuine save: never compared.
+PER_RANK = re.compile(r"rng|random|data_?loader|sampler|dataset", re.IGNORECASE)
+# A value is a few levels deep; a forged one gets no further than this.
+MAX_DEPTH = 32
+
+
+def stamps(path: str, encoded: Any) -> Iterator[tuple[str, Any]]:
+    """(where, value) of every save-identifying part of the value at `path` (typed JSON, values.py)."""
+    parts = path.split("/")
+    if any(PER_RANK.search(p) for p in parts):
+        return
+    if any(p in SAVE_NAMES for p in parts):
+        yield path, encoded
+        return
+    yield from _inside(path, encoded, 0)
+
+
+def _inside(where: str, node: Any, depth: int) -> Iterator[tuple[str, Any]]:
+    if depth > MAX_DEPTH or not isinstance(node, (dict, list)):
+        return
+    if isinstance(node, list):
+        return  # a list's items are not named: nothing in them identifies a save by its name
+    if len(node) != 1:
+        return
+    ((tag, body),) = node.items()
+    if tag not in ("$dict", "$odict") or not isinstance(body, list):
+        return
+    for pair in body:
+        if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+            continue
+        key, value = pair
+        if PER_RANK.search(key):
+            continue
+        if key in SAVE_NAMES:
+            yield f"{where}/{key}", value
+        else:
+            yield from _inside(f"{where}/{key}", value, depth + 1)
+
+
+def check_one_save(units: Iterable[tuple[str, dict[str, Any]]]) -> None:
+    """Refuse, naming two files and a value they disagree on, units that come from two saves. `units`:
+    (file name, encoded values) of each unit, in the order they should be blamed (the newest last)."""
+    first: dict[str, tuple[str, str, Any]] = {}
+    for name, objects in units:
+        for path, encoded in objects.items():
+            for where, value in stamps(path, encoded):
+                text = json.dumps(value, sort_keys=True)
+                seen = first.setdefault(where, (name, text, value))
+                if seen[1] != text:
+                    raise CheckpointError(
+                        f"{name} and {seen[0]} are from two different saves: {where} is {_short(value)} in "
+                        f"{name} but {_short(seen[2])} in {seen[0]}; take every file from the same save")
+
+
+def of_records(records: dict[int, CommitRecord]) -> list[tuple[str, dict[str, Any]]]:
+    """What `check_one_save` takes, from a store's commit records, by rank."""
+    return [(records[r].file, records[r].objects) for r in sorted(records)]
+
+
+def _short(value: Any) -> str:
+    text = preview(value)
+    return text if len(text) <= 60 else text[:57] + "..."
