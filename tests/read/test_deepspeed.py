@@ -258,6 +258,28 @@ def test_a_rank_file_copied_over_another_is_refused_by_name(copied: str, over: s
     assert not (tmp_path / "out" / "model.pt").exists()
 
 
+def test_a_zero3_optimizer_file_copied_over_another_is_refused_by_name(tmp_path: Path) -> None:
+    """ZeRO-3 files say nothing of their rank, and a copy has every length right: it is the same file twice."""
+    src = shutil.copytree(_src("z3"), tmp_path / "src")
+    over = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shutil.copy(src / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt", src / TAG / over)
+    with pytest.raises(CheckpointError, match=f"{over}: the same file as zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        shardstore.unshard(src, tmp_path / "out", format="torch", jobs=1)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_zero2_frozen_fragment_of_another_shape_is_refused_by_name(tmp_path: Path) -> None:
+    src = shutil.copytree(_src("z2"), tmp_path / "src")
+    path = src / TAG / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=False)
+    (name, whole), = state["frozen_param_fragments"].items()
+    state["frozen_param_fragments"][name] = whole[:8].clone()
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=rf"frozen parameter {name} is \[8\] in frozen_param_fragments but "
+                                              rf"\[16\] in frozen_param_shapes"):
+        shardstore.unshard(src, tmp_path / "out", format="torch", jobs=1)
+
+
 def test_from_object_storage_on_a_dask_cluster(cluster, tmp_path: Path) -> None:
     """ZeRO-3 on S3, unsharded by Dask workers (one task per file): what local workers write."""
     from safetensors.torch import load_file
