@@ -120,6 +120,12 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
                 if dtype_of.setdefault(name, dtype) != dtype:
                     raise CheckpointError(f"{path}: {name} is {dtype} here but {dtype_of[name]} in another file")
                 boxes.setdefault(name, []).append((o, s, index))
+    for name, held in boxes.items():
+        first: dict[tuple, int] = {}
+        for o, s, index in held:
+            twin = first.setdefault((o, s), index)
+            if twin != index:
+                _same_piece(unit_paths[twin], unit_paths[index], name, storage_options)
     if not boxes:
         raise CheckpointError(f"{folder}: its safetensors files hold no tensors")
     arrays, objects = {}, []
@@ -138,6 +144,18 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     shapes = {p: list(a.shape) for p, a in arrays.items()}  # a worker sees only its pieces
     extra = {"units": names, "metadata": digest, "dcp_hf": {"headers": headers, "shapes": shapes}}
     return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
+
+
+def _same_piece(a: str, b: str, name: str, storage_options: StorageOptions | None, block: int = 16 << 20) -> None:
+    """Two files hold the same piece of `name` (a tensor whole in two shards of a folder): taken once if
+    their bytes are equal, else refused, since which one is the model's cannot be told."""
+    with SafetensorsFile(a, storage_options) as x, SafetensorsFile(b, storage_options) as y:
+        ex, ey = x.entries[f"data/{name}"], y.entries[f"data/{name}"]
+        for at in range(0, ex.size, block):
+            n = min(block, ex.size - at)
+            if x.file.read(ex.offset + at, n) != y.file.read(ey.offset + at, n):
+                raise CheckpointError(f"{b}: holds {name} as {_name(a)} does, with other bytes; which is the "
+                                      f"model's cannot be told (two exports mixed in one folder?)")
 
 
 def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,

@@ -79,3 +79,22 @@ class TestDcpHfConformance(FormatTests):
     @pytest.fixture
     def foreign(self, dcp_hf_checkpoint) -> Path:
         return dcp_hf_checkpoint / "consolidated" / "sharded" / "shard-00002-model-00001-of-00002.safetensors"
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_tensor_whole_in_two_files_is_taken_once_only_if_its_bytes_agree(same: bool, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    a, b, c = torch.arange(12.0).reshape(3, 4), torch.arange(6.0), torch.ones(5)
+    save_file({"a": a, "b": b}, src / "model-00001-of-00002.safetensors")
+    save_file({"b": b if same else b + 1, "c": c}, src / "model-00002-of-00002.safetensors")
+    if not same:
+        with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors: holds b as "
+                                                  r"model-00001-of-00002\.safetensors does, with other bytes"):
+            shardstore.unshard(src, tmp_path / "out", jobs=1)
+        assert not (tmp_path / "out").exists()
+        return
+    shardstore.unshard(src, tmp_path / "out", jobs=1)
+    assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), {"a": a, "b": b, "c": c})
