@@ -23,7 +23,7 @@ from .plan import plan_checkpoint
 from .read.layouts import name_rank
 from .read import tensors
 from .read.container import TorchZip
-from .read.identity import file_identity, identity_of, zip_identity
+from .read.identity import content, file_identity, file_stamp, identity_of, stamp, zip_identity
 from .read.contract import ArrayLeaf, LocalPiece
 from .read.rankfile import RankFile
 from .read.registry import get
@@ -208,7 +208,7 @@ def _check_identity(store: Store, unit: Any, identity: str) -> None:
     """A rank committed from one file is never overwritten by another: the store would then hold two
     checkpoints (a committed cell is never rewritten, so the old tensors would stay beside new values)."""
     record = store.record(unit.rank)
-    if record is not None and record.identity is not None and record.identity != identity:
+    if record is not None and record.identity is not None and content(record.identity) != content(identity):
         raise CheckpointError(
             f"{unit.path}: {store.location} already holds rank {unit.rank} from another file ({record.file}, "
             f"with other contents): the store holds another checkpoint; ingest into a new store, or delete "
@@ -378,7 +378,9 @@ def _not_yet_done(store: Store, files: Sequence[str | os.PathLike[str]], subtree
                and (rec.only is None or (subtree is not None and under(subtree, rec.only)))]
     if not records:
         return list(files)
-    known = {(rec.file, rec.identity) for rec in records if rec.identity is not None}
+    known = [(rec.file, rec.identity) for rec in records if rec.identity is not None]
+    stamped = {(file, stamp(identity)) for file, identity in known if stamp(identity) is not None}
+    unstamped = {(file, identity) for file, identity in known if stamp(identity) is None}
     sized = {(rec.file, rec.bytes) for rec in records if rec.identity is None}
     names = {file for file, _ in known}
     todo = []
@@ -386,8 +388,10 @@ def _not_yet_done(store: Store, files: Sequence[str | os.PathLike[str]], subtree
         name = os.path.basename(os.fspath(f))
         if sized and (name, _size(f, store.storage_options)) in sized:
             continue
-        if name not in names or (name, file_identity(f, store.storage_options)) not in known:
-            todo.append(f)
+        if name in names and (name, file_stamp(f, store.storage_options)) in stamped:
+            continue  # untouched since it was ingested: no read
+        if name not in names or (name, content(file_identity(f, store.storage_options))) not in unstamped:
+            todo.append(f)  # new, changed since (read again: its worker checks it), or another file
     return todo
 
 
@@ -400,12 +404,19 @@ def source_changed(store: Store, files: Sequence[str | os.PathLike[str]]) -> boo
     by_name: dict[str, list[str | os.PathLike[str]]] = {}
     for f in files:
         by_name.setdefault(os.path.basename(os.fspath(f)), []).append(f)
-    identities: dict[str, set[str]] = {}  # read only for the names a record needs, once each
+    identities: dict[str, set[str | None]] = {}  # read only for the names a record needs, once each
     for rec in records:
         if rec.file not in by_name:
             return True
+        assert rec.identity is not None
+        recorded = stamp(rec.identity)
+        if recorded is not None:  # what the file system says: a file changed in place is another file
+            now = {file_stamp(f, store.storage_options) for f in by_name[rec.file]}
+            if recorded not in now:
+                return True
+            continue
         if rec.file not in identities:
-            identities[rec.file] = {file_identity(f, store.storage_options) for f in by_name[rec.file]}
+            identities[rec.file] = {content(file_identity(f, store.storage_options)) for f in by_name[rec.file]}
         if rec.identity not in identities[rec.file]:
             return True
     return False

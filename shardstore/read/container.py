@@ -60,6 +60,20 @@ KEPT_BYTES = 64 << 20  # ... while what that adds between them, kept in memory, 
 TAIL = 64 << 10  # a remote zip's end records and central directory (~80 bytes a record) come in one read
 
 
+def local_stamp(st: os.stat_result) -> str:
+    """What the file system says changes when a file does: its size, modification time and inode (a file
+    replaced by a rename is another inode; one changed in place has a new modification time)."""
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
+
+def remote_stamp(info: dict[str, Any]) -> str | None:
+    """An object store's word for an object's version: its version id, else its ETag, else its time."""
+    for key in ("VersionId", "version_id", "ETag", "etag", "LastModified", "mtime", "last_modified"):
+        if info.get(key):
+            return f"{info['size']}:{info[key]}"
+    return None
+
+
 class DataFile:
     """One file, opened once: memory-mapped when local, read by ranged requests when a URL. Zips are read
     from windows of it (a rank file is one window; a DCP .distcp file holds one zip per item)."""
@@ -71,7 +85,8 @@ class DataFile:
         self._spans: list[tuple[int, bytes]] = []  # remote bytes fetched already (read_ranges)
         if isinstance(self.path, Path):
             self._file: Any = _open_regular(self.path)
-            self.size = os.fstat(self._file.fileno()).st_size
+            st = os.fstat(self._file.fileno())
+            self.size, self.stamp = st.st_size, local_stamp(st)
             try:
                 self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
             except BaseException:
@@ -80,7 +95,8 @@ class DataFile:
         else:
             try:
                 fs, fspath = self._remote = filesystem(self.path, storage_options)
-                self.size = int(fs.size(fspath))
+                info = fs.info(fspath)
+                self.size, self.stamp = int(info["size"]), remote_stamp(info)
             except FileNotFoundError:
                 raise CheckpointError(f"{self.path}: no such file") from None
             except service_errors() as exc:  # a URL whose service cannot be reached

@@ -53,7 +53,7 @@ from .container import TorchZip, read_small
 from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, replica_count
 from .olmo import FileUnit, flat_spec, relative
 from .opaque import Building, building_class
-from .identity import file_identity
+from .identity import content, file_identity
 from .source import folder_of, hf_model_file, join, listing, name_of, subfolders
 from .tree import flatten
 from .unpickle import TensorRef, load
@@ -464,7 +464,7 @@ def _no_copies(paths: list[str], storage_options: StorageOptions | None) -> None
     (every record's name, size and CRC-32: read/identity.py) agree are one file twice."""
     seen: dict[str, str] = {}
     for path in paths:
-        first = seen.setdefault(file_identity(path, storage_options), path)
+        first = seen.setdefault(content(file_identity(path, storage_options)), path)
         if first != path:
             raise CheckpointError(f"{path}: the same file as {name_of(first)} (one rank's optimizer file copied over "
                                   f"another's?); every rank saves its own part")

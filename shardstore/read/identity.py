@@ -11,6 +11,12 @@ same-size file re-downloaded from a newer run) is never mixed with what the stor
   first and last 64 KiB. A training step changes every parameter, so two steps' files differ there; a
   file whose bytes there are the same is, for this purpose, the same file.
 Reading either costs one or two small reads from the file's ends (one request each on object storage).
+
+Neither sees every byte: a file changed in its middle in place keeps its sampled ends, and a zip's
+directory keeps the CRC-32s it was written with. So an identity also carries the file's stamp, what the
+file system or object store says changes when a file does (`container.local_stamp`, `remote_stamp`):
+`<content>@<stamp>`. A file whose stamp is the recorded one is the file ingested, with no read at all;
+one whose stamp moved is never trusted by its content identity alone (`same_file`), but read again.
 """
 
 from __future__ import annotations
@@ -20,15 +26,16 @@ import os
 import struct
 
 from ..errors import CheckpointError
-from ..locations import StorageOptions
-from .container import DataFile, TorchZip
+from ..locations import StorageOptions, filesystem, is_url
+from .container import DataFile, TorchZip, local_stamp, remote_stamp
 
 SAMPLE = 1 << 16
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
 
 
 def file_identity(path: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> str:
-    """`zip:<digest>` or `sample:<digest>` of the file at `path` (see the module's docstring)."""
+    """`zip:<digest>@<stamp>` or `sample:<digest>@<stamp>` of the file at `path` (see the module's
+    docstring)."""
     data = DataFile(path, storage_options)
     try:
         return identity_of(data)
@@ -39,14 +46,36 @@ def file_identity(path: str | os.PathLike[str], storage_options: StorageOptions 
 def identity_of(data: DataFile) -> str:
     """The identity of a file already open."""
     entries = _whole_zip(data)
-    return _of_zip(data.size, entries) if entries is not None else _sampled(data)
+    return _stamped(_of_zip(data.size, entries) if entries is not None else _sampled(data), data)
 
 
 def zip_identity(zf: TorchZip) -> str | None:
     """The identity of a file a worker already opened as a zip (a rank file), from the central directory
     it parsed; None where that zip is not the whole file (then `identity_of` its file)."""
     entries = _entries_if_whole(zf)
-    return None if entries is None else _of_zip(zf.file.size, entries)
+    return None if entries is None else _stamped(_of_zip(zf.file.size, entries), zf.file)
+
+
+def file_stamp(path: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> str | None:
+    """The stamp of the file at `path`, from one stat (one metadata request on object storage): no read."""
+    if is_url(os.fspath(path)):
+        fs, fspath = filesystem(os.fspath(path), storage_options)
+        return remote_stamp(fs.info(fspath))
+    return local_stamp(os.stat(path))
+
+
+def content(identity: str) -> str:
+    """What an identity says of the file's content, without its stamp."""
+    return identity.split("@", 1)[0]
+
+
+def stamp(identity: str) -> str | None:
+    """The stamp an identity was recorded with (None in stores from before stamps)."""
+    return identity.split("@", 1)[1] if "@" in identity else None
+
+
+def _stamped(identity: str, data: DataFile) -> str:
+    return identity if data.stamp is None else f"{identity}@{data.stamp}"
 
 
 def _of_zip(size: int, entries: list[tuple[str, int, int]]) -> str:
