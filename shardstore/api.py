@@ -215,11 +215,14 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
                           export_options.get("hf_config"), bool(export_options.get("overwrite")))  # type: ignore[arg-type]
         output = _export.output_bytes(st, fmt, export_options.get("select"),  # type: ignore[arg-type]
                                       export_options.get("dtype"))  # type: ignore[arg-type]
+        # the sizes the plan declares, against the disks, before any file of that size is made
+        check_space(st, len(source.units), exported_subtree(st), out_dir, output, in_store=not one_pass)
         if one_pass:
             planned[0] = _export.plan_direct(st, **{k: v for k, v in export_options.items()  # type: ignore[arg-type]
                                                     if k not in ("overwrite", "allow_partial")},
                                              jobs=jobs or default_jobs())
-        check_space(st, len(source.units), exported_subtree(st), out_dir, output, in_store=planned[0] is None)
+            if planned[0] is None:  # the store holds the data after all
+                check_space(st, len(source.units), exported_subtree(st), out_dir, output)
 
     def exported_subtree(st: Store) -> str | None:
         # A scratch store only feeds this export: for safetensors, write just the tensors it takes

@@ -290,6 +290,10 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
     try:
         with Pool(jobs, scheduler) as pool:  # workers start now: their start-up overlaps creating the store
             store, held = _planned_store(location, source, strict, scratch)
+            if store.manifest.facts.format != source.format:  # before a unit is opened with another's facts
+                raise CheckpointError(f"{source.units[0]}: the store at {location} holds a "
+                                      f"{get(store.manifest.facts.format).title} checkpoint, and this is a file of a "
+                                      f"{get(source.format).title} one; ingest it into another store")
             _run(store, pool, files, IngestOptions(verify_replicas, None, strict, source.format),
                  on_created=on_created, only=only, on_start=on_start, on_done=on_done, direct=direct, held=held)
     except BaseException:

@@ -26,6 +26,7 @@ import multiprocessing.context
 import os
 import sys
 import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
@@ -74,6 +75,30 @@ def _warm_up() -> None:
     """Runs in a fresh worker: importing this module (to unpickle the call) is the warm-up."""
 
 
+def _die_with(parent: int) -> None:
+    """A worker's initializer: the worker ends when the process that started it does. A coordinator killed
+    outright (SIGKILL, the OOM killer) never shuts its pool down, and its idle workers would wait on the
+    task queue for ever (every worker holds that pipe open, so none sees it close). Linux sends the worker
+    SIGKILL when its parent goes (PR_SET_PDEATHSIG); elsewhere, and against a parent that went before the
+    call took effect, a thread watches for the worker being handed to another parent."""
+    if sys.platform == "linux":
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="shardstore-parent-watch", daemon=True).start()
+
+
 class Pool:
     """`jobs` workers: inline when 1 (unless `processes`), local processes when more, Dask tasks with
     `scheduler` (an address, or "dask" for a local cluster of `jobs` worker processes)."""
@@ -85,7 +110,8 @@ class Pool:
         if scheduler is None and (self.jobs > 1 or processes):
             self.start_method = start_method()
             context = multiprocessing.get_context("fork") if self.start_method == "fork" else SPAWN
-            self._executor = ProcessPoolExecutor(max_workers=self.jobs, mp_context=context)
+            self._executor = ProcessPoolExecutor(max_workers=self.jobs, mp_context=context,
+                                                 initializer=_die_with, initargs=(os.getpid(),))
             for _ in range(self.jobs):
                 self._executor.submit(_warm_up)
 

@@ -37,13 +37,36 @@ def encode(obj: Any, tensor: Callable[[TensorRef], Json] | None = None) -> Json:
     return _Encoder(tensor).enc(obj)
 
 
+# A value nests a few levels (a trainer's config, an RNG state); a forged one is refused past MAX_DEPTH. A
+# pickle's memo can make a few objects reachable by 2^40 paths: past MAX_REVISITS more visits than distinct
+# containers, the work is no longer bounded by the file, and the value is refused.
+MAX_DEPTH = 200
+MAX_REVISITS = 100_000
+_CONTAINERS = (list, tuple, dict, collections.OrderedDict, set, frozenset)
+
+
 class _Encoder:
     # A class, not a recursive closure: the closure's self-reference would be a cycle holding `tensor`,
     # and through it the whole rank file, until the cyclic GC ran.
     def __init__(self, tensor: Callable[[TensorRef], Json] | None):
         self.tensor = tensor
+        self.depth = self.visits = 0
+        self.seen: set[int] = set()
 
     def enc(self, o: Any) -> Json:
+        if type(o) not in _CONTAINERS and not isinstance(o, (Opaque, np.ndarray)):
+            return self._enc(o)
+        self.depth += 1
+        self.visits += 1
+        self.seen.add(id(o))
+        if self.depth > MAX_DEPTH or self.visits > len(self.seen) + MAX_REVISITS:
+            raise StoreError("a value nested too deeply, or containing itself, or reached by too many paths")
+        try:
+            return self._enc(o)
+        finally:
+            self.depth -= 1
+
+    def _enc(self, o: Any) -> Json:
         enc, tensor = self.enc, self.tensor
         if o is None or type(o) in (bool, str):
             return o

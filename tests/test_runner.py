@@ -72,3 +72,41 @@ def test_a_process_that_loaded_torch_spawns() -> None:
 def test_an_inline_or_dask_pool_starts_no_local_workers() -> None:
     assert runner.Pool(1).start_method is None
     assert runner.Pool(2, scheduler="tcp://127.0.0.1:1").start_method is None  # no connection until run
+
+
+# A coordinator that starts its workers, says who they are, and waits to be killed.
+WAITS = """
+import os, sys, time
+from shardstore import runner
+pool = runner.Pool(2)
+pool.run(os.getpid, [()] * 8, ["pid"] * 8, lambda pid: None)  # every worker has started
+children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
+print(" ".join(children), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+@pytest.mark.parametrize("threads", ["fork", "spawn"])
+def test_workers_end_when_their_coordinator_is_killed(threads: str) -> None:
+    import os
+    import signal
+    import time
+
+    code = WAITS if threads == "fork" else "import torch\n" + WAITS  # torch loaded: workers are spawned
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    workers = [int(p) for p in proc.stdout.readline().split()]
+    assert len(workers) >= 2 and all(Path(f"/proc/{w}").exists() for w in workers)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL  # the coordinator died, and did not shut its pool down
+
+    def alive(pid: int) -> bool:
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 20
+    while any(alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(w) for w in workers), [w for w in workers if alive(w)]

@@ -22,7 +22,8 @@ from ..ranges import FileRange, Part, blocks, copy_range
 _USER_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
                 errno.EROFS: "read-only file system", errno.EACCES: "permission denied", errno.EPERM: "not permitted",
                 errno.ENOTDIR: "a part of the path is a file", errno.EEXIST: "exists and is not a directory",
-                errno.EISDIR: "is a directory", errno.ENAMETOOLONG: "name too long"}
+                errno.EISDIR: "is a directory", errno.ENAMETOOLONG: "name too long",
+                errno.EFBIG: "a file larger than its file system allows"}
 
 
 def output_error(out: Path, exc: OSError) -> ExportError | None:

@@ -18,13 +18,12 @@ kept as side files, so `--format hf` needs no flag.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from typing import Any
 
 from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions
-from .. import paths
+from .. import jsonin, paths
 from .olmo import FileUnit
 from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec
 from .safetensors_file import SafetensorsFile
@@ -80,10 +79,10 @@ def _pieces(st: SafetensorsFile) -> dict[str, tuple[tuple[int, ...], tuple[int, 
     raw = st.metadata.get(INFO)
     offsets: dict[str, Any] = {}
     if raw is not None:
+        info = jsonin.loads(raw, str(st.path), f"{INFO} metadata", CheckpointError)
         try:
-            info = json.loads(raw)
             offsets = {name: d["saved_offsets"] for name, d in info.items()}
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except (TypeError, KeyError, AttributeError):
             raise CheckpointError(f"{st.path}: unreadable {INFO} metadata (forged or damaged)") from None
         if set(offsets) != set(st.tensors):
             stray = sorted(set(offsets) ^ set(st.tensors))[0]

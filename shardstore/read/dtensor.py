@@ -112,6 +112,8 @@ def mesh_of(record: Any, where: str) -> Mesh:
                  whole_numbers(getattr(a, "__dict__", {}).get("stride"), f"{where}: mesh strides")) for a in axes]
         if any(len(s) != len(t) for s, t in dims):
             raise CheckpointError(f"{where}: a device mesh layout of mismatched sizes and strides (corrupt file)")
+        if any(not all(s) for s, _ in dims):
+            raise CheckpointError(f"{where}: a device mesh with an axis of size 0 (corrupt file)")
         shape = tuple(math.prod(s) for s, _ in dims)
         if math.prod(shape) > MAX_MESH or len(flat) > MAX_MESH:
             raise CheckpointError(f"{where}: a device mesh of {max(math.prod(shape), len(flat))} ranks (corrupt file)")
@@ -131,6 +133,8 @@ def mesh_of(record: Any, where: str) -> Mesh:
         if not isinstance(mesh, TensorRef):
             raise CheckpointError(f"{where}: a device mesh without its ranks (corrupt file)")
         shape = whole_numbers(mesh.shape, f"{where}: mesh sizes")
+        if not all(shape):
+            raise CheckpointError(f"{where}: a device mesh with an axis of size 0 (corrupt file)")
         out = Mesh(shape, whole_numbers(state.get("_flatten_mesh_list"), f"{where}: mesh ranks"), 1,
                    _names(state, where))
     if (len(out.ranks) != out.groups * math.prod(out.shape) or len(set(out.ranks)) != len(out.ranks)

@@ -20,12 +20,11 @@ returns: state by parameter id (from each group's `_param_names`), groups withou
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from .. import dtypes
+from .. import dtypes, jsonin
 from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions
 from .container import parsed_once, read_small
@@ -73,12 +72,7 @@ def detect(folder: str, storage_options: StorageOptions | None = None) -> bool:
 
 def _read_json(path: str, storage_options: StorageOptions | None) -> tuple[Any, str]:
     raw = read_small(path, storage_options, MAX_METADATA, "an OLMo-core metadata file")
-    try:
-        return json.loads(raw), hashlib.blake2b(raw, digest_size=16).hexdigest()
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: unreadable JSON ({str(exc)[:80]})") from None
-    except RecursionError:  # OLMo-core's metadata is a few levels deep
-        raise CheckpointError(f"{path}: JSON nested too deeply (forged or damaged)") from None
+    return jsonin.loads(raw, path, "JSON", CheckpointError), hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
 def _file_order(name: str) -> tuple:

@@ -9,13 +9,12 @@ overlapping. Each tensor then becomes a storage record ("data/<name>") and a con
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
 from typing import Any
 
-from .. import dtypes
+from .. import dtypes, jsonin
 from ..errors import CheckpointError
 from ..locations import StorageOptions
 from ..ranges import FileRange, RemoteRange
@@ -43,12 +42,7 @@ class SafetensorsFile:
         if n > min(MAX_HEADER, self.file.size - 8):
             raise CheckpointError(f"{self.path}: safetensors header of {n} bytes in a file of {self.file.size} "
                                   f"(truncated, or not a safetensors file)")
-        try:
-            header = json.loads(self.file.read(8, n))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{self.path}: unreadable safetensors header ({str(exc)[:80]})") from None
-        except RecursionError:  # safetensors' own headers are two levels deep
-            raise CheckpointError(f"{self.path}: safetensors header nested too deeply (forged or damaged)") from None
+        header = jsonin.loads(self.file.read(8, n), str(self.path), "safetensors header", CheckpointError)
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: safetensors header is not a JSON object")
         metadata = header.pop("__metadata__", None) or {}

@@ -21,6 +21,7 @@ from typing import Iterable
 from ...crc import crc32_combine
 from ...ranges import BLOCK, Part
 from ...store.store import Store
+from ..output import output_error
 
 FOLDER = "__shardstore__/direct"  # inside the scratch store: the output files while they are written
 LAYOUT = "layout.json"
@@ -112,6 +113,12 @@ def prepare(store: Store, lay: Layout, heads: list[list[tuple[int, bytes]]]) -> 
                 os.pwrite(fd, data, offset)
             os.ftruncate(fd, size)
             os.fsync(fd)
+        except OSError as exc:  # a size the file system cannot hold (EFBIG), a full disk: one line
+            exc.filename = str(folder / name)
+            error = output_error(folder, exc)
+            if error is None:
+                raise
+            raise error from None
         finally:
             os.close(fd)
     tmp = folder / f".{LAYOUT}.tmp"

@@ -19,7 +19,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from ...errors import ExportError
+from ... import jsonin
+from ...errors import ExportError, ShardstoreError
 from ...read.registry import get
 from ...read.source import hf_model_file
 from ...store.store import Store
@@ -189,10 +190,7 @@ NOT_HF_FILES = ("fsdp_config.json", "config.yaml")
 def _from_files(store: Store, subtree: str, strip_prefix: str | None, files: dict[str, bytes],
                 where: str) -> tuple[HFModel, dict[str, str]]:
     """A model described by its Hugging Face files (config.json first), weights named as they are."""
-    try:
-        config = json.loads(files[CONFIG])
-    except ValueError as exc:
-        raise ExportError(f"{where}: not JSON ({str(exc)[:80]})") from None
+    config = jsonin.loads(files[CONFIG], where, "Hugging Face config", ExportError)
     if not isinstance(config, dict):
         raise ExportError(f"{where}: not a Hugging Face config (a JSON object)")
     rest = {n: data for n, data in files.items() if n != CONFIG and n not in NOT_HF_FILES}
@@ -204,9 +202,9 @@ def _experiment_config(store: Store) -> dict[str, Any] | None:
     """OLMo-core's experiment config, when that is what the checkpoint's config.json is."""
     raw = _side_config(store, CONFIG)
     try:
-        config = json.loads(raw) if raw is not None else None
-    except ValueError:
-        return None
+        config = jsonin.loads(raw, CONFIG) if raw is not None else None
+    except ShardstoreError:
+        return None  # not OLMo-core's, whatever it is: the Hugging Face reading of it names what is wrong
     return config if olmo_core.is_experiment_config(config) else None
 
 
