@@ -89,7 +89,6 @@ time.sleep(600)
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 @pytest.mark.parametrize("threads", ["fork", "spawn"])
 def test_workers_end_when_their_coordinator_is_killed(threads: str) -> None:
-    import os
     import signal
     import time
 
