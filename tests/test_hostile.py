@@ -17,6 +17,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -418,3 +419,67 @@ def test_up_front_refusals_leave_no_out_folder(case: str, forged: Path, tmp_path
     assert_refused(cli("unshard", src, out, *args, "-j", "1", limit=False),
                    "rank files are missing" if case == "missing rank" else "hf-config")
     assert not (tmp_path / "new").exists()
+
+
+# ------------------------------------------------------------------------- structure, bounded
+DEEPSPEED = Path(__file__).parent / "fixtures" / "data" / "deepspeed"
+
+
+def _with_key(opcodes: bytes) -> Callable[[bytes], bytes]:
+    """A data.pkl patch: one more key, "extra", in the top-level dict (on the stack just before STOP)."""
+    return lambda data: data[:-1] + b"X\x05\x00\x00\x00extra" + opcodes + b"s."
+
+
+def _dag(levels: int) -> bytes:
+    """A list of two references to a list of two references to ... : `levels` objects, 2**levels paths."""
+    out = b"]q\x00"
+    for i in range(levels):  # each level memoised, and popped once the next one holds it
+        out += b"0](h" + bytes([i]) + b"h" + bytes([i]) + b"eq" + bytes([i + 1])
+    return out
+
+
+@pytest.mark.parametrize("case, opcodes", [("100,000 deep", b"]" * 100_000 + b"a" * 99_999), ("a DAG of 2**40 paths", _dag(40))])
+def test_deepspeed_model_states_with_hostile_structure_end_in_one_line(case: str, opcodes: bytes,
+                                                                       tmp_path: Path) -> None:
+    src = shutil.copytree(DEEPSPEED / "z2-w3", tmp_path / "src")
+    states = src / "global_step2" / "mp_rank_00_model_states.pt"
+    forge.patch_pickle(states, states, _with_key(opcodes))
+    line = assert_refused(cli("unshard", src, tmp_path / "out", "-j", "1", "-q"), "too")
+    assert "nested too deeply" in line or "too many paths" in line, line
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_config_json_nested_too_deeply_is_refused_by_name(tmp_path: Path) -> None:
+    src = shutil.copytree(DEEPSPEED / "z2-w3", tmp_path / "src")
+    (src / "config.json").write_text('{"a":' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert_refused(cli("unshard", src, tmp_path / "out", "--format", "hf", "-j", "1", "-q", limit=False),
+                   "config.json", "nested too deeply")
+
+
+def test_dcp_sharding_info_nested_too_deeply_is_refused_by_name(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    deep = "[" * 100_000 + "]" * 100_000
+    save_file({"w": torch.ones(4)}, src / "shard-00001-model-00001-of-00001.safetensors",
+              metadata={"DCP_SHARDING_INFO": deep, "DCP_VERSION": "1.0"})
+    assert_refused(cli("unshard", src, tmp_path / "out", "-j", "1"), "shard-00001-model-00001-of-00001.safetensors",
+                   "DCP_SHARDING_INFO metadata nested too deeply")
+
+
+def test_a_file_larger_than_the_file_system_allows_is_one_line(tmp_path: Path) -> None:
+    from shardstore.errors import ExportError
+    from shardstore.export.direct.layout import Layout, prepare
+
+    with pytest.raises(ExportError, match=r"huge\.pt: cannot write the export: a file larger than its file system allows"):
+        prepare(None, Layout(str(tmp_path), ("huge.pt",), (1 << 62,), {}), [[]])  # type: ignore[arg-type]
+
+
+def test_rank_files_of_another_format_are_refused_by_a_store(forged: Path, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    assert cli("ingest", store, DEEPSPEED / "z2-w3", "-j", "1", "-q").returncode == 0
+    before = snapshot(store)
+    assert_refused(cli("ingest", store, forged / "rank0.pt", "-j", "1", "-q"), "rank0.pt",
+                   "holds a DeepSpeed ZeRO checkpoint")
+    assert snapshot(store) == before

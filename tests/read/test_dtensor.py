@@ -147,3 +147,23 @@ def test_a_process_group_call_in_a_pickle_stays_a_record() -> None:
                                                                            "new_group")
     with pytest.raises(UnsafePickleError, match="new_group"):
         load(data, "forged.pt", strict=True)
+
+
+def test_a_mesh_with_an_axis_of_size_zero_is_refused_by_name(verl_checkpoints) -> None:
+    """torch >= 2.10's layout (sizes and strides per mesh dimension) and torch <= 2.9's rank tensor alike."""
+    import copy
+
+    path = verl_checkpoints("fsdp2-hsdp", 4) / "global_step_7/actor/model_world_size_4_rank_3.pt"
+    with TorchZip(path) as zf:
+        state = load(zf.record("data.pkl"), str(path))
+    mesh = copy.deepcopy(next(iter(state.values()))._spec.mesh)
+    axis = mesh.__dict__["_layout"].__dict__["axes"][0]
+    axis.__dict__["shape"] = (0,) + tuple(axis.__dict__["shape"][1:])
+    with pytest.raises(CheckpointError, match="x: a device mesh with an axis of size 0"):
+        mesh_of(mesh, "x")
+    with TorchZip(DATA / "dtensor-hsdp-t2.6-rank3.pt") as zf:
+        old = copy.deepcopy(next(iter(load(zf.record("data.pkl"), "y").values()))._spec.mesh)
+    ranks = old.__dict__["mesh"]
+    old.__dict__["mesh"] = type(ranks)(ranks.storage, ranks.offset, (2, 0), ranks.stride, ranks.dtype)
+    with pytest.raises(CheckpointError, match="y: a device mesh with an axis of size 0"):
+        mesh_of(old, "y")
