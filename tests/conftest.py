@@ -219,6 +219,24 @@ def assert_bitwise_equal(actual: Any, want: Any, where: str = "", ordered: bool 
         assert actual == want, f"{where}: {actual!r} != {want!r}"
 
 
+def reference_logits(config_dir: Path, weights: dict[str, torch.Tensor], ids: torch.Tensor,
+                     dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The logits of the checkpoint's own model (its Hugging Face config, the weights its ranks gathered),
+    computed here, in `dtype` (default: the weights'). A fixture's stored logits were computed on the machine that made
+    it, and another CPU's kernels (AVX-512 against AVX2) round the last digit differently; an export's
+    logits must equal these bit for bit on any machine."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_dir)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype or next(iter(weights.values())).dtype).eval()
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if config.tie_word_embeddings else set()), \
+        (missing, unexpected)
+    model.tie_weights()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
 class Phases(shardstore.Progress):
     """A progress that records which phases ran (ingest, export): what tells the one-pass unshard apart."""
 

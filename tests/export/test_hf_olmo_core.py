@@ -27,7 +27,11 @@ def test_olmo_core_checkpoint_loads_with_olmo_cores_logits(tmp_path: Path) -> No
     assert type(model).__name__ == "Olmo2ForCausalLM"
     with torch.no_grad():
         logits = model(input_ids=IDS).logits
-    assert torch.equal(logits, torch.load(CKPT / "expected.pt.ref", weights_only=False)["logits"])
+    # OLMo-core's own model computed these on the machine that made the fixture (OLMo-core is not installed
+    # here to compute them again): another CPU's float32 kernels may round the last digits differently,
+    # so they are compared to 1e-5; the weights themselves are compared bit for bit below.
+    torch.testing.assert_close(logits, torch.load(CKPT / "expected.pt.ref", weights_only=False)["logits"],
+                               rtol=1e-5, atol=1e-5)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["eos_token_id"], config["pad_token_id"], config["num_key_value_heads"]) == (99, 98, 2)
     assert "dolma2-tokenizer" in result.notes[0]
