@@ -483,3 +483,10 @@ def test_rank_files_of_another_format_are_refused_by_a_store(forged: Path, tmp_p
     assert_refused(cli("ingest", store, forged / "rank0.pt", "-j", "1", "-q"), "rank0.pt",
                    "holds a DeepSpeed ZeRO checkpoint")
     assert snapshot(store) == before
+
+
+def test_a_dcp_folder_without_its_metadata_says_so(tmp_path: Path) -> None:
+    src = shutil.copytree(Path(__file__).parent / "corpus" / "data" / "torchtitan-dcp-t2.13-w2" / "step-2",
+                          tmp_path / "step-2")
+    (src / ".metadata").unlink()
+    assert_refused(cli("unshard", src, tmp_path / "out", "-q"), "step-2", ".distcp files without the .metadata")

@@ -68,6 +68,9 @@ def discover(src: str | os.PathLike[str], tag: str | None = None, step: int | No
     if not groups and tag is not None:
         raise CheckpointError(f"{src}: no rank files tagged {tag!r}")
     if not groups:
+        if not is_url(src) and any(Path(local(src)).glob("*.distcp")):
+            raise CheckpointError(f"{src}: .distcp files without the .metadata file that describes them: a DCP "
+                                  f"save that did not finish, or a copy that left it out")
         raise CheckpointError(f"{src}: no rank files (*rank<N>.pt) found")
     refuse_mixed(src, groups)
     (ranks,) = groups.values()
