@@ -51,19 +51,54 @@ class TensorHandle:
         return self._store.contributors(self.path)
 
     def __getitem__(self, selection: Any) -> "torch.Tensor":
-        self.check(selection)
-        return to_torch(self._store.read(self.path, selection), self.entry.dtype)
+        return to_torch(self._raw(selection), self.entry.dtype)
 
     def numpy(self, selection: Any = ...) -> np.ndarray:
         """The values of a selection as numpy numbers, exactly (bfloat16 and float8 as float32); no torch."""
-        self.check(selection)
-        return dtypes.as_numbers(np.asarray(self._store.read(self.path, selection)), self.entry.dtype)
+        return dtypes.as_numbers(self._raw(selection), self.entry.dtype)
+
+    def _raw(self, selection: Any) -> np.ndarray:
+        staged = self._staged()
+        if staged is None:
+            self.check(selection)
+            return np.asarray(self._store.read(self.path, selection))
+        self.check_selection(selection)
+        values_, arrived = staged
+        self._refuse_missing(arrived, selection)
+        return np.array(values_[selection])
+
+    def _staged(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """A small tensor whose pieces wait in the ranks' staging files until every rank is in: what has
+        arrived of it (store.arrived), or None once it is assembled (or is not staged)."""
+        entry = self.entry
+        if not entry.staged or not entry.shape or self._store.has_cell(entry, (0,) * len(entry.shape)):
+            return None
+        return self._store.arrived(entry)
 
     def check(self, selection: Any) -> None:
         """Refuse a selection that this tensor cannot answer (see `check_selection`), or whose rows have not
         arrived yet: a StoreError whose one line names the key."""
         self.check_selection(selection)
-        self._check_arrived(selection)
+        staged = self._staged()
+        if staged is not None:
+            self._refuse_missing(staged[1], selection)
+        else:
+            self._check_arrived(selection)
+
+    def _refuse_missing(self, arrived: np.ndarray, selection: Any) -> None:
+        """Refuse a selection of a staged tensor with an element not in yet, naming the rows that are not."""
+        if np.all(arrived[selection]):
+            return
+        rows = [int(r) for r in np.nonzero(~arrived.reshape(self.entry.shape[0], -1).all(1))[0]]
+        runs: list[list[int]] = []
+        for r in rows:
+            if runs and runs[-1][1] == r - 1:
+                runs[-1][1] = r
+            else:
+                runs.append([r, r])
+        text = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs[:10]) + (" ..." if len(runs) > 10 else "")
+        raise StoreError(f"{self.path}: rows {text} have not arrived yet (their rank is not ingested); read other "
+                         f"rows, or wait")
 
     def check_selection(self, selection: Any) -> None:
         """Refuse, in one line naming the key and the valid range, what numpy-style basic indexing of this

@@ -356,9 +356,29 @@ class Store:
 
         Every element must be covered at most once, and with `whole` exactly once: completeness is coverage,
         not a sum of piece sizes that an overlap and a gap of the same size would pass."""
-        info = dtypes.info(entry.dtype)
         part = shape is not None
         shape = shape or ((math.prod(entry.shape),) if entry.flat else entry.shape)
+        full, covered = self._fill(entry, pieces, shape, origin)
+        if whole and not covered.all():
+            at = int(np.argmin(covered.reshape(-1))) + origin
+            raise StoreError(f"{self.location}: {entry.path}: pieces leave element "
+                             f"{list(np.unravel_index(at, entry.shape))} uncovered")
+        return full if part else full.reshape(entry.shape)
+
+    def arrived(self, entry: ArrayEntry) -> tuple[np.ndarray, np.ndarray]:
+        """A staged array not assembled yet, from the pieces committed so far: its values (holes NaN, or
+        zero for integers) and, element by element, whether it has arrived. Lazy reads of a partial store
+        answer from this for the rows that are in."""
+        self.records()
+        shape = (math.prod(entry.shape),) if entry.flat else entry.shape
+        full, covered = self._fill(entry, self._staged_pieces(entry), shape, 0)
+        return full.reshape(entry.shape), covered.reshape(entry.shape).astype(bool)
+
+    def _fill(self, entry: ArrayEntry, pieces: dict[tuple, tuple[int, int, int]], shape: tuple[int, ...],
+              origin: int) -> tuple[np.ndarray, np.ndarray]:
+        """`shape` from `origin` filled with the pieces that fall in it, and where they did; refused where
+        two overlap or one lies outside."""
+        info = dtypes.info(entry.dtype)
         full = np.frombuffer(bytearray(info.hole(math.prod(shape))), dtype=info.raw).reshape(shape)
         covered = np.zeros(shape, dtype=np.uint8)
         for (offsets, sizes), (rank, start, nbytes) in pieces.items():
@@ -369,11 +389,7 @@ class Store:
                                  f"another or lies outside the tensor; the store is damaged")
             covered[box] = 1
             full[box] = np.frombuffer(self._staged(rank, start, nbytes), info.raw).reshape(sizes)
-        if whole and not covered.all():
-            at = int(np.argmin(covered.reshape(-1))) + origin
-            raise StoreError(f"{self.location}: {entry.path}: pieces leave element "
-                             f"{list(np.unravel_index(at, entry.shape))} uncovered")
-        return full if part else full.reshape(entry.shape)
+        return full, covered
 
     def _staged(self, rank: int, start: int, nbytes: int) -> bytes:
         """A staged piece's bytes. While assembling, each rank's staging file is read whole, once, and kept

@@ -53,3 +53,19 @@ def test_rows_that_have_not_arrived_are_refused(layout_checkpoints, tmp_path: Pa
     shardstore.ingest(tmp_path / "store", [src / "rank0.pt"], jobs=1)
     assert_bitwise_equal(handle[10:12], want[10:12])  # the same handle sees the newly committed rank
     assert torch.equal(handle[4095:4097], want[4095:4097])
+
+
+def test_a_small_tensors_rows_are_read_from_the_ranks_that_have_arrived(layout_checkpoints, tmp_path: Path) -> None:
+    """Small tensors wait in the ranks' staging files until every rank is in: what has arrived reads."""
+    src = layout_checkpoints("olmo-w3", 3, "olmo")
+    want = expected("olmo")["model"]["wte.weight"]  # 97 rows: rank 1 holds rows 33-65
+    store = shardstore.ingest(tmp_path / "store", [src / "rank1.pt"], jobs=1)
+    handle = store["model/wte.weight"]
+    assert handle.entry.staged
+    assert_bitwise_equal(handle[33:66], want[33:66])
+    assert_bitwise_equal(handle[40], want[40])
+    assert handle.numpy(slice(33, 35)).tolist() == want[33:35].tolist()
+    with pytest.raises(StoreError, match=r"wte.weight: rows 0-32, 66-96 have not arrived yet"):
+        handle[30:40]
+    shardstore.ingest(tmp_path / "store", [src / "rank0.pt", src / "rank2.pt"], jobs=1)
+    assert_bitwise_equal(handle[...], want)  # assembled now: read from its cell
