@@ -70,10 +70,18 @@ class _Pickler(pickle._Pickler):
         self.placed = placed or {}  # store path -> storage key of an array written already (one pass)
         self.storages: list[tuple[str, Any]] = []  # (key, ArrayRef or TensorValue) of every other storage
         self._rebuilt: dict[int, tuple[Any, Opaque]] = {}  # id(tensor) -> (it, its rebuild): one per tensor
+        self._canonical: dict[tuple[type, Any], Any] = {}
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        """torch's objects written as torch.save writes them, from shardstore's stand-ins: no torch here."""
-        if isinstance(obj, (ArrayRef, TensorValue)):
+        """torch's objects written as torch.save writes them, from shardstore's stand-ins: no torch here.
+
+        The pickle must not depend on where its values came from (records read back from the store, or
+        still in memory from this run's units; a skimmed pickle or a whole one), yet pickle shares what
+        is the same object. So equal strings and bytes are always one object (shared after the first),
+        and a tensor's size and stride are always new tuples (never shared), as torch.save's are."""
+        if type(obj) in (str, bytes):
+            obj = self._canonical.setdefault((type(obj), obj), obj)
+        elif isinstance(obj, (ArrayRef, TensorValue)):
             obj = self._rebuild(obj)
         elif isinstance(obj, TorchDType):
             obj = GlobalRef("torch", str(obj))
@@ -91,7 +99,7 @@ class _Pickler(pickle._Pickler):
         if id(obj) in self._rebuilt:
             return self._rebuilt[id(obj)][1]
         tensor = obj if isinstance(obj, (ArrayRef, TensorValue)) else tensor_value(obj)
-        shape, dtype = tuple(tensor.shape), tensor.dtype
+        shape, dtype = tuple(int(d) for d in tensor.shape), tensor.dtype  # a new tuple: see `save`
         stride, acc = [], 1
         for d in reversed(shape):
             stride.append(acc)

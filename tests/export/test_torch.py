@@ -96,3 +96,43 @@ def test_tensor_crcs_come_from_the_rank_files_and_check_out(checkpoints, tmp_pat
     want = expected(src)
     assert_bitwise_equal(torch.load(tmp_path / "pt" / "model.pt", weights_only=True), want["model"], "model.pt")
     assert_bitwise_equal(torch.load(tmp_path / "pt" / "optim.pt", weights_only=True), want["optim"], "optim.pt")
+
+
+def _pickles(folder: Path) -> dict[str, bytes]:
+    """Every record of every torch file in `folder` but torch's random serialization id, by name."""
+    import zipfile
+
+    out = {}
+    for path in sorted(folder.glob("*.pt")):
+        with zipfile.ZipFile(path) as z:
+            out.update({f"{path.name}:{n.split('/', 1)[1]}": z.read(n) for n in z.namelist()
+                        if not n.endswith("serialization_id")})
+    return out
+
+
+def test_the_torch_files_do_not_depend_on_how_the_rank_files_were_read(tmp_path: Path, monkeypatch) -> None:
+    """Skimmed by the C extension or unpickled whole, by workers or in this process: the same bytes."""
+    from shardstore.read import skim
+
+    src = Path(__file__).parents[1] / "corpus" / "data" / "olmo-legacy-t2.1-bf16mixed-w3"
+    shardstore.unshard(src, tmp_path / "skimmed", format="torch", jobs=1)
+    shardstore.unshard(src, tmp_path / "workers", format="torch", jobs=2)
+    monkeypatch.setattr(skim, "_skim_c", None)
+    shardstore.unshard(src, tmp_path / "whole", format="torch", jobs=1)
+    skimmed = _pickles(tmp_path / "skimmed")
+    assert skimmed and _pickles(tmp_path / "whole") == skimmed == _pickles(tmp_path / "workers")
+
+
+def test_a_resumed_export_is_the_clean_ones_bytes(tmp_path: Path) -> None:
+    """Killed once its first units were in, and run again: the files a clean run writes, pickles included
+    (the rerun reads the killed run's records back from disk, where a clean run kept its own in memory)."""
+    from tests.conftest import sigkill_mid_way
+
+    src = Path(__file__).parents[1] / "fixtures" / "data" / "deepspeed" / "z3-w3"
+    shardstore.unshard(src, tmp_path / "clean", format="torch", jobs=1)
+    out = tmp_path / "resumed"
+    cmd = [sys.executable, "-m", "shardstore", "unshard", str(src), str(out), "--format", "torch", "-q", "-j", "1"]
+    sigkill_mid_way(cmd, shardstore.scratch_location(out), 6, 2, reset=out)
+    shardstore.unshard(src, out, format="torch", jobs=1)
+    clean = _pickles(tmp_path / "clean")
+    assert clean and _pickles(out) == clean
