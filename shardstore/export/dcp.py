@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
@@ -221,6 +222,18 @@ def metadata(described: dict[str, Any], mappings: dict[str, tuple], results: lis
             _, dtype, shape = what
             state_dict_metadata[fqn] = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, dtype)),
                                                              torch.Size(shape), chunks.get(fqn, []))
+    # pickle shares what is one object: with every string interned, equal strings are shared alike however
+    # the names were made (records read back after a kill, or this run's own), so a resumed export's
+    # .metadata is a clean one's, byte for byte
+    storage = {MetadataIndex(_interned(i.fqn), i.offset, i.index): _StorageInfo(_interned(s.relative_path), s.offset,
+                                                                                  s.length)
+               for i, s in storage.items()}
+    state_dict_metadata = {_interned(k): v for k, v in state_dict_metadata.items()}
+    mappings = {_interned(k): tuple(_interned(p) for p in path) for k, path in mappings.items()}
     buf = io.BytesIO()
     pickle.dump(Metadata(state_dict_metadata, planner_data=mappings, storage_data=storage, version="1.0.0"), buf)
     return buf.getvalue()
+
+
+def _interned(value: Any) -> Any:
+    return sys.intern(value) if type(value) is str else value
