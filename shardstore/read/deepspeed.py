@@ -593,9 +593,10 @@ def _model_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key:
             unit.leaves[place] = _z3_fragment(f, layout, name, rank, place)
         elif rank == 0:
             unit.leaves[place] = _held_whole(f, _whole(layout, name, ms, f.path), place)
-    if rank == 0:
-        _, values = _train_tree(f, encode_key)
-        unit.leaves.update(values)
+    # Every model-states file's engine state (ZeRO-3 keeps one per rank): the export takes rank 0's, and
+    # the others' global_steps, ds_version and scheduler state prove the files are of one save (onesave).
+    _, values = _train_tree(f, encode_key)
+    unit.leaves.update(values)
 
 
 def _z3_fragment(f: _File, layout: Layout, name: str, rank: int, place: str) -> ArrayLeaf:
@@ -666,12 +667,12 @@ def _optim_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key:
             else:
                 for name, _ in layout.groups[g]:
                     unit.leaves[f"optim/state/{encode_key(name)}/{encode_key(key)}"] = value
-    if rank == 0:
-        groups = base["param_groups"]
-        if not isinstance(groups, list) or len(groups) != len(layout.groups) or not all(isinstance(g, dict) for g in groups):
-            raise CheckpointError(f"{f.path}: param_groups that do not match param_shapes (corrupt file)")
-        unit.leaves["optim/param_groups"] = [{**{k: v for k, v in g.items() if k != "params"},
-                                              "params": [n for n, _ in layout.groups[i]]} for i, g in enumerate(groups)]
+    # every rank's, compared across the save's files (onesave); the export takes rank 0's
+    groups = base["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(layout.groups) or not all(isinstance(g, dict) for g in groups):
+        raise CheckpointError(f"{f.path}: param_groups that do not match param_shapes (corrupt file)")
+    unit.leaves["optim/param_groups"] = [{**{k: v for k, v in g.items() if k != "params"},
+                                          "params": [n for n, _ in layout.groups[i]]} for i, g in enumerate(groups)]
 
 
 def _mapping_holds(saved: Any, layout: Layout, g: int, rank: int) -> bool:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -334,3 +335,61 @@ def test_the_flat_order_is_read_from_as_many_ranks_mappings_as_it_takes() -> Non
     asked.clear()
     assert _flat_order(Layout(2, 4, [saved[:1]], {}, {}, [[0]], [5]), {"emb": None}, mappings).groups == [saved[:1]]
     assert asked == []  # one order only: nothing to read
+
+
+class _StandIn:
+    """Pickles back as it was unpickled: called with arguments (an enum's value), or built from state."""
+
+    def __init__(self, *args: object) -> None:
+        self.__dict__["_args"] = args
+
+    def __reduce_ex__(self, protocol: int):  # type: ignore[override]
+        if "_args" in self.__dict__:
+            state = {k: v for k, v in self.__dict__.items() if k != "_args"}
+            return (type(self), self._args) + ((state,) if state else ())
+        return object.__reduce_ex__(self, protocol)
+
+
+def _edit(path: Path, change, monkeypatch) -> None:
+    """`path` loaded, changed and saved again by torch, DeepSpeed's own classes in it (its loss scaler) kept
+    as they were named: DeepSpeed is not installed here, so stand-ins are put where a save finds them."""
+    import pickle
+    import types
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            try:
+                return super().find_class(module, name)
+            except (ImportError, AttributeError):
+                parts = module.split(".")
+                for i in range(1, len(parts) + 1):  # a save imports every package on the way
+                    if ".".join(parts[:i]) not in sys.modules:
+                        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+                if not hasattr(sys.modules[module], name):
+                    setattr(sys.modules[module], name, type(name, (_StandIn,), {"__module__": module, "__qualname__": name}))
+                return getattr(sys.modules[module], name)
+
+    loader = types.ModuleType("loader")
+    loader.Unpickler, loader.load = Unpickler, pickle.load
+    state = torch.load(path, weights_only=False, pickle_module=loader)
+    change(state)
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize("kind, name, change", [
+    ("z3", "zero_pp_rank_1_mp_rank_00_model_states.pt", lambda s: s.__setitem__("global_steps", 7)),
+    ("z3", "zero_pp_rank_2_mp_rank_00_optim_states.pt",
+     lambda s: s["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"][0].__setitem__("lr", 0.5)),
+    ("z2", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+     lambda s: [st.__setitem__("step", st["step"] + 5) for st in s["optimizer_state_dict"]["base_optimizer_state"]["state"].values()]),
+])
+def test_a_file_of_another_save_is_refused_naming_the_value(kind: str, name: str, change, tmp_path: Path,
+                                                            monkeypatch) -> None:
+    """A file of the same run at another step (what a job that crashed while saving over its folder
+    leaves): every length is right; its step, param_groups or engine counters give it away."""
+    src = shutil.copytree(_src(kind), tmp_path / "src")
+    path = src / TAG / name
+    _edit(path, change, monkeypatch)
+    with pytest.raises(CheckpointError, match=f"{name} and .* are from two different saves"):
+        shardstore.unshard(src, tmp_path / "out", format="torch", jobs=1)
+    assert not (tmp_path / "out" / "model.pt").exists()
