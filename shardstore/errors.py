@@ -7,6 +7,7 @@ without a traceback. Anything else escaping the API is a bug in shardstore, and 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Callable, Iterator
 
 
@@ -31,8 +32,11 @@ class ExportError(ShardstoreError):
 
 
 def named(exc: ShardstoreError, name: str) -> ShardstoreError:
-    """The same error with `name` (the file or store it concerns) in front, unless it names it already."""
-    return exc if str(exc).startswith(name) else type(exc)(f"{name}: {exc}")
+    """The same error with `name` (the file or store it concerns) in front, unless it names it, or another
+    file of the same checkpoint, already."""
+    first = str(exc).split(": ", 1)[0]
+    names_a_file = "://" in first or os.path.isfile(first)  # a key ("model/w: ...") is not a file
+    return exc if str(exc).startswith(name) or names_a_file else type(exc)(f"{name}: {exc}")
 
 
 @contextlib.contextmanager

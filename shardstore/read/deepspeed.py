@@ -53,8 +53,8 @@ from .container import TorchZip, read_small
 from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, replica_count
 from .olmo import FileUnit, flat_spec, relative
 from .opaque import Building, building_class
-from .identity import content, file_identity
-from .source import folder_of, hf_model_file, join, listing, name_of, subfolders
+from .identity import refuse_copies
+from .source import folder_of, hf_model_file, join, listing, subfolders
 from .tree import flatten
 from .unpickle import TensorRef, load
 
@@ -404,7 +404,7 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
             raise CheckpointError(f"{models[0]}: ZeRO-3 keeps a model-states file per rank; {len(models)} of "
                                   f"{layout.world} are there")
         if layout.stage == 3:  # ZeRO-1/2 files are told apart by their own slice mappings (_check_mapping)
-            _no_copies(optims, storage_options)
+            refuse_copies(optims, storage_options, "optimizer file")
         od = optim.state["optimizer_state_dict"]
         base = _optim_state(od, layout.stage, optim.path)
         arrays: dict[str, ShardedSpec] = {}
@@ -455,19 +455,6 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     extra = {"units": listed, "metadata": layout.digest(), "deepspeed": layout.facts(), "replicas": replica_count(arrays),
              "tied": [[["model", a], f"model/{encode_key(b)}"] for a, b in layout.shared.items() if b in names]}
     return CheckpointSpec(FORMAT, len(listed), len(listed), tree, arrays, {}, objects, extra)
-
-
-def _no_copies(paths: list[str], storage_options: StorageOptions | None) -> None:
-    """Refuse one rank's optimizer file copied over another's. Nothing inside a ZeRO-3 file says which rank
-    wrote it, and a copy has every length right; but no two ranks' parts of a trained model are the same
-    bytes, and torch >= 2.1 gives every save its own serialization id, so two files whose zip directories
-    (every record's name, size and CRC-32: read/identity.py) agree are one file twice."""
-    seen: dict[str, str] = {}
-    for path in paths:
-        first = seen.setdefault(content(file_identity(path, storage_options)), path)
-        if first != path:
-            raise CheckpointError(f"{path}: the same file as {name_of(first)} (one rank's optimizer file copied over "
-                                  f"another's?); every rank saves its own part")
 
 
 def _unpartitioned(f: _File, encode_key: Any) -> tuple[Node, dict[str, Any], dict[str, str]]:

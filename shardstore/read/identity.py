@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+from typing import Any, Callable
 
 from ..errors import CheckpointError
 from ..locations import StorageOptions, filesystem, is_url
@@ -54,6 +55,21 @@ def zip_identity(zf: TorchZip) -> str | None:
     it parsed; None where that zip is not the whole file (then `identity_of` its file)."""
     entries = _entries_if_whole(zf)
     return None if entries is None else _stamped(_of_zip(zf.file.size, entries), zf.file)
+
+
+def refuse_copies(paths: list[str], storage_options: StorageOptions | None, what: str,
+                  replica: Callable[[str], Any] | None = None) -> None:
+    """Refuse one rank's `what` copied over another's, where nothing inside the files says which rank wrote
+    them (a ZeRO-3 optimizer file, FSDP1's flat optimizer shards) and a copy has every length right. No two
+    ranks' parts of a model are the same bytes, so two files whose content identities agree (their zip
+    directories: every record's name, size and CRC-32) are one file twice, unless `replica` gives both the
+    same key (replicas of one shard under hybrid sharding hold the same bytes, genuinely)."""
+    seen: dict[str, str] = {}
+    for path in paths:
+        first = seen.setdefault(content(file_identity(path, storage_options)), path)
+        if first != path and (replica is None or replica(first) != replica(path)):
+            raise CheckpointError(f"{path}: the same file as {first.replace(chr(92), '/').rsplit('/', 1)[-1]} "
+                                  f"(one rank's {what} copied over another's?); every rank saves its own part")
 
 
 def file_stamp(path: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> str | None:

@@ -26,6 +26,7 @@ from . import fsdp_flat, tensors
 from .dtensor import (STATE, File, Layout, Mesh, array_leaf, array_spec, box_of, boxes, digest_of, layouts_of,
                       mesh_from_json, mesh_json, model_mesh, read_file)
 from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, replica_count
+from .identity import refuse_copies
 from .olmo import FileUnit, flat_spec, relative
 from .source import hf_model_file, join, listing
 from .unpickle import TensorRef
@@ -269,6 +270,9 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
         objects: list[str] = []
         digests = {}
         optim = next((f for f in files if f.kind == "optim"), None)
+        if optim is not None and mesh is not None:  # ranks at one coordinate of the shard dimension are replicas
+            refuse_copies([u for u in unit_paths if _parse(u)[0] == "optim"], storage_options, "optimizer file",
+                          lambda path: (mesh.coordinate(_parse(path)[2]) or (None,))[-1])
         ragged = None if optim is None else _ragged(
             files[0], model, optim, [u for u in unit_paths if _parse(u)[0] == "optim"], mesh, storage_options,
             strict, encode_key)

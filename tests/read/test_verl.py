@@ -197,3 +197,14 @@ class TestVerlOrigParamsConformance(TestVerlConformance):
     @pytest.fixture
     def checkpoint(self, verl_checkpoints) -> Path:
         return verl_checkpoints("fsdp1-hsdp-orig", 4)  # parts of every size, replica groups, a frozen parameter
+
+
+def test_an_fsdp1_optimizer_file_copied_over_another_ranks_is_refused_by_name(tmp_path: Path) -> None:
+    """FSDP1's flat optimizer shards say nothing of their rank and have every length right."""
+    src = shutil.copytree(OLD / "t2.6" / "fsdp1-w3", tmp_path / "src")
+    actor = src / ACTOR
+    shutil.copy(actor / "optim_world_size_3_rank_0.pt", actor / "optim_world_size_3_rank_1.pt")
+    with pytest.raises(CheckpointError, match=r"optim_world_size_3_rank_1\.pt: the same file as "
+                                              r"optim_world_size_3_rank_0\.pt"):
+        shardstore.unshard(src, tmp_path / "out", format="torch", jobs=1)
+    assert not (tmp_path / "out").exists()
