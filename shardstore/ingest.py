@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -30,7 +31,7 @@ from .read.registry import get
 from .read.source import Source, open_unit
 from .read.unpickle import TensorRef, gc_paused
 from .runner import Pool, default_jobs
-from .store.onesave import check_one_save, of_records
+from .store.onesave import OneSave
 from .store.store import Store
 from .store.writer import UnitWriter
 
@@ -167,7 +168,8 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
                 encoded = _encoded(leaf, _encode_tensor(writer, rf.value_zip(leaf_path)), f"{rf.path}: {leaf_path}")
                 writer.value(leaf_path, encoded)
         # before any tensor byte: a unit of another save than the units already in is refused
-        check_one_save(of_records(store.records(refresh=False)) + [(os.path.basename(rf.path), writer.objects)])
+        saves = _SAVES.setdefault(store, OneSave())
+        saves.add_records(store.records(refresh=False)).check(os.path.basename(rf.path), writer.objects)
         direct = DirectWriter(options.direct) if options.direct is not None else None
         writes = direct is not None and direct.claim(rf.group_rank, rf.rank)  # hybrid: one copy per group rank
         try:
@@ -216,6 +218,8 @@ def _check_identity(store: Store, unit: Any, identity: str) -> None:
 
 
 _WORKER_STORES: dict[str, Store] = {}
+# a store -> the values of the units it holds, as this process has seen them committed
+_SAVES: "weakref.WeakKeyDictionary[Store, OneSave]" = weakref.WeakKeyDictionary()
 
 
 def _worker(location: str, path: str, options: IngestOptions, storage_options: StorageOptions | None = None) -> Ingested:

@@ -13,7 +13,7 @@ from .. import dtypes, tempfiles
 from ..errors import ExportError, StoreError
 from ..read.contract import Node
 from ..read.registry import get
-from ..store.onesave import check_one_save, of_records
+from ..store.onesave import check_one_save
 from ..store.store import Status, Store
 from .output import output_error, write_side_files
 from .resolve import leaves, node_at
@@ -172,7 +172,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     """
     out = check_request(out_dir, format, select, strip_prefix, dtype, hf_config, scheduler)
     full = status = store.status()
-    check_one_save(of_records(store.records(refresh=False)))  # units that raced each other to commit
+    check_one_save(store.records(refresh=False))  # units that raced each other to commit
     node = None
     if format in ("safetensors", "hf"):  # only the exported subtree has to be complete
         node = node_at(store.manifest.tree, model_subtree(store) if select is None else select)
@@ -271,7 +271,7 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
     done = [rec for rec in store.records().values() if rec.direct == planned.layout.digest]
     if len(done) != store.manifest.world_size:
         raise StoreError(f"{store.location}: {len(done)} of {store.manifest.world_size} units are in; cannot finish")
-    check_one_save(of_records(store.records(refresh=False)))  # units that raced each other to commit
+    check_one_save(store.records(refresh=False))  # units that raced each other to commit
     side_files = store.manifest.facts.side_files if planned.side_files else {}
     stale = _earlier_export(out, planned.files + list(side_files), overwrite)
     with _writing_into(out, stale):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 from ..errors import CheckpointError
 from ..values import preview
@@ -69,24 +69,49 @@ def _inside(where: str, node: Any, depth: int) -> Iterator[tuple[str, Any]]:
             yield from _inside(f"{where}/{key}", value, depth + 1)
 
 
-def check_one_save(units: Iterable[tuple[str, dict[str, Any]]]) -> None:
-    """Refuse, naming two files and a value they disagree on, units that come from two saves. `units`:
-    (file name, encoded values) of each unit, in the order they should be blamed (the newest last)."""
-    first: dict[str, tuple[str, str, Any]] = {}
-    for name, objects in units:
+class OneSave:
+    """The save-identifying values of the units seen so far (the first unit's of each), against which each
+    further unit is checked. Kept across the units a worker ingests, each committed unit is added once:
+    a unit's check costs its own values, whatever the world size."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, tuple[str, str, Any]] = {}
+        self.ranks: set[int] = set()
+
+    def add(self, name: str, objects: dict[str, Any], rank: int | None = None) -> None:
+        """Check a unit's values (typed JSON by store path) against those seen, and keep the new ones."""
+        self._compare(name, objects, keep=True)
+        if rank is not None:
+            self.ranks.add(rank)
+
+    def check(self, name: str, objects: dict[str, Any]) -> None:
+        """Refuse a unit of another save than the units seen, naming two files and a value they disagree on."""
+        self._compare(name, objects, keep=False)
+
+    def add_records(self, records: dict[int, CommitRecord]) -> "OneSave":
+        """Every committed unit not added yet, by rank."""
+        for rank in sorted(records):
+            if rank not in self.ranks:
+                self.add(records[rank].file, records[rank].objects, rank)
+        return self
+
+    def _compare(self, name: str, objects: dict[str, Any], keep: bool) -> None:
         for path, encoded in objects.items():
             for where, value in stamps(path, encoded):
                 text = json.dumps(value, sort_keys=True)
-                seen = first.setdefault(where, (name, text, value))
-                if seen[1] != text:
+                seen = self.first.get(where)
+                if seen is None:
+                    if keep:
+                        self.first[where] = (name, text, value)
+                elif seen[1] != text:
                     raise CheckpointError(
                         f"{name} and {seen[0]} are from two different saves: {where} is {_short(value)} in "
                         f"{name} but {_short(seen[2])} in {seen[0]}; take every file from the same save")
 
 
-def of_records(records: dict[int, CommitRecord]) -> list[tuple[str, dict[str, Any]]]:
-    """What `check_one_save` takes, from a store's commit records, by rank."""
-    return [(records[r].file, records[r].objects) for r in sorted(records)]
+def check_one_save(records: dict[int, CommitRecord]) -> None:
+    """Refuse committed units of two saves (two that raced each other to commit), before an export."""
+    OneSave().add_records(records)
 
 
 def _short(value: Any) -> str:
