@@ -15,7 +15,7 @@ from.
 
 from __future__ import annotations
 
-import json
+import functools
 import re
 from typing import Any, Iterator
 
@@ -38,13 +38,21 @@ MAX_DEPTH = 32
 
 def stamps(path: str, encoded: Any) -> Iterator[tuple[str, Any]]:
     """(where, value) of every save-identifying part of the value at `path` (typed JSON, values.py)."""
+    kind = _kind(path)
+    if kind == "stamp":
+        yield path, encoded
+    elif kind == "look inside":
+        yield from _inside(path, encoded, 0)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _kind(path: str) -> str:
+    """What a value's path says of it (the same paths recur in every unit of a save): a "stamp", a value
+    to "look inside", or one that differs "per rank"."""
     parts = path.split("/")
     if any(PER_RANK.search(p) for p in parts):
-        return
-    if any(p in SAVE_NAMES for p in parts):
-        yield path, encoded
-        return
-    yield from _inside(path, encoded, 0)
+        return "per rank"
+    return "stamp" if any(p in SAVE_NAMES for p in parts) else "look inside"
 
 
 def _inside(where: str, node: Any, depth: int) -> Iterator[tuple[str, Any]]:
@@ -75,7 +83,7 @@ class OneSave:
     a unit's check costs its own values, whatever the world size."""
 
     def __init__(self) -> None:
-        self.first: dict[str, tuple[str, str, Any]] = {}
+        self.first: dict[str, tuple[str, Any]] = {}
         self.ranks: set[int] = set()
 
     def add(self, name: str, objects: dict[str, Any], rank: int | None = None) -> None:
@@ -98,15 +106,14 @@ class OneSave:
     def _compare(self, name: str, objects: dict[str, Any], keep: bool) -> None:
         for path, encoded in objects.items():
             for where, value in stamps(path, encoded):
-                text = json.dumps(value, sort_keys=True)
                 seen = self.first.get(where)
                 if seen is None:
                     if keep:
-                        self.first[where] = (name, text, value)
-                elif seen[1] != text:
+                        self.first[where] = (name, value)
+                elif seen[1] != value:  # typed JSON: equal values, equal saves
                     raise CheckpointError(
                         f"{name} and {seen[0]} are from two different saves: {where} is {_short(value)} in "
-                        f"{name} but {_short(seen[2])} in {seen[0]}; take every file from the same save")
+                        f"{name} but {_short(seen[1])} in {seen[0]}; take every file from the same save")
 
 
 def check_one_save(records: dict[int, CommitRecord]) -> None:
