@@ -27,12 +27,15 @@ from .. import jsonin, paths
 from .olmo import FileUnit
 from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec
 from .safetensors_file import SafetensorsFile
-from .source import hf_model_file, listing
+from .container import read_small
+from .source import hf_model_file, join, listing
 
 FORMAT = "dcp-hf"
 SHARDED = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors\Z")
 CONSOLIDATED = re.compile(r"model(-\d+-of-\d+)?\.safetensors\Z")
 INFO = "DCP_SHARDING_INFO"
+INDEX = "model.safetensors.index.json"
+MAX_INDEX = 256 << 20  # a weight map of millions of tensors
 
 
 def _name(path: str) -> str:
@@ -119,10 +122,16 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
                 if dtype_of.setdefault(name, dtype) != dtype:
                     raise CheckpointError(f"{path}: {name} is {dtype} here but {dtype_of[name]} in another file")
                 boxes.setdefault(name, []).append((o, s, index))
+    sharded = bool(SHARDED.match(names[0]))
+    if not sharded:
+        _check_index(folder, unit_paths, boxes, storage_options)
     for name, held in boxes.items():
         first: dict[tuple, int] = {}
         for o, s, index in held:
             twin = first.setdefault((o, s), index)
+            if twin != index and sharded:  # DCP's planner saves every replicated piece once
+                raise CheckpointError(f"{unit_paths[index]}: holds the piece of {name} at {list(o)} that "
+                                      f"{names[twin]} holds (one rank's file copied over another's?)")
             if twin != index:
                 _same_piece(unit_paths[twin], unit_paths[index], name, storage_options)
     if not boxes:
@@ -143,6 +152,35 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     shapes = {p: list(a.shape) for p, a in arrays.items()}  # a worker sees only its pieces
     extra = {"units": names, "metadata": digest, "dcp_hf": {"headers": headers, "shapes": shapes}}
     return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
+
+
+def _check_index(folder: str, unit_paths: list[str], boxes: dict[str, list], storage_options: StorageOptions | None) -> None:
+    """A folder's model.safetensors.index.json, where it has one, names the file of every tensor: each
+    file must hold exactly the tensors it maps to it (a shard copied over another, or missing tensors,
+    would otherwise export as if the folder were whole)."""
+    index = join(folder, INDEX)
+    if index not in listing(folder, storage_options):
+        return
+    raw = read_small(index, storage_options, MAX_INDEX, "a safetensors index")
+    weight_map = jsonin.loads(raw, index, "safetensors index", CheckpointError)
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: no weight_map of tensor names to files (damaged)")
+    by_file: dict[str, set[str]] = {}
+    for name, held in boxes.items():
+        for _, _, i in held:
+            by_file.setdefault(_name(unit_paths[i]), set()).add(name)
+    for path in unit_paths:
+        want = {n for n, f in weight_map.items() if f == _name(path)}
+        have = by_file.get(_name(path), set())
+        if want != have:
+            stray = sorted(want ^ have)[0]
+            raise CheckpointError(f"{path}: {'holds' if stray in have else 'lacks'} {stray!r:.80}, which "
+                                  f"{INDEX} maps to {weight_map.get(stray, 'no file')!s:.80} (a shard of another "
+                                  f"save, or copied over another?)")
+    unmapped = sorted(set(weight_map.values()) - {_name(p) for p in unit_paths})
+    if unmapped:
+        raise CheckpointError(f"{join(folder, unmapped[0])}: {INDEX} maps tensors to it, but the folder lacks it")
 
 
 def _same_piece(a: str, b: str, name: str, storage_options: StorageOptions | None, block: int = 16 << 20) -> None:

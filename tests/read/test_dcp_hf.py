@@ -98,3 +98,20 @@ def test_a_tensor_whole_in_two_files_is_taken_once_only_if_its_bytes_agree(same:
         return
     shardstore.unshard(src, tmp_path / "out", jobs=1)
     assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), {"a": a, "b": b, "c": c})
+
+
+def test_a_shard_copied_over_another_is_refused_by_the_index_or_the_sharding(dcp_hf_checkpoint: Path,
+                                                                              tmp_path: Path) -> None:
+    """Copied over another file, a shard's tensors would be taken once and the other's lost: the index names
+    each tensor's file, and DCP's sharded files never hold one piece twice."""
+    src = shutil.copytree(dcp_hf_checkpoint / "consolidated", tmp_path / "consolidated", ignore=shutil.ignore_patterns("sharded"))
+    shutil.copy(src / "model-00001-of-00002.safetensors", src / "model-00002-of-00002.safetensors")
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors: (holds|lacks) .* which "
+                                              r"model\.safetensors\.index\.json maps to"):
+        shardstore.unshard(src, tmp_path / "out", jobs=1)
+    sharded = shutil.copytree(dcp_hf_checkpoint / "sharded", tmp_path / "sharded")
+    first, *rest = sorted(sharded.glob("shard-*.safetensors"))
+    shutil.copy(first, rest[-1])
+    with pytest.raises(CheckpointError, match=rf"{rest[-1].name}: holds the piece of .* that {first.name} holds"):
+        shardstore.unshard(sharded, tmp_path / "out", jobs=1)
+    assert not (tmp_path / "out").exists()
