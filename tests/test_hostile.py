@@ -482,6 +482,9 @@ def test_rank_files_of_another_format_are_refused_by_a_store(forged: Path, tmp_p
     before = snapshot(store)
     assert_refused(cli("ingest", store, forged / "rank0.pt", "-j", "1", "-q"), "rank0.pt",
                    "holds a DeepSpeed ZeRO checkpoint")
+    dtensor = Path(__file__).parent / "fixtures" / "data" / "fsdp2-tp" / "t2.6" / "model_rank1.pt"
+    assert_refused(cli("ingest", store, dtensor, "-j", "1", "-q"), "model_rank1.pt",
+                   "holds a DeepSpeed ZeRO checkpoint, and this is a file of a DTensor one")
     assert snapshot(store) == before
 
 
