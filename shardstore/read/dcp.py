@@ -17,10 +17,11 @@ import hashlib
 import math
 import os
 import posixpath
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import dtypes, paths
+from .. import dtypes, jsonin, paths
 from ..errors import CheckpointError, closed_on_error, named
 from ..locations import StorageOptions, filesystem, is_url, local
 from .container import DataFile, TorchZip, parsed_once, read_small
@@ -28,13 +29,17 @@ from .contract import (SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece
                        Skeleton, whole_numbers)
 from . import trainer
 from .tensors import check_view
-from .source import join
+from .source import join, listing
 from .trainer import TRAIN, TrainerUnit, join_trainer_state, open_trainer
 from .unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, TensorRef, load
 
 MODEL_AND_OPTIM = "model_and_optim"  # OLMo's and OLMo-core's DCP folder, beside train/
 
 METADATA = ".metadata"
+MEGATRON_METADATA = "metadata.json"  # Megatron-Core's: {"sharded_backend": "torch_dist", ...}
+STACKED = re.compile(r"(.*?(?:^|\.)layers\.)(?=[A-Za-z_])")  # "decoder.layers." then a module name, no number
+LAYER_KEY = re.compile(r"(.*?(?:^|\.)layers\.)(\d+)\.")  # a per-layer key: its stack, and its layer
+EXTRA_STATE = re.compile(r"(.*?_extra_state)/shard_(\d+)_\d+")  # a layer's extra state: shard_{layer}_{layers}
 MAX_METADATA = 1 << 30  # tens of MB at thousands of ranks; a gigabyte is not a .metadata
 
 
@@ -47,6 +52,7 @@ class Item:
     file: str
     offset: int
     length: int
+    squeeze: bool = False  # the item's tensor has a leading axis of 1 that the checkpoint's key does not
 
 
 @dataclass
@@ -81,7 +87,8 @@ def read_checkpoint(folder: str | os.PathLike[str], storage_options: StorageOpti
             or not isinstance(getattr(md, "storage_data", None), dict):
         raise CheckpointError(f"{where}: not a torch.distributed.checkpoint metadata file")
     try:
-        return _parse(folder, md, hashlib.blake2b(raw, digest_size=16).hexdigest())
+        ckpt = _parse(folder, md, hashlib.blake2b(raw, digest_size=16).hexdigest())
+        return _per_layer(ckpt) if _torch_dist(folder, storage_options) else ckpt
     except CheckpointError as exc:
         raise named(exc, where) from None
     except (AttributeError, TypeError, ValueError) as exc:
@@ -134,6 +141,72 @@ def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
             raise CheckpointError(f"{fqn}: chunk at {missing[0]} has no stored item")
     files = sorted({i.file for i in items}, key=_file_order)
     return DcpCheckpoint(folder, digest, tensors, values, nested, items, files)
+
+
+def _torch_dist(folder: str, storage_options: StorageOptions | None) -> bool:
+    """Whether the folder is Megatron-Core's `torch_dist` checkpoint: its metadata.json says so."""
+    path = join(folder, MEGATRON_METADATA)
+    if path not in listing(folder, storage_options):
+        return False
+    info = jsonin.loads(read_small(path, storage_options, 1 << 16, "Megatron's metadata.json"), path,
+                        "Megatron metadata", CheckpointError)
+    return isinstance(info, dict) and info.get("sharded_backend") == "torch_dist"
+
+
+def _per_layer(ckpt: DcpCheckpoint) -> DcpCheckpoint:
+    """Megatron-Core saves a transformer's layers stacked on a leading axis, one chunk per layer
+    (`decoder.layers.self_attention.linear_qkv.weight` of shape (L, ...), each pipeline stage at its
+    global layer numbers) and their extra states as bytes items `..._extra_state/shard_{i}_{L}`. They
+    become the per-layer keys Megatron's own non-stacked state dict has (`decoder.layers.{i}.…`): each
+    chunk an item of layer i without its leading axis."""
+    tensors: dict[str, Any] = {}
+    renamed: dict[tuple[str, tuple[int, ...] | None], tuple[str, tuple[int, ...] | None]] = {}
+    for fqn, (dtype, size, chunks) in ckpt.tensors.items():
+        head, tail = _layers_split(fqn)
+        if tail is None or len(size) < 2 or any(s[0] != 1 for _, s in chunks) \
+                or sorted({o[0] for o, _ in chunks}) != list(range(size[0])):
+            tensors[fqn] = (dtype, size, chunks)
+            continue
+        for layer in range(size[0]):
+            name = f"{head}{layer}.{tail}"
+            tensors[name] = (dtype, size[1:], [(o[1:], s[1:]) for o, s in chunks if o[0] == layer])
+        for o, _ in chunks:
+            renamed[(fqn, o)] = (f"{head}{o[0]}.{tail}", o[1:])
+    values = []
+    for fqn in ckpt.values:
+        m = EXTRA_STATE.fullmatch(fqn)
+        name = f"{_layers_split(m.group(1))[0]}{m.group(2)}.{_layers_split(m.group(1))[1]}" if m and \
+            _layers_split(m.group(1))[1] is not None else fqn
+        values.append(name)
+        renamed[(fqn, None)] = (name, None)
+    if len(set(tensors) | set(values)) != len(tensors) + len(values):
+        raise CheckpointError("per-layer keys that Megatron's stacked keys would share (a damaged metadata?)")
+    items = [Item(*renamed[(i.fqn, i.offsets)], i.file, i.offset, i.length, squeeze=i.offsets is not None)
+             if (i.fqn, i.offsets) in renamed else i for i in ckpt.items]
+    # layer by layer, each layer's keys in the saved order, where the first stacked key of its stack was
+    first = {fqn: at for at, fqn in enumerate(ckpt.paths)}
+    was = {new: first[old] for (old, _), (new, _) in renamed.items()}  # a key's place before the split
+    layer = {n: LAYER_KEY.match(n) for n in was}
+    stacks: dict[tuple[str, ...], int] = {}  # (stack,) and (stack, module): the earliest place of any layer's
+    for name, m in layer.items():
+        if m is not None:
+            for key in ((m.group(1),), (m.group(1), name[m.end():])):
+                stacks[key] = min(stacks.get(key, was[name]), was[name])
+
+    def place(name: str) -> tuple[int, int, int]:
+        m = layer.get(name)
+        if m is None:
+            return (was.get(name, first.get(name, 0)), -1, 0)
+        return (stacks[(m.group(1),)], int(m.group(2)), stacks[(m.group(1), name[m.end():])])
+
+    order = sorted([*tensors, *values], key=place)
+    return DcpCheckpoint(ckpt.folder, ckpt.digest, tensors, values, {n: (n,) for n in order}, items, ckpt.files)
+
+
+def _layers_split(fqn: str) -> tuple[str, str | None]:
+    """("decoder.layers.", "mlp.linear_fc1.weight") for a stacked layer key; (fqn, None) for any other."""
+    m = STACKED.match(fqn)
+    return (m.group(1), fqn[m.end():]) if m else (fqn, None)
 
 
 def _file_order(name: str) -> tuple:
@@ -286,6 +359,8 @@ def _read_items(ckpt: DcpCheckpoint, unit: DcpUnit, name: str, strict: bool) -> 
             continue
         dtype, size, chunks = ckpt.tensors[item.fqn]
         sizes = dict(chunks)[item.offsets]
+        if item.squeeze and isinstance(value, TensorRef) and value.shape[:1] == (1,):
+            value = TensorRef(value.storage, value.offset, tuple(value.shape[1:]), tuple(value.stride[1:]), value.dtype)
         if not isinstance(value, TensorRef) or tuple(value.shape) != sizes or value.dtype != dtype:
             got = f"torch.{value.dtype}{list(value.shape)}" if isinstance(value, TensorRef) else type(value).__name__
             raise CheckpointError(f"{where}: holds {got}, the metadata says torch.{dtype}{list(sizes)}")

@@ -2,15 +2,15 @@
 (tests/fixtures/megatron_core.py; the files are kept in tests/fixtures/data/megatron/), against what
 megatron-core's own `dist_checkpointing.load` gives one TP=1, PP=1 process.
 
-A torch_dist folder is DCP underneath: today it is read as a DCP checkpoint, with Megatron's own keys
-(layers stacked on a leading axis, Transformer-Engine-style norm names). These tests hold that reading
-exact in every tensor- and pipeline-parallel layout; the Megatron layouts themselves (per-layer names,
-the common state, the Hugging Face mapping) are issue 33's.
+A torch_dist folder is DCP underneath, read as a DCP checkpoint whose layers, saved stacked on a leading
+axis, come out under Megatron's own per-layer names (Transformer-Engine-style norm names kept). The
+common state, the run folders' layouts and the Hugging Face mapping are issue 33's next steps.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -26,32 +26,43 @@ SAVED_AS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weig
             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 
 
-def _stacked(want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Megatron's per-layer state dict as torch_dist saves it: `decoder.layers.{i}.X` stacked into
-    `decoder.layers.X` along a leading axis of layers."""
-    out: dict[str, torch.Tensor] = {}
-    layers: dict[str, dict[int, torch.Tensor]] = {}
+def _saved_names(want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Megatron's per-layer state dict under the names its sharded state dict gives the norms."""
+    out = {}
     for key, value in want.items():
-        m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.*)", key)
-        if m is None:
-            out[key] = value
-        else:
-            layers.setdefault(SAVED_AS.get(m.group(2), m.group(2)), {})[int(m.group(1))] = value
-    for name, by_layer in layers.items():
-        out[f"decoder.layers.{name}"] = torch.stack([by_layer[i] for i in sorted(by_layer)])
+        m = re.fullmatch(r"(decoder\.layers\.\d+\.)(.*)", key)
+        out[m.group(1) + SAVED_AS.get(m.group(2), m.group(2)) if m else key] = value
     return out
 
 
 @pytest.mark.parametrize("layout", ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2"])
-def test_every_parallel_layout_reads_as_megatron_core_loads_it(layout: str, tmp_path: Path) -> None:
+def test_every_parallel_layout_reads_per_layer_as_megatron_core_loads_it(layout: str, tmp_path: Path) -> None:
+    """Layers saved stacked on a leading axis come out under Megatron's per-layer names, in layer order."""
+    from safetensors.torch import load_file
+
     src = DATA / layout
     assert open_source(src).format == "dcp"
+    want = _saved_names(torch.load(f"{src}.expected.pt.ref", weights_only=True)["model"])
     shardstore.unshard(src, tmp_path / "pt", format="torch", jobs=2)
     got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=True)
-    want = _stacked(torch.load(f"{src}.expected.pt.ref", weights_only=True)["model"])
     tensors = {k: v for k, v in got.items() if isinstance(v, torch.Tensor)}
     assert set(tensors) == set(want)
     for key, value in want.items():
         assert tensors[key].dtype == value.dtype and torch.equal(tensors[key], value), key
-    # the rest is Megatron's bytes items, as saved: a None extra state per layer and module
-    assert all("._extra_state/" in k or k.startswith("common_state/") for k in set(got) - set(tensors))
+    layers = [int(k.split(".")[2]) for k in got if k.startswith("decoder.layers.")]
+    assert layers == sorted(layers)  # layer by layer, as Megatron's own state dict is
+    extra = {k: v for k, v in got.items() if k.endswith("._extra_state")}
+    assert len(extra) == 8 and all(v == [None] for v in extra.values())  # the local spec's, per layer
+    shardstore.unshard(src, tmp_path / "st", jobs=2)
+    st = load_file(tmp_path / "st" / "model.safetensors")
+    assert set(st) == set(want) and all(torch.equal(st[k], v) for k, v in want.items())
+
+
+def test_a_megatron_lm_run_folder_gives_the_iteration_its_pointer_names(tmp_path: Path) -> None:
+    """Megatron-LM's save_checkpoint: iter_{N:07d}/ folders beside latest_checkpointed_iteration.txt."""
+    run = tmp_path / "run"
+    for step in (10, 20):
+        shutil.copytree(DATA / "tp2-pp1", run / f"iter_{step:07d}")
+    (run / "latest_checkpointed_iteration.txt").write_text("20")
+    assert open_source(run).units[0].startswith(str(run / "iter_0000020"))
+    assert open_source(run, step=10).units[0].startswith(str(run / "iter_0000010"))
