@@ -21,21 +21,25 @@ from ..read.contract import Node
 from ..store.store import Store
 
 
+Rows = tuple[tuple[int, int], ...]  # blocks of rows [first, stop), in the order they are written
+
+
 @dataclass(frozen=True)
 class ArrayRef:
     """A tensor still in the store: writers stream its bytes (`parts`) instead of loading it."""
 
     path: str
     dtype: str
-    shape: tuple[int, ...]  # of what this reference gives: with `rows`, that block of rows
-    rows: tuple[int, int] | None = None  # only rows [first, stop) of the array (a split fused weight)
+    shape: tuple[int, ...]  # of what this reference gives: with `rows`, those blocks of rows one after another
+    rows: Rows | None = None  # only these blocks of rows [first, stop) of the array (a split fused weight)
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtypes.info(self.dtype).itemsize
 
     def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
-        return store.stream(self.path, allow_partial=allow_partial, rows=self.rows)
+        for block in self.rows or (None,):
+            yield from store.stream(self.path, allow_partial=allow_partial, rows=block)
 
     def stored_crc(self, store: Store) -> int | None:
         """The CRC-32 of exactly these bytes, combined from what the source files stored, where known (else

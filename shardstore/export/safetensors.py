@@ -25,7 +25,7 @@ from ..ranges import blocks
 from ..read.contract import Node
 from ..runner import Pool
 from .output import OutputFile
-from .resolve import ArrayRef, build, leaves
+from .resolve import ArrayRef, Rows, build, leaves
 
 CAST_BLOCK_BYTES = 16 << 20
 CASTABLE = ("float64", "float32", "float16", "bfloat16")  # what --dtype casts; other dtypes pass unchanged
@@ -64,12 +64,15 @@ def collect(store: Store, node: Node, strip_prefix: str | None, cast: str | None
 
 
 def tensor_item(store: Store, key: str, path: str, cast: str | None,
-                rows: tuple[int, int] | None = None) -> Item | None:
-    """Output tensor `key` from the store's leaf `path` (only `rows` of it, if given), or None when the leaf
-    is not a tensor. Floating tensors are cast to `cast`."""
+                rows: Rows | None = None) -> Item | None:
+    """Output tensor `key` from the store's leaf `path` (only those blocks of its `rows`, one after another,
+    if given), or None when the leaf is not a tensor. Floating tensors are cast to `cast`."""
     entry = store.manifest.arrays.get(path)
+    if rows is not None and (not rows or entry is not None and not all(
+            0 <= a < b <= entry.shape[0] for a, b in rows)):
+        raise ExportError(f"{path}: rows {list(rows)} are not blocks of its {entry.shape[0] if entry else 0} rows")
     if entry is not None:
-        shape = entry.shape if rows is None else (rows[1] - rows[0],) + tuple(entry.shape[1:])
+        shape = entry.shape if rows is None else (sum(b - a for a, b in rows),) + tuple(entry.shape[1:])
         source: Any = ArrayRef(path, entry.dtype, shape, rows)
         dtype = entry.dtype
     else:
@@ -78,7 +81,7 @@ def tensor_item(store: Store, key: str, path: str, cast: str | None,
         if torch is None or not isinstance(source, torch.Tensor):
             return None
         if rows is not None:
-            source = source[rows[0]:rows[1]]
+            source = torch.cat([source[a:b] for a, b in rows])
         dtype, shape = str(source.dtype).removeprefix("torch."), tuple(source.shape)
     if key == "__metadata__":
         raise ExportError(f"{path}: would be named '__metadata__', which safetensors reserves for its header; "

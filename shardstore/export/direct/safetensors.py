@@ -51,12 +51,16 @@ def plan(store: Store, plan: SafetensorsPlan, model: HFModel | None) -> Safetens
         for item in group:
             ref = item.source
             assert isinstance(ref, ArrayRef), item.key  # plain values never reach a one-pass plan
-            box = None
-            if ref.rows is not None:
-                shape = store.manifest.arrays[ref.path].shape
-                box = ((ref.rows[0],) + (0,) * (len(shape) - 1), (ref.rows[1] - ref.rows[0],) + shape[1:])
-            targets.setdefault(ref.path, []).append(Target(i, offset, box, item.dtype))
-            offset += item.nbytes
+            if ref.rows is None:
+                targets.setdefault(ref.path, []).append(Target(i, offset, None, item.dtype))
+                offset += item.nbytes
+                continue
+            shape = store.manifest.arrays[ref.path].shape
+            row = item.nbytes // ref.shape[0] if ref.shape[0] else 0  # one row, in the output's dtype
+            for first, stop in ref.rows:  # each block where the ones before it end
+                box = ((first,) + (0,) * (len(shape) - 1), (stop - first,) + shape[1:])
+                targets.setdefault(ref.path, []).append(Target(i, offset, box, item.dtype))
+                offset += (stop - first) * row
         sizes.append(offset)
         heads.append([(0, head)])
     lay = new_layout(store, plan.names, sizes, targets)

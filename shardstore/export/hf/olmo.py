@@ -105,7 +105,7 @@ def plan(cfg: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, ...
             if part is not None:
                 kind, index = part
                 sizes = fused if kind == "qkv" else [intermediate, intermediate]
-                rows = (sum(sizes[:index]), sum(sizes[:index + 1]))
+                rows = ((sum(sizes[:index]), sum(sizes[:index + 1])),)
             tensors.append(HFTensor(f"model.layers.{i}.{hf}", source, rows))
     if not tied:
         tensors.append(HFTensor("lm_head.weight", "transformer.ff_out.weight"))

@@ -10,7 +10,9 @@ from typing import Any
 class HFTensor:
     key: str  # the transformers name
     source: str  # the checkpoint's name (normalised), in the model subtree
-    rows: tuple[int, int] | None = None  # a block of its rows (a split fused weight)
+    # blocks of its rows [first, stop), one after another (a split fused weight; Megatron's q of every
+    # query group)
+    rows: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass
