@@ -66,3 +66,33 @@ def test_a_megatron_lm_run_folder_gives_the_iteration_its_pointer_names(tmp_path
     (run / "latest_checkpointed_iteration.txt").write_text("20")
     assert open_source(run).units[0].startswith(str(run / "iter_0000020"))
     assert open_source(run, step=10).units[0].startswith(str(run / "iter_0000010"))
+
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 100,
+         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 16, "tie_word_embeddings": False,
+         "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "head_dim": 4, "dtype": "float32"}
+
+
+@pytest.mark.parametrize("layout", ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2"])
+def test_hf_export_gives_megatrons_own_logits(layout: str, tmp_path: Path) -> None:
+    """q, k and v taken per query group, fc1 split into gate and up, norms renamed: transformers' Llama
+    reproduces the logits Megatron's own forward gave (float32; the two order their sums differently)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    src = DATA / layout
+    shardstore.unshard(src, tmp_path / "hf", format="hf", hf_config=tmp_path / "config.json", jobs=2)
+    want = torch.load(f"{src}.expected.pt.ref", weights_only=True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        got = model(input_ids=want["ids"]).logits
+    # float32 sums in another order: ~1e-5 of logits that reach ~20 (every weight drawn from N(0, 1)); a
+    # wrong split is off by whole units
+    torch.testing.assert_close(got, want["logits"], rtol=1e-4, atol=1e-4)
+    wrong = dict(LLAMA, num_key_value_heads=4)  # a plain q|k|v split would be the same rows read wrongly
+    (tmp_path / "wrong.json").write_text(json.dumps(wrong))
+    with pytest.raises(Exception, match="shape"):
+        shardstore.unshard(src, tmp_path / "hf2", format="hf", hf_config=tmp_path / "wrong.json", jobs=1)

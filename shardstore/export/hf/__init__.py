@@ -8,6 +8,7 @@ Where the model's Hugging Face description comes from, first match wins:
 - an OLMo-core trainer checkpoint, from the experiment config.json its trainer writes beside it
   (`olmo_core.py`);
 - a checkpoint saved with its Hugging Face files beside it (veRL's huggingface/), kept as side files;
+  Megatron-Core's GPT names are mapped onto the Llama-family class the config names (`megatron.py`);
 - an OLMo checkpoint with the run's config.yaml kept in the store: OLMo 1 or OLMo 2 (`olmo.py`).
 The weights go out through the safetensors writer, so splits stream and copies stay kernel-side.
 """
@@ -27,7 +28,7 @@ from ...store.store import Store
 from ..output import OutputFile
 from ..resolve import build, leaves, node_at
 from ..safetensors import SafetensorsPlan, export_safetensors, plan_items, tensor_item
-from . import olmo, olmo_core
+from . import megatron, olmo, olmo_core
 from .spec import HFModel, HFTensor
 
 CONFIG, GENERATION = "config.json", "generation_config.json"
@@ -195,6 +196,9 @@ def _from_files(store: Store, subtree: str, strip_prefix: str | None, files: dic
         raise ExportError(f"{where}: not a Hugging Face config (a JSON object)")
     rest = {n: data for n, data in files.items() if n != CONFIG and n not in NOT_HF_FILES}
     names = _model_leaves(store, subtree, strip_prefix)
+    if megatron.is_megatron(list(names)):  # Megatron-Core's names: mapped onto the config's classes
+        shapes = {n: s for n, p in names.items() if (s := _shape(store, p)) is not None}
+        return megatron.plan(config, list(names), shapes, where, rest), names
     return HFModel(config, None, [HFTensor(n, n) for n in names], rest), names
 
 

@@ -1,0 +1,107 @@
+"""Megatron-Core GPT models as transformers' Llama-family classes (LlamaForCausalLM, Qwen2ForCausalLM,
+MistralForCausalLM), named by the Hugging Face config.json the user gives.
+
+Megatron keeps attention's q, k and v in one `linear_qkv` whose rows are grouped by query group: for
+each of the `num_key_value_heads` groups, its heads' q rows, then its k rows, then its v rows (a plain
+q|k|v split gives wrong logits). Each of q, k and v is therefore a list of row blocks, one per group,
+streamed one after another. SwiGLU's `linear_fc1` is [gate; up]. The vocabulary is padded to a multiple
+Megatron chose: the embedding's and the output layer's rows past `vocab_size` are dropped. Norms live
+inside the next linear layer under Transformer Engine's names (`linear_qkv.layer_norm_weight`), or as
+modules of their own (`input_layernorm`, `pre_mlp_layernorm`). A tensor of the checkpoint the table does
+not place is refused by name, never dropped silently; `_extra_state` values are Megatron's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import ExportError
+from .spec import HFModel, HFTensor
+
+EMBEDDING, OUTPUT, FINAL_NORM = "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"
+# transformers' per-layer name -> Megatron's names for it (Transformer Engine's first, then the local spec's)
+NORMS = {"input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+         "post_attention_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")}
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+def is_megatron(names: list[str]) -> bool:
+    """Whether a model's names are Megatron-Core's GPT names."""
+    return EMBEDDING in names and any(n.startswith("decoder.layers.") for n in names)
+
+
+def _config(config: dict[str, Any], key: str, where: str) -> int:
+    value = config.get(key)
+    if type(value) is not int or value <= 0:
+        raise ExportError(f"{where}: {key} is {value!r:.40}; a Megatron checkpoint's mapping needs it")
+    return value
+
+
+def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, ...]], where: str,
+         files: dict[str, bytes]) -> HFModel:
+    """The HF model a Megatron GPT checkpoint is, under `config` (a config.json's contents)."""
+    arch = (config.get("architectures") or [None])[0]
+    if arch not in ARCHITECTURES:
+        raise ExportError(f"{where}: architecture {arch!r:.60}; a Megatron checkpoint is exported as one of "
+                          f"{', '.join(ARCHITECTURES)}")
+    hidden, heads = _config(config, "hidden_size", where), _config(config, "num_attention_heads", where)
+    groups = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    layers, vocab = _config(config, "num_hidden_layers", where), _config(config, "vocab_size", where)
+    ffn = _config(config, "intermediate_size", where)
+    if type(groups) is not int or heads % groups or type(head_dim) is not int or head_dim <= 0:
+        raise ExportError(f"{where}: {heads} heads in {groups!r:.20} key-value groups of {head_dim!r:.20}")
+    have = sorted({int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.") and n.split(".")[2].isdigit()})
+    if have != list(range(layers)):
+        raise ExportError(f"{where}: num_hidden_layers is {layers}, the checkpoint has layers {have[:8]}"
+                          f"{' ...' if len(have) > 8 else ''}")
+    q_rows, per_group = heads // groups * head_dim, (heads // groups + 2) * head_dim
+    splits = {"q_proj": tuple((g * per_group, g * per_group + q_rows) for g in range(groups)),
+              "k_proj": tuple((g * per_group + q_rows, g * per_group + q_rows + head_dim) for g in range(groups)),
+              "v_proj": tuple((g * per_group + q_rows + head_dim, (g + 1) * per_group) for g in range(groups))}
+    placed: set[str] = set()
+    tensors: list[HFTensor] = []
+
+    def take(key: str, source: str, rows: tuple[tuple[int, int], ...] | None = None,
+             shape: tuple[int, ...] | None = None) -> None:
+        if source not in shapes:
+            raise ExportError(f"{source}: not in the checkpoint, but {key} needs it")
+        if shape is not None and tuple(shapes[source][:len(shape)]) != shape:
+            raise ExportError(f"{source}: shape {list(shapes[source])}, the config makes it {list(shape)} "
+                              f"(a config of another model?)")
+        placed.add(source)
+        tensors.append(HFTensor(key, source, rows))
+
+    def vocab_rows(source: str) -> tuple[tuple[int, int], ...] | None:
+        padded = shapes[source][0] if source in shapes else vocab
+        if padded < vocab:
+            raise ExportError(f"{source}: {padded} rows, fewer than vocab_size {vocab}")
+        return None if padded == vocab else ((0, vocab),)
+
+    take("model.embed_tokens.weight", EMBEDDING, vocab_rows(EMBEDDING), (shapes.get(EMBEDDING, (0,))[0], hidden))
+    for i in range(layers):
+        layer, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
+        for proj, rows in splits.items():
+            take(f"{hf}self_attn.{proj}.weight", f"{layer}self_attention.linear_qkv.weight", rows,
+                 (groups * per_group, hidden))
+            if f"{layer}self_attention.linear_qkv.bias" in shapes:  # Qwen2's
+                take(f"{hf}self_attn.{proj}.bias", f"{layer}self_attention.linear_qkv.bias", rows)
+        take(f"{hf}self_attn.o_proj.weight", f"{layer}self_attention.linear_proj.weight", None, (hidden, heads * head_dim))
+        take(f"{hf}mlp.gate_proj.weight", f"{layer}mlp.linear_fc1.weight", ((0, ffn),), (2 * ffn, hidden))
+        take(f"{hf}mlp.up_proj.weight", f"{layer}mlp.linear_fc1.weight", ((ffn, 2 * ffn),))
+        take(f"{hf}mlp.down_proj.weight", f"{layer}mlp.linear_fc2.weight", None, (hidden, ffn))
+        for key, candidates in NORMS.items():
+            source = next((f"{layer}{c}" for c in candidates if f"{layer}{c}" in shapes), f"{layer}{candidates[0]}")
+            take(f"{hf}{key}", source, None, (hidden,))
+    take("model.norm.weight", FINAL_NORM, None, (hidden,))
+    tied = bool(config.get("tie_word_embeddings", False))
+    if OUTPUT in shapes and not tied:
+        take("lm_head.weight", OUTPUT, vocab_rows(OUTPUT), (shapes[OUTPUT][0], hidden))
+    elif OUTPUT not in shapes and not tied:
+        raise ExportError(f"{where}: tie_word_embeddings is false, but the checkpoint has no {OUTPUT} (its "
+                          f"embeddings are tied)")
+    stray = sorted(n for n in shapes if n not in placed)
+    if stray:
+        raise ExportError(f"{stray[0]}: a tensor {arch} has no place for (a Megatron feature transformers cannot "
+                          f"express, or a config of another model)")
+    return HFModel(config, None, tensors, files)
