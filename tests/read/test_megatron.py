@@ -41,16 +41,18 @@ def test_every_parallel_layout_reads_per_layer_as_megatron_core_loads_it(layout:
     from safetensors.torch import load_file
 
     src = DATA / layout
-    assert open_source(src).format == "dcp"
+    assert open_source(src).format == "dcp" and "/iter_0000010/" in open_source(src).units[0]  # the latest
     want = _saved_names(torch.load(f"{src}.expected.pt.ref", weights_only=True)["model"])
     shardstore.unshard(src, tmp_path / "pt", format="torch", jobs=2)
-    got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=True)
+    got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=False)  # Megatron-LM's args: a Namespace
     tensors = {k: v for k, v in got.items() if isinstance(v, torch.Tensor)}
     assert set(tensors) == set(want)
     for key, value in want.items():
         assert tensors[key].dtype == value.dtype and torch.equal(tensors[key], value), key
     layers = [int(k.split(".")[2]) for k in got if k.startswith("decoder.layers.")]
     assert layers == sorted(layers)  # layer by layer, as Megatron's own state dict is
+    common = got["common_state/shard_0_1"][0]  # megatron-core >= 0.19 keeps it as a bytes item in the files
+    assert common["iteration"] == 10 and common["args"].num_query_groups == 2 and common["checkpoint_version"] == 3.0
     extra = {k: v for k, v in got.items() if k.endswith("._extra_state")}
     assert len(extra) == 8 and all(v == [None] for v in extra.values())  # the local spec's, per layer
     shardstore.unshard(src, tmp_path / "st", jobs=2)
@@ -62,7 +64,7 @@ def test_a_megatron_lm_run_folder_gives_the_iteration_its_pointer_names(tmp_path
     """Megatron-LM's save_checkpoint: iter_{N:07d}/ folders beside latest_checkpointed_iteration.txt."""
     run = tmp_path / "run"
     for step in (10, 20):
-        shutil.copytree(DATA / "tp2-pp1", run / f"iter_{step:07d}")
+        shutil.copytree(DATA / "tp2-pp1" / "iter_0000010", run / f"iter_{step:07d}")
     (run / "latest_checkpointed_iteration.txt").write_text("20")
     assert open_source(run).units[0].startswith(str(run / "iter_0000020"))
     assert open_source(run, step=10).units[0].startswith(str(run / "iter_0000010"))
@@ -75,16 +77,20 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
 
 
 @pytest.mark.parametrize("layout", ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2"])
-def test_hf_export_gives_megatrons_own_logits(layout: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("described", ["args", "hf-config"])
+def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_path: Path) -> None:
     """q, k and v taken per query group, fc1 split into gate and up, norms renamed: transformers' Llama
-    reproduces the logits Megatron's own forward gave (float32; the two order their sums differently)."""
+    reproduces the logits Megatron's own forward gave (float32; the two order their sums differently).
+    The model is described by Megatron-LM's own args in the checkpoint, or by a config.json given."""
     import json
 
     from transformers import AutoModelForCausalLM
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))
     src = DATA / layout
-    shardstore.unshard(src, tmp_path / "hf", format="hf", hf_config=tmp_path / "config.json", jobs=2)
+    given = tmp_path / "config.json" if described == "hf-config" else None
+    result = shardstore.unshard(src, tmp_path / "hf", format="hf", hf_config=given, jobs=2)
+    assert any("padded" in n for n in result.notes) == (given is None)
     want = torch.load(f"{src}.expected.pt.ref", weights_only=True)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():

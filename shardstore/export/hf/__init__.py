@@ -41,14 +41,36 @@ NO_HF_DESCRIPTION = ("cannot tell which Hugging Face model this is: the checkpoi
 
 
 def in_values(store: Store) -> bool:
-    """Whether the model is described by values the store holds (Composer's Hugging Face metadata), which
-    only the data brings."""
-    return _holder(store, COMPOSER_HF) is not None
+    """Whether the model is described by values the store holds (Composer's Hugging Face metadata,
+    Megatron-LM's common state), which only the data brings."""
+    return _holder(store, COMPOSER_HF) is not None or _megatron_common(store) is not None
+
+
+def _megatron_common(store: Store) -> str | None:
+    """The store path of Megatron-Core's common state (a bytes item `common_state/shard_0_1` in megatron-core
+    >= 0.19's own files), if the checkpoint has one."""
+    return next((c.path for _, c in store.manifest.tree.children
+                 if c.kind == "leaf" and c.path.startswith("common_state")), None)
+
+
+def _from_megatron_args(store: Store, subtree: str, path: str) -> tuple[HFModel, dict[str, str]]:
+    common = build(store, _leaf(path), plain_dicts=True)
+    common = common[0] if isinstance(common, list) and len(common) == 1 else common
+    args = common.get("args") if isinstance(common, dict) else None
+    state = getattr(args, "state", None)
+    if not isinstance(state, dict):
+        raise ExportError(f"{path}: Megatron's common state holds no args to describe the model; give --hf-config")
+    config, notes = megatron.config_from_args(state, f"{path}: args")
+    names = _model_leaves(store, subtree, None)
+    shapes = {n: s for n, p in names.items() if (s := _shape(store, p)) is not None}
+    model = megatron.plan(config, list(names), shapes, f"{path}: args", {})
+    model.notes += notes
+    return model, names
 
 
 def has_hf_description(store: Store) -> bool:
     """Whether the checkpoint may describe its model itself, from its plan alone (no rank need be in):
-    the run's config.yaml, or Composer's Hugging Face metadata."""
+    the run's config.yaml, Composer's Hugging Face metadata, or Megatron-LM's common state."""
     side = store.manifest.facts.side_files
     return in_values(store) or "config.yaml" in side or CONFIG in side
 
@@ -241,6 +263,9 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
         if experiment is not None:
             return _from_olmo_core(store, subtree, experiment)
         return _from_side_files(store, subtree, strip_prefix)
+    common = _megatron_common(store)
+    if common is not None:  # after the Hugging Face files a trainer keeps beside it (veRL's, NeMo's)
+        return _from_megatron_args(store, subtree, common)
     return _from_olmo(store, subtree)
 
 

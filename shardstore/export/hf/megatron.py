@@ -105,3 +105,37 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
         raise ExportError(f"{stray[0]}: a tensor {arch} has no place for (a Megatron feature transformers cannot "
                           f"express, or a config of another model)")
     return HFModel(config, None, tensors, files)
+
+
+# Megatron-LM's arguments -> what transformers' config calls them
+REFUSED = {"normalization": ("RMSNorm", "LayerNorm norms"), "swiglu": (True, "a non-SwiGLU MLP"),
+           "position_embedding_type": ("rope", "position embeddings other than rotary"),
+           "rotary_percent": (1.0, "rotary embeddings on part of each head"),
+           "add_bias_linear": (False, "biases on the linear layers")}
+
+
+def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
+    """A Hugging Face config from Megatron-LM's `args` (its common state), and what the user should know."""
+    for key, (want, what) in REFUSED.items():
+        if key in args and args[key] != want and not (key == "rotary_percent" and args[key] in (1, None)):
+            raise ExportError(f"{where}: {key} is {args[key]!r:.40}: {what}, which the Llama-family classes of "
+                              f"transformers cannot express")
+    heads = args.get("num_attention_heads")
+    groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
+    vocab = args.get("padded_vocab_size")
+    bias = bool(args.get("add_qkv_bias"))
+    dtype = str(args.get("params_dtype") or "float32").removeprefix("torch.")
+    config = {"architectures": ["Qwen2ForCausalLM" if bias else "LlamaForCausalLM"],
+              "model_type": "qwen2" if bias else "llama", "hidden_size": args.get("hidden_size"),
+              "intermediate_size": args.get("ffn_hidden_size"), "num_attention_heads": heads,
+              "num_key_value_heads": groups, "head_dim": args.get("kv_channels"),
+              "num_hidden_layers": args.get("num_layers"), "vocab_size": vocab,
+              "rms_norm_eps": args.get("norm_epsilon", 1e-5), "rope_theta": float(args.get("rotary_base", 10000)),
+              "max_position_embeddings": args.get("max_position_embeddings"),
+              "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
+              "hidden_act": "silu", "torch_dtype": dtype}
+    if not bias:
+        config.update(attention_bias=False, mlp_bias=False)
+    notes = [f"the vocabulary is Megatron's padded one ({vocab} rows; the checkpoint does not say the tokenizer's "
+             f"size): give --hf-config with the tokenizer's vocab_size to drop the padding rows"]
+    return config, notes
