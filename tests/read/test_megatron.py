@@ -35,7 +35,10 @@ def _saved_names(want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2"])
+LAYOUTS = ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2", "tp2-pp1-qwen2", "tp2-pp1-tied"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_parallel_layout_reads_per_layer_as_megatron_core_loads_it(layout: str, tmp_path: Path) -> None:
     """Layers saved stacked on a leading axis come out under Megatron's per-layer names, in layer order."""
     from safetensors.torch import load_file
@@ -53,6 +56,7 @@ def test_every_parallel_layout_reads_per_layer_as_megatron_core_loads_it(layout:
     assert layers == sorted(layers)  # layer by layer, as Megatron's own state dict is
     common = got["common_state/shard_0_1"][0]  # megatron-core >= 0.19 keeps it as a bytes item in the files
     assert common["iteration"] == 10 and common["args"].num_query_groups == 2 and common["checkpoint_version"] == 3.0
+    assert ("output_layer.weight" in got) == (not layout.endswith("tied"))  # tied: the embedding is the output
     extra = {k: v for k, v in got.items() if k.endswith("._extra_state")}
     assert len(extra) == 8 and all(v == [None] for v in extra.values())  # the local spec's, per layer
     shardstore.unshard(src, tmp_path / "st", jobs=2)
@@ -76,7 +80,7 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "head_dim": 4, "dtype": "float32"}
 
 
-@pytest.mark.parametrize("layout", ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("described", ["args", "hf-config"])
 def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_path: Path) -> None:
     """q, k and v taken per query group, fc1 split into gate and up, norms renamed: transformers' Llama
@@ -86,7 +90,11 @@ def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_p
 
     from transformers import AutoModelForCausalLM
 
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    config = dict(LLAMA, tie_word_embeddings=layout.endswith("tied"))
+    if layout.endswith("qwen2"):  # q, k and v with biases, split per query group like their weights
+        config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+        del config["attention_bias"], config["mlp_bias"], config["head_dim"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
     src = DATA / layout
     given = tmp_path / "config.json" if described == "hf-config" else None
     result = shardstore.unshard(src, tmp_path / "hf", format="hf", hf_config=given, jobs=2)
@@ -98,7 +106,8 @@ def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_p
     # float32 sums in another order: ~1e-5 of logits that reach ~20 (every weight drawn from N(0, 1)); a
     # wrong split is off by whole units
     torch.testing.assert_close(got, want["logits"], rtol=1e-4, atol=1e-4)
-    wrong = dict(LLAMA, num_key_value_heads=4)  # a plain q|k|v split would be the same rows read wrongly
+    assert type(model).__name__ == config["architectures"][0]
+    wrong = dict(config, num_key_value_heads=4)  # a plain q|k|v split would be the same rows read wrongly
     (tmp_path / "wrong.json").write_text(json.dumps(wrong))
     with pytest.raises(Exception, match="shape"):
         shardstore.unshard(src, tmp_path / "hf2", format="hf", hf_config=tmp_path / "wrong.json", jobs=1)
