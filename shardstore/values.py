@@ -22,6 +22,7 @@ import numpy as np
 
 from .errors import StoreError
 from .read.opaque import SHORT_REPR, Building, GlobalRef, Opaque
+from .read.tree import MAX_DEPTH, MAX_REVISITS
 from .read.unpickle import TorchDType, TensorRef, TorchDevice, TorchVersion
 
 Json = Any
@@ -39,9 +40,8 @@ def encode(obj: Any, tensor: Callable[[TensorRef], Json] | None = None) -> Json:
 
 # A value nests a few levels (a trainer's config, an RNG state); a forged one is refused past MAX_DEPTH. A
 # pickle's memo can make a few objects reachable by 2^40 paths: past MAX_REVISITS more visits than distinct
-# containers, the work is no longer bounded by the file, and the value is refused.
-MAX_DEPTH = 200
-MAX_REVISITS = 100_000
+# containers, the work is no longer bounded by the file, and the value is refused (the state-dict walk's
+# bounds, read/tree.py).
 _CONTAINERS = (list, tuple, dict, collections.OrderedDict, set, frozenset)
 
 

@@ -175,8 +175,8 @@ def _per_layer(ckpt: DcpCheckpoint) -> DcpCheckpoint:
     values = []
     for fqn in ckpt.values:
         m = EXTRA_STATE.fullmatch(fqn)
-        name = f"{_layers_split(m.group(1))[0]}{m.group(2)}.{_layers_split(m.group(1))[1]}" if m and \
-            _layers_split(m.group(1))[1] is not None else fqn
+        head, tail = _layers_split(m.group(1)) if m else (fqn, None)
+        name = f"{head}{m.group(2)}.{tail}" if m and tail is not None else fqn
         values.append(name)
         renamed[(fqn, None)] = (name, None)
     if len(set(tensors) | set(values)) != len(tensors) + len(values):

@@ -16,7 +16,8 @@ Neither sees every byte: a file changed in its middle in place keeps its sampled
 directory keeps the CRC-32s it was written with. So an identity also carries the file's stamp, what the
 file system or object store says changes when a file does (`container.local_stamp`, `remote_stamp`):
 `<content>@<stamp>`. A file whose stamp is the recorded one is the file ingested, with no read at all;
-one whose stamp moved is never trusted by its content identity alone (`same_file`), but read again.
+one whose stamp moved is never trusted by its content identity alone, but read again (ingest's
+`_not_yet_done` and `source_changed`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Callable
 from ..errors import CheckpointError
 from ..locations import StorageOptions, filesystem, is_url
 from .container import DataFile, TorchZip, local_stamp, remote_stamp
+from .source import name_of
 
 SAMPLE = 1 << 16
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
@@ -68,7 +70,7 @@ def refuse_copies(paths: list[str], storage_options: StorageOptions | None, what
     for path in paths:
         first = seen.setdefault(content(file_identity(path, storage_options)), path)
         if first != path and (replica is None or replica(first) != replica(path)):
-            raise CheckpointError(f"{path}: the same file as {first.replace(chr(92), '/').rsplit('/', 1)[-1]} "
+            raise CheckpointError(f"{path}: the same file as {name_of(first)} "
                                   f"(one rank's {what} copied over another's?); every rank saves its own part")
 
 

@@ -59,13 +59,8 @@ class TensorHandle:
 
     def _raw(self, selection: Any) -> np.ndarray:
         staged = self._staged()
-        if staged is None:
-            self.check(selection)
-            return np.asarray(self._store.read(self.path, selection))
-        self.check_selection(selection)
-        values_, arrived = staged
-        self._refuse_missing(arrived, selection)
-        return np.array(values_[selection])
+        self._check(selection, staged)
+        return np.asarray(self._store.read(self.path, selection)) if staged is None else np.array(staged[0][selection])
 
     def _staged(self) -> tuple[np.ndarray, np.ndarray] | None:
         """A small tensor whose pieces wait in the ranks' staging files until every rank is in: what has
@@ -78,8 +73,10 @@ class TensorHandle:
     def check(self, selection: Any) -> None:
         """Refuse a selection that this tensor cannot answer (see `check_selection`), or whose rows have not
         arrived yet: a StoreError whose one line names the key."""
+        self._check(selection, self._staged())
+
+    def _check(self, selection: Any, staged: tuple[np.ndarray, np.ndarray] | None) -> None:
         self.check_selection(selection)
-        staged = self._staged()
         if staged is not None:
             self._refuse_missing(staged[1], selection)
         else:

@@ -56,11 +56,8 @@ def _kind(path: str) -> str:
 
 
 def _inside(where: str, node: Any, depth: int) -> Iterator[tuple[str, Any]]:
-    if depth > MAX_DEPTH or not isinstance(node, (dict, list)):
-        return
-    if isinstance(node, list):
-        return  # a list's items are not named: nothing in them identifies a save by its name
-    if len(node) != 1:
+    # a list's items are not named: nothing in them identifies a save by its name
+    if depth > MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
         return
     ((tag, body),) = node.items()
     if tag not in ("$dict", "$odict") or not isinstance(body, list):
