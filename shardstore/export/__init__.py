@@ -15,6 +15,7 @@ from ..read.contract import Node
 from ..read.registry import get
 from ..store.onesave import check_one_save
 from ..store.store import Status, Store
+from .notes import flat_buckets
 from .output import output_error, write_side_files
 from .resolve import leaves, node_at
 from .dcp import METADATA, export_dcp, plan_dcp
@@ -216,7 +217,10 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
                                   notes=hf_model.notes)
         else:
             files = export_safetensors(store, out, plan, progress, partial, scheduler, jobs)
-            result = ExportResult(files, plan.skipped, partial)
+            result = ExportResult(files, plan.skipped, partial,
+                                  notes=flat_buckets(it.key for group in plan.groups for it in group))
+        if format in ("torch", "dcp"):
+            result.notes += flat_buckets(store.manifest.arrays)
         result.files += write_side_files(side_files, out)
     result.replaced = stale
     return result
@@ -287,4 +291,6 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
                 os.replace(folder / name, out / name)
             files.append(out / name)
         files += planned.finish(store, out) + write_side_files(side_files, out)
-    return ExportResult(files, planned.skipped, replaced=stale, notes=planned.notes)
+    whole = isinstance(planned, (direct_torch.TorchDirect, direct_dcp.DcpDirect))  # all of the store's tensors
+    return ExportResult(files, planned.skipped, replaced=stale,
+                        notes=planned.notes + (flat_buckets(store.manifest.arrays) if whole else []))

@@ -116,12 +116,20 @@ def write_items(store: Store, path: Path, items: list[Item], partial: bool,
                 leaf, below = item.source
                 obj = object_value(store, leaf)
                 for key in below:
-                    obj = obj[key]
+                    obj = _below(obj, key)
             write_zip(out, "archive", obj, store, {"partial": "true"} if partial else None)
             written.append((item, start, out.pos - start))
             if progress:
                 progress(item.nbytes)
     return path.name, written
+
+
+def _below(obj: Any, key: Any) -> Any:
+    """`obj[key]`, where torch's flattening named a dict's key by its str() (Megatron's bucket sizes are
+    keyed by a tuple of dtypes)."""
+    if not isinstance(obj, dict) or key in obj:
+        return obj[key]
+    return next(v for k, v in obj.items() if str(k) == key)
 
 
 FILE_BYTES = 256 << 20  # a .distcp file's share of the tensors: one worker task, one step of the progress

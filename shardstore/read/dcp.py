@@ -40,6 +40,8 @@ MEGATRON_METADATA = "metadata.json"  # Megatron-Core's: {"sharded_backend": "tor
 STACKED = re.compile(r"(.*?(?:^|\.)layers\.)(?=[A-Za-z_])")  # "decoder.layers." then a module name, no number
 LAYER_KEY = re.compile(r"(.*?(?:^|\.)layers\.)(\d+)\.")  # a per-layer key: its stack, and its layer
 EXTRA_STATE = re.compile(r"(.*?_extra_state)/shard_(\d+)_\d+")  # a layer's extra state: shard_{layer}_{layers}
+MEGATRON_OPTIMIZER = "optimizer."  # every key of Megatron's optimizers' sharded state dicts
+MEGATRON_TOP = ("common_state", "rng_state", "rerun_state_machine_state")  # Megatron-LM's non-model keys
 MAX_METADATA = 1 << 30  # tens of MB at thousands of ranks; a gigabyte is not a .metadata
 
 
@@ -158,7 +160,8 @@ def _per_layer(ckpt: DcpCheckpoint) -> DcpCheckpoint:
     (`decoder.layers.self_attention.linear_qkv.weight` of shape (L, ...), each pipeline stage at its
     global layer numbers) and their extra states as bytes items `..._extra_state/shard_{i}_{L}`. They
     become the per-layer keys Megatron's own non-stacked state dict has (`decoder.layers.{i}.…`): each
-    chunk an item of layer i without its leading axis."""
+    chunk an item of layer i without its leading axis. The optimizer's model-shaped state
+    (`optimizer.state.exp_avg.decoder.layers.…`) is split the same way."""
     tensors: dict[str, Any] = {}
     renamed: dict[tuple[str, tuple[int, ...] | None], tuple[str, tuple[int, ...] | None]] = {}
     for fqn, (dtype, size, chunks) in ckpt.tensors.items():
@@ -176,7 +179,10 @@ def _per_layer(ckpt: DcpCheckpoint) -> DcpCheckpoint:
     for fqn in ckpt.values:
         m = EXTRA_STATE.fullmatch(fqn)
         head, tail = _layers_split(m.group(1)) if m else (fqn, None)
-        name = f"{head}{m.group(2)}.{tail}" if m and tail is not None else fqn
+        if m and tail is not None:  # a stack's: shard_{layer}_{layers}
+            name = f"{head}{m.group(2)}.{tail}"
+        else:  # a per-layer key's (`non_homogeneous_layers`) is its layer's one shard
+            name = m.group(1) if m and LAYER_KEY.match(fqn) else fqn
         values.append(name)
         renamed[(fqn, None)] = (name, None)
     if len(set(tensors) | set(values)) != len(tensors) + len(values):
@@ -186,6 +192,7 @@ def _per_layer(ckpt: DcpCheckpoint) -> DcpCheckpoint:
     # layer by layer, each layer's keys in the saved order, where the first stacked key of its stack was
     first = {fqn: at for at, fqn in enumerate(ckpt.paths)}
     was = {new: first[old] for (old, _), (new, _) in renamed.items()}  # a key's place before the split
+    was.update((n, first[n]) for n in [*tensors, *values] if n not in was)
     layer = {n: LAYER_KEY.match(n) for n in was}
     stacks: dict[tuple[str, ...], int] = {}  # (stack,) and (stack, module): the earliest place of any layer's
     for name, m in layer.items():
@@ -196,11 +203,20 @@ def _per_layer(ckpt: DcpCheckpoint) -> DcpCheckpoint:
     def place(name: str) -> tuple[int, int, int]:
         m = layer.get(name)
         if m is None:
-            return (was.get(name, first.get(name, 0)), -1, 0)
+            return (was[name], -1, 0)
         return (stacks[(m.group(1),)], int(m.group(2)), stacks[(m.group(1), name[m.end():])])
 
     order = sorted([*tensors, *values], key=place)
-    return DcpCheckpoint(ckpt.folder, ckpt.digest, tensors, values, {n: (n,) for n in order}, items, ckpt.files)
+    return DcpCheckpoint(ckpt.folder, ckpt.digest, tensors, values, {n: _part(n) for n in order}, items, ckpt.files)
+
+
+def _part(name: str) -> tuple[str, ...]:
+    """Where a Megatron key goes in the state dict, as Megatron-LM's own torch-format checkpoints nest it:
+    the optimizer's keys (`optimizer.…`) under `optimizer`, the model's under `model`, and the common and
+    per-rank states (`common_state/…`, `rng_state/…`) at the top."""
+    if name.startswith(MEGATRON_OPTIMIZER):
+        return ("optimizer", name)
+    return (name,) if name.split("/")[0] in MEGATRON_TOP else ("model", name)
 
 
 def _layers_split(fqn: str) -> tuple[str, str | None]:

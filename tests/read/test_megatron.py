@@ -4,7 +4,8 @@ megatron-core's own `dist_checkpointing.load` gives one TP=1, PP=1 process.
 
 A torch_dist folder is DCP underneath, read as a DCP checkpoint whose layers, saved stacked on a leading
 axis, come out under Megatron's own per-layer names (Transformer-Engine-style norm names kept). The
-common state, the run folders' layouts and the Hugging Face mapping are issue 33's next steps.
+optimizer's state, after two training steps through Megatron's DDP and DistributedOptimizer, is compared
+with what the live ranks held.
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ def _saved_names(want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-LAYOUTS = ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2", "tp2-pp1-qwen2", "tp2-pp1-tied"]
+LAYOUTS = ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2", "tp2-pp1-qwen2", "tp2-pp1-tied", "tp2-pp1-layers",
+           "tp2-pp1-dp2-optim", "tp2-pp1-dp2-optim-full", "tp2-pp2-optim"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_parallel_layout_reads_per_layer_as_megatron_core_loads_it(layout: str, tmp_path: Path) -> None:
-    """Layers saved stacked on a leading axis come out under Megatron's per-layer names, in layer order."""
+    """Layers saved stacked on a leading axis (or per layer: `-layers`) come out under Megatron's
+    per-layer names, in layer order, under `model` as Megatron-LM's torch format nests them; safetensors
+    holds the model alone."""
     from safetensors.torch import load_file
 
     src = DATA / layout
@@ -48,20 +52,63 @@ def test_every_parallel_layout_reads_per_layer_as_megatron_core_loads_it(layout:
     want = _saved_names(torch.load(f"{src}.expected.pt.ref", weights_only=True)["model"])
     shardstore.unshard(src, tmp_path / "pt", format="torch", jobs=2)
     got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=False)  # Megatron-LM's args: a Namespace
-    tensors = {k: v for k, v in got.items() if isinstance(v, torch.Tensor)}
+    model = got["model"]
+    tensors = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
     assert set(tensors) == set(want)
     for key, value in want.items():
         assert tensors[key].dtype == value.dtype and torch.equal(tensors[key], value), key
-    layers = [int(k.split(".")[2]) for k in got if k.startswith("decoder.layers.")]
+    layers = [int(k.split(".")[2]) for k in model if k.startswith("decoder.layers.")]
     assert layers == sorted(layers)  # layer by layer, as Megatron's own state dict is
     common = got["common_state/shard_0_1"][0]  # megatron-core >= 0.19 keeps it as a bytes item in the files
     assert common["iteration"] == 10 and common["args"].num_query_groups == 2 and common["checkpoint_version"] == 3.0
-    assert ("output_layer.weight" in got) == (not layout.endswith("tied"))  # tied: the embedding is the output
-    extra = {k: v for k, v in got.items() if k.endswith("._extra_state")}
-    assert len(extra) == 8 and all(v == [None] for v in extra.values())  # the local spec's, per layer
+    assert ("output_layer.weight" in model) == (not layout.endswith("tied"))  # tied: the embedding is the output
+    extra = {k: v for k, v in model.items() if k.endswith("._extra_state")}
+    assert len(extra) == 8 and all(v in ([None], None) for v in extra.values())  # the local spec's, per layer
+    assert set(got) - {"model", "common_state/shard_0_1"} == ({"optimizer"} if "optim" in layout else set())
     shardstore.unshard(src, tmp_path / "st", jobs=2)
     st = load_file(tmp_path / "st" / "model.safetensors")
     assert set(st) == set(want) and all(torch.equal(st[k], v) for k, v in want.items())
+
+
+def _per_layer(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The live ranks' optimizer state under the per-layer names: a stacked key's leading axis split."""
+    out = {}
+    for key, value in saved.items():
+        head, sep, tail = key.partition("decoder.layers.")
+        if sep and not tail[0].isdigit():
+            out.update({f"{head}{sep}{i}.{tail}": value[i] for i in range(value.shape[0])})
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("layout", ["tp2-pp1-dp2-optim", "tp2-pp1-dp2-optim-full", "tp2-pp2-optim"])
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_the_distributed_optimizer_state_is_what_the_live_ranks_held(layout: str, fmt: str, tmp_path: Path) -> None:
+    """After two steps of Megatron's DDP + DistributedOptimizer: `fully_reshardable` state per parameter
+    (param, exp_avg, exp_avg_sq shaped like the model's, per layer), `dp_reshardable` as its flat buckets
+    (one per TP x PP rank, each the data-parallel ranks' parts end to end) and said so; bit for bit what
+    the live ranks held, the param_groups with their `step` beside them."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src = DATA / layout
+    want = _per_layer(torch.load(f"{src}.expected.pt.ref", weights_only=True)["optimizer"])
+    result = shardstore.unshard(src, tmp_path / "out", format=fmt, jobs=2)
+    assert any("flat buckets" in n for n in result.notes) == layout.endswith("-optim")
+    if fmt == "dcp":  # torch's own reading of the export
+        dcp_to_torch_save(tmp_path / "out", tmp_path / "dcp.pt")
+    got = torch.load(tmp_path / ("out/checkpoint.pt" if fmt == "torch" else "dcp.pt"), weights_only=False)
+    optimizer = got["optimizer"]
+    tensors = {k: v for k, v in optimizer.items() if isinstance(v, torch.Tensor)}
+    assert set(tensors) == set(want) and len(want) >= 6
+    for key, value in want.items():
+        assert tensors[key].dtype == value.dtype and torch.equal(tensors[key], value), key
+    if layout.endswith("-full"):
+        assert any(k.startswith("optimizer.state.exp_avg.decoder.layers.1.") for k in tensors)
+        groups = got["common_state/shard_0_1"][0]["optimizer"]["optimizer"]["param_groups"]
+    else:
+        groups = next(v for k, v in optimizer.items() if k.endswith(".optimizer/shard_0_1"))[0]["param_groups"]
+    assert [g["step"] for g in groups] == [2.0, 2.0]  # two steps, in every group
 
 
 def test_a_megatron_lm_run_folder_gives_the_iteration_its_pointer_names(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from ...store.store import Store
 from ..hf import planned_files, write_model_files
 from ..hf.spec import HFModel
+from ..notes import flat_buckets
 from ..resolve import ArrayRef
 from ..safetensors import SafetensorsPlan, header, write_index
 from . import DirectExport
@@ -31,7 +32,7 @@ class SafetensorsDirect(DirectExport):
 
     @property
     def notes(self) -> list[str]:
-        return self.model.notes if self.model else []
+        return self.model.notes if self.model else flat_buckets(it.key for group in self.plan.groups for it in group)
 
     @property
     def side_files(self) -> bool:
