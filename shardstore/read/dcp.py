@@ -29,7 +29,7 @@ from .contract import (SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece
                        Skeleton, whole_numbers)
 from . import trainer
 from .tensors import check_view
-from .source import join, listing
+from .source import folder_of, join, listing
 from .trainer import TRAIN, TrainerUnit, join_trainer_state, open_trainer
 from .unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, TensorRef, load
 
@@ -37,6 +37,8 @@ MODEL_AND_OPTIM = "model_and_optim"  # OLMo's and OLMo-core's DCP folder, beside
 
 METADATA = ".metadata"
 MEGATRON_METADATA = "metadata.json"  # Megatron-Core's: {"sharded_backend": "torch_dist", ...}
+MEGATRON_COMMON = "common.pt"  # megatron-core <= 0.18's common state (>= 0.19: a bytes item in the files)
+COMMON_STATE = "common_state"  # where the store keeps it
 STACKED = re.compile(r"(.*?(?:^|\.)layers\.)(?=[A-Za-z_])")  # "decoder.layers." then a module name, no number
 LAYER_KEY = re.compile(r"(.*?(?:^|\.)layers\.)(\d+)\.")  # a per-layer key: its stack, and its layer
 EXTRA_STATE = re.compile(r"(.*?_extra_state)/shard_(\d+)_\d+")  # a layer's extra state: shard_{layer}_{layers}
@@ -147,12 +149,27 @@ def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
 
 def _torch_dist(folder: str, storage_options: StorageOptions | None) -> bool:
     """Whether the folder is Megatron-Core's `torch_dist` checkpoint: its metadata.json says so."""
+    return _megatron(folder, storage_options).get("sharded_backend") == "torch_dist"
+
+
+def _megatron(folder: str, storage_options: StorageOptions | None) -> dict[str, Any]:
+    """Megatron-Core's metadata.json: {} when there is none. Its `common_backend` ("torch", megatron-core
+    <= 0.18) says the common state is `common.pt` beside the .distcp files; the backend must be one
+    shardstore reads."""
     path = join(folder, MEGATRON_METADATA)
     if path not in listing(folder, storage_options):
-        return False
+        return {}
     info = jsonin.loads(read_small(path, storage_options, 1 << 16, "Megatron's metadata.json"), path,
                         "Megatron metadata", CheckpointError)
-    return isinstance(info, dict) and info.get("sharded_backend") == "torch_dist"
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path}: not Megatron's metadata (a JSON object)")
+    for key, known in (("sharded_backend", ("torch_dist", None)), ("common_backend", ("torch", None))):
+        if info.get(key) not in known:
+            raise CheckpointError(f"{path}: {key} is {info.get(key)!r:.40}; shardstore reads torch_dist checkpoints "
+                                  f"(and their common.pt)")
+    if info.get("common_backend") and join(folder, MEGATRON_COMMON) not in listing(folder, storage_options):
+        raise CheckpointError(f"{path}: names a common state ({MEGATRON_COMMON}) that is not in the folder")
+    return info
 
 
 def _per_layer(ckpt: DcpCheckpoint) -> DcpCheckpoint:
@@ -233,9 +250,11 @@ def _file_order(name: str) -> tuple:
 
 def trainer_files(folder: str, storage_options: StorageOptions | None = None) -> list[str]:
     """OLMo's `train/rank{r}.pt` (torch_new; OLMo-core trainers too) beside a `model_and_optim/` DCP folder,
-    in rank order. Empty for other DCP layouts."""
+    in rank order; megatron-core <= 0.18's `common.pt` in the folder. Empty for other DCP layouts."""
     parent, name = (folder.rstrip("/").rsplit("/", 1) if is_url(folder) else os.path.split(os.path.normpath(folder)))
-    return trainer.trainer_files(parent, storage_options) if name == MODEL_AND_OPTIM else []
+    if name == MODEL_AND_OPTIM:
+        return trainer.trainer_files(parent, storage_options)
+    return [join(folder, MEGATRON_COMMON)] if _megatron(folder, storage_options).get("common_backend") else []
 
 
 def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None = None, strict: bool = False,
@@ -256,8 +275,10 @@ def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None =
     tree = _tree(ckpt, encode_key)
     units = list(ckpt.files)
     if trainer_state:
-        join_trainer_state(tree, objects, trainer_state[0], encode_key, storage_options, strict)
-        units += [f"{TRAIN}/{os.path.basename(f.rstrip('/'))}" for f in trainer_state]
+        common = _is_common(trainer_state[0])
+        join_trainer_state(tree, objects, trainer_state[0], encode_key, storage_options, strict,
+                           COMMON_STATE if common else "")
+        units += [MEGATRON_COMMON] if common else [f"{TRAIN}/{os.path.basename(f.rstrip('/'))}" for f in trainer_state]
     return CheckpointSpec("dcp", len(units), len(units), tree, arrays, {}, objects,
                           {"units": units, "metadata": ckpt.digest})
 
@@ -325,9 +346,17 @@ def _checkpoint(folder: str, storage_options: StorageOptions | None) -> DcpCheck
     return parsed_once("dcp", folder, storage_options, read_checkpoint)
 
 
+def _is_common(path: str) -> bool:
+    return path.replace("\\", "/").rsplit("/", 1)[-1] == MEGATRON_COMMON
+
+
 def open_trainer_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> TrainerUnit:
     from .layouts import name_rank
 
+    if _is_common(path):  # Megatron's common state: the last unit, its values under common_state
+        ckpt = _checkpoint(folder_of(path), storage_options)
+        return open_trainer(path, len(ckpt.files), len(ckpt.files) + 1, ckpt.digest, storage_options, strict,
+                            encode_key, COMMON_STATE)
     train = _join_parent(path)
     ckpt = _checkpoint(join(train, MODEL_AND_OPTIM), storage_options)
     count = len(ckpt.files) + len(trainer_files(join(train, MODEL_AND_OPTIM), storage_options))
@@ -418,7 +447,7 @@ class DcpFormat:
         return has_metadata(folder, storage_options) or has_metadata(join(folder, MODEL_AND_OPTIM), storage_options)
 
     def source(self, folder: str, storage_options: StorageOptions | None) -> Any:
-        from .source import JSON_CONFIG, Source, config_files, folder_of, name_of
+        from .source import JSON_CONFIG, Source, config_files, name_of
 
         folder = _resolved(folder, storage_options)
         units = [join(folder, f) for f in read_checkpoint(folder, storage_options).files]
@@ -441,8 +470,6 @@ class DcpFormat:
         return Source(self.name, files, storage_options) if files and files[0].endswith(".distcp") else None
 
     def plan(self, source: Any, encode_key: Any, strict: bool) -> tuple[CheckpointSpec, None]:
-        from .source import folder_of
-
         trainer_state = [u for u in source.units if u.endswith(".pt")]
         ckpt = read_checkpoint(folder_of(source.units[0]), source.storage_options)
         return spec(ckpt, encode_key, trainer_state, strict, source.storage_options), None
@@ -474,7 +501,9 @@ class DcpFormat:
             if looks.still(path, lambda p, size: size >= ends[os.path.basename(p)])])
 
     def unit_kind(self, name: str) -> str:
-        return ".distcp files" if name.endswith(".distcp") else "trainer-state files"
+        if name.endswith(".distcp"):
+            return ".distcp files"
+        return "Megatron's common state" if _is_common(name) else "trainer-state files"
 
 
 FORMAT = DcpFormat()

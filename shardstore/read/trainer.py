@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .. import paths
 from ..errors import CheckpointError
 from ..locations import StorageOptions
 from .container import TorchZip
@@ -39,10 +40,11 @@ class TrainerUnit:
     group_size: int
     digest: str
     rf: Any  # the RankFile
+    under: str = ""  # the key its values are kept under ("" for the top level)
 
     @property
     def leaves(self) -> dict[str, Any]:
-        return self.rf.leaves
+        return {paths.join(self.under, k): v for k, v in self.rf.leaves.items()} if self.under else self.rf.leaves
 
     @property
     def size(self) -> int:
@@ -56,29 +58,37 @@ class TrainerUnit:
 
 
 def open_trainer(path: str, index: int, count: int, digest: str, storage_options: StorageOptions | None,
-                 strict: bool, encode_key: Any) -> TrainerUnit:
-    """Open `path` as unit `index` of `count`; it must hold plain values only."""
+                 strict: bool, encode_key: Any, under: str = "") -> TrainerUnit:
+    """Open `path` as unit `index` of `count`; it must hold plain values only (kept under `under`)."""
     from .rankfile import ShardedLeaf, read_rank_file
 
     rf = read_rank_file(path, encode_key=encode_key, storage_options=storage_options, strict=strict)
-    if name_rank(path) is None or any(isinstance(leaf, ShardedLeaf) for leaf in rf.leaves.values()):
+    if (name_rank(path) is None and not under) or any(isinstance(leaf, ShardedLeaf) for leaf in rf.leaves.values()):
         rf.close()
-        raise CheckpointError(f"{path}: not a trainer-state file (train/rank<N>.pt of plain values)")
-    return TrainerUnit(path, index, count, index, count, digest, rf)
+        what = "a file of plain values" if under else "a trainer-state file (train/rank<N>.pt of plain values)"
+        raise CheckpointError(f"{path}: not {what}")
+    return TrainerUnit(path, index, count, index, count, digest, rf, under)
 
 
 def join_trainer_state(tree: Node, objects: list[str], first: str, encode_key: Any,
-                       storage_options: StorageOptions | None, strict: bool) -> None:
-    """Add the keys of trainer-state file `first` (rank 0's) to the top level of `tree`, as values."""
+                       storage_options: StorageOptions | None, strict: bool, under: str = "") -> None:
+    """Add the keys of trainer-state file `first` (rank 0's) to the top level of `tree`, as values, or
+    the whole file under the key `under`."""
     from .rankfile import read_rank_file
 
     rf = read_rank_file(first, encode_key=encode_key, storage_options=storage_options, strict=strict)
     try:
         mine = {child.path for _, child in tree.children}
-        theirs = rf.skeleton.children
-        if rf.skeleton.kind not in ("dict", "odict") or mine & {child.path for _, child in theirs}:
+        theirs = [(encode_key(under), _moved(rf.skeleton, under))] if under else rf.skeleton.children
+        if (rf.skeleton.kind not in ("dict", "odict") and not under) or mine & {child.path for _, child in theirs}:
             raise CheckpointError(f"{first}: its keys collide with the model and optimizer state")
         tree.children += theirs
-        objects += list(rf.leaves)
+        objects += [paths.join(under, p) for p in rf.leaves] if under else list(rf.leaves)
     finally:
         rf.close()
+
+
+def _moved(node: Node, under: str) -> Node:
+    """`node`, every store path below `under` (a tree the reader built: its depth is already bounded)."""
+    return Node(node.kind, paths.join(under, node.path) if node.path else under,
+                [(key, _moved(child, under)) for key, child in node.children])

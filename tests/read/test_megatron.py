@@ -20,7 +20,8 @@ import torch
 import shardstore
 from shardstore.read.source import open_source
 
-DATA = Path(__file__).parent.parent / "fixtures" / "data" / "megatron" / "core0.19.2"
+MEGATRON = Path(__file__).parent.parent / "fixtures" / "data" / "megatron"
+DATA = MEGATRON / "core0.19.2"
 # The local layer spec's module names -> the names its sharded state dict gives them (Transformer
 # Engine's, whose norms live inside the next linear layer)
 SAVED_AS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -37,7 +38,16 @@ def _saved_names(want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 LAYOUTS = ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2", "tp2-pp1-qwen2", "tp2-pp1-tied", "tp2-pp1-layers",
-           "tp2-pp1-dp2-optim", "tp2-pp1-dp2-optim-full", "tp2-pp2-optim"]
+           "tp2-pp1-dp2-optim", "tp2-pp1-dp2-optim-full", "tp2-pp2-optim",
+           # megatron-core <= 0.18: the common state in common.pt beside the .distcp files
+           "../core0.16.1/tp2-pp1", "../core0.16.1/tp2-pp2-optim", "../core0.16.1/tp2-pp1-dp2-optim-full"]
+OPTIM = [layout for layout in LAYOUTS if "optim" in layout]
+
+
+def _common(got: dict) -> dict:
+    """Megatron's common state as the export holds it: megatron-core >= 0.19 keeps it as a bytes item in
+    the files (a one-element list), <= 0.18 in common.pt."""
+    return got["common_state/shard_0_1"][0] if "common_state/shard_0_1" in got else got["common_state"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -59,12 +69,12 @@ def test_every_parallel_layout_reads_per_layer_as_megatron_core_loads_it(layout:
         assert tensors[key].dtype == value.dtype and torch.equal(tensors[key], value), key
     layers = [int(k.split(".")[2]) for k in model if k.startswith("decoder.layers.")]
     assert layers == sorted(layers)  # layer by layer, as Megatron's own state dict is
-    common = got["common_state/shard_0_1"][0]  # megatron-core >= 0.19 keeps it as a bytes item in the files
+    common = _common(got)
     assert common["iteration"] == 10 and common["args"].num_query_groups == 2 and common["checkpoint_version"] == 3.0
     assert ("output_layer.weight" in model) == (not layout.endswith("tied"))  # tied: the embedding is the output
     extra = {k: v for k, v in model.items() if k.endswith("._extra_state")}
     assert len(extra) == 8 and all(v in ([None], None) for v in extra.values())  # the local spec's, per layer
-    assert set(got) - {"model", "common_state/shard_0_1"} == ({"optimizer"} if "optim" in layout else set())
+    assert set(got) - {"model", "common_state/shard_0_1", "common_state"} == ({"optimizer"} if "optim" in layout else set())
     shardstore.unshard(src, tmp_path / "st", jobs=2)
     st = load_file(tmp_path / "st" / "model.safetensors")
     assert set(st) == set(want) and all(torch.equal(st[k], v) for k, v in want.items())
@@ -82,7 +92,7 @@ def _per_layer(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["tp2-pp1-dp2-optim", "tp2-pp1-dp2-optim-full", "tp2-pp2-optim"])
+@pytest.mark.parametrize("layout", OPTIM)
 @pytest.mark.parametrize("fmt", ["torch", "dcp"])
 def test_the_distributed_optimizer_state_is_what_the_live_ranks_held(layout: str, fmt: str, tmp_path: Path) -> None:
     """After two steps of Megatron's DDP + DistributedOptimizer: `fully_reshardable` state per parameter
@@ -105,7 +115,7 @@ def test_the_distributed_optimizer_state_is_what_the_live_ranks_held(layout: str
         assert tensors[key].dtype == value.dtype and torch.equal(tensors[key], value), key
     if layout.endswith("-full"):
         assert any(k.startswith("optimizer.state.exp_avg.decoder.layers.1.") for k in tensors)
-        groups = got["common_state/shard_0_1"][0]["optimizer"]["optimizer"]["param_groups"]
+        groups = _common(got)["optimizer"]["optimizer"]["param_groups"]
     else:
         groups = next(v for k, v in optimizer.items() if k.endswith(".optimizer/shard_0_1"))[0]["param_groups"]
     assert [g["step"] for g in groups] == [2.0, 2.0]  # two steps, in every group
@@ -158,3 +168,20 @@ def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_p
     (tmp_path / "wrong.json").write_text(json.dumps(wrong))
     with pytest.raises(Exception, match="shape"):
         shardstore.unshard(src, tmp_path / "hf2", format="hf", hf_config=tmp_path / "wrong.json", jobs=1)
+
+
+def test_a_common_state_the_metadata_names_must_be_there(tmp_path: Path) -> None:
+    """megatron-core <= 0.18: metadata.json names common.pt; without it the args, the iteration and the
+    optimizer's param_groups would be lost, so the folder is refused, as is a backend shardstore does not
+    read."""
+    import json
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(MEGATRON / "core0.16.1" / "tp2-pp1" / "iter_0000010", src)
+    (src / "common.pt").unlink()
+    with pytest.raises(shardstore.CheckpointError, match=r"metadata.json: names a common state \(common.pt\)"):
+        shardstore.unshard(src, tmp_path / "out", format="torch")
+    (src / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1}))
+    with pytest.raises(shardstore.CheckpointError, match="sharded_backend is 'zarr'"):
+        shardstore.unshard(src, tmp_path / "out", format="torch")
+    assert not (tmp_path / "out").exists()

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from ... import jsonin
 from ...errors import ExportError, ShardstoreError
+from ...read.contract import Node
 from ...read.registry import get
 from ...read.source import hf_model_file
 from ...store.store import Store
@@ -46,15 +47,15 @@ def in_values(store: Store) -> bool:
     return _holder(store, COMPOSER_HF) is not None or _megatron_common(store) is not None
 
 
-def _megatron_common(store: Store) -> str | None:
-    """The store path of Megatron-Core's common state (a bytes item `common_state/shard_0_1` in megatron-core
-    >= 0.19's own files), if the checkpoint has one."""
-    return next((c.path for _, c in store.manifest.tree.children
-                 if c.kind == "leaf" and c.path.startswith("common_state")), None)
+def _megatron_common(store: Store) -> Node | None:
+    """Megatron-Core's common state, if the checkpoint has one: a bytes item `common_state/shard_0_1` in
+    megatron-core >= 0.19's own files, the values of `common.pt` under `common_state` before."""
+    return next((c for _, c in store.manifest.tree.children if c.path.startswith("common_state")), None)
 
 
-def _from_megatron_args(store: Store, subtree: str, path: str) -> tuple[HFModel, dict[str, str]]:
-    common = build(store, _leaf(path), plain_dicts=True)
+def _from_megatron_args(store: Store, subtree: str, node: Node) -> tuple[HFModel, dict[str, str]]:
+    path = node.path
+    common = build(store, node, plain_dicts=True)
     common = common[0] if isinstance(common, list) and len(common) == 1 else common
     args = common.get("args") if isinstance(common, dict) else None
     state = getattr(args, "state", None)
@@ -105,9 +106,7 @@ def _shape(store: Store, path: str) -> tuple[int, ...] | None:
     return tuple(value.shape) if hasattr(value, "shape") else None
 
 
-def _leaf(path: str) -> Any:
-    from ...read.contract import Node
-
+def _leaf(path: str) -> Node:
     return Node("leaf", path)
 
 
