@@ -36,6 +36,17 @@ from .unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, TensorRef,
 MODEL_AND_OPTIM = "model_and_optim"  # OLMo's and OLMo-core's DCP folder, beside train/
 
 METADATA = ".metadata"
+# Megatron-Core's trainers' folders: NeMo 2's checkpoint is weights/ (torch_dist) beside context/ (the
+# model's config as model.yaml, its tokenizer's files in nemo_tokenizer/), its model's keys under `module.`;
+# veRL's Megatron actor keeps dist_ckpt/ beside huggingface/ (model/dist_ckpt/ and model/huggingface/ in
+# its layout v2, the optimizer then in a DCP folder of its own).
+NEMO_WEIGHTS, NEMO_CONTEXT, NEMO_MODEL, NEMO_TOKENIZER = "weights", "context", "model.yaml", "nemo_tokenizer"
+NEMO_PREFIX = "module."
+VERL_DIST, VERL_HF = "dist_ckpt", "huggingface"
+# Where trainers keep a DCP folder inside their checkpoint folder (OLMo's and OLMo-core's, NeMo's, veRL's
+# from its actor/ folder and from the step folder above it)
+INSIDE = (MODEL_AND_OPTIM, NEMO_WEIGHTS, VERL_DIST, f"model/{VERL_DIST}", f"actor/{VERL_DIST}",
+          f"actor/model/{VERL_DIST}")
 MEGATRON_METADATA = "metadata.json"  # Megatron-Core's: {"sharded_backend": "torch_dist", ...}
 MEGATRON_COMMON = "common.pt"  # megatron-core <= 0.18's common state (>= 0.19: a bytes item in the files)
 COMMON_STATE = "common_state"  # where the store keeps it
@@ -230,10 +241,13 @@ def _per_layer(ckpt: DcpCheckpoint) -> DcpCheckpoint:
 def _part(name: str) -> tuple[str, ...]:
     """Where a Megatron key goes in the state dict, as Megatron-LM's own torch-format checkpoints nest it:
     the optimizer's keys (`optimizer.…`) under `optimizer`, the model's under `model`, and the common and
-    per-rank states (`common_state/…`, `rng_state/…`) at the top."""
+    per-rank states (`common_state/…`, `rng_state/…`) at the top. NeMo's `module.` goes: the names are
+    Megatron's."""
     if name.startswith(MEGATRON_OPTIMIZER):
         return ("optimizer", name)
-    return (name,) if name.split("/")[0] in MEGATRON_TOP else ("model", name)
+    if name.split("/")[0] in MEGATRON_TOP:
+        return (name,)
+    return ("model", name.removeprefix(NEMO_PREFIX))
 
 
 def _layers_split(fqn: str) -> tuple[str, str | None]:
@@ -419,9 +433,36 @@ def _read_items(ckpt: DcpCheckpoint, unit: DcpUnit, name: str, strict: bool) -> 
 
 
 # ---------------------------------------------------------------------------------------------- format
+def _inside(folder: str, storage_options: StorageOptions | None) -> str | None:
+    """The folder holding .metadata: `folder`, or one of the places a trainer keeps it in (INSIDE)."""
+    for place in ("", *INSIDE):
+        path = join(folder, place) if place else folder
+        if has_metadata(path, storage_options):
+            return path
+    return None
+
+
 def _resolved(folder: str, storage_options: StorageOptions | None) -> str:
-    """The folder holding .metadata: `folder`, or OLMo's `folder/model_and_optim`."""
-    return folder if has_metadata(folder, storage_options) else join(folder, MODEL_AND_OPTIM)
+    return _inside(folder, storage_options) or join(folder, MODEL_AND_OPTIM)
+
+
+def _beside(folder: str, storage_options: StorageOptions | None) -> list[str]:
+    """The files a trainer keeps next to its DCP folder that describe the model: OLMo's config.yaml, a
+    config.json; NeMo 2's context/model.yaml and the tokenizer in context/nemo_tokenizer/; the Hugging Face
+    files in veRL's huggingface/ next to its Megatron actor's dist_ckpt/."""
+    from .source import JSON_CONFIG, config_files, hf_model_file, name_of
+
+    name, parent = name_of(folder), folder_of(folder)
+    if name == MODEL_AND_OPTIM:
+        return config_files(parent, storage_options, "config.yaml", JSON_CONFIG)
+    found = config_files(folder, storage_options, "config.yaml", JSON_CONFIG)
+    if name == NEMO_WEIGHTS:
+        context = join(parent, NEMO_CONTEXT)
+        found += config_files(context, storage_options, NEMO_MODEL)
+        found += [p for p in listing(join(context, NEMO_TOKENIZER), storage_options) if hf_model_file(name_of(p))]
+    elif name == VERL_DIST:
+        found += [p for p in listing(join(parent, VERL_HF), storage_options) if hf_model_file(name_of(p))]
+    return found
 
 
 def dcp_folder(src: str, tag: str | None, step: int | None, storage_options: StorageOptions | None) -> str | None:
@@ -444,16 +485,15 @@ class DcpFormat:
     group_claims, keeps_empty_values = False, False  # DCP stores nested values key by key
 
     def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
-        return has_metadata(folder, storage_options) or has_metadata(join(folder, MODEL_AND_OPTIM), storage_options)
+        return _inside(folder, storage_options) is not None
 
     def source(self, folder: str, storage_options: StorageOptions | None) -> Any:
-        from .source import JSON_CONFIG, Source, config_files, name_of
+        from .source import Source
 
         folder = _resolved(folder, storage_options)
         units = [join(folder, f) for f in read_checkpoint(folder, storage_options).files]
-        run = folder_of(folder) if name_of(folder) == MODEL_AND_OPTIM else folder
         return Source(self.name, units + trainer_files(folder, storage_options), storage_options,
-                      config_files(run, storage_options, "config.yaml", JSON_CONFIG))
+                      _beside(folder, storage_options))
 
     def latest(self, folder: str, storage_options: StorageOptions | None) -> str | None:
         """Composer's `latest-rank0.pt`: a link to the newest checkpoint folder."""

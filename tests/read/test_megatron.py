@@ -185,3 +185,34 @@ def test_a_common_state_the_metadata_names_must_be_there(tmp_path: Path) -> None
     with pytest.raises(shardstore.CheckpointError, match="sharded_backend is 'zarr'"):
         shardstore.unshard(src, tmp_path / "out", format="torch")
     assert not (tmp_path / "out").exists()
+
+
+# Where each trainer keeps megatron-core's torch_dist folder, and what a user may point shardstore at
+TRAINERS = {"tp2-pp1-nemo": ["", "weights"],  # NeMo 2: weights/ beside context/
+            "tp2-pp1-verl": ["", "global_step_10", "global_step_10/actor"],  # veRL: actor/dist_ckpt/
+            "tp2-pp1-verl2": ["", "global_step_10", "global_step_10/actor"]}  # veRL v2: actor/model/dist_ckpt/
+
+
+@pytest.mark.parametrize("layout", list(TRAINERS))
+def test_nemo_and_verl_folders_are_found_without_flags_and_export_megatrons_logits(layout: str,
+                                                                                   tmp_path: Path) -> None:
+    """NeMo 2's checkpoint folder and veRL's Megatron run, step and actor folders are found as they are;
+    NeMo's `module.` prefix goes (the names are Megatron's); --format hf describes the model from NeMo's
+    context/model.yaml or veRL's huggingface/config.json and reproduces Megatron's own logits."""
+    from transformers import AutoModelForCausalLM
+
+    want = torch.load(DATA / f"{layout}.expected.pt.ref", weights_only=True)
+    for i, given in enumerate(TRAINERS[layout]):
+        src = DATA / layout / given
+        shardstore.unshard(src, tmp_path / f"pt{i}", format="torch", jobs=2)
+        got = torch.load(tmp_path / f"pt{i}" / "checkpoint.pt", weights_only=False)["model"]
+        expected = _saved_names({k.removeprefix("module."): v for k, v in want["model"].items()})
+        tensors = {k: v for k, v in got.items() if isinstance(v, torch.Tensor)}
+        assert set(tensors) == set(expected)
+        assert all(torch.equal(tensors[k], v) for k, v in expected.items())
+    result = shardstore.unshard(DATA / layout, tmp_path / "hf", format="hf", jobs=2)
+    assert any("padded" in n for n in result.notes) == layout.endswith("nemo")  # veRL's config names the vocab
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        logits = model(input_ids=want["ids"]).logits
+    torch.testing.assert_close(logits, want["logits"], rtol=1e-4, atol=1e-4)

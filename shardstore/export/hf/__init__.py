@@ -23,6 +23,7 @@ from typing import Any, Callable
 from ... import jsonin
 from ...errors import ExportError, ShardstoreError
 from ...read.contract import Node
+from ...read.dcp import NEMO_MODEL
 from ...read.registry import get
 from ...read.source import hf_model_file
 from ...store.store import Store
@@ -54,17 +55,29 @@ def _megatron_common(store: Store) -> Node | None:
 
 
 def _from_megatron_args(store: Store, subtree: str, node: Node) -> tuple[HFModel, dict[str, str]]:
-    path = node.path
     common = build(store, node, plain_dicts=True)
     common = common[0] if isinstance(common, list) and len(common) == 1 else common
     args = common.get("args") if isinstance(common, dict) else None
     state = getattr(args, "state", None)
     if not isinstance(state, dict):
-        raise ExportError(f"{path}: Megatron's common state holds no args to describe the model; give --hf-config")
-    config, notes = megatron.config_from_args(state, f"{path}: args")
+        raise ExportError("Megatron's common state holds no args to describe the model (a checkpoint of a "
+                          "trainer other than Megatron-LM?); give --hf-config")
+    return _megatron_from(store, subtree, state, "Megatron's common state: args")
+
+
+def _from_nemo(store: Store, subtree: str, raw: bytes) -> tuple[HFModel, dict[str, str]]:
+    names = _model_leaves(store, subtree, None)
+    rows = _shape(store, names[megatron.EMBEDDING]) if megatron.EMBEDDING in names else None
+    where = f"NeMo's context/{NEMO_MODEL}"
+    return _megatron_from(store, subtree, megatron.args_from_nemo(raw, rows[0] if rows else None, where), where)
+
+
+def _megatron_from(store: Store, subtree: str, args: dict[str, Any], where: str) -> tuple[HFModel, dict[str, str]]:
+    """A Megatron GPT model described by Megatron-LM's arguments."""
+    config, notes = megatron.config_from_args(args, where)
     names = _model_leaves(store, subtree, None)
     shapes = {n: s for n, p in names.items() if (s := _shape(store, p)) is not None}
-    model = megatron.plan(config, list(names), shapes, f"{path}: args", {})
+    model = megatron.plan(config, list(names), shapes, where, {})
     model.notes += notes
     return model, names
 
@@ -73,7 +86,7 @@ def has_hf_description(store: Store) -> bool:
     """Whether the checkpoint may describe its model itself, from its plan alone (no rank need be in):
     the run's config.yaml, Composer's Hugging Face metadata, or Megatron-LM's common state."""
     side = store.manifest.facts.side_files
-    return in_values(store) or "config.yaml" in side or CONFIG in side
+    return in_values(store) or "config.yaml" in side or CONFIG in side or NEMO_MODEL in side
 
 
 def _side_config(store: Store, name: str) -> bytes | None:
@@ -262,8 +275,11 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
         if experiment is not None:
             return _from_olmo_core(store, subtree, experiment)
         return _from_side_files(store, subtree, strip_prefix)
+    nemo = _side_config(store, NEMO_MODEL)
+    if nemo is not None:  # after the Hugging Face files a trainer keeps beside it (veRL's)
+        return _from_nemo(store, subtree, nemo)
     common = _megatron_common(store)
-    if common is not None:  # after the Hugging Face files a trainer keeps beside it (veRL's, NeMo's)
+    if common is not None:
         return _from_megatron_args(store, subtree, common)
     return _from_olmo(store, subtree)
 

@@ -139,3 +139,37 @@ def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], 
     notes = [f"the vocabulary is Megatron's padded one ({vocab} rows; the checkpoint does not say the tokenizer's "
              f"size): give --hf-config with the tokenizer's vocab_size to drop the padding rows"]
     return config, notes
+
+
+# NeMo 2's model config (context/model.yaml: Megatron-Core's TransformerConfig fields) -> Megatron-LM's
+# argument names, which config_from_args reads
+NEMO_ARGS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
+             "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",
+             "kv_channels": "kv_channels", "normalization": "normalization", "layernorm_epsilon": "norm_epsilon",
+             "add_bias_linear": "add_bias_linear", "add_qkv_bias": "add_qkv_bias",
+             "position_embedding_type": "position_embedding_type", "rotary_base": "rotary_base",
+             "rotary_percent": "rotary_percent", "seq_length": "max_position_embeddings"}
+
+
+def args_from_nemo(raw: bytes, vocab: int | None, where: str) -> dict[str, Any]:
+    """Megatron-LM's arguments for the model NeMo 2's context/model.yaml describes (read as plain YAML:
+    fiddle's callables are `{_target_: name}` mappings, never imported); `vocab` is the embedding's rows."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ExportError(f"{where}: not YAML ({str(exc).splitlines()[0][:80]}); give --hf-config") from None
+    config = doc.get("config") if isinstance(doc, dict) else None
+    if not isinstance(config, dict):
+        raise ExportError(f"{where}: holds no model config (a `config:` mapping); give --hf-config")
+    args = {name: config[key] for key, name in NEMO_ARGS.items() if key in config}
+    activation = config.get("activation_func")
+    target = activation.get("_target_") if isinstance(activation, dict) else activation
+    args["swiglu"] = bool(config.get("gated_linear_unit")) and str(target).endswith(".silu")
+    args["group_query_attention"] = config.get("num_query_groups") is not None
+    args["untie_embeddings_and_output_weights"] = not config.get("share_embeddings_and_output_weights", True)
+    dtype = config.get("params_dtype")
+    args["params_dtype"] = dtype.get("_target_") if isinstance(dtype, dict) else dtype
+    args["padded_vocab_size"] = vocab
+    return args
