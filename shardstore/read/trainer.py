@@ -79,7 +79,7 @@ def join_trainer_state(tree: Node, objects: list[str], first: str, encode_key: A
     rf = read_rank_file(first, encode_key=encode_key, storage_options=storage_options, strict=strict)
     try:
         mine = {child.path for _, child in tree.children}
-        theirs = [(encode_key(under), _moved(rf.skeleton, under))] if under else rf.skeleton.children
+        theirs = [(encode_key(under), moved(rf.skeleton, under))] if under else rf.skeleton.children
         if (rf.skeleton.kind not in ("dict", "odict") and not under) or mine & {child.path for _, child in theirs}:
             raise CheckpointError(f"{first}: its keys collide with the model and optimizer state")
         tree.children += theirs
@@ -88,7 +88,7 @@ def join_trainer_state(tree: Node, objects: list[str], first: str, encode_key: A
         rf.close()
 
 
-def _moved(node: Node, under: str) -> Node:
+def moved(node: Node, under: str) -> Node:
     """`node`, every store path below `under` (a tree the reader built: its depth is already bounded)."""
     return Node(node.kind, paths.join(under, node.path) if node.path else under,
-                [(key, _moved(child, under)) for key, child in node.children])
+                [(key, moved(child, under)) for key, child in node.children])

@@ -20,6 +20,8 @@ import torch
 import shardstore
 from shardstore.read.source import open_source
 
+from .conformance import FormatTests
+
 MEGATRON = Path(__file__).parent.parent / "fixtures" / "data" / "megatron"
 DATA = MEGATRON / "core0.19.2"
 # The local layer spec's module names -> the names its sharded state dict gives them (Transformer
@@ -216,3 +218,78 @@ def test_nemo_and_verl_folders_are_found_without_flags_and_export_megatrons_logi
     with torch.no_grad():
         logits = model(input_ids=want["ids"]).logits
     torch.testing.assert_close(logits, want["logits"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["tp2-pp1-legacy", "tp2-pp2-legacy"])
+def test_megatron_lm_torch_format_merges_by_megatrons_partition_rules(layout: str, tmp_path: Path) -> None:
+    """`--ckpt-format torch`: one file per TP x PP rank (mp_rank_TT[_PPP]/model_optim_rng.pt), each with
+    its own part of every tensor and its stage's layers from 0. Merged (column-parallel on dim 0, row-
+    parallel on dim 1, SwiGLU's [gate; up] per rank, layers renumbered), it is bit for bit the model
+    megatron-core's own load gives one process; each file's other values are kept under ranks/; the
+    Hugging Face export, described by the args, gives Megatron's logits."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    src = DATA / layout
+    want = torch.load(f"{src}.expected.pt.ref", weights_only=True)
+    shardstore.unshard(src, tmp_path / "pt", format="torch", jobs=2)
+    got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=False)
+    tensors = {k: v for k, v in got["model"].items() if isinstance(v, torch.Tensor)}
+    assert set(tensors) == set(want["model"])
+    assert all(torch.equal(tensors[k], v) for k, v in want["model"].items())
+    layers = [int(k.split(".")[2]) for k in got["model"] if k.startswith("decoder.layers.")]
+    assert layers == sorted(layers) and max(layers) == 1
+    names = sorted(p.name for p in (src / "iter_0000010").iterdir())
+    assert list(got["ranks"]) == sorted(names, key=lambda n: n[::-1])  # stage by stage, tensor rank by rank
+    assert all(r["iteration"] == 10 and r["args"].tensor_model_parallel_size == 2 for r in got["ranks"].values())
+    assert all(isinstance(r["rng_state"][0]["torch_rng_state"], torch.Tensor) for r in got["ranks"].values())
+    shardstore.unshard(src, tmp_path / "st", jobs=2)
+    st = load_file(tmp_path / "st" / "model.safetensors")
+    assert set(st) == set(want["model"]) and all(torch.equal(st[k], v) for k, v in want["model"].items())
+    shardstore.unshard(src, tmp_path / "hf", format="hf", jobs=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        logits = model(input_ids=want["ids"]).logits
+    torch.testing.assert_close(logits, want["logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_megatron_lm_torch_format_refuses_what_it_cannot_merge_exactly(tmp_path: Path) -> None:
+    """A rank folder missing, one rank's file copied over another's (every length right), a file of
+    another stage in a rank's place: each refused by name before anything is written."""
+    src = tmp_path / "run" / "iter_0000010"
+    shutil.copytree(DATA / "tp2-pp2-legacy" / "iter_0000010", src)
+    rank = src / "mp_rank_01_001" / "model_optim_rng.pt"
+    saved = rank.read_bytes()
+    rank.unlink()
+    with pytest.raises(shardstore.CheckpointError, match="mp_rank_01_001: has no model_optim_rng.pt"):
+        shardstore.unshard(src, tmp_path / "out", format="torch")
+    shutil.copy(src / "mp_rank_00_001" / "model_optim_rng.pt", rank)
+    with pytest.raises(shardstore.CheckpointError, match="the same file as"):
+        shardstore.unshard(src, tmp_path / "out", format="torch")
+    rank.write_bytes(saved)
+    other = DATA / "tp2-pp1-legacy" / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"  # a 1-stage save's
+    shutil.copy(other, src / "mp_rank_01_000" / "model_optim_rng.pt")
+    with pytest.raises(shardstore.CheckpointError, match=r"mp_rank_01_000/model_optim_rng.pt: .*layer 1 of a stage "
+                                                         r"of 1 layers"):
+        shardstore.unshard(src, tmp_path / "out", format="torch")
+    assert not (tmp_path / "out").exists()
+
+
+class TestMegatronTorchConformance(FormatTests):
+    @pytest.fixture
+    def checkpoint(self, tmp_path: Path) -> Path:
+        return DATA / "tp2-pp2-legacy" / "iter_0000010"
+
+    @pytest.fixture
+    def foreign(self, tmp_path: Path) -> Path:
+        return DATA / "tp2-pp1-legacy" / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"
+
+
+class TestMegatronTorchDistConformance(FormatTests):
+    @pytest.fixture
+    def checkpoint(self, tmp_path: Path) -> Path:
+        return DATA / "tp2-pp2-optim" / "iter_0000010"
+
+    @pytest.fixture
+    def foreign(self, tmp_path: Path) -> Path:
+        return DATA / "tp2-pp1-dp2-optim" / "iter_0000010" / "__1_0.distcp"

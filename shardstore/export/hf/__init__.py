@@ -24,6 +24,7 @@ from ... import jsonin
 from ...errors import ExportError, ShardstoreError
 from ...read.contract import Node
 from ...read.dcp import NEMO_MODEL
+from ...read.megatron_torch import FORMAT as MEGATRON_TORCH, RANKS
 from ...read.registry import get
 from ...read.source import hf_model_file
 from ...store.store import Store
@@ -50,8 +51,14 @@ def in_values(store: Store) -> bool:
 
 def _megatron_common(store: Store) -> Node | None:
     """Megatron-Core's common state, if the checkpoint has one: a bytes item `common_state/shard_0_1` in
-    megatron-core >= 0.19's own files, the values of `common.pt` under `common_state` before."""
-    return next((c for _, c in store.manifest.tree.children if c.path.startswith("common_state")), None)
+    megatron-core >= 0.19's own files, the values of `common.pt` under `common_state` before, the first
+    rank's file's values in Megatron-LM's torch format (`ranks/mp_rank_00…`)."""
+    for _, child in store.manifest.tree.children:
+        if child.path.startswith("common_state"):
+            return child
+        if child.path == RANKS and store.manifest.facts.format == MEGATRON_TORCH and child.children:
+            return child.children[0][1]
+    return None
 
 
 def _from_megatron_args(store: Store, subtree: str, node: Node) -> tuple[HFModel, dict[str, str]]:
