@@ -35,8 +35,9 @@ from .unpickle import TensorRef, load
 
 FORMAT = "megatron-torch"
 FILE = "model_optim_rng.pt"
+DISTRIB = "distrib_optim.pt"  # the distributed optimizer's state, gathered to data-parallel rank 0
 RANK_FOLDER = re.compile(r"mp_rank_(?P<tp>\d{2})(?:_(?P<pp>\d{3}))?\Z")
-MODEL, RANKS = "model", "ranks"
+MODEL, RANKS, DISTRIB_KEY = "model", "ranks", "distrib_optim"
 LAYER = re.compile(r"(.*?(?:^|\.)layers\.)(\d+)(\..*)")
 # Megatron's tensor-parallel layers, by the end of a parameter's name
 COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
@@ -79,18 +80,22 @@ def units(folder: str, storage_options: StorageOptions | None = None) -> list[st
                if (t, p) not in places]
     if missing:
         raise CheckpointError(f"{folder}: rank folders missing for a {tp} x {pp} grid: {', '.join(missing[:8])}")
-    out = []
+    out, optimizer = [], []
     for p in range(pp):
         for t in range(tp):
             sub = join(folder, places[(t, p)])
-            if join(sub, FILE) not in listing(sub, storage_options):
+            there = listing(sub, storage_options)
+            if join(sub, FILE) not in there:
                 raise CheckpointError(f"{sub}: has no {FILE} (a save that did not finish?)")
             out.append(join(sub, FILE))
-    return out
+            optimizer += [join(sub, DISTRIB)] if join(sub, DISTRIB) in there else []
+    if optimizer and len(optimizer) != len(out):
+        raise CheckpointError(f"{folder}: {DISTRIB} in {len(optimizer)} of {len(out)} rank folders")
+    return out + optimizer  # the model's files first: unit i < TP x PP is grid place i
 
 
 def unit_kind(name: str) -> str:
-    return f"{FILE} files"
+    return f"{name_of(name)} files" if name_of(name) in (FILE, DISTRIB) else "files"
 
 
 def _rank_name(path: str) -> str:
@@ -162,21 +167,23 @@ class _Read:
     def __init__(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any):
         self.path, self.name = path, _rank_name(path)
         self.t, self.p = _place(self.name)
+        self.optimizer = name_of(path) == DISTRIB  # its whole content: ranks/<rank>/distrib_optim/
         self.zip = TorchZip(path, storage_options)
         with closed_on_error(self.zip.close, path):
             self.zip.verify("data.pkl")
             obj = load(self.zip.record("data.pkl"), path, strict)
-            if not isinstance(obj, dict) or not isinstance(obj.get(MODEL), dict):
+            if not isinstance(obj, dict) or not (self.optimizer or isinstance(obj.get(MODEL), dict)):
                 raise CheckpointError(f"{path}: not a Megatron-LM checkpoint file (a dict with a `model` state dict)")
-            self.model: dict[str, Any] = obj[MODEL]
+            self.model: dict[str, Any] = {} if self.optimizer else obj[MODEL]
             self.args = obj.get("args")
             try:
-                tree, leaves = flatten({k: v for k, v in obj.items() if k != MODEL}, encode_key)
+                tree, leaves = flatten(obj if self.optimizer else {k: v for k, v in obj.items() if k != MODEL},
+                                       encode_key)
             except RecursionError:
                 raise CheckpointError(f"{path}: values nested too deeply, or containing themselves") from None
-            under = paths.join(RANKS, paths.escape(self.name))
+            under = paths.join(RANKS, paths.escape(self.name), *([DISTRIB_KEY] if self.optimizer else []))
             self.shape_of_rest = tree.to_json()
-            self.rest = (encode_key(self.name), moved(tree, under))
+            self.rest = moved(tree, under)
             self.leaves = {paths.join(under, k): v for k, v in leaves.items()}
 
     def merged(self, grid: dict[str, Any]) -> list[tuple[str, Any, tuple[int, ...], list[Box]]]:
@@ -222,11 +229,12 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     try:
         for path in unit_paths:
             files.append(_Read(path, storage_options, strict, encode_key))
-        grid = _grid(files[0].args, len(files), files[0].path)
+        grid = _grid(files[0].args, sum(not f.optimizer for f in files), files[0].path)
         digests = [f.digest(grid) for f in files]
-        for i, f in enumerate(files):
-            first = files[i - f.t]
-            if f.t and f.digest(grid, whole=False) != first.digest(grid, whole=False):
+        first_of = {f.p: f for f in files if f.t == 0 and not f.optimizer}
+        for f in files:
+            first = first_of[f.p]
+            if f.t and not f.optimizer and f.digest(grid, whole=False) != first.digest(grid, whole=False):
                 raise CheckpointError(f"{f.path}: its keys or shapes differ from {first.path}'s, the same stage's "
                                       f"tensor rank 0 (a file of another checkpoint?)")
         arrays: dict[str, ShardedSpec] = {}
@@ -254,7 +262,7 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
                     objects.append(path)
         for path, held in shards.items():
             arrays[path] = ShardedSpec(arrays[path].dtype, arrays[path].shape, tuple(held))
-        ranks = Node("dict", RANKS, [f.rest for f in files])
+        ranks = Node("dict", RANKS, _per_rank(files, encode_key))
         tree = Node("dict", "", [(encode_key(MODEL), Node("odict", MODEL, model)), (encode_key(RANKS), ranks)])
     finally:
         for f in files:
@@ -263,6 +271,20 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     digest = hashlib.blake2b(repr(digests).encode(), digest_size=16).hexdigest()
     extra = {"units": names, "metadata": digest, "megatron": {"grid": grid, "digests": digests}}
     return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
+
+
+def _per_rank(files: list[_Read], encode_key: Any) -> list[tuple[Any, Node]]:
+    """Each rank's own values: its model file's, and its distributed optimizer's under distrib_optim."""
+    out: dict[str, Node] = {}
+    for f in files:
+        if not f.optimizer:
+            out[f.name] = f.rest
+            continue
+        node = out[f.name]
+        if node.kind not in ("dict", "odict") or any(child.path == f.rest.path for _, child in node.children):
+            raise CheckpointError(f"{f.path}: its rank's {FILE} already holds a `{DISTRIB_KEY}`")
+        node.children.append((encode_key(DISTRIB_KEY), f.rest))
+    return [(encode_key(name), node) for name, node in out.items()]
 
 
 # ---------------------------------------------------------------------------------------------- units

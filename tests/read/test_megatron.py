@@ -220,12 +220,24 @@ def test_nemo_and_verl_folders_are_found_without_flags_and_export_megatrons_logi
     torch.testing.assert_close(logits, want["logits"], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("layout", ["tp2-pp1-legacy", "tp2-pp2-legacy"])
+def _same(a: object, b: object) -> bool:
+    """Equal as saved: the same keys in the same order, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("layout", ["tp2-pp1-legacy", "tp2-pp2-legacy", "tp2-pp2-dp2-legacy-optim"])
 def test_megatron_lm_torch_format_merges_by_megatrons_partition_rules(layout: str, tmp_path: Path) -> None:
     """`--ckpt-format torch`: one file per TP x PP rank (mp_rank_TT[_PPP]/model_optim_rng.pt), each with
     its own part of every tensor and its stage's layers from 0. Merged (column-parallel on dim 0, row-
     parallel on dim 1, SwiGLU's [gate; up] per rank, layers renumbered), it is bit for bit the model
-    megatron-core's own load gives one process; each file's other values are kept under ranks/; the
+    megatron-core's own load gives one process; each file's other values (and after training, the
+    distributed optimizer's distrib_optim.pt beside it) are kept under ranks/ as saved; the
     Hugging Face export, described by the args, gives Megatron's logits."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -243,6 +255,10 @@ def test_megatron_lm_torch_format_merges_by_megatrons_partition_rules(layout: st
     assert list(got["ranks"]) == sorted(names, key=lambda n: n[::-1])  # stage by stage, tensor rank by rank
     assert all(r["iteration"] == 10 and r["args"].tensor_model_parallel_size == 2 for r in got["ranks"].values())
     assert all(isinstance(r["rng_state"][0]["torch_rng_state"], torch.Tensor) for r in got["ranks"].values())
+    for name in names if layout.endswith("optim") else []:  # the distributed optimizer's state, as saved
+        saved = torch.load(src / "iter_0000010" / name / "distrib_optim.pt", weights_only=False)
+        assert _same(got["ranks"][name]["distrib_optim"], saved)
+        assert got["ranks"][name]["optimizer"]["optimizer"]["param_groups"][0]["step"] == 2
     shardstore.unshard(src, tmp_path / "st", jobs=2)
     st = load_file(tmp_path / "st" / "model.safetensors")
     assert set(st) == set(want["model"]) and all(torch.equal(st[k], v) for k, v in want["model"].items())
