@@ -14,6 +14,7 @@ against the checkpoint by the metadata's digest, and every item against its chun
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 import posixpath
@@ -52,7 +53,10 @@ MEGATRON_COMMON = "common.pt"  # megatron-core <= 0.18's common state (>= 0.19: 
 COMMON_STATE = "common_state"  # where the store keeps it
 STACKED = re.compile(r"(.*?(?:^|\.)layers\.)(?=[A-Za-z_])")  # "decoder.layers." then a module name, no number
 LAYER_KEY = re.compile(r"(.*?(?:^|\.)layers\.)(\d+)\.")  # a per-layer key: its stack, and its layer
-EXTRA_STATE = re.compile(r"(.*?_extra_state)/shard_(\d+)_\d+")  # a layer's extra state: shard_{layer}_{layers}
+EXTRA_STATE = re.compile(r"(.*?_extra_state)/shard_(\d+(?:\.\d+)?)_\d+(?:\.\d+)?")  # shard_{layer[.expert]}_{count}
+STACKED_EXPERTS = re.compile(r"(.*?(?:^|\.)experts\.)experts\.")  # a MoE layer's experts on one axis
+LOCAL_EXPERTS = "local_experts."  # Megatron's own module names, expert by expert
+EXPERT_MODULE = re.compile(r"(.*?local_experts\.)(\d+)(\..*)")
 MEGATRON_OPTIMIZER = "optimizer."  # every key of Megatron's optimizers' sharded state dicts
 MEGATRON_TOP = ("common_state", "rng_state", "rerun_state_machine_state")  # Megatron-LM's non-model keys
 MAX_METADATA = 1 << 30  # tens of MB at thousands of ranks; a gigabyte is not a .metadata
@@ -67,7 +71,7 @@ class Item:
     file: str
     offset: int
     length: int
-    squeeze: bool = False  # the item's tensor has a leading axis of 1 that the checkpoint's key does not
+    squeeze: int = 0  # leading axes of 1 the item's tensor has and the checkpoint's key does not (layer, expert)
 
 
 @dataclass
@@ -191,48 +195,53 @@ def _per_layer(ckpt: DcpCheckpoint) -> DcpCheckpoint:
     chunk an item of layer i without its leading axis. The optimizer's model-shaped state
     (`optimizer.state.exp_avg.decoder.layers.…`) is split the same way."""
     tensors: dict[str, Any] = {}
-    renamed: dict[tuple[str, tuple[int, ...] | None], tuple[str, tuple[int, ...] | None]] = {}
+    renamed: dict[tuple[str, tuple[int, ...] | None], tuple[str, tuple[int, ...] | None, int]] = {}
     for fqn, (dtype, size, chunks) in ckpt.tensors.items():
-        head, tail = _layers_split(fqn)
-        if tail is None or len(size) < 2 or any(s[0] != 1 for _, s in chunks) \
-                or sorted({o[0] for o, _ in chunks}) != list(range(size[0])):
+        name_of_index, k = _stacked(fqn)
+        if k == 0 or len(size) <= k or any(s[:k] != (1,) * k for _, s in chunks) \
+                or {o[:k] for o, _ in chunks} != set(itertools.product(*map(range, size[:k]))):
             tensors[fqn] = (dtype, size, chunks)
             continue
-        for layer in range(size[0]):
-            name = f"{head}{layer}.{tail}"
-            tensors[name] = (dtype, size[1:], [(o[1:], s[1:]) for o, s in chunks if o[0] == layer])
+        for index in itertools.product(*map(range, size[:k])):
+            tensors[name_of_index(index)] = (dtype, size[k:], [(o[k:], s[k:]) for o, s in chunks if o[:k] == index])
         for o, _ in chunks:
-            renamed[(fqn, o)] = (f"{head}{o[0]}.{tail}", o[1:])
+            renamed[(fqn, o)] = (name_of_index(o[:k]), o[k:], k)
     values = []
     for fqn in ckpt.values:
-        m = EXTRA_STATE.fullmatch(fqn)
-        head, tail = _layers_split(m.group(1)) if m else (fqn, None)
-        if m and tail is not None:  # a stack's: shard_{layer}_{layers}
-            name = f"{head}{m.group(2)}.{tail}"
-        else:  # a per-layer key's (`non_homogeneous_layers`) is its layer's one shard
-            name = m.group(1) if m and LAYER_KEY.match(fqn) else fqn
+        name = _extra_state(fqn)
         values.append(name)
-        renamed[(fqn, None)] = (name, None)
+        renamed[(fqn, None)] = (name, None, 0)
     if len(set(tensors) | set(values)) != len(tensors) + len(values):
         raise CheckpointError("per-layer keys that Megatron's stacked keys would share (a damaged metadata?)")
-    items = [Item(*renamed[(i.fqn, i.offsets)], i.file, i.offset, i.length, squeeze=i.offsets is not None)
+    items = [Item(*renamed[(i.fqn, i.offsets)][:2], i.file, i.offset, i.length, squeeze=renamed[(i.fqn, i.offsets)][2])
              if (i.fqn, i.offsets) in renamed else i for i in ckpt.items]
     # layer by layer, each layer's keys in the saved order, where the first stacked key of its stack was
     first = {fqn: at for at, fqn in enumerate(ckpt.paths)}
-    was = {new: first[old] for (old, _), (new, _) in renamed.items()}  # a key's place before the split
+    was = {new: first[old] for (old, _), (new, _, _) in renamed.items()}  # a key's place before the split
     was.update((n, first[n]) for n in [*tensors, *values] if n not in was)
     layer = {n: LAYER_KEY.match(n) for n in was}
-    stacks: dict[tuple[str, ...], int] = {}  # (stack,) and (stack, module): the earliest place of any layer's
+    # (stack,), (stack, module) and (stack, experts): the earliest place of any layer's; a module of the
+    # experts counts as one, whichever expert, so each expert's modules come together, expert by expert
+    stacks: dict[tuple[str, ...], int] = {}
+
+    def keys(name: str, m: re.Match[str]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], int]:
+        module = name[m.end():]
+        e = EXPERT_MODULE.match(module)
+        if e is None:
+            return (m.group(1),), (m.group(1), module), (m.group(1), module), 0
+        return (m.group(1),), (m.group(1), e.group(1)), (m.group(1), e.group(1) + e.group(3)), int(e.group(2))
+
     for name, m in layer.items():
         if m is not None:
-            for key in ((m.group(1),), (m.group(1), name[m.end():])):
+            for key in keys(name, m)[:3]:
                 stacks[key] = min(stacks.get(key, was[name]), was[name])
 
-    def place(name: str) -> tuple[int, int, int]:
+    def place(name: str) -> tuple[int, ...]:
         m = layer.get(name)
         if m is None:
-            return (was[name], -1, 0)
-        return (stacks[(m.group(1),)], int(m.group(2)), stacks[(m.group(1), name[m.end():])])
+            return (was[name], -1, 0, 0, 0)
+        stack, block, module, expert = keys(name, m)
+        return (stacks[stack], int(m.group(2)), stacks[block], expert, stacks[module])
 
     order = sorted([*tensors, *values], key=place)
     return DcpCheckpoint(ckpt.folder, ckpt.digest, tensors, values, {n: _part(n) for n in order}, items, ckpt.files)
@@ -254,6 +263,40 @@ def _layers_split(fqn: str) -> tuple[str, str | None]:
     """("decoder.layers.", "mlp.linear_fc1.weight") for a stacked layer key; (fqn, None) for any other."""
     m = STACKED.match(fqn)
     return (m.group(1), fqn[m.end():]) if m else (fqn, None)
+
+
+def _experts_split(fqn: str) -> tuple[str, str | None]:
+    """("….mlp.experts.", "linear_fc1.weight") for a key of experts stacked on an axis; (fqn, None) else."""
+    m = STACKED_EXPERTS.match(fqn)
+    return (m.group(1), fqn[m.end():]) if m else (fqn, None)
+
+
+def _stacked(fqn: str) -> tuple[Any, int]:
+    """How many leading axes of a Megatron key index its layers and experts (0, 1 or 2), and the per-layer,
+    per-expert name of each index: layers stacked under `layers.` (`decoder.layers.{i}.…`), experts stacked
+    under `experts.experts.` as Megatron's own modules name them one by one (`experts.local_experts.{e}.…`)."""
+    head, tail = _layers_split(fqn)
+    inner, rest = _experts_split(fqn if tail is None else tail)
+    if tail is not None and rest is not None:
+        return (lambda i: f"{head}{i[0]}.{inner}{LOCAL_EXPERTS}{i[1]}.{rest}"), 2
+    if tail is not None:
+        return (lambda i: f"{head}{i[0]}.{tail}"), 1
+    if rest is not None:
+        return (lambda i: f"{inner}{LOCAL_EXPERTS}{i[0]}.{rest}"), 1
+    return None, 0
+
+
+def _extra_state(fqn: str) -> str:
+    """An extra state's per-layer (per-expert) name: a stack's `…_extra_state/shard_{layer}_{layers}`
+    (experts': `shard_{layer}.{expert}_{layers}.{experts}`), a per-layer key's its one shard's."""
+    m = EXTRA_STATE.fullmatch(fqn)
+    if m is None:
+        return fqn
+    index = tuple(int(i) for i in m.group(2).split("."))
+    name_of_index, k = _stacked(m.group(1))
+    if k == len(index):
+        return name_of_index(index)
+    return m.group(1) if k == 0 and index == (0,) and LAYER_KEY.match(fqn) else fqn
 
 
 def _file_order(name: str) -> tuple:
@@ -418,8 +461,9 @@ def _read_items(ckpt: DcpCheckpoint, unit: DcpUnit, name: str, strict: bool) -> 
             continue
         dtype, size, chunks = ckpt.tensors[item.fqn]
         sizes = dict(chunks)[item.offsets]
-        if item.squeeze and isinstance(value, TensorRef) and value.shape[:1] == (1,):
-            value = TensorRef(value.storage, value.offset, tuple(value.shape[1:]), tuple(value.stride[1:]), value.dtype)
+        k = item.squeeze
+        if k and isinstance(value, TensorRef) and tuple(value.shape[:k]) == (1,) * k:
+            value = TensorRef(value.storage, value.offset, tuple(value.shape[k:]), tuple(value.stride[k:]), value.dtype)
         if not isinstance(value, TensorRef) or tuple(value.shape) != sizes or value.dtype != dtype:
             got = f"torch.{value.dtype}{list(value.shape)}" if isinstance(value, TensorRef) else type(value).__name__
             raise CheckpointError(f"{where}: holds {got}, the metadata says torch.{dtype}{list(sizes)}")

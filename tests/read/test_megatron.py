@@ -40,7 +40,7 @@ def _saved_names(want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 LAYOUTS = ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2", "tp2-pp1-qwen2", "tp2-pp1-tied", "tp2-pp1-layers",
-           "tp2-pp1-dp2-optim", "tp2-pp1-dp2-optim-full", "tp2-pp2-optim",
+           "tp2-pp1-dp2-optim", "tp2-pp1-dp2-optim-full", "tp2-pp2-optim", "tp1-pp1-dp2-moe",
            # megatron-core <= 0.18: the common state in common.pt beside the .distcp files
            "../core0.16.1/tp2-pp1", "../core0.16.1/tp2-pp2-optim", "../core0.16.1/tp2-pp1-dp2-optim-full"]
 OPTIM = [layout for layout in LAYOUTS if "optim" in layout]
@@ -75,7 +75,8 @@ def test_every_parallel_layout_reads_per_layer_as_megatron_core_loads_it(layout:
     assert common["iteration"] == 10 and common["args"].num_query_groups == 2 and common["checkpoint_version"] == 3.0
     assert ("output_layer.weight" in model) == (not layout.endswith("tied"))  # tied: the embedding is the output
     extra = {k: v for k, v in model.items() if k.endswith("._extra_state")}
-    assert len(extra) == 8 and all(v in ([None], None) for v in extra.values())  # the local spec's, per layer
+    per_layer = 2 + (8 if layout.endswith("moe") else 2)  # attention's two, the MLP's two (or each expert's)
+    assert len(extra) == 2 * per_layer and all(v in ([None], None) for v in extra.values())  # the local spec's
     assert set(got) - {"model", "common_state/shard_0_1", "common_state"} == ({"optimizer"} if "optim" in layout else set())
     shardstore.unshard(src, tmp_path / "st", jobs=2)
     st = load_file(tmp_path / "st" / "model.safetensors")
@@ -153,6 +154,9 @@ def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_p
     if layout.endswith("qwen2"):  # q, k and v with biases, split per query group like their weights
         config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
         del config["attention_bias"], config["mlp_bias"], config["head_dim"]
+    if layout.endswith("moe"):  # 4 experts, top 2: each expert's fc1 split into w1 and w3
+        config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+                      num_experts_per_tok=2)
     (tmp_path / "config.json").write_text(json.dumps(config))
     src = DATA / layout
     given = tmp_path / "config.json" if described == "hf-config" else None
@@ -309,3 +313,17 @@ class TestMegatronTorchDistConformance(FormatTests):
     @pytest.fixture
     def foreign(self, tmp_path: Path) -> Path:
         return DATA / "tp2-pp1-dp2-optim" / "iter_0000010" / "__1_0.distcp"
+
+
+@pytest.mark.parametrize("key, value", [("moe_shared_expert_intermediate_size", 64), ("moe_router_pre_softmax", True),
+                                        ("moe_router_score_function", "sigmoid"),
+                                        ("moe_router_enable_expert_bias", True)])
+def test_moe_routing_mixtral_cannot_follow_is_refused_by_name(key: str, value: object) -> None:
+    """Megatron's MoE variants a Mixtral folder would load and then route differently: refused, naming the
+    argument, rather than exported with silently different logits."""
+    from shardstore.export.hf import megatron
+
+    args = {"num_experts": 4, "moe_router_topk": 2, "num_attention_heads": 4, "hidden_size": 16, "num_layers": 2}
+    assert megatron.config_from_args(args, "args")[0]["architectures"] == ["MixtralForCausalLM"]
+    with pytest.raises(shardstore.ExportError, match=f"args: {key} is"):
+        megatron.config_from_args({**args, key: value}, "args")

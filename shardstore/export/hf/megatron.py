@@ -22,7 +22,8 @@ EMBEDDING, OUTPUT, FINAL_NORM = "embedding.word_embeddings.weight", "output_laye
 # transformers' per-layer name -> Megatron's names for it (Transformer Engine's first, then the local spec's)
 NORMS = {"input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
          "post_attention_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")}
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+MOE = "MixtralForCausalLM"  # Megatron's top-k router (softmax over the k chosen) is Mixtral's routing
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", MOE)
 
 
 def is_megatron(names: list[str]) -> bool:
@@ -87,9 +88,18 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
             if f"{layer}self_attention.linear_qkv.bias" in shapes:  # Qwen2's
                 take(f"{hf}self_attn.{proj}.bias", f"{layer}self_attention.linear_qkv.bias", rows)
         take(f"{hf}self_attn.o_proj.weight", f"{layer}self_attention.linear_proj.weight", None, (hidden, heads * head_dim))
-        take(f"{hf}mlp.gate_proj.weight", f"{layer}mlp.linear_fc1.weight", ((0, ffn),), (2 * ffn, hidden))
-        take(f"{hf}mlp.up_proj.weight", f"{layer}mlp.linear_fc1.weight", ((ffn, 2 * ffn),))
-        take(f"{hf}mlp.down_proj.weight", f"{layer}mlp.linear_fc2.weight", None, (hidden, ffn))
+        if arch == MOE:  # Mixtral's hub names (what transformers and every engine load)
+            experts, moe = _config(config, "num_local_experts", where), f"{hf}block_sparse_moe."
+            take(f"{moe}gate.weight", f"{layer}mlp.router.weight", None, (experts, hidden))
+            for e in range(experts):
+                expert = f"{layer}mlp.experts.local_experts.{e}."
+                take(f"{moe}experts.{e}.w1.weight", f"{expert}linear_fc1.weight", ((0, ffn),), (2 * ffn, hidden))
+                take(f"{moe}experts.{e}.w3.weight", f"{expert}linear_fc1.weight", ((ffn, 2 * ffn),))
+                take(f"{moe}experts.{e}.w2.weight", f"{expert}linear_fc2.weight", None, (hidden, ffn))
+        else:
+            take(f"{hf}mlp.gate_proj.weight", f"{layer}mlp.linear_fc1.weight", ((0, ffn),), (2 * ffn, hidden))
+            take(f"{hf}mlp.up_proj.weight", f"{layer}mlp.linear_fc1.weight", ((ffn, 2 * ffn),))
+            take(f"{hf}mlp.down_proj.weight", f"{layer}mlp.linear_fc2.weight", None, (hidden, ffn))
         for key, candidates in NORMS.items():
             source = next((f"{layer}{c}" for c in candidates if f"{layer}{c}" in shapes), f"{layer}{candidates[0]}")
             take(f"{hf}{key}", source, None, (hidden,))
@@ -114,12 +124,26 @@ REFUSED = {"normalization": ("RMSNorm", "LayerNorm norms"), "swiglu": (True, "a 
            "add_bias_linear": (False, "biases on the linear layers")}
 
 
+# Megatron-LM's MoE arguments Mixtral's routing cannot follow
+MOE_REFUSED = {"moe_router_pre_softmax": (lambda v: not v, "a softmax over every expert before the top k"),
+               "moe_router_score_function": (lambda v: v in (None, "softmax"), "a router scoring other than softmax"),
+               "moe_shared_expert_intermediate_size": (lambda v: not v, "shared experts"),
+               "moe_router_enable_expert_bias": (lambda v: not v, "expert biases in the router"),
+               "moe_router_num_groups": (lambda v: not v, "group-limited routing"),
+               "moe_router_topk_scaling_factor": (lambda v: v in (None, 1, 1.0), "scaled routing weights"),
+               "add_qkv_bias": (lambda v: not v, "q, k and v biases")}
+
+
 def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
     """A Hugging Face config from Megatron-LM's `args` (its common state), and what the user should know."""
     for key, (want, what) in REFUSED.items():
         if key in args and args[key] != want and not (key == "rotary_percent" and args[key] in (1, None)):
             raise ExportError(f"{where}: {key} is {args[key]!r:.40}: {what}, which the Llama-family classes of "
                               f"transformers cannot express")
+    experts = args.get("num_experts")
+    for key, (ok, what) in MOE_REFUSED.items():
+        if experts and not ok(args.get(key)):
+            raise ExportError(f"{where}: {key} is {args.get(key)!r:.40}: {what}, which Mixtral cannot express")
     heads = args.get("num_attention_heads")
     groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
     vocab = args.get("padded_vocab_size")
@@ -134,7 +158,11 @@ def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], 
               "max_position_embeddings": args.get("max_position_embeddings"),
               "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
               "hidden_act": "silu", "torch_dtype": dtype}
-    if not bias:
+    if experts:
+        config.update(architectures=[MOE], model_type="mixtral", num_local_experts=experts,
+                      num_experts_per_tok=args.get("moe_router_topk", 2),
+                      intermediate_size=args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size"))
+    elif not bias:
         config.update(attention_bias=False, mlp_bias=False)
     notes = [f"the vocabulary is Megatron's padded one ({vocab} rows; the checkpoint does not say the tokenizer's "
              f"size): give --hf-config with the tokenizer's vocab_size to drop the padding rows"]
