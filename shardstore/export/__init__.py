@@ -256,7 +256,8 @@ def plan_direct(store: Store, format: str = "safetensors", select: str | None = 
         return direct_dcp.plan(store, jobs)
     subtree = model_subtree(store) if select is None else select
     node = node_at(store.manifest.tree, subtree)
-    if any(path not in store.manifest.arrays for _, path in leaves(node)):
+    facts = store.manifest.facts
+    if any(path not in store.manifest.arrays and path not in facts.not_tensors for _, path in leaves(node)):
         return None  # a plain value's shape comes with the data
     if format == "hf":
         if hf_config is None and in_values(store):

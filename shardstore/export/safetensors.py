@@ -67,6 +67,8 @@ def tensor_item(store: Store, key: str, path: str, cast: str | None,
                 rows: Rows | None = None) -> Item | None:
     """Output tensor `key` from the store's leaf `path` (only those blocks of its `rows`, one after another,
     if given), or None when the leaf is not a tensor. Floating tensors are cast to `cast`."""
+    if path in store.manifest.facts.not_tensors:
+        return None
     entry = store.manifest.arrays.get(path)
     if rows is not None and (not rows or entry is not None and not all(
             0 <= a < b <= entry.shape[0] for a, b in rows)):

@@ -26,7 +26,7 @@ from .. import dtypes, jsonin, paths
 from ..errors import CheckpointError, closed_on_error, named
 from ..locations import StorageOptions, filesystem, is_url, local
 from .container import DataFile, TorchZip, parsed_once, read_small
-from .contract import (SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardSpec, ShardedSpec,
+from .contract import (ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardSpec, ShardedSpec,
                        Skeleton, whole_numbers)
 from . import trainer
 from .tensors import check_view
@@ -51,6 +51,7 @@ INSIDE = (MODEL_AND_OPTIM, NEMO_WEIGHTS, VERL_DIST, f"model/{VERL_DIST}", f"acto
 MEGATRON_METADATA = "metadata.json"  # Megatron-Core's: {"sharded_backend": "torch_dist", ...}
 MEGATRON_COMMON = "common.pt"  # megatron-core <= 0.18's common state (>= 0.19: a bytes item in the files)
 COMMON_STATE = "common_state"  # where the store keeps it
+MEGATRON_ARGS = "megatron_args"  # the plan's copy of Megatron-LM's args (plain values), for --format hf
 STACKED = re.compile(r"(.*?(?:^|\.)layers\.)(?=[A-Za-z_])")  # "decoder.layers." then a module name, no number
 LAYER_KEY = re.compile(r"(.*?(?:^|\.)layers\.)(\d+)\.")  # a per-layer key: its stack, and its layer
 EXTRA_STATE = re.compile(r"(.*?_extra_state)/shard_(\d+(?:\.\d+)?)_\d+(?:\.\d+)?")  # shard_{layer[.expert]}_{count}
@@ -316,14 +317,13 @@ def trainer_files(folder: str, storage_options: StorageOptions | None = None) ->
 
 def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None = None, strict: bool = False,
          storage_options: StorageOptions | None = None) -> CheckpointSpec:
-    """The planner's view: arrays for tensors split across chunks or larger than SMALL_TENSOR_BYTES, values
-    for the rest; every chunk's holder is the index of the file that stores it. OLMo's per-rank trainer
+    """The planner's view: arrays for tensors (`_array`), values for the rest; every chunk's holder is the
+    index of the file that stores it. OLMo's per-rank trainer
     state files (`trainer`), if any, are units too: their values join the state dict's top level."""
     holder = {(i.fqn, i.offsets): ckpt.files.index(i.file) for i in ckpt.items}
     arrays, objects = {}, []
     for fqn, (dtype, size, chunks) in ckpt.tensors.items():
-        nbytes = math.prod(size) * dtypes.info(dtype).itemsize
-        if len(chunks) == 1 and nbytes <= SMALL_TENSOR_BYTES:
+        if not _array(size):
             objects.append(ckpt.store_path(fqn))
             continue
         shards = tuple(ShardSpec(o, s, holder[(fqn, o)]) for o, s in chunks)
@@ -336,8 +336,43 @@ def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None =
         join_trainer_state(tree, objects, trainer_state[0], encode_key, storage_options, strict,
                            COMMON_STATE if common else "")
         units += [MEGATRON_COMMON] if common else [f"{TRAIN}/{os.path.basename(f.rstrip('/'))}" for f in trainer_state]
-    return CheckpointSpec("dcp", len(units), len(units), tree, arrays, {}, objects,
-                          {"units": units, "metadata": ckpt.digest})
+    extra = {"units": units, "metadata": ckpt.digest, "not_tensors": [ckpt.store_path(fqn) for fqn in ckpt.values]}
+    args = _megatron_args(ckpt, trainer_state or [], storage_options, strict)
+    if args is not None:
+        extra[MEGATRON_ARGS] = args
+    return CheckpointSpec("dcp", len(units), len(units), tree, arrays, {}, objects, extra)
+
+
+def _megatron_args(ckpt: DcpCheckpoint, trainer_state: list[str], storage_options: StorageOptions | None,
+                   strict: bool) -> dict[str, Any] | None:
+    """Megatron-LM's `args` (their plain values), read with the plan from the common state (a small
+    bytes item, or common.pt): what describes the model for --format hf, known before any unit is read."""
+    item = next((i for i in ckpt.items if i.offsets is None and i.fqn.startswith(COMMON_STATE)), None)
+    common = next((p for p in trainer_state if _is_common(p)), None)
+    if item is None and common is None:
+        return None
+    where = join(ckpt.folder, item.file) if item is not None else common
+    data = DataFile(where, storage_options) if item is not None else None
+    zf = TorchZip(data, start=item.offset, length=item.length) if item is not None and data is not None \
+        else TorchZip(where, storage_options)
+    try:
+        state = load(zf.record("data.pkl"), f"{where}: Megatron's common state", strict)
+    finally:
+        zf.close()
+        if data is not None:
+            data.close()
+    state = state[0] if isinstance(state, list) and len(state) == 1 else state
+    args = getattr(state.get("args") if isinstance(state, dict) else None, "state", None)
+    if not isinstance(args, dict):
+        return None
+    return {k: v for k, v in args.items() if isinstance(k, str) and isinstance(v, (str, int, float, bool, type(None)))}
+
+
+def _array(size: tuple[int, ...]) -> bool:
+    """Every tensor with elements and a dimension is an array, however small (a norm's weight): then an
+    export of tensors alone is laid out from the plan, and written by the ingest itself. Scalars (an
+    optimizer's step) stay values."""
+    return len(size) > 0 and math.prod(size) > 0
 
 
 def _tree(ckpt: DcpCheckpoint, encode_key: Any) -> Skeleton:
@@ -468,7 +503,7 @@ def _read_items(ckpt: DcpCheckpoint, unit: DcpUnit, name: str, strict: bool) -> 
             got = f"torch.{value.dtype}{list(value.shape)}" if isinstance(value, TensorRef) else type(value).__name__
             raise CheckpointError(f"{where}: holds {got}, the metadata says torch.{dtype}{list(sizes)}")
         check_view(zf, value, where)
-        if len(chunks) == 1 and math.prod(size) * dtypes.info(dtype).itemsize <= SMALL_TENSOR_BYTES:
+        if not _array(size):
             unit.leaves[store_path], unit.zips[store_path] = value, zf
             continue
         leaf = sharded.setdefault(store_path, ArrayLeaf(dtype, size, []))

@@ -123,8 +123,11 @@ class CheckpointFacts:
     # tied names: (the keys of a name that is another's tensor, the store path of that tensor), written as
     # the same tensor where the output can share one (torch) and left out where it cannot
     tied: tuple[tuple[tuple[str, ...], str], ...] = ()
+    # store paths of values the plan knows are not tensors (DCP's bytes items): an export of tensors alone
+    # leaves them out without their data, so it can be laid out before any unit is read
+    not_tensors: frozenset[str] = frozenset()
 
-    TYPED = ("format", "group_size", "replicas", "side_files", "units", "metadata", "tied")
+    TYPED = ("format", "group_size", "replicas", "side_files", "units", "metadata", "tied", "not_tensors")
 
     @classmethod
     def of(cls, format: str, group_size: int, replicas: int, extra: dict[str, Any]) -> "CheckpointFacts":
@@ -133,7 +136,8 @@ class CheckpointFacts:
         return cls(format, group_size, extra.get("replicas", replicas), dict(extra.get("side_files", {})),
                    None if units is None else tuple(units), extra.get("metadata"),
                    {k: v for k, v in extra.items() if k not in cls.TYPED},
-                   tied=tuple((tuple(keys), path) for keys, path in extra.get("tied", ())))
+                   tied=tuple((tuple(keys), path) for keys, path in extra.get("tied", ())),
+                   not_tensors=frozenset(extra.get("not_tensors", ())))
 
     def reader_view(self) -> dict[str, Any]:
         """What the format's `open_unit` is given: its own facts, and the units and digest it planned."""
@@ -143,7 +147,8 @@ class CheckpointFacts:
         return {"version": self.version, "format": self.format, "group_size": self.group_size,
                 "replicas": self.replicas, "side_files": self.side_files,
                 "units": None if self.units is None else list(self.units), "metadata": self.metadata,
-                "reader": self.reader, "tied": [[list(keys), path] for keys, path in self.tied]}
+                "reader": self.reader, "tied": [[list(keys), path] for keys, path in self.tied],
+                "not_tensors": sorted(self.not_tensors)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str) -> "CheckpointFacts":
@@ -156,9 +161,11 @@ class CheckpointFacts:
         facts = cls(d.get("format", "torch-save"), d.get("group_size", 1), d.get("replicas", 1),
                     d.get("side_files") or {}, None if units is None else tuple(units), d.get("metadata"),
                     d.get("reader") or {}, d.get("version", FACTS_VERSION),
-                    tuple((tuple(keys), path) for keys, path in d.get("tied") or ()))
+                    tuple((tuple(keys), path) for keys, path in d.get("tied") or ()),
+                    frozenset(d.get("not_tensors") or ()))
         if not (isinstance(facts.format, str) and type(facts.group_size) is int and type(facts.replicas) is int
-                and isinstance(facts.side_files, dict) and isinstance(facts.reader, dict)):
+                and isinstance(facts.side_files, dict) and isinstance(facts.reader, dict)
+                and all(isinstance(p, str) for p in facts.not_tensors)):
             raise StoreError(f"{where}: corrupt manifest (checkpoint facts)")
         return facts
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 from ... import jsonin
 from ...errors import ExportError, ShardstoreError
 from ...read.contract import Node
-from ...read.dcp import NEMO_MODEL
+from ...read.dcp import MEGATRON_ARGS, NEMO_MODEL
 from ...read.megatron_torch import FORMAT as MEGATRON_TORCH, RANKS
 from ...read.registry import get
 from ...read.source import hf_model_file
@@ -45,8 +45,9 @@ NO_HF_DESCRIPTION = ("cannot tell which Hugging Face model this is: the checkpoi
 
 def in_values(store: Store) -> bool:
     """Whether the model is described by values the store holds (Composer's Hugging Face metadata,
-    Megatron-LM's common state), which only the data brings."""
-    return _holder(store, COMPOSER_HF) is not None or _megatron_common(store) is not None
+    Megatron-LM's common state where the plan did not read its args), which only the data brings."""
+    return _holder(store, COMPOSER_HF) is not None \
+        or (_megatron_common(store) is not None and MEGATRON_ARGS not in store.manifest.facts.reader)
 
 
 def _megatron_common(store: Store) -> Node | None:
@@ -62,6 +63,9 @@ def _megatron_common(store: Store) -> Node | None:
 
 
 def _from_megatron_args(store: Store, subtree: str, node: Node) -> tuple[HFModel, dict[str, str]]:
+    planned = store.manifest.facts.reader.get(MEGATRON_ARGS)
+    if isinstance(planned, dict):  # read with the plan
+        return _megatron_from(store, subtree, planned, "Megatron's common state: args")
     common = build(store, node, plain_dicts=True)
     common = common[0] if isinstance(common, list) and len(common) == 1 else common
     args = common.get("args") if isinstance(common, dict) else None
@@ -93,7 +97,8 @@ def has_hf_description(store: Store) -> bool:
     """Whether the checkpoint may describe its model itself, from its plan alone (no rank need be in):
     the run's config.yaml, Composer's Hugging Face metadata, or Megatron-LM's common state."""
     side = store.manifest.facts.side_files
-    return in_values(store) or "config.yaml" in side or CONFIG in side or NEMO_MODEL in side
+    return in_values(store) or "config.yaml" in side or CONFIG in side or NEMO_MODEL in side \
+        or MEGATRON_ARGS in store.manifest.facts.reader
 
 
 def _side_config(store: Store, name: str) -> bytes | None:
@@ -122,6 +127,8 @@ def _shape(store: Store, path: str) -> tuple[int, ...] | None:
     entry = store.manifest.arrays.get(path)
     if entry is not None:
         return entry.shape
+    if path in store.manifest.facts.not_tensors:
+        return None
     value = build(store, _leaf(path))
     return tuple(value.shape) if hasattr(value, "shape") else None
 
