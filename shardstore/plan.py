@@ -13,6 +13,8 @@ import math
 from dataclasses import replace
 from functools import reduce
 
+import numpy as np
+
 from . import dtypes
 from .errors import CheckpointError
 from .read.contract import CheckpointSpec, Node, ShardedSpec
@@ -60,7 +62,9 @@ def check_tiling(path: str, spec: ShardedSpec, cell: tuple[int, ...]) -> None:
     plan = ArrayEntry(path, spec.dtype, spec.shape, cell, cell, False)
     if plan.ncells > MAX_CELLS:
         raise CheckpointError(f"{path}: shard boundaries cut the tensor into {plan.ncells} pieces; too irregular")
-    covered = bytearray(plan.ncells)
+    # one count per cell, each shard's block of cells counted in one slice (a flat optimizer bucket of a
+    # hundred parameters has tens of thousands of cells: not a Python loop per cell)
+    covered = np.zeros(plan.grid, dtype=np.uint32)
     seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
     for s in spec.shards:
         if len(s.offsets) != len(spec.shape) or len(s.sizes) != len(spec.shape):
@@ -70,14 +74,12 @@ def check_tiling(path: str, spec: ShardedSpec, cell: tuple[int, ...]) -> None:
         if not all(s.sizes) or (s.offsets, s.sizes) in seen:
             continue  # empty, or the same shard once more (another replica group)
         seen.add((s.offsets, s.sizes))
-        for idx in plan.cells_of(s.offsets, s.sizes):
-            flat = plan.flat_index(idx)
-            if covered[flat]:
-                raise CheckpointError(f"{path}: shards overlap at cell {list(idx)}")
-            covered[flat] = 1
-    if all(spec.shape) and not all(covered):
-        missing = plan.cell_index(covered.index(0))
-        raise CheckpointError(f"{path}: no shard covers cell {list(missing)} of {list(spec.shape)}")
+        covered[tuple(slice(o // c, -(-(o + n) // c)) for o, n, c in zip(s.offsets, s.sizes, cell))] += 1
+    if covered.size and covered.max() > 1:
+        raise CheckpointError(f"{path}: shards overlap at cell {[int(i) for i in np.argwhere(covered > 1)[0]]}")
+    if all(spec.shape) and covered.size and covered.min() == 0:
+        missing = [int(i) for i in np.argwhere(covered == 0)[0]]
+        raise CheckpointError(f"{path}: no shard covers cell {missing} of {list(spec.shape)}")
 
 
 def plan_flat(path: str, spec: ShardedSpec) -> ArrayEntry:
