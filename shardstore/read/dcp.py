@@ -19,7 +19,7 @@ import math
 import os
 import posixpath
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import dtypes, jsonin, paths
@@ -55,6 +55,7 @@ MEGATRON_ARGS = "megatron_args"  # the plan's copy of Megatron-LM's args (plain 
 STACKED = re.compile(r"(.*?(?:^|\.)layers\.)(?=[A-Za-z_])")  # "decoder.layers." then a module name, no number
 LAYER_KEY = re.compile(r"(.*?(?:^|\.)layers\.)(\d+)\.")  # a per-layer key: its stack, and its layer
 EXTRA_STATE = re.compile(r"(.*?_extra_state)/shard_(\d+(?:\.\d+)?)_\d+(?:\.\d+)?")  # shard_{layer[.expert]}_{count}
+MODEL_SPACE = re.compile(r"(optimizer\.state\.[A-Za-z0-9_]+\.)(.+)")  # a parameter's optimizer state, by its key
 STACKED_EXPERTS = re.compile(r"(.*?(?:^|\.)experts\.)experts\.")  # a MoE layer's experts on one axis
 LOCAL_EXPERTS = "local_experts."  # Megatron's own module names, expert by expert
 EXPERT_MODULE = re.compile(r"(.*?local_experts\.)(\d+)(\..*)")
@@ -73,6 +74,9 @@ class Item:
     offset: int
     length: int
     squeeze: int = 0  # leading axes of 1 the item's tensor has and the checkpoint's key does not (layer, expert)
+    # a flattened range of a block (Megatron's fully_sharded_model_space): (first element of the item, box
+    # offsets, box sizes) of each box it fills, in order; the item's elements are these boxes end to end
+    boxes: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
 
 
 @dataclass
@@ -108,7 +112,7 @@ def read_checkpoint(folder: str | os.PathLike[str], storage_options: StorageOpti
         raise CheckpointError(f"{where}: not a torch.distributed.checkpoint metadata file")
     try:
         ckpt = _parse(folder, md, hashlib.blake2b(raw, digest_size=16).hexdigest())
-        return _per_layer(ckpt) if _torch_dist(folder, storage_options) else ckpt
+        return _model_space(_per_layer(ckpt)) if _torch_dist(folder, storage_options) else ckpt
     except CheckpointError as exc:
         raise named(exc, where) from None
     except (AttributeError, TypeError, ValueError) as exc:
@@ -248,6 +252,72 @@ def _per_layer(ckpt: DcpCheckpoint) -> DcpCheckpoint:
     return DcpCheckpoint(ckpt.folder, ckpt.digest, tensors, values, {n: _part(n) for n in order}, items, ckpt.files)
 
 
+def _model_space(ckpt: DcpCheckpoint) -> DcpCheckpoint:
+    """megatron-core <= 0.15's default optimizer form (`fully_sharded_model_space`) saves each parameter's
+    state under `optimizer.state.{kind}.{the parameter's key}` reformulated: a parameter of shape
+    [X, Y] cut into blocks [x, y] by tensor parallelism becomes [X // x, Y // y, x * y], each data-parallel
+    rank holding a range of a block's flattened elements (torch_dist's `nd_flattened` form). Where the
+    parameter's own key is in the checkpoint, cut into equal blocks that tile it, and the state's shape is
+    exactly that grid and block size, the state is its parameter's shape again: each range the boxes it
+    fills of its block, row-major. The plan's tiling check then proves every element is covered once."""
+    tensors = dict(ckpt.tensors)
+    boxes: dict[tuple[str, tuple[int, ...] | None], tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]] = {}
+    for fqn, (dtype, size, chunks) in ckpt.tensors.items():
+        m = MODEL_SPACE.fullmatch(fqn)
+        if m is None or m.group(2) not in ckpt.tensors:
+            continue
+        _, shape, blocks = ckpt.tensors[m.group(2)]
+        block = _block(shape, blocks)
+        if block is None:
+            continue
+        grid = tuple(d // b for d, b in zip(shape, block))
+        if tuple(size) != grid + (math.prod(block),) or any(s[:-1] != (1,) * len(grid) for _, s in chunks):
+            continue
+        placed = []
+        for o, s in chunks:
+            origin = tuple(g * b for g, b in zip(o[:-1], block))
+            boxes[(fqn, o)] = tuple((start, tuple(a + b for a, b in zip(origin, off)), sizes)
+                                    for start, off, sizes in _flat_boxes(block, o[-1], s[-1]))
+            placed += [(off, sizes) for _, off, sizes in boxes[(fqn, o)]]
+        tensors[fqn] = (dtype, shape, placed)
+    if not boxes:
+        return ckpt
+    items = [replace(i, boxes=boxes[(i.fqn, i.offsets)]) if (i.fqn, i.offsets) in boxes else i for i in ckpt.items]
+    return DcpCheckpoint(ckpt.folder, ckpt.digest, tensors, ckpt.values, ckpt.paths, items, ckpt.files)
+
+
+def _block(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, ...] | None:
+    """The one block shape `chunks` cut `shape` into, if they are equal blocks on a whole grid."""
+    sizes = {s for _, s in chunks}
+    if len(sizes) != 1:
+        return None
+    (block,) = sizes
+    if len(block) != len(shape) or not all(block) or any(d % b for d, b in zip(shape, block)) \
+            or len(chunks) != math.prod(d // b for d, b in zip(shape, block)):
+        return None
+    return block
+
+
+def _flat_boxes(shape: tuple[int, ...], start: int, count: int
+                ) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """Elements [start, start + count) of a row-major block of `shape`, as boxes each contiguous in that
+    order: (its first element's place in the range, offsets, sizes). At most 2·ndim - 1 of them."""
+    out, pos, end = [], start, start + count
+    if not shape or end > math.prod(shape) or start < 0:
+        raise CheckpointError(f"a flattened range [{start}, {end}) outside a block of {list(shape)}")
+    inner = [math.prod(shape[k + 1:]) for k in range(len(shape))]
+    while pos < end:
+        index = [(pos // inner[k]) % shape[k] for k in range(len(shape))]
+        k = len(shape) - 1
+        while k > 0 and index[k] == 0 and end - pos >= inner[k - 1]:
+            k -= 1
+        n = min(shape[k] - index[k], (end - pos) // inner[k])
+        out.append((pos - start, tuple(index[:k + 1]) + (0,) * (len(shape) - k - 1),
+                    (1,) * k + (n,) + tuple(shape[k + 1:])))
+        pos += n * inner[k]
+    return out
+
+
 def _part(name: str) -> tuple[str, ...]:
     """Where a Megatron key goes in the state dict, as Megatron-LM's own torch-format checkpoints nest it:
     the optimizer's keys (`optimizer.…`) under `optimizer`, the model's under `model`, and the common and
@@ -320,7 +390,8 @@ def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None =
     """The planner's view: arrays for tensors (`_array`), values for the rest; every chunk's holder is the
     index of the file that stores it. OLMo's per-rank trainer
     state files (`trainer`), if any, are units too: their values join the state dict's top level."""
-    holder = {(i.fqn, i.offsets): ckpt.files.index(i.file) for i in ckpt.items}
+    holder = {(i.fqn, o): ckpt.files.index(i.file) for i in ckpt.items
+              for o in ([b[1] for b in i.boxes] if i.boxes else [i.offsets])}
     arrays, objects = {}, []
     for fqn, (dtype, size, chunks) in ckpt.tensors.items():
         if not _array(size):
@@ -495,6 +566,10 @@ def _read_items(ckpt: DcpCheckpoint, unit: DcpUnit, name: str, strict: bool) -> 
             unit.leaves[store_path], unit.zips[store_path] = value, zf
             continue
         dtype, size, chunks = ckpt.tensors[item.fqn]
+        if item.boxes:  # a flattened range of a block: each box a run of its elements
+            leaf = sharded.setdefault(store_path, ArrayLeaf(dtype, size, []))
+            leaf.pieces += _flat_pieces(zf, value, item, dtype, where)
+            continue
         sizes = dict(chunks)[item.offsets]
         k = item.squeeze
         if k and isinstance(value, TensorRef) and tuple(value.shape[:k]) == (1,) * k:
@@ -509,6 +584,21 @@ def _read_items(ckpt: DcpCheckpoint, unit: DcpUnit, name: str, strict: bool) -> 
         leaf = sharded.setdefault(store_path, ArrayLeaf(dtype, size, []))
         leaf.pieces.append(LocalPiece(item.offsets, sizes, value, zf))
     unit.leaves.update(sharded)
+
+
+def _flat_pieces(zf: TorchZip, value: Any, item: Item, dtype: str, where: str) -> list[LocalPiece]:
+    count = sum(math.prod(sizes) for _, _, sizes in item.boxes)
+    if not isinstance(value, TensorRef) or value.dtype != dtype or math.prod(value.shape) != count \
+            or value.stride[-1:] not in ((1,), ()):
+        got = f"torch.{value.dtype}{list(value.shape)}" if isinstance(value, TensorRef) else type(value).__name__
+        raise CheckpointError(f"{where}: holds {got}, the metadata says {count} elements of torch.{dtype}")
+    check_view(zf, value, where)
+    return [LocalPiece(offsets, sizes, TensorRef(value.storage, value.offset + start, sizes, _row_major(sizes), dtype), zf)
+            for start, offsets, sizes in item.boxes]
+
+
+def _row_major(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(sizes[k + 1:]) for k in range(len(sizes)))
 
 
 # ---------------------------------------------------------------------------------------------- format

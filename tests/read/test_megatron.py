@@ -43,7 +43,9 @@ LAYOUTS = ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2", "tp2-pp1-qwen2", "tp2-pp1
            "tp2-pp1-dp2-optim", "tp2-pp1-dp2-optim-full", "tp2-pp2-optim", "tp1-pp1-dp2-moe",
            "tp2-pp1-dp2-bf16-optim",  # Megatron-LM's --bf16: bf16 weights, the optimizer's fp32 main params
            # megatron-core <= 0.18: the common state in common.pt beside the .distcp files
-           "../core0.16.1/tp2-pp1", "../core0.16.1/tp2-pp2-optim", "../core0.16.1/tp2-pp1-dp2-optim-full"]
+           "../core0.16.1/tp2-pp1", "../core0.16.1/tp2-pp2-optim", "../core0.16.1/tp2-pp1-dp2-optim-full",
+           # megatron-core <= 0.15's default optimizer form, written with torch 2.6
+           "../core0.12.2/tp2-pp1-dp2-optim-model-space"]
 OPTIM = [layout for layout in LAYOUTS if "optim" in layout]
 
 
@@ -104,7 +106,8 @@ def _per_layer(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("fmt", ["torch", "dcp"])
 def test_the_distributed_optimizer_state_is_what_the_live_ranks_held(layout: str, fmt: str, tmp_path: Path) -> None:
     """After two steps of Megatron's DDP + DistributedOptimizer: `fully_reshardable` state per parameter
-    (param, exp_avg, exp_avg_sq shaped like the model's, per layer), `dp_reshardable` as its flat buckets
+    (param, exp_avg, exp_avg_sq shaped like the model's, per layer), `fully_sharded_model_space`'s
+    flattened ranges of each parameter's blocks put back in their places, `dp_reshardable` as its flat buckets
     (one per TP x PP rank, each the data-parallel ranks' parts end to end) and said so; bit for bit what
     the live ranks held, the param_groups with their `step` beside them."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -121,11 +124,12 @@ def test_the_distributed_optimizer_state_is_what_the_live_ranks_held(layout: str
     assert set(tensors) == set(want) and len(want) >= 6
     for key, value in want.items():  # bit for bit: a bucket's padding is whatever memory held (NaN too)
         assert tensors[key].dtype == value.dtype and torch.equal(_bits(tensors[key]), _bits(value)), key
-    if layout.endswith("-full"):
-        assert any(k.startswith("optimizer.state.exp_avg.decoder.layers.1.") for k in tensors)
-        groups = _common(got)["optimizer"]["optimizer"]["param_groups"]
-    else:
+    if layout.endswith("-optim"):
         groups = next(v for k, v in optimizer.items() if k.endswith(".optimizer/shard_0_1"))[0]["param_groups"]
+    else:  # per parameter, per layer, shaped like the model's (fully_reshardable, fully_sharded_model_space)
+        assert any(k.startswith("optimizer.state.exp_avg.decoder.layers.1.") for k in tensors)
+        assert tensors["optimizer.state.exp_avg.output_layer.weight"].shape == got["model"]["output_layer.weight"].shape
+        groups = _common(got)["optimizer"]["optimizer"]["param_groups"]
     assert [g["step"] for g in groups] == [2.0, 2.0]  # two steps, in every group
 
 
@@ -332,3 +336,24 @@ def test_moe_routing_mixtral_cannot_follow_is_refused_by_name(key: str, value: o
     assert megatron.config_from_args(args, "args")[0]["architectures"] == ["MixtralForCausalLM"]
     with pytest.raises(shardstore.ExportError, match=f"args: {key} is"):
         megatron.config_from_args({**args, key: value}, "args")
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (4, 3, 6), (2, 1, 3, 4)])
+def test_a_flattened_range_becomes_boxes_that_are_exactly_its_elements(shape: tuple[int, ...]) -> None:
+    """fully_sharded_model_space: a data-parallel rank holds elements [start, start + count) of a block,
+    flattened. Every range, split into boxes, fills exactly those elements, each box a run of them."""
+    from shardstore.read.dcp import _flat_boxes
+
+    total = int(torch.tensor(shape).prod())
+    block = torch.arange(total).reshape(shape)
+    for start in range(total):
+        for count in range(1, total - start + 1):
+            seen = []
+            for first, offsets, sizes in _flat_boxes(shape, start, count):
+                box = block[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].flatten()
+                assert box.tolist() == list(range(start + first, start + first + box.numel()))  # a run
+                seen += box.tolist()
+            assert seen == list(range(start, start + count))
+            assert len(_flat_boxes(shape, start, count)) <= 2 * len(shape) - 1
+    with pytest.raises(shardstore.CheckpointError, match="outside a block"):
+        _flat_boxes(shape, total - 1, 2)
