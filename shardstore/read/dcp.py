@@ -60,6 +60,7 @@ STACKED_EXPERTS = re.compile(r"(.*?(?:^|\.)experts\.)experts\.")  # a MoE layer'
 LOCAL_EXPERTS = "local_experts."  # Megatron's own module names, expert by expert
 EXPERT_MODULE = re.compile(r"(.*?local_experts\.)(\d+)(\..*)")
 MEGATRON_OPTIMIZER = "optimizer."  # every key of Megatron's optimizers' sharded state dicts
+CHAINED = re.compile(r"chained_\d+\.optimizer\.")  # a ChainedOptimizer's (dense and expert) keys
 MEGATRON_TOP = ("common_state", "rng_state", "rerun_state_machine_state")  # Megatron-LM's non-model keys
 MAX_METADATA = 1 << 30  # tens of MB at thousands of ranks; a gigabyte is not a .metadata
 
@@ -323,7 +324,7 @@ def _part(name: str) -> tuple[str, ...]:
     the optimizer's keys (`optimizer.…`) under `optimizer`, the model's under `model`, and the common and
     per-rank states (`common_state/…`, `rng_state/…`) at the top. NeMo's `module.` goes: the names are
     Megatron's."""
-    if name.startswith(MEGATRON_OPTIMIZER):
+    if name.startswith(MEGATRON_OPTIMIZER) or CHAINED.match(name):
         return ("optimizer", name)
     if name.split("/")[0] in MEGATRON_TOP:
         return (name,)

@@ -22,6 +22,7 @@ MAX_SIDE_FILE = 64 << 20  # a tokenizer.json of a large vocabulary is several MB
 CONFIG = "config.yaml"  # OLMo's run config, copied beside every export as OLMo's unsharder does
 JSON_CONFIG = "config.json"  # OLMo-core's experiment config in each checkpoint; the HF Trainer's model config
 LATEST = "latest_checkpointed_iteration.txt"  # veRL's (and Megatron's) pointer to the newest step
+RELEASE = "release"  # what that pointer says of Megatron-LM's release/ folder
 # A model's Hugging Face files besides its weights (config, generation config, tokenizer), which trainers
 # keep beside their checkpoints: what `--format hf` takes with no flag...
 HF_MODEL_FILES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
@@ -152,7 +153,8 @@ def pick(src: str, candidates: list[str], tag: str | None, step: int | None) -> 
     `names_step`)."""
     there = candidates
     if tag in (None, "latest") and step is None and len(candidates) > 1:
-        step = _latest_step(src)
+        latest = _latest_step(src)
+        tag, step = (RELEASE, None) if latest == RELEASE else (tag, latest)
     if tag not in (None, "latest"):
         candidates = [c for c in candidates if c == tag]
     if step is not None:
@@ -173,8 +175,9 @@ def names_step(name: str, step: int) -> bool:
     return re.search(rf"(?:^|[-_/])(?:step_?|ba|checkpoint-|iter_)0*{step}$", name) is not None
 
 
-def _latest_step(run: str) -> int | None:
-    """The step a run folder's latest_checkpointed_iteration.txt names, if it has one."""
+def _latest_step(run: str) -> int | str | None:
+    """The step a run folder's latest_checkpointed_iteration.txt names, if it has one (or "release": a
+    Megatron-LM checkpoint converted from elsewhere lives in release/, and its pointer says so)."""
     if is_url(run):
         return None
     path = os.path.join(local(run), LATEST)
@@ -182,6 +185,8 @@ def _latest_step(run: str) -> int | None:
         return None
     with open(path, "rb") as f:
         text = f.read(64).strip()
+    if text == RELEASE.encode():
+        return RELEASE
     if not text.isdigit():
         raise CheckpointError(f"{path}: names no step ({text[:20]!r}); pick a checkpoint with --tag or --step")
     return int(text)

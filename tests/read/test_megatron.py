@@ -357,3 +357,14 @@ def test_a_flattened_range_becomes_boxes_that_are_exactly_its_elements(shape: tu
             assert len(_flat_boxes(shape, start, count)) <= 2 * len(shape) - 1
     with pytest.raises(shardstore.CheckpointError, match="outside a block"):
         _flat_boxes(shape, total - 1, 2)
+
+
+def test_a_run_whose_pointer_says_release_gives_its_release_folder(tmp_path: Path) -> None:
+    """Megatron-LM's checkpoints converted from elsewhere (from Hugging Face, for fine-tuning) live in
+    release/, and latest_checkpointed_iteration.txt says `release`."""
+    run = tmp_path / "run"
+    shutil.copytree(DATA / "tp2-pp1" / "iter_0000010", run / "release")
+    shutil.copytree(DATA / "tp2-pp1" / "iter_0000010", run / "iter_0000010")
+    (run / "latest_checkpointed_iteration.txt").write_text("release")
+    assert open_source(run).units[0].startswith(str(run / "release"))
+    assert open_source(run, step=10).units[0].startswith(str(run / "iter_0000010"))
