@@ -59,7 +59,7 @@ def _common(got: dict) -> dict:
 def test_every_parallel_layout_reads_per_layer_as_megatron_core_loads_it(layout: str, tmp_path: Path) -> None:
     """Layers saved stacked on a leading axis (or per layer: `-layers`) come out under Megatron's
     per-layer names, in layer order, under `model` as Megatron-LM's torch format nests them; safetensors
-    holds the model alone."""
+    holds the model alone; --format dcp holds it as torch reads it back."""
     from safetensors.torch import load_file
 
     src = DATA / layout
@@ -84,6 +84,18 @@ def test_every_parallel_layout_reads_per_layer_as_megatron_core_loads_it(layout:
     shardstore.unshard(src, tmp_path / "st", jobs=2)
     st = load_file(tmp_path / "st" / "model.safetensors")
     assert set(st) == set(want) and all(torch.equal(st[k], v) for k, v in want.items())
+    _same_as_dcp(src, tmp_path, want)
+
+
+def _same_as_dcp(src: Path, tmp_path: Path, want: dict[str, torch.Tensor]) -> None:
+    """--format dcp, read back by torch's own dcp_to_torch_save: the model bit for bit."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    shardstore.unshard(src, tmp_path / "dcp", format="dcp", jobs=2)
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "dcp.pt")
+    model = torch.load(tmp_path / "dcp.pt", weights_only=False)["model"]
+    assert {k for k, v in model.items() if isinstance(v, torch.Tensor)} == set(want)
+    assert all(torch.equal(model[k], v) for k, v in want.items())
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -275,6 +287,7 @@ def test_megatron_lm_torch_format_merges_by_megatrons_partition_rules(layout: st
     shardstore.unshard(src, tmp_path / "st", jobs=2)
     st = load_file(tmp_path / "st" / "model.safetensors")
     assert set(st) == set(want["model"]) and all(torch.equal(st[k], v) for k, v in want["model"].items())
+    _same_as_dcp(src, tmp_path, want["model"])
     shardstore.unshard(src, tmp_path / "hf", format="hf", jobs=2)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
