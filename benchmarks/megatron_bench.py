@@ -30,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from bench import timed_tree  # noqa: E402
+from bench import compile_shardstore, timed_tree  # noqa: E402
 
 SIZE = {"layers": 12, "hidden": 768, "heads": 12, "groups": 4, "ffn": 2048, "vocab": 32000}
 TP, PP = 2, 2
@@ -68,6 +68,7 @@ def main() -> None:
     if not (ckpt / "latest_checkpointed_iteration.txt").exists():
         ckpt.parent.mkdir(parents=True, exist_ok=True)
         generate(ckpt, args.megatron_python)
+    compile_shardstore()  # as pip leaves an installed package
     folder = ckpt / "iter_0000010"
     total = sum(p.stat().st_size for p in folder.iterdir())
     work = args.out / "megatron-work"

@@ -7,7 +7,6 @@ every task so worker processes and Dask workers see what the caller sees.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import sys
@@ -45,7 +44,10 @@ def filesystem(url: str, storage_options: StorageOptions | None = None) -> tuple
 def service_errors() -> tuple[type[BaseException], ...]:
     """What a call to object storage raises when the service or the network fails (as opposed to a bug
     here, which must crash loudly): reported in one line, and a rerun continues."""
-    errors: list[type[BaseException]] = [OSError, TimeoutError, asyncio.TimeoutError, EOFError]
+    errors: list[type[BaseException]] = [OSError, TimeoutError, EOFError]
+    asyncio = sys.modules.get("asyncio")  # loaded with fsspec's async file systems, when one is in use
+    if asyncio is not None:
+        errors.append(asyncio.TimeoutError)
     botocore = sys.modules.get("botocore.exceptions")  # loaded with s3fs, when it is in use
     if botocore is not None:
         errors += [botocore.BotoCoreError, botocore.ClientError]
