@@ -170,9 +170,10 @@ def pick(src: str, candidates: list[str], tag: str | None, step: int | None) -> 
 
 def names_step(name: str, step: int) -> bool:
     """Whether a checkpoint's name (a folder, or a rank file's tag) is of step `step`: it ends in `stepN`,
-    `step_N` (veRL's global_step_N), `baN` (Composer's ep0-baN), `checkpoint-N` (the HF Trainer's) or
+    `step_N` (veRL's global_step_N, DeepSpeed's global_stepN), `step-N` (torchtitan's), `step=N[.ckpt]`
+    (Lightning's epoch=0-step=4.ckpt), `baN` (Composer's ep0-baN), `checkpoint-N` (the HF Trainer's) or
     `iter_N` (Megatron-LM's iter_0000010), the number with or without zeros."""
-    return re.search(rf"(?:^|[-_/])(?:step_?|ba|checkpoint-|iter_)0*{step}$", name) is not None
+    return re.search(rf"(?:^|[-_/])(?:step[-_=]?|ba|checkpoint-|iter_)0*{step}(?:\.ckpt)?$", name) is not None
 
 
 def _latest_step(run: str) -> int | str | None:

@@ -137,3 +137,15 @@ def test_file_name_and_content_must_agree(layout_checkpoints, tmp_path: Path) ->
     shutil.copy(src / "rank2.pt", bad / "other.pt")
     with pytest.raises(CheckpointError, match="two files hold rank 2"):
         shardstore.ingest(tmp_path / "store", [bad / "rank0.pt", bad / "rank2.pt", bad / "other.pt"], jobs=1)
+
+
+@pytest.mark.parametrize("name", ["checkpoint-40", "epoch=1-step=40.ckpt", "step-40", "step40", "global_step40",
+                                  "global_step_40", "iter_0000040", "ep1-ba40", "step_40"])
+def test_a_step_is_found_by_every_trainers_own_name_for_it(name: str) -> None:
+    """--step N: the HF Trainer's checkpoint-N, Lightning's epoch=E-step=N.ckpt, torchtitan's step-N,
+    DeepSpeed's global_stepN, veRL's global_step_N, Megatron-LM's iter_{N:07d}, Composer's ep{E}-ba{N}."""
+    from shardstore.read.source import names_step
+
+    assert names_step(name, 40)
+    assert not names_step(name, 4) and not names_step(name, 400)
+    assert not names_step(name.replace("40", "140"), 40)
