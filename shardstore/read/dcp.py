@@ -48,6 +48,8 @@ VERL_DIST, VERL_HF = "dist_ckpt", "huggingface"
 # from its actor/ folder and from the step folder above it)
 INSIDE = (MODEL_AND_OPTIM, NEMO_WEIGHTS, VERL_DIST, f"model/{VERL_DIST}", f"actor/{VERL_DIST}",
           f"actor/model/{VERL_DIST}")
+FSDP_MODEL = "pytorch_model_fsdp"  # the HF Trainer's and Accelerate's model folder (accelerate FSDP_MODEL_NAME)
+PART = re.compile(r"(pytorch_model_fsdp|optimizer)_\d+")  # its folders: each model's, each optimizer's
 MEGATRON_METADATA = "metadata.json"  # Megatron-Core's: {"sharded_backend": "torch_dist", ...}
 MEGATRON_COMMON = "common.pt"  # megatron-core <= 0.18's common state (>= 0.19: a bytes item in the files)
 COMMON_STATE = "common_state"  # where the store keeps it
@@ -505,9 +507,9 @@ class DcpUnit:
         self.file.close()
 
 
-def _checkpoint(folder: str, storage_options: StorageOptions | None) -> DcpCheckpoint:
-    """A folder's .metadata, read once per process."""
-    return parsed_once("dcp", folder, storage_options, read_checkpoint)
+def _checkpoint(folder: str, storage_options: StorageOptions | None, parts: bool = False) -> DcpCheckpoint:
+    """A folder's .metadata (`parts`: its trainer's DCP folders'), read once per process."""
+    return parsed_once("dcp-parts" if parts else "dcp", folder, storage_options, read_parts if parts else read_checkpoint)
 
 
 def _is_common(path: str) -> bool:
@@ -536,11 +538,12 @@ def _join_parent(path: str) -> str:
 
 
 def open_unit(path: str | os.PathLike[str], storage_options: StorageOptions | None = None,
-              strict: bool = False) -> DcpUnit:
-    """Open one .distcp file of a checkpoint (its folder's .metadata is read once per process)."""
+              strict: bool = False, parts: bool = False) -> DcpUnit:
+    """Open one .distcp file of a checkpoint (its folder's .metadata is read once per process); `parts`:
+    a file of one of a trainer's DCP folders saved side by side (`trainer_parts`)."""
     path = os.fspath(path)
-    folder, name = (path.rsplit("/", 1) if is_url(path) else os.path.split(path))
-    ckpt = _checkpoint(folder, storage_options)
+    folder, name = _unit_folder(path) if parts else (path.rsplit("/", 1) if is_url(path) else os.path.split(path))
+    ckpt = _checkpoint(folder, storage_options, parts)
     if name not in ckpt.files:
         raise CheckpointError(f"{path}: not a file of the checkpoint in {folder} (its .metadata names no item in it)")
     data = DataFile(path, storage_options)
@@ -603,13 +606,72 @@ def _row_major(sizes: tuple[int, ...]) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------------- format
+def trainer_parts(folder: str, storage_options: StorageOptions | None) -> list[str]:
+    """The DCP folders the HF Trainer and Accelerate save side by side as one checkpoint (FSDP's
+    SHARDED_STATE_DICT): `pytorch_model_fsdp_{i}/` (each prepared model, its state under `model`) and
+    `optimizer_{i}/` (its optimizer, under `optimizer`), in that order. Empty when `folder` has a
+    .metadata of its own or holds no such folder."""
+    from .source import subfolders
+
+    if has_metadata(folder, storage_options):
+        return []
+    found = [n for n in subfolders(folder, storage_options) if PART.fullmatch(n)
+             and has_metadata(join(folder, n), storage_options)]
+    return sorted(found, key=lambda n: (not n.startswith(FSDP_MODEL), int(n.rsplit("_", 1)[1])))
+
+
+def read_parts(folder: str, storage_options: StorageOptions | None = None) -> DcpCheckpoint:
+    """One checkpoint of a trainer's DCP folders (`trainer_parts`): each folder's metadata read and
+    checked on its own, its files named `part/file`; the keys of two parts must not meet."""
+    parts = trainer_parts(folder, storage_options)
+    if not parts:
+        raise CheckpointError(f"{folder}: holds no DCP folder of a trainer (pytorch_model_fsdp_N/, optimizer_N/)")
+    tensors: dict[str, Any] = {}
+    values: list[str] = []
+    paths_: dict[str, tuple[Any, ...]] = {}
+    items: list[Item] = []
+    files: list[str] = []
+    digests = []
+    for part in parts:
+        ckpt = read_checkpoint(join(folder, part), storage_options)
+        taken = set(tensors) | set(values)
+        clash = next((fqn for fqn in [*ckpt.tensors, *ckpt.values] if fqn in taken), None)
+        if clash is not None:
+            raise CheckpointError(f"{join(folder, part)}: holds {clash!r:.80}, which an earlier part holds too")
+        tensors.update(ckpt.tensors)
+        values += ckpt.values
+        paths_.update(ckpt.paths)
+        items += [replace(i, file=f"{part}/{i.file}") for i in ckpt.items]
+        files += [f"{part}/{f}" for f in ckpt.files]
+        digests.append(ckpt.digest)
+    digest = hashlib.blake2b(repr(digests).encode(), digest_size=16).hexdigest()
+    return DcpCheckpoint(folder, digest, tensors, values, paths_, items, files)
+
+
 def _inside(folder: str, storage_options: StorageOptions | None) -> str | None:
-    """The folder holding .metadata: `folder`, or one of the places a trainer keeps it in (INSIDE)."""
+    """The folder holding .metadata: `folder`, or one of the places a trainer keeps it in (INSIDE); or
+    `folder` itself when it holds a trainer's DCP folders side by side (`trainer_parts`)."""
     for place in ("", *INSIDE):
         path = join(folder, place) if place else folder
         if has_metadata(path, storage_options):
             return path
-    return None
+    return folder if trainer_parts(folder, storage_options) else None
+
+
+def _read(folder: str, storage_options: StorageOptions | None) -> DcpCheckpoint:
+    """The checkpoint in `folder`: its .metadata, or its trainer's DCP folders as one."""
+    return read_checkpoint(folder, storage_options) if has_metadata(folder, storage_options) \
+        else read_parts(folder, storage_options)
+
+
+def _unit_folder(path: str) -> tuple[str, str]:
+    """(the checkpoint folder, the unit's name in it) of a .distcp file: `part/file` inside a trainer's
+    DCP folder (its facts list units so), else the file's own folder and name."""
+    folder, name = folder_of(path), path.replace("\\", "/").rsplit("/", 1)[-1]
+    from .source import name_of
+
+    part = name_of(folder)
+    return (folder_of(folder), f"{part}/{name}") if PART.fullmatch(part) else (folder, name)
 
 
 def _resolved(folder: str, storage_options: StorageOptions | None) -> str:
@@ -661,7 +723,7 @@ class DcpFormat:
         from .source import Source
 
         folder = _resolved(folder, storage_options)
-        units = [join(folder, f) for f in read_checkpoint(folder, storage_options).files]
+        units = [join(folder, f) for f in _read(folder, storage_options).files]
         return Source(self.name, units + trainer_files(folder, storage_options), storage_options,
                       _beside(folder, storage_options))
 
@@ -681,14 +743,19 @@ class DcpFormat:
 
     def plan(self, source: Any, encode_key: Any, strict: bool) -> tuple[CheckpointSpec, None]:
         trainer_state = [u for u in source.units if u.endswith(".pt")]
-        ckpt = read_checkpoint(folder_of(source.units[0]), source.storage_options)
+        folder, name = _unit_folder(source.units[0])
+        ckpt = read_parts(folder, source.storage_options) if "/" in name else None
+        distcp = [u for u in source.units if u.endswith(".distcp")]
+        if ckpt is None or sorted(join(folder, f) for f in ckpt.files) != sorted(distcp):  # one folder of them
+            ckpt = read_checkpoint(folder_of(source.units[0]), source.storage_options)
         return spec(ckpt, encode_key, trainer_state, strict, source.storage_options), None
 
     def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
                   facts: dict[str, Any]) -> Any:
         if path.endswith(".pt"):  # OLMo's train/rank<N>.pt beside model_and_optim/
             return open_trainer_unit(path, storage_options, strict, encode_key)
-        return open_unit(path, storage_options, strict)
+        parts = any("/" in u for u in facts.get("units", ()) if u.endswith(".distcp"))  # part/file: read_parts
+        return open_unit(path, storage_options, strict, parts)
 
     def arrivals(self, folder: str, tag: str | None, looks: Any) -> Any:
         """A DCP folder counts once its .metadata reads (torch writes it last; a copy may bring it first),
@@ -699,6 +766,9 @@ class DcpFormat:
         found = dcp_folder(folder, tag, None, None)
         if found is None:
             return None
+        if not has_metadata(found):
+            raise CheckpointError(f"{found}: a trainer's DCP folders side by side ({', '.join(trainer_parts(found, None))})"
+                                  f"; watch does not follow them yet: unshard it once it is saved")
         ckpt = looks.parse(os.path.join(found, METADATA), lambda path: read_checkpoint(found))
         if ckpt is None:
             return Arrived(Source(self.name, []), [])  # still being written: look again

@@ -1,0 +1,95 @@
+"""The HF Trainer's and Accelerate's FSDP `SHARDED_STATE_DICT` checkpoints: `checkpoint-N/` holding
+`pytorch_model_fsdp_0/` and `optimizer_0/`, two DCP folders side by side, written by accelerate's own
+saving code (tests/fixtures/accelerate_fsdp.py; kept in tests/fixtures/data/accelerate/), read as one
+checkpoint without --tag, against what the live FSDP2 ranks gathered.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardstore
+from shardstore.read.source import open_source
+
+DATA = Path(__file__).parent.parent / "fixtures" / "data" / "accelerate"
+LAYOUTS = ["fsdp2-w2", "fsdp2-w3"]  # an odd world size: uneven shards
+
+
+def _want(layout: str) -> dict:
+    return torch.load(DATA / f"{layout}.expected.pt.ref", weights_only=True)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_model_and_optimizer_folders_are_one_checkpoint(layout: str, tmp_path: Path) -> None:
+    """Given the run folder or checkpoint-4/, no --tag: the model under `model`, the optimizer's state under
+    `optimizer` keyed by parameter name, bit for bit what the live ranks gathered; safetensors takes the
+    model alone, --select the optimizer."""
+    from safetensors.torch import load_file
+
+    want = _want(layout)
+    for given in (DATA / layout, DATA / layout / "checkpoint-4"):
+        assert open_source(given).format == "dcp"
+    shardstore.unshard(DATA / layout, tmp_path / "pt", format="torch", jobs=2)
+    got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=False)
+    assert list(got) == ["model", "optimizer"]
+    assert set(got["model"]) == set(want["model"])
+    assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
+    state, saved = got["optimizer"]["state"], want["optimizer"]["state"]
+    assert set(state) == set(saved) and all(torch.equal(state[k][n], saved[k][n]) for k in saved for n in saved[k])
+    assert got["optimizer"]["param_groups"][0]["params"] == want["optimizer"]["param_groups"][0]["params"]
+    shardstore.unshard(DATA / layout, tmp_path / "st", jobs=2)
+    st = load_file(tmp_path / "st" / "model.safetensors")
+    assert set(st) == set(want["model"]) and all(torch.equal(st[k], v) for k, v in want["model"].items())
+    shardstore.unshard(DATA / layout, tmp_path / "opt", select="optimizer", jobs=2)
+    opt = load_file(tmp_path / "opt" / "model.safetensors")
+    assert torch.equal(opt["state.model.norm.weight.exp_avg"], saved["model.norm.weight"]["exp_avg"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_hf_export_of_the_trainers_checkpoint_gives_the_models_logits(layout: str, tmp_path: Path) -> None:
+    """The Trainer writes no config.json for sharded checkpoints: without --hf-config the export asks for
+    one before any ingest; with it, transformers loads the folder and gives the live model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    want = _want(layout)
+    with pytest.raises(shardstore.ExportError, match="--hf-config"):
+        shardstore.unshard(DATA / layout, tmp_path / "none", format="hf")
+    assert not (tmp_path / "none").exists()
+    (tmp_path / "config.json").write_text(json.dumps(want["config"]))
+    shardstore.unshard(DATA / layout, tmp_path / "hf", format="hf", hf_config=tmp_path / "config.json", jobs=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        logits = model(input_ids=want["ids"]).logits
+    assert torch.equal(logits, want["logits"])  # the same weights, the same code, the same machine
+
+
+def test_a_run_of_trainer_checkpoints_is_picked_by_step(tmp_path: Path) -> None:
+    """A Trainer run folder of checkpoint-N/ folders: --step picks one; two are never mixed."""
+    run = tmp_path / "run"
+    for step in (4, 8):
+        shutil.copytree(DATA / "fsdp2-w2" / "checkpoint-4", run / f"checkpoint-{step}")
+    assert open_source(run, step=8).units[0].startswith(str(run / "checkpoint-8" / "pytorch_model_fsdp_0"))
+    with pytest.raises(shardstore.CheckpointError, match="more than one checkpoint"):
+        open_source(run)
+
+
+def test_one_of_the_folders_given_alone_is_that_folder(tmp_path: Path) -> None:
+    """optimizer_0/ given itself is a DCP checkpoint of its own: the optimizer's state alone."""
+    shardstore.unshard(DATA / "fsdp2-w2" / "checkpoint-4" / "optimizer_0", tmp_path / "pt", format="torch")
+    got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=False)
+    assert list(got) == ["optimizer"]
+
+
+def test_a_file_of_another_part_is_refused(tmp_path: Path) -> None:
+    """A model .distcp file copied over the optimizer's: its items are not where the optimizer's metadata
+    places them, and the worker that opens it refuses it by name."""
+    ckpt = tmp_path / "checkpoint-4"
+    shutil.copytree(DATA / "fsdp2-w2" / "checkpoint-4", ckpt)
+    shutil.copy(ckpt / "pytorch_model_fsdp_0" / "__1_0.distcp", ckpt / "optimizer_0" / "__1_0.distcp")
+    with pytest.raises(shardstore.CheckpointError, match=r"optimizer_0/__1_0.distcp"):
+        shardstore.unshard(ckpt, tmp_path / "out", format="torch", jobs=1)
