@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .. import dtypes, tempfiles
+from .. import dtypes, paths, tempfiles
 from ..errors import ExportError, StoreError
 from ..read.contract import Node
 from ..read.registry import get
@@ -58,6 +58,12 @@ def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
     if not out.is_dir():
         return []
     return sorted(p for p in out.iterdir() if _OUTPUT_NAME.match(p.name) and p.name not in planned)
+
+
+# The top-level parts of a checkpoint that are never a model's weights: an optimizer's state (the HF
+# Trainer's optimizer_N/, torchtitan's, Lightning's optimizer_states) and a trainer's counters
+NOT_A_MODEL = frozenset({"optimizer", "optim", "optimizer_states", "lr_scheduler", "lr_schedulers",
+                         "train_state", "dataloader", "scheduler"})
 
 
 def model_subtree(store: Store) -> str:
@@ -128,6 +134,11 @@ def preflight(store: Store, out_dir: str | os.PathLike[str], format: str = "safe
     out = Path(out_dir)
     if format in ("safetensors", "hf"):
         node_at(store.manifest.tree, model_subtree(store) if select is None else select)
+    if format == "hf" and select is None:
+        parts = [child.path for _, child in store.manifest.tree.children]
+        if parts and set(parts) <= {paths.escape(n) for n in NOT_A_MODEL}:  # an optimizer's checkpoint of its own (optimizer_0/)
+            raise ExportError(f"the checkpoint holds no model weights, only {', '.join(parts)}; give the model's "
+                              f"checkpoint (pytorch_model_fsdp_0/ beside it), or --format torch/safetensors")
     if format == "hf" and hf_config is None and not has_hf_description(store):
         raise ExportError(NO_HF_DESCRIPTION)
     if overwrite:

@@ -79,10 +79,16 @@ def test_a_run_of_trainer_checkpoints_is_picked_by_step(tmp_path: Path) -> None:
 
 
 def test_one_of_the_folders_given_alone_is_that_folder(tmp_path: Path) -> None:
-    """optimizer_0/ given itself is a DCP checkpoint of its own: the optimizer's state alone."""
-    shardstore.unshard(DATA / "fsdp2-w2" / "checkpoint-4" / "optimizer_0", tmp_path / "pt", format="torch")
+    """optimizer_0/ given itself is a DCP checkpoint of its own: the optimizer's state alone. --format hf
+    of it is refused before any ingest, naming what it holds, and leaves no OUT behind."""
+    optimizer = DATA / "fsdp2-w2" / "checkpoint-4" / "optimizer_0"
+    shardstore.unshard(optimizer, tmp_path / "pt", format="torch")
     got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=False)
     assert list(got) == ["optimizer"]
+    (tmp_path / "config.json").write_text(json.dumps(_want("fsdp2-w2")["config"]))
+    with pytest.raises(shardstore.ExportError, match="holds no model weights, only optimizer"):
+        shardstore.unshard(optimizer, tmp_path / "hf", format="hf", hf_config=tmp_path / "config.json")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_a_file_of_another_part_is_refused(tmp_path: Path) -> None:
