@@ -50,6 +50,7 @@ INSIDE = (MODEL_AND_OPTIM, NEMO_WEIGHTS, VERL_DIST, f"model/{VERL_DIST}", f"acto
           f"actor/model/{VERL_DIST}")
 FSDP_MODEL = "pytorch_model_fsdp"  # the HF Trainer's and Accelerate's model folder (accelerate FSDP_MODEL_NAME)
 PART = re.compile(r"(pytorch_model_fsdp|optimizer)_\d+")  # its folders: each model's, each optimizer's
+TRAINER_STEP = re.compile(r"checkpoint-\d+")  # the HF Trainer's checkpoint folder in its output_dir
 MEGATRON_METADATA = "metadata.json"  # Megatron-Core's: {"sharded_backend": "torch_dist", ...}
 MEGATRON_COMMON = "common.pt"  # megatron-core <= 0.18's common state (>= 0.19: a bytes item in the files)
 COMMON_STATE = "common_state"  # where the store keeps it
@@ -680,7 +681,7 @@ def _resolved(folder: str, storage_options: StorageOptions | None) -> str:
 
 def _beside(folder: str, storage_options: StorageOptions | None) -> list[str]:
     """The files a trainer keeps next to its DCP folder that describe the model: OLMo's config.yaml, a
-    config.json; NeMo 2's context/model.yaml and the tokenizer in context/nemo_tokenizer/; the Hugging Face
+    config.json (the HF Trainer's, in its output_dir above checkpoint-N/); NeMo 2's context/model.yaml and the tokenizer in context/nemo_tokenizer/; the Hugging Face
     files in veRL's huggingface/ next to its Megatron actor's dist_ckpt/."""
     from .source import JSON_CONFIG, config_files, hf_model_file, name_of
 
@@ -688,6 +689,10 @@ def _beside(folder: str, storage_options: StorageOptions | None) -> list[str]:
     if name == MODEL_AND_OPTIM:
         return config_files(parent, storage_options, "config.yaml", JSON_CONFIG)
     found = config_files(folder, storage_options, "config.yaml", JSON_CONFIG)
+    if not found and TRAINER_STEP.fullmatch(name) and trainer_parts(folder, storage_options):
+        # the HF Trainer writes no config.json into a sharded checkpoint-N/; its final save_model writes
+        # the model's Hugging Face files into the run's output_dir, the folder above
+        found = [p for p in listing(parent, storage_options) if hf_model_file(name_of(p))]
     if name == NEMO_WEIGHTS:
         context = join(parent, NEMO_CONTEXT)
         found += config_files(context, storage_options, NEMO_MODEL)

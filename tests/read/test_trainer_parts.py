@@ -99,3 +99,18 @@ def test_a_file_of_another_part_is_refused(tmp_path: Path) -> None:
     shutil.copy(ckpt / "pytorch_model_fsdp_0" / "__1_0.distcp", ckpt / "optimizer_0" / "__1_0.distcp")
     with pytest.raises(shardstore.CheckpointError, match=r"optimizer_0/__1_0.distcp"):
         shardstore.unshard(ckpt, tmp_path / "out", format="torch", jobs=1)
+
+
+def test_hf_export_takes_the_config_the_trainers_final_save_left_in_output_dir(tmp_path: Path) -> None:
+    """The Trainer's save_model at the end of the run writes config.json into output_dir, above its
+    checkpoint-N/ folders: --format hf of a checkpoint finds it there with no flag."""
+    from transformers import AutoModelForCausalLM
+
+    want = _want("fsdp2-w2")
+    run = tmp_path / "output_dir"
+    shutil.copytree(DATA / "fsdp2-w2" / "checkpoint-4", run / "checkpoint-4")
+    (run / "config.json").write_text(json.dumps(want["config"]))
+    shardstore.unshard(run / "checkpoint-4", tmp_path / "hf", format="hf", jobs=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=want["ids"]).logits, want["logits"])
