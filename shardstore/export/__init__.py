@@ -17,7 +17,7 @@ from ..store.onesave import check_one_save
 from ..store.store import Status, Store
 from .notes import flat_buckets
 from .output import output_error, write_side_files
-from .resolve import leaves, node_at
+from .resolve import NOT_A_MODEL, leaves, model_node, node_at
 from .dcp import METADATA, export_dcp, plan_dcp
 from .direct import MOVING, DirectExport
 from .direct import dcp as direct_dcp
@@ -60,12 +60,6 @@ def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
     return sorted(p for p in out.iterdir() if _OUTPUT_NAME.match(p.name) and p.name not in planned)
 
 
-# The top-level parts of a checkpoint that are never a model's weights: an optimizer's state (the HF
-# Trainer's optimizer_N/, torchtitan's, Lightning's optimizer_states) and a trainer's counters
-NOT_A_MODEL = frozenset({"optimizer", "optim", "optimizer_states", "lr_scheduler", "lr_schedulers",
-                         "train_state", "dataloader", "scheduler"})
-
-
 def model_subtree(store: Store) -> str:
     """Where the model weights are, by layout: `model` (OLMo), `state/model` (Composer), else the root."""
     for candidate in ("model", "state/model"):
@@ -75,6 +69,12 @@ def model_subtree(store: Store) -> str:
         except ExportError:
             continue
     return ""
+
+
+def _model_or(store: Store, select: str | None) -> Node:
+    """The node an export of tensors takes: `select`'s, or by default the model's (`model_node`)."""
+    return node_at(store.manifest.tree, select) if select is not None \
+        else model_node(store.manifest.tree, model_subtree(store))
 
 
 def _scoped(status: Status, node: Node) -> Status:
@@ -116,7 +116,7 @@ def output_bytes(store: Store, format: str = "safetensors", select: str | None =
     """About how many bytes the export will write: its sharded tensors (small values aside)."""
     if format in ("torch", "dcp"):
         return sum(a.nbytes for a in store.manifest.arrays.values())
-    inside = {path for _, path in leaves(node_at(store.manifest.tree, model_subtree(store) if select is None else select))}
+    inside = {path for _, path in leaves(_model_or(store, select))}
     total = 0
     for path, entry in store.manifest.arrays.items():
         if path in inside:
@@ -133,7 +133,7 @@ def preflight(store: Store, out_dir: str | os.PathLike[str], format: str = "safe
     format in OUT. `export` checks the rest, exactly, once the data is in."""
     out = Path(out_dir)
     if format in ("safetensors", "hf"):
-        node_at(store.manifest.tree, model_subtree(store) if select is None else select)
+        _model_or(store, select)
     if format == "hf" and select is None:
         parts = [child.path for _, child in store.manifest.tree.children]
         if parts and set(parts) <= {paths.escape(n) for n in NOT_A_MODEL}:  # an optimizer's checkpoint of its own (optimizer_0/)
@@ -187,7 +187,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     check_one_save(store.records(refresh=False))  # units that raced each other to commit
     node = None
     if format in ("safetensors", "hf"):  # only the exported subtree has to be complete
-        node = node_at(store.manifest.tree, model_subtree(store) if select is None else select)
+        node = _model_or(store, select)
         status = _scoped(full, node)
     partial = None
     if not status.ok and allow_partial:
@@ -266,7 +266,7 @@ def plan_direct(store: Store, format: str = "safetensors", select: str | None = 
     if format == "dcp":
         return direct_dcp.plan(store, jobs)
     subtree = model_subtree(store) if select is None else select
-    node = node_at(store.manifest.tree, subtree)
+    node = _model_or(store, select)
     facts = store.manifest.facts
     if any(path not in store.manifest.arrays and path not in facts.not_tensors for _, path in leaves(node)):
         return None  # a plain value's shape comes with the data

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from .. import dtypes, values
+from .. import dtypes, paths, values
 from ..errors import ExportError
 from ..store.handle import decode_value
 from ..ranges import Part
@@ -66,6 +66,23 @@ def node_at(tree: Node, select: str) -> Node:
             raise ExportError(f"no subtree {select!r} in the store")
         node = prefix[0]
     return node
+
+
+# The top-level parts of a checkpoint that are never a model's weights: an optimizer's state (the HF
+# Trainer's optimizer_N/, torchtitan's, Lightning's optimizer_states) and a trainer's counters
+NOT_A_MODEL = frozenset({"optimizer", "optim", "optimizer_states", "lr_scheduler", "lr_schedulers",
+                         "train_state", "dataloader", "scheduler"})
+
+
+def model_node(tree: Node, subtree: str) -> Node:
+    """The model's node: `subtree`'s, and for the root, the root without the parts beside a model saved at
+    the top level (torchtitan's model keys beside `optimizer`, `train_state`, `lr_scheduler`, `dataloader`)."""
+    node = node_at(tree, subtree)
+    if subtree.strip("/"):
+        return node
+    beside = {paths.escape(n) for n in NOT_A_MODEL}
+    kept = [(key, child) for key, child in node.children if child.path not in beside]
+    return Node(node.kind, node.path, kept) if kept else node
 
 
 def build(store: Store, node: Node, plain_dicts: bool = False, rank: int | None = None, lean: bool = False) -> Any:

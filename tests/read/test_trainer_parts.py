@@ -114,3 +114,31 @@ def test_hf_export_takes_the_config_the_trainers_final_save_left_in_output_dir(t
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         assert torch.equal(model(input_ids=want["ids"]).logits, want["logits"])
+
+
+def test_a_model_saved_at_the_top_level_beside_its_trainers_parts_is_what_safetensors_takes(tmp_path: Path) -> None:
+    """torchtitan's CheckpointManager: dcp.save of the model's keys at the top level (its ModelWrapper
+    flattens them) beside `optimizer`, `train_state`, `lr_scheduler`, `dataloader` (here written by torch's
+    dcp.save in that shape, not by torchtitan). safetensors and hf take the model's keys alone; --select
+    names any part."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = {"tok_embeddings.weight": torch.randn(10, 4), "layers.0.attention.wq.weight": torch.randn(4, 4),
+             "norm.weight": torch.randn(4)}
+    moments = {"step": torch.tensor(3.0), "exp_avg": torch.randn(10, 4)}
+    dcp.save({**model, "optimizer": {"state": {"tok_embeddings.weight": moments},
+                                     "param_groups": [{"lr": 0.1, "params": ["tok_embeddings.weight"]}]},
+              "train_state": {"step": 3}, "lr_scheduler": {"last_epoch": 3}, "dataloader": {"pos": 7}},
+             checkpoint_id=tmp_path / "run" / "step-3", no_dist=True)
+    shardstore.unshard(tmp_path / "run", tmp_path / "st", step=3)
+    st = load_file(tmp_path / "st" / "model.safetensors")
+    assert list(st) == list(model) and all(torch.equal(st[k], v) for k, v in model.items())
+    shardstore.unshard(tmp_path / "run", tmp_path / "opt", select="optimizer")
+    assert torch.equal(load_file(tmp_path / "opt" / "model.safetensors")["state.tok_embeddings.weight.exp_avg"],
+                       moments["exp_avg"])
+    shardstore.unshard(tmp_path / "run", tmp_path / "pt", format="torch")
+    got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=False)
+    assert got["train_state"] == {"step": 3} and set(got) == {*model, "optimizer", "train_state", "lr_scheduler",
+                                                               "dataloader"}

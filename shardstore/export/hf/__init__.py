@@ -29,7 +29,7 @@ from ...read.registry import get
 from ...read.source import hf_model_file
 from ...store.store import Store
 from ..output import OutputFile
-from ..resolve import build, leaves, node_at
+from ..resolve import build, leaves, model_node, node_at
 from ..safetensors import SafetensorsPlan, export_safetensors, plan_items, tensor_item
 from . import megatron, olmo, olmo_core
 from .spec import HFModel, HFTensor
@@ -112,7 +112,7 @@ def _model_leaves(store: Store, subtree: str, strip_prefix: str | None,
                   rename: Callable[[str], str] = lambda n: n) -> dict[str, str]:
     """Output-ready name -> store path for every leaf of the model subtree."""
     out: dict[str, str] = {}
-    for keys, path in leaves(node_at(store.manifest.tree, subtree)):
+    for keys, path in leaves(model_node(store.manifest.tree, subtree)):
         name = ".".join(str(k) for k in keys)
         if strip_prefix and name.startswith(strip_prefix):
             name = name[len(strip_prefix):]
