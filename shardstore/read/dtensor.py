@@ -442,6 +442,17 @@ def holds_dtensors(path: str, storage_options: StorageOptions | None) -> bool:
         return False  # not readable as one: the rank-file reader says why
 
 
+def checked_leaves(f: File, digest: str, planned_from: str) -> dict[str, Any]:
+    """A rank's file's leaves, each DTensor as the box this rank holds, once its keys and layouts are
+    those of the file the store was planned from (`digest`, of `planned_from`)."""
+    layouts = layouts_of(f)
+    if digest_of(f, layouts) != digest:
+        raise CheckpointError(f"{f.path}: its keys or tensor layouts differ from {planned_from} the store was "
+                              f"planned from (a file of another checkpoint?)")
+    mesh = model_mesh(layouts)
+    return {p: array_leaf(f, p, leaf, *layouts[p], mesh) if p in layouts else leaf for p, leaf in f.leaves.items()}
+
+
 class DTensorFiles:
     """Per-rank `torch.save` files of DTensors under any `*rank<N>.pt` names, one unit each, in rank
     order; the state dict's own keys are the top level."""
@@ -496,13 +507,7 @@ class DTensorFiles:
         f = self._file(path, facts["dtensor_files"]["world"], storage_options, strict, encode_key)
         unit = FileUnit(path, f.rank, f.world, f.rank, f.world, facts["metadata"], {}, f.zip)
         with closed_on_error(unit.close, path):
-            layouts = layouts_of(f)
-            if digest_of(f, layouts) != facts["metadata"]:
-                raise CheckpointError(f"{path}: its keys or tensor layouts differ from rank 0's file the store was "
-                                      f"planned from (a file of another checkpoint?)")
-            mesh = model_mesh(layouts)
-            for p, leaf in f.leaves.items():
-                unit.leaves[p] = array_leaf(f, p, leaf, *layouts[p], mesh) if p in layouts else leaf
+            unit.leaves.update(checked_leaves(f, facts["metadata"], "rank 0's file"))
         return unit
 
     def arrivals(self, folder: str, tag: str | None, looks: Any) -> None:

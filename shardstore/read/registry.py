@@ -12,7 +12,7 @@ from .contract import Format
 @functools.cache
 def folder_formats() -> tuple[Format, ...]:
     """The formats a checkpoint folder is recognised by, in order."""
-    from . import dcp, dcp_hf, deepspeed, megatron_torch, olmo_core, olmo_local, verl
+    from . import accelerate, dcp, dcp_hf, deepspeed, megatron_torch, olmo_core, olmo_local, verl
     from .folder import FolderFormat
 
     return (
@@ -23,6 +23,7 @@ def folder_formats() -> tuple[Format, ...]:
         FolderFormat(deepspeed, "DeepSpeed ZeRO"),
         FolderFormat(dcp_hf, "Hugging Face safetensors"),
         FolderFormat(megatron_torch, "Megatron-LM torch"),
+        FolderFormat(accelerate, "Accelerate per-rank FSDP"),
     )
 
 

@@ -16,12 +16,32 @@ import torch
 import shardstore
 from shardstore.read.source import open_source
 
+from .conformance import FormatTests
+
 DATA = Path(__file__).parent.parent / "fixtures" / "data" / "accelerate"
 LAYOUTS = ["fsdp2-w2", "fsdp2-w3"]  # an odd world size: uneven shards
 
 
 def _want(layout: str) -> dict:
     return torch.load(DATA / f"{layout}.expected.pt.ref", weights_only=True)
+
+
+def _as_gathered(src: Path, want: dict, tmp_path: Path) -> None:
+    """--format torch: `model` and `optimizer` bit for bit what the live ranks gathered; safetensors: the
+    model alone."""
+    from safetensors.torch import load_file
+
+    shardstore.unshard(src, tmp_path / "pt", format="torch", jobs=2)
+    got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=False)
+    assert list(got) == ["model", "optimizer"]
+    assert set(got["model"]) == set(want["model"])
+    assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
+    state, saved = got["optimizer"]["state"], want["optimizer"]["state"]
+    assert set(state) == set(saved) and all(torch.equal(state[k][n], saved[k][n]) for k in saved for n in saved[k])
+    assert got["optimizer"]["param_groups"][0]["params"] == want["optimizer"]["param_groups"][0]["params"]
+    shardstore.unshard(src, tmp_path / "st", jobs=2)
+    st = load_file(tmp_path / "st" / "model.safetensors")
+    assert set(st) == set(want["model"]) and all(torch.equal(st[k], v) for k, v in want["model"].items())
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -34,20 +54,11 @@ def test_the_model_and_optimizer_folders_are_one_checkpoint(layout: str, tmp_pat
     want = _want(layout)
     for given in (DATA / layout, DATA / layout / "checkpoint-4"):
         assert open_source(given).format == "dcp"
-    shardstore.unshard(DATA / layout, tmp_path / "pt", format="torch", jobs=2)
-    got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=False)
-    assert list(got) == ["model", "optimizer"]
-    assert set(got["model"]) == set(want["model"])
-    assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
-    state, saved = got["optimizer"]["state"], want["optimizer"]["state"]
-    assert set(state) == set(saved) and all(torch.equal(state[k][n], saved[k][n]) for k in saved for n in saved[k])
-    assert got["optimizer"]["param_groups"][0]["params"] == want["optimizer"]["param_groups"][0]["params"]
-    shardstore.unshard(DATA / layout, tmp_path / "st", jobs=2)
-    st = load_file(tmp_path / "st" / "model.safetensors")
-    assert set(st) == set(want["model"]) and all(torch.equal(st[k], v) for k, v in want["model"].items())
+    _as_gathered(DATA / layout, want, tmp_path)
     shardstore.unshard(DATA / layout, tmp_path / "opt", select="optimizer", jobs=2)
     opt = load_file(tmp_path / "opt" / "model.safetensors")
-    assert torch.equal(opt["state.model.norm.weight.exp_avg"], saved["model.norm.weight"]["exp_avg"])
+    moments = want["optimizer"]["state"]["model.norm.weight"]
+    assert torch.equal(opt["state.model.norm.weight.exp_avg"], moments["exp_avg"])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -142,3 +153,36 @@ def test_a_model_saved_at_the_top_level_beside_its_trainers_parts_is_what_safete
     got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=False)
     assert got["train_state"] == {"step": 3} and set(got) == {*model, "optimizer", "train_state", "lr_scheduler",
                                                                "dataloader"}
+
+
+BIN = DATA / "fsdp2-w3-bin"  # accelerate's use_dcp=False save: each rank's torch.save of its shards
+
+
+def test_accelerates_per_rank_files_are_one_checkpoint(tmp_path: Path) -> None:
+    """pytorch_model_fsdp_0_rank{r}.bin beside optimizer_0_rank{r}.bin (FSDP2 DTensors, W=3): found without
+    --tag from the run folder or checkpoint-4/, the model under `model` and the optimizer's state under
+    `optimizer`, bit for bit what the live ranks gathered; safetensors takes the model."""
+    want = torch.load(f"{BIN}.expected.pt.ref", weights_only=True)
+    assert open_source(BIN).format == open_source(BIN / "checkpoint-4").format == "accelerate"
+    _as_gathered(BIN, want, tmp_path)
+
+
+def test_accelerates_per_rank_files_refuse_a_missing_rank_and_a_file_in_anothers_place(tmp_path: Path) -> None:
+    ckpt = tmp_path / "checkpoint-4"
+    shutil.copytree(BIN / "checkpoint-4", ckpt)
+    (ckpt / "optimizer_0_rank2.bin").unlink()
+    with pytest.raises(shardstore.CheckpointError, match="optimizer's files of ranks 2 are missing"):
+        shardstore.unshard(ckpt, tmp_path / "out", format="torch")
+    shutil.copy(ckpt / "optimizer_0_rank1.bin", ckpt / "optimizer_0_rank2.bin")
+    with pytest.raises(shardstore.CheckpointError, match="optimizer_0_rank2.bin"):
+        shardstore.unshard(ckpt, tmp_path / "out", format="torch", jobs=1)
+
+
+class TestAccelerateConformance(FormatTests):
+    @pytest.fixture
+    def checkpoint(self, tmp_path: Path) -> Path:
+        return BIN / "checkpoint-4"
+
+    @pytest.fixture
+    def foreign(self, tmp_path: Path) -> Path:
+        return DATA / "fsdp2-w2-bin" / "checkpoint-4" / "pytorch_model_fsdp_0_rank1.bin"  # a save at W=2
