@@ -19,7 +19,7 @@ from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions
 from .contract import CheckpointSpec, Node, replica_count
 from .dtensor import File, array_spec, checked_leaves, digest_of, layouts_of, model_mesh, read_file
-from .olmo import FileUnit
+from .olmo import FileUnit, planned_place
 from .source import folder_of, listing, name_of
 
 FORMAT = "accelerate"
@@ -105,12 +105,9 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
 def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
               facts: dict[str, Any]) -> FileUnit:
     """One rank's file of one part, checked against its part's rank 0 file (their keys and layouts)."""
-    listed = facts.get("units", [])
-    if name_of(path) not in listed or "accelerate" not in facts:
-        raise CheckpointError(f"{path}: not a file of the Accelerate checkpoint the store holds")
-    index = listed.index(name_of(path))
+    index, count = planned_place(name_of(path), path, facts, "accelerate", "Accelerate")
     f = _read(path, facts["accelerate"]["world"], storage_options, strict, encode_key)
-    unit = FileUnit(path, index, len(listed), index, len(listed), facts["metadata"], {}, f.zip)
+    unit = FileUnit(path, index, count, index, count, facts["metadata"], {}, f.zip)
     with closed_on_error(unit.close, path):
         unit.leaves.update(checked_leaves(f, facts["accelerate"]["digests"].get(f.kind, ""), f"rank 0's {f.kind} file"))
     return unit

@@ -30,7 +30,8 @@ from .contract import (ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardSpec, S
                        Skeleton, whole_numbers)
 from . import trainer
 from .tensors import check_view
-from .source import folder_of, join, listing
+from .source import (JSON_CONFIG, Source, config_files, folder_of, hf_model_file, join, listing, name_of, pick,
+                     subfolders)
 from .trainer import TRAIN, TrainerUnit, join_trainer_state, open_trainer
 from .unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, TensorRef, load
 
@@ -612,8 +613,6 @@ def trainer_parts(folder: str, storage_options: StorageOptions | None) -> list[s
     SHARDED_STATE_DICT): `pytorch_model_fsdp_{i}/` (each prepared model, its state under `model`) and
     `optimizer_{i}/` (its optimizer, under `optimizer`), in that order. Empty when `folder` has a
     .metadata of its own or holds no such folder."""
-    from .source import subfolders
-
     if has_metadata(folder, storage_options):
         return []
     found = [n for n in subfolders(folder, storage_options) if PART.fullmatch(n)
@@ -668,9 +667,7 @@ def _read(folder: str, storage_options: StorageOptions | None) -> DcpCheckpoint:
 def _unit_folder(path: str) -> tuple[str, str]:
     """(the checkpoint folder, the unit's name in it) of a .distcp file: `part/file` inside a trainer's
     DCP folder (its facts list units so), else the file's own folder and name."""
-    folder, name = folder_of(path), path.replace("\\", "/").rsplit("/", 1)[-1]
-    from .source import name_of
-
+    folder, name = folder_of(path), name_of(path)
     part = name_of(folder)
     return (folder_of(folder), f"{part}/{name}") if PART.fullmatch(part) else (folder, name)
 
@@ -683,8 +680,6 @@ def _beside(folder: str, storage_options: StorageOptions | None) -> list[str]:
     """The files a trainer keeps next to its DCP folder that describe the model: OLMo's config.yaml, a
     config.json (the HF Trainer's, in its output_dir above checkpoint-N/); NeMo 2's context/model.yaml and the tokenizer in context/nemo_tokenizer/; the Hugging Face
     files in veRL's huggingface/ next to its Megatron actor's dist_ckpt/."""
-    from .source import JSON_CONFIG, config_files, hf_model_file, name_of
-
     name, parent = name_of(folder), folder_of(folder)
     if name == MODEL_AND_OPTIM:
         return config_files(parent, storage_options, "config.yaml", JSON_CONFIG)
@@ -706,15 +701,13 @@ def dcp_folder(src: str, tag: str | None, step: int | None, storage_options: Sto
     """The DCP checkpoint folder `src` is, or holds (OLMo's model_and_optim/, Composer's ep*-ba*/ and its
     latest-rank0.pt link, step*/), or None when `src` holds no DCP checkpoint (`watch` asks this while a
     checkpoint may still be arriving, so nothing of it is read)."""
-    from .source import join as join_path, pick, subfolders
-
     if FORMAT.detect(src, storage_options):
         return _resolved(src, storage_options)
     newest = FORMAT.latest(src, storage_options) if tag in (None, "latest") and step is None else None
     if newest is not None:
         return _resolved(newest, storage_options)
-    below = [n for n in subfolders(src, storage_options) if FORMAT.detect(join_path(src, n), storage_options)]
-    return _resolved(join_path(src, pick(src, below, tag, step)), storage_options) if below else None
+    below = [n for n in subfolders(src, storage_options) if FORMAT.detect(join(src, n), storage_options)]
+    return _resolved(join(src, pick(src, below, tag, step)), storage_options) if below else None
 
 
 class DcpFormat:
@@ -725,8 +718,6 @@ class DcpFormat:
         return _inside(folder, storage_options) is not None
 
     def source(self, folder: str, storage_options: StorageOptions | None) -> Any:
-        from .source import Source
-
         folder = _resolved(folder, storage_options)
         units = [join(folder, f) for f in _read(folder, storage_options).files]
         return Source(self.name, units + trainer_files(folder, storage_options), storage_options,
@@ -740,8 +731,6 @@ class DcpFormat:
         return os.path.realpath(link) if os.path.isdir(link) and self.detect(link, storage_options) else None
 
     def of_files(self, files: list[str], storage_options: StorageOptions | None) -> Any:
-        from .source import Source
-
         if any(f.endswith(".distcp") for f in files) and not all(f.endswith(".distcp") for f in files):
             raise CheckpointError("give .distcp files of one DCP checkpoint, or rank files, not both")
         return Source(self.name, files, storage_options) if files and files[0].endswith(".distcp") else None
@@ -766,8 +755,6 @@ class DcpFormat:
         """A DCP folder counts once its .metadata reads (torch writes it last; a copy may bring it first),
         then each .distcp file once it reaches the end of the last item .metadata places in it."""
         from .arrival import Arrived
-        from .source import Source
-
         found = dcp_folder(folder, tag, None, None)
         if found is None:
             return None

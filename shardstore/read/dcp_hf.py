@@ -24,7 +24,7 @@ from typing import Any
 from ..errors import CheckpointError, closed_on_error
 from ..locations import StorageOptions
 from .. import jsonin, paths
-from .olmo import FileUnit
+from .olmo import FileUnit, planned_place
 from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec
 from .safetensors_file import SafetensorsFile
 from .container import read_small
@@ -197,10 +197,7 @@ def _same_piece(a: str, b: str, name: str, storage_options: StorageOptions | Non
 
 def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
               facts: dict[str, Any]) -> FileUnit:
-    listed = facts.get("units", [])
-    if _name(path) not in listed or "dcp_hf" not in facts:
-        raise CheckpointError(f"{path}: not a file of the safetensors checkpoint the store holds")
-    index, count = listed.index(_name(path)), len(listed)
+    index, count = planned_place(_name(path), path, facts, "dcp_hf", "safetensors")
     st = SafetensorsFile(path, storage_options)
     unit = FileUnit(path, index, count, index, count, facts["metadata"], {}, st)
     with closed_on_error(unit.close, path):

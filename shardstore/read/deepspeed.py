@@ -51,7 +51,7 @@ from ..locations import StorageOptions
 from . import fsdp_flat, tensors
 from .container import TorchZip, read_small
 from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, replica_count
-from .olmo import FileUnit, flat_spec, relative
+from .olmo import FileUnit, flat_spec, planned_place, relative
 from .opaque import Building, building_class
 from .identity import refuse_copies
 from .source import folder_of, hf_model_file, join, listing, subfolders
@@ -543,10 +543,7 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
               facts: dict[str, Any]) -> FileUnit:
     """One file, checked against the plan: its stage, world and part lengths are the plan's, then each of
     its parts is cut at the parameters' edges."""
-    listed = facts.get("units", [])
-    if relative(path) not in listed or "deepspeed" not in facts:
-        raise CheckpointError(f"{path}: not a file of the DeepSpeed checkpoint the store holds")
-    index, count = listed.index(relative(path)), len(listed)
+    index, count = planned_place(relative(path), path, facts, "deepspeed", "DeepSpeed")
     layout = Layout.from_facts(facts["deepspeed"])
     kind, rank = _rank(path)
     f = _read(path, storage_options, strict)

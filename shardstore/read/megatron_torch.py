@@ -26,7 +26,7 @@ from ..locations import StorageOptions
 from .container import TorchZip
 from .contract import SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardSpec, ShardedSpec
 from .identity import refuse_copies
-from .olmo import FileUnit, relative
+from .olmo import FileUnit, planned_place, relative
 from .source import folder_of, join, listing, name_of, subfolders
 from .tensors import check_view
 from .trainer import moved
@@ -186,9 +186,11 @@ class _Read:
             self.rest = moved(tree, under)
             self.leaves = {paths.join(under, k): v for k, v in leaves.items()}
 
-    def merged(self, grid: dict[str, Any]) -> list[tuple[str, Any, tuple[int, ...], list[Box]]]:
-        """(global name, local tensor or value, global shape, boxes) for each of the model's entries."""
-        out = []
+    def place(self, grid: dict[str, Any]) -> None:
+        """Its model's entries placed by the grid, once: `entries`, (global name, local tensor or value,
+        global shape, boxes) each; `model_digest`, of their names, dtypes and shapes (what every tensor
+        rank of a stage shares); `digest`, of those and its other keys."""
+        self.entries: list[tuple[str, Any, tuple[int, ...], list[Box]]] = []
         for key, value in self.model.items():
             if not isinstance(key, str):
                 raise CheckpointError(f"{self.path}: model key {key!r:.40} is not a string")
@@ -196,18 +198,14 @@ class _Read:
             if isinstance(value, TensorRef):
                 check_view(self.zip, value, f"{self.path}: {key}")
                 shape, boxes = _boxes(name, tuple(value.shape), self.t, grid, self.path)
-                out.append((name, value, shape, boxes))
+                self.entries.append((name, value, shape, boxes))
             else:
-                out.append((name, value, (), []))
-        return out
-
-    def digest(self, grid: dict[str, Any], whole: bool = True) -> str:
-        """Its model's names, dtypes and shapes (what every tensor rank of a stage shares), and unless not
-        `whole` its other keys."""
+                self.entries.append((name, value, (), []))
         model = [(n, v.dtype, list(v.shape)) if isinstance(v, TensorRef) else (n, type(v).__name__)
-                 for n, v, _, _ in self.merged(grid)]
-        return hashlib.blake2b(repr((model, self.shape_of_rest if whole else None)).encode(),
-                               digest_size=16).hexdigest()
+                 for n, v, _, _ in self.entries]
+        self.model_digest = hashlib.blake2b(repr(model).encode(), digest_size=16).hexdigest()
+        self.digest = hashlib.blake2b(repr((self.model_digest, self.shape_of_rest)).encode(),
+                                      digest_size=16).hexdigest()
 
 
 def _model_path(name: str) -> str:
@@ -230,23 +228,27 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
         for path in unit_paths:
             files.append(_Read(path, storage_options, strict, encode_key))
         grid = _grid(files[0].args, sum(not f.optimizer for f in files), files[0].path)
-        digests = [f.digest(grid) for f in files]
+        for f in files:
+            f.place(grid)
+        digests = [f.digest for f in files]
         first_of = {f.p: f for f in files if f.t == 0 and not f.optimizer}
         for f in files:
             first = first_of[f.p]
-            if f.t and not f.optimizer and f.digest(grid, whole=False) != first.digest(grid, whole=False):
+            if f.t and not f.optimizer and f.model_digest != first.model_digest:
                 raise CheckpointError(f"{f.path}: its keys or shapes differ from {first.path}'s, the same stage's "
                                       f"tensor rank 0 (a file of another checkpoint?)")
         arrays: dict[str, ShardedSpec] = {}
         shards: dict[str, list[ShardSpec]] = {}
         model: list[tuple[Any, Node]] = []
+        placed: set[str] = set()  # the model's store paths, stage by stage
         objects: list[str] = []
         for i, f in enumerate(files):
-            for name, value, shape, boxes in f.merged(grid):
+            for name, value, shape, boxes in f.entries:
                 path = _model_path(name)
                 if f.t == 0:
-                    if any(n.path == path for _, n in model):
+                    if path in placed:
                         raise CheckpointError(f"{f.path}: {name} is also in an earlier stage's file")
+                    placed.add(path)
                     model.append((encode_key(name), Node("leaf", path)))
                 if not isinstance(value, TensorRef):
                     if f.t == 0:
@@ -291,18 +293,15 @@ def _per_rank(files: list[_Read], encode_key: Any) -> list[tuple[Any, Node]]:
 def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
               facts: dict[str, Any]) -> FileUnit:
     """One rank's file, checked against the plan (its digest), its model's parts placed by the grid."""
-    listed = facts.get("units", [])
-    if relative(path) not in listed or "megatron" not in facts:
-        raise CheckpointError(f"{path}: not a file of the Megatron-LM checkpoint the store holds")
-    index, count = listed.index(relative(path)), len(listed)
+    index, count = planned_place(relative(path), path, facts, "megatron", "Megatron-LM")
     f = _Read(path, storage_options, strict, encode_key)
     unit = FileUnit(path, index, count, index, count, facts["metadata"], {}, f.zip)
     with closed_on_error(unit.close, path):
-        grid = facts["megatron"]["grid"]
-        if f.digest(grid) != facts["megatron"]["digests"][index]:
+        f.place(facts["megatron"]["grid"])
+        if f.digest != facts["megatron"]["digests"][index]:
             raise CheckpointError(f"{path}: its keys or shapes differ from the file the store was planned from "
                                   f"(a file of another checkpoint?)")
-        for name, value, shape, boxes in f.merged(grid):
+        for name, value, shape, boxes in f.entries:
             if not isinstance(value, TensorRef):
                 if f.t == 0:
                     unit.leaves[_model_path(name)] = value

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .. import paths
+from ..errors import CheckpointError
 from .contract import Node, ShardedSpec, ShardSpec
 from .trainer import TRAIN
 
@@ -56,18 +57,25 @@ def flat_spec(dtype: str, shape: tuple[int, ...], pieces: list[tuple[int, int, i
     return ShardedSpec(dtype, shape, tuple(ShardSpec((lo,), (n,), r) for r, lo, n in pieces if n), flat=True)
 
 
+def planned_place(name: str, path: str, facts: dict[str, Any], key: str, what: str) -> tuple[int, int]:
+    """A unit file's number among the units the store was planned from (by `name`, as the plan lists
+    them), and their count. A file the plan does not list, or a store another format planned (its facts
+    have no `key`), is refused by name."""
+    listed = facts.get("units", [])
+    if name not in listed or key not in facts:
+        raise CheckpointError(f"{path}: not a file of the {what} checkpoint the store holds")
+    return listed.index(name), len(listed)
+
+
 def open_olmo_unit(path: str, storage_options: Any, strict: bool, encode_key: Any, facts: dict[str, Any], key: str,
                    what: str, open_file: Callable[..., Any]) -> Any:
     """One unit of an OLMo folder checkpoint, placed by the store's facts about it (`facts[key]`, its
     `units` list and digest): a trainer-state file, or what `open_file(path, kind, file name, index, count,
     digest, facts, storage_options, strict)` makes of a model/ or optim/ file."""
-    from ..errors import CheckpointError
     from .trainer import open_trainer
 
-    listed = facts.get("units", [])
-    if relative(path) not in listed or key not in facts:
-        raise CheckpointError(f"{path}: not a file of the {what} checkpoint the store holds")
-    index, count, digest = listed.index(relative(path)), len(listed), facts["metadata"]
+    index, count = planned_place(relative(path), path, facts, key, what)
+    digest = facts["metadata"]
     kind, name = relative(path).split("/")
     if kind == TRAIN:
         return open_trainer(path, index, count, digest, storage_options, strict, encode_key)

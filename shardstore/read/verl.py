@@ -27,7 +27,7 @@ from .dtensor import (STATE, File, Layout, Mesh, array_leaf, array_spec, box_of,
                       mesh_from_json, mesh_json, model_mesh, read_file)
 from .contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, replica_count
 from .identity import refuse_copies
-from .olmo import FileUnit, flat_spec, relative
+from .olmo import FileUnit, flat_spec, planned_place, relative
 from .source import hf_model_file, join, listing
 from .unpickle import TensorRef
 
@@ -327,10 +327,7 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
               facts: dict[str, Any]) -> FileUnit:
     """One rank's file, checked against the plan: the same keys and layouts as rank 0's file of its kind
     (a digest of them), and a local tensor that is exactly the box its rank holds."""
-    listed = facts.get("units", [])
-    if relative(path) not in listed or "verl" not in facts:
-        raise CheckpointError(f"{path}: not a file of the veRL checkpoint the store holds")
-    index, count = listed.index(relative(path)), len(listed)
+    index, count = planned_place(relative(path), path, facts, "verl", "veRL")
     f = _read(path, storage_options, strict, encode_key)
     unit = FileUnit(path, index, count, index, count, facts["metadata"], {}, f.zip)
     with closed_on_error(unit.close, path):
