@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from bench import compile_shardstore, timed_tree  # noqa: E402
+from bench import compare, compile_shardstore, print_table  # noqa: E402
 
 CONFIG = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 4,
           "num_hidden_layers": 12, "vocab_size": 32000, "max_position_embeddings": 256}
@@ -59,19 +58,9 @@ def main() -> None:
         "shardstore `unshard --format torch` (model + optimizer)": [*shardstore, str(work / "torch"), "--format",
                                                                     "torch", "-q"],
     }
-    results = []
-    for name, cmd in runs.items():
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        wall, rss = timed_tree(cmd)
-        results.append({"contender": name, "wall": wall, "peak_rss": rss})
-        print(f"{name}: {wall:.2f} s, {rss / 2**20:.0f} MB", flush=True)
-    shutil.rmtree(work, ignore_errors=True)
-    floor = results[0]["wall"]
+    results = compare(runs, work)
     print(f"\nAccelerate FSDP2 W=2: model folder {model_bytes / 1e9:.2f} GB, with the optimizer {total / 1e9:.2f} GB\n")
-    print("| contender | wall | vs `cp -r` + `sync` | peak RSS, all processes |\n|---|---:|---:|---:|")
-    for r in results:
-        print(f"| {r['contender']} | {r['wall']:.2f} s | {r['wall'] / floor:.2f}× | {r['peak_rss'] / 2**20:.0f} MB |")
+    print_table(results, "`cp -r` + `sync`", "peak RSS, all processes")
     (args.out / "accelerate.json").write_text(json.dumps({"model_bytes": model_bytes, "total_bytes": total,
                                                           "config": CONFIG, "results": results}, indent=1))
 

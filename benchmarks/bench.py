@@ -162,6 +162,29 @@ def timed(cmd: list[str], env: dict[str, str] | None = None, timeout: float | No
     return float(wall), int(rss) * 1024, proc.stderr
 
 
+def compare(runs: dict[str, list[str]], work: Path,
+            measure: Callable[[list[str]], tuple[float, int]] = timed_tree) -> list[dict[str, Any]]:
+    """Each contender run in an empty `work` folder (removed after), timed by `measure` (wall seconds,
+    peak RSS bytes; caches dropped first), and printed as it finishes."""
+    results = []
+    for name, cmd in runs.items():
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        wall, rss = measure(cmd)
+        results.append({"contender": name, "wall": wall, "peak_rss": rss})
+        print(f"{name}: {wall:.2f} s, {rss / 2**20:.0f} MB", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def print_table(results: list[dict[str, Any]], against: str, rss: str) -> None:
+    """`compare`'s results as a markdown table, each wall time also as a ratio to the first contender's."""
+    floor = results[0]["wall"]
+    print(f"| contender | wall | vs {against} | {rss} |\n|---|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['contender']} | {r['wall']:.2f} s | {r['wall'] / floor:.2f}× | {r['peak_rss'] / 2**20:.0f} MB |")
+
+
 def ensure_olmo() -> bool:
     probe = [sys.executable, "-c", "from olmo.checkpoint import TorchLegacyShardedCheckpointer"]
     if subprocess.run(probe, capture_output=True).returncode == 0:

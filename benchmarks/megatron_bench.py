@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +29,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from bench import compile_shardstore, timed_tree  # noqa: E402
+from bench import compare, compile_shardstore, print_table  # noqa: E402
+
+from shardstore.read.dcp import read_checkpoint  # noqa: E402
 
 SIZE = {"layers": 12, "hidden": 768, "heads": 12, "groups": 4, "ffn": 2048, "vocab": 32000}
 TP, PP = 2, 2
@@ -71,6 +72,8 @@ def main() -> None:
     compile_shardstore()  # as pip leaves an installed package
     folder = ckpt / "iter_0000010"
     total = sum(p.stat().st_size for p in folder.iterdir())
+    ckpt_items = read_checkpoint(str(folder))  # the model's byte ranges, as the floor's copy takes them
+    model_bytes = sum(i.length for i in ckpt_items.items if ckpt_items.paths[i.fqn][0] == "model")
     work = args.out / "megatron-work"
     shardstore = [sys.executable, "-m", "shardstore", "unshard", str(ckpt)]
     runs = {
@@ -88,23 +91,10 @@ def main() -> None:
         "shardstore `unshard --format torch` (model + optimizer)": [*shardstore, str(work / "torch"), "--format",
                                                                     "torch", "-q"],
     }
-    results = []
-    model_bytes = 0
-    for name, cmd in runs.items():
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        wall, rss = timed_tree(cmd)
-        if not model_bytes and (work / "model.bin").exists():
-            model_bytes = (work / "model.bin").stat().st_size
-        results.append({"contender": name, "wall": wall, "peak_rss": rss})
-        print(f"{name}: {wall:.2f} s, {rss / 2**20:.0f} MB", flush=True)
-    shutil.rmtree(work, ignore_errors=True)
-    floor = results[0]["wall"]
+    results = compare(runs, work)
     print(f"\nMegatron-Core torch_dist, TP={TP} x PP={PP}: model {model_bytes / 1e9:.2f} GB, "
           f"checkpoint {total / 1e9:.2f} GB\n")
-    print("| contender | wall | vs the model's copy | peak RSS, all processes |\n|---|---:|---:|---:|")
-    for r in results:
-        print(f"| {r['contender']} | {r['wall']:.2f} s | {r['wall'] / floor:.2f}× | {r['peak_rss'] / 2**20:.0f} MB |")
+    print_table(results, "the model's copy", "peak RSS, all processes")
     (args.out / "megatron.json").write_text(json.dumps({"model_bytes": model_bytes, "total_bytes": total,
                                                         "size": SIZE, "results": results}, indent=1))
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from bench import timed  # noqa: E402
+from bench import compare, print_table, timed  # noqa: E402
 
 DIMS = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12,
         "num_attention_heads": 16, "num_key_value_heads": 4}
@@ -57,19 +56,9 @@ def main() -> None:
         "shardstore `unshard --format torch` (model + optimizer)": [*shardstore, str(work / "torch"), "--format",
                                                                     "torch", "-q"],
     }
-    results = []
-    for name, cmd in runs.items():
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        wall, rss, _ = timed(cmd)
-        results.append({"contender": name, "wall": wall, "peak_rss": rss})
-        print(f"{name}: {wall:.2f} s, {rss / 2**20:.0f} MB", flush=True)
-    shutil.rmtree(work, ignore_errors=True)
-    floor = results[0]["wall"]
+    results = compare(runs, work, lambda cmd: timed(cmd)[:2])
     print(f"\nveRL run, FSDP1 W={WORLD}: model files {model_bytes / 1e9:.2f} GB, all rank files {total / 1e9:.2f} GB\n")
-    print("| contender | wall | vs `cp` + `sync` | peak RSS |\n|---|---:|---:|---:|")
-    for r in results:
-        print(f"| {r['contender']} | {r['wall']:.2f} s | {r['wall'] / floor:.2f}× | {r['peak_rss'] / 2**20:.0f} MB |")
+    print_table(results, "`cp` + `sync`", "peak RSS")
     (args.out / "verl.json").write_text(json.dumps({"model_bytes": model_bytes, "total_bytes": total,
                                                     "world": WORLD, "results": results}, indent=1))
 
