@@ -145,12 +145,21 @@ def plan_replicated(path: str, ref: TensorRef) -> ArrayEntry:
 # trainer trains Llamas too).
 LAYOUTS = {"olmo": "olmo (model, optim and trainer state at the top, as OLMo, veRL and DeepSpeed nest them)",
            "composer": "composer (Composer's nesting: state/model, state/optimizers)",
+           "hf-trainer": "hf-trainer (the HF Trainer's model, optimizer, scheduler, RNG and trainer state)",
+           "accelerate": "accelerate (Accelerate's save_state: models, optimizers, schedulers, RNG states)",
+           "lightning": "lightning (Lightning's state_dict, optimizer_N and loops, callbacks, schedulers)",
            "generic": "generic (a state dict of the trainer's own nesting)"}
+LIGHTNING_KEY = "pytorch-lightning_version"  # in every checkpoint Lightning's Trainer saves
 
 
-def detect_layout(tree: Node) -> str:
-    """Which trainer wrote this: decides where the model weights are and how torch export splits files."""
+def detect_layout(tree: Node, trainer: str | None = None) -> str:
+    """Which trainer wrote this: decides where the model weights are and how torch export splits files.
+    `trainer`: the one whose files the checkpoint's folder showed (read/resume.py)."""
+    if trainer in LAYOUTS:
+        return trainer
     top = {c.path for _, c in tree.children}
+    if LIGHTNING_KEY in top:
+        return "lightning"
     if {"model", "optim"} <= top:
         return "olmo"
     state = next((c for _, c in tree.children if c.path == "state"), None)
@@ -175,5 +184,5 @@ def plan_checkpoint(spec: CheckpointSpec, layout: str | None = None) -> Manifest
     order = {p: i for i, p in enumerate(spec.tree.leaf_paths())}
     objects.sort(key=lambda p: order.get(p, len(order)))
     facts = CheckpointFacts.of(spec.format, spec.group_size, max(1, spec.world_size // spec.group_size), spec.extra)
-    return Manifest(layout or detect_layout(spec.tree), spec.world_size, spec.tree, arrays, objects, facts)
+    return Manifest(layout or detect_layout(spec.tree, spec.extra.get("trainer")), spec.world_size, spec.tree, arrays, objects, facts)
 

@@ -61,8 +61,9 @@ def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
 
 
 def model_subtree(store: Store) -> str:
-    """Where the model weights are, by layout: `model` (OLMo), `state/model` (Composer), else the root."""
-    for candidate in ("model", "state/model"):
+    """Where the model weights are, by layout: `model` (OLMo, the HF Trainer, Lightning's FSDPStrategy),
+    `state/model` (Composer), `state_dict` (Lightning's ModelParallelStrategy), else the root."""
+    for candidate in ("model", "state/model", "state_dict"):
         try:
             node_at(store.manifest.tree, candidate)
             return candidate
@@ -143,13 +144,20 @@ def preflight(store: Store, out_dir: str | os.PathLike[str], format: str = "safe
         raise ExportError(NO_HF_DESCRIPTION)
     if overwrite:
         return
-    side = set(store.manifest.facts.side_files) if format != "hf" else set()
+    side = set(_beside(store, format != "hf", format == "torch"))
     may_write = _MAY_WRITE.get(format)
     exact = torch_files(store) if format == "torch" else []
     stale = [p for p in previous_outputs(out, exact + list(side))
              if may_write is None or not re.fullmatch(may_write, p.name)]
     if stale:
         raise ExportError(_stale_message(out, stale))
+
+
+def _beside(store: Store, config: bool, resume: bool) -> dict[str, str]:
+    """The files an export writes beside its output: the run's config (`config`: all but Hugging Face
+    folders, which write their own) and the trainer's files to resume from (`resume`: --format torch)."""
+    facts = store.manifest.facts
+    return {**(facts.side_files if config else {}), **(facts.resume_files if resume else {})}
 
 
 def _earlier_export(out: Path, planned: list[str], overwrite: bool) -> list[Path]:
@@ -213,7 +221,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         assert node is not None
         plan = plan_safetensors(store, node, strip_prefix, dtype, max_shard_size)
         planned, nbytes = plan.files, plan.nbytes
-    side_files = store.manifest.facts.side_files if format != "hf" else {}
+    side_files = _beside(store, format != "hf", format == "torch")
     planned = planned + list(side_files)
     stale = _earlier_export(out, planned, overwrite)
     with _writing_into(out, stale):
@@ -288,7 +296,7 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
     if len(done) != store.manifest.world_size:
         raise StoreError(f"{store.location}: {len(done)} of {store.manifest.world_size} units are in; cannot finish")
     check_one_save(store.records(refresh=False))  # units that raced each other to commit
-    side_files = store.manifest.facts.side_files if planned.side_files else {}
+    side_files = _beside(store, planned.side_files, isinstance(planned, direct_torch.TorchDirect))
     stale = _earlier_export(out, planned.files + list(side_files), overwrite)
     with _writing_into(out, stale):
         files = []

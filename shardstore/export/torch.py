@@ -2,7 +2,8 @@
 
 For an OLMo-style checkpoint (top-level `model` and `optim`) this writes model.pt, optim.pt and
 train.pt exactly as OLMo's own unsharder does (plain dicts, `rng` left out of train.pt), so they are
-drop-in; any other layout gets one checkpoint.pt in the input's own nesting. For Composer, whose rank
+drop-in; the HF Trainer's, Accelerate's and Lightning's checkpoints get the files those trainers resume
+from without FSDP (export/resume.py); any other layout gets one checkpoint.pt in the input's own nesting. For Composer, whose rank
 files each hold a one-element `rng` list, the monolithic file's `rng` lists every rank's state in rank
 order, as Composer's own monolithic checkpoints do.
 """
@@ -27,6 +28,7 @@ from ..store.handle import TensorValue, tensor_value
 from ..store.store import Store
 from .output import OutputFile
 from .resolve import ArrayRef, build, leaves, node_at
+from .resume import resume_layout
 from .torchzip import Sink, TorchZipWriter
 
 # torch.save's own pickle protocol; also what the OLMo files are.
@@ -189,6 +191,7 @@ class TorchFile:
     node: Node
     dropped: tuple[str, ...] = ()  # top-level keys left out
     plain_dicts: bool = False  # OrderedDicts written as dicts (what OLMo's unsharder returns)
+    form: Callable[[Any], Any] | None = None  # the trainer's own shape of what it holds (export/resume.py)
 
     def arrays(self, store: Store) -> list[str]:
         """The store paths of its sharded arrays, in state-dict order: known before any value is."""
@@ -206,7 +209,9 @@ def torch_layout(store: Store) -> list[TorchFile]:
         return [TorchFile("model.pt", node_at(tree, "model"), plain_dicts=True),
                 TorchFile("optim.pt", node_at(tree, "optim"), plain_dicts=True),
                 TorchFile("train.pt", tree, dropped, plain_dicts=True)]
-    return [TorchFile("checkpoint.pt", tree)]
+    resumed = resume_layout(store.manifest.layout, tree)
+    return [TorchFile(name, node, form=form) for name, node, form in resumed] if resumed \
+        else [TorchFile("checkpoint.pt", tree)]
 
 
 def torch_files(store: Store) -> list[str]:
@@ -219,6 +224,8 @@ def torch_object(store: Store, file: TorchFile) -> Any:
     state = _tied(store, file.node, build(store, file.node, plain_dicts=file.plain_dicts, lean=True))
     if file.dropped:
         return {k: v for k, v in state.items() if k not in file.dropped}
+    if file.form is not None:
+        return file.form(state)
     if store.manifest.layout != "composer" or not isinstance(state.get("rng"), list):
         return state
     rng_node = node_at(file.node, "rng")

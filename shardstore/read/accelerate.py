@@ -20,6 +20,7 @@ from ..locations import StorageOptions
 from .contract import CheckpointSpec, Node, replica_count
 from .dtensor import File, array_spec, checked_leaves, digest_of, layouts_of, model_mesh, read_file
 from .olmo import FileUnit, planned_place
+from .resume import Resume, resume_files
 from .source import folder_of, listing, name_of
 
 FORMAT = "accelerate"
@@ -61,6 +62,11 @@ def units(folder: str, storage_options: StorageOptions | None = None) -> list[st
                                   f"(the other parts have {max(worlds.values())} ranks)")
     order = sorted(found, key=lambda p: (not p.startswith("model"), p))
     return [found[part][r] for part in order for r in sorted(found[part])]
+
+
+def resume(folder: str, storage_options: StorageOptions | None = None) -> Resume | None:
+    """The HF Trainer's or Accelerate's scheduler, RNG and trainer state beside the files."""
+    return resume_files(folder, storage_options)
 
 
 def unit_kind(name: str) -> str:

@@ -29,6 +29,7 @@ from .container import DataFile, TorchZip, parsed_once, read_small
 from .contract import (ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardSpec, ShardedSpec,
                        Skeleton, whole_numbers)
 from . import trainer
+from .resume import resume_files
 from .tensors import check_view
 from .source import (JSON_CONFIG, Source, config_files, folder_of, hf_model_file, join, listing, name_of, pick,
                      subfolders)
@@ -66,6 +67,8 @@ EXPERT_MODULE = re.compile(r"(.*?local_experts\.)(\d+)(\..*)")
 MEGATRON_OPTIMIZER = "optimizer."  # every key of Megatron's optimizers' sharded state dicts
 CHAINED = re.compile(r"chained_\d+\.optimizer\.")  # a ChainedOptimizer's (dense and expert) keys
 MEGATRON_TOP = ("common_state", "rng_state", "rerun_state_machine_state")  # Megatron-LM's non-model keys
+LATEST = ("latest-rank0.pt", "last.ckpt")  # Composer's and Lightning's newest checkpoint
+LIGHTNING_META = "meta.pt"  # Lightning's and Fabric's: rank 0's torch.save of every value but the tensors
 MAX_METADATA = 1 << 30  # tens of MB at thousands of ranks; a gigabyte is not a .metadata
 
 
@@ -383,11 +386,15 @@ def _file_order(name: str) -> tuple:
 
 def trainer_files(folder: str, storage_options: StorageOptions | None = None) -> list[str]:
     """OLMo's `train/rank{r}.pt` (torch_new; OLMo-core trainers too) beside a `model_and_optim/` DCP folder,
-    in rank order; megatron-core <= 0.18's `common.pt` in the folder. Empty for other DCP layouts."""
+    in rank order; megatron-core <= 0.18's `common.pt` in the folder; Lightning's and Fabric's `meta.pt`
+    (epoch, global_step, loops, callbacks, schedulers: what is not a module or an optimizer). Empty for
+    other DCP layouts."""
     parent, name = (folder.rstrip("/").rsplit("/", 1) if is_url(folder) else os.path.split(os.path.normpath(folder)))
     if name == MODEL_AND_OPTIM:
         return trainer.trainer_files(parent, storage_options)
-    return [join(folder, MEGATRON_COMMON)] if _megatron(folder, storage_options).get("common_backend") else []
+    if _megatron(folder, storage_options).get("common_backend"):
+        return [join(folder, MEGATRON_COMMON)]
+    return config_files(folder, storage_options, LIGHTNING_META)
 
 
 def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None = None, strict: bool = False,
@@ -411,7 +418,8 @@ def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None =
         common = _is_common(trainer_state[0])
         join_trainer_state(tree, objects, trainer_state[0], encode_key, storage_options, strict,
                            COMMON_STATE if common else "")
-        units += [MEGATRON_COMMON] if common else [f"{TRAIN}/{os.path.basename(f.rstrip('/'))}" for f in trainer_state]
+        units += [MEGATRON_COMMON] if common else [LIGHTNING_META] if name_of(trainer_state[0]) == LIGHTNING_META \
+            else [f"{TRAIN}/{os.path.basename(f.rstrip('/'))}" for f in trainer_state]
     extra = {"units": units, "metadata": ckpt.digest, "not_tensors": [ckpt.store_path(fqn) for fqn in ckpt.values]}
     args = _megatron_args(ckpt, trainer_state or [], storage_options, strict)
     if args is not None:
@@ -521,10 +529,10 @@ def _is_common(path: str) -> bool:
 def open_trainer_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> TrainerUnit:
     from .layouts import name_rank
 
-    if _is_common(path):  # Megatron's common state: the last unit, its values under common_state
+    if _is_common(path) or name_of(path) == LIGHTNING_META:  # one file after the .distcp files
         ckpt = _checkpoint(folder_of(path), storage_options)
         return open_trainer(path, len(ckpt.files), len(ckpt.files) + 1, ckpt.digest, storage_options, strict,
-                            encode_key, COMMON_STATE)
+                            encode_key, COMMON_STATE if _is_common(path) else "", named=True)
     train = _join_parent(path)
     ckpt = _checkpoint(join(train, MODEL_AND_OPTIM), storage_options)
     count = len(ckpt.files) + len(trainer_files(join(train, MODEL_AND_OPTIM), storage_options))
@@ -633,7 +641,7 @@ def read_parts(folder: str, storage_options: StorageOptions | None = None) -> Dc
     files: list[str] = []
     digests = []
     for part in parts:
-        ckpt = read_checkpoint(join(folder, part), storage_options)
+        ckpt = _numbered(read_checkpoint(join(folder, part), storage_options), int(part.rsplit("_", 1)[1]))
         taken = set(tensors) | set(values)
         clash = next((fqn for fqn in [*ckpt.tensors, *ckpt.values] if fqn in taken), None)
         if clash is not None:
@@ -646,6 +654,23 @@ def read_parts(folder: str, storage_options: StorageOptions | None = None) -> Dc
         digests.append(ckpt.digest)
     digest = hashlib.blake2b(repr(digests).encode(), digest_size=16).hexdigest()
     return DcpCheckpoint(folder, digest, tensors, values, paths_, items, files)
+
+
+def _numbered(ckpt: DcpCheckpoint, index: int) -> DcpCheckpoint:
+    """A second prepared model's or optimizer's folder (`pytorch_model_fsdp_1/`, `optimizer_1/`): accelerate
+    saves each under the same key (`model`, `optimizer`), kept here as `model_1`, `optimizer_1`, as its
+    per-rank files of the same save are (read/accelerate.py)."""
+    if not index:
+        return ckpt
+
+    def fqn(name: str) -> str:
+        top = str(ckpt.paths[name][0])
+        return f"{top}_{index}{name[len(top):]}" if name.startswith(top) else f"{top}_{index}.{name}"
+
+    return DcpCheckpoint(ckpt.folder, ckpt.digest, {fqn(k): v for k, v in ckpt.tensors.items()},
+                         [fqn(k) for k in ckpt.values],
+                         {fqn(k): (f"{p[0]}_{index}", *p[1:]) for k, p in ckpt.paths.items()},
+                         [replace(i, fqn=fqn(i.fqn)) for i in ckpt.items], ckpt.files)
 
 
 def _inside(folder: str, storage_options: StorageOptions | None) -> str | None:
@@ -720,15 +745,20 @@ class DcpFormat:
     def source(self, folder: str, storage_options: StorageOptions | None) -> Any:
         folder = _resolved(folder, storage_options)
         units = [join(folder, f) for f in _read(folder, storage_options).files]
+        found = resume_files(folder, storage_options)  # the HF Trainer's, beside its DCP folders
         return Source(self.name, units + trainer_files(folder, storage_options), storage_options,
-                      _beside(folder, storage_options))
+                      _beside(folder, storage_options), *((found.trainer, found.files) if found is not None else ()))
 
     def latest(self, folder: str, storage_options: StorageOptions | None) -> str | None:
-        """Composer's `latest-rank0.pt`: a link to the newest checkpoint folder."""
+        """Composer's `latest-rank0.pt`, a link to the newest checkpoint folder; Lightning's `last.ckpt`
+        (ModelCheckpoint's save_last: that link, or a copy of the newest save)."""
         if is_url(folder):
             return None
-        link = os.path.join(local(folder), "latest-rank0.pt")
-        return os.path.realpath(link) if os.path.isdir(link) and self.detect(link, storage_options) else None
+        for name in LATEST:
+            link = os.path.join(local(folder), name)
+            if os.path.isdir(link) and self.detect(link, storage_options):
+                return os.path.realpath(link)
+        return None
 
     def of_files(self, files: list[str], storage_options: StorageOptions | None) -> Any:
         if any(f.endswith(".distcp") for f in files) and not all(f.endswith(".distcp") for f in files):
@@ -775,6 +805,8 @@ class DcpFormat:
     def unit_kind(self, name: str) -> str:
         if name.endswith(".distcp"):
             return ".distcp files"
+        if name_of(name) == LIGHTNING_META:
+            return "Lightning's meta.pt"
         return "Megatron's common state" if _is_common(name) else "trainer-state files"
 
 

@@ -6,7 +6,8 @@
     spec(folder, units, encode_key, strict, storage_options) -> CheckpointSpec
     open_unit(path, storage_options, strict, encode_key, facts) -> Unit
 
-and optionally `side_files(folder, storage_options)` (files to keep beside exports), `run_of(unit)` (the
+and optionally `side_files(folder, storage_options)` (files to keep beside exports), `resume(folder,
+storage_options)` (a trainer's files to resume from: read/resume.py), `run_of(unit)` (the
 checkpoint folder of a unit file: by default two levels up, for units in sub-folders), `UNIT_FOLDERS`
 (sub-folders whose path names the checkpoint above them) and `unit_kind(name)`.
 """
@@ -35,7 +36,9 @@ class FolderFormat:
 
     def _source(self, run: str, units: list[str], storage_options: StorageOptions | None) -> Source:
         side = getattr(self.module, "side_files", lambda folder, options: [])(run, storage_options)
-        return Source(self.name, units, storage_options, config_files(run, storage_options) + side)
+        found = getattr(self.module, "resume", lambda folder, options: None)(run, storage_options)
+        return Source(self.name, units, storage_options, config_files(run, storage_options) + side,
+                      *((found.trainer, found.files) if found is not None else ()))
 
     def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
         return bool(self.module.detect(folder, storage_options))

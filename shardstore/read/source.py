@@ -44,6 +44,8 @@ class Source:
     units: list[str]
     storage_options: StorageOptions | None = None
     side_files: list[str] = field(default_factory=list)  # the run's config: copied beside the export
+    trainer: str | None = None  # the trainer whose resume files it has (read/resume.py)
+    resume_files: dict[str, str] = field(default_factory=dict)  # their output names -> their paths
 
     @property
     def folder(self) -> str:
@@ -64,6 +66,10 @@ class Source:
         spec, unit = get(self.format).plan(self, encode_key, strict)
         if self.side_files:
             spec.extra["side_files"] = {name_of(f): _side_file(f, self.storage_options) for f in self.side_files}
+        if self.trainer is not None:
+            spec.extra["trainer"] = self.trainer
+            spec.extra["resume_files"] = {name: _side_file(f, self.storage_options)
+                                          for name, f in self.resume_files.items()}
         return spec, unit
 
 
@@ -149,12 +155,13 @@ def folder_of(path: str) -> str:
 
 def pick(src: str, candidates: list[str], tag: str | None, step: int | None) -> str:
     """The one of `candidates` (checkpoint folders found in `src`, by name) that `tag` or `step` names.
-    Without either, the one `src`'s latest_checkpointed_iteration.txt names, or the only one (`--step`:
-    `names_step`)."""
+    Without either, the one `src`'s latest_checkpointed_iteration.txt names, else the newest when every
+    one names its step (the HF Trainer's get_last_checkpoint, torchtitan's, DeepSpeed's rule), or the only
+    one (`--step`: `names_step`)."""
     there = candidates
     if tag in (None, "latest") and step is None and len(candidates) > 1:
         latest = _latest_step(src)
-        tag, step = (RELEASE, None) if latest == RELEASE else (tag, latest)
+        tag, step = (RELEASE, None) if latest == RELEASE else (tag, latest if latest is not None else _newest(candidates))
     if tag not in (None, "latest"):
         candidates = [c for c in candidates if c == tag]
     if step is not None:
@@ -168,12 +175,23 @@ def pick(src: str, candidates: list[str], tag: str | None, step: int | None) -> 
     return candidates[0]
 
 
+STEP_NAME = re.compile(r"(?:^|[-_/])(?:step[-_=]?|ba|checkpoint-|iter_)(\d+)(?:\.ckpt)?$")
+
+
+def _newest(candidates: list[str]) -> int | None:
+    """The highest step the candidates' names say, when every one says its own."""
+    steps = [STEP_NAME.search(c) for c in candidates]
+    numbers = {int(m.group(1)) for m in steps if m is not None}
+    return max(numbers) if None not in steps and len(numbers) == len(candidates) else None
+
+
 def names_step(name: str, step: int) -> bool:
     """Whether a checkpoint's name (a folder, or a rank file's tag) is of step `step`: it ends in `stepN`,
     `step_N` (veRL's global_step_N, DeepSpeed's global_stepN), `step-N` (torchtitan's), `step=N[.ckpt]`
     (Lightning's epoch=0-step=4.ckpt), `baN` (Composer's ep0-baN), `checkpoint-N` (the HF Trainer's) or
     `iter_N` (Megatron-LM's iter_0000010), the number with or without zeros."""
-    return re.search(rf"(?:^|[-_/])(?:step[-_=]?|ba|checkpoint-|iter_)0*{step}(?:\.ckpt)?$", name) is not None
+    m = STEP_NAME.search(name)
+    return m is not None and int(m.group(1)) == step
 
 
 def _latest_step(run: str) -> int | str | None:

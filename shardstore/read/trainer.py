@@ -58,12 +58,14 @@ class TrainerUnit:
 
 
 def open_trainer(path: str, index: int, count: int, digest: str, storage_options: StorageOptions | None,
-                 strict: bool, encode_key: Any, under: str = "") -> TrainerUnit:
-    """Open `path` as unit `index` of `count`; it must hold plain values only (kept under `under`)."""
+                 strict: bool, encode_key: Any, under: str = "", named: bool = False) -> TrainerUnit:
+    """Open `path` as unit `index` of `count`; it must hold plain values only (kept under `under`, or at
+    the top level: then it is a train/rank<N>.pt, or a file its format `named`, as Lightning's meta.pt)."""
     from .rankfile import ShardedLeaf, read_rank_file
 
     rf = read_rank_file(path, encode_key=encode_key, storage_options=storage_options, strict=strict)
-    if (name_rank(path) is None and not under) or any(isinstance(leaf, ShardedLeaf) for leaf in rf.leaves.values()):
+    if (name_rank(path) is None and not under and not named) \
+            or any(isinstance(leaf, ShardedLeaf) for leaf in rf.leaves.values()):
         rf.close()
         what = "a file of plain values" if under else "a trainer-state file (train/rank<N>.pt of plain values)"
         raise CheckpointError(f"{path}: not {what}")

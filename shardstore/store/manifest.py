@@ -126,8 +126,13 @@ class CheckpointFacts:
     # store paths of values the plan knows are not tensors (DCP's bytes items): an export of tensors alone
     # leaves them out without their data, so it can be laid out before any unit is read
     not_tensors: frozenset[str] = frozenset()
+    # the trainer whose resume files `--format torch` writes (read/resume.py), and those files: output
+    # name -> base64 of the trainer's own file (its scheduler, RNG and trainer state), written back unchanged
+    trainer: str | None = None
+    resume_files: dict[str, str] = field(default_factory=dict)
 
-    TYPED = ("format", "group_size", "replicas", "side_files", "units", "metadata", "tied", "not_tensors")
+    TYPED = ("format", "group_size", "replicas", "side_files", "units", "metadata", "tied", "not_tensors",
+             "trainer", "resume_files")
 
     @classmethod
     def of(cls, format: str, group_size: int, replicas: int, extra: dict[str, Any]) -> "CheckpointFacts":
@@ -137,7 +142,8 @@ class CheckpointFacts:
                    None if units is None else tuple(units), extra.get("metadata"),
                    {k: v for k, v in extra.items() if k not in cls.TYPED},
                    tied=tuple((tuple(keys), path) for keys, path in extra.get("tied", ())),
-                   not_tensors=frozenset(extra.get("not_tensors", ())))
+                   not_tensors=frozenset(extra.get("not_tensors", ())), trainer=extra.get("trainer"),
+                   resume_files=dict(extra.get("resume_files", {})))
 
     def reader_view(self) -> dict[str, Any]:
         """What the format's `open_unit` is given: its own facts, and the units and digest it planned."""
@@ -148,7 +154,8 @@ class CheckpointFacts:
                 "replicas": self.replicas, "side_files": self.side_files,
                 "units": None if self.units is None else list(self.units), "metadata": self.metadata,
                 "reader": self.reader, "tied": [[list(keys), path] for keys, path in self.tied],
-                "not_tensors": sorted(self.not_tensors)}
+                "not_tensors": sorted(self.not_tensors), "trainer": self.trainer,
+                "resume_files": self.resume_files}
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str) -> "CheckpointFacts":
@@ -162,9 +169,10 @@ class CheckpointFacts:
                     d.get("side_files") or {}, None if units is None else tuple(units), d.get("metadata"),
                     d.get("reader") or {}, d.get("version", FACTS_VERSION),
                     tuple((tuple(keys), path) for keys, path in d.get("tied") or ()),
-                    frozenset(d.get("not_tensors") or ()))
+                    frozenset(d.get("not_tensors") or ()), d.get("trainer"), d.get("resume_files") or {})
         if not (isinstance(facts.format, str) and type(facts.group_size) is int and type(facts.replicas) is int
                 and isinstance(facts.side_files, dict) and isinstance(facts.reader, dict)
+                and isinstance(facts.resume_files, dict) and isinstance(facts.trainer, (str, type(None)))
                 and all(isinstance(p, str) for p in facts.not_tensors)):
             raise StoreError(f"{where}: corrupt manifest (checkpoint facts)")
         return facts

@@ -26,35 +26,55 @@ def _want(layout: str) -> dict:
     return torch.load(DATA / f"{layout}.expected.pt.ref", weights_only=True)
 
 
-def _as_gathered(src: Path, want: dict, tmp_path: Path) -> None:
-    """--format torch: `model` and `optimizer` bit for bit what the live ranks gathered; safetensors: the
+def by_number(optimizer: dict) -> dict:
+    """An optimizer state dict keyed by parameter name (FSDP's) as Optimizer.state_dict() keys it."""
+    names = [n for group in optimizer["param_groups"] for n in group["params"]]
+    return {names.index(name): moments for name, moments in optimizer["state"].items()}
+
+
+def same_optimizer(got: dict, want: dict) -> None:
+    """`got` (keyed by parameter number) holds bit for bit the moments of `want` (keyed by name)."""
+    state, saved = got["state"], by_number(want)
+    assert set(state) == set(saved) and all(torch.equal(state[k][n], saved[k][n]) for k in saved for n in saved[k])
+    assert [g["params"] for g in got["param_groups"]] == [[p for p in range(len(g["params"]))]
+                                                           for g in want["param_groups"]]
+    assert [g["lr"] for g in got["param_groups"]] == [g["lr"] for g in want["param_groups"]]
+
+
+def _as_gathered(src: Path, want: dict, tmp_path: Path, optimizer: str, resume: dict[str, str]) -> None:
+    """--format torch: the trainer's own files to resume from, the model and the optimizer's state bit for
+    bit what the live ranks gathered, its scheduler, RNG and trainer state byte for byte; safetensors: the
     model alone."""
     from safetensors.torch import load_file
 
     shardstore.unshard(src, tmp_path / "pt", format="torch", jobs=2)
-    got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=False)
-    assert list(got) == ["model", "optimizer"]
-    assert set(got["model"]) == set(want["model"])
-    assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
-    state, saved = got["optimizer"]["state"], want["optimizer"]["state"]
-    assert set(state) == set(saved) and all(torch.equal(state[k][n], saved[k][n]) for k in saved for n in saved[k])
-    assert got["optimizer"]["param_groups"][0]["params"] == want["optimizer"]["param_groups"][0]["params"]
+    assert sorted(p.name for p in (tmp_path / "pt").iterdir()) == sorted(["pytorch_model.bin", optimizer, *resume])
+    model = torch.load(tmp_path / "pt" / "pytorch_model.bin", weights_only=True)
+    assert set(model) == set(want["model"]) and all(torch.equal(model[k], v) for k, v in want["model"].items())
+    same_optimizer(torch.load(tmp_path / "pt" / optimizer, weights_only=True), want["optimizer"])
+    for name, saved in resume.items():
+        assert (tmp_path / "pt" / name).read_bytes() == (src / "checkpoint-4" / saved).read_bytes(), name
     shardstore.unshard(src, tmp_path / "st", jobs=2)
+    assert sorted(p.name for p in (tmp_path / "st").iterdir()) == ["model.safetensors"]
     st = load_file(tmp_path / "st" / "model.safetensors")
     assert set(st) == set(want["model"]) and all(torch.equal(st[k], v) for k, v in want["model"].items())
 
 
+TRAINER_FILES = {"scheduler.pt": "scheduler.pt", "rng_state.pth": "rng_state_0.pth",
+                 "trainer_state.json": "trainer_state.json", "training_args.bin": "training_args.bin"}
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_model_and_optimizer_folders_are_one_checkpoint(layout: str, tmp_path: Path) -> None:
-    """Given the run folder or checkpoint-4/, no --tag: the model under `model`, the optimizer's state under
-    `optimizer` keyed by parameter name, bit for bit what the live ranks gathered; safetensors takes the
-    model alone, --select the optimizer."""
+    """Given the run folder or checkpoint-4/, no --tag: --format torch writes what the Trainer resumes
+    from without FSDP, bit for bit what the live ranks gathered; safetensors takes the model alone,
+    --select the optimizer (its state keyed by parameter name, as saved)."""
     from safetensors.torch import load_file
 
     want = _want(layout)
     for given in (DATA / layout, DATA / layout / "checkpoint-4"):
         assert open_source(given).format == "dcp"
-    _as_gathered(DATA / layout, want, tmp_path)
+    _as_gathered(DATA / layout, want, tmp_path, "optimizer.pt", TRAINER_FILES)
     shardstore.unshard(DATA / layout, tmp_path / "opt", select="optimizer", jobs=2)
     opt = load_file(tmp_path / "opt" / "model.safetensors")
     moments = want["optimizer"]["state"]["model.norm.weight"]
@@ -79,14 +99,25 @@ def test_hf_export_of_the_trainers_checkpoint_gives_the_models_logits(layout: st
     assert torch.equal(logits, want["logits"])  # the same weights, the same code, the same machine
 
 
-def test_a_run_of_trainer_checkpoints_is_picked_by_step(tmp_path: Path) -> None:
-    """A Trainer run folder of checkpoint-N/ folders: --step picks one; two are never mixed."""
+def test_a_run_of_trainer_checkpoints_is_picked_by_step_or_the_newest(tmp_path: Path) -> None:
+    """A Trainer run folder of checkpoint-N/ folders: --step picks one, and without it the newest is taken,
+    as the Trainer's get_last_checkpoint takes it (by number: checkpoint-12 after checkpoint-8)."""
     run = tmp_path / "run"
-    for step in (4, 8):
+    for step in (4, 8, 12):
         shutil.copytree(DATA / "fsdp2-w2" / "checkpoint-4", run / f"checkpoint-{step}")
+        state = json.loads((run / f"checkpoint-{step}" / "trainer_state.json").read_text())
+        (run / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({**state, "global_step": step}))
     assert open_source(run, step=8).units[0].startswith(str(run / "checkpoint-8" / "pytorch_model_fsdp_0"))
-    with pytest.raises(shardstore.CheckpointError, match="more than one checkpoint"):
-        open_source(run)
+    assert open_source(run).units[0].startswith(str(run / "checkpoint-12" / "pytorch_model_fsdp_0"))
+
+
+def test_a_trainer_state_of_another_step_is_refused(tmp_path: Path) -> None:
+    """checkpoint-8/ whose trainer_state.json says global_step 4: files of two saves, refused up front."""
+    shutil.copytree(DATA / "fsdp2-w2" / "checkpoint-4", tmp_path / "checkpoint-8")
+    with pytest.raises(shardstore.CheckpointError, match=r"trainer_state.json: records global_step 4, but its "
+                                                         r"folder is checkpoint-8"):
+        shardstore.unshard(tmp_path / "checkpoint-8", tmp_path / "out", format="torch")
+    assert not (tmp_path / "out").exists()
 
 
 def test_one_of_the_folders_given_alone_is_that_folder(tmp_path: Path) -> None:
@@ -160,11 +191,12 @@ BIN = DATA / "fsdp2-w3-bin"  # accelerate's use_dcp=False save: each rank's torc
 
 def test_accelerates_per_rank_files_are_one_checkpoint(tmp_path: Path) -> None:
     """pytorch_model_fsdp_0_rank{r}.bin beside optimizer_0_rank{r}.bin (FSDP2 DTensors, W=3): found without
-    --tag from the run folder or checkpoint-4/, the model under `model` and the optimizer's state under
-    `optimizer`, bit for bit what the live ranks gathered; safetensors takes the model."""
+    --tag from the run folder or checkpoint-4/; --format torch writes what Accelerate's load_state takes
+    without FSDP, bit for bit what the live ranks gathered; safetensors takes the model."""
     want = torch.load(f"{BIN}.expected.pt.ref", weights_only=True)
     assert open_source(BIN).format == open_source(BIN / "checkpoint-4").format == "accelerate"
-    _as_gathered(BIN, want, tmp_path)
+    _as_gathered(BIN, want, tmp_path, "optimizer.bin", {"scheduler.bin": "scheduler.bin",
+                                                         "random_states_0.pkl": "random_states_0.pkl"})
 
 
 def test_accelerates_per_rank_files_refuse_a_missing_rank_and_a_file_in_anothers_place(tmp_path: Path) -> None:
