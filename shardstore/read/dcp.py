@@ -761,9 +761,16 @@ class DcpFormat:
         return None
 
     def of_files(self, files: list[str], storage_options: StorageOptions | None) -> Any:
-        if any(f.endswith(".distcp") for f in files) and not all(f.endswith(".distcp") for f in files):
-            raise CheckpointError("give .distcp files of one DCP checkpoint, or rank files, not both")
-        return Source(self.name, files, storage_options) if files and files[0].endswith(".distcp") else None
+        """.distcp files of one checkpoint, with any of the files of values its trainer keeps beside them
+        (Lightning's meta.pt, Megatron's common.pt, OLMo's train/rank<N>.pt)."""
+        distcp = [f for f in files if f.endswith(".distcp")]
+        if not distcp:
+            return None
+        beside = {os.path.normpath(p) for p in trainer_files(_unit_folder(distcp[0])[0], storage_options)}
+        if any(not f.endswith(".distcp") and os.path.normpath(f) not in beside for f in files):
+            raise CheckpointError("give .distcp files of one DCP checkpoint (and the files of values beside "
+                                  "them), or rank files, not both")
+        return Source(self.name, sorted(files, key=lambda f: not f.endswith(".distcp")), storage_options)
 
     def plan(self, source: Any, encode_key: Any, strict: bool) -> tuple[CheckpointSpec, None]:
         trainer_state = [u for u in source.units if u.endswith(".pt")]
