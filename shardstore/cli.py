@@ -212,7 +212,8 @@ def export(store: str, out: str, fmt: str, hf_config: str | None, select: str | 
               help="Keep the Zarr store here (for lazy inspection or more exports) instead of a scratch one.")
 @click.option("--tag", default=None,
               help="Which checkpoint, when SRC holds several: a file prefix or sub-folder (ep0-ba20), or 'latest'.")
-@click.option("--step", type=int, default=None, help="Which checkpoint, by step (matches ba<N> or step<N>).")
+@click.option("--step", type=int, default=None, help="Which checkpoint, by step, in the trainer's own names (checkpoint-N, epoch=E-step=N.ckpt, "
+                   "step-N, global_stepN, iter_000000N, baN, stepN) [default: the newest].")
 @_export_options
 @_verify
 @_strict
