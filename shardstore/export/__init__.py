@@ -72,8 +72,23 @@ def model_subtree(store: Store) -> str:
     return ""
 
 
+def _selected(store: Store, select: str | None) -> str | None:
+    """`select`, but None (the default: the model) for `model` when the model's keys sit at the top level
+    beside its trainer's parts (torchtitan's) and no key is called `model`."""
+    if select is not None and select.strip("/") == "model" and not model_subtree(store):
+        return None
+    return select
+
+
+def _subtree(store: Store, select: str | None) -> str:
+    """The store path of what an export of tensors takes (`_model_or`'s node's)."""
+    selected = _selected(store, select)
+    return model_subtree(store) if selected is None else selected
+
+
 def _model_or(store: Store, select: str | None) -> Node:
     """The node an export of tensors takes: `select`'s, or by default the model's (`model_node`)."""
+    select = _selected(store, select)
     return node_at(store.manifest.tree, select) if select is not None \
         else model_node(store.manifest.tree, model_subtree(store))
 
@@ -135,7 +150,7 @@ def preflight(store: Store, out_dir: str | os.PathLike[str], format: str = "safe
     out = Path(out_dir)
     if format in ("safetensors", "hf"):
         _model_or(store, select)
-    if format == "hf" and select is None:
+    if format == "hf" and _selected(store, select) is None:
         parts = [child.path for _, child in store.manifest.tree.children]
         if parts and set(parts) <= {paths.escape(n) for n in NOT_A_MODEL}:  # an optimizer's checkpoint of its own (optimizer_0/)
             raise ExportError(f"the checkpoint holds no model weights, only {', '.join(parts)}; give the model's "
@@ -214,7 +229,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         dcp_plan = plan_dcp(store, jobs)
         nbytes, planned = dcp_plan.nbytes, dcp_plan.names + [METADATA]
     elif format == "hf":
-        hf_model, plan = plan_hf(store, model_subtree(store) if select is None else select, hf_config,
+        hf_model, plan = plan_hf(store, _subtree(store, select), hf_config,
                                  strip_prefix, dtype, max_shard_size)
         planned, nbytes = planned_files(hf_model, plan), plan.nbytes
     else:
@@ -273,7 +288,7 @@ def plan_direct(store: Store, format: str = "safetensors", select: str | None = 
         return direct_torch.plan(store)
     if format == "dcp":
         return direct_dcp.plan(store, jobs)
-    subtree = model_subtree(store) if select is None else select
+    subtree = _subtree(store, select)
     node = _model_or(store, select)
     facts = store.manifest.facts
     if any(path not in store.manifest.arrays and path not in facts.not_tensors for _, path in leaves(node)):

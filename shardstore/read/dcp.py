@@ -28,7 +28,7 @@ from ..locations import StorageOptions, filesystem, is_url, local
 from .container import DataFile, TorchZip, parsed_once, read_small
 from .contract import (ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardSpec, ShardedSpec,
                        Skeleton, whole_numbers)
-from . import trainer
+from . import lightning, trainer
 from .resume import resume_files
 from .tensors import check_view
 from .source import (JSON_CONFIG, Source, config_files, folder_of, hf_model_file, join, listing, name_of, pick,
@@ -68,7 +68,6 @@ MEGATRON_OPTIMIZER = "optimizer."  # every key of Megatron's optimizers' sharded
 CHAINED = re.compile(r"chained_\d+\.optimizer\.")  # a ChainedOptimizer's (dense and expert) keys
 MEGATRON_TOP = ("common_state", "rng_state", "rerun_state_machine_state")  # Megatron-LM's non-model keys
 LATEST = ("latest-rank0.pt", "last.ckpt")  # Composer's and Lightning's newest checkpoint
-LIGHTNING_META = "meta.pt"  # Lightning's and Fabric's: rank 0's torch.save of every value but the tensors
 MAX_METADATA = 1 << 30  # tens of MB at thousands of ranks; a gigabyte is not a .metadata
 
 
@@ -394,7 +393,7 @@ def trainer_files(folder: str, storage_options: StorageOptions | None = None) ->
         return trainer.trainer_files(parent, storage_options)
     if _megatron(folder, storage_options).get("common_backend"):
         return [join(folder, MEGATRON_COMMON)]
-    return config_files(folder, storage_options, LIGHTNING_META)
+    return config_files(folder, storage_options, lightning.META)
 
 
 def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None = None, strict: bool = False,
@@ -418,7 +417,7 @@ def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None =
         common = _is_common(trainer_state[0])
         join_trainer_state(tree, objects, trainer_state[0], encode_key, storage_options, strict,
                            COMMON_STATE if common else "")
-        units += [MEGATRON_COMMON] if common else [LIGHTNING_META] if name_of(trainer_state[0]) == LIGHTNING_META \
+        units += [MEGATRON_COMMON] if common else [lightning.META] if name_of(trainer_state[0]) == lightning.META \
             else [f"{TRAIN}/{os.path.basename(f.rstrip('/'))}" for f in trainer_state]
     extra = {"units": units, "metadata": ckpt.digest, "not_tensors": [ckpt.store_path(fqn) for fqn in ckpt.values]}
     args = _megatron_args(ckpt, trainer_state or [], storage_options, strict)
@@ -529,7 +528,7 @@ def _is_common(path: str) -> bool:
 def open_trainer_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> TrainerUnit:
     from .layouts import name_rank
 
-    if _is_common(path) or name_of(path) == LIGHTNING_META:  # one file after the .distcp files
+    if _is_common(path) or name_of(path) == lightning.META:  # one file after the .distcp files
         ckpt = _checkpoint(folder_of(path), storage_options)
         return open_trainer(path, len(ckpt.files), len(ckpt.files) + 1, ckpt.digest, storage_options, strict,
                             encode_key, COMMON_STATE if _is_common(path) else "", named=True)
@@ -703,16 +702,27 @@ def _resolved(folder: str, storage_options: StorageOptions | None) -> str:
 
 def _beside(folder: str, storage_options: StorageOptions | None) -> list[str]:
     """The files a trainer keeps next to its DCP folder that describe the model: OLMo's config.yaml, a
-    config.json (the HF Trainer's, in its output_dir above checkpoint-N/); NeMo 2's context/model.yaml and the tokenizer in context/nemo_tokenizer/; the Hugging Face
-    files in veRL's huggingface/ next to its Megatron actor's dist_ckpt/."""
+    config.json (the HF Trainer's: in its output_dir above checkpoint-N/, or in another checkpoint-M/ of
+    the run); NeMo 2's context/model.yaml and the tokenizer in context/nemo_tokenizer/; the Hugging Face
+    files in veRL's huggingface/ next to its Megatron actor's dist_ckpt/; those of the transformers model
+    Lightning's hparams.yaml names (read/lightning.py)."""
     name, parent = name_of(folder), folder_of(folder)
     if name == MODEL_AND_OPTIM:
         return config_files(parent, storage_options, "config.yaml", JSON_CONFIG)
     found = config_files(folder, storage_options, "config.yaml", JSON_CONFIG)
     if not found and TRAINER_STEP.fullmatch(name) and trainer_parts(folder, storage_options):
         # the HF Trainer writes no config.json into a sharded checkpoint-N/; its final save_model writes
-        # the model's Hugging Face files into the run's output_dir, the folder above
-        found = [p for p in listing(parent, storage_options) if hf_model_file(name_of(p))]
+        # the model's Hugging Face files into the run's output_dir, the folder above, and a save of a
+        # full state dict (another checkpoint-M/ of the run) writes them into its folder
+        found = _hf_files(parent, storage_options)
+        steps = sorted((n for n in subfolders(parent, storage_options) if TRAINER_STEP.fullmatch(n) and n != name),
+                       key=lambda n: -int(n.split("-")[1]))
+        for step in steps if not found else []:
+            found = _hf_files(join(parent, step), storage_options)
+            if found:
+                break
+    if config_files(folder, storage_options, lightning.META):
+        found += lightning.model_files(folder, storage_options)
     if name == NEMO_WEIGHTS:
         context = join(parent, NEMO_CONTEXT)
         found += config_files(context, storage_options, NEMO_MODEL)
@@ -720,6 +730,12 @@ def _beside(folder: str, storage_options: StorageOptions | None) -> list[str]:
     elif name == VERL_DIST:
         found += [p for p in listing(join(parent, VERL_HF), storage_options) if hf_model_file(name_of(p))]
     return found
+
+
+def _hf_files(folder: str, storage_options: StorageOptions | None) -> list[str]:
+    """A model's Hugging Face files in `folder`, if its config.json is there."""
+    there = [p for p in listing(folder, storage_options) if hf_model_file(name_of(p))]
+    return there if JSON_CONFIG in map(name_of, there) else []
 
 
 def dcp_folder(src: str, tag: str | None, step: int | None, storage_options: StorageOptions | None) -> str | None:
@@ -812,7 +828,7 @@ class DcpFormat:
     def unit_kind(self, name: str) -> str:
         if name.endswith(".distcp"):
             return ".distcp files"
-        if name_of(name) == LIGHTNING_META:
+        if name_of(name) == lightning.META:
             return "Lightning's meta.pt"
         return "Megatron's common state" if _is_common(name) else "trainer-state files"
 

@@ -66,6 +66,33 @@ def test_steps_by_lightnings_names_and_the_model_for_safetensors(tmp_path: Path)
     assert set(st) == set(want["model"]) and all(torch.equal(st[k], v) for k, v in want["model"].items())
 
 
+def test_hf_export_takes_the_model_hparams_yaml_names_from_the_local_cache(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's hparams.yaml names the model (`model_name_or_path`): its Hugging Face files come from the
+    local Hugging Face cache, the LightningModule's attribute (`model.`) comes off every name, and
+    transformers loads the folder into the gathered weights' logits. Not in the cache: the export asks for
+    --hf-config before any ingest."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from tests.fixtures.lightning_fsdp import CONFIG, MODEL_NAME
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(shardstore.ExportError, match="--hf-config"):
+        shardstore.unshard(DATA / "trainer-w3" / "checkpoints", tmp_path / "none", format="hf")
+    assert not (tmp_path / "none").exists()
+    repo = tmp_path / "hub" / f"models--{MODEL_NAME.replace('/', '--')}"
+    LlamaConfig(**CONFIG).save_pretrained(repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    shardstore.unshard(DATA / "trainer-w3" / "checkpoints", tmp_path / "hf", format="hf")
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    gathered = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+    gathered.load_state_dict({k.removeprefix("model."): v for k, v in _want("trainer-w3")["model"].items()})
+    ids = torch.tensor([[5, 9, 13, 40, 2, 77], [1, 8, 21, 3, 66, 30]])
+    with torch.no_grad():
+        assert torch.equal(got(input_ids=ids).logits, gathered(input_ids=ids).logits)
+
+
 def _module() -> Any:
     import lightning as L
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -179,6 +179,8 @@ def test_a_model_saved_at_the_top_level_beside_its_trainers_parts_is_what_safete
     shardstore.unshard(tmp_path / "run", tmp_path / "st", step=3)
     st = load_file(tmp_path / "st" / "model.safetensors")
     assert list(st) == list(model) and all(torch.equal(st[k], v) for k, v in model.items())
+    shardstore.unshard(tmp_path / "run", tmp_path / "named", select="model")  # the model at the top, by name
+    assert load_file(tmp_path / "named" / "model.safetensors").keys() == st.keys()
     shardstore.unshard(tmp_path / "run", tmp_path / "opt", select="optimizer")
     assert torch.equal(load_file(tmp_path / "opt" / "model.safetensors")["state.tok_embeddings.weight.exp_avg"],
                        moments["exp_avg"])

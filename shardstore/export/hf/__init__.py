@@ -279,6 +279,13 @@ def _from_side_files(store: Store, subtree: str, strip_prefix: str | None) -> tu
 def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | None, strip_prefix: str | None
              ) -> tuple[HFModel, dict[str, str]]:
     """The Hugging Face model for the store, and its source names -> store paths."""
+    if strip_prefix is None and store.manifest.layout == "lightning":
+        strip_prefix = _module_attribute(store, subtree)
+        if strip_prefix:
+            model, names = describe(store, subtree, hf_config, strip_prefix)
+            model.notes.append(f"the LightningModule's attribute {strip_prefix[:-1]!r} taken off every name (the "
+                               f"transformers model it holds); --strip-prefix chooses another")
+            return model, names
     if hf_config is not None:
         return _from_user(store, subtree, hf_config, strip_prefix)
     meta = _value_at(store, COMPOSER_HF)
@@ -296,6 +303,14 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
     if common is not None:
         return _from_megatron_args(store, subtree, common)
     return _from_olmo(store, subtree)
+
+
+def _module_attribute(store: Store, subtree: str) -> str | None:
+    """`model.` when every name of a Lightning checkpoint's model starts so: the LightningModule's
+    attribute holding the transformers model (`self.model = AutoModelForCausalLM...`)."""
+    names = list(_model_leaves(store, subtree, None))
+    firsts = {name.split(".", 1)[0] for name in names}
+    return f"{firsts.pop()}." if len(firsts) == 1 and all("." in n for n in names) else None
 
 
 def plan_hf(store: Store, subtree: str, hf_config: str | os.PathLike[str] | None, strip_prefix: str | None,
