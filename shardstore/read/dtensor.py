@@ -38,7 +38,7 @@ from .contract import (SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece
                        replica_count, whole_numbers)
 from .olmo import FileUnit
 from .tree import flatten
-from .unpickle import DeviceMesh, DTensor, Placement, TensorRef, load
+from .unpickle import DeviceMesh, DTensor, Placement, ShardedTensor, TensorRef, load
 
 FORMAT = "dtensor-files"
 MAX_MESH = 1 << 20
@@ -262,16 +262,19 @@ def local_box(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: t
 class Layout:
     """One tensor leaf of a file, as the plan needs it."""
 
-    kind: str  # "dtensor", "flat" (an FSDP1 flat parameter's 1-D optimizer shard), "whole" (a plain tensor)
+    kind: str  # "dtensor", "sharded" (FSDP1's ShardedTensor), "flat" (an FSDP1 flat parameter's 1-D
+    # optimizer shard), "whole" (a plain tensor)
     dtype: str
     shape: tuple[int, ...]  # global shape (the shard's length for "flat")
     placements: tuple[Step, ...] = ()
     mesh: Mesh | None = None
     where: str = field(default="", compare=False)
+    # "sharded": (the rank it places it on, offsets, sizes) of every shard its metadata lists
+    shards: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
 
     def describe(self) -> tuple:
         return (self.kind, self.dtype, self.shape, self.placements,
-                None if self.mesh is None else (self.mesh.shape, self.mesh.ranks, self.mesh.groups))
+                None if self.mesh is None else (self.mesh.shape, self.mesh.ranks, self.mesh.groups), self.shards)
 
 
 def dtensor_layout(leaf: DTensor, where: str) -> tuple[Layout, TensorRef]:
@@ -286,6 +289,30 @@ def dtensor_layout(leaf: DTensor, where: str) -> tuple[Layout, TensorRef]:
         raise CheckpointError(f"{where}: local tensor is torch.{local.dtype}, its DTensor says torch.{dtype}")
     mesh = mesh_of(spec.__dict__.get("mesh"), where)
     return Layout("dtensor", dtype, shape, placements_of(spec, len(shape), mesh, where), mesh, where), local
+
+
+def sharded_layout(leaf: ShardedTensor, rank: int, where: str) -> tuple[Layout, TensorRef | None]:
+    """FSDP1's ShardedTensor (its SHARDED_STATE_DICT without a device mesh): the global shard list every
+    rank's file repeats, and this rank's one local shard, which must be the one the list places on it."""
+    md = leaf.metadata
+    try:
+        dtype, shape = str(md.tensor_properties.dtype), whole_numbers(md.size, f"{where}: sizes")
+        shards = tuple((-1 if m.placement is None else m.placement.rank(),
+                        whole_numbers(m.shard_offsets, f"{where}: shard offsets"),
+                        whole_numbers(m.shard_sizes, f"{where}: shard sizes")) for m in md.shards_metadata)
+        local = [(whole_numbers(s.metadata.shard_offsets, f"{where}: offsets"), s.tensor) for s in leaf.local_shards]
+    except (AttributeError, TypeError) as exc:
+        raise CheckpointError(f"{where}: malformed ShardedTensor metadata ({str(exc)[:80]})") from None
+    dtypes.info(dtype)
+    placed = [(o, n) for r, o, n in shards if r == rank]
+    if len(local) > 1 or len(placed) > 1:
+        raise CheckpointError(f"{where}: {max(len(local), len(placed))} shards on rank {rank}; FSDP places one")
+    if [o for o, _ in local] != [o for o, _ in placed]:
+        raise CheckpointError(f"{where}: its local shard is not the one its metadata places on rank {rank} "
+                              f"(a renamed or copied file)")
+    if local and (not isinstance(local[0][1], TensorRef) or local[0][1].dtype != dtype):
+        raise CheckpointError(f"{where}: its local shard is not a torch.{dtype} tensor (corrupt file)")
+    return Layout("sharded", dtype, shape, where=where, shards=shards), local[0][1] if local else None
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -324,6 +351,8 @@ def layouts_of(f: File) -> dict[str, tuple[Layout, TensorRef]]:
         where = f"{f.path}: {path}"
         if isinstance(leaf, DTensor):
             out[path] = dtensor_layout(leaf, where)
+        elif isinstance(leaf, ShardedTensor):
+            out[path] = sharded_layout(leaf, f.rank, where)  # type: ignore[assignment]
         elif isinstance(leaf, TensorRef):
             tensors.check_view(f.zip, leaf, path)
             nbytes = math.prod(leaf.shape) * dtypes.info(leaf.dtype).itemsize
@@ -350,6 +379,8 @@ def box_of(layout: Layout, rank: int, mesh: Mesh | None) -> tuple[tuple[int, ...
     """(offsets, sizes) of the box rank `rank` holds of one array, or None when it holds none of it."""
     if layout.kind == "whole":
         return ((0,) * len(layout.shape), layout.shape) if rank == 0 else None
+    if layout.kind == "sharded":
+        return next(((o, n) for r, o, n in layout.shards if r == rank and all(n)), None)
     used = layout.mesh if layout.kind == "dtensor" else mesh
     coord = used.coordinate(rank) if used is not None else (0,) * (1 if layout.kind == "flat" else 0)
     if coord is None:
@@ -401,7 +432,7 @@ def check_coordinate(leaf: DTensor, layout: Layout, f: File, path: str) -> None:
                               f"coordinate {list(saved)!r:.40}, not {list(mine or ())} (a renamed or copied file)")
 
 
-def array_leaf(f: File, path: str, leaf: Any, layout: Layout, local: TensorRef, mesh: Mesh | None) -> ArrayLeaf:
+def array_leaf(f: File, path: str, leaf: Any, layout: Layout, local: TensorRef | None, mesh: Mesh | None) -> ArrayLeaf:
     """A tensor leaf of one rank's file as the store takes it: the box its placements give this rank,
     checked against the local tensor it holds (rank 0's copy of a plain tensor; none elsewhere)."""
     if isinstance(leaf, DTensor):
@@ -411,12 +442,13 @@ def array_leaf(f: File, path: str, leaf: Any, layout: Layout, local: TensorRef, 
     if layout.kind == "whole" and f.rank != 0:
         return ArrayLeaf(layout.dtype, shape, [])  # rank 0's copy is the one written
     if mine is None:
-        if math.prod(local.shape):
+        if local is not None and math.prod(local.shape):
             raise CheckpointError(f"{f.path}: {path}: holds {list(local.shape)} where its rank holds nothing")
         return ArrayLeaf(layout.dtype, shape, [])
     offsets, sizes = mine
-    if tuple(local.shape) != sizes:
-        raise CheckpointError(f"{f.path}: {path}: local tensor {list(local.shape)} is not the {list(sizes)} box "
+    if local is None or tuple(local.shape) != sizes:
+        raise CheckpointError(f"{f.path}: {path}: local tensor {list(local.shape) if local else None} is not the "
+                              f"{list(sizes)} box "
                               f"its placements give rank {f.rank}; forged or damaged")
     tensors.check_view(f.zip, local, path)
     return ArrayLeaf(layout.dtype, shape, [LocalPiece(offsets, sizes, local, f.zip)])

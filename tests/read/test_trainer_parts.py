@@ -20,7 +20,7 @@ from shardstore.read.source import open_source
 from .conformance import FormatTests
 
 DATA = Path(__file__).parent.parent / "fixtures" / "data" / "accelerate"
-LAYOUTS = ["fsdp2-w2", "fsdp2-w3"]  # an odd world size: uneven shards
+LAYOUTS = ["fsdp2-w2", "fsdp2-w3", "fsdp1-w3"]  # an odd world size: uneven shards; FSDP1 (accelerate's default)
 
 
 def _want(layout: str) -> dict:
@@ -193,14 +193,26 @@ def test_a_model_saved_at_the_top_level_beside_its_trainers_parts_is_what_safete
 BIN = DATA / "fsdp2-w3-bin"  # accelerate's use_dcp=False save: each rank's torch.save of its shards
 
 
-def test_accelerates_per_rank_files_are_one_checkpoint(tmp_path: Path) -> None:
-    """pytorch_model_fsdp_0_rank{r}.bin beside optimizer_0_rank{r}.bin (FSDP2 DTensors, W=3): found without
-    --tag from the run folder or checkpoint-4/; --format torch writes what Accelerate's load_state takes
-    without FSDP, bit for bit what the live ranks gathered; safetensors takes the model."""
-    want = torch.load(f"{BIN}.expected.pt.ref", weights_only=True)
-    assert open_source(BIN).format == open_source(BIN / "checkpoint-4").format == "accelerate"
-    _as_gathered(BIN, want, tmp_path, "optimizer.bin", {"scheduler.bin": "scheduler.bin",
-                                                         "random_states_0.pkl": "random_states_0.pkl"})
+@pytest.mark.parametrize("layout", ["fsdp2-w3-bin", "fsdp1-w3-bin"])  # DTensors; FSDP1's ShardedTensors
+def test_accelerates_per_rank_files_are_one_checkpoint(layout: str, tmp_path: Path) -> None:
+    """pytorch_model_fsdp_0_rank{r}.bin beside optimizer_0_rank{r}.bin (W=3): found without --tag from the
+    run folder or checkpoint-4/; --format torch writes what Accelerate's load_state takes without FSDP, bit
+    for bit what the live ranks gathered; safetensors takes the model."""
+    want = _want(layout)
+    assert open_source(DATA / layout).format == open_source(DATA / layout / "checkpoint-4").format == "accelerate"
+    _as_gathered(DATA / layout, want, tmp_path, "optimizer.bin", {"scheduler.bin": "scheduler.bin",
+                                                                   "random_states_0.pkl": "random_states_0.pkl"})
+
+
+def test_an_fsdp1_rank_file_renamed_to_another_rank_is_refused(tmp_path: Path) -> None:
+    """FSDP1's ShardedTensor metadata places each shard on a rank: a file copied over another rank's name
+    holds the shard of its own rank, and the worker that opens it refuses it by name."""
+    ckpt = tmp_path / "checkpoint-4"
+    shutil.copytree(DATA / "fsdp1-w3-bin" / "checkpoint-4", ckpt)
+    shutil.copy(ckpt / "pytorch_model_fsdp_0_rank1.bin", ckpt / "pytorch_model_fsdp_0_rank2.bin")
+    with pytest.raises(shardstore.CheckpointError, match=r"pytorch_model_fsdp_0_rank2.bin: .*local shard is not "
+                                                         r"the one its metadata places on rank 2"):
+        shardstore.unshard(ckpt, tmp_path / "out", format="torch", jobs=1)
 
 
 def test_accelerates_per_rank_files_refuse_a_missing_rank_and_a_file_in_anothers_place(tmp_path: Path) -> None:
@@ -215,9 +227,9 @@ def test_accelerates_per_rank_files_refuse_a_missing_rank_and_a_file_in_anothers
 
 
 class TestAccelerateConformance(FormatTests):
-    @pytest.fixture
-    def checkpoint(self, tmp_path: Path) -> Path:
-        return BIN / "checkpoint-4"
+    @pytest.fixture(params=["fsdp2-w3-bin", "fsdp1-w3-bin"])
+    def checkpoint(self, request: pytest.FixtureRequest) -> Path:
+        return DATA / request.param / "checkpoint-4"
 
     @pytest.fixture
     def foreign(self, tmp_path: Path) -> Path:
