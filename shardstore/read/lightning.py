@@ -63,15 +63,15 @@ def model_files(checkpoint: str, storage_options: StorageOptions | None) -> list
 
 
 def _hparams(path: str, storage_options: StorageOptions | None) -> Any:
+    """The logger's record of the hyper-parameters, or None when it is not one (too large, nested too
+    deeply, not YAML): it is a hint at the model's description, not part of the checkpoint, and an
+    export that needs the description then asks for --hf-config."""
     import yaml
 
-    raw = read_small(path, storage_options, MAX_HPARAMS, "Lightning's hparams.yaml")
     try:
-        return yaml.safe_load(raw)
-    except RecursionError:
-        raise CheckpointError(f"{path}: nested too deeply (forged or damaged)") from None
-    except yaml.YAMLError as exc:
-        raise CheckpointError(f"{path}: unreadable YAML ({str(exc)[:80]})") from None
+        return yaml.safe_load(read_small(path, storage_options, MAX_HPARAMS, "Lightning's hparams.yaml"))
+    except (RecursionError, yaml.YAMLError, CheckpointError):
+        return None
 
 
 def _model_name(hparams: Any) -> str | None:

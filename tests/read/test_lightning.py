@@ -173,3 +173,18 @@ class TestLightningConformance(FormatTests):
     @pytest.fixture
     def foreign(self, tmp_path: Path) -> Path:
         return DATA / "trainer-w4-tp2" / "checkpoints" / "epoch=0-step=4.ckpt" / "__1_0.distcp"
+
+
+def test_an_unreadable_hparams_yaml_is_no_description(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hparams.yaml is the logger's, not the checkpoint's: nested past any parser's depth, or not YAML, it
+    names no model, so --format hf asks for --hf-config up front, and --format torch is not held up."""
+    run = tmp_path / "run"
+    shutil.copytree(DATA / "trainer-w3", run, symlinks=True)
+    hparams = run / "lightning_logs" / "version_0" / "hparams.yaml"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    for text in ("[" * 100_000, "model_name_or_path: [unclosed\n  - {"):
+        hparams.write_text(text)
+        with pytest.raises(shardstore.ExportError, match="--hf-config"):
+            shardstore.unshard(run / "checkpoints", tmp_path / "hf", format="hf")
+    shardstore.unshard(run / "checkpoints", tmp_path / "pt", format="torch")
+    assert (tmp_path / "pt" / "checkpoint.ckpt").is_file()
