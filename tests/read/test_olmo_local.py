@@ -8,6 +8,7 @@ import collections
 import json
 import pickle
 import shutil
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -162,12 +163,14 @@ def test_the_store_keeps_the_layout_it_planned_from(olmo_checkpoints, tmp_path: 
 
 
 def test_a_run_folder_of_steps_is_searched_one_level_down(olmo_checkpoints, tmp_path: Path) -> None:
-    """OLMo's save folder holds one checkpoint per step: --step picks one, and two are never mixed."""
+    """OLMo's save folder holds one checkpoint per step: --step picks one, and two are never mixed; without
+    it the newest is taken, and the first line of the output names it."""
     run = tmp_path / "run"
     shutil.copytree(olmo_checkpoints("local", "2.2", 3), run / "step1000")  # with its expected answer
     copy_checkpoint(olmo_checkpoints("olmo_core", "flat", 3), run / "step2000")
-    line = error_line("unshard", str(run), str(tmp_path / "out"), "-q")
-    assert "holds more than one checkpoint (step1000, step2000); pick one with --tag or --step" in line
+    proc = subprocess.run([sys.executable, "-m", "shardstore.cli", "unshard", str(run), str(tmp_path / "new")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stderr.splitlines()[0] == f"unshard: the checkpoint in {run / 'step2000'}"
     line = error_line("unshard", str(run), str(tmp_path / "out"), "--step", "3000", "-q")
     assert line.endswith("no checkpoint matches --step 3000; it holds step1000, step2000"), line
     shardstore.unshard(run, tmp_path / "out", step=1000, format="torch", jobs=1)
