@@ -22,7 +22,8 @@ from .conformance import FormatTests
 from .test_trainer_parts import same_optimizer
 
 DATA = Path(__file__).parent.parent / "fixtures" / "data" / "lightning"
-RUNS = ["trainer-w3", "trainer-w4-tp2"]  # FSDP2 over 3 ranks (uneven shards); 2 x 2 FSDP2 x TP
+# ModelParallelStrategy: FSDP2 over 3 ranks (uneven shards), 2 x 2 FSDP2 x TP; FSDPStrategy (FSDP1) over 3
+RUNS = ["trainer-w3", "trainer-w4-tp2", "trainer-fsdp1-w3"]
 META = ["epoch", "global_step", "pytorch-lightning_version", "loops", "callbacks", "lr_schedulers",
         "hparams_name", "hyper_parameters"]
 
@@ -48,6 +49,25 @@ def test_the_trainers_folder_becomes_the_checkpoint_lightning_saves_whole(run: s
     meta = torch.load(next((DATA / run / "checkpoints").glob("epoch=*")) / "meta.pt", weights_only=False)
     assert {k: got[k] for k in META if k != "callbacks"} == {k: meta[k] for k in META if k != "callbacks"}
     assert repr(got["callbacks"]) == repr(meta["callbacks"])  # holds a tensor(inf): == is elementwise
+
+
+def test_the_torch_export_is_what_lightnings_own_consolidate_checkpoint_gives(tmp_path: Path) -> None:
+    """Against Lightning's `consolidate_checkpoint` (its functions, in this process) on FSDPStrategy's
+    folder: the same state_dict and meta.pt keys; the same optimizer state, which Lightning's tool leaves
+    keyed by parameter name and shardstore numbers as Lightning's own full save does."""
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    from lightning.pytorch.utilities.consolidate_checkpoint import _format_checkpoint
+
+    folder = DATA / "trainer-fsdp1-w3" / "checkpoints" / "epoch=1-step=4.ckpt"
+    theirs = _format_checkpoint(_load_distributed_checkpoint(folder))
+    shardstore.unshard(folder, tmp_path / "pt", format="torch")
+    ours = torch.load(tmp_path / "pt" / "checkpoint.ckpt", weights_only=False)
+    assert sorted(ours) == sorted(theirs)
+    assert ours["state_dict"].keys() == theirs["state_dict"].keys()
+    assert all(torch.equal(ours["state_dict"][k], v) for k, v in theirs["state_dict"].items())
+    assert len(ours["optimizer_states"]) == len(theirs["optimizer_states"]) == 1
+    same_optimizer(ours["optimizer_states"][0], theirs["optimizer_states"][0])
+    assert repr({k: ours[k] for k in META}) == repr({k: theirs[k] for k in META})
 
 
 def test_steps_by_lightnings_names_and_the_model_for_safetensors(tmp_path: Path) -> None:
