@@ -196,7 +196,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
            scheduler: str | None = None, jobs: int = 1, overwrite: bool = False,
            on_start: Callable[[int], None] | None = None,
            hf_config: str | os.PathLike[str] | None = None) -> ExportResult:
-    """Write the unsharded checkpoint from `store` into `out_dir` (see the README for the formats).
+    """Write the unsharded checkpoint from `store` into `out_dir` (see docs/commands.md for the formats).
 
     An incomplete store is refused unless `allow_partial`: then missing pieces are holes (NaN, or zero for
     integer dtypes) and the output's metadata says which ranks and tensors were missing. With `scheduler`,
