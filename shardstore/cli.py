@@ -51,7 +51,9 @@ class _Group(click.Group):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         """`--storage-options` is the group's option, but is taken wherever it stands on the line
         (`shardstore ingest s3://b/s.zarr ... --storage-options '{...}'` as well as before the command)."""
-        front, rest, i = [], [], 0
+        front: list[str] = []
+        rest: list[str] = []
+        i = 0
         while i < len(args):
             if args[i] == "--storage-options" and i + 1 < len(args):
                 front += args[i:i + 2]
@@ -301,7 +303,7 @@ def _summary(store: str) -> tuple[Any, Any, list[str]]:
     if m.facts.units is not None:  # a format whose units are files the store names (not ranks)
         files = list(m.facts.units)
         missing = [files[r] for r in s.ranks_missing]
-        counts = {}
+        counts: dict[str, int] = {}
         for f in files:
             kind = get(fmt).unit_kind(f)
             counts[kind] = counts.get(kind, 0) + 1

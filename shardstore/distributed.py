@@ -54,6 +54,6 @@ def run_tasks(scheduler: str, jobs: int, fn: Callable[..., Any], args: list[tupl
                 result = future.result()
             except ShardstoreError:
                 raise
-            except (KilledWorker, *service_errors()) as exc:  # a worker died for good, or lost the network
+            except (KilledWorker, *service_errors()) as exc:  # type: ignore[misc]  # (a tuple built at run time)  # a worker died for good, or lost the network
                 raise ShardstoreError(f"{futures[future]}: task failed on Dask ({type(exc).__name__}: {exc})") from None
             on_done(result)

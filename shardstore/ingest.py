@@ -25,7 +25,7 @@ from .read.layouts import name_rank
 from .read import tensors
 from .read.container import TorchZip
 from .read.identity import content, file_identity, file_stamp, identity_of, stamp, zip_identity
-from .read.contract import ArrayLeaf, LocalPiece
+from .read.contract import ArrayLeaf, Container, LocalPiece
 from .read.rankfile import RankFile
 from .read.registry import get
 from .read.source import Source, open_unit
@@ -114,7 +114,7 @@ def _check_rank_file(store: Store, rf: RankFile) -> None:
                                           f"match the checkpoint's shard layout")
 
 
-def _encode_tensor(writer: UnitWriter, zf: TorchZip) -> Callable[[TensorRef], Any]:
+def _encode_tensor(writer: UnitWriter, zf: Container) -> Callable[[TensorRef], Any]:
     def encode(ref: TensorRef) -> Any:
         data = np.ascontiguousarray(tensors.array(zf, ref)).tobytes()
         out: dict[str, Any] = {"dtype": ref.dtype, "shape": list(ref.shape)}

@@ -36,7 +36,8 @@ class ConsoleProgress(Progress):
     def __init__(self) -> None:
         self.bar = None
         self.tty = sys.stderr.isatty()
-        self.phase, self.total, self.before, self.moved, self.began = "", None, 0, 0, 0.0
+        self.total: int | None = None
+        self.phase, self.before, self.moved, self.began = "", 0, 0, 0.0
 
     def start(self, phase: str, total: int | None, done: int = 0) -> None:
         self.end()

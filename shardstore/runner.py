@@ -43,7 +43,7 @@ if sys.platform != "win32":
                 spawn.get_preparation_data = lambda name: {k: v for k, v in original(name).items()
                                                            if k not in _MAIN_KEYS}
                 try:
-                    super()._launch(process_obj)
+                    super()._launch(process_obj)  # type: ignore[misc]  # (typeshed leaves the Popen internals out)
                 finally:
                     spawn.get_preparation_data = original
 

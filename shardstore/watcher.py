@@ -73,13 +73,13 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
                 submitted[path] = pool.submit(_worker, store.location, path,
                                               IngestOptions(strict=strict, format=source.format), storage_options)
             if deadline is not None and time.monotonic() > deadline:
-                world = expect or (store.manifest.world_size if store else None)
-                missing = sorted(set(range(world)) - done_ranks) if world else []
+                expected = expect or (store.manifest.world_size if store else None)
+                missing = sorted(set(range(expected)) - done_ranks) if expected else []
                 waiting = ", ".join(sorted(Path(p).name for p in looks.seen if p not in submitted
                                            and p.endswith(".pt") and name_rank(p) not in done_ranks))
                 raise CheckpointError(
                     f"{src_dir}: timed out after {timeout:g} s; "
-                    + (f"ranks still missing: {', '.join(map(str, missing[:50]))}" if world else "no rank file arrived")
+                    + (f"ranks still missing: {', '.join(map(str, missing[:50]))}" if expected else "no rank file arrived")
                     + (f" (incomplete or unreadable: {waiting})" if waiting else ""))
             time.sleep(poll)
     finally:

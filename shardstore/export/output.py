@@ -69,12 +69,18 @@ class OutputFile:
                 self.pos += part.length
                 if self.progress:
                     self.progress(part.length)
-            else:
-                self.write(part)
+            else:  # bytes, or a remote source's range: in bounded blocks
+                for block in blocks([part]):
+                    self.write(block)
         return None
 
     def pwrite(self, data: bytes, offset: int) -> None:
         os.pwrite(self.fd, data, offset)
+
+    def skip(self, n: int) -> None:
+        """Leave `n` bytes for a later `pwrite` (a hole the file system keeps sparse)."""
+        os.lseek(self.fd, n, os.SEEK_CUR)
+        self.pos += n
 
     def commit(self) -> None:
         os.fsync(self.fd)

@@ -30,14 +30,17 @@ LIGHTNING_MODEL = ("model", "state_dict")  # FSDPStrategy's key in the DCP folde
 LIGHTNING_FILE = "checkpoint.ckpt"
 
 
-def resume_layout(layout: str, tree: Node) -> list[tuple[str, Node, Callable[[Any], Any]]] | None:
+TorchForm = Callable[[Any], Any]  # what a torch file holds, shaped as its trainer saves it
+
+
+def resume_layout(layout: str, tree: Node) -> list[tuple[str, Node, TorchForm]] | None:
     """(file name, the node it holds, the trainer's shape of it) of each torch file a trainer's layout
     gets; None for a layout that has no trainer's files (or holds parts the trainer does not save)."""
     if layout == "lightning":
         return [(LIGHTNING_FILE, tree, lightning_checkpoint)]
     if layout not in ("hf-trainer", "accelerate"):
         return None
-    files = []
+    files: list[tuple[str, Node, TorchForm]] = []
     for _, child in tree.children:
         model, optimizer = MODEL.match(child.path), OPTIMIZER.match(child.path)
         if model is not None:

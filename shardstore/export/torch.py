@@ -35,13 +35,17 @@ from .torchzip import Sink, TorchZipWriter
 PROTOCOL = 2
 
 
-class _Pickler(pickle._Pickler):
+# The pure-Python pickler, whose dispatch table and helpers this extends; typeshed does not describe it.
+_PythonPickler: Any = pickle._Pickler
+
+
+class _Pickler(_PythonPickler):
     """Pickles tensors and ArrayRefs the way torch.save does, collecting their storages for later.
 
     Opaque records are written back as the opcodes that built them (the same global, arguments and
     state), which needs the Python pickler: the C one cannot name a global it has not imported."""
 
-    dispatch = pickle._Pickler.dispatch.copy()
+    dispatch = _PythonPickler.dispatch.copy()
 
     def save_global_ref(self, ref: GlobalRef) -> None:
         self.write(pickle.GLOBAL + f"{ref.module}\n{ref.name}\n".encode("ascii"))

@@ -69,6 +69,8 @@ class TorchZipWriter:
         start = self.out.pos
         if crc is None:
             crc = self.out.write_parts(parts, crc=0)
+            if crc is None:
+                raise ValueError(f"{name}: its sink computed no CRC-32")
         else:
             self.out.write_parts(parts)
         if self.out.pos - start != size:

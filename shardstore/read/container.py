@@ -79,7 +79,8 @@ class DataFile:
     from windows of it (a rank file is one window; a DCP .distcp file holds one zip per item)."""
 
     def __init__(self, path: str | os.PathLike[str], storage_options: StorageOptions | None = None):
-        self.path = path if is_url(path) else Path(local(path))
+        self.path: str | Path = os.fspath(path) if is_url(path) else Path(local(path))
+        self.stamp: str | None  # what says the file changed (local_stamp, remote_stamp)
         self._map: mmap.mmap | None = None
         self._remote: tuple[Any, str] | None = None
         self._spans: list[tuple[int, bytes]] = []  # remote bytes fetched already (read_ranges)
@@ -94,7 +95,7 @@ class DataFile:
                 raise
         else:
             try:
-                fs, fspath = self._remote = filesystem(self.path, storage_options)
+                fs, fspath = self._remote = filesystem(str(self.path), storage_options)
                 info = fs.info(fspath)
                 self.size, self.stamp = int(info["size"]), remote_stamp(info)
             except FileNotFoundError:
@@ -235,8 +236,8 @@ class TorchZip:
     def __init__(self, path: str | os.PathLike[str] | DataFile, storage_options: StorageOptions | None = None,
                  start: int = 0, length: int | None = None):
         self._owns = not isinstance(path, DataFile)
-        self.file = DataFile(path, storage_options) if self._owns else path  # type: ignore[arg-type]
-        self.path = self.file.path
+        self.file: DataFile = path if isinstance(path, DataFile) else DataFile(path, storage_options)
+        self.path = str(self.file.path)
         self.start = start
         self._size = self.file.size - start if length is None else length
         try:

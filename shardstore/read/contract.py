@@ -118,7 +118,7 @@ def replica_count(arrays: dict[str, ShardedSpec]) -> int:
     unit to commit it."""
     most = 1
     for a in arrays.values():
-        counts: dict[tuple, int] = {}
+        counts: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
         for s in a.shards:
             counts[(s.offsets, s.sizes)] = counts.get((s.offsets, s.sizes), 0) + 1
         most = max(most, *counts.values()) if counts else most
@@ -179,8 +179,15 @@ class LocalPiece:
 class ArrayLeaf:
     """A unit's share of one array: dtype, global shape, and the pieces it holds (maybe none)."""
 
+    planned = False  # its global shard list was checked against the plan's when read (rank files' ShardedLeaf)
+
     def __init__(self, dtype: str, shape: tuple[int, ...], pieces: list[LocalPiece]):
         self.dtype, self.shape, self.pieces = dtype, shape, pieces
+
+    def layout_digest(self) -> str | None:
+        """A digest of every unit's boxes as this unit's file lists them; None where a file lists only its
+        own (the plan's layout is then checked box by box)."""
+        return None
 
 
 class Unit(Protocol):

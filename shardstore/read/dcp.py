@@ -419,7 +419,8 @@ def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None =
                            COMMON_STATE if common else "")
         units += [MEGATRON_COMMON] if common else [lightning.META] if name_of(trainer_state[0]) == lightning.META \
             else [f"{TRAIN}/{os.path.basename(f.rstrip('/'))}" for f in trainer_state]
-    extra = {"units": units, "metadata": ckpt.digest, "not_tensors": [ckpt.store_path(fqn) for fqn in ckpt.values]}
+    extra: dict[str, Any] = {"units": units, "metadata": ckpt.digest,
+                             "not_tensors": [ckpt.store_path(fqn) for fqn in ckpt.values]}
     args = _megatron_args(ckpt, trainer_state or [], storage_options, strict)
     if args is not None:
         extra[MEGATRON_ARGS] = args
@@ -434,10 +435,12 @@ def _megatron_args(ckpt: DcpCheckpoint, trainer_state: list[str], storage_option
     common = next((p for p in trainer_state if _is_common(p)), None)
     if item is None and common is None:
         return None
-    where = join(ckpt.folder, item.file) if item is not None else common
-    data = DataFile(where, storage_options) if item is not None else None
-    zf = TorchZip(data, start=item.offset, length=item.length) if item is not None and data is not None \
-        else TorchZip(where, storage_options)
+    if item is not None:  # a bytes item of a .distcp file
+        where, data = join(ckpt.folder, item.file), DataFile(join(ckpt.folder, item.file), storage_options)
+        zf = TorchZip(data, start=item.offset, length=item.length)
+    else:
+        assert common is not None  # (one of the two, above)
+        where, data, zf = common, None, TorchZip(common, storage_options)
     try:
         state = load(zf.record("data.pkl"), f"{where}: Megatron's common state", strict)
     finally:

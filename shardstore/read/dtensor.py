@@ -291,13 +291,19 @@ def dtensor_layout(leaf: DTensor, where: str) -> tuple[Layout, TensorRef]:
     return Layout("dtensor", dtype, shape, placements_of(spec, len(shape), mesh, where), mesh, where), local
 
 
+def _placed(placement: Any) -> int:
+    """The rank a shard's metadata places it on (-1 for none: such a shard is no rank's)."""
+    rank = None if placement is None else placement.rank()
+    return rank if type(rank) is int else -1
+
+
 def sharded_layout(leaf: ShardedTensor, rank: int, where: str) -> tuple[Layout, TensorRef | None]:
     """FSDP1's ShardedTensor (its SHARDED_STATE_DICT without a device mesh): the global shard list every
     rank's file repeats, and this rank's one local shard, which must be the one the list places on it."""
     md = leaf.metadata
     try:
         dtype, shape = str(md.tensor_properties.dtype), whole_numbers(md.size, f"{where}: sizes")
-        shards = tuple((-1 if m.placement is None else m.placement.rank(),
+        shards = tuple((_placed(m.placement),
                         whole_numbers(m.shard_offsets, f"{where}: shard offsets"),
                         whole_numbers(m.shard_sizes, f"{where}: shard sizes")) for m in md.shards_metadata)
         local = [(whole_numbers(s.metadata.shard_offsets, f"{where}: offsets"), s.tensor) for s in leaf.local_shards]
@@ -360,7 +366,7 @@ def layouts_of(f: File) -> dict[str, tuple[Layout, TensorRef]]:
                 if len(leaf.shape) != 1:
                     raise CheckpointError(f"{where}: a plain {len(leaf.shape)}-d optimizer state tensor beside "
                                           f"sharded parameters; expected FSDP1's 1-D flat-parameter shards")
-                out[path] = (Layout("flat", leaf.dtype, leaf.shape, (("shard", 0),), None), leaf)
+                out[path] = (Layout("flat", leaf.dtype, leaf.shape, (("shard", 0, 1),), None), leaf)
             elif leaf.shape and (f.kind == "model" or nbytes > SMALL_TENSOR_BYTES):  # weights are arrays
                 out[path] = (Layout("whole", leaf.dtype, leaf.shape), leaf)
     meshes = list({layout.mesh for layout, _ in out.values() if layout.mesh is not None})
@@ -442,7 +448,7 @@ def array_leaf(f: File, path: str, leaf: Any, layout: Layout, local: TensorRef |
     if layout.kind == "whole" and f.rank != 0:
         return ArrayLeaf(layout.dtype, shape, [])  # rank 0's copy is the one written
     if mine is None:
-        if local is not None and math.prod(local.shape):
+        if local is not None and 0 not in local.shape:
             raise CheckpointError(f"{f.path}: {path}: holds {list(local.shape)} where its rank holds nothing")
         return ArrayLeaf(layout.dtype, shape, [])
     offsets, sizes = mine

@@ -35,7 +35,7 @@ class FolderFormat:
         return run_of(unit) if run_of is not None else folder_of(folder_of(unit))
 
     def _source(self, run: str, units: list[str], storage_options: StorageOptions | None) -> Source:
-        side = getattr(self.module, "side_files", lambda folder, options: [])(run, storage_options)
+        side: list[str] = getattr(self.module, "side_files", lambda folder, options: [])(run, storage_options)
         found = getattr(self.module, "resume", lambda folder, options: None)(run, storage_options)
         return Source(self.name, units, storage_options, config_files(run, storage_options) + side,
                       *((found.trainer, found.files) if found is not None else ()))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Sequence
 
 from ..errors import CheckpointError
 from ..locations import StorageOptions, filesystem, is_url, local
@@ -123,6 +124,6 @@ def _filter(groups: dict[str, dict[int, Path]], tag: str | None, step: int | Non
     return groups
 
 
-def missing_ranks(files: list[Path], world_size: int) -> list[int]:
+def missing_ranks(files: Sequence[str | os.PathLike[str]], world_size: int) -> list[int]:
     have = {name_rank(f) for f in files}
     return [r for r in range(world_size) if r not in have]

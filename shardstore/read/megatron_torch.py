@@ -110,7 +110,8 @@ def _grid(args: Any, count: int, where: str) -> dict[str, Any]:
         raise CheckpointError(f"{where}: holds no Megatron-LM args (the parallel layout is read from them)")
     tp, pp = state.get("tensor_model_parallel_size"), state.get("pipeline_model_parallel_size")
     layers = state.get("num_layers")
-    if not all(type(v) is int and v > 0 for v in (tp, pp, layers)) or tp * pp != count:
+    if not (type(tp) is int and type(pp) is int and type(layers) is int) or min(tp, pp, layers) <= 0 \
+            or tp * pp != count:
         raise CheckpointError(f"{where}: args say TP={tp!r:.20} x PP={pp!r:.20} over {layers!r:.20} layers; the "
                               f"folder holds {count} rank files")
     for key in UNREAD:

@@ -109,7 +109,8 @@ def read_part(folder: str, storage_options: StorageOptions | None) -> Part:
     tensors_json = raw.get("tensors") if isinstance(raw, dict) else None
     if not isinstance(tensors_json, dict):
         raise CheckpointError(f"{path}: not an OLMo-core checkpoint metadata file (no \"tensors\")")
-    tensors, files = {}, set()
+    tensors: dict[str, Any] = {}
+    files: set[str] = set()
     try:
         for name, t in tensors_json.items():
             shape = whole_numbers(t["shape"], f"{name}: shape")
@@ -233,7 +234,7 @@ def _stored(st: SafetensorsFile, t: Tensor, file: str) -> TensorRef:
     if ref.dtype != t.dtype or math.prod(ref.shape) != count:
         raise CheckpointError(f"{st.path}: {t.name} is {ref.dtype}{list(ref.shape)}, the metadata says {count} "
                               f"elements of {t.dtype}")
-    check_view(st, ref, t.name)  # type: ignore[arg-type]
+    check_view(st, ref, t.name)
     return TensorRef(ref.storage, 0, (count,), (1,), ref.dtype)
 
 

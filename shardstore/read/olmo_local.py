@@ -334,7 +334,7 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
         tree.children.append((encode_key(OPTIM), optim_tree(state, encode_key)))
         objects.append(PARAM_GROUPS)
         for path, (kind, dtype, fqn) in keys.items():
-            if kind == "array":
+            if kind == "array" and dtype is not None:
                 arrays[path] = flat_spec(dtype, shapes[fqn][1], holders[fqn])
             else:
                 objects.append(path)

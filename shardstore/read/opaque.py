@@ -36,6 +36,14 @@ class Opaque:
     built it as `cls.__new__(cls, *args)` (True) or by calling the global with `args` (False)."""
 
     __slots__ = ("module", "name", "args", "kwargs", "state", "items", "dictitems", "newobj")
+    module: str
+    name: str
+    args: tuple
+    kwargs: dict
+    state: Any
+    items: list
+    dictitems: list
+    newobj: bool
 
     def __init__(self, module: str, name: str, args: tuple = (), state: Any = None, *,
                  kwargs: dict | None = None, items: list | None = None, dictitems: list | None = None,

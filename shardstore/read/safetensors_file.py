@@ -28,7 +28,7 @@ _BY_CODE = {info.safetensors: info.name for info in dtypes.BY_NAME.values() if i
 class SafetensorsFile:
     def __init__(self, path: str | os.PathLike[str], storage_options: StorageOptions | None = None):
         self.file = DataFile(path, storage_options)
-        self.path = self.file.path
+        self.path = str(self.file.path)
         try:
             self.entries, self.tensors, self.metadata = self._index()
         except BaseException:

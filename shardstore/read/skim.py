@@ -25,7 +25,7 @@ from typing import Any
 from .unpickle import load
 
 try:
-    from ._pickle_scan import skim as _skim_c  # type: ignore[import-not-found]
+    from ._pickle_scan import skim as _skim_c  # type: ignore[import-not-found, unused-ignore]  # (absent where no compiler built it)
 except ImportError:  # not built: every file is unpickled whole
     _skim_c = None
 

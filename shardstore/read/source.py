@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..locations import StorageOptions, filesystem, is_url, local
-from .contract import CheckpointSpec, Unit
+from .contract import CheckpointSpec, Format, Unit
 
 MAX_SIDE_FILE = 64 << 20  # a tokenizer.json of a large vocabulary is several MB
 CONFIG = "config.yaml"  # OLMo's run config, copied beside every export as OLMo's unsharder does
@@ -94,12 +94,12 @@ def open_source(src: str | os.PathLike[str], tag: str | None = None, step: int |
             newest = fmt.latest(src, storage_options)
             if newest is not None:
                 return fmt.source(newest, storage_options)
-    below = {}
+    below: dict[str, Format] = {}
     for name in subfolders(src, storage_options):
         sub = join(src, name)
-        fmt = next((f for f in folder_formats() if f.detect(sub, storage_options)), None)
-        if fmt is not None:
-            below[name] = fmt
+        found = next((f for f in folder_formats() if f.detect(sub, storage_options)), None)
+        if found is not None:
+            below[name] = found
     if below:
         name = pick(src, list(below), tag, step)
         return below[name].source(join(src, name), storage_options)
@@ -161,7 +161,10 @@ def pick(src: str, candidates: list[str], tag: str | None, step: int | None) -> 
     there = candidates
     if tag in (None, "latest") and step is None and len(candidates) > 1:
         latest = _latest_step(src)
-        tag, step = (RELEASE, None) if latest == RELEASE else (tag, latest if latest is not None else _newest(candidates))
+        if latest == RELEASE:
+            tag, step = RELEASE, None
+        else:
+            step = latest if isinstance(latest, int) else _newest(candidates)
     if tag not in (None, "latest"):
         candidates = [c for c in candidates if c == tag]
     if step is not None:

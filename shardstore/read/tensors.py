@@ -9,20 +9,23 @@ view reaches inside that record; no expanded view much larger than the record.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .. import dtypes
 from ..errors import CheckpointError
-from .container import TorchZip
 from .unpickle import TensorRef
+
+if TYPE_CHECKING:  # the contract's LocalPiece reads through these functions
+    from .contract import Container
 
 # A tensor may view more elements than its storage holds only through stride-0 (expanded) views; past
 # this size such a view is refused, so a few bytes of storage never become gigabytes in memory.
 MAX_EXPANDED_BYTES = 16 << 20
 
 
-def check_view(zf: TorchZip, ref: TensorRef, where: str) -> None:
+def check_view(zf: Container, ref: TensorRef, where: str) -> None:
     name = f"{zf.path}: {where}"
     if not all(type(v) is int for v in (ref.offset, *ref.shape, *ref.stride)) or len(ref.shape) != len(ref.stride):
         raise CheckpointError(f"{name}: tensor with a malformed shape {ref.shape!r:.60} or stride {ref.stride!r:.60}")
@@ -46,7 +49,7 @@ def check_view(zf: TorchZip, ref: TensorRef, where: str) -> None:
                               f"{entry.size} (an expanded view this large is not a checkpoint)")
 
 
-def array(zf: TorchZip, ref: TensorRef) -> np.ndarray:
+def array(zf: Container, ref: TensorRef) -> np.ndarray:
     """A zero-copy numpy view (raw dtype) of the tensor."""
     check_view(zf, ref, "a tensor")
     info = dtypes.info(ref.dtype)
@@ -59,7 +62,7 @@ def array(zf: TorchZip, ref: TensorRef) -> np.ndarray:
                                            writeable=False)
 
 
-def byte_range(zf: TorchZip, ref: TensorRef) -> tuple[int, int] | None:
+def byte_range(zf: Container, ref: TensorRef) -> tuple[int, int] | None:
     """(file offset, length) when the tensor is one C-contiguous run of bytes, else None."""
     check_view(zf, ref, "a tensor")
     info = dtypes.info(ref.dtype)

@@ -25,7 +25,7 @@ TRAIN = "train"
 def trainer_files(checkpoint: str, storage_options: StorageOptions | None = None) -> list[str]:
     """`train/rank{r}.pt` under the checkpoint folder, in rank order (empty when there are none)."""
     found = listing(join(checkpoint, TRAIN), storage_options)
-    ranked = {name_rank(f): f for f in found if f.endswith(".pt") and name_rank(f) is not None}
+    ranked = {rank: f for f in found if f.endswith(".pt") and (rank := name_rank(f)) is not None}
     return [ranked[r] for r in sorted(ranked)]
 
 

@@ -192,9 +192,17 @@ class ShardOrderEntry(NamedTuple):
 class DcpMetadata(_Record):
     """torch.distributed.checkpoint's Metadata: state_dict_metadata, planner_data, storage_data, ..."""
 
+    state_dict_metadata: Any  # as pickled: checked where read (read/dcp.py)
+    planner_data: Any
+    storage_data: Any
+
 
 class DcpTensorStorage(_Record):
     """TensorStorageMetadata: properties, size, chunks."""
+
+    properties: Any  # as pickled: checked where read (read/dcp.py)
+    size: Any
+    chunks: Any
 
 
 class DcpBytesStorage(_Record):

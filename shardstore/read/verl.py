@@ -134,7 +134,7 @@ def _split(model: File, model_layouts: dict[str, tuple[Layout, TensorRef]], opti
         return None
     params, model_keys = _parameters(model, model_layouts)
     found = fsdp_flat.split(params, list(lengths.values()), 1 if mesh is None else mesh.shape[-1], model_keys)
-    return None if found is None else dict(zip(lengths, found))  # type: ignore[arg-type]
+    return None if found is None else dict(zip(lengths, found))
 
 
 def _parameters(model: File, model_layouts: dict[str, tuple[Layout, TensorRef]]) -> \
@@ -155,9 +155,9 @@ def _parameters(model: File, model_layouts: dict[str, tuple[Layout, TensorRef]])
 
 def _group_count(optim: File) -> int | None:
     """How many parameters the optimizer's param_groups list."""
-    groups = optim.leaves.get(PARAM_GROUPS)
+    groups: Any = optim.leaves.get(PARAM_GROUPS)  # as pickled: its shape is checked by the sum
     try:
-        return sum(len(g["params"]) for g in groups)  # type: ignore[union-attr]
+        return sum(len(g["params"]) for g in groups)
     except (TypeError, KeyError):
         return None
 
@@ -193,10 +193,10 @@ def _ragged(model: File, model_layouts: dict[str, tuple[Layout, TensorRef]], opt
             digests.append(digest_of(f, layouts))
             mine: dict[int, int] = {}
             for path, (layout, _) in layouts.items():
-                index = _flat_index(path)
-                if layout.kind != "flat" or not (index or "").isdigit():
+                index = _flat_index(path) or ""
+                if layout.kind != "flat" or not index.isdigit():
                     return None
-                if mine.setdefault(int(index), layout.shape[0]) != layout.shape[0]:  # type: ignore[arg-type]
+                if mine.setdefault(int(index), layout.shape[0]) != layout.shape[0]:
                     raise CheckpointError(f"{f.path}: {path}: {layout.shape[0]} elements, but the other state of "
                                           f"parameter {index} here has {mine[int(index)]}")
             lengths[f.rank] = mine
@@ -276,6 +276,7 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
         ragged = None if optim is None else _ragged(
             files[0], model, optim, [u for u in unit_paths if _parse(u)[0] == "optim"], mesh, storage_options,
             strict, encode_key)
+        split: dict[str, list[fsdp_flat.Member]] | None
         if ragged is not None:
             split = ragged.split
             _union_state(tree, ragged.trees)
@@ -291,14 +292,15 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
                 hashlib.blake2b(repr(ragged.digests).encode(), digest_size=16).hexdigest()
             base = first[f.kind] - f.rank  # unit index of this kind's rank 0
             for path in leaves:
-                held = split.get(_flat_index(path)) if split and f.kind == "optim" else None
+                index = _flat_index(path) or ""
+                held = split.get(index) if split and f.kind == "optim" else None
                 if held is not None:  # a flat parameter's state: one leaf per parameter it holds
                     for member, place in _member_paths(path, held):
                         if path not in layouts:
                             objects.append(place)
                             continue
                         layout, _ = layouts[path]
-                        ranges = [(base + r, lo, n) for r, lo, n in ragged.parts[int(_flat_index(path))]] if ragged else \
+                        ranges = [(base + r, lo, n) for r, lo, n in ragged.parts[int(index)]] if ragged else \
                             [(base + r, lo, n) for r, (o,), (size,) in boxes(layout, f.world, mesh)
                              for _, lo, n in fsdp_flat.overlaps([member], o, size)]
                         arrays[place] = flat_spec(layout.dtype, member.shape, ranges)
@@ -343,7 +345,7 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
         split = {k: [fsdp_flat.Member(n, tuple(shape), start, key) for n, shape, start, key in held]
                  for k, held in facts["verl"].get("split", {}).items()} if f.kind == "optim" else {}
         for p, leaf in f.leaves.items():
-            held = split.get(_flat_index(p))  # type: ignore[arg-type]
+            held = split.get(_flat_index(p))
             if held is not None and ragged:
                 _part_leaf(unit, f, p, leaf, layouts.get(p), held[0], ragged["parts"][_flat_index(p)])
                 continue

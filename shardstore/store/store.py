@@ -421,7 +421,7 @@ class Store:
 
     def read(self, path: str, selection: Any = slice(None)) -> np.ndarray:
         """Raw (store dtype) values of a slice of one array; Zarr fetches only the inner chunks it needs."""
-        return self.zarr[path][selection]
+        return np.asarray(self.zarr[path][selection])  # (an ndarray already: no copy)
 
     def stream(self, path: str, max_bytes: int = 16 << 20, allow_partial: bool = False,
                rows: tuple[int, int] | None = None) -> Iterator[Part]:

@@ -20,6 +20,7 @@ import numpy as np
 from ... import dtypes
 from ...ranges import FileRange, Part, blocks, copy_range, part_length
 from ...store.manifest import ArrayEntry
+from ...errors import StoreError
 from ..output import output_error
 from ..safetensors import CAST_BLOCK_BYTES, _cast
 from .layout import CLAIMS, Layout, Target
@@ -99,7 +100,10 @@ class DirectWriter:
         known = piece.crc() if record and first == 0 and count == math.prod(piece.sizes) else None
         crc = _put(part, fd, offset, checksum=record and known is None)  # else kernel-side where it can
         if record:
-            self.runs.append([target.file, offset, part_length(part), known if known is not None else crc])
+            crc = known if known is not None else crc
+            if crc is None:
+                raise StoreError(f"{target.file}: no CRC-32 for the bytes written at {offset}")
+            self.runs.append([target.file, offset, part_length(part), crc])
 
     def sync(self) -> None:
         """Make everything written durable: before the unit's commit, which is the journal."""
