@@ -1,6 +1,8 @@
-"""From ShardedTensor metadata to a Zarr layout where every chunk has exactly one writer.
+"""From a checkpoint's spec (every array's boxes and the unit holding each, whatever the format said them
+in: ShardedTensor metadata, DCP's .metadata, DTensor placements, DeepSpeed's partitions) to a Zarr
+layout where every chunk has exactly one writer.
 
-Each array's outer grid (Zarr's *shard* shape) is cut at every shard boundary the metadata names, so a
+Each array's outer grid (Zarr's *shard* shape) is cut at every box boundary the spec names, so a
 grid cell never straddles two ranks' shards and whoever holds a shard can write its cells whole, without
 a read-modify-write. For FSDP that grid is simply ceil(d0 / W) rows. Inside a cell, small inner chunks
 (~1 MiB) make slices cheap to read. Tensors too small to deserve one file per rank are *staged*: each

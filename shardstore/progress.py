@@ -1,6 +1,7 @@
 """How long-running API calls report progress: one phase at a time ("ingest", "export"), in bytes.
 
-The API only calls these three methods; what they show is the caller's business. The base class shows
+The API only calls `start`, `advance`, `end` (per phase) and `note` (a line before the work, such as
+which checkpoint was taken); what they show is the caller's business. The base class shows
 nothing; `ConsoleProgress` (what the CLI shows, and `progress=True` in the API) draws a bar per phase on
 a terminal and prints one line per phase elsewhere (a log, CI, a notebook's captured stderr).
 """

@@ -19,18 +19,22 @@ def test_eight_ranks_on_two_workers_one_killed_mid_run(cluster, checkpoints, tmp
     c, client = cluster
     src = checkpoints(8)
     url = upload(src, "s3://ckpt-c/run")
-    killed: list[int] = []
+    killed: list[tuple[int, int]] = []  # (its pid, how many tasks it held when it died)
 
-    def kill_a_worker_once(result: object) -> None:
-        if not killed:
-            pids = client.run(os.getpid)  # {worker address: pid}
-            pid = sorted(pids.values())[0]
-            os.kill(pid, signal.SIGKILL)  # mid-run: the other tasks are queued or running
-            killed.append(pid)
+    def kill_a_busy_worker_once(result: object) -> None:
+        if killed:
+            return
+        busy = {worker: keys for worker, keys in client.processing().items() if keys}
+        if not busy:
+            return  # nothing held by a worker right now: at the next completion
+        worker = sorted(busy)[0]
+        pid = client.run(os.getpid, workers=[worker])[worker]
+        os.kill(pid, signal.SIGKILL)  # it holds tasks: they are lost with it, and must run again elsewhere
+        killed.append((pid, len(busy[worker])))
 
     store = shardstore.ingest("s3://ckpt-c/store", [f"{url}/rank{r}.pt" for r in range(8)],
-                              scheduler=c.scheduler_address, on_done=kill_a_worker_once)
-    assert killed
+                              scheduler=c.scheduler_address, on_done=kill_a_busy_worker_once)
+    assert killed and killed[0][1] > 0  # a worker died holding work: there was something to recover
     assert store.status().ok and store.status().ranks_done == list(range(8))
     shardstore.export(store, tmp_path / "out")
     assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), expected(src)["model"])

@@ -34,31 +34,30 @@ def wait_for(condition, seconds: float = 60) -> None:
 
 
 def test_files_are_taken_only_once_complete(checkpoints, tmp_path: Path) -> None:
-    ckpt = checkpoints(3)
+    """Half-written files are looked at and left: each negative check follows a complete file that arrived
+    after them and was taken (the watcher looked at the whole folder, twice, since), not a fixed wait."""
+    ckpt = checkpoints(4)
     src, store = tmp_path / "incoming", tmp_path / "store"
     src.mkdir()
     proc = start_watch(store, src, "--timeout", "240", "-q")
     try:
-        # rank 2: copied under a temporary name, then renamed into place (rsync, most copy tools)
-        shutil.copy(ckpt / "rank2.pt", src / ".rank2.pt.partial")
-        os.rename(src / ".rank2.pt.partial", src / "rank2.pt")
-        wait_for(lambda: committed(store) == {2})
-        # rank 0: written in place slowly; while it is half there it must not be taken
-        data = (ckpt / "rank0.pt").read_bytes()
+        # rank 3: copied under a temporary name, then renamed into place (rsync, most copy tools)
+        shutil.copy(ckpt / "rank3.pt", src / ".rank3.pt.partial")
+        os.rename(src / ".rank3.pt.partial", src / "rank3.pt")
+        wait_for(lambda: committed(store) == {3})
         with open(src / "rank0.pt", "wb") as f:
-            f.write(data[: len(data) // 2])
+            # rank 0: written in place slowly; rank 1: a zip whose central directory is not there yet
+            data0, data1 = (ckpt / "rank0.pt").read_bytes(), (ckpt / "rank1.pt").read_bytes()
+            f.write(data0[: len(data0) // 2])
             f.flush()
-            time.sleep(1.5)  # fifteen polls with a half-written file
-            assert committed(store) == {2}
-            f.write(data[len(data) // 2:])
-        wait_for(lambda: committed(store) == {0, 2})
-        # rank 1: a zip whose central directory is not there yet, then completed
-        data = (ckpt / "rank1.pt").read_bytes()
-        (src / "rank1.pt").write_bytes(data[:-200])
-        time.sleep(1.0)
-        assert 1 not in committed(store)
+            (src / "rank1.pt").write_bytes(data1[:-200])
+            shutil.copy(ckpt / "rank2.pt", src / ".rank2.pt.partial")  # then a whole file after them
+            os.rename(src / ".rank2.pt.partial", src / "rank2.pt")
+            wait_for(lambda: 2 in committed(store))
+            assert committed(store) == {2, 3}  # looked at since they were there, and left
+            f.write(data0[len(data0) // 2:])
         with open(src / "rank1.pt", "ab") as f:
-            f.write(data[-200:])
+            f.write(data1[-200:])
         out, err = proc.communicate(timeout=240)
     finally:
         proc.kill()
@@ -96,10 +95,10 @@ def test_a_dcp_folder_is_taken_once_its_metadata_is_there(dcp_checkpoints, tmp_p
         (src / "__2_0.distcp").write_bytes(data[: len(data) // 2])  # half of a file
         shutil.copy(ckpt / ".metadata", src / ".metadata")
         wait_for(lambda: committed(store) == {0, 1})
-        time.sleep(1.0)
-        assert committed(store) == {0, 1}  # the half file is not taken
+        shutil.copy(ckpt / "__3_0.distcp", src / "__3_0.distcp")  # a whole file after the half one
+        wait_for(lambda: 3 in committed(store))
+        assert committed(store) == {0, 1, 3}  # the half file was looked at since, and left
         (src / "__2_0.distcp").write_bytes(data)
-        shutil.copy(ckpt / "__3_0.distcp", src / "__3_0.distcp")
         assert proc.wait(timeout=240) == 0, proc.stderr.read()
     finally:
         proc.kill()
