@@ -43,7 +43,11 @@ class ExportResult:
 # Every file name an export of any format writes: what a previous export may have left in OUT.
 _OUTPUT_NAME = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
                           r"|(model|optim|train|checkpoint)\.pt|__\d+_0\.distcp|\.metadata|config\.yaml"
-                          r"|config\.json|generation_config\.json)\Z")
+                          r"|config\.json|generation_config\.json"
+                          # the torch files a trainer resumes from, and its own files beside them (export/resume.py)
+                          r"|pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.(pt|bin)|checkpoint\.ckpt"
+                          r"|(scheduler|sampler|dl_state_dict)(_\d+)?\.(pt|bin)|scaler\.pt|rng_state\.pth"
+                          r"|trainer_state\.json|training_args\.bin|random_states_0\.pkl|custom_checkpoint_\d+\.pkl)\Z")
 
 
 # What each format may write, by name: before the store holds data an export's exact files are not known

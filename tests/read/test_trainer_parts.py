@@ -286,3 +286,14 @@ def test_accelerate_loads_the_state_from_the_torch_export_without_fsdp(tmp_path:
     assert all(torch.equal(model.state_dict()[k], v) for k, v in want["model"].items())
     same_optimizer(optimizer.state_dict(), want["optimizer"])
     assert scheduler.scheduler.last_epoch == 4
+
+
+def test_the_trainers_files_of_an_earlier_export_are_refused_or_replaced(tmp_path: Path) -> None:
+    """The torch export's files for the Trainer, left in OUT, are an earlier export's: a safetensors export
+    into OUT refuses them by name before any ingest, and --overwrite removes them once it is whole."""
+    shardstore.unshard(DATA / "fsdp2-w2", tmp_path / "out", format="torch")
+    with pytest.raises(shardstore.ExportError, match=r"optimizer\.pt.*pytorch_model\.bin|earlier export"):
+        shardstore.unshard(DATA / "fsdp2-w2", tmp_path / "out")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    shardstore.unshard(DATA / "fsdp2-w2", tmp_path / "out", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
