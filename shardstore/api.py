@@ -192,7 +192,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
         if _ingest.source_changed(previous, source.units):
             previous.discard()  # started on another checkpoint (a newer step saved over this one): start again
     location = store if store is not None else scratch  # may be a URL: no Path()
-    fmt = export_options.get("format", "safetensors")
+    fmt = str(export_options.get("format", "safetensors"))
 
     def all_ranks_present(st: Store) -> None:
         if not get(source.format).ranked:
@@ -227,7 +227,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     def exported_subtree(st: Store) -> str | None:
         # A scratch store only feeds this export: for safetensors, write just the tensors it takes
         # (the model, not the optimizer state, which is usually twice its size).
-        if store is not None or fmt not in ("safetensors", "hf"):
+        if store is not None or not _export.output_format(fmt).subtree:
             return None
         select = export_options.get("select")
         return str(select) if select is not None else _export.model_subtree(st)
@@ -246,9 +246,10 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
                 break  # not empty: a scratch store kept for a rerun, or files of the user's
         raise
     if planned[0] is not None:
-        result = _export.finish_direct(st, out_dir, planned[0], bool(export_options.get("overwrite")))
+        result = _export.finish_direct(st, out_dir, planned[0], fmt, bool(export_options.get("overwrite")))
     else:
-        result = export(st, out_dir, scheduler=scheduler if fmt == "safetensors" else None, jobs=jobs,
+        result = export(st, out_dir, scheduler=scheduler if _export.output_format(fmt).takes_scheduler else None,
+                        jobs=jobs,
                         progress=progress, **export_options)  # type: ignore[arg-type]
     if store is None:  # done: the scratch store has served its purpose
         shutil.rmtree(scratch, ignore_errors=True)

@@ -18,17 +18,14 @@ from ..store.store import Status, Store
 from .notes import flat_buckets
 from .output import output_error, write_side_files
 from .resolve import NOT_A_MODEL, leaves, model_node, node_at
-from .dcp import METADATA, export_dcp, plan_dcp
+from .contract import CAST_DTYPES, ExportRequest, OutputFormat
 from .direct import MOVING, DirectExport
-from .direct import dcp as direct_dcp
-from .direct import safetensors as direct_safetensors
-from .direct import torch as direct_torch
-from .hf import NO_HF_DESCRIPTION, export_hf, has_hf_description, in_values, plan_hf, planned_files
-from .safetensors import CASTABLE, export_safetensors, plan_safetensors
-from .torch import export_torch, torch_files
+from .hf import NO_HF_DESCRIPTION, has_hf_description
+from .registry import FORMATS as _FORMATS
+from .registry import output_format
+from .safetensors import CASTABLE
 
-FORMATS = ("safetensors", "torch", "dcp", "hf")
-CAST_DTYPES = ("bfloat16", "float16", "float32")
+FORMATS = tuple(_FORMATS)  # the output formats' names (export/registry.py)
 
 
 @dataclass
@@ -49,12 +46,6 @@ _OUTPUT_NAME = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|model\.safeten
                           r"|(scheduler|sampler|dl_state_dict)(_\d+)?\.(pt|bin)|scaler\.pt|rng_state\.pth"
                           r"|trainer_state\.json|training_args\.bin|random_states_0\.pkl|custom_checkpoint_\d+\.pkl)\Z")
 
-
-# What each format may write, by name: before the store holds data an export's exact files are not known
-# (a safetensors split depends on the sizes of small values), but which names it could write are.
-_MAY_WRITE = {"safetensors": r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json",
-              "dcp": r"__\d+_0\.distcp|\.metadata"}
-_MAY_WRITE["hf"] = _MAY_WRITE["safetensors"] + r"|config\.json|generation_config\.json"
 
 
 def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
@@ -111,18 +102,17 @@ def check_request(out_dir: str | os.PathLike[str], format: str = "safetensors", 
                   hf_config: str | os.PathLike[str] | None = None, scheduler: str | None = None) -> Path:
     """Everything about an export that can be refused without the store: `unshard` asks this before it
     ingests anything, so a mistyped option costs nothing."""
-    if format not in FORMATS:
-        raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
+    fmt = output_format(format)
     if dtype is not None and dtype not in CAST_DTYPES:
         raise ExportError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, not {dtype!r}")
-    if hf_config is not None and format != "hf":
-        raise ExportError("--hf-config applies to --format hf only")
+    if hf_config is not None and not fmt.describes_model:
+        raise ExportError(f"--hf-config applies to --format {_those(lambda f: f.describes_model)} only")
     if hf_config is not None and not Path(hf_config).exists():
         raise ExportError(f"{hf_config}: no such config file or folder (--hf-config)")
-    if scheduler and format != "safetensors":
-        raise ExportError(f"--scheduler exports safetensors only, not {format}")
-    if format in ("torch", "dcp") and (select or strip_prefix or dtype):
-        raise ExportError("--select, --strip-prefix and --dtype apply to safetensors and hf output only")
+    if scheduler and not fmt.takes_scheduler:
+        raise ExportError(f"--scheduler exports {_those(lambda f: f.takes_scheduler)} only, not {format}")
+    if not fmt.subtree and (select or strip_prefix or dtype):
+        raise ExportError(f"--select, --strip-prefix and --dtype apply to {_those(lambda f: f.subtree)} output only")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory")
@@ -132,9 +122,13 @@ def check_request(out_dir: str | os.PathLike[str], format: str = "safetensors", 
     return out
 
 
+def _those(which: Callable[[OutputFormat], bool]) -> str:
+    return " and ".join(name for name, f in _FORMATS.items() if which(f))
+
+
 def output_bytes(store: Store, format: str = "safetensors", select: str | None = None, dtype: str | None = None) -> int:
     """About how many bytes the export will write: its sharded tensors (small values aside)."""
-    if format in ("torch", "dcp"):
+    if not output_format(format).subtree:
         return sum(a.nbytes for a in store.manifest.arrays.values())
     inside = {path for _, path in leaves(_model_or(store, select))}
     total = 0
@@ -152,31 +146,33 @@ def preflight(store: Store, out_dir: str | os.PathLike[str], format: str = "safe
     there, a Hugging Face export with nothing to describe the model, and an earlier export of another
     format in OUT. `export` checks the rest, exactly, once the data is in."""
     out = Path(out_dir)
-    if format in ("safetensors", "hf"):
+    fmt = output_format(format)
+    if fmt.subtree:
         _model_or(store, select)
-    if format == "hf" and _selected(store, select) is None:
+    if fmt.describes_model and _selected(store, select) is None:
         parts = [child.path for _, child in store.manifest.tree.children]
         if parts and set(parts) <= {paths.escape(n) for n in NOT_A_MODEL}:  # an optimizer's checkpoint of its own (optimizer_0/)
             raise ExportError(f"the checkpoint holds no model weights, only {', '.join(parts)}; give the model's "
                               f"checkpoint (pytorch_model_fsdp_0/ beside it), or --format torch/safetensors")
-    if format == "hf" and hf_config is None and not has_hf_description(store):
+    if fmt.describes_model and hf_config is None and not has_hf_description(store):
         raise ExportError(NO_HF_DESCRIPTION)
     if overwrite:
         return
-    side = set(_beside(store, format != "hf", format == "torch"))
-    may_write = _MAY_WRITE.get(format)
-    exact = torch_files(store) if format == "torch" else []
+    side = set(_beside(store, fmt))
+    may_write = fmt.may_write
+    # a format that may write any name knows its exact files from the plan alone
+    exact = fmt.plan(store, ExportRequest(format), store.manifest.tree, "", 1).files if may_write is None else []
     stale = [p for p in previous_outputs(out, exact + list(side))
              if may_write is None or not re.fullmatch(may_write, p.name)]
     if stale:
         raise ExportError(_stale_message(out, stale))
 
 
-def _beside(store: Store, config: bool, resume: bool) -> dict[str, str]:
-    """The files an export writes beside its output: the run's config (`config`: all but Hugging Face
-    folders, which write their own) and the trainer's files to resume from (`resume`: --format torch)."""
+def _beside(store: Store, fmt: OutputFormat) -> dict[str, str]:
+    """The files an export writes beside its output: the run's config (all but folders that write their
+    own) and the trainer's files to resume from (where the format writes what the trainer resumes from)."""
     facts = store.manifest.facts
-    return {**(facts.side_files if config else {}), **(facts.resume_files if resume else {})}
+    return {**(facts.side_files if fmt.config_beside else {}), **(facts.resume_files if fmt.resume_beside else {})}
 
 
 def _earlier_export(out: Path, planned: list[str], overwrite: bool) -> list[Path]:
@@ -210,11 +206,12 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     tensor bytes to write (what `progress` will count up to) once the export is planned.
     """
     out = check_request(out_dir, format, select, strip_prefix, dtype, hf_config, scheduler)
+    fmt = output_format(format)
+    request = ExportRequest(format, select, strip_prefix, dtype, max_shard_size, hf_config, overwrite, allow_partial)
     full = status = store.status()
     check_one_save(store.records(refresh=False))  # units that raced each other to commit
-    node = None
-    if format in ("safetensors", "hf"):  # only the exported subtree has to be complete
-        node = _model_or(store, select)
+    node = _model_or(store, select) if fmt.subtree else store.manifest.tree
+    if fmt.subtree:  # only the exported subtree has to be complete
         status = _scoped(full, node)
     partial = None
     if not status.ok and allow_partial:
@@ -227,39 +224,14 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         missing = ", ".join(map(str, full.ranks_missing[:20])) + (" ..." if len(full.ranks_missing) > 20 else "")
         raise StoreError(f"{store.location}: incomplete store, cannot export; ranks missing: {missing or 'none'}"
                          f"; tensors incomplete: {len(status.partial)}")
-    if format == "torch":
-        nbytes, planned = sum(a.nbytes for a in store.manifest.arrays.values()), torch_files(store)
-    elif format == "dcp":
-        dcp_plan = plan_dcp(store, jobs)
-        nbytes, planned = dcp_plan.nbytes, dcp_plan.names + [METADATA]
-    elif format == "hf":
-        hf_model, plan = plan_hf(store, _subtree(store, select), hf_config,
-                                 strip_prefix, dtype, max_shard_size)
-        planned, nbytes = planned_files(hf_model, plan), plan.nbytes
-    else:
-        assert node is not None
-        plan = plan_safetensors(store, node, strip_prefix, dtype, max_shard_size)
-        planned, nbytes = plan.files, plan.nbytes
-    side_files = _beside(store, format != "hf", format == "torch")
-    planned = planned + list(side_files)
-    stale = _earlier_export(out, planned, overwrite)
+    planned = fmt.plan(store, request, node, _subtree(store, select) if fmt.subtree else "", jobs)
+    side_files = _beside(store, fmt)
+    stale = _earlier_export(out, planned.files + list(side_files), overwrite)
     with _writing_into(out, stale):
         if on_start:
-            on_start(nbytes)
-        if format == "torch":
-            result = ExportResult(export_torch(store, out, progress, partial), partial=partial)
-        elif format == "dcp":
-            result = ExportResult(export_dcp(store, out, dcp_plan, jobs, progress, partial), partial=partial)
-        elif format == "hf":
-            result = ExportResult(export_hf(store, out, hf_model, plan, progress, partial), partial=partial,
-                                  notes=hf_model.notes)
-        else:
-            files = export_safetensors(store, out, plan, progress, partial, scheduler, jobs)
-            result = ExportResult(files, plan.skipped, partial,
-                                  notes=flat_buckets(it.key for group in plan.groups for it in group))
-        if format in ("torch", "dcp"):
-            result.notes += flat_buckets(store.manifest.arrays)
-        result.files += write_side_files(side_files, out)
+            on_start(planned.nbytes)
+        files, skipped, notes = planned.write(out, progress, partial, scheduler, jobs)
+        result = ExportResult(files + write_side_files(side_files, out), skipped, partial, notes=notes)
     result.replaced = stale
     return result
 
@@ -288,25 +260,15 @@ def plan_direct(store: Store, format: str = "safetensors", select: str | None = 
     into; None where it cannot be (see export/direct/), and the store then feeds the export as usual."""
     if store.manifest.facts.replicas > 1 and not get(store.manifest.facts.format).group_claims:
         return None
-    if format == "torch":
-        return direct_torch.plan(store)
-    if format == "dcp":
-        return direct_dcp.plan(store, jobs)
-    subtree = _subtree(store, select)
-    node = _model_or(store, select)
-    facts = store.manifest.facts
-    if any(path not in store.manifest.arrays and path not in facts.not_tensors for _, path in leaves(node)):
-        return None  # a plain value's shape comes with the data
-    if format == "hf":
-        if hf_config is None and in_values(store):
-            return None
-        model, plan = plan_hf(store, subtree, hf_config, strip_prefix, dtype, max_shard_size)
-    else:
-        model, plan = None, plan_safetensors(store, node, strip_prefix, dtype, max_shard_size)
-    return direct_safetensors.plan(store, plan, model)
+    fmt = output_format(format)
+    request = ExportRequest(format, select, strip_prefix, dtype, max_shard_size, hf_config)
+    node = _model_or(store, select) if fmt.subtree else store.manifest.tree
+    direct: DirectExport | None = fmt.direct(store, request, node, _subtree(store, select) if fmt.subtree else "",
+                                             jobs)
+    return direct
 
 
-def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: DirectExport,
+def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: DirectExport, format: str = "safetensors",
                   overwrite: bool = False) -> ExportResult:
     """Once every unit is in: the export sealed, its files renamed into OUT, the files beside them
     written, and an earlier export's files removed (`overwrite`)."""
@@ -315,7 +277,8 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
     if len(done) != store.manifest.world_size:
         raise StoreError(f"{store.location}: {len(done)} of {store.manifest.world_size} units are in; cannot finish")
     check_one_save(store.records(refresh=False))  # units that raced each other to commit
-    side_files = _beside(store, planned.side_files, isinstance(planned, direct_torch.TorchDirect))
+    fmt = output_format(format)
+    side_files = _beside(store, fmt)
     stale = _earlier_export(out, planned.files + list(side_files), overwrite)
     with _writing_into(out, stale):
         files = []
@@ -330,6 +293,5 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
                 os.replace(folder / name, out / name)
             files.append(out / name)
         files += planned.finish(store, out) + write_side_files(side_files, out)
-    whole = isinstance(planned, (direct_torch.TorchDirect, direct_dcp.DcpDirect))  # all of the store's tensors
     return ExportResult(files, planned.skipped, replaced=stale,
-                        notes=planned.notes + (flat_buckets(store.manifest.arrays) if whole else []))
+                        notes=planned.notes + (flat_buckets(store.manifest.arrays) if not fmt.subtree else []))

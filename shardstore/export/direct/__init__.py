@@ -52,12 +52,6 @@ class DirectExport(ABC):
         """Every file it leaves in OUT."""
 
     @property
-    def side_files(self) -> bool:
-        """Whether the run's own files the store kept (config.yaml) go beside it: as for every export but
-        Hugging Face folders, which carry their own config."""
-        return True
-
-    @property
     def skipped(self) -> list[str]:
         """Leaves it cannot hold (a safetensors file holds tensors only)."""
         return []

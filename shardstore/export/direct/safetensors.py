@@ -34,10 +34,6 @@ class SafetensorsDirect(DirectExport):
     def notes(self) -> list[str]:
         return self.model.notes if self.model else flat_buckets(it.key for group in self.plan.groups for it in group)
 
-    @property
-    def side_files(self) -> bool:
-        return self.model is None
-
     def finish(self, store: Store, out: Path) -> list[Path]:
         return write_index(out, self.plan) + (write_model_files(out, self.model) if self.model else [])
 

@@ -1,0 +1,73 @@
+"""The output side's contract: what an export is asked for, and what an output format is.
+
+The call sequence, for `export` (two steps: the store holds the data) and for `unshard`'s one pass (the
+ingest writes straight into the output):
+
+    format.check(request)                      before the store exists: options that do not apply
+    planned = format.plan(store, request, ...)  once the data is in: the exact files, the bytes to write
+    planned.write(out, progress, partial, ...)  the files, each atomically
+or
+    direct = format.direct(store, request, ...) once the store is planned, before any unit is read: the
+                                                files laid out for the workers (None: two steps instead)
+
+Both are described by frozen data (`ExportRequest`, `OutputFormat`); the formats are listed in
+export/registry.py, from which the command line takes its choices.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..read.contract import Node
+from ..store.store import Store
+
+CAST_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """What the user asked of one export, as the CLI and the API take it."""
+
+    format: str = "safetensors"
+    select: str | None = None  # a subtree (default: the model)
+    strip_prefix: str | None = None
+    dtype: str | None = None  # one of CAST_DTYPES, for floating tensors
+    max_shard_size: int = 5_000_000_000
+    hf_config: str | os.PathLike[str] | None = None
+    overwrite: bool = False  # replace an earlier export's files in OUT
+    allow_partial: bool = False  # holes for what an incomplete store lacks, said in the output's metadata
+
+
+@dataclass
+class Planned:
+    """An export laid out once the data is in: its exact files (beside-files aside), the tensor bytes it
+    writes, and how it writes them: `write(out, progress, partial, scheduler, jobs)` gives the files
+    written, what it left out, and its notes."""
+
+    files: list[str]
+    nbytes: int
+    write: Callable[[Path, Callable[[int], None] | None, dict[str, str] | None, str | None, int],
+                    tuple[list[Path], list[str], list[str]]]
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """One output format: what it takes, what it may write, and its two ways of writing.
+
+    `plan(store, request, node, subtree, jobs)` lays the two-step export out (`node` is the subtree a
+    tensors-only format takes, and its store path); `direct(store, request, node, subtree, jobs)` lays the
+    one-pass export out, or says None."""
+
+    name: str
+    subtree: bool  # writes one subtree of tensors (the model by default), not the whole store
+    may_write: str | None  # the names it may write, before the data says which exactly (None: known up front)
+    config_beside: bool  # the run's own config files go beside it (not into a folder with its own config)
+    resume_beside: bool  # the trainer's files to resume from go beside it (read/resume.py)
+    describes_model: bool  # a folder that describes its model (config, tokenizer): it needs a description
+    # (from the checkpoint, or --hf-config) and a model's weights
+    takes_scheduler: bool  # one Dask task per output file
+    plan: Callable[[Store, ExportRequest, Node, str, int], Planned]
+    direct: Callable[[Store, ExportRequest, Node, str, int], Any]
