@@ -36,7 +36,7 @@ class CellRef(ArrayRef):
     index: tuple[int, ...] = ()
 
     def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
-        return store.cell_parts(self.path, self.index)
+        return store.cell_parts(self.path, self.index, allow_partial=allow_partial)
 
     def stored_crc(self, store: Store) -> int | None:
         return store.cell_crc(self.path, self.index)  # this cell's own, never the whole array's

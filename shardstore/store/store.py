@@ -493,12 +493,25 @@ class Store:
             self._crcs = (len(records), index)
         return self._crcs[1].get(path, {})
 
-    def cell_parts(self, path: str, index: tuple[int, ...], max_bytes: int = 16 << 20) -> Iterator[Part]:
+    def cell_parts(self, path: str, index: tuple[int, ...], max_bytes: int = 16 << 20,
+                   allow_partial: bool = False) -> Iterator[Part]:
         """One cell's values in C order, clipped to the array: where the cell spans its trailing dimensions
-        whole they are a prefix of its shard file (file ranges, copied kernel-side), else Zarr reads them."""
+        whole they are a prefix of its shard file (file ranges, copied kernel-side), else Zarr reads them.
+        With `allow_partial`, a cell no unit has delivered yet comes out as a hole, as in `stream`."""
         plan = self.manifest.arrays[path]
         bounds = plan.cell_bounds(index)
         if not plan.shape or any(hi <= lo for lo, hi in bounds):
+            return
+        if allow_partial and not (self.has_cell(plan, index) if plan.staged
+                                  else plan.flat_index(index) in self.cells_present(path)):
+            info = dtypes.info(plan.dtype)
+            if plan.staged:  # the pieces that are in, holes around them
+                whole = self._assemble(plan, self._staged_pieces(plan), whole=False)
+                yield np.ascontiguousarray(whole[tuple(slice(lo, hi) for lo, hi in bounds)]).tobytes()
+                return
+            count, step = math.prod(hi - lo for lo, hi in bounds), max(1, max_bytes // info.itemsize)
+            for start in range(0, count, step):
+                yield info.hole(min(step, count - start))
             return
         if all(hi - lo == c for (lo, hi), c in zip(bounds[1:], plan.cell[1:])):
             nbytes = math.prod(hi - lo for lo, hi in bounds) * dtypes.info(plan.dtype).itemsize

@@ -14,6 +14,7 @@ import torch
 import shardstore
 from shardstore.read.source import open_source
 
+from tests.export.conformance import OutputTests
 from .conformance import FormatTests
 
 DATA = Path(__file__).parent.parent / "fixtures" / "data" / "torchtitan"
@@ -87,3 +88,13 @@ class TestTorchtitanConformance(FormatTests):
     @pytest.fixture
     def foreign(self, tmp_path: Path) -> Path:
         return RUN / "step-2" / "__1_0.distcp"  # the same run's other save
+
+
+class TestTorchtitanOutputs(OutputTests):
+    """torchtitan's DCP under FSDP2 x TP: every output format, one pass against two steps."""
+
+    from tests.fixtures.torchtitan_ckpt import CONFIG as hf_config
+
+    @pytest.fixture
+    def checkpoint(self, tmp_path: Path) -> Path:
+        return RUN / "step-4"

@@ -17,9 +17,12 @@ import torch
 import shardstore
 from shardstore.read.source import open_source
 
+from tests.export.conformance import OutputTests, PartialOutputTests
 from .conformance import FormatTests
 
 DATA = Path(__file__).parent.parent / "fixtures" / "data" / "accelerate"
+CONFIG = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "num_hidden_layers": 2, "vocab_size": 100, "max_position_embeddings": 32}  # the fixtures' tiny Llama
 LAYOUTS = ["fsdp2-w2", "fsdp2-w3", "fsdp1-w3"]  # an odd world size: uneven shards; FSDP1 (accelerate's default)
 
 
@@ -297,3 +300,13 @@ def test_the_trainers_files_of_an_earlier_export_are_refused_or_replaced(tmp_pat
     assert not (tmp_path / "out" / "model.safetensors").exists()
     shardstore.unshard(DATA / "fsdp2-w2", tmp_path / "out", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+
+
+class TestAccelerateOutputs(OutputTests, PartialOutputTests):
+    """FSDP1's per-rank files: every output format, one pass against two steps."""
+
+    hf_config = CONFIG
+
+    @pytest.fixture
+    def checkpoint(self, tmp_path: Path) -> Path:
+        return DATA / "fsdp1-w3-bin" / "checkpoint-4"
