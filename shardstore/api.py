@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import shutil
 from pathlib import Path
@@ -105,11 +104,6 @@ def rank_files(src_dir: PathLike, tag: str | None = None, step: int | None = Non
     return open_source(src_dir, tag, step, storage_options).units
 
 
-# what `unshard` passes on to `export`: its own arguments are the ingest's
-_EXPORT_OPTIONS = frozenset(inspect.signature(export).parameters) - {"store", "out_dir", "progress", "storage_options",
-                                                                     "scheduler", "jobs"}
-
-
 def scratch_location(out_dir: PathLike) -> Path:
     """Where `unshard` keeps its store when not given one: inside OUT (same file system, so copies stay
     kernel-side). It is kept when a run fails or is interrupted, so a rerun resumes, and removed after
@@ -170,15 +164,15 @@ def _outside_checkpoint(source: Source, out_dir: PathLike, store: PathLike | Non
 def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None, tag: str | None = None,
             step: int | None = None, jobs: int | None = None, verify_replicas: bool = False,
             storage_options: StorageOptions | None = None, scheduler: str | None = None, strict: bool = False,
-            progress: Progress | bool = False, **export_options: object) -> _export.ExportResult:
-    """Ingest every rank file in `src_dir`, then export (`export_options` as for `export`). Without
+            progress: Progress | bool = False, format: str = "safetensors", select: str | None = None,
+            strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
+            hf_config: PathLike | None = None, overwrite: bool = False,
+            allow_partial: bool = False) -> _export.ExportResult:
+    """Ingest every rank file in `src_dir`, then export (the export's options as for `export`). Without
     `store`, a scratch store inside `out_dir` is used: see `scratch_location`."""
-    unknown = sorted(set(export_options) - _EXPORT_OPTIONS)
-    if unknown:  # before any work, not after the ingest
-        raise TypeError(f"unshard() got an unexpected keyword argument {unknown[0]!r} "
-                        f"(export options: {', '.join(sorted(_EXPORT_OPTIONS))})")
-    _export.check_request(out_dir, **{k: v for k, v in export_options.items()  # type: ignore[arg-type]
-                                      if k in ("format", "select", "strip_prefix", "dtype", "hf_config")})
+    request = _export.ExportRequest(format, select, strip_prefix, dtype, max_shard_size, hf_config, overwrite,
+                                    allow_partial)
+    _export.check_request(out_dir, format, select, strip_prefix, dtype, hf_config)
     progress = _progress(progress)
     source = open_source(src_dir, tag, step, storage_options)
     _outside_checkpoint(source, out_dir, store)
@@ -192,7 +186,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
         if _ingest.source_changed(previous, source.units):
             previous.discard()  # started on another checkpoint (a newer step saved over this one): start again
     location = store if store is not None else scratch  # may be a URL: no Path()
-    fmt = str(export_options.get("format", "safetensors"))
+    fmt = _export.output_format(format)
 
     def all_ranks_present(st: Store) -> None:
         if not get(source.format).ranked:
@@ -211,26 +205,21 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
 
     def before_ingest(st: Store) -> None:  # the store is planned and nothing is read yet
         all_ranks_present(st)
-        _export.preflight(st, out_dir, fmt, export_options.get("select"),  # type: ignore[arg-type]
-                          export_options.get("hf_config"), bool(export_options.get("overwrite")))  # type: ignore[arg-type]
-        output = _export.output_bytes(st, fmt, export_options.get("select"),  # type: ignore[arg-type]
-                                      export_options.get("dtype"))  # type: ignore[arg-type]
+        _export.preflight(st, out_dir, format, select, hf_config, overwrite)
+        output = _export.output_bytes(st, format, select, dtype)
         # the sizes the plan declares, against the disks, before any file of that size is made
         check_space(st, len(source.units), exported_subtree(st), out_dir, output, in_store=not one_pass)
         if one_pass:
-            planned[0] = _export.plan_direct(st, **{k: v for k, v in export_options.items()  # type: ignore[arg-type]
-                                                    if k not in ("overwrite", "allow_partial")},
-                                             jobs=jobs or default_jobs())
+            planned[0] = _export.plan_direct(st, request, jobs=jobs or default_jobs())
             if planned[0] is None:  # the store holds the data after all
                 check_space(st, len(source.units), exported_subtree(st), out_dir, output)
 
     def exported_subtree(st: Store) -> str | None:
         # A scratch store only feeds this export: for safetensors, write just the tensors it takes
         # (the model, not the optimizer state, which is usually twice its size).
-        if store is not None or not _export.output_format(fmt).subtree:
+        if store is not None or not fmt.subtree:
             return None
-        select = export_options.get("select")
-        return str(select) if select is not None else _export.model_subtree(st)
+        return select if select is not None else _export.model_subtree(st)
 
     made = _missing_folders(out_dir)
     try:
@@ -246,11 +235,11 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
                 break  # not empty: a scratch store kept for a rerun, or files of the user's
         raise
     if planned[0] is not None:
-        result = _export.finish_direct(st, out_dir, planned[0], fmt, bool(export_options.get("overwrite")))
+        result = _export.finish_direct(st, out_dir, planned[0], format, overwrite)
     else:
-        result = export(st, out_dir, scheduler=scheduler if _export.output_format(fmt).takes_scheduler else None,
-                        jobs=jobs,
-                        progress=progress, **export_options)  # type: ignore[arg-type]
+        result = export(st, out_dir, format, select, strip_prefix, dtype, max_shard_size, progress, allow_partial,
+                        scheduler=scheduler if fmt.takes_scheduler else None, jobs=jobs, overwrite=overwrite,
+                        hf_config=hf_config)
     if store is None:  # done: the scratch store has served its purpose
         shutil.rmtree(scratch, ignore_errors=True)
     return result

@@ -253,18 +253,15 @@ def _writing_into(out: Path, stale: list[Path]) -> Iterator[None]:
         raise error from None
 
 
-def plan_direct(store: Store, format: str = "safetensors", select: str | None = None, strip_prefix: str | None = None,
-                dtype: str | None = None, max_shard_size: int = 5_000_000_000,
-                hf_config: str | os.PathLike[str] | None = None, jobs: int = 1) -> DirectExport | None:
+def plan_direct(store: Store, request: ExportRequest, jobs: int = 1) -> DirectExport | None:
     """The export laid out from the plan alone and its files prepared, for the ingest to write straight
     into; None where it cannot be (see export/direct/), and the store then feeds the export as usual."""
     if store.manifest.facts.replicas > 1 and not get(store.manifest.facts.format).group_claims:
         return None
-    fmt = output_format(format)
-    request = ExportRequest(format, select, strip_prefix, dtype, max_shard_size, hf_config)
-    node = _model_or(store, select) if fmt.subtree else store.manifest.tree
-    direct: DirectExport | None = fmt.direct(store, request, node, _subtree(store, select) if fmt.subtree else "",
-                                             jobs)
+    fmt = output_format(request.format)
+    node = _model_or(store, request.select) if fmt.subtree else store.manifest.tree
+    subtree = _subtree(store, request.select) if fmt.subtree else ""
+    direct: DirectExport | None = fmt.direct(store, request, node, subtree, jobs)
     return direct
 
 
