@@ -10,12 +10,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 import shardstore
 from tests.conftest import assert_bitwise_equal, expected, upload
+from shardstore.store.backend import FsspecBackend
 from tests.fixtures.servers import Proxy
+from tests.store.conformance import BackendTests
 
 QUICK_FAIL = json.dumps({"config_kwargs": {"connect_timeout": 1, "read_timeout": 3, "retries": {"max_attempts": 1}}})
 
@@ -97,3 +100,16 @@ def test_requests_per_rank_file_are_a_small_constant_beyond_its_large_storages(s
         assert 0 < count <= 2 + 2 * large, (rank, count, large)
     planning = sum(1 for p in gets if p.split("?")[0] == "/ckpt-c/run/rank0.pt")
     assert planning <= 2 * (2 + 2 * large)  # the coordinator's skimmed read of rank 0 costs about one more file
+
+
+class TestS3Backend(BackendTests):
+    """The same promises over a real S3 API (moto), through fsspec."""
+
+    @pytest.fixture
+    def backend(self, s3, tmp_path: Path) -> FsspecBackend:
+        import s3fs
+
+        fs = s3fs.S3FileSystem()
+        if not fs.exists("backend-tests"):
+            fs.mkdir("backend-tests")
+        return FsspecBackend(f"s3://backend-tests/{tmp_path.name}")

@@ -7,10 +7,13 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pytest
 import zarr
 
 import shardstore
+from shardstore.store.backend import LocalBackend
 from tests.conftest import expected
+from tests.store.conformance import BackendTests
 
 
 def test_zarr_walks_the_store_without_warnings_and_reads_the_same_bits(checkpoints, tmp_path: Path) -> None:
@@ -96,3 +99,9 @@ def test_assembly_keeps_no_more_staging_bytes_than_its_cache_holds(checkpoints, 
             assert sorted(kept) == sizes and len(sizes) == 3 and sum(sizes[:2]) > max(sizes) + 1
         else:
             assert len(kept) == 1 and sum(kept) <= max(sizes) + 1
+
+
+class TestLocalBackend(BackendTests):
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> LocalBackend:
+        return LocalBackend(tmp_path / "store")
