@@ -27,8 +27,10 @@ RELEASE = "release"  # what that pointer says of Megatron-LM's release/ folder
 # keep beside their checkpoints: what `--format hf` takes with no flag...
 HF_MODEL_FILES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
 # ...but for those describing other weights or the run: an index of weights (an export writes its own), a
-# PEFT adapter's config (no adapter is exported), the HF Trainer's own state.
-NOT_HF_MODEL_FILES = ("adapter_config.json", "trainer_state.json")
+# PEFT adapter's config (no adapter is exported), the HF Trainer's own state and the metrics its
+# train()/evaluate() leave in output_dir.
+NOT_HF_MODEL_FILES = ("adapter_config.json", "trainer_state.json", "all_results.json", "train_results.json",
+                      "eval_results.json", "test_results.json")
 
 
 def hf_model_file(name: str) -> bool:

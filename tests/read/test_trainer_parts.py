@@ -150,15 +150,26 @@ def test_a_file_of_another_part_is_refused(tmp_path: Path) -> None:
 
 def test_hf_export_takes_the_config_the_trainers_final_save_left_in_output_dir(tmp_path: Path) -> None:
     """The Trainer's save_model at the end of the run writes config.json into output_dir, above its
-    checkpoint-N/ folders: --format hf of a checkpoint finds it there with no flag."""
+    checkpoint-N/ folders: --format hf of a checkpoint finds it there with no flag, and leaves the metrics
+    train() wrote beside it (all_results.json, train_results.json) out. Without it there, a checkpoint-M/
+    of the run saved whole (with its config.json) describes the model."""
     from transformers import AutoModelForCausalLM
 
     want = _want("fsdp2-w2")
     run = tmp_path / "output_dir"
     shutil.copytree(DATA / "fsdp2-w2" / "checkpoint-4", run / "checkpoint-4")
     (run / "config.json").write_text(json.dumps(want["config"]))
+    for metrics in ("all_results.json", "train_results.json"):
+        (run / metrics).write_text(json.dumps({"train_loss": 4.6, "epoch": 0.4}))
     shardstore.unshard(run / "checkpoint-4", tmp_path / "hf", format="hf", jobs=2)
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=want["ids"]).logits, want["logits"])
+    (run / "checkpoint-2").mkdir()
+    (run / "config.json").rename(run / "checkpoint-2" / "config.json")
+    shardstore.unshard(run / "checkpoint-4", tmp_path / "hf2", format="hf", jobs=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2").eval()
     with torch.no_grad():
         assert torch.equal(model(input_ids=want["ids"]).logits, want["logits"])
 
