@@ -89,16 +89,16 @@ def test_requests_per_rank_file_are_a_small_constant_beyond_its_large_storages(s
     from shardstore.read.container import GAP
 
     src = checkpoints(3)
-    url = upload(src, "s3://ckpt-c/run")
+    url = upload(src, "s3://ckpt-r/run")
     before = len(s3.requests())
     assert cli("ingest", tmp_path / "store", url, "-q", "-j", "1").returncode == 0
     gets = [path for method, path in s3.requests()[before:] if method == "GET"]
     for rank in (1, 2):  # read by a worker only (rank 0 is also planned from)
         with zipfile.ZipFile(src / f"rank{rank}.pt") as z:
             large = sum(1 for i in z.infolist() if i.file_size > GAP)
-        count = sum(1 for p in gets if p.split("?")[0] == f"/ckpt-c/run/rank{rank}.pt")
+        count = sum(1 for p in gets if p.split("?")[0] == f"/ckpt-r/run/rank{rank}.pt")
         assert 0 < count <= 2 + 2 * large, (rank, count, large)
-    planning = sum(1 for p in gets if p.split("?")[0] == "/ckpt-c/run/rank0.pt")
+    planning = sum(1 for p in gets if p.split("?")[0] == "/ckpt-r/run/rank0.pt")
     assert planning <= 2 * (2 + 2 * large)  # the coordinator's skimmed read of rank 0 costs about one more file
 
 
