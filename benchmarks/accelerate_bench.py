@@ -26,10 +26,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from bench import compare, compile_shardstore, print_table  # noqa: E402
+from bench import LLAMA_200M, compare, compile_shardstore, print_table  # noqa: E402
 
-CONFIG = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 4,
-          "num_hidden_layers": 12, "vocab_size": 32000, "max_position_embeddings": 256}
 
 
 def main() -> None:
@@ -39,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     run = args.out / "ckpt" / "accelerate-llama-200m-fsdp2-w2"
     if not (run / "checkpoint-4" / "optimizer_0" / ".metadata").exists():
-        env = {**os.environ, "SHARDSTORE_ACCELERATE_CONFIG": json.dumps(CONFIG)}
+        env = {**os.environ, "SHARDSTORE_ACCELERATE_CONFIG": json.dumps(LLAMA_200M)}
         subprocess.run([args.accelerate_python, "-m", "tests.fixtures.accelerate_fsdp", str(args.out / "ckpt"), "2"],
                        check=True, env=env, cwd=HERE.parent)
         (args.out / "ckpt" / "fsdp2-w2").rename(run)
@@ -62,7 +60,7 @@ def main() -> None:
     print(f"\nAccelerate FSDP2 W=2: model folder {model_bytes / 1e9:.2f} GB, with the optimizer {total / 1e9:.2f} GB\n")
     print_table(results, "`cp -r` + `sync`", "peak RSS, all processes")
     (args.out / "accelerate.json").write_text(json.dumps({"model_bytes": model_bytes, "total_bytes": total,
-                                                          "config": CONFIG, "results": results}, indent=1))
+                                                          "config": LLAMA_200M, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -27,10 +27,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from bench import compare, compile_shardstore, print_table  # noqa: E402
+from bench import LLAMA_200M, compare, compile_shardstore, print_table  # noqa: E402
 
-CONFIG = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 4,
-          "num_hidden_layers": 12, "vocab_size": 32000, "max_position_embeddings": 256}
 
 
 def main() -> None:
@@ -41,7 +39,7 @@ def main() -> None:
     run = args.out / "ckpt" / "lightning-llama-200m-fsdp2-w2"
     ckpt = run / "step-4.ckpt"
     if not (ckpt / "meta.pt").exists():
-        env = {**os.environ, "SHARDSTORE_LIGHTNING_CONFIG": json.dumps(CONFIG)}
+        env = {**os.environ, "SHARDSTORE_LIGHTNING_CONFIG": json.dumps(LLAMA_200M)}
         subprocess.run([args.lightning_python, "-m", "tests.fixtures.lightning_fsdp", str(args.out / "ckpt"), "fabric",
                         "2"], check=True, env=env, cwd=HERE.parent)
         (args.out / "ckpt" / "fabric-w2").rename(run)
@@ -61,8 +59,8 @@ def main() -> None:
     results = compare(runs, work)
     print(f"\nFabric FSDP2 W=2: {total / 1e9:.2f} GB (model and optimizer)\n")
     print_table(results, "`cp -r` + `sync`", "peak RSS, all processes")
-    (args.out / "lightning.json").write_text(json.dumps({"total_bytes": total, "config": CONFIG, "results": results},
-                                                        indent=1))
+    summary = {"total_bytes": total, "config": LLAMA_200M, "results": results}
+    (args.out / "lightning.json").write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
