@@ -30,7 +30,6 @@ sys.path.insert(0, str(HERE.parent))
 from bench import LLAMA_200M, compare, compile_shardstore, print_table  # noqa: E402
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=HERE / "out")

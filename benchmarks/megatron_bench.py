@@ -31,14 +31,14 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from bench import compare, compile_shardstore, print_table  # noqa: E402
 
-from shardstore.read.dcp import read_checkpoint  # noqa: E402
+from shardstore.read.formats.dcp import read_checkpoint  # noqa: E402
 
 SIZE = {"layers": 12, "hidden": 768, "heads": 12, "groups": 4, "ffn": 2048, "vocab": 32000}
 TP, PP = 2, 2
 
 COPY_MODEL = """
 import os, sys
-from shardstore.read.dcp import read_checkpoint
+from shardstore.read.formats.dcp import read_checkpoint
 ckpt = read_checkpoint(sys.argv[1])
 with open(sys.argv[2], "wb") as out:
     for item in ckpt.items:

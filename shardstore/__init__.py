@@ -12,7 +12,7 @@ from __future__ import annotations
 from .api import export, ingest, open, rank_files, scratch_location, unshard, watch
 from .errors import CheckpointError, ExportError, ShardstoreError, StoreError, UnsafePickleError
 from .progress import Progress
-from .read.opaque import GlobalRef, Opaque
+from .records import GlobalRef, Opaque
 from .store.handle import TensorHandle
 from .store.store import Status, Store
 

@@ -9,16 +9,18 @@ from typing import Callable, Sequence
 
 from . import export as _export
 from . import ingest as _ingest
-from .export import direct as _direct
 from .errors import CheckpointError, ExportError
-from .read.registry import get
+from .export import direct as _direct
 from .locations import StorageOptions, is_url
 from .progress import Progress, size_text
 from .progress import resolve as _progress
-from .runner import default_jobs
+from .read.discover import open_source, source_of_files
 from .read.layouts import missing_ranks
-from .read.source import Source, open_source, source_of_files
+from .read.registry import get
+from .read.source import Source
+from .runner import default_jobs
 from .store.store import Store
+from .watcher import watch as _watch
 
 PathLike = str | os.PathLike[str]
 SCRATCH = ".shardstore-scratch"
@@ -91,8 +93,6 @@ def watch(store: PathLike, src_dir: PathLike, expect: int | None = None, timeout
           on_world_size: Callable[[int], None] | None = None, storage_options: StorageOptions | None = None,
           strict: bool = False) -> Store:
     """Ingest rank files as they arrive in `src_dir` until the store is complete (or `timeout` passes)."""
-    from .watcher import watch as _watch
-
     return _watch(store, src_dir, expect=expect, timeout=timeout, jobs=jobs, poll=poll, tag=tag, on_done=on_done,
                   on_world_size=on_world_size, storage_options=storage_options, strict=strict)
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import CheckpointError
+
 
 @dataclass(frozen=True)
 class DTypeInfo:
@@ -68,8 +70,6 @@ _ALIASES = {"float": "float32", "double": "float64", "half": "float16", "long": 
 
 def info(name: str) -> DTypeInfo:
     """Look a torch dtype name up; unknown dtypes are a user-facing error, not a KeyError."""
-    from .errors import CheckpointError
-
     try:
         return BY_NAME[_ALIASES.get(name, name)]
     except KeyError:

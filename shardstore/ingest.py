@@ -1,6 +1,6 @@
 """Ingestion: units of work in (rank files, .distcp files), shards written straight into their cells.
 
-The coordinator plans the store from the checkpoint's spec (read/source.py); each worker then opens one
+The coordinator plans the store from the checkpoint's spec (read/discover.py); each worker then opens one
 unit (memory-mapped, safely unpickled, checked), checks it against the plan, copies every piece into the
 cells it owns (kernel-side where the bytes are contiguous), stages small pieces, and commits a record.
 No chunk has two writers, so workers never coordinate. The workers are the runner's (runner.py).
@@ -18,18 +18,20 @@ import numpy as np
 
 from . import values
 from .errors import CheckpointError, StoreError, closed_on_error, named
-from .locations import StorageOptions, filesystem, is_url
 from .export.direct import DirectWriter, Layout
+from .locations import StorageOptions, filesystem, is_url
 from .plan import plan_checkpoint
+from .read.contract import ArrayLeaf, LocalPiece
+from .read.discover import open_unit
+from .read.discover import plan as plan_source
+from .read.formats.rankfile import RankFile
 from .read.layouts import name_rank
-from .read import tensors
-from .read.container import TorchZip
-from .read.identity import content, file_identity, file_stamp, identity_of, stamp, zip_identity
-from .read.contract import ArrayLeaf, Container, LocalPiece
-from .read.rankfile import RankFile
+from .read.primitives import tensors
+from .read.primitives.container import Container, TorchZip
+from .read.primitives.identity import content, file_identity, file_stamp, identity_of, stamp, zip_identity
+from .read.primitives.unpickle import TensorRef, gc_paused
 from .read.registry import get
-from .read.source import Source, open_unit
-from .read.unpickle import TensorRef, gc_paused
+from .read.source import Source
 from .runner import Pool, default_jobs
 from .store.onesave import OneSave
 from .store.store import Store
@@ -50,7 +52,7 @@ class IngestOptions:
     verify_replicas: bool = False  # hybrid sharding: compare every replica's copy bit for bit
     only: str | None = None  # write only this subtree's tensors (a scratch store that feeds one export)
     strict: bool = False  # refuse every global outside the allowlist, instead of keeping opaque records
-    format: str = "torch-save"  # how to open a unit of work (read/source.py)
+    format: str = "torch-save"  # how to open a unit of work (read/discover.py)
     direct: Layout | None = None  # the arrays it places go straight into these output files (export/direct/)
 
 
@@ -198,7 +200,7 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
 
 
 def _identity(unit: Any) -> str:
-    """The identity of a unit's file (read/identity.py), from what the worker already opened: the zip a
+    """The identity of a unit's file (read/primitives/identity.py), from what the worker already opened: the zip a
     rank file (or an OLMo file) is, else the .distcp or safetensors file itself."""
     holder = getattr(unit, "rf", unit)  # an OLMo trainer-state unit wraps its rank file
     holder = getattr(holder, "zip", None) or getattr(holder, "container", None) or holder
@@ -251,7 +253,7 @@ def _planned_store(location: str | os.PathLike[str], source: Source, strict: boo
     if existing is not None and get(source.format).ranked and existing.records():
         return existing, None
     try:
-        spec, unit = source.plan(values.encode, strict)
+        spec, unit = plan_source(source, values.encode, strict)
     except CheckpointError as exc:
         raise named(exc, source.units[0]) from None
     with closed_on_error(unit.close if unit is not None else lambda: None, source.units[0]):
@@ -377,7 +379,7 @@ def _not_yet_done(store: Store, files: Sequence[str | os.PathLike[str]], subtree
                   direct: str | None = None) -> list[str | os.PathLike[str]]:
     """The files not committed yet, with at least the tensors this run needs (a rank ingested for a
     safetensors-only scratch store lacks the optimizer). A file counts as committed only when a record
-    names the same file with the same identity (read/identity.py): a file replaced by another of the same
+    names the same file with the same identity (read/primitives/identity.py): a file replaced by another of the same
     name and size, a newer step saved over it, is ingested again, and its worker refuses it if its rank
     holds the other file. Records from before identities fall back to the name and size. A unit whose
     pieces went into output files counts only for a run writing that same layout (`direct`), and one

@@ -12,6 +12,8 @@ import re
 import sys
 from typing import Any
 
+from .errors import ShardstoreError
+
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
 StorageOptions = dict[str, Any]
@@ -31,7 +33,6 @@ def filesystem(url: str, storage_options: StorageOptions | None = None) -> tuple
     """(fsspec filesystem, path within it) for a URL."""
     import fsspec
 
-    from .errors import ShardstoreError
 
     try:
         return fsspec.core.url_to_fs(url, **(storage_options or {}))
@@ -56,3 +57,38 @@ def service_errors() -> tuple[type[BaseException], ...]:
         errors.append(aiohttp.ClientError)
     return tuple(errors)
 
+
+def name_of(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1] if is_url(path) else os.path.basename(path.rstrip("/\\"))
+
+
+def folder_of(path: str) -> str:
+    return path.rsplit("/", 1)[0] if is_url(path) else os.path.dirname(path)
+
+
+def join(folder: str, name: str) -> str:
+    """`name` inside `folder`, a URL or a local path (file:// URLs become plain paths)."""
+    return f"{folder.rstrip('/')}/{name}" if is_url(folder) else os.path.join(local(folder), name)
+
+
+def listing(folder: str, storage_options: StorageOptions | None) -> list[str]:
+    """The paths of the files in `folder` (empty if it does not exist)."""
+    if is_url(folder):
+        fs, base = filesystem(folder, storage_options)
+        return [join(folder, p.rstrip("/").rsplit("/", 1)[-1])
+                for p in (fs.ls(base, detail=False) if fs.isdir(base) else [])]
+    folder = local(folder)
+    return [os.path.join(folder, n) for n in sorted(os.listdir(folder))] if os.path.isdir(folder) else []
+
+
+def subfolders(src: str, storage_options: StorageOptions | None) -> list[str]:
+    """The names of `src`'s sub-folders, sorted (none if `src` is not a folder)."""
+    if is_url(src):
+        fs, base = filesystem(src, storage_options)
+        if not fs.isdir(base):
+            return []
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(base, detail=False) if fs.isdir(p))
+    root = local(src)
+    if not os.path.isdir(root):
+        return []
+    return sorted(n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n)))

@@ -20,8 +20,8 @@ import numpy as np
 from . import dtypes
 from .errors import CheckpointError
 from .read.contract import CheckpointSpec, Node, ShardedSpec
-from .read.rankfile import layout_digest
-from .read.unpickle import TensorRef
+from .read.formats.rankfile import layout_digest
+from .read.primitives.unpickle import TensorRef
 from .store.manifest import ArrayEntry, CheckpointFacts, Manifest
 
 CHUNK_TARGET_BYTES = 1 << 20  # inner chunk: the unit a lazy read fetches
@@ -156,7 +156,7 @@ LIGHTNING_KEY = "pytorch-lightning_version"  # in every checkpoint Lightning's T
 
 def detect_layout(tree: Node, trainer: str | None = None) -> str:
     """Which trainer wrote this: decides where the model weights are and how torch export splits files.
-    `trainer`: the one whose files the checkpoint's folder showed (read/resume.py)."""
+    `trainer`: the one whose files the checkpoint's folder showed (read/formats/resume.py)."""
     if trainer in LAYOUTS:
         return trainer
     top = {c.path for _, c in tree.children}

@@ -30,6 +30,8 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
+from .distributed import run_tasks
+
 _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 _LAUNCH = threading.Lock()
 
@@ -128,8 +130,6 @@ class Pool:
         returns or fails only once it has ended, so nothing is left writing."""
         if self.scheduler is not None:
             assert here is None, "a Dask run has no task of its own"
-            from .distributed import run_tasks
-
             run_tasks(self.scheduler, self.jobs, fn, args, names, on_done)
         elif self._executor is None:
             if here is not None:

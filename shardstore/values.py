@@ -21,9 +21,9 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import StoreError
-from .read.opaque import SHORT_REPR, Building, GlobalRef, Opaque
-from .read.tree import MAX_DEPTH, MAX_REVISITS
-from .read.unpickle import TorchDType, TensorRef, TorchDevice, TorchVersion
+from .read.primitives.flatten import MAX_DEPTH, MAX_REVISITS
+from .read.primitives.unpickle import TensorRef, TorchDevice, TorchDType, TorchVersion
+from .records import SHORT_REPR, Building, GlobalRef, Opaque
 
 Json = Any
 INLINE_TENSOR_BYTES = 1024
@@ -41,7 +41,7 @@ def encode(obj: Any, tensor: Callable[[TensorRef], Json] | None = None) -> Json:
 # A value nests a few levels (a trainer's config, an RNG state); a forged one is refused past MAX_DEPTH. A
 # pickle's memo can make a few objects reachable by 2^40 paths: past MAX_REVISITS more visits than distinct
 # containers, the work is no longer bounded by the file, and the value is refused (the state-dict walk's
-# bounds, read/tree.py).
+# bounds, read/primitives/flatten.py).
 _CONTAINERS = (list, tuple, dict, collections.OrderedDict, set, frozenset)
 
 

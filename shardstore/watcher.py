@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import CheckpointError, ShardstoreError
-from .ingest import IngestOptions, Ingested, _worker, create_store
-from .runner import Pool, default_jobs
+from .ingest import Ingested, IngestOptions, _worker, create_store
 from .locations import StorageOptions
-from .read.arrival import Looks, arriving
+from .read.arrival import Looks
+from .read.discover import arriving
 from .read.layouts import name_rank
 from .read.source import Source
+from .runner import Pool, default_jobs
 from .store.store import Store
 
 

@@ -11,12 +11,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import pytest
 import numpy as np
+import pytest
 import torch
 
 import shardstore
-
 from tests.fixtures.fsdp import make_checkpoint
 from tests.fixtures.layouts import make_layout_checkpoint
 

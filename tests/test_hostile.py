@@ -367,8 +367,8 @@ def test_a_distcp_file_the_metadata_names_but_the_folder_lacks(tmp_path: Path) -
 def test_json_nested_too_deeply_is_refused_by_name(tmp_path: Path) -> None:
     """A safetensors header or an OLMo-core metadata.json of a hundred thousand brackets: one line."""
     from shardstore.errors import CheckpointError
-    from shardstore.read.olmo_core import _read_json
-    from shardstore.read.safetensors_file import SafetensorsFile
+    from shardstore.read.formats.olmo_core import _read_json
+    from shardstore.read.primitives.safetensors_file import SafetensorsFile
 
     deep = b"[" * 100_000 + b"]" * 100_000
     header = b'{"a":' + deep + b"}"

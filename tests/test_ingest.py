@@ -35,7 +35,7 @@ def test_a_new_store_reads_rank_0_once(checkpoints, tmp_path: Path, monkeypatch:
     import importlib
     import os
 
-    from shardstore.read import rankfile
+    from shardstore.read.formats import rankfile
 
     ingest_module = importlib.import_module("shardstore.ingest")  # the package's `ingest` is the function
 

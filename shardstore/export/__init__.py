@@ -15,14 +15,14 @@ from ..read.contract import Node
 from ..read.registry import get
 from ..store.onesave import check_one_save
 from ..store.store import Status, Store
-from .notes import flat_buckets
-from .output import output_error, write_side_files
-from .resolve import NOT_A_MODEL, leaves, model_node, node_at
 from .contract import CAST_DTYPES, ExportRequest, OutputFormat
 from .direct import MOVING, DirectExport
 from .hf import NO_HF_DESCRIPTION, has_hf_description
+from .notes import flat_buckets
+from .output import output_error, write_side_files
 from .registry import FORMATS as _FORMATS
 from .registry import output_format
+from .resolve import NOT_A_MODEL, leaves, model_node, node_at
 from .safetensors import CASTABLE
 
 FORMATS = tuple(_FORMATS)  # the output formats' names (export/registry.py)

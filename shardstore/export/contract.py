@@ -65,7 +65,7 @@ class OutputFormat:
     subtree: bool  # writes one subtree of tensors (the model by default), not the whole store
     may_write: str | None  # the names it may write, before the data says which exactly (None: known up front)
     config_beside: bool  # the run's own config files go beside it (not into a folder with its own config)
-    resume_beside: bool  # the trainer's files to resume from go beside it (read/resume.py)
+    resume_beside: bool  # the trainer's files to resume from go beside it (read/formats/resume.py)
     describes_model: bool  # a folder that describes its model (config, tokenizer): it needs a description
     # (from the checkpoint, or --hf-config) and a model's weights
     takes_scheduler: bool  # one Dask task per output file

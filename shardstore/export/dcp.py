@@ -208,8 +208,14 @@ def metadata(described: dict[str, Any], mappings: dict[str, tuple], results: lis
     """`.metadata` exactly as torch writes it: its own classes, pickled with pickle's default protocol."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     chunks: dict[str, list[ChunkStorageMetadata]] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}

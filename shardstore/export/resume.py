@@ -4,7 +4,7 @@
   when there is no model.safetensors) and `optimizer.pt` (what `torch.optim.Optimizer.state_dict()`
   gives: the state and the param_groups keyed by parameter number), beside the Trainer's own
   `scheduler.pt`, `rng_state.pth` (process 0's), `trainer_state.json` and `training_args.bin`, kept byte
-  for byte (read/resume.py): `trainer.train(resume_from_checkpoint=OUT)`.
+  for byte (read/formats/resume.py): `trainer.train(resume_from_checkpoint=OUT)`.
 - Accelerate's `save_state`: `pytorch_model.bin` and `optimizer.bin` (`_{i}` for the i-th prepared model
   and optimizer), beside its scheduler, sampler and process 0's RNG files: `accelerator.load_state(OUT)`.
 - Lightning's Trainer: one `checkpoint.ckpt` as Lightning saves a full checkpoint, `state_dict` and

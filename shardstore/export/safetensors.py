@@ -20,10 +20,10 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import ExportError
-from ..store.store import Store
 from ..ranges import blocks
 from ..read.contract import Node
 from ..runner import Pool
+from ..store.store import Store
 from .output import OutputFile
 from .resolve import ArrayRef, Rows, build, leaves
 

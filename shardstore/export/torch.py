@@ -15,15 +15,15 @@ import json
 import math
 import pickle
 import secrets
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from .. import dtypes
-from ..read.opaque import GlobalRef, Opaque
-from ..read.unpickle import TorchDevice, TorchDType, TorchVersion
 from ..read.contract import Node
+from ..read.primitives.unpickle import TorchDevice, TorchDType, TorchVersion
 from ..read.registry import get
+from ..records import GlobalRef, Opaque
 from ..store.handle import TensorValue, tensor_value
 from ..store.store import Store
 from .output import OutputFile

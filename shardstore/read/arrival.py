@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import CheckpointError
+from .source import Source
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class Arrived:
     """The checkpoint arriving (its format and the units known so far) and those of its units ready to
     ingest: (path, unit number) each."""
 
-    source: Any  # read.source.Source
+    source: Source
     ready: list[tuple[str, int]]
 
 
@@ -60,14 +61,3 @@ class Looks:
                 return None
         return self.parsed[path][1]
 
-
-def arriving(folder: str, tag: str | None, looks: Looks) -> Arrived:
-    """The checkpoint arriving in `folder`: the first format, in the registry's order, that says so (rank
-    files, the fallback, take any folder)."""
-    from .registry import formats
-
-    for fmt in formats():
-        found = fmt.arrivals(folder, tag, looks)
-        if found is not None:
-            return found
-    raise AssertionError("the fallback format takes any folder")

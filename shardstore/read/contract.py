@@ -21,17 +21,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from .. import dtypes
+from ..errors import CheckpointError
 from ..locations import StorageOptions
 from ..ranges import FileRange, RemoteRange
-from . import tensors
-from .unpickle import TensorRef
-
-if TYPE_CHECKING:
-    from .arrival import Arrived, Looks
-    from .source import Source
+from .arrival import Arrived, Looks
+from .primitives import tensors
+from .primitives.container import Container
+from .primitives.unpickle import TensorRef
+from .source import Source
 
 # A tensor at or below this size held whole by one unit is kept as a value, like a rank file's plain
 # tensors (an optimizer's step, a scale); anything larger, or split across units, gets an array.
@@ -43,8 +43,6 @@ def whole_numbers(values: Any, what: str) -> tuple[int, ...]:
     numbers, or refused naming `what` they are: every format trusts a file's numbers only this far."""
     out = tuple(values) if isinstance(values, (list, tuple)) else None
     if out is None or not all(type(v) is int and v >= 0 for v in out):
-        from ..errors import CheckpointError
-
         raise CheckpointError(f"{what} {values!r:.80} are not whole non-negative numbers (corrupt or forged file)")
     return out
 
@@ -126,27 +124,6 @@ def replica_count(arrays: dict[str, ShardedSpec]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- units
-class Container(Protocol):
-    """What a unit's tensor bytes are read from, in place: a torch zip (container.TorchZip, also inside a
-    .distcp file) or a safetensors file (safetensors_file.SafetensorsFile)."""
-
-    path: str
-    entries: dict[str, Any]  # "data/<key>" -> where each storage record lies
-
-    @property
-    def size(self) -> int: ...
-
-    def range(self, offset: int, length: int) -> FileRange | RemoteRange: ...
-
-    def storage_offset(self, key: str) -> int: ...
-
-    def stored_crc(self, key: str) -> int | None: ...
-
-    def record(self, name: str) -> memoryview: ...
-
-    def close(self) -> None: ...
-
-
 @dataclass
 class LocalPiece:
     """A box of an array held in a unit (for a flat array, an element range), and where its bytes are: a
@@ -223,7 +200,7 @@ class Format(Protocol):
     def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
         """Whether `folder` itself is a checkpoint in this format: a cheap look that never raises."""
 
-    def source(self, folder: str, storage_options: StorageOptions | None) -> "Source":
+    def source(self, folder: str, storage_options: StorageOptions | None) -> Source:
         """The checkpoint `folder` is (`detect` said so): its units in order, and its side files."""
 
     def latest(self, folder: str, storage_options: StorageOptions | None) -> str | None:

@@ -7,7 +7,7 @@
     open_unit(path, storage_options, strict, encode_key, facts) -> Unit
 
 and optionally `side_files(folder, storage_options)` (files to keep beside exports), `resume(folder,
-storage_options)` (a trainer's files to resume from: read/resume.py), `run_of(unit)` (the
+storage_options)` (a trainer's files to resume from: read/formats/resume.py), `run_of(unit)` (the
 checkpoint folder of a unit file: by default two levels up, for units in sub-folders), `UNIT_FOLDERS`
 (sub-folders whose path names the checkpoint above them) and `unit_kind(name)`.
 """
@@ -18,9 +18,9 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import CheckpointError
-from ..locations import StorageOptions
+from ..locations import StorageOptions, folder_of, join, name_of, subfolders
 from .contract import CheckpointSpec, Unit
-from .source import Source, config_files, folder_of, join, name_of, subfolders
+from .source import Source, config_files
 
 
 class FolderFormat:

@@ -16,6 +16,7 @@ from typing import Sequence
 
 from ..errors import CheckpointError
 from ..locations import StorageOptions, filesystem, is_url, local
+from .source import names_step
 
 RANK_FILE = re.compile(r"^(?P<tag>.*?)[-_.]?rank(?P<rank>\d+)\.pt$")
 
@@ -118,8 +119,6 @@ def _filter(groups: dict[str, dict[int, Path]], tag: str | None, step: int | Non
     if tag not in (None, "latest"):
         groups = {g: r for g, r in groups.items() if g == tag}
     if step is not None:
-        from .source import names_step
-
         groups = {g: r for g, r in groups.items() if names_step(g, step)}
     return groups
 

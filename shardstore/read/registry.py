@@ -1,5 +1,5 @@
 """Every checkpoint format shardstore reads, in the order a folder is tried against them. A new format is
-a module in read/ implementing `contract.Format` (or, for a folder of unit files, the module functions
+a module in read/formats/ implementing `contract.Format` (or, for a folder of unit files, the module functions
 `folder.FolderFormat` wraps) and one line here."""
 
 from __future__ import annotations
@@ -7,14 +7,13 @@ from __future__ import annotations
 import functools
 
 from .contract import Format
+from .folder import FolderFormat
+from .formats import accelerate, dcp, dcp_hf, deepspeed, dtensor, megatron_torch, olmo_core, olmo_local, rankfile, verl
 
 
 @functools.cache
 def folder_formats() -> tuple[Format, ...]:
     """The formats a checkpoint folder is recognised by, in order."""
-    from . import accelerate, dcp, dcp_hf, deepspeed, megatron_torch, olmo_core, olmo_local, verl
-    from .folder import FolderFormat
-
     return (
         dcp.FORMAT,  # a .metadata file: before anything that also holds .pt files (OLMo's train/)
         FolderFormat(olmo_local, "OLMo `local`"),
@@ -30,14 +29,10 @@ def folder_formats() -> tuple[Format, ...]:
 def fallback() -> Format:
     """Per-rank ShardedTensor files: what any other folder of `*rank<N>.pt` files is read as (they may be
     tagged within one folder, so this format finds its own checkpoint: `RankFiles.find`)."""
-    from . import rankfile
-
     return rankfile.FORMAT
 
 
 def formats() -> tuple[Format, ...]:
-    from . import dtensor
-
     return (*folder_formats(), fallback(), dtensor.FILES)  # per-rank DTensor files: routed by RankFiles
 
 

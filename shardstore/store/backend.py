@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
-
 if TYPE_CHECKING:
     import zarr.abc.store
 

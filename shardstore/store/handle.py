@@ -4,24 +4,41 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from .. import dtypes, values
 from ..errors import StoreError
 
+from .manifest import ArrayEntry, CommitRecord
+
 if TYPE_CHECKING:
     import torch
 
-    from .manifest import ArrayEntry
-    from .store import Store
+
+class StoredCells(Protocol):
+    """What a handle reads of its store (store.Store is one): the cells committed so far, and blobs."""
+
+    def read(self, path: str, selection: Any = ...) -> np.ndarray: ...
+
+    def has_cell(self, entry: ArrayEntry, index: tuple[int, ...]) -> bool: ...
+
+    def arrived(self, entry: ArrayEntry) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def cells_present(self, path: str) -> set[int]: ...
+
+    def records(self, refresh: bool = True) -> dict[int, CommitRecord]: ...
+
+    def contributors(self, path: str) -> list[int]: ...
+
+    def blob(self, digest: str) -> bytes: ...
 
 
 class TensorHandle:
     """One sharded tensor in a store, read on demand: `h[0:4]` fetches only the chunks it overlaps."""
 
-    def __init__(self, store: "Store", entry: "ArrayEntry"):
+    def __init__(self, store: StoredCells, entry: ArrayEntry):
         self._store = store
         self.entry = entry
         self.path = entry.path
@@ -206,12 +223,12 @@ def to_torch(raw: np.ndarray, dtype: str) -> "torch.Tensor":
     return torch.from_numpy(arr).view(getattr(torch, dtypes.info(dtype).name))
 
 
-def _tensor_bytes(store: "Store", record: dict[str, Any]) -> bytes:
+def _tensor_bytes(store: StoredCells, record: dict[str, Any]) -> bytes:
     """A "$tensor" record's bytes: inline, or a blob of the store."""
     return store.blob(record["blob"]) if "blob" in record else base64.b64decode(record["data"])
 
 
-def decode_tensor(store: "Store", record: dict[str, Any]) -> "torch.Tensor":
+def decode_tensor(store: StoredCells, record: dict[str, Any]) -> "torch.Tensor":
     """A plain tensor from its "$tensor" record."""
     info = dtypes.info(record["dtype"])
     raw = _tensor_bytes(store, record)
@@ -234,7 +251,7 @@ def tensor_value(tensor: "torch.Tensor") -> TensorValue:
     return TensorValue(str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), raw)
 
 
-def decode_value(store: "Store", encoded: Any, lean: bool = False) -> Any:
+def decode_value(store: StoredCells, encoded: Any, lean: bool = False) -> Any:
     """A stored value as torch objects; `lean`, with shardstore's stand-ins for them instead (TensorValue,
     TorchDType, TorchDevice, TorchVersion), so that writing it back needs no torch."""
     if lean:

@@ -126,7 +126,7 @@ class CheckpointFacts:
     # store paths of values the plan knows are not tensors (DCP's bytes items): an export of tensors alone
     # leaves them out without their data, so it can be laid out before any unit is read
     not_tensors: frozenset[str] = frozenset()
-    # the trainer whose resume files `--format torch` writes (read/resume.py), and those files: output
+    # the trainer whose resume files `--format torch` writes (read/formats/resume.py), and those files: output
     # name -> base64 of the trainer's own file (its scheduler, RNG and trainer state), written back unchanged
     trainer: str | None = None
     resume_files: dict[str, str] = field(default_factory=dict)
@@ -243,7 +243,7 @@ class CommitRecord:
     group_rank: int = 0
     group_size: int = 0
     crcs: dict[str, dict[str, int]] = field(default_factory=dict)  # path -> cell -> its source's CRC-32
-    identity: str | None = None  # which file it was (read/identity.py); None in stores from before it
+    identity: str | None = None  # which file it was (read/primitives/identity.py); None in stores from before it
     direct: str | None = None  # its pieces went straight into the output of this layout (export/direct/)
     runs: list[list[int]] = field(default_factory=list)  # [file, offset, length, CRC-32] it wrote into zip entries
 

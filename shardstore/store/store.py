@@ -35,8 +35,8 @@ from ..errors import CheckpointError, StoreError
 from ..locations import StorageOptions, filesystem
 from ..ranges import FileRange, Part, part_length
 from .backend import Backend, open_backend
-from .manifest import MANIFEST_KEY, ArrayEntry, CommitRecord, Manifest
 from .handle import TensorHandle, decode_value
+from .manifest import MANIFEST_KEY, ArrayEntry, CommitRecord, Manifest
 from .shardfile import GROUP_METADATA, array_metadata, records_node_metadata, shard_parts
 
 RECORDS_NODE = "__shardstore__/zarr.json"

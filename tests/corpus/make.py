@@ -371,9 +371,8 @@ def _hybrid_groups(world: int) -> tuple[Any, Any]:
 
 def _full_fsdp1(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """What FSDP itself gathers: the FULL_STATE_DICT model and the full optimizer state keyed by name."""
-    from torch.distributed.fsdp import FullStateDictConfig
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import StateDictType
 
     config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False) if VERSION >= (2, 0) else FullStateDictConfig()
     if VERSION >= (2, 1):

@@ -22,7 +22,7 @@ import pytest
 
 import shardstore
 from shardstore.export.registry import FORMATS
-from shardstore.read.source import open_source
+from shardstore.read.discover import open_source
 
 # torch.save writes a random id into every file; everything else must be equal
 RANDOM = (".data/serialization_id",)

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 import shardstore
 from shardstore.cli import main
 from tests.conftest import copy_checkpoint, expected
-from tests.test_cli import error_line
 from tests.fixtures.olmo_model import ARCHS, build_model
+from tests.test_cli import error_line
 
 TOLERANCE = 1e-4
 IDS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(7))

@@ -113,7 +113,7 @@ def _pickles(folder: Path) -> dict[str, bytes]:
 
 def test_the_torch_files_do_not_depend_on_how_the_rank_files_were_read(tmp_path: Path, monkeypatch) -> None:
     """Skimmed by the C extension or unpickled whole, by workers or in this process: the same bytes."""
-    from shardstore.read import skim
+    from shardstore.read.primitives import skim
 
     src = Path(__file__).parents[1] / "corpus" / "data" / "olmo-legacy-t2.1-bf16mixed-w3"
     shardstore.unshard(src, tmp_path / "skimmed", format="torch", jobs=1)

@@ -1,4 +1,4 @@
-/* Fuzz harness for the C opcode scanner and skimmer (shardstore/read/_pickle_scan.c).
+/* Fuzz harness for the C opcode scanner and skimmer (shardstore/read/primitives/_pickle_scan.c).
  *
  * Each input goes through `scan` and, whatever scan says, through `skim` (which must give up or return a
  * pickle, never read outside its input). The extension's source is included here, so the sanitizers see
@@ -33,7 +33,7 @@ static void counted_free(void *p) {
 
 #define PyMem_Realloc counted_realloc
 #define PyMem_Free counted_free
-#include "../../shardstore/read/_pickle_scan.c"
+#include "../../shardstore/read/primitives/_pickle_scan.c"
 #undef PyMem_Realloc
 #undef PyMem_Free
 

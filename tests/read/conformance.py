@@ -23,10 +23,10 @@ import shardstore
 from shardstore import values
 from shardstore.errors import CheckpointError
 from shardstore.ingest import IngestOptions, ingest_file
-from shardstore.read.arrival import Looks, arriving
+from shardstore.read.arrival import Looks
 from shardstore.read.contract import ArrayLeaf, ShardedSpec
+from shardstore.read.discover import arriving, open_source, open_unit, spec_of
 from shardstore.read.registry import get
-from shardstore.read.source import open_source, open_unit
 
 
 def _digests(folder: Path) -> dict[str, str]:
@@ -53,7 +53,7 @@ class FormatTests:
         raise NotImplementedError
 
     def test_the_spec_tiles_every_array_exactly_once(self, checkpoint: Path) -> None:
-        spec = open_source(checkpoint).spec(values.encode)
+        spec = spec_of(open_source(checkpoint), values.encode)
         assert spec.arrays, "a checkpoint with no arrays tests nothing"
         for path, array in spec.arrays.items():
             coverage = _coverage(array)
@@ -64,7 +64,7 @@ class FormatTests:
         """A unit holds exactly the boxes the spec lists for one holder (how formats number holders
         differs: a rank, a rank within its replica group, a unit), and every box is held by some unit."""
         source = open_source(checkpoint)
-        spec = source.spec(values.encode)
+        spec = spec_of(source, values.encode)
         unheld = {(p, s.offsets, s.sizes) for p, a in spec.arrays.items() for s in a.shards}
         for path in source.units:
             unit = open_unit(source.format, path, None, False, values.encode, spec.extra)

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 import shardstore
 from shardstore.errors import CheckpointError
+from shardstore.read.formats.rankfile import read_rank_file
 from shardstore.read.layouts import discover
-from shardstore.read import tensors
-from shardstore.read.rankfile import read_rank_file
+from shardstore.read.primitives import tensors
 from tests.conftest import assert_bitwise_equal
 from tests.fixtures import legacy
 from tests.fixtures.layouts import expected

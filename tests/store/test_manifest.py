@@ -40,12 +40,12 @@ def test_a_format_1_store_is_still_read_and_completed(checkpoints, tmp_path: Pat
 
     from shardstore import values
     from shardstore.plan import plan_checkpoint
-    from shardstore.read.source import source_of_files
+    from shardstore.read.discover import source_of_files, spec_of
     from shardstore.store.store import Store
     from tests.conftest import expected
 
     src = checkpoints(2)
-    manifest = plan_checkpoint(source_of_files([src / "rank0.pt"]).spec(values.encode))
+    manifest = plan_checkpoint(spec_of(source_of_files([src / "rank0.pt"]), values.encode))
     Store.create(tmp_path / "s", dataclasses.replace(manifest, version=1))
     shardstore.ingest(tmp_path / "s", [src / "rank0.pt", src / "rank1.pt"], jobs=1)
     assert (tmp_path / "s" / "model" / "wte.weight" / "c" / "1" / "0").is_file()

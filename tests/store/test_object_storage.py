@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 import shardstore
-from tests.conftest import assert_bitwise_equal, expected, upload
 from shardstore.store.backend import FsspecBackend
+from tests.conftest import assert_bitwise_equal, expected, upload
 from tests.fixtures.servers import Proxy
 from tests.store.conformance import BackendTests
 
@@ -86,7 +86,7 @@ def test_requests_per_rank_file_are_a_small_constant_beyond_its_large_storages(s
     storage larger than that, one for it and one for the headers after it."""
     import zipfile
 
-    from shardstore.read.container import GAP
+    from shardstore.read.primitives.container import GAP
 
     src = checkpoints(3)
     url = upload(src, "s3://ckpt-r/run")

@@ -11,8 +11,8 @@ import zarr
 
 from shardstore.store.backend import FileRange, LocalBackend
 from shardstore.store.manifest import ArrayEntry
-from shardstore.store.store import cell_key
 from shardstore.store.shardfile import shard_parts
+from shardstore.store.store import cell_key
 
 
 @pytest.mark.parametrize("shape, cell, chunk", [((10, 3), (4, 3), (2, 3)), ((9,), (9,), (3,)), ((7, 2, 2), (3, 2, 2), (1, 2, 2))])

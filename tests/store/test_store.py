@@ -57,7 +57,8 @@ def test_assembly_keeps_no_more_staging_bytes_than_its_cache_holds(checkpoints, 
                                                                    monkeypatch) -> None:
     """Assembling staged arrays reads a rank's staging file whole only while all kept fit the cache; one
     that would not fit is read piece by piece. The arrays are the same bits either way."""
-    from shardstore.store import backend, store as store_module
+    from shardstore.store import backend
+    from shardstore.store import store as store_module
 
     src = checkpoints(3)
     files = sorted(src.glob("rank*.pt"))

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...store.store import Store
-from ..dcp import (METADATA, CellRef, Written, dcp_names, describe, distcp_name, metadata, spread,
-                   write_items)
+from ..dcp import METADATA, CellRef, Written, dcp_names, describe, distcp_name, metadata, spread, write_items
 from ..output import OutputFile
 from ..resolve import leaves
 from ..torch import write_zip

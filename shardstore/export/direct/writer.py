@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from ... import dtypes
+from ...errors import StoreError
 from ...ranges import FileRange, Part, blocks, copy_range, part_length
 from ...store.manifest import ArrayEntry
-from ...errors import StoreError
 from ..output import output_error
 from ..safetensors import CAST_BLOCK_BYTES, _cast
 from .layout import CLAIMS, Layout, Target

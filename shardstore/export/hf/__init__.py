@@ -23,8 +23,9 @@ from typing import Any, Callable
 from ... import jsonin
 from ...errors import ExportError, ShardstoreError
 from ...read.contract import Node
-from ...read.dcp import MEGATRON_ARGS, NEMO_MODEL
-from ...read.megatron_torch import FORMAT as MEGATRON_TORCH, RANKS
+from ...read.formats.dcp import MEGATRON_ARGS, NEMO_MODEL
+from ...read.formats.megatron_torch import FORMAT as MEGATRON_TORCH
+from ...read.formats.megatron_torch import RANKS
 from ...read.registry import get
 from ...read.source import hf_model_file
 from ...store.store import Store

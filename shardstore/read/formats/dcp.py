@@ -1,0 +1,836 @@
+"""torch.distributed.checkpoint (DCP) folders: `.metadata` plus `__{rank}_{i}.distcp` files.
+
+`.metadata` is one pickle (read with the same safe unpickler as everything else) describing every tensor
+of the checkpoint — dtype, global size, and its chunks as boxes (offsets, sizes) on any dimensions — and,
+for every chunk and every non-tensor value, the byte range of the .distcp file that holds it. A tensor
+chunk is a complete `torch.save` zip at that range; a value is one too (torch.save of the object). Both
+are read in place, through the same zip reader and tensor checks as a rank file. `planner_data` gives
+each flattened key its path in the original nested state dict, which the store keeps.
+
+One .distcp file is one unit of work. Each is described entirely by `.metadata`, so a unit is checked
+against the checkpoint by the metadata's digest, and every item against its chunk's dtype and size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import os
+import posixpath
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ... import dtypes, jsonin, paths
+from ...errors import CheckpointError, closed_on_error, named
+from ...locations import StorageOptions, filesystem, folder_of, is_url, join, listing, local, name_of, subfolders
+from ..arrival import Arrived
+from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec, Skeleton, whole_numbers
+from ..layouts import name_rank
+from ..primitives.container import DataFile, TorchZip, parsed_once, read_small
+from ..primitives.tensors import check_view
+from ..primitives.unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, TensorRef, load
+from ..source import JSON_CONFIG, Source, config_files, hf_model_file, pick
+from . import lightning, trainer
+from .resume import resume_files
+from .trainer import TRAIN, TrainerUnit, join_trainer_state, open_trainer
+
+MODEL_AND_OPTIM = "model_and_optim"  # OLMo's and OLMo-core's DCP folder, beside train/
+
+METADATA = ".metadata"
+# Megatron-Core's trainers' folders: NeMo 2's checkpoint is weights/ (torch_dist) beside context/ (the
+# model's config as model.yaml, its tokenizer's files in nemo_tokenizer/), its model's keys under `module.`;
+# veRL's Megatron actor keeps dist_ckpt/ beside huggingface/ (model/dist_ckpt/ and model/huggingface/ in
+# its layout v2, the optimizer then in a DCP folder of its own).
+NEMO_WEIGHTS, NEMO_CONTEXT, NEMO_MODEL, NEMO_TOKENIZER = "weights", "context", "model.yaml", "nemo_tokenizer"
+NEMO_PREFIX = "module."
+VERL_DIST, VERL_HF = "dist_ckpt", "huggingface"
+# Where trainers keep a DCP folder inside their checkpoint folder (OLMo's and OLMo-core's, NeMo's, veRL's
+# from its actor/ folder and from the step folder above it)
+INSIDE = (MODEL_AND_OPTIM, NEMO_WEIGHTS, VERL_DIST, f"model/{VERL_DIST}", f"actor/{VERL_DIST}",
+          f"actor/model/{VERL_DIST}")
+FSDP_MODEL = "pytorch_model_fsdp"  # the HF Trainer's and Accelerate's model folder (accelerate FSDP_MODEL_NAME)
+PART = re.compile(r"(pytorch_model_fsdp|optimizer)_\d+")  # its folders: each model's, each optimizer's
+TRAINER_STEP = re.compile(r"checkpoint-\d+")  # the HF Trainer's checkpoint folder in its output_dir
+MEGATRON_METADATA = "metadata.json"  # Megatron-Core's: {"sharded_backend": "torch_dist", ...}
+MEGATRON_COMMON = "common.pt"  # megatron-core <= 0.18's common state (>= 0.19: a bytes item in the files)
+COMMON_STATE = "common_state"  # where the store keeps it
+MEGATRON_ARGS = "megatron_args"  # the plan's copy of Megatron-LM's args (plain values), for --format hf
+STACKED = re.compile(r"(.*?(?:^|\.)layers\.)(?=[A-Za-z_])")  # "decoder.layers." then a module name, no number
+LAYER_KEY = re.compile(r"(.*?(?:^|\.)layers\.)(\d+)\.")  # a per-layer key: its stack, and its layer
+EXTRA_STATE = re.compile(r"(.*?_extra_state)/shard_(\d+(?:\.\d+)?)_\d+(?:\.\d+)?")  # shard_{layer[.expert]}_{count}
+MODEL_SPACE = re.compile(r"(optimizer\.state\.[A-Za-z0-9_]+\.)(.+)")  # a parameter's optimizer state, by its key
+STACKED_EXPERTS = re.compile(r"(.*?(?:^|\.)experts\.)experts\.")  # a MoE layer's experts on one axis
+LOCAL_EXPERTS = "local_experts."  # Megatron's own module names, expert by expert
+EXPERT_MODULE = re.compile(r"(.*?local_experts\.)(\d+)(\..*)")
+MEGATRON_OPTIMIZER = "optimizer."  # every key of Megatron's optimizers' sharded state dicts
+CHAINED = re.compile(r"chained_\d+\.optimizer\.")  # a ChainedOptimizer's (dense and expert) keys
+MEGATRON_TOP = ("common_state", "rng_state", "rerun_state_machine_state")  # Megatron-LM's non-model keys
+LATEST = ("latest-rank0.pt", "last.ckpt")  # Composer's and Lightning's newest checkpoint
+MAX_METADATA = 1 << 30  # tens of MB at thousands of ranks; a gigabyte is not a .metadata
+
+
+@dataclass(frozen=True)
+class Item:
+    """One entry of storage_data: a chunk of a tensor (offsets set) or a whole value, in one file."""
+
+    fqn: str
+    offsets: tuple[int, ...] | None
+    file: str
+    offset: int
+    length: int
+    squeeze: int = 0  # leading axes of 1 the item's tensor has and the checkpoint's key does not (layer, expert)
+    # a flattened range of a block (Megatron's fully_sharded_model_space): (first element of the item, box
+    # offsets, box sizes) of each box it fills, in order; the item's elements are these boxes end to end
+    boxes: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
+
+
+@dataclass
+class DcpCheckpoint:
+    folder: str
+    digest: str  # of the .metadata bytes: every unit must come from the same one
+    tensors: dict[str, tuple[str, tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]]  # fqn -> dtype, size, chunks
+    values: list[str]  # fqns of bytes items
+    paths: dict[str, tuple[Any, ...]]  # fqn -> its path in the nested state dict
+    items: list[Item]
+    files: list[str] = field(default_factory=list)  # unit order
+
+    def store_path(self, fqn: str) -> str:
+        return paths.join(*(paths.escape(k) for k in self.paths[fqn]))
+
+
+def has_metadata(folder: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> bool:
+    folder = os.fspath(folder)
+    if is_url(folder):
+        fs, fspath = filesystem(folder, storage_options)
+        return bool(fs.exists(f"{fspath.rstrip('/')}/{METADATA}"))
+    return os.path.isfile(os.path.join(local(folder), METADATA))
+
+
+def read_checkpoint(folder: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> DcpCheckpoint:
+    """Parse and check `.metadata`: names, sizes and byte ranges that can exist, nothing outside the folder."""
+    folder = os.fspath(folder)
+    where = join(folder, METADATA)
+    raw = read_small(where, storage_options, MAX_METADATA, "a torch.distributed.checkpoint .metadata file")
+    md = load(raw, where)  # the same safe unpickler; torch itself would run any pickle here
+    if not isinstance(md, DcpMetadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict) \
+            or not isinstance(getattr(md, "storage_data", None), dict):
+        raise CheckpointError(f"{where}: not a torch.distributed.checkpoint metadata file")
+    try:
+        ckpt = _parse(folder, md, hashlib.blake2b(raw, digest_size=16).hexdigest())
+        return _model_space(_per_layer(ckpt)) if _torch_dist(folder, storage_options) else ckpt
+    except CheckpointError as exc:
+        raise named(exc, where) from None
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: malformed metadata ({type(exc).__name__}: {str(exc)[:120]})") from None
+
+
+def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
+    tensors, values = {}, []
+    for fqn, meta in md.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise CheckpointError(f"a key {fqn!r:.60} that is not a string")
+        if isinstance(meta, DcpTensorStorage):
+            dtype = str(meta.properties.dtype)
+            dtypes.info(dtype)
+            size = whole_numbers(meta.size, f"{fqn}: sizes")
+            chunks = [(whole_numbers(c.offsets, f"{fqn}: chunk offsets"), whole_numbers(c.sizes, f"{fqn}: chunk sizes"))
+                      for c in meta.chunks]
+            tensors[fqn] = (dtype, size, chunks)
+        elif isinstance(meta, DcpBytesStorage):
+            values.append(fqn)
+        else:
+            raise CheckpointError(f"{fqn}: unknown storage metadata {type(meta).__name__}")
+    planner = md.planner_data if isinstance(getattr(md, "planner_data", None), dict) else {}
+    # in the metadata's order, which is the saved state dict's (tensors and values interleaved)
+    nested = {fqn: tuple(planner.get(fqn) or (fqn,)) for fqn in md.state_dict_metadata}
+    for fqn, path in nested.items():
+        if not path or not all(isinstance(k, (str, int)) and type(k) is not bool for k in path):
+            raise CheckpointError(f"{fqn}: planner_data gives it the path {path!r:.80}")
+    items = []
+    for index, info in md.storage_data.items():
+        fqn = index.fqn
+        if fqn not in tensors and fqn not in values:
+            raise CheckpointError(f"storage_data names {fqn!r:.80}, which the metadata does not describe")
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors:
+            raise CheckpointError(f"{fqn}: stored through transforms {list(descriptors)!r:.80}, which shardstore "
+                                  f"does not read (only plain torch.save items)")
+        name = info.relative_path
+        if not isinstance(name, str) or posixpath.basename(name) != name or name in ("", ".", "..") or "\\" in name:
+            raise CheckpointError(f"{fqn}: item file {name!r:.80} is not a file name inside the checkpoint folder")
+        offsets = None if getattr(index, "offset", None) is None else whole_numbers(index.offset, f"{fqn}: item offsets")
+        offset, length = info.offset, info.length
+        if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise CheckpointError(f"{fqn}: item byte range {offset!r:.30}+{length!r:.30} is impossible")
+        items.append(Item(fqn, offsets, name, offset, length))
+    seen = {(i.fqn, i.offsets) for i in items}
+    for fqn, (_, _, chunks) in tensors.items():
+        missing = [list(o) for o, _ in chunks if (fqn, o) not in seen]
+        if missing:
+            raise CheckpointError(f"{fqn}: chunk at {missing[0]} has no stored item")
+    files = sorted({i.file for i in items}, key=_file_order)
+    return DcpCheckpoint(folder, digest, tensors, values, nested, items, files)
+
+
+def _torch_dist(folder: str, storage_options: StorageOptions | None) -> bool:
+    """Whether the folder is Megatron-Core's `torch_dist` checkpoint: its metadata.json says so."""
+    return _megatron(folder, storage_options).get("sharded_backend") == "torch_dist"
+
+
+def _megatron(folder: str, storage_options: StorageOptions | None) -> dict[str, Any]:
+    """Megatron-Core's metadata.json: {} when there is none. Its `common_backend` ("torch", megatron-core
+    <= 0.18) says the common state is `common.pt` beside the .distcp files; the backend must be one
+    shardstore reads."""
+    path = join(folder, MEGATRON_METADATA)
+    if path not in listing(folder, storage_options):
+        return {}
+    info = jsonin.loads(read_small(path, storage_options, 1 << 16, "Megatron's metadata.json"), path,
+                        "Megatron metadata", CheckpointError)
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path}: not Megatron's metadata (a JSON object)")
+    for key, known in (("sharded_backend", ("torch_dist", None)), ("common_backend", ("torch", None))):
+        if info.get(key) not in known:
+            raise CheckpointError(f"{path}: {key} is {info.get(key)!r:.40}; shardstore reads torch_dist checkpoints "
+                                  f"(and their common.pt)")
+    if info.get("common_backend") and join(folder, MEGATRON_COMMON) not in listing(folder, storage_options):
+        raise CheckpointError(f"{path}: names a common state ({MEGATRON_COMMON}) that is not in the folder")
+    return info
+
+
+def _per_layer(ckpt: DcpCheckpoint) -> DcpCheckpoint:
+    """Megatron-Core saves a transformer's layers stacked on a leading axis, one chunk per layer
+    (`decoder.layers.self_attention.linear_qkv.weight` of shape (L, ...), each pipeline stage at its
+    global layer numbers) and their extra states as bytes items `..._extra_state/shard_{i}_{L}`. They
+    become the per-layer keys Megatron's own non-stacked state dict has (`decoder.layers.{i}.…`): each
+    chunk an item of layer i without its leading axis. The optimizer's model-shaped state
+    (`optimizer.state.exp_avg.decoder.layers.…`) is split the same way."""
+    tensors: dict[str, Any] = {}
+    renamed: dict[tuple[str, tuple[int, ...] | None], tuple[str, tuple[int, ...] | None, int]] = {}
+    for fqn, (dtype, size, chunks) in ckpt.tensors.items():
+        name_of_index, k = _stacked(fqn)
+        if k == 0 or len(size) <= k or any(s[:k] != (1,) * k for _, s in chunks) \
+                or {o[:k] for o, _ in chunks} != set(itertools.product(*map(range, size[:k]))):
+            tensors[fqn] = (dtype, size, chunks)
+            continue
+        for index in itertools.product(*map(range, size[:k])):
+            tensors[name_of_index(index)] = (dtype, size[k:], [(o[k:], s[k:]) for o, s in chunks if o[:k] == index])
+        for o, _ in chunks:
+            renamed[(fqn, o)] = (name_of_index(o[:k]), o[k:], k)
+    values = []
+    for fqn in ckpt.values:
+        name = _extra_state(fqn)
+        values.append(name)
+        renamed[(fqn, None)] = (name, None, 0)
+    if len(set(tensors) | set(values)) != len(tensors) + len(values):
+        raise CheckpointError("per-layer keys that Megatron's stacked keys would share (a damaged metadata?)")
+    items = [Item(*renamed[(i.fqn, i.offsets)][:2], i.file, i.offset, i.length, squeeze=renamed[(i.fqn, i.offsets)][2])
+             if (i.fqn, i.offsets) in renamed else i for i in ckpt.items]
+    # layer by layer, each layer's keys in the saved order, where the first stacked key of its stack was
+    first = {fqn: at for at, fqn in enumerate(ckpt.paths)}
+    was = {new: first[old] for (old, _), (new, _, _) in renamed.items()}  # a key's place before the split
+    was.update((n, first[n]) for n in [*tensors, *values] if n not in was)
+    layer = {n: LAYER_KEY.match(n) for n in was}
+    # (stack,), (stack, module) and (stack, experts): the earliest place of any layer's; a module of the
+    # experts counts as one, whichever expert, so each expert's modules come together, expert by expert
+    stacks: dict[tuple[str, ...], int] = {}
+
+    def keys(name: str, m: re.Match[str]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], int]:
+        module = name[m.end():]
+        e = EXPERT_MODULE.match(module)
+        if e is None:
+            return (m.group(1),), (m.group(1), module), (m.group(1), module), 0
+        return (m.group(1),), (m.group(1), e.group(1)), (m.group(1), e.group(1) + e.group(3)), int(e.group(2))
+
+    for name, m in layer.items():
+        if m is not None:
+            for key in keys(name, m)[:3]:
+                stacks[key] = min(stacks.get(key, was[name]), was[name])
+
+    def place(name: str) -> tuple[int, ...]:
+        m = layer.get(name)
+        if m is None:
+            return (was[name], -1, 0, 0, 0)
+        stack, block, module, expert = keys(name, m)
+        return (stacks[stack], int(m.group(2)), stacks[block], expert, stacks[module])
+
+    order = sorted([*tensors, *values], key=place)
+    return DcpCheckpoint(ckpt.folder, ckpt.digest, tensors, values, {n: _part(n) for n in order}, items, ckpt.files)
+
+
+def _model_space(ckpt: DcpCheckpoint) -> DcpCheckpoint:
+    """megatron-core <= 0.15's default optimizer form (`fully_sharded_model_space`) saves each parameter's
+    state under `optimizer.state.{kind}.{the parameter's key}` reformulated: a parameter of shape
+    [X, Y] cut into blocks [x, y] by tensor parallelism becomes [X // x, Y // y, x * y], each data-parallel
+    rank holding a range of a block's flattened elements (torch_dist's `nd_flattened` form). Where the
+    parameter's own key is in the checkpoint, cut into equal blocks that tile it, and the state's shape is
+    exactly that grid and block size, the state is its parameter's shape again: each range the boxes it
+    fills of its block, row-major. The plan's tiling check then proves every element is covered once."""
+    tensors = dict(ckpt.tensors)
+    boxes: dict[tuple[str, tuple[int, ...] | None], tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]] = {}
+    for fqn, (dtype, size, chunks) in ckpt.tensors.items():
+        m = MODEL_SPACE.fullmatch(fqn)
+        if m is None or m.group(2) not in ckpt.tensors:
+            continue
+        _, shape, blocks = ckpt.tensors[m.group(2)]
+        block = _block(shape, blocks)
+        if block is None:
+            continue
+        grid = tuple(d // b for d, b in zip(shape, block))
+        if tuple(size) != grid + (math.prod(block),) or any(s[:-1] != (1,) * len(grid) for _, s in chunks):
+            continue
+        placed = []
+        for o, s in chunks:
+            origin = tuple(g * b for g, b in zip(o[:-1], block))
+            boxes[(fqn, o)] = tuple((start, tuple(a + b for a, b in zip(origin, off)), sizes)
+                                    for start, off, sizes in _flat_boxes(block, o[-1], s[-1]))
+            placed += [(off, sizes) for _, off, sizes in boxes[(fqn, o)]]
+        tensors[fqn] = (dtype, shape, placed)
+    if not boxes:
+        return ckpt
+    items = [replace(i, boxes=boxes[(i.fqn, i.offsets)]) if (i.fqn, i.offsets) in boxes else i for i in ckpt.items]
+    return DcpCheckpoint(ckpt.folder, ckpt.digest, tensors, ckpt.values, ckpt.paths, items, ckpt.files)
+
+
+def _block(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, ...] | None:
+    """The one block shape `chunks` cut `shape` into, if they are equal blocks on a whole grid."""
+    sizes = {s for _, s in chunks}
+    if len(sizes) != 1:
+        return None
+    (block,) = sizes
+    if len(block) != len(shape) or not all(block) or any(d % b for d, b in zip(shape, block)) \
+            or len(chunks) != math.prod(d // b for d, b in zip(shape, block)):
+        return None
+    return block
+
+
+def _flat_boxes(shape: tuple[int, ...], start: int, count: int
+                ) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """Elements [start, start + count) of a row-major block of `shape`, as boxes each contiguous in that
+    order: (its first element's place in the range, offsets, sizes). At most 2·ndim - 1 of them."""
+    out, pos, end = [], start, start + count
+    if not shape or end > math.prod(shape) or start < 0:
+        raise CheckpointError(f"a flattened range [{start}, {end}) outside a block of {list(shape)}")
+    inner = [math.prod(shape[k + 1:]) for k in range(len(shape))]
+    while pos < end:
+        index = [(pos // inner[k]) % shape[k] for k in range(len(shape))]
+        k = len(shape) - 1
+        while k > 0 and index[k] == 0 and end - pos >= inner[k - 1]:
+            k -= 1
+        n = min(shape[k] - index[k], (end - pos) // inner[k])
+        out.append((pos - start, tuple(index[:k + 1]) + (0,) * (len(shape) - k - 1),
+                    (1,) * k + (n,) + tuple(shape[k + 1:])))
+        pos += n * inner[k]
+    return out
+
+
+def _part(name: str) -> tuple[str, ...]:
+    """Where a Megatron key goes in the state dict, as Megatron-LM's own torch-format checkpoints nest it:
+    the optimizer's keys (`optimizer.…`) under `optimizer`, the model's under `model`, and the common and
+    per-rank states (`common_state/…`, `rng_state/…`) at the top. NeMo's `module.` goes: the names are
+    Megatron's."""
+    if name.startswith(MEGATRON_OPTIMIZER) or CHAINED.match(name):
+        return ("optimizer", name)
+    if name.split("/")[0] in MEGATRON_TOP:
+        return (name,)
+    return ("model", name.removeprefix(NEMO_PREFIX))
+
+
+def _layers_split(fqn: str) -> tuple[str, str | None]:
+    """("decoder.layers.", "mlp.linear_fc1.weight") for a stacked layer key; (fqn, None) for any other."""
+    m = STACKED.match(fqn)
+    return (m.group(1), fqn[m.end():]) if m else (fqn, None)
+
+
+def _experts_split(fqn: str) -> tuple[str, str | None]:
+    """("….mlp.experts.", "linear_fc1.weight") for a key of experts stacked on an axis; (fqn, None) else."""
+    m = STACKED_EXPERTS.match(fqn)
+    return (m.group(1), fqn[m.end():]) if m else (fqn, None)
+
+
+def _stacked(fqn: str) -> tuple[Any, int]:
+    """How many leading axes of a Megatron key index its layers and experts (0, 1 or 2), and the per-layer,
+    per-expert name of each index: layers stacked under `layers.` (`decoder.layers.{i}.…`), experts stacked
+    under `experts.experts.` as Megatron's own modules name them one by one (`experts.local_experts.{e}.…`)."""
+    head, tail = _layers_split(fqn)
+    inner, rest = _experts_split(fqn if tail is None else tail)
+    if tail is not None and rest is not None:
+        return (lambda i: f"{head}{i[0]}.{inner}{LOCAL_EXPERTS}{i[1]}.{rest}"), 2
+    if tail is not None:
+        return (lambda i: f"{head}{i[0]}.{tail}"), 1
+    if rest is not None:
+        return (lambda i: f"{inner}{LOCAL_EXPERTS}{i[0]}.{rest}"), 1
+    return None, 0
+
+
+def _extra_state(fqn: str) -> str:
+    """An extra state's per-layer (per-expert) name: a stack's `…_extra_state/shard_{layer}_{layers}`
+    (experts': `shard_{layer}.{expert}_{layers}.{experts}`), a per-layer key's its one shard's."""
+    m = EXTRA_STATE.fullmatch(fqn)
+    if m is None:
+        return fqn
+    index = tuple(int(i) for i in m.group(2).split("."))
+    name_of_index, k = _stacked(m.group(1))
+    if k == len(index):
+        return name_of_index(index)
+    return m.group(1) if k == 0 and index == (0,) and LAYER_KEY.match(fqn) else fqn
+
+
+def _file_order(name: str) -> tuple:
+    """__2_0.distcp before __10_0.distcp."""
+    parts = name.removeprefix("__").removesuffix(".distcp").split("_")
+    return (0, *map(int, parts)) if all(p.isdigit() for p in parts) else (1, name)
+
+
+def trainer_files(folder: str, storage_options: StorageOptions | None = None) -> list[str]:
+    """OLMo's `train/rank{r}.pt` (torch_new; OLMo-core trainers too) beside a `model_and_optim/` DCP folder,
+    in rank order; megatron-core <= 0.18's `common.pt` in the folder; Lightning's and Fabric's `meta.pt`
+    (epoch, global_step, loops, callbacks, schedulers: what is not a module or an optimizer). Empty for
+    other DCP layouts."""
+    parent, name = (folder.rstrip("/").rsplit("/", 1) if is_url(folder) else os.path.split(os.path.normpath(folder)))
+    if name == MODEL_AND_OPTIM:
+        return trainer.trainer_files(parent, storage_options)
+    if _megatron(folder, storage_options).get("common_backend"):
+        return [join(folder, MEGATRON_COMMON)]
+    return config_files(folder, storage_options, lightning.META)
+
+
+def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None = None, strict: bool = False,
+         storage_options: StorageOptions | None = None) -> CheckpointSpec:
+    """The planner's view: arrays for tensors (`_array`), values for the rest; every chunk's holder is the
+    index of the file that stores it. OLMo's per-rank trainer
+    state files (`trainer`), if any, are units too: their values join the state dict's top level."""
+    holder = {(i.fqn, o): ckpt.files.index(i.file) for i in ckpt.items
+              for o in ([b[1] for b in i.boxes] if i.boxes else [i.offsets])}
+    arrays, objects = {}, []
+    for fqn, (dtype, size, chunks) in ckpt.tensors.items():
+        if not _array(size):
+            objects.append(ckpt.store_path(fqn))
+            continue
+        shards = tuple(ShardSpec(o, s, holder[(fqn, o)]) for o, s in chunks)
+        arrays[ckpt.store_path(fqn)] = ShardedSpec(dtype, size, shards)
+    objects += [ckpt.store_path(fqn) for fqn in ckpt.values]
+    tree = _tree(ckpt, encode_key)
+    units = list(ckpt.files)
+    if trainer_state:
+        common = _is_common(trainer_state[0])
+        join_trainer_state(tree, objects, trainer_state[0], encode_key, storage_options, strict,
+                           COMMON_STATE if common else "")
+        units += [MEGATRON_COMMON] if common else [lightning.META] if name_of(trainer_state[0]) == lightning.META \
+            else [f"{TRAIN}/{os.path.basename(f.rstrip('/'))}" for f in trainer_state]
+    extra: dict[str, Any] = {"units": units, "metadata": ckpt.digest,
+                             "not_tensors": [ckpt.store_path(fqn) for fqn in ckpt.values]}
+    args = _megatron_args(ckpt, trainer_state or [], storage_options, strict)
+    if args is not None:
+        extra[MEGATRON_ARGS] = args
+    return CheckpointSpec("dcp", len(units), len(units), tree, arrays, {}, objects, extra)
+
+
+def _megatron_args(ckpt: DcpCheckpoint, trainer_state: list[str], storage_options: StorageOptions | None,
+                   strict: bool) -> dict[str, Any] | None:
+    """Megatron-LM's `args` (their plain values), read with the plan from the common state (a small
+    bytes item, or common.pt): what describes the model for --format hf, known before any unit is read."""
+    item = next((i for i in ckpt.items if i.offsets is None and i.fqn.startswith(COMMON_STATE)), None)
+    common = next((p for p in trainer_state if _is_common(p)), None)
+    if item is None and common is None:
+        return None
+    if item is not None:  # a bytes item of a .distcp file
+        where, data = join(ckpt.folder, item.file), DataFile(join(ckpt.folder, item.file), storage_options)
+        zf = TorchZip(data, start=item.offset, length=item.length)
+    else:
+        assert common is not None  # (one of the two, above)
+        where, data, zf = common, None, TorchZip(common, storage_options)
+    try:
+        state = load(zf.record("data.pkl"), f"{where}: Megatron's common state", strict)
+    finally:
+        zf.close()
+        if data is not None:
+            data.close()
+    state = state[0] if isinstance(state, list) and len(state) == 1 else state
+    args = getattr(state.get("args") if isinstance(state, dict) else None, "state", None)
+    if not isinstance(args, dict):
+        return None
+    return {k: v for k, v in args.items() if isinstance(k, str) and isinstance(v, (str, int, float, bool, type(None)))}
+
+
+def _array(size: tuple[int, ...]) -> bool:
+    """Every tensor with elements and a dimension is an array, however small (a norm's weight): then an
+    export of tensors alone is laid out from the plan, and written by the ingest itself. Scalars (an
+    optimizer's step) stay values."""
+    return len(size) > 0 and math.prod(size) > 0
+
+
+def _tree(ckpt: DcpCheckpoint, encode_key: Any) -> Skeleton:
+    """The nested state dict's skeleton from planner_data: int keys make lists, str keys dicts."""
+    root: dict[Any, Any] = {}
+    for fqn in ckpt.paths:
+        node = root
+        *parents, last = ckpt.paths[fqn]
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise CheckpointError(f"{fqn}: planner_data nests it under a value")
+        if last in node:
+            raise CheckpointError(f"{fqn}: planner_data gives two values one path")
+        node[last] = fqn
+
+    def build(node: Any, path: str) -> Skeleton:
+        if isinstance(node, str):
+            return Node("leaf", path)
+        keys = list(node)
+        kind = "list" if keys and all(isinstance(k, int) for k in keys) and sorted(keys) == list(range(len(keys))) \
+            else "dict"
+        if kind == "list":
+            keys = sorted(keys)
+        names = [paths.escape(k) for k in keys]
+        if len(set(names)) != len(names):
+            raise CheckpointError(f"two keys of {path or 'the state dict'} map to the same store path")
+        return Node(kind, path, [(encode_key(k), build(node[k], paths.join(path, n))) for k, n in zip(keys, names)])
+
+    return build(root, "")
+
+
+@dataclass
+class DcpUnit:
+    """One .distcp file, opened: its chunks as pieces of sharded leaves, its values, all still on disk."""
+
+    path: str
+    rank: int  # the file's place in the checkpoint's file order
+    world_size: int
+    group_rank: int
+    group_size: int
+    digest: str
+    leaves: dict[str, Any]
+    zips: dict[str, TorchZip]  # store path -> the zip its value's tensors live in
+    file: DataFile
+    opened: list[TorchZip] = field(default_factory=list)  # every item's zip, closed with the unit
+
+    @property
+    def size(self) -> int:
+        return self.file.size
+
+    def value_zip(self, path: str) -> TorchZip:
+        return self.zips[path]
+
+    def close(self) -> None:
+        for zf in self.opened:
+            zf.close()
+        self.file.close()
+
+
+def _checkpoint(folder: str, storage_options: StorageOptions | None, parts: bool = False) -> DcpCheckpoint:
+    """A folder's .metadata (`parts`: its trainer's DCP folders'), read once per process."""
+    return parsed_once("dcp-parts" if parts else "dcp", folder, storage_options, read_parts if parts else read_checkpoint)
+
+
+def _is_common(path: str) -> bool:
+    return path.replace("\\", "/").rsplit("/", 1)[-1] == MEGATRON_COMMON
+
+
+def open_trainer_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> TrainerUnit:
+    if _is_common(path) or name_of(path) == lightning.META:  # one file after the .distcp files
+        ckpt = _checkpoint(folder_of(path), storage_options)
+        return open_trainer(path, len(ckpt.files), len(ckpt.files) + 1, ckpt.digest, storage_options, strict,
+                            encode_key, COMMON_STATE if _is_common(path) else "", named=True)
+    train = _join_parent(path)
+    ckpt = _checkpoint(join(train, MODEL_AND_OPTIM), storage_options)
+    count = len(ckpt.files) + len(trainer_files(join(train, MODEL_AND_OPTIM), storage_options))
+    return open_trainer(path, len(ckpt.files) + (name_rank(path) or 0), count, ckpt.digest, storage_options,
+                        strict, encode_key)
+
+
+def _join_parent(path: str) -> str:
+    """The checkpoint folder a train/rank<N>.pt belongs to."""
+    if is_url(path):
+        return path.rstrip("/").rsplit("/", 2)[0]
+    return os.path.dirname(os.path.dirname(os.path.abspath(path)))
+
+
+def open_unit(path: str | os.PathLike[str], storage_options: StorageOptions | None = None,
+              strict: bool = False, parts: bool = False) -> DcpUnit:
+    """Open one .distcp file of a checkpoint (its folder's .metadata is read once per process); `parts`:
+    a file of one of a trainer's DCP folders saved side by side (`trainer_parts`)."""
+    path = os.fspath(path)
+    folder, name = _unit_folder(path) if parts else (path.rsplit("/", 1) if is_url(path) else os.path.split(path))
+    ckpt = _checkpoint(folder, storage_options, parts)
+    if name not in ckpt.files:
+        raise CheckpointError(f"{path}: not a file of the checkpoint in {folder} (its .metadata names no item in it)")
+    data = DataFile(path, storage_options)
+    unit = DcpUnit(path, ckpt.files.index(name), len(ckpt.files), ckpt.files.index(name), len(ckpt.files),
+                   ckpt.digest, {}, {}, data)
+    with closed_on_error(unit.close, path):
+        _read_items(ckpt, unit, name, strict)
+    return unit
+
+
+def _read_items(ckpt: DcpCheckpoint, unit: DcpUnit, name: str, strict: bool) -> None:
+    sharded: dict[str, ArrayLeaf] = {}
+    for item in ckpt.items:
+        if item.file != name:
+            continue
+        where = f"{item.fqn}" + ("" if item.offsets is None else f" at {list(item.offsets)}")
+        if item.offset + item.length > unit.file.size:
+            raise CheckpointError(f"{where}: its item runs past the end of the file (truncated?)")
+        zf = TorchZip(unit.file, start=item.offset, length=item.length)
+        unit.opened.append(zf)
+        store_path = ckpt.store_path(item.fqn)
+        value = load(zf.record("data.pkl"), f"{unit.path}: {where}", strict)
+        if item.offsets is None:  # a value (torch.save of the object)
+            unit.leaves[store_path], unit.zips[store_path] = value, zf
+            continue
+        dtype, size, chunks = ckpt.tensors[item.fqn]
+        if item.boxes:  # a flattened range of a block: each box a run of its elements
+            leaf = sharded.setdefault(store_path, ArrayLeaf(dtype, size, []))
+            leaf.pieces += _flat_pieces(zf, value, item, dtype, where)
+            continue
+        sizes = dict(chunks)[item.offsets]
+        k = item.squeeze
+        if k and isinstance(value, TensorRef) and tuple(value.shape[:k]) == (1,) * k:
+            value = TensorRef(value.storage, value.offset, tuple(value.shape[k:]), tuple(value.stride[k:]), value.dtype)
+        if not isinstance(value, TensorRef) or tuple(value.shape) != sizes or value.dtype != dtype:
+            got = f"torch.{value.dtype}{list(value.shape)}" if isinstance(value, TensorRef) else type(value).__name__
+            raise CheckpointError(f"{where}: holds {got}, the metadata says torch.{dtype}{list(sizes)}")
+        check_view(zf, value, where)
+        if not _array(size):
+            unit.leaves[store_path], unit.zips[store_path] = value, zf
+            continue
+        leaf = sharded.setdefault(store_path, ArrayLeaf(dtype, size, []))
+        leaf.pieces.append(LocalPiece(item.offsets, sizes, value, zf))
+    unit.leaves.update(sharded)
+
+
+def _flat_pieces(zf: TorchZip, value: Any, item: Item, dtype: str, where: str) -> list[LocalPiece]:
+    count = sum(math.prod(sizes) for _, _, sizes in item.boxes)
+    if not isinstance(value, TensorRef) or value.dtype != dtype or math.prod(value.shape) != count \
+            or value.stride[-1:] not in ((1,), ()):
+        got = f"torch.{value.dtype}{list(value.shape)}" if isinstance(value, TensorRef) else type(value).__name__
+        raise CheckpointError(f"{where}: holds {got}, the metadata says {count} elements of torch.{dtype}")
+    check_view(zf, value, where)
+    return [LocalPiece(offsets, sizes, TensorRef(value.storage, value.offset + start, sizes, _row_major(sizes), dtype), zf)
+            for start, offsets, sizes in item.boxes]
+
+
+def _row_major(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(sizes[k + 1:]) for k in range(len(sizes)))
+
+
+# ---------------------------------------------------------------------------------------------- format
+def trainer_parts(folder: str, storage_options: StorageOptions | None) -> list[str]:
+    """The DCP folders the HF Trainer and Accelerate save side by side as one checkpoint (FSDP's
+    SHARDED_STATE_DICT): `pytorch_model_fsdp_{i}/` (each prepared model, its state under `model`) and
+    `optimizer_{i}/` (its optimizer, under `optimizer`), in that order. Empty when `folder` has a
+    .metadata of its own or holds no such folder."""
+    if has_metadata(folder, storage_options):
+        return []
+    found = [n for n in subfolders(folder, storage_options) if PART.fullmatch(n)
+             and has_metadata(join(folder, n), storage_options)]
+    return sorted(found, key=lambda n: (not n.startswith(FSDP_MODEL), int(n.rsplit("_", 1)[1])))
+
+
+def read_parts(folder: str, storage_options: StorageOptions | None = None) -> DcpCheckpoint:
+    """One checkpoint of a trainer's DCP folders (`trainer_parts`): each folder's metadata read and
+    checked on its own, its files named `part/file`; the keys of two parts must not meet."""
+    parts = trainer_parts(folder, storage_options)
+    if not parts:
+        raise CheckpointError(f"{folder}: holds no DCP folder of a trainer (pytorch_model_fsdp_N/, optimizer_N/)")
+    tensors: dict[str, Any] = {}
+    values: list[str] = []
+    paths_: dict[str, tuple[Any, ...]] = {}
+    items: list[Item] = []
+    files: list[str] = []
+    digests = []
+    for part in parts:
+        ckpt = _numbered(read_checkpoint(join(folder, part), storage_options), int(part.rsplit("_", 1)[1]))
+        taken = set(tensors) | set(values)
+        clash = next((fqn for fqn in [*ckpt.tensors, *ckpt.values] if fqn in taken), None)
+        if clash is not None:
+            raise CheckpointError(f"{join(folder, part)}: holds {clash!r:.80}, which an earlier part holds too")
+        tensors.update(ckpt.tensors)
+        values += ckpt.values
+        paths_.update(ckpt.paths)
+        items += [replace(i, file=f"{part}/{i.file}") for i in ckpt.items]
+        files += [f"{part}/{f}" for f in ckpt.files]
+        digests.append(ckpt.digest)
+    digest = hashlib.blake2b(repr(digests).encode(), digest_size=16).hexdigest()
+    return DcpCheckpoint(folder, digest, tensors, values, paths_, items, files)
+
+
+def _numbered(ckpt: DcpCheckpoint, index: int) -> DcpCheckpoint:
+    """A second prepared model's or optimizer's folder (`pytorch_model_fsdp_1/`, `optimizer_1/`): accelerate
+    saves each under the same key (`model`, `optimizer`), kept here as `model_1`, `optimizer_1`, as its
+    per-rank files of the same save are (read/formats/accelerate.py)."""
+    if not index:
+        return ckpt
+
+    def fqn(name: str) -> str:
+        top = str(ckpt.paths[name][0])
+        return f"{top}_{index}{name[len(top):]}" if name.startswith(top) else f"{top}_{index}.{name}"
+
+    return DcpCheckpoint(ckpt.folder, ckpt.digest, {fqn(k): v for k, v in ckpt.tensors.items()},
+                         [fqn(k) for k in ckpt.values],
+                         {fqn(k): (f"{p[0]}_{index}", *p[1:]) for k, p in ckpt.paths.items()},
+                         [replace(i, fqn=fqn(i.fqn)) for i in ckpt.items], ckpt.files)
+
+
+def _inside(folder: str, storage_options: StorageOptions | None) -> str | None:
+    """The folder holding .metadata: `folder`, or one of the places a trainer keeps it in (INSIDE); or
+    `folder` itself when it holds a trainer's DCP folders side by side (`trainer_parts`)."""
+    for place in ("", *INSIDE):
+        path = join(folder, place) if place else folder
+        if has_metadata(path, storage_options):
+            return path
+    return folder if trainer_parts(folder, storage_options) else None
+
+
+def _read(folder: str, storage_options: StorageOptions | None) -> DcpCheckpoint:
+    """The checkpoint in `folder`: its .metadata, or its trainer's DCP folders as one."""
+    return read_checkpoint(folder, storage_options) if has_metadata(folder, storage_options) \
+        else read_parts(folder, storage_options)
+
+
+def _unit_folder(path: str) -> tuple[str, str]:
+    """(the checkpoint folder, the unit's name in it) of a .distcp file: `part/file` inside a trainer's
+    DCP folder (its facts list units so), else the file's own folder and name."""
+    folder, name = folder_of(path), name_of(path)
+    part = name_of(folder)
+    return (folder_of(folder), f"{part}/{name}") if PART.fullmatch(part) else (folder, name)
+
+
+def _resolved(folder: str, storage_options: StorageOptions | None) -> str:
+    return _inside(folder, storage_options) or join(folder, MODEL_AND_OPTIM)
+
+
+def _beside(folder: str, storage_options: StorageOptions | None) -> list[str]:
+    """The files a trainer keeps next to its DCP folder that describe the model: OLMo's config.yaml, a
+    config.json (the HF Trainer's: in its output_dir above checkpoint-N/, or in another checkpoint-M/ of
+    the run); NeMo 2's context/model.yaml and the tokenizer in context/nemo_tokenizer/; the Hugging Face
+    files in veRL's huggingface/ next to its Megatron actor's dist_ckpt/; those of the transformers model
+    Lightning's hparams.yaml names (read/formats/lightning.py)."""
+    name, parent = name_of(folder), folder_of(folder)
+    if name == MODEL_AND_OPTIM:
+        return config_files(parent, storage_options, "config.yaml", JSON_CONFIG)
+    found = config_files(folder, storage_options, "config.yaml", JSON_CONFIG)
+    if not found and TRAINER_STEP.fullmatch(name) and trainer_parts(folder, storage_options):
+        # the HF Trainer writes no config.json into a sharded checkpoint-N/; its final save_model writes
+        # the model's Hugging Face files into the run's output_dir, the folder above, and a save of a
+        # full state dict (another checkpoint-M/ of the run) writes them into its folder
+        found = _hf_files(parent, storage_options)
+        steps = sorted((n for n in subfolders(parent, storage_options) if TRAINER_STEP.fullmatch(n) and n != name),
+                       key=lambda n: -int(n.split("-")[1]))
+        for step in steps if not found else []:
+            found = _hf_files(join(parent, step), storage_options)
+            if found:
+                break
+    if config_files(folder, storage_options, lightning.META):
+        found += lightning.model_files(folder, storage_options)
+    if name == NEMO_WEIGHTS:
+        context = join(parent, NEMO_CONTEXT)
+        found += config_files(context, storage_options, NEMO_MODEL)
+        found += [p for p in listing(join(context, NEMO_TOKENIZER), storage_options) if hf_model_file(name_of(p))]
+    elif name == VERL_DIST:
+        found += [p for p in listing(join(parent, VERL_HF), storage_options) if hf_model_file(name_of(p))]
+    return found
+
+
+def _hf_files(folder: str, storage_options: StorageOptions | None) -> list[str]:
+    """A model's Hugging Face files in `folder`, if its config.json is there."""
+    there = [p for p in listing(folder, storage_options) if hf_model_file(name_of(p))]
+    return there if JSON_CONFIG in map(name_of, there) else []
+
+
+def dcp_folder(src: str, tag: str | None, step: int | None, storage_options: StorageOptions | None) -> str | None:
+    """The DCP checkpoint folder `src` is, or holds (OLMo's model_and_optim/, Composer's ep*-ba*/ and its
+    latest-rank0.pt link, step*/), or None when `src` holds no DCP checkpoint (`watch` asks this while a
+    checkpoint may still be arriving, so nothing of it is read)."""
+    if FORMAT.detect(src, storage_options):
+        return _resolved(src, storage_options)
+    newest = FORMAT.latest(src, storage_options) if tag in (None, "latest") and step is None else None
+    if newest is not None:
+        return _resolved(newest, storage_options)
+    below = [n for n in subfolders(src, storage_options) if FORMAT.detect(join(src, n), storage_options)]
+    return _resolved(join(src, pick(src, below, tag, step)), storage_options) if below else None
+
+
+class DcpFormat:
+    name, title, ranked = "dcp", "DCP", False
+    group_claims, keeps_empty_values = False, False  # DCP stores nested values key by key
+
+    def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
+        return _inside(folder, storage_options) is not None
+
+    def source(self, folder: str, storage_options: StorageOptions | None) -> Any:
+        folder = _resolved(folder, storage_options)
+        units = [join(folder, f) for f in _read(folder, storage_options).files]
+        found = resume_files(folder, storage_options)  # the HF Trainer's, beside its DCP folders
+        return Source(self.name, units + trainer_files(folder, storage_options), storage_options,
+                      _beside(folder, storage_options), *((found.trainer, found.files) if found is not None else ()))
+
+    def latest(self, folder: str, storage_options: StorageOptions | None) -> str | None:
+        """Composer's `latest-rank0.pt`, a link to the newest checkpoint folder; Lightning's `last.ckpt`
+        (ModelCheckpoint's save_last: that link, or a copy of the newest save)."""
+        if is_url(folder):
+            return None
+        for name in LATEST:
+            link = os.path.join(local(folder), name)
+            if os.path.isdir(link) and self.detect(link, storage_options):
+                return os.path.realpath(link)
+        return None
+
+    def of_files(self, files: list[str], storage_options: StorageOptions | None) -> Any:
+        """.distcp files of one checkpoint, with any of the files of values its trainer keeps beside them
+        (Lightning's meta.pt, Megatron's common.pt, OLMo's train/rank<N>.pt)."""
+        distcp = [f for f in files if f.endswith(".distcp")]
+        if not distcp:
+            return None
+        beside = {os.path.normpath(p) for p in trainer_files(_unit_folder(distcp[0])[0], storage_options)}
+        if any(not f.endswith(".distcp") and os.path.normpath(f) not in beside for f in files):
+            raise CheckpointError("give .distcp files of one DCP checkpoint (and the files of values beside "
+                                  "them), or rank files, not both")
+        return Source(self.name, sorted(files, key=lambda f: not f.endswith(".distcp")), storage_options)
+
+    def plan(self, source: Any, encode_key: Any, strict: bool) -> tuple[CheckpointSpec, None]:
+        trainer_state = [u for u in source.units if u.endswith(".pt")]
+        folder, name = _unit_folder(source.units[0])
+        ckpt = read_parts(folder, source.storage_options) if "/" in name else None
+        distcp = [u for u in source.units if u.endswith(".distcp")]
+        if ckpt is None or sorted(join(folder, f) for f in ckpt.files) != sorted(distcp):  # one folder of them
+            ckpt = read_checkpoint(folder_of(source.units[0]), source.storage_options)
+        return spec(ckpt, encode_key, trainer_state, strict, source.storage_options), None
+
+    def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+                  facts: dict[str, Any]) -> Any:
+        if path.endswith(".pt"):  # OLMo's train/rank<N>.pt beside model_and_optim/
+            return open_trainer_unit(path, storage_options, strict, encode_key)
+        parts = any("/" in u for u in facts.get("units", ()) if u.endswith(".distcp"))  # part/file: read_parts
+        return open_unit(path, storage_options, strict, parts)
+
+    def arrivals(self, folder: str, tag: str | None, looks: Any) -> Any:
+        """A DCP folder counts once its .metadata reads (torch writes it last; a copy may bring it first),
+        then each .distcp file once it reaches the end of the last item .metadata places in it."""
+        found = dcp_folder(folder, tag, None, None)
+        if found is None:
+            return None
+        if not has_metadata(found):
+            raise CheckpointError(f"{found}: a trainer's DCP folders side by side ({', '.join(trainer_parts(found, None))})"
+                                  f"; watch does not follow them yet: unshard it once it is saved")
+        ckpt = looks.parse(os.path.join(found, METADATA), lambda path: read_checkpoint(found))
+        if ckpt is None:
+            return Arrived(Source(self.name, []), [])  # still being written: look again
+        ends: dict[str, int] = {}
+        for item in ckpt.items:
+            ends[item.file] = max(ends.get(item.file, 0), item.offset + item.length)
+        units = [os.path.join(found, f) for f in ckpt.files]
+        return Arrived(Source(self.name, units), [
+            (path, i) for i, path in enumerate(units)
+            if looks.still(path, lambda p, size: size >= ends[os.path.basename(p)])])
+
+    def unit_kind(self, name: str) -> str:
+        if name.endswith(".distcp"):
+            return ".distcp files"
+        if name_of(name) == lightning.META:
+            return "Lightning's meta.pt"
+        return "Megatron's common state" if _is_common(name) else "trainer-state files"
+
+
+FORMAT = DcpFormat()

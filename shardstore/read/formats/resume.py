@@ -1,0 +1,62 @@
+"""The files the HF Trainer and Accelerate save beside a sharded model and optimizer, to resume from.
+
+transformers' `Trainer._save_checkpoint` writes `scheduler.pt`, `rng_state_{process}.pth` (`rng_state.pth`
+in a one-process run), `trainer_state.json`, `training_args.bin` and, under AMP, `scaler.pt`; Accelerate's
+`save_state` writes `scheduler.bin` (`scheduler_{i}.bin`), `sampler.bin`, `scaler.pt`,
+`random_states_{process}.pkl` and `custom_checkpoint_{i}.pkl`. None of them is unpickled here: they are
+kept byte for byte and `--format torch` writes them back under the names a one-process resume reads
+(rank 0's RNG state), beside the unsharded weights and optimizer (export/torch.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ... import jsonin
+from ...errors import CheckpointError
+from ...locations import StorageOptions, listing, name_of
+from ..primitives.container import read_small
+from ..source import MAX_SIDE_FILE
+
+TRAINER_STATE = "trainer_state.json"
+TRAINER_FILES = ("scheduler.pt", "scaler.pt", "training_args.bin", TRAINER_STATE)
+TRAINER_RNG = ("rng_state.pth", "rng_state_0.pth")  # a one-process run's, else process 0's
+ACCELERATE_FILES = re.compile(r"(?:(?:scheduler|sampler|dl_state_dict)(?:_\d+)?\.bin|scaler\.pt|custom_checkpoint_\d+\.pkl)\Z")
+ACCELERATE_RNG = "random_states_0.pkl"
+STEP_FOLDER = re.compile(r"checkpoint-(\d+)\Z")  # the Trainer's f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
+
+
+@dataclass(frozen=True)
+class Resume:
+    trainer: str  # "hf-trainer" or "accelerate": which torch files `--format torch` writes
+    files: dict[str, str]  # output name -> the file of the checkpoint written under it
+
+
+def resume_files(folder: str, storage_options: StorageOptions | None = None) -> Resume | None:
+    """What the HF Trainer (its trainer_state.json says so) or Accelerate's save_state (its RNG states)
+    left in `folder` beside the model and optimizer; None for a folder of neither."""
+    there = {name_of(p): p for p in listing(folder, storage_options)}
+    if TRAINER_STATE in there:
+        _check_step(folder, there[TRAINER_STATE], storage_options)
+        files = {name: there[name] for name in TRAINER_FILES if name in there}
+        rng = next((there[name] for name in TRAINER_RNG if name in there), None)
+        return Resume("hf-trainer", files | ({"rng_state.pth": rng} if rng else {}))
+    if ACCELERATE_RNG in there:
+        return Resume("accelerate", {name: path for name, path in there.items()
+                                     if ACCELERATE_FILES.match(name) or name == ACCELERATE_RNG})
+    return None
+
+
+def _check_step(folder: str, path: str, storage_options: StorageOptions | None) -> None:
+    """The Trainer names checkpoint-N/ by the global_step its trainer_state.json records: a folder whose
+    state says another step holds files of two saves (a copy into an older one), and is refused."""
+    state = jsonin.loads(read_small(path, storage_options, MAX_SIDE_FILE, "the HF Trainer's trainer_state.json"),
+                         path, "the HF Trainer's trainer_state.json", CheckpointError)
+    step = state.get("global_step") if isinstance(state, dict) else None
+    if type(step) is not int:
+        raise CheckpointError(f"{path}: not the HF Trainer's trainer_state.json (no global_step)")
+    named = STEP_FOLDER.match(name_of(folder))
+    if named is not None and int(named.group(1)) != step:
+        raise CheckpointError(f"{path}: records global_step {step}, but its folder is {name_of(folder)}: files "
+                              f"of two saves?")

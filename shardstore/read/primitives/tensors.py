@@ -1,0 +1,71 @@
+"""Tensors that still live in a torch zip: checked against their storage, then viewed or copied in place.
+
+A `TensorRef` (what the safe unpickler makes of a pickled tensor) names a storage record of its zip and a
+strided view of it. Nothing here trusts the view until `check_view` has: whole numbers for shape, strides
+and offset; a storage record that exists and holds exactly what its pickle declares; every element the
+view reaches inside that record; no expanded view much larger than the record.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ... import dtypes
+from ...errors import CheckpointError
+from .container import Container
+from .unpickle import TensorRef
+
+# A tensor may view more elements than its storage holds only through stride-0 (expanded) views; past
+# this size such a view is refused, so a few bytes of storage never become gigabytes in memory.
+MAX_EXPANDED_BYTES = 16 << 20
+
+
+def check_view(zf: Container, ref: TensorRef, where: str) -> None:
+    name = f"{zf.path}: {where}"
+    if not all(type(v) is int for v in (ref.offset, *ref.shape, *ref.stride)) or len(ref.shape) != len(ref.stride):
+        raise CheckpointError(f"{name}: tensor with a malformed shape {ref.shape!r:.60} or stride {ref.stride!r:.60}")
+    if ref.offset < 0 or any(d < 0 for d in ref.shape) or any(st < 0 for st in ref.stride):
+        raise CheckpointError(f"{name}: tensor with a negative size, stride or offset (corrupt file)")
+    info, storage_info = dtypes.info(ref.dtype), dtypes.info(ref.storage.dtype)
+    entry = zf.entries.get(f"data/{ref.storage.key}")
+    if entry is None:
+        raise CheckpointError(f"{name}: its storage record data/{ref.storage.key} is missing (corrupt file)")
+    if not isinstance(ref.storage.numel, int) or entry.size != ref.storage.numel * storage_info.itemsize:
+        raise CheckpointError(f"{name}: storage data/{ref.storage.key} holds {entry.size} bytes, its pickle "
+                              f"declares {ref.storage.numel} x {storage_info.itemsize} (corrupt file)")
+    count = math.prod(ref.shape)
+    if count == 0:
+        return
+    last = ref.offset + sum((n - 1) * st for n, st in zip(ref.shape, ref.stride))
+    if (last + 1) * info.itemsize > entry.size:
+        raise CheckpointError(f"{name}: tensor view runs past its storage data/{ref.storage.key} (corrupt file)")
+    if count * info.itemsize > max(entry.size, MAX_EXPANDED_BYTES):
+        raise CheckpointError(f"{name}: a tensor of {count * info.itemsize} bytes viewing a storage of "
+                              f"{entry.size} (an expanded view this large is not a checkpoint)")
+
+
+def array(zf: Container, ref: TensorRef) -> np.ndarray:
+    """A zero-copy numpy view (raw dtype) of the tensor."""
+    check_view(zf, ref, "a tensor")
+    info = dtypes.info(ref.dtype)
+    if any(s == 0 for s in ref.shape):
+        return np.empty(ref.shape, dtype=info.raw)
+    storage = zf.record(f"data/{ref.storage.key}")
+    start = ref.offset * info.itemsize
+    base = np.frombuffer(storage, dtype=info.raw, count=(len(storage) - start) // info.itemsize, offset=start)
+    return np.lib.stride_tricks.as_strided(base, shape=ref.shape, strides=[s * info.itemsize for s in ref.stride],
+                                           writeable=False)
+
+
+def byte_range(zf: Container, ref: TensorRef) -> tuple[int, int] | None:
+    """(file offset, length) when the tensor is one C-contiguous run of bytes, else None."""
+    check_view(zf, ref, "a tensor")
+    info = dtypes.info(ref.dtype)
+    expected = 1
+    for n, s in reversed(list(zip(ref.shape, ref.stride))):
+        if n != 1 and s != expected:
+            return None
+        expected *= n
+    return zf.storage_offset(ref.storage.key) + ref.offset * info.itemsize, expected * info.itemsize

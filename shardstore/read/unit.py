@@ -1,0 +1,56 @@
+"""What formats of one-file units share: one unit type for a file of pieces and values, the unit names
+the store lists at plan time and the checks that place a file among them, and flat (FSDP1-style) specs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointError
+from .contract import ShardedSpec, ShardSpec
+
+
+def relative(path: str) -> str:
+    """"model/rank3.pt" from a unit's full path: how the store names units (extra["units"])."""
+    return "/".join(path.rstrip("/").replace("\\", "/").split("/")[-2:])
+
+
+def flat_spec(dtype: str, shape: tuple[int, ...], pieces: list[tuple[int, int, int]]) -> ShardedSpec:
+    """A tensor whose pieces are (holder, first element, count) ranges of its flattened elements."""
+    return ShardedSpec(dtype, shape, tuple(ShardSpec((lo,), (n,), r) for r, lo, n in pieces if n), flat=True)
+
+
+def planned_place(name: str, path: str, facts: dict[str, Any], key: str, what: str) -> tuple[int, int]:
+    """A unit file's number among the units the store was planned from (by `name`, as the plan lists
+    them), and their count. A file the plan does not list, or a store another format planned (its facts
+    have no `key`), is refused by name."""
+    listed = facts.get("units", [])
+    if name not in listed or key not in facts:
+        raise CheckpointError(f"{path}: not a file of the {what} checkpoint the store holds")
+    return listed.index(name), len(listed)
+
+
+@dataclass
+class FileUnit:
+    """One file of a checkpoint, opened and checked: its pieces (ArrayLeafs) and values, still on disk.
+    `container` is the torch zip or safetensors file the tensors view."""
+
+    path: str
+    rank: int  # the unit's number in the checkpoint
+    world_size: int
+    group_rank: int
+    group_size: int
+    digest: str
+    leaves: dict[str, Any]
+    container: Any
+
+    @property
+    def size(self) -> int:
+        return self.container.size
+
+    def value_zip(self, path: str) -> Any:
+        return self.container
+
+    def close(self) -> None:
+        self.container.close()

@@ -1,0 +1,207 @@
+"""torch.distributed.checkpoint folders, saved by real gloo processes, unsharded bit-exact against torch's
+own `dcp_to_torch_save`: FSDP1, FSDP2 DTensors, hybrid sharding, tensor parallel x FSDP (boxes on two
+dimensions), optimizer state, bf16 and non-tensor values."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import shardstore
+from shardstore.read.discover import open_source
+from tests.conftest import assert_bitwise_equal
+from tests.read.conformance import FormatTests
+
+
+def _expected(folder: Path) -> dict:
+    return torch.load(f"{folder}.expected.pt.ref", weights_only=False)
+
+
+def _torch_output(out: Path) -> dict:
+    return {"model": torch.load(out / "model.pt", weights_only=True), "optim": torch.load(out / "optim.pt", weights_only=True),
+            **torch.load(out / "train.pt", weights_only=True)}
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2", "hsdp", "tp"])
+def test_dcp_unshards_bit_exact_in_both_formats(kind: str, dcp_checkpoints, tmp_path: Path) -> None:
+    src = dcp_checkpoints(kind)
+    want = _expected(src)
+    shardstore.unshard(src, tmp_path / "pt", store=tmp_path / "store", format="torch", jobs=2)
+    assert_bitwise_equal(_torch_output(tmp_path / "pt"), want, kind)
+    shardstore.export(tmp_path / "store", tmp_path / "st")
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), want["model"], f"{kind} safetensors")
+    store = shardstore.open(tmp_path / "store")
+    assert store.manifest.facts.format == "dcp" and store.status().ok
+    assert store["trainer/config/name"] == kind and store["trainer/step"] == 3
+
+
+def test_two_dimensional_boxes_read_lazily(dcp_checkpoints, tmp_path: Path) -> None:
+    src = dcp_checkpoints("tp")  # RowwiseParallel x FSDP: down.weight [128, 3072] split on both dimensions
+    shardstore.ingest(tmp_path / "store", sorted(str(p) for p in src.glob("*.distcp")), jobs=1)
+    store = shardstore.open(tmp_path / "store")
+    h = store["model/blocks.0.down.weight"]
+    want = _expected(src)["model"]["blocks.0.down.weight"]
+    assert store.manifest.arrays[h.path].cell == (64, 1536)  # one cell per box: one writer each
+    assert_bitwise_equal(h[60:70, 1530:1540], want[60:70, 1530:1540])
+
+
+def test_olmo_and_composer_folders_are_found(dcp_checkpoints, tmp_path: Path) -> None:
+    src = dcp_checkpoints("fsdp1")
+    olmo = tmp_path / "step1000"
+    shutil.copytree(src, olmo / "model_and_optim")
+    shardstore.unshard(olmo, tmp_path / "olmo", jobs=1)
+    assert_bitwise_equal(load_file(tmp_path / "olmo" / "model.safetensors"), _expected(src)["model"])
+    composer = tmp_path / "composer"
+    for batch in (10, 20):
+        shutil.copytree(src, composer / f"ep0-ba{batch}")
+    os.symlink(composer / "ep0-ba20", composer / "latest-rank0.pt")
+    shardstore.unshard(composer, tmp_path / "latest", jobs=1)
+    shardstore.unshard(composer, tmp_path / "ba10", step=10, jobs=1)
+    assert (tmp_path / "ba10" / "model.safetensors").exists()
+    shutil.copytree(src, tmp_path / "two" / "ep0-ba10")
+    shutil.copytree(src, tmp_path / "two" / "ep0-ba20")
+    assert open_source(tmp_path / "two").units[0].startswith(str(tmp_path / "two" / "ep0-ba20"))  # the newest
+
+
+def test_partial_ingest_and_ls_names_the_format(dcp_checkpoints, tmp_path: Path) -> None:
+    src = dcp_checkpoints("fsdp2")
+    files = sorted(str(p) for p in src.glob("*.distcp"))
+    shardstore.ingest(tmp_path / "store", files[:2], jobs=1)
+    status = shardstore.open(tmp_path / "store").status()
+    assert status.ranks_done == [0, 1] and status.ranks_missing == [2, 3] and not status.ok
+    ls = subprocess.run([sys.executable, "-m", "shardstore", "ls", tmp_path / "store"], capture_output=True, text=True)
+    assert ls.stdout.startswith("format: dcp (4 .distcp files)"), ls.stdout
+    shardstore.ingest(tmp_path / "store", files, jobs=1)
+    assert shardstore.open(tmp_path / "store").status().ok
+
+
+def _metadata_with(src: Path, dst: Path, edit) -> Path:
+    """A copy of the checkpoint whose .metadata was rewritten by torch's own pickle after `edit(metadata)`."""
+    import pickle
+
+    shutil.copytree(src, dst)
+    md = pickle.loads((dst / ".metadata").read_bytes())
+    edit(md)
+    (dst / ".metadata").write_bytes(pickle.dumps(md))
+    return dst
+
+
+def _first_item(md):
+    return next(iter(md.storage_data.values()))
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda md: setattr(_first_item(md), "relative_path", "../../etc/passwd"), "not a file name inside"),
+    (lambda md: setattr(_first_item(md), "transform_descriptors", ["zstd"]), "transforms ['zstd']"),
+    (lambda md: setattr(_first_item(md), "length", 10**9), "runs past the end"),
+    (lambda md: setattr(_first_item(md), "offset", -5), "impossible"),
+])
+def test_forged_metadata_is_refused_in_one_line(edit, needle: str, dcp_checkpoints, tmp_path: Path) -> None:
+    src = _metadata_with(dcp_checkpoints("fsdp1"), tmp_path / "ckpt", edit)
+    proc = subprocess.run([sys.executable, "-m", "shardstore", "unshard", src, tmp_path / "out", "-j", "1"],
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_a_distcp_file_of_another_checkpoint_is_refused(dcp_checkpoints, tmp_path: Path) -> None:
+    a, b = dcp_checkpoints("fsdp1"), dcp_checkpoints("fsdp2")
+    shardstore.ingest(tmp_path / "store", [str(a / "__0_0.distcp")], jobs=1)
+    with pytest.raises(shardstore.ShardstoreError, match="different keys|world size"):
+        shardstore.ingest(tmp_path / "store", [str(b / "__1_0.distcp")], jobs=1)
+    # the same keys and shapes, another save: its files do not belong with this store's
+    other = _metadata_with(a, tmp_path / "other", lambda md: setattr(md.storage_meta, "save_id", "another run"))
+    with pytest.raises(shardstore.CheckpointError, match="another DCP checkpoint"):
+        shardstore.ingest(tmp_path / "store", [str(other / "__1_0.distcp")], jobs=1)
+    assert shardstore.open(tmp_path / "store").status().ranks_done == [0]
+
+
+def test_dcp_from_s3_into_a_store_on_s3_and_on_dask(s3, dcp_checkpoints, tmp_path: Path) -> None:
+    """Ranged reads of the items out of .distcp objects; one Dask task per .distcp file."""
+    from tests.conftest import upload
+
+    src = dcp_checkpoints("tp")
+    url = upload(src, "s3://dcp-a/step10", pattern="*distcp")
+    upload(src, "s3://dcp-a/step10", pattern=".metadata")
+    shardstore.unshard(url, tmp_path / "pt", store="s3://dcp-a/store", format="torch", jobs=2)
+    assert_bitwise_equal(_torch_output(tmp_path / "pt"), _expected(src), "from S3")
+    shardstore.unshard(url, tmp_path / "st", store="s3://dcp-a/store-dask", scheduler="dask", jobs=2)
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), _expected(src)["model"], "on Dask")
+    assert shardstore.open("s3://dcp-a/store-dask").status().ok
+
+
+def test_olmo_torch_new_with_its_trainer_state_files(dcp_checkpoints, tmp_path: Path) -> None:
+    """OLMo's torch_new checkpointer: model_and_optim/ (DCP) beside train/rank{r}.pt (the trainer state)."""
+    from tests.fixtures.fsdp import trainer_state
+
+    src = dcp_checkpoints("fsdp1")
+    step = tmp_path / "step1000"
+    shutil.copytree(src, step / "model_and_optim")
+    (step / "train").mkdir()
+    for rank in range(4):
+        torch.save(trainer_state(rank, 4), step / "train" / f"rank{rank}.pt")
+    shardstore.unshard(step, tmp_path / "pt", store=tmp_path / "store", format="torch", jobs=2)
+    want = _expected(src)
+    assert_bitwise_equal(torch.load(tmp_path / "pt" / "model.pt", weights_only=True), want["model"], "model.pt")
+    assert_bitwise_equal(torch.load(tmp_path / "pt" / "optim.pt", weights_only=True), want["optim"], "optim.pt")
+    train = torch.load(tmp_path / "pt" / "train.pt", weights_only=False)
+    rank0 = trainer_state(0, 4)
+    rng, rank0_rng = train.pop("rng"), rank0.pop("rng")  # train/rank0.pt whole, its RNG states too
+    assert train == {**rank0, "trainer": want["trainer"]}  # the DCP's own values, and rank 0's trainer state
+    assert rng["python"] == rank0_rng["python"]
+    assert_bitwise_equal(rng["cuda"], rank0_rng["cuda"], "rank 0's RNG state")
+    store = shardstore.open(tmp_path / "store")
+    assert sorted(store.values("rng/cuda")) == [4, 5, 6, 7]  # every rank's, numbered after the 4 .distcp files
+    ls = subprocess.run([sys.executable, "-m", "shardstore", "ls", tmp_path / "store"], capture_output=True, text=True)
+    assert ls.stdout.startswith("format: dcp (4 .distcp files + 4 trainer-state files)") and "files ingested: 8/8" in ls.stdout
+
+
+def test_olmo_core_metadata_and_accelerate_folders(dcp_checkpoints, tmp_path: Path, monkeypatch) -> None:
+    """OLMo-core's .metadata names its own copy of _StorageInfo (olmo_core is never imported); HF
+    accelerate saves DCP in a sub-folder (pytorch_model_fsdp_0/)."""
+    import dataclasses
+    import pickle
+    import types
+
+    src = dcp_checkpoints("fsdp2")
+    module = types.ModuleType("olmo_core.distributed.checkpoint.filesystem")
+
+    @dataclasses.dataclass
+    class _StorageInfo:  # the same fields as torch's
+        relative_path: str
+        offset: int
+        length: int
+
+    _StorageInfo.__module__ = module.__name__
+    _StorageInfo.__qualname__ = "_StorageInfo"
+    module._StorageInfo = _StorageInfo
+    parts = module.__name__.split(".")
+    for i in range(1, len(parts)):  # only to write the pickle as OLMo-core would: its package, as stubs
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    folder = tmp_path / "run" / "pytorch_model_fsdp_0"
+    shutil.copytree(src, folder)
+    md = pickle.loads((src / ".metadata").read_bytes())
+    md.storage_data = {k: _StorageInfo(v.relative_path, v.offset, v.length) for k, v in md.storage_data.items()}
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    assert b"olmo_core.distributed.checkpoint.filesystem" in (folder / ".metadata").read_bytes()
+    monkeypatch.undo()  # olmo_core is gone again: shardstore must not need it
+    shardstore.unshard(tmp_path / "run", tmp_path / "pt", format="torch", jobs=1)
+    assert_bitwise_equal(_torch_output(tmp_path / "pt"), _expected(src), "OLMo-core metadata")
+
+
+class TestDcpConformance(FormatTests):
+    @pytest.fixture
+    def checkpoint(self, dcp_checkpoints) -> Path:
+        return dcp_checkpoints("tp")  # boxes on both dimensions
+
+    @pytest.fixture
+    def foreign(self, dcp_checkpoints) -> Path:
+        return dcp_checkpoints("fsdp2") / "__1_0.distcp"

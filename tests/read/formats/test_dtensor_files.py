@@ -1,0 +1,86 @@
+"""Per-rank `torch.save` files of a plain FSDP2 run (DTensor state dicts under `*rank<N>.pt` names),
+against what the writing processes gathered, bit for bit."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardstore
+from shardstore.errors import CheckpointError
+from shardstore.read.discover import open_source
+from tests.conftest import assert_bitwise_equal
+from tests.read.conformance import FormatTests
+
+T26_TP = Path(__file__).parents[2] / "fixtures" / "data" / "fsdp2-tp" / "t2.6"
+
+
+@pytest.mark.parametrize("kind, world", [("fsdp2", 3), ("hsdp", 4), ("tp", 4), ("t2.6-tp", 4)])
+def test_plain_fsdp2_rank_files_unshard_bit_exactly(kind: str, world: int, fsdp2_files, tmp_path: Path) -> None:
+    """Over tensor parallelism too ("tp": `_StridedShard` + `Shard`, `Shard` on two dimensions, DTensors
+    of the dp sub-mesh naming only their own dp group; torch 2.13's files, and 2.6's kept as data)."""
+    from safetensors.torch import load_file
+
+    src = T26_TP if kind == "t2.6-tp" else fsdp2_files(kind, world)
+    assert open_source(src).format == "dtensor-files"
+    want = dict(torch.load(f"{src}.expected.pt.ref", weights_only=True))
+    shardstore.unshard(src, tmp_path / "torch", format="torch", jobs=2)
+    assert_bitwise_equal(torch.load(tmp_path / "torch" / "checkpoint.pt", weights_only=True), want, "torch",
+                         ordered=True)
+    shardstore.unshard(src, tmp_path / "st", jobs=2)
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), want, "safetensors")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    shardstore.unshard(src, tmp_path / "dcp", format="dcp", jobs=2)
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "dcp.pt")
+    assert_bitwise_equal(torch.load(tmp_path / "dcp.pt", weights_only=False), want, "dcp")
+
+
+@pytest.mark.parametrize("kind, world", [("fsdp2", 3), ("tp", 4)])
+def test_hf_export_with_the_models_config(kind: str, world: int, fsdp2_files, tmp_path: Path) -> None:
+    """Plain rank files carry no model description: --hf-config names it, and the weights load with the
+    gathered model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.fixtures.fsdp2_files import TP_DIMS
+    from tests.fixtures.verl import IDS, _model
+
+    src = fsdp2_files(kind, world)
+    dims = TP_DIMS if kind == "tp" else None
+    config = tmp_path / "config"
+    _model(dims).config.save_pretrained(config)
+    shardstore.unshard(src, tmp_path / "hf", format="hf", hf_config=config, jobs=2)
+    reference = _model(dims)
+    reference.load_state_dict(torch.load(f"{src}.expected.pt.ref", weights_only=True))
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(input_ids=IDS).logits
+        assert torch.equal(got, reference.eval()(input_ids=IDS).logits)
+
+
+def test_a_missing_rank_file_is_named_before_anything_is_read(fsdp2_files, tmp_path: Path) -> None:
+    src = shutil.copytree(fsdp2_files("fsdp2", 3), tmp_path / "src")
+    (src / "model_rank1.pt").unlink()
+    with pytest.raises(CheckpointError, match="missing for ranks 1"):
+        shardstore.unshard(src, tmp_path / "out", jobs=1)
+
+
+def test_a_renamed_tensor_parallel_file_is_refused(fsdp2_files, tmp_path: Path) -> None:
+    """Rank 1's file copied over rank 3's: a DTensor of the dp sub-mesh places both at dp coordinate 0 of
+    their own groups, but torch >= 2.10 pickles the rank that saved each mesh: refused by name."""
+    src = shutil.copytree(fsdp2_files("tp", 4), tmp_path / "src")
+    shutil.copy(src / "model_rank1.pt", src / "model_rank3.pt")
+    with pytest.raises(CheckpointError, match="model_rank3.pt: .*named rank 3, but saved by rank 1"):
+        shardstore.unshard(src, tmp_path / "out", jobs=1)
+
+
+class TestDTensorFilesConformance(FormatTests):
+    @pytest.fixture(params=["hsdp", "tp"])
+    def checkpoint(self, request, fsdp2_files) -> Path:
+        return fsdp2_files(request.param, 4)
+
+    @pytest.fixture
+    def foreign(self, fsdp2_files) -> Path:
+        return fsdp2_files("fsdp2", 3) / "model_rank1.pt"

@@ -1,0 +1,383 @@
+"""Megatron-Core `torch_dist` checkpoints written by megatron-core 0.19.2's own `dist_checkpointing.save`
+(tests/fixtures/megatron_core.py; the files are kept in tests/fixtures/data/megatron/), against what
+megatron-core's own `dist_checkpointing.load` gives one TP=1, PP=1 process.
+
+A torch_dist folder is DCP underneath, read as a DCP checkpoint whose layers, saved stacked on a leading
+axis, come out under Megatron's own per-layer names (Transformer-Engine-style norm names kept). The
+optimizer's state, after two training steps through Megatron's DDP and DistributedOptimizer, is compared
+with what the live ranks held.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardstore
+from shardstore.read.discover import open_source
+
+from tests.read.conformance import FormatTests
+
+MEGATRON = Path(__file__).parents[2] / "fixtures" / "data" / "megatron"
+DATA = MEGATRON / "core0.19.2"
+# The local layer spec's module names -> the names its sharded state dict gives them (Transformer
+# Engine's, whose norms live inside the next linear layer)
+SAVED_AS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+            "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def _saved_names(want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Megatron's per-layer state dict under the names its sharded state dict gives the norms."""
+    out = {}
+    for key, value in want.items():
+        m = re.fullmatch(r"(decoder\.layers\.\d+\.)(.*)", key)
+        out[m.group(1) + SAVED_AS.get(m.group(2), m.group(2)) if m else key] = value
+    return out
+
+
+LAYOUTS = ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2", "tp2-pp1-qwen2", "tp2-pp1-tied", "tp2-pp1-layers",
+           "tp2-pp1-dp2-optim", "tp2-pp1-dp2-optim-full", "tp2-pp2-optim", "tp1-pp1-dp2-moe",
+           "tp2-pp1-dp2-bf16-optim",  # Megatron-LM's --bf16: bf16 weights, the optimizer's fp32 main params
+           # megatron-core <= 0.18: the common state in common.pt beside the .distcp files
+           "../core0.16.1/tp2-pp1", "../core0.16.1/tp2-pp2-optim", "../core0.16.1/tp2-pp1-dp2-optim-full",
+           # megatron-core <= 0.15's default optimizer form, written with torch 2.6
+           "../core0.12.2/tp2-pp1-dp2-optim-model-space"]
+OPTIM = [layout for layout in LAYOUTS if "optim" in layout]
+
+
+def _common(got: dict) -> dict:
+    """Megatron's common state as the export holds it: megatron-core >= 0.19 keeps it as a bytes item in
+    the files (a one-element list), <= 0.18 in common.pt."""
+    return got["common_state/shard_0_1"][0] if "common_state/shard_0_1" in got else got["common_state"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_parallel_layout_reads_per_layer_as_megatron_core_loads_it(layout: str, tmp_path: Path) -> None:
+    """Layers saved stacked on a leading axis (or per layer: `-layers`) come out under Megatron's
+    per-layer names, in layer order, under `model` as Megatron-LM's torch format nests them; safetensors
+    holds the model alone; --format dcp holds it as torch reads it back."""
+    from safetensors.torch import load_file
+
+    src = DATA / layout
+    assert open_source(src).format == "dcp" and "/iter_0000010/" in open_source(src).units[0]  # the latest
+    want = _saved_names(torch.load(f"{src}.expected.pt.ref", weights_only=True)["model"])
+    shardstore.unshard(src, tmp_path / "pt", format="torch", jobs=2)
+    got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=False)  # Megatron-LM's args: a Namespace
+    model = got["model"]
+    tensors = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
+    assert set(tensors) == set(want)
+    for key, value in want.items():
+        assert tensors[key].dtype == value.dtype and torch.equal(tensors[key], value), key
+    layers = [int(k.split(".")[2]) for k in model if k.startswith("decoder.layers.")]
+    assert layers == sorted(layers)  # layer by layer, as Megatron's own state dict is
+    common = _common(got)
+    assert common["iteration"] == 10 and common["args"].num_query_groups == 2 and common["checkpoint_version"] == 3.0
+    assert ("output_layer.weight" in model) == (not layout.endswith("tied"))  # tied: the embedding is the output
+    extra = {k: v for k, v in model.items() if k.endswith("._extra_state")}
+    per_layer = 2 + (8 if layout.endswith("moe") else 2)  # attention's two, the MLP's two (or each expert's)
+    assert len(extra) == 2 * per_layer and all(v in ([None], None) for v in extra.values())  # the local spec's
+    assert set(got) - {"model", "common_state/shard_0_1", "common_state"} == ({"optimizer"} if "optim" in layout else set())
+    shardstore.unshard(src, tmp_path / "st", jobs=2)
+    st = load_file(tmp_path / "st" / "model.safetensors")
+    assert set(st) == set(want) and all(torch.equal(st[k], v) for k, v in want.items())
+    _same_as_dcp(src, tmp_path, want)
+
+
+def _same_as_dcp(src: Path, tmp_path: Path, want: dict[str, torch.Tensor]) -> None:
+    """--format dcp, read back by torch's own dcp_to_torch_save: the model bit for bit."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    shardstore.unshard(src, tmp_path / "dcp", format="dcp", jobs=2)
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "dcp.pt")
+    model = torch.load(tmp_path / "dcp.pt", weights_only=False)["model"]
+    assert {k for k, v in model.items() if isinstance(v, torch.Tensor)} == set(want)
+    assert all(torch.equal(model[k], v) for k, v in want.items())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().flatten().view(torch.uint8)
+
+
+def _per_layer(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The live ranks' optimizer state under the per-layer names: a stacked key's leading axis split."""
+    out = {}
+    for key, value in saved.items():
+        head, sep, tail = key.partition("decoder.layers.")
+        if sep and not tail[0].isdigit():
+            out.update({f"{head}{sep}{i}.{tail}": value[i] for i in range(value.shape[0])})
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("layout", OPTIM)
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_the_distributed_optimizer_state_is_what_the_live_ranks_held(layout: str, fmt: str, tmp_path: Path) -> None:
+    """After two steps of Megatron's DDP + DistributedOptimizer: `fully_reshardable` state per parameter
+    (param, exp_avg, exp_avg_sq shaped like the model's, per layer), `fully_sharded_model_space`'s
+    flattened ranges of each parameter's blocks put back in their places, `dp_reshardable` as its flat buckets
+    (one per TP x PP rank, each the data-parallel ranks' parts end to end) and said so; bit for bit what
+    the live ranks held, the param_groups with their `step` beside them."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src = DATA / layout
+    want = _per_layer(torch.load(f"{src}.expected.pt.ref", weights_only=True)["optimizer"])
+    result = shardstore.unshard(src, tmp_path / "out", format=fmt, jobs=2)
+    assert any("flat buckets" in n for n in result.notes) == layout.endswith("-optim")
+    if fmt == "dcp":  # torch's own reading of the export
+        dcp_to_torch_save(tmp_path / "out", tmp_path / "dcp.pt")
+    got = torch.load(tmp_path / ("out/checkpoint.pt" if fmt == "torch" else "dcp.pt"), weights_only=False)
+    optimizer = got["optimizer"]
+    tensors = {k: v for k, v in optimizer.items() if isinstance(v, torch.Tensor)}
+    assert set(tensors) == set(want) and len(want) >= 6
+    for key, value in want.items():  # bit for bit: a bucket's padding is whatever memory held (NaN too)
+        assert tensors[key].dtype == value.dtype and torch.equal(_bits(tensors[key]), _bits(value)), key
+    if layout.endswith("-optim"):
+        groups = next(v for k, v in optimizer.items() if k.endswith(".optimizer/shard_0_1"))[0]["param_groups"]
+    else:  # per parameter, per layer, shaped like the model's (fully_reshardable, fully_sharded_model_space)
+        assert any(k.startswith("optimizer.state.exp_avg.decoder.layers.1.") for k in tensors)
+        assert tensors["optimizer.state.exp_avg.output_layer.weight"].shape == got["model"]["output_layer.weight"].shape
+        groups = _common(got)["optimizer"]["optimizer"]["param_groups"]
+    assert [g["step"] for g in groups] == [2.0, 2.0]  # two steps, in every group
+
+
+def test_a_megatron_lm_run_folder_gives_the_iteration_its_pointer_names(tmp_path: Path) -> None:
+    """Megatron-LM's save_checkpoint: iter_{N:07d}/ folders beside latest_checkpointed_iteration.txt."""
+    run = tmp_path / "run"
+    for step in (10, 20):
+        shutil.copytree(DATA / "tp2-pp1" / "iter_0000010", run / f"iter_{step:07d}")
+    (run / "latest_checkpointed_iteration.txt").write_text("20")
+    assert open_source(run).units[0].startswith(str(run / "iter_0000020"))
+    assert open_source(run, step=10).units[0].startswith(str(run / "iter_0000010"))
+
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 100,
+         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 16, "tie_word_embeddings": False,
+         "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "head_dim": 4, "dtype": "float32"}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("described", ["args", "hf-config"])
+def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_path: Path) -> None:
+    """q, k and v taken per query group, fc1 split into gate and up, norms renamed: transformers' Llama
+    reproduces the logits Megatron's own forward gave (float32; the two order their sums differently).
+    The model is described by Megatron-LM's own args in the checkpoint, or by a config.json given."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    config = dict(LLAMA, tie_word_embeddings=layout.endswith("tied"))
+    if layout.endswith("qwen2"):  # q, k and v with biases, split per query group like their weights
+        config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+        del config["attention_bias"], config["mlp_bias"], config["head_dim"]
+    if layout.endswith("moe"):  # 4 experts, top 2: each expert's fc1 split into w1 and w3
+        config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
+                      num_experts_per_tok=2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    src = DATA / layout
+    given = tmp_path / "config.json" if described == "hf-config" else None
+    result = shardstore.unshard(src, tmp_path / "hf", format="hf", hf_config=given, jobs=2)
+    assert any("padded" in n for n in result.notes) == (given is None)
+    want = torch.load(f"{src}.expected.pt.ref", weights_only=True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()  # bf16 runs too
+    with torch.no_grad():
+        got = model(input_ids=want["ids"]).logits
+    # float32 sums in another order: ~1e-5 of logits that reach ~20 (every weight drawn from N(0, 1)); a
+    # wrong split is off by whole units
+    torch.testing.assert_close(got, want["logits"], rtol=1e-4, atol=1e-4)
+    assert type(model).__name__ == config["architectures"][0]
+    wrong = dict(config, num_key_value_heads=4)  # a plain q|k|v split would be the same rows read wrongly
+    (tmp_path / "wrong.json").write_text(json.dumps(wrong))
+    with pytest.raises(Exception, match="shape"):
+        shardstore.unshard(src, tmp_path / "hf2", format="hf", hf_config=tmp_path / "wrong.json", jobs=1)
+
+
+def test_a_common_state_the_metadata_names_must_be_there(tmp_path: Path) -> None:
+    """megatron-core <= 0.18: metadata.json names common.pt; without it the args, the iteration and the
+    optimizer's param_groups would be lost, so the folder is refused, as is a backend shardstore does not
+    read."""
+    import json
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(MEGATRON / "core0.16.1" / "tp2-pp1" / "iter_0000010", src)
+    (src / "common.pt").unlink()
+    with pytest.raises(shardstore.CheckpointError, match=r"metadata.json: names a common state \(common.pt\)"):
+        shardstore.unshard(src, tmp_path / "out", format="torch")
+    (src / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1}))
+    with pytest.raises(shardstore.CheckpointError, match="sharded_backend is 'zarr'"):
+        shardstore.unshard(src, tmp_path / "out", format="torch")
+    assert not (tmp_path / "out").exists()
+
+
+# Where each trainer keeps megatron-core's torch_dist folder, and what a user may point shardstore at
+TRAINERS = {"tp2-pp1-nemo": ["", "weights"],  # NeMo 2: weights/ beside context/
+            "tp2-pp1-verl": ["", "global_step_10", "global_step_10/actor"],  # veRL: actor/dist_ckpt/
+            "tp2-pp1-verl2": ["", "global_step_10", "global_step_10/actor"]}  # veRL v2: actor/model/dist_ckpt/
+
+
+@pytest.mark.parametrize("layout", list(TRAINERS))
+def test_nemo_and_verl_folders_are_found_without_flags_and_export_megatrons_logits(layout: str,
+                                                                                   tmp_path: Path) -> None:
+    """NeMo 2's checkpoint folder and veRL's Megatron run, step and actor folders are found as they are;
+    NeMo's `module.` prefix goes (the names are Megatron's); --format hf describes the model from NeMo's
+    context/model.yaml or veRL's huggingface/config.json and reproduces Megatron's own logits."""
+    from transformers import AutoModelForCausalLM
+
+    want = torch.load(DATA / f"{layout}.expected.pt.ref", weights_only=True)
+    for i, given in enumerate(TRAINERS[layout]):
+        src = DATA / layout / given
+        shardstore.unshard(src, tmp_path / f"pt{i}", format="torch", jobs=2)
+        got = torch.load(tmp_path / f"pt{i}" / "checkpoint.pt", weights_only=False)["model"]
+        expected = _saved_names({k.removeprefix("module."): v for k, v in want["model"].items()})
+        tensors = {k: v for k, v in got.items() if isinstance(v, torch.Tensor)}
+        assert set(tensors) == set(expected)
+        assert all(torch.equal(tensors[k], v) for k, v in expected.items())
+    result = shardstore.unshard(DATA / layout, tmp_path / "hf", format="hf", jobs=2)
+    assert any("padded" in n for n in result.notes) == layout.endswith("nemo")  # veRL's config names the vocab
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        logits = model(input_ids=want["ids"]).logits
+    torch.testing.assert_close(logits, want["logits"], rtol=1e-4, atol=1e-4)
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal as saved: the same keys in the same order, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("layout", ["tp2-pp1-legacy", "tp2-pp2-legacy", "tp2-pp2-dp2-legacy-optim"])
+def test_megatron_lm_torch_format_merges_by_megatrons_partition_rules(layout: str, tmp_path: Path) -> None:
+    """`--ckpt-format torch`: one file per TP x PP rank (mp_rank_TT[_PPP]/model_optim_rng.pt), each with
+    its own part of every tensor and its stage's layers from 0. Merged (column-parallel on dim 0, row-
+    parallel on dim 1, SwiGLU's [gate; up] per rank, layers renumbered), it is bit for bit the model
+    megatron-core's own load gives one process; each file's other values (and after training, the
+    distributed optimizer's distrib_optim.pt beside it) are kept under ranks/ as saved; the
+    Hugging Face export, described by the args, gives Megatron's logits."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    src = DATA / layout
+    want = torch.load(f"{src}.expected.pt.ref", weights_only=True)
+    shardstore.unshard(src, tmp_path / "pt", format="torch", jobs=2)
+    got = torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=False)
+    tensors = {k: v for k, v in got["model"].items() if isinstance(v, torch.Tensor)}
+    assert set(tensors) == set(want["model"])
+    assert all(torch.equal(tensors[k], v) for k, v in want["model"].items())
+    layers = [int(k.split(".")[2]) for k in got["model"] if k.startswith("decoder.layers.")]
+    assert layers == sorted(layers) and max(layers) == 1
+    names = sorted(p.name for p in (src / "iter_0000010").iterdir())
+    assert list(got["ranks"]) == sorted(names, key=lambda n: n[::-1])  # stage by stage, tensor rank by rank
+    assert all(r["iteration"] == 10 and r["args"].tensor_model_parallel_size == 2 for r in got["ranks"].values())
+    assert all(isinstance(r["rng_state"][0]["torch_rng_state"], torch.Tensor) for r in got["ranks"].values())
+    for name in names if layout.endswith("optim") else []:  # the distributed optimizer's state, as saved
+        saved = torch.load(src / "iter_0000010" / name / "distrib_optim.pt", weights_only=False)
+        assert _same(got["ranks"][name]["distrib_optim"], saved)
+        assert got["ranks"][name]["optimizer"]["optimizer"]["param_groups"][0]["step"] == 2
+    shardstore.unshard(src, tmp_path / "st", jobs=2)
+    st = load_file(tmp_path / "st" / "model.safetensors")
+    assert set(st) == set(want["model"]) and all(torch.equal(st[k], v) for k, v in want["model"].items())
+    _same_as_dcp(src, tmp_path, want["model"])
+    shardstore.unshard(src, tmp_path / "hf", format="hf", jobs=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        logits = model(input_ids=want["ids"]).logits
+    torch.testing.assert_close(logits, want["logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_megatron_lm_torch_format_refuses_what_it_cannot_merge_exactly(tmp_path: Path) -> None:
+    """A rank folder missing, one rank's file copied over another's (every length right), a file of
+    another stage in a rank's place: each refused by name before anything is written."""
+    src = tmp_path / "run" / "iter_0000010"
+    shutil.copytree(DATA / "tp2-pp2-legacy" / "iter_0000010", src)
+    rank = src / "mp_rank_01_001" / "model_optim_rng.pt"
+    saved = rank.read_bytes()
+    rank.unlink()
+    with pytest.raises(shardstore.CheckpointError, match="mp_rank_01_001: has no model_optim_rng.pt"):
+        shardstore.unshard(src, tmp_path / "out", format="torch")
+    shutil.copy(src / "mp_rank_00_001" / "model_optim_rng.pt", rank)
+    with pytest.raises(shardstore.CheckpointError, match="the same file as"):
+        shardstore.unshard(src, tmp_path / "out", format="torch")
+    rank.write_bytes(saved)
+    other = DATA / "tp2-pp1-legacy" / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"  # a 1-stage save's
+    shutil.copy(other, src / "mp_rank_01_000" / "model_optim_rng.pt")
+    with pytest.raises(shardstore.CheckpointError, match=r"mp_rank_01_000/model_optim_rng.pt: .*layer 1 of a stage "
+                                                         r"of 1 layers"):
+        shardstore.unshard(src, tmp_path / "out", format="torch")
+    assert not (tmp_path / "out").exists()
+
+
+class TestMegatronTorchConformance(FormatTests):
+    @pytest.fixture
+    def checkpoint(self, tmp_path: Path) -> Path:
+        return DATA / "tp2-pp2-legacy" / "iter_0000010"
+
+    @pytest.fixture
+    def foreign(self, tmp_path: Path) -> Path:
+        return DATA / "tp2-pp1-legacy" / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt"
+
+
+class TestMegatronTorchDistConformance(FormatTests):
+    @pytest.fixture
+    def checkpoint(self, tmp_path: Path) -> Path:
+        return DATA / "tp2-pp2-optim" / "iter_0000010"
+
+    @pytest.fixture
+    def foreign(self, tmp_path: Path) -> Path:
+        return DATA / "tp2-pp1-dp2-optim" / "iter_0000010" / "__1_0.distcp"
+
+
+@pytest.mark.parametrize("key, value", [("moe_shared_expert_intermediate_size", 64), ("moe_router_pre_softmax", True),
+                                        ("moe_router_score_function", "sigmoid"),
+                                        ("moe_router_enable_expert_bias", True)])
+def test_moe_routing_mixtral_cannot_follow_is_refused_by_name(key: str, value: object) -> None:
+    """Megatron's MoE variants a Mixtral folder would load and then route differently: refused, naming the
+    argument, rather than exported with silently different logits."""
+    from shardstore.export.hf import megatron
+
+    args = {"num_experts": 4, "moe_router_topk": 2, "num_attention_heads": 4, "hidden_size": 16, "num_layers": 2}
+    assert megatron.config_from_args(args, "args")[0]["architectures"] == ["MixtralForCausalLM"]
+    with pytest.raises(shardstore.ExportError, match=f"args: {key} is"):
+        megatron.config_from_args({**args, key: value}, "args")
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (4, 3, 6), (2, 1, 3, 4)])
+def test_a_flattened_range_becomes_boxes_that_are_exactly_its_elements(shape: tuple[int, ...]) -> None:
+    """fully_sharded_model_space: a data-parallel rank holds elements [start, start + count) of a block,
+    flattened. Every range, split into boxes, fills exactly those elements, each box a run of them."""
+    from shardstore.read.formats.dcp import _flat_boxes
+
+    total = int(torch.tensor(shape).prod())
+    block = torch.arange(total).reshape(shape)
+    for start in range(total):
+        for count in range(1, total - start + 1):
+            seen = []
+            for first, offsets, sizes in _flat_boxes(shape, start, count):
+                box = block[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].flatten()
+                assert box.tolist() == list(range(start + first, start + first + box.numel()))  # a run
+                seen += box.tolist()
+            assert seen == list(range(start, start + count))
+            assert len(_flat_boxes(shape, start, count)) <= 2 * len(shape) - 1
+    with pytest.raises(shardstore.CheckpointError, match="outside a block"):
+        _flat_boxes(shape, total - 1, 2)
+
+
+def test_a_run_whose_pointer_says_release_gives_its_release_folder(tmp_path: Path) -> None:
+    """Megatron-LM's checkpoints converted from elsewhere (from Hugging Face, for fine-tuning) live in
+    release/, and latest_checkpointed_iteration.txt says `release`."""
+    run = tmp_path / "run"
+    shutil.copytree(DATA / "tp2-pp1" / "iter_0000010", run / "release")
+    shutil.copytree(DATA / "tp2-pp1" / "iter_0000010", run / "iter_0000010")
+    (run / "latest_checkpointed_iteration.txt").write_text("release")
+    assert open_source(run).units[0].startswith(str(run / "release"))
+    assert open_source(run, step=10).units[0].startswith(str(run / "iter_0000010"))
