@@ -29,9 +29,10 @@ from .read.layouts import name_rank
 from .read.primitives import tensors
 from .read.primitives.container import Container, TorchZip
 from .read.primitives.identity import content, file_identity, file_stamp, identity_of, stamp, zip_identity
-from .read.primitives.unpickle import TensorRef, gc_paused
+from .read.primitives.unpickle import gc_paused
 from .read.registry import get
 from .read.source import Source
+from .records import TensorRef
 from .runner import Pool, default_jobs
 from .store.onesave import OneSave
 from .store.store import Store

@@ -19,10 +19,11 @@ import numpy as np
 
 from . import dtypes
 from .errors import CheckpointError
-from .read.contract import CheckpointSpec, Node, ShardedSpec
+from .read.contract import CheckpointSpec, ShardedSpec
 from .read.formats.rankfile import layout_digest
-from .read.primitives.unpickle import TensorRef
+from .records import TensorRef
 from .store.manifest import ArrayEntry, CheckpointFacts, Manifest
+from .tree import Node
 
 CHUNK_TARGET_BYTES = 1 << 20  # inner chunk: the unit a lazy read fetches
 MIN_CHUNK_BYTES = 64 << 10

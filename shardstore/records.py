@@ -1,4 +1,9 @@
-"""Objects of classes shardstore never imports: recorded as data, never called.
+"""The inert records shardstore reads a pickle into: tensors as references to their bytes, torch's
+dtypes, devices and versions as strings, and objects of classes shardstore never imports as data. The
+safe unpickler (read/primitives/unpickle.py) builds them; the store keeps them (values.py); the torch
+export writes them back. Nothing here is ever called from a pickle.
+
+Objects of classes shardstore never imports are recorded as data, never called.
 
 Trainers keep their own objects beside the tensors (a data-loader checkpoint, a config dataclass, a
 numpy Generator). Refusing the whole checkpoint for them is the wrong trade, and importing their modules
@@ -17,6 +22,36 @@ import re
 import reprlib
 from dataclasses import dataclass
 from typing import Any
+
+
+class TorchDType(str):
+    """A torch dtype, by name ("bfloat16")."""
+
+
+class TorchDevice(str):
+    """A torch device, by its string form ("cuda:3")."""
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    key: str  # the record "data/<key>" in the zip
+    dtype: str  # element dtype of the storage (uint8 for an untyped storage)
+    numel: int
+
+
+@dataclass
+class TensorRef:
+    """A plain tensor: a strided view into a storage that still lives in the rank file."""
+
+    storage: StorageRef
+    offset: int  # in elements of `dtype`
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+
+
+class TorchVersion(str):
+    """`torch.torch_version.TorchVersion`: a str subclass; kept as the string it is."""
 
 
 @dataclass(frozen=True)

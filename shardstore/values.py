@@ -21,9 +21,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import StoreError
-from .read.primitives.flatten import MAX_DEPTH, MAX_REVISITS
-from .read.primitives.unpickle import TensorRef, TorchDevice, TorchDType, TorchVersion
-from .records import SHORT_REPR, Building, GlobalRef, Opaque
+from .records import SHORT_REPR, Building, GlobalRef, Opaque, TensorRef, TorchDevice, TorchDType, TorchVersion
+from .tree import MAX_DEPTH, MAX_REVISITS
 
 Json = Any
 INLINE_TENSOR_BYTES = 1024

@@ -14,8 +14,7 @@ import pytest
 
 from shardstore import values
 from shardstore.errors import StoreError
-from shardstore.read.primitives.unpickle import TorchDevice, TorchDType, TorchVersion
-from shardstore.records import GlobalRef, Opaque
+from shardstore.records import GlobalRef, Opaque, TorchDevice, TorchDType, TorchVersion
 
 CASES = [
     None, True, 0, -(2**70), 1.5, "text", [], (), (1, (2, [3])), {"a": 1}, {1: "int key", (2, 3): "tuple key"},

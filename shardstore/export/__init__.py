@@ -11,10 +11,10 @@ from typing import Callable, Iterator
 
 from .. import dtypes, paths, tempfiles
 from ..errors import ExportError, StoreError
-from ..read.contract import Node
 from ..read.registry import get
 from ..store.onesave import check_one_save
 from ..store.store import Status, Store
+from ..tree import Node
 from .contract import CAST_DTYPES, ExportRequest, OutputFormat
 from .direct import MOVING, DirectExport
 from .hf import NO_HF_DESCRIPTION, has_hf_description

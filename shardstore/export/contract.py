@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..read.contract import Node
 from ..store.store import Store
+from ..tree import Node
 
 CAST_DTYPES = ("bfloat16", "float16", "float32")
 

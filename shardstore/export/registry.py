@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import ExportError
-from ..read.contract import Node
 from ..store.store import Store
+from ..tree import Node
 from .contract import ExportRequest, OutputFormat, Planned
 from .dcp import METADATA, export_dcp, plan_dcp
 from .direct import DirectExport

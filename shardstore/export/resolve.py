@@ -16,9 +16,9 @@ from typing import Any, Iterator
 from .. import dtypes, paths, values
 from ..errors import ExportError
 from ..ranges import Part
-from ..read.contract import Node
 from ..store.handle import decode_value
 from ..store.store import Store
+from ..tree import Node
 
 Rows = tuple[tuple[int, int], ...]  # blocks of rows [first, stop), in the order they are written
 

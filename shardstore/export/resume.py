@@ -22,7 +22,7 @@ import re
 from typing import Any, Callable
 
 from ..errors import ExportError
-from ..read.contract import Node
+from ..tree import Node
 
 MODEL = re.compile(r"model(?:_(\d+))?\Z")
 OPTIMIZER = re.compile(r"optimizer(?:_(\d+))?\Z")

@@ -21,9 +21,9 @@ import numpy as np
 from .. import dtypes
 from ..errors import ExportError
 from ..ranges import blocks
-from ..read.contract import Node
 from ..runner import Pool
 from ..store.store import Store
+from ..tree import Node
 from .output import OutputFile
 from .resolve import ArrayRef, Rows, build, leaves
 

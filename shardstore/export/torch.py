@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import dtypes
-from ..read.contract import Node
-from ..read.primitives.unpickle import TorchDevice, TorchDType, TorchVersion
 from ..read.registry import get
-from ..records import GlobalRef, Opaque
+from ..records import GlobalRef, Opaque, TorchDevice, TorchDType, TorchVersion
 from ..store.handle import TensorValue, tensor_value
 from ..store.store import Store
+from ..tree import Node
 from .output import OutputFile
 from .resolve import ArrayRef, build, leaves, node_at
 from .resume import resume_layout

@@ -27,10 +27,11 @@ from .. import dtypes
 from ..errors import CheckpointError
 from ..locations import StorageOptions
 from ..ranges import FileRange, RemoteRange
+from ..records import TensorRef
+from ..tree import Skeleton
 from .arrival import Arrived, Looks
 from .primitives import tensors
 from .primitives.container import Container
-from .primitives.unpickle import TensorRef
 from .source import Source
 
 # A tensor at or below this size held whole by one unit is kept as a value, like a rank file's plain
@@ -48,35 +49,6 @@ def whole_numbers(values: Any, what: str) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------------- the spec
-@dataclass
-class Node:
-    """One node of a state dict's key tree. A container (`kind` dict, odict, list or tuple) lists its
-    children in order, each under its real key as typed JSON (values.encode); a leaf has none. `path` is
-    the node's store path. The tree is what the store keeps to rebuild the exact nesting."""
-
-    kind: str
-    path: str
-    children: list[tuple[Any, "Node"]] = field(default_factory=list)
-
-    def leaf_paths(self) -> list[str]:
-        """Store paths of every leaf below, in state-dict order."""
-        if self.kind == "leaf":
-            return [self.path]
-        return [p for _, child in self.children for p in child.leaf_paths()]
-
-    def to_json(self) -> dict[str, Any]:
-        if self.kind == "leaf":
-            return {"t": "leaf", "p": self.path}
-        return {"t": self.kind, "p": self.path, "c": [[key, child.to_json()] for key, child in self.children]}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Node":
-        return cls(d["t"], d["p"], [(key, cls.from_json(child)) for key, child in d.get("c", ())])
-
-
-Skeleton = Node
-
-
 @dataclass(frozen=True)
 class ShardSpec:
     """One box of an array (or, for a flat array, one element range), and the unit that holds it."""

@@ -10,7 +10,6 @@ import numpy as np
 
 from .. import dtypes, values
 from ..errors import StoreError
-
 from .manifest import ArrayEntry, CommitRecord
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import dtypes
 from ..errors import StoreError
-from ..read.contract import Node
+from ..tree import Node
 
 FORMAT_VERSION = 2  # 2: cell files named with Zarr's "." chunk key separator (1: "/")
 MANIFEST_KEY = "__shardstore__/manifest.json"

@@ -22,13 +22,13 @@ from typing import Any, Callable
 
 from ... import jsonin
 from ...errors import ExportError, ShardstoreError
-from ...read.contract import Node
 from ...read.formats.dcp import MEGATRON_ARGS, NEMO_MODEL
 from ...read.formats.megatron_torch import FORMAT as MEGATRON_TORCH
 from ...read.formats.megatron_torch import RANKS
 from ...read.registry import get
 from ...read.source import hf_model_file
 from ...store.store import Store
+from ...tree import Node
 from ..output import OutputFile
 from ..resolve import build, leaves, model_node, node_at
 from ..safetensors import SafetensorsPlan, export_safetensors, plan_items, tensor_item

@@ -17,7 +17,8 @@ from typing import Any
 
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, folder_of, listing, name_of
-from ..contract import CheckpointSpec, Node, replica_count
+from ...tree import Node
+from ..contract import CheckpointSpec, replica_count
 from ..unit import FileUnit, planned_place
 from .dtensor import File, array_spec, checked_leaves, digest_of, layouts_of, model_mesh, read_file
 from .resume import Resume, resume_files

@@ -25,12 +25,14 @@ from typing import Any
 from ... import dtypes, jsonin, paths
 from ...errors import CheckpointError, closed_on_error, named
 from ...locations import StorageOptions, filesystem, folder_of, is_url, join, listing, local, name_of, subfolders
+from ...records import TensorRef
+from ...tree import Node, Skeleton
 from ..arrival import Arrived
-from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec, Skeleton, whole_numbers
+from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec, whole_numbers
 from ..layouts import name_rank
 from ..primitives.container import DataFile, TorchZip, parsed_once, read_small
 from ..primitives.tensors import check_view
-from ..primitives.unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, TensorRef, load
+from ..primitives.unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, load
 from ..source import JSON_CONFIG, Source, config_files, hf_model_file, pick
 from . import lightning, trainer
 from .resume import resume_files

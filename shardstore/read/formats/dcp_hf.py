@@ -24,7 +24,8 @@ from typing import Any
 from ... import jsonin, paths
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, join, listing
-from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec
+from ...tree import Node
+from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec
 from ..primitives.container import read_small
 from ..primitives.safetensors_file import SafetensorsFile
 from ..source import hf_model_file

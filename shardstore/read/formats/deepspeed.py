@@ -48,13 +48,14 @@ from typing import Any, Callable
 from ... import paths
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, folder_of, join, listing, subfolders
-from ...records import Building, building_class
-from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, replica_count
+from ...records import Building, TensorRef, building_class
+from ...tree import Node
+from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, replica_count
 from ..primitives import tensors
 from ..primitives.container import TorchZip, read_small
 from ..primitives.flatten import flatten
 from ..primitives.identity import refuse_copies
-from ..primitives.unpickle import TensorRef, load
+from ..primitives.unpickle import load
 from ..source import hf_model_file
 from ..unit import FileUnit, flat_spec, planned_place, relative
 from . import fsdp_flat

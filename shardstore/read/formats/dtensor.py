@@ -32,12 +32,13 @@ from typing import Any
 from ... import dtypes
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions
+from ...records import TensorRef
+from ...tree import Node
 from ..contract import (
     SMALL_TENSOR_BYTES,
     ArrayLeaf,
     CheckpointSpec,
     LocalPiece,
-    Node,
     ShardedSpec,
     ShardSpec,
     replica_count,
@@ -47,7 +48,7 @@ from ..layouts import name_rank
 from ..primitives import tensors
 from ..primitives.container import TorchZip
 from ..primitives.flatten import flatten
-from ..primitives.unpickle import DeviceMesh, DTensor, Placement, ShardedTensor, TensorRef, load
+from ..primitives.unpickle import DeviceMesh, DTensor, Placement, ShardedTensor, load
 from ..unit import FileUnit
 
 FORMAT = "dtensor-files"

@@ -23,12 +23,14 @@ from typing import Any
 from ... import dtypes, paths
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, folder_of, join, listing, name_of, subfolders
-from ..contract import SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, ShardSpec
+from ...records import TensorRef
+from ...tree import Node
+from ..contract import SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec
 from ..primitives.container import TorchZip
 from ..primitives.flatten import flatten
 from ..primitives.identity import refuse_copies
 from ..primitives.tensors import check_view
-from ..primitives.unpickle import TensorRef, load
+from ..primitives.unpickle import load
 from ..unit import FileUnit, planned_place, relative
 from .trainer import moved
 

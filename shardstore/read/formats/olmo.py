@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ... import paths
-from ..contract import Node
+from ...tree import Node
 from ..unit import planned_place, relative
 from .trainer import TRAIN, open_trainer
 

@@ -27,12 +27,13 @@ from typing import Any
 from ... import dtypes, jsonin
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, join, listing
+from ...records import TensorRef
+from ...tree import Node
 from ..contract import (
     SMALL_TENSOR_BYTES,
     ArrayLeaf,
     CheckpointSpec,
     LocalPiece,
-    Node,
     ShardedSpec,
     ShardSpec,
     replica_count,
@@ -41,7 +42,7 @@ from ..contract import (
 from ..primitives.container import parsed_once, read_small
 from ..primitives.safetensors_file import SafetensorsFile
 from ..primitives.tensors import check_view
-from ..primitives.unpickle import TensorRef, load
+from ..primitives.unpickle import load
 from ..unit import FileUnit, flat_spec, relative
 from .olmo import MODEL, OPTIM, PARAM_GROUPS, model_path, model_tree, open_olmo_unit, optim_tree, state_path
 from .trainer import join_trainer_state, trainer_files

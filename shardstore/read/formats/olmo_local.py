@@ -27,10 +27,12 @@ from typing import Any
 from ... import dtypes
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, join, listing
-from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, whole_numbers
+from ...records import TensorRef
+from ...tree import Node
+from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, whole_numbers
 from ..primitives.container import TorchZip, read_small
 from ..primitives.tensors import check_view
-from ..primitives.unpickle import TensorRef, load
+from ..primitives.unpickle import load
 from ..unit import FileUnit, flat_spec, relative
 from .olmo import MODEL, OPTIM, PARAM_GROUPS, clean, model_path, model_tree, open_olmo_unit, optim_tree, state_path
 from .rankfile import MAX_WORLD_SIZE

@@ -10,14 +10,16 @@ from typing import Any
 from ... import dtypes
 from ...errors import CheckpointError, ShardstoreError, closed_on_error
 from ...locations import StorageOptions, folder_of
+from ...records import TensorRef
+from ...tree import Skeleton
 from ..arrival import Arrived
-from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec, Skeleton, whole_numbers
+from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec, whole_numbers
 from ..layouts import discover, refuse_mixed, scan
 from ..primitives import tensors
 from ..primitives.container import TorchZip
 from ..primitives.flatten import flatten
 from ..primitives.skim import Skimmed, skim
-from ..primitives.unpickle import DTensor, ShardedTensor, TensorRef, load
+from ..primitives.unpickle import DTensor, ShardedTensor, load
 from ..source import Source, config_files
 from . import dtensor
 

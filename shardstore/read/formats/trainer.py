@@ -14,7 +14,7 @@ from typing import Any
 from ... import paths
 from ...errors import CheckpointError
 from ...locations import StorageOptions, join, listing
-from ..contract import Node
+from ...tree import Node
 from ..layouts import name_rank
 from ..primitives.container import TorchZip
 from .rankfile import ShardedLeaf, read_rank_file

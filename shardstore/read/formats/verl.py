@@ -22,10 +22,11 @@ from typing import Any
 
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, join, listing
-from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, Node, ShardedSpec, replica_count
+from ...records import TensorRef
+from ...tree import Node
+from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, replica_count
 from ..primitives import tensors
 from ..primitives.identity import refuse_copies
-from ..primitives.unpickle import TensorRef
 from ..source import hf_model_file
 from ..unit import FileUnit, flat_spec, planned_place, relative
 from . import fsdp_flat

@@ -12,14 +12,9 @@ from typing import Any
 
 from ... import paths
 from ...errors import CheckpointError
-from ..contract import Node, Skeleton
-from .unpickle import DTensor, ShardedTensor, TensorRef
-
-# How deep a state dict's containers may nest (trainers' are a dozen levels at most), and how many more
-# visits than containers a walk may make (a container reached by two paths is walked twice): a pickle's
-# memo makes a DAG of a few objects and 2^40 paths, and the work must stay bounded by the file's size.
-MAX_DEPTH = 200
-MAX_REVISITS = 100_000
+from ...records import TensorRef
+from ...tree import MAX_DEPTH, MAX_REVISITS, Node, Skeleton
+from .unpickle import DTensor, ShardedTensor
 
 
 def _tensor_holders(root: Any) -> set[int]:

@@ -18,8 +18,8 @@ from ... import dtypes, jsonin
 from ...errors import CheckpointError
 from ...locations import StorageOptions
 from ...ranges import FileRange, RemoteRange
+from ...records import StorageRef, TensorRef
 from .container import DataFile, Entry
-from .unpickle import StorageRef, TensorRef
 
 MAX_HEADER = 256 << 20  # a header this large would describe millions of tensors
 _BY_CODE = {info.safetensors: info.name for info in dtypes.BY_NAME.values() if info.safetensors}

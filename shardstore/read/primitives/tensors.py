@@ -14,8 +14,8 @@ import numpy as np
 
 from ... import dtypes
 from ...errors import CheckpointError
+from ...records import TensorRef
 from .container import Container
-from .unpickle import TensorRef
 
 # A tensor may view more elements than its storage holds only through stride-0 (expanded) views; past
 # this size such a view is refused, so a few bytes of storage never become gigabytes in memory.

@@ -21,45 +21,18 @@ import gc
 import io
 import pathlib
 import pickle
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
 from ... import dtypes
 from ...errors import CheckpointError, UnsafePickleError, named
-from ...records import Building, building_class, refusal
+from ...records import Building, StorageRef, TensorRef, TorchDevice, TorchDType, TorchVersion, building_class, refusal
 from .pickle_scan import ScanError, scan
 
 # Distinct opaque globals one pickle may name: far above any real trainer state, and it bounds the
 # classes a hostile file can make us create.
 MAX_OPAQUE_GLOBALS = 4096
-
-
-class TorchDType(str):
-    """A torch dtype, by name ("bfloat16")."""
-
-
-class TorchDevice(str):
-    """A torch device, by its string form ("cuda:3")."""
-
-
-@dataclass(frozen=True)
-class StorageRef:
-    key: str  # the record "data/<key>" in the zip
-    dtype: str  # element dtype of the storage (uint8 for an untyped storage)
-    numel: int
-
-
-@dataclass
-class TensorRef:
-    """A plain tensor: a strided view into a storage that still lives in the rank file."""
-
-    storage: StorageRef
-    offset: int  # in elements of `dtype`
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: str
 
 
 class _Record:
@@ -401,10 +374,6 @@ for _cls in ("Float64DType", "Float32DType", "Float16DType", "Int64DType", "Int3
              "UInt64DType", "UInt32DType", "UInt16DType", "UInt8DType", "BoolDType"):
     if hasattr(np, "dtypes") and hasattr(np.dtypes, _cls):
         ALLOWED[("numpy.dtypes", _cls)] = getattr(np.dtypes, _cls)
-
-
-class TorchVersion(str):
-    """`torch.torch_version.TorchVersion`: a str subclass; kept as the string it is."""
 
 
 class _PickledPath:

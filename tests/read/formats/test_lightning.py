@@ -17,8 +17,8 @@ import torch
 
 import shardstore
 from shardstore.read.discover import open_source
-
 from tests.read.conformance import FormatTests
+
 from .test_trainer_parts import same_optimizer
 
 DATA = Path(__file__).parents[2] / "fixtures" / "data" / "lightning"

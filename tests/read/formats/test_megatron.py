@@ -19,7 +19,6 @@ import torch
 
 import shardstore
 from shardstore.read.discover import open_source
-
 from tests.read.conformance import FormatTests
 
 MEGATRON = Path(__file__).parents[2] / "fixtures" / "data" / "megatron"

@@ -202,7 +202,7 @@ def test_an_ambiguous_padding_list_is_settled_by_the_ranks_own_infos() -> None:
         for start in (0, second_start):
             held = start <= lo < start + 4
             infos.append((True, 0, 2, lo - start, lo - start + 1) if held else (False, None, None, None, None))
-        from shardstore.read.primitives.unpickle import StorageRef, TensorRef
+        from shardstore.records import StorageRef, TensorRef
         return {"flat_param.data": TensorRef(StorageRef("0", "float32", 2), 0, (2,), (1,), "float32"),
                 "flat_param._fqns": ("a", "b"), "flat_param._shapes": ((4,), (4,)), "flat_param._numels": (4, 4),
                 "flat_param._numels_with_padding": (4, 4, 4), "flat_param._shard_numel_padded": 0,

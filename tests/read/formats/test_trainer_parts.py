@@ -17,7 +17,6 @@ import torch
 import shardstore
 from shardstore.read.discover import open_source
 from tests.export.conformance import OutputTests, PartialOutputTests
-
 from tests.read.conformance import FormatTests
 
 DATA = Path(__file__).parents[2] / "fixtures" / "data" / "accelerate"

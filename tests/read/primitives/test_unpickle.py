@@ -22,8 +22,8 @@ import torch
 from shardstore.errors import CheckpointError, UnsafePickleError
 from shardstore.read.formats.rankfile import read_rank_file
 from shardstore.read.primitives import tensors
-from shardstore.read.primitives.unpickle import TensorRef, load
-from shardstore.records import GlobalRef, Opaque, as_record
+from shardstore.read.primitives.unpickle import load
+from shardstore.records import GlobalRef, Opaque, TensorRef, as_record
 
 
 class _Payload:
