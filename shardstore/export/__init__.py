@@ -11,7 +11,6 @@ from typing import Callable, Iterator
 
 from .. import dtypes, paths, tempfiles
 from ..errors import ExportError, StoreError
-from ..read.registry import get
 from ..store.onesave import check_one_save
 from ..store.store import Status, Store
 from ..tree import Node
@@ -256,7 +255,7 @@ def _writing_into(out: Path, stale: list[Path]) -> Iterator[None]:
 def plan_direct(store: Store, request: ExportRequest, jobs: int = 1) -> DirectExport | None:
     """The export laid out from the plan alone and its files prepared, for the ingest to write straight
     into; None where it cannot be (see export/direct/), and the store then feeds the export as usual."""
-    if store.manifest.facts.replicas > 1 and not get(store.manifest.facts.format).group_claims:
+    if store.manifest.facts.replicas > 1 and not store.manifest.facts.group_claims:
         return None
     fmt = output_format(request.format)
     node = _model_or(store, request.select) if fmt.subtree else store.manifest.tree

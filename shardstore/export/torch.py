@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import dtypes
-from ..read.registry import get
 from ..records import GlobalRef, Opaque, TorchDevice, TorchDType, TorchVersion
 from ..store.handle import TensorValue, tensor_value
 from ..store.store import Store
@@ -208,7 +207,7 @@ def torch_layout(store: Store) -> list[TorchFile]:
     if store.manifest.layout == "olmo":
         # OLMo's legacy unsharder leaves the per-rank RNG states out of train.pt; for the formats with
         # train/rank{r}.pt files its unsharders write rank 0's file whole.
-        dropped = ("model", "optim", "rng") if get(store.manifest.facts.format).ranked else ("model", "optim")
+        dropped = ("model", "optim", "rng") if store.manifest.facts.ranked else ("model", "optim")
         return [TorchFile("model.pt", node_at(tree, "model"), plain_dicts=True),
                 TorchFile("optim.pt", node_at(tree, "optim"), plain_dicts=True),
                 TorchFile("train.pt", tree, dropped, plain_dicts=True)]

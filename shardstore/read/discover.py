@@ -24,7 +24,9 @@ from .source import MAX_SIDE_FILE, Source, pick
 def plan(source: Source, encode_key: Any, strict: bool = False) -> tuple[CheckpointSpec, Unit | None]:
     """The spec, and the unit planning had to open whole to make it (rank 0 of per-rank files), left
     open for the caller, who owns it: ingesting it from there reads that file once, not twice."""
-    spec, unit = get(source.format).plan(source, encode_key, strict)
+    fmt = get(source.format)
+    spec, unit = fmt.plan(source, encode_key, strict)
+    spec.extra.update(ranked=fmt.ranked, group_claims=fmt.group_claims, keeps_empty_values=fmt.keeps_empty_values)
     if source.side_files:
         spec.extra["side_files"] = {name_of(f): _side_file(f, source.storage_options) for f in source.side_files}
     if source.trainer is not None:

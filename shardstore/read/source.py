@@ -19,21 +19,6 @@ CONFIG = "config.yaml"  # OLMo's run config, copied beside every export as OLMo'
 JSON_CONFIG = "config.json"  # OLMo-core's experiment config in each checkpoint; the HF Trainer's model config
 LATEST = "latest_checkpointed_iteration.txt"  # veRL's (and Megatron's) pointer to the newest step
 RELEASE = "release"  # what that pointer says of Megatron-LM's release/ folder
-# A model's Hugging Face files besides its weights (config, generation config, tokenizer), which trainers
-# keep beside their checkpoints: what `--format hf` takes with no flag...
-HF_MODEL_FILES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
-# ...but for those describing other weights or the run: an index of weights (an export writes its own), a
-# PEFT adapter's config (no adapter is exported), the HF Trainer's own state and the metrics its
-# train()/evaluate() leave in output_dir.
-NOT_HF_MODEL_FILES = ("adapter_config.json", "trainer_state.json", "all_results.json", "train_results.json",
-                      "eval_results.json", "test_results.json")
-
-
-def hf_model_file(name: str) -> bool:
-    """Whether a file of this name beside a checkpoint is one of its model's Hugging Face files."""
-    return name.endswith(HF_MODEL_FILES) and not name.endswith(".index.json") and name not in NOT_HF_MODEL_FILES
-
-
 @dataclass
 class Source:
     """One checkpoint: its format (a registry name) and its units of work, in order."""

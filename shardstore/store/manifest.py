@@ -8,7 +8,7 @@ hold per-rank values. Zarr's own metadata says how to read each array; this says
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import dtypes
@@ -102,7 +102,10 @@ class ArrayEntry:
                    d.get("replicated", False), d.get("layout"), d.get("flat", False))
 
 
-FACTS_VERSION = 1
+FACTS_VERSION = 2
+# What version-1 facts (before the format's flags were recorded) imply, by the format that planned them:
+# (ranked, group_claims, keeps_empty_values). Any format not named here had (False, False, True).
+_V1_FLAGS = {"torch-save": (True, True, True), "dtensor-files": (True, False, True), "dcp": (False, False, False)}
 
 
 @dataclass(frozen=True)
@@ -130,9 +133,19 @@ class CheckpointFacts:
     # name -> base64 of the trainer's own file (its scheduler, RNG and trainer state), written back unchanged
     trainer: str | None = None
     resume_files: dict[str, str] = field(default_factory=dict)
+    # what exports need to know of the format that planned the store (read/contract.py: Format), so that
+    # export/ never asks the input format's registry
+    ranked: bool = True
+    group_claims: bool = True
+    keeps_empty_values: bool = True
+    # Megatron-LM's model description, read with the plan: its args (plain values), and the store path of
+    # the subtree holding its common state (read from the data when the plan could not read the args)
+    megatron_args: dict[str, Any] | None = None
+    megatron_common: str | None = None
 
     TYPED = ("format", "group_size", "replicas", "side_files", "units", "metadata", "tied", "not_tensors",
-             "trainer", "resume_files")
+             "trainer", "resume_files", "ranked", "group_claims", "keeps_empty_values", "megatron_args",
+             "megatron_common")
 
     @classmethod
     def of(cls, format: str, group_size: int, replicas: int, extra: dict[str, Any]) -> "CheckpointFacts":
@@ -143,7 +156,14 @@ class CheckpointFacts:
                    {k: v for k, v in extra.items() if k not in cls.TYPED},
                    tied=tuple((tuple(keys), path) for keys, path in extra.get("tied", ())),
                    not_tensors=frozenset(extra.get("not_tensors", ())), trainer=extra.get("trainer"),
-                   resume_files=dict(extra.get("resume_files", {})))
+                   resume_files=dict(extra.get("resume_files", {})), **cls._flags(format, extra),
+                   megatron_args=extra.get("megatron_args"), megatron_common=extra.get("megatron_common"))
+
+    @staticmethod
+    def _flags(format: str, d: dict[str, Any]) -> dict[str, bool]:
+        """The format's flags as recorded, or as version-1 facts imply them."""
+        v1 = dict(zip(("ranked", "group_claims", "keeps_empty_values"), _V1_FLAGS.get(format, (False, False, True))))
+        return {k: d.get(k, v1[k]) for k in v1}
 
     def reader_view(self) -> dict[str, Any]:
         """What the format's `open_unit` is given: its own facts, and the units and digest it planned."""
@@ -155,7 +175,9 @@ class CheckpointFacts:
                 "units": None if self.units is None else list(self.units), "metadata": self.metadata,
                 "reader": self.reader, "tied": [[list(keys), path] for keys, path in self.tied],
                 "not_tensors": sorted(self.not_tensors), "trainer": self.trainer,
-                "resume_files": self.resume_files}
+                "resume_files": self.resume_files, "ranked": self.ranked, "group_claims": self.group_claims,
+                "keeps_empty_values": self.keeps_empty_values, "megatron_args": self.megatron_args,
+                "megatron_common": self.megatron_common}
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str) -> "CheckpointFacts":
@@ -165,15 +187,21 @@ class CheckpointFacts:
             raise StoreError(f"{where}: checkpoint facts of version {d.get('version')}, written by a newer "
                              f"shardstore; upgrade shardstore")
         units = d.get("units")
-        facts = cls(d.get("format", "torch-save"), d.get("group_size", 1), d.get("replicas", 1),
+        format, reader = d.get("format", "torch-save"), d.get("reader") or {}
+        facts = cls(format, d.get("group_size", 1), d.get("replicas", 1),
                     d.get("side_files") or {}, None if units is None else tuple(units), d.get("metadata"),
-                    d.get("reader") or {}, d.get("version", FACTS_VERSION),
+                    {k: v for k, v in reader.items() if k != "megatron_args"}, d.get("version", FACTS_VERSION),
                     tuple((tuple(keys), path) for keys, path in d.get("tied") or ()),
-                    frozenset(d.get("not_tensors") or ()), d.get("trainer"), d.get("resume_files") or {})
+                    frozenset(d.get("not_tensors") or ()), d.get("trainer"), d.get("resume_files") or {},
+                    **cls._flags(format, d), megatron_args=d.get("megatron_args", reader.get("megatron_args")),
+                    megatron_common=d.get("megatron_common"))
         if not (isinstance(facts.format, str) and type(facts.group_size) is int and type(facts.replicas) is int
                 and isinstance(facts.side_files, dict) and isinstance(facts.reader, dict)
                 and isinstance(facts.resume_files, dict) and isinstance(facts.trainer, (str, type(None)))
-                and all(isinstance(p, str) for p in facts.not_tensors)):
+                and all(isinstance(p, str) for p in facts.not_tensors)
+                and all(type(getattr(facts, k)) is bool for k in ("ranked", "group_claims", "keeps_empty_values"))
+                and isinstance(facts.megatron_args, (dict, type(None)))
+                and isinstance(facts.megatron_common, (str, type(None)))):
             raise StoreError(f"{where}: corrupt manifest (checkpoint facts)")
         return facts
 
@@ -182,6 +210,17 @@ class CheckpointFacts:
         """A store written before the facts were typed (its manifest's untyped `extra`)."""
         return cls.of(extra.get("format", "torch-save"), extra.get("group_size", 1), extra.get("replicas", 1),
                       extra)
+
+
+def _v1_megatron_common(tree: Node, format: str) -> str | None:
+    """Where version-1 facts' Megatron common state is: a top-level `common_state…` (megatron-core's
+    own files, DCP), or the first rank's values in Megatron-LM's torch format."""
+    for _, child in tree.children:
+        if child.path.startswith("common_state"):
+            return child.path
+        if child.path == "ranks" and format == "megatron-torch" and child.children:
+            return child.children[0][1].path
+    return None
 
 
 @dataclass
@@ -217,8 +256,10 @@ class Manifest:
             arrays = {p: ArrayEntry.from_json(p, a) for p, a in d["arrays"].items()}
             facts = (CheckpointFacts.from_json(d["facts"], where) if "facts" in d
                      else CheckpointFacts.from_extra(d.get("extra", {})))
-            manifest = cls(d["layout"], d["world_size"], Node.from_json(d["tree"]), arrays, d["objects"],
-                           facts, int(d.get("version", 1)))
+            tree = Node.from_json(d["tree"])
+            if facts.version < 2:
+                facts = replace(facts, megatron_common=_v1_megatron_common(tree, facts.format))
+            manifest = cls(d["layout"], d["world_size"], tree, arrays, d["objects"], facts, int(d.get("version", 1)))
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise StoreError(f"{where}: corrupt manifest ({type(exc).__name__}: {str(exc)[:80]})") from None
         if not (isinstance(manifest.world_size, int) and 0 < manifest.world_size <= 1 << 20

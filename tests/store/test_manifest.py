@@ -60,14 +60,14 @@ def test_a_format_1_store_is_still_read_and_completed(checkpoints, tmp_path: Pat
 def test_the_checkpoint_facts_are_typed_and_versioned(checkpoints, tmp_path: Path) -> None:
     """A store written before the facts were typed (an untyped `extra`) reads as the same facts and is
     completed; facts of a newer version are refused, naming the store."""
-    from shardstore.store.manifest import CheckpointFacts
+    from shardstore.store.manifest import FACTS_VERSION, CheckpointFacts
 
     src = checkpoints(2)
     shardstore.ingest(tmp_path / "s", [src / "rank0.pt"], jobs=1)
     manifest = tmp_path / "s" / MANIFEST_KEY
     data = json.loads(manifest.read_text())
     facts = data["facts"]
-    assert facts["format"] == "torch-save" and facts["version"] == 1 and "skim" in facts["reader"]
+    assert facts["format"] == "torch-save" and facts["version"] == FACTS_VERSION and "skim" in facts["reader"]
     legacy = {k: v for k, v in data.items() if k != "facts"}
     legacy["extra"] = {"group_size": facts["group_size"], "replicas": facts["replicas"], "format": facts["format"],
                        **facts["reader"]}
@@ -76,16 +76,16 @@ def test_the_checkpoint_facts_are_typed_and_versioned(checkpoints, tmp_path: Pat
     assert store.manifest.facts == CheckpointFacts.from_json(facts, "x")
     shardstore.ingest(tmp_path / "s", [src / "rank1.pt"], jobs=1)
     assert shardstore.open(tmp_path / "s").status().ok
-    data["facts"]["version"] = 2  # the typed manifest, as written before, from a newer shardstore
+    data["facts"]["version"] = FACTS_VERSION + 1  # the typed manifest, as written before, from a newer shardstore
     manifest.write_text(json.dumps(data))
-    with pytest.raises(StoreError, match="checkpoint facts of version 2, written by a newer shardstore"):
+    with pytest.raises(StoreError, match=f"checkpoint facts of version {FACTS_VERSION + 1}, written by a newer shardstore"):
         shardstore.open(tmp_path / "s")
 
 
 def test_tied_names_round_trip_and_older_facts_have_none() -> None:
     """DeepSpeed's shared_params are a typed fact: (the tied name's keys, the store path of its tensor);
     facts written before it existed read as none."""
-    from shardstore.store.manifest import CheckpointFacts
+    from shardstore.store.manifest import FACTS_VERSION, CheckpointFacts
 
     facts = CheckpointFacts.of("deepspeed", 1, 1, {"tied": [[["model", "lm_head.weight"], "model/wte"]], "x": 1})
     assert facts.tied == ((("model", "lm_head.weight"), "model/wte"),) and facts.reader == {"x": 1}
@@ -93,3 +93,23 @@ def test_tied_names_round_trip_and_older_facts_have_none() -> None:
     assert again == facts
     older = {k: v for k, v in facts.to_json().items() if k != "tied"}
     assert CheckpointFacts.from_json(older, "m").tied == ()
+
+
+@pytest.mark.parametrize("format, flags", [("torch-save", (True, True, True)), ("dtensor-files", (True, False, True)),
+                                           ("dcp", (False, False, False)), ("deepspeed", (False, False, True))])
+def test_version_1_facts_read_as_the_flags_their_format_had(format: str, flags: tuple[bool, bool, bool]) -> None:
+    """Exports read the input format's flags from the manifest, never from the read registry: a store
+    planned before they were recorded gets the flags its format had then, and recorded ones win."""
+    from shardstore.read.registry import get
+    from shardstore.store.manifest import CheckpointFacts
+
+    old = {"version": 1, "format": format, "reader": {"megatron_args": {"num_layers": 2}}}
+    facts = CheckpointFacts.from_json(old, "m")
+    assert (facts.ranked, facts.group_claims, facts.keeps_empty_values) == flags
+    fmt = get(format)
+    assert flags == (fmt.ranked, fmt.group_claims, fmt.keeps_empty_values)  # what the registry says today
+    assert facts.megatron_args == {"num_layers": 2} and "megatron_args" not in facts.reader
+    recorded = CheckpointFacts.from_json({**old, "ranked": not flags[0]}, "m")
+    assert recorded.ranked is not flags[0]
+    with pytest.raises(StoreError, match="corrupt manifest"):
+        CheckpointFacts.from_json({**old, "ranked": "yes"}, "m")

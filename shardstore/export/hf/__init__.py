@@ -22,11 +22,7 @@ from typing import Any, Callable
 
 from ... import jsonin
 from ...errors import ExportError, ShardstoreError
-from ...read.formats.dcp import MEGATRON_ARGS, NEMO_MODEL
-from ...read.formats.megatron_torch import FORMAT as MEGATRON_TORCH
-from ...read.formats.megatron_torch import RANKS
-from ...read.registry import get
-from ...read.source import hf_model_file
+from ...hf_files import hf_model_file
 from ...store.store import Store
 from ...tree import Node
 from ..output import OutputFile
@@ -36,6 +32,7 @@ from . import megatron, olmo, olmo_core
 from .spec import HFModel, HFTensor
 
 CONFIG, GENERATION = "config.json", "generation_config.json"
+NEMO_MODEL = "model.yaml"  # NeMo's context/model.yaml, which its reader keeps as a side file
 COMPOSER_HF = "state/integrations/huggingface"
 MAX_CONFIG_FILE = 64 << 20  # tokenizer.json of large vocabularies is tens of MB
 
@@ -48,23 +45,19 @@ def in_values(store: Store) -> bool:
     """Whether the model is described by values the store holds (Composer's Hugging Face metadata,
     Megatron-LM's common state where the plan did not read its args), which only the data brings."""
     return _holder(store, COMPOSER_HF) is not None \
-        or (_megatron_common(store) is not None and MEGATRON_ARGS not in store.manifest.facts.reader)
+        or (_megatron_common(store) is not None and store.manifest.facts.megatron_args is None)
 
 
 def _megatron_common(store: Store) -> Node | None:
-    """Megatron-Core's common state, if the checkpoint has one: a bytes item `common_state/shard_0_1` in
-    megatron-core >= 0.19's own files, the values of `common.pt` under `common_state` before, the first
-    rank's file's values in Megatron-LM's torch format (`ranks/mp_rank_00…`)."""
-    for _, child in store.manifest.tree.children:
-        if child.path.startswith("common_state"):
-            return child
-        if child.path == RANKS and store.manifest.facts.format == MEGATRON_TORCH and child.children:
-            return child.children[0][1]
-    return None
+    """Megatron-Core's common state, if the checkpoint has one (where the plan found it: a bytes item
+    `common_state/shard_0_1` in megatron-core >= 0.19's own files, the values of `common.pt` under
+    `common_state` before, the first rank's file's values in Megatron-LM's torch format)."""
+    where = store.manifest.facts.megatron_common
+    return None if where is None else node_at(store.manifest.tree, where)
 
 
 def _from_megatron_args(store: Store, subtree: str, node: Node) -> tuple[HFModel, dict[str, str]]:
-    planned = store.manifest.facts.reader.get(MEGATRON_ARGS)
+    planned = store.manifest.facts.megatron_args
     if isinstance(planned, dict):  # read with the plan
         return _megatron_from(store, subtree, planned, "Megatron's common state: args")
     common = build(store, node, plain_dicts=True)
@@ -99,7 +92,7 @@ def has_hf_description(store: Store) -> bool:
     the run's config.yaml, Composer's Hugging Face metadata, or Megatron-LM's common state."""
     side = store.manifest.facts.side_files
     return in_values(store) or "config.yaml" in side or CONFIG in side or NEMO_MODEL in side \
-        or MEGATRON_ARGS in store.manifest.facts.reader
+        or store.manifest.facts.megatron_args is not None
 
 
 def _side_config(store: Store, name: str) -> bytes | None:
@@ -193,7 +186,7 @@ def _from_composer(store: Store, subtree: str, meta: Any) -> tuple[HFModel, dict
     files: dict[str, bytes] = {}
     tokenizer = meta.get("tokenizer") or {}
     notes = []
-    if tokenizer and not get(store.manifest.facts.format).keeps_empty_values:
+    if tokenizer and not store.manifest.facts.keeps_empty_values:
         # DCP stores nested values key by key and keeps no entry for an empty dict or list, so the
         # tokenizer files it holds are not the files Composer saved (tokenizer.json's empty
         # `special_tokens` is gone): written, they would be wrong bytes.

@@ -24,6 +24,7 @@ from typing import Any
 
 from ... import dtypes, jsonin, paths
 from ...errors import CheckpointError, closed_on_error, named
+from ...hf_files import hf_model_file
 from ...locations import StorageOptions, filesystem, folder_of, is_url, join, listing, local, name_of, subfolders
 from ...records import TensorRef
 from ...tree import Node, Skeleton
@@ -33,7 +34,7 @@ from ..layouts import name_rank
 from ..primitives.container import DataFile, TorchZip, parsed_once, read_small
 from ..primitives.tensors import check_view
 from ..primitives.unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, load
-from ..source import JSON_CONFIG, Source, config_files, hf_model_file, pick
+from ..source import JSON_CONFIG, Source, config_files, pick
 from . import lightning, trainer
 from .resume import resume_files
 from .trainer import TRAIN, TrainerUnit, join_trainer_state, open_trainer
@@ -426,6 +427,7 @@ def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None =
     args = _megatron_args(ckpt, trainer_state or [], storage_options, strict)
     if args is not None:
         extra[MEGATRON_ARGS] = args
+    extra["megatron_common"] = next((c.path for _, c in tree.children if c.path.startswith(COMMON_STATE)), None)
     return CheckpointSpec("dcp", len(units), len(units), tree, arrays, {}, objects, extra)
 
 

@@ -23,12 +23,12 @@ from typing import Any
 
 from ... import jsonin, paths
 from ...errors import CheckpointError, closed_on_error
+from ...hf_files import hf_model_file
 from ...locations import StorageOptions, join, listing
 from ...tree import Node
 from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec
 from ..primitives.container import read_small
 from ..primitives.safetensors_file import SafetensorsFile
-from ..source import hf_model_file
 from ..unit import FileUnit, planned_place
 
 FORMAT = "dcp-hf"

@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 from ... import paths
 from ...errors import CheckpointError, closed_on_error
+from ...hf_files import hf_model_file
 from ...locations import StorageOptions, folder_of, join, listing, subfolders
 from ...records import Building, TensorRef, building_class
 from ...tree import Node
@@ -56,7 +57,6 @@ from ..primitives.container import TorchZip, read_small
 from ..primitives.flatten import flatten
 from ..primitives.identity import refuse_copies
 from ..primitives.unpickle import load
-from ..source import hf_model_file
 from ..unit import FileUnit, flat_spec, planned_place, relative
 from . import fsdp_flat
 

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointError
+from ...hf_files import hf_model_file
 from ...locations import StorageOptions, folder_of, is_url, join, listing, name_of, subfolders
 from ..primitives.container import read_small
-from ..source import JSON_CONFIG, hf_model_file
+from ..source import JSON_CONFIG
 
 META = "meta.pt"  # rank 0's torch.save of every value but the modules and optimizers
 HPARAMS = "hparams.yaml"

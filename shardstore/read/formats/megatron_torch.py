@@ -273,7 +273,8 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
             f.zip.close()
     names = [relative(u) for u in unit_paths]
     digest = hashlib.blake2b(repr(digests).encode(), digest_size=16).hexdigest()
-    extra = {"units": names, "metadata": digest, "megatron": {"grid": grid, "digests": digests}}
+    extra = {"units": names, "metadata": digest, "megatron": {"grid": grid, "digests": digests},
+             "megatron_common": ranks.children[0][1].path if ranks.children else None}  # the first rank's values
     return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
 
 

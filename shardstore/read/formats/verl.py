@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import CheckpointError, closed_on_error
+from ...hf_files import hf_model_file
 from ...locations import StorageOptions, join, listing
 from ...records import TensorRef
 from ...tree import Node
 from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, replica_count
 from ..primitives import tensors
 from ..primitives.identity import refuse_copies
-from ..source import hf_model_file
 from ..unit import FileUnit, flat_spec, planned_place, relative
 from . import fsdp_flat
 from .dtensor import (
