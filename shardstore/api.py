@@ -10,7 +10,6 @@ from typing import Callable, Sequence
 from . import export as _export
 from . import ingest as _ingest
 from .errors import CheckpointError, ExportError
-from .export import direct as _direct
 from .locations import StorageOptions, is_url
 from .progress import Progress, size_text
 from .progress import resolve as _progress
@@ -19,6 +18,7 @@ from .read.layouts import missing_ranks
 from .read.registry import get
 from .read.source import Source
 from .runner import default_jobs
+from .sink.layout import Layout
 from .store.store import Store
 from .watcher import watch as _watch
 
@@ -36,7 +36,7 @@ def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None
            storage_options: StorageOptions | None = None, scheduler: str | None = None, strict: bool = False,
            progress: Progress | bool = False, only: Callable[[Store], str | None] | None = None,
            on_created: Callable[[Store], None] | None = None,
-           direct: Callable[[Store], _direct.Layout | None] | None = None, scratch: bool = False) -> Store:
+           direct: Callable[[Store], Layout | None] | None = None, scratch: bool = False) -> Store:
     """Ingest rank files (or a DCP checkpoint's .distcp files, or a `Source`) into `store` (created on first
     use); any subset, in any order, any number of times.
 
@@ -197,7 +197,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
                                   f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
 
     # One write: with a scratch store on local disk, the ingest writes the output itself where the plan
-    # lays it out (export/direct/); the store then keeps only values, and the journal of units.
+    # lays it out (each export format's `plan_direct`); the store then keeps only values, and the journal of units.
     # Under Dask the workers write into OUT too: it must be a folder they all see (local, or a cluster's
     # shared file system), as the scratch store inside it must be for the two-step path.
     one_pass = store is None and not verify_replicas and not is_url(os.fspath(out_dir))

@@ -9,10 +9,12 @@ never imports it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import numpy as np
 
 from .errors import CheckpointError
+from .ranges import Part, blocks
 
 
 @dataclass(frozen=True)
@@ -104,3 +106,16 @@ def as_numbers(raw: np.ndarray, name: str) -> np.ndarray:
     if name in _WIDEN:
         return _WIDEN[name]()[raw]
     return raw
+
+
+CAST_BLOCK_BYTES = 16 << 20  # a cast holds this much of its source in memory at a time
+
+
+def cast(parts: Iterable[Part], src: DTypeInfo, dst: str) -> Iterator[bytes]:
+    """The bytes of `parts` (elements of `src`) cast to `dst`, block by block, rounding to nearest even as
+    torch's `Tensor.to` does (it is what casts them)."""
+    import torch
+
+    for block in blocks(parts, CAST_BLOCK_BYTES - CAST_BLOCK_BYTES % src.itemsize):
+        t = torch.from_numpy(np.frombuffer(block, dtype=src.raw).copy()).view(getattr(torch, src.name))
+        yield t.to(getattr(torch, dst)).view(torch.uint8).numpy().tobytes()

@@ -18,7 +18,6 @@ import numpy as np
 
 from . import values
 from .errors import CheckpointError, StoreError, closed_on_error, named
-from .export.direct import DirectWriter, Layout
 from .locations import StorageOptions, filesystem, is_url
 from .plan import plan_checkpoint
 from .read.contract import ArrayLeaf, LocalPiece
@@ -34,9 +33,12 @@ from .read.registry import get
 from .read.source import Source
 from .records import TensorRef
 from .runner import Pool, default_jobs
+from .sink import Sink
+from .sink.cells import UnitWriter
+from .sink.files import DirectWriter
+from .sink.layout import Layout
 from .store.onesave import OneSave
 from .store.store import Store
-from .store.writer import UnitWriter
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class IngestOptions:
     only: str | None = None  # write only this subtree's tensors (a scratch store that feeds one export)
     strict: bool = False  # refuse every global outside the allowlist, instead of keeping opaque records
     format: str = "torch-save"  # how to open a unit of work (read/discover.py)
-    direct: Layout | None = None  # the arrays it places go straight into these output files (export/direct/)
+    direct: Layout | None = None  # the arrays it places go straight into these output files (sink/files.py)
 
 
 def _check_against(store: Store, unit: Any) -> None:
@@ -180,7 +182,7 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
                 entry = arrays.get(leaf_path)
                 if entry is None or not under(leaf_path, only):
                     continue
-                sink: Any = direct if direct is not None and direct.places(leaf_path) else writer
+                sink: Sink = direct if direct is not None and direct.places(leaf_path) else writer
                 if sink is direct and (not writes or entry.replicated and rf.group_rank != 0):
                     continue  # another unit writes this copy (every unit holds a plain tensor whole)
                 pieces = ([LocalPiece((0,) * len(entry.shape), entry.shape, leaf, rf.value_zip(leaf_path))]
@@ -282,7 +284,7 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
     committed from a file of the same name and size are skipped, so a rerun does only what is missing.
     With `scheduler` ("dask" for a local cluster, or a scheduler address) the ranks run as Dask tasks.
     `only(store)` may name the one subtree whose tensors to write (see `ingest_file`), and `direct(store)` the
-    output layout whose arrays go straight into their output files (export/direct/). `strict` refuses
+    output layout whose arrays go straight into their output files (sink/files.py). `strict` refuses
     every pickled global outside the allowlist. `on_start(total, done)` hears, once the store is open, the
     bytes of all `files` and of those already in it (None for the total when any file is remote).
     A `scratch` store (a one-pass export's) gets its arrays' Zarr metadata only if the export turns out

@@ -97,7 +97,7 @@ def test_safetensors_options(checkpoints, tmp_path: Path) -> None:
 
 
 def test_unshard_to_safetensors_writes_no_tensor_into_its_scratch_store(checkpoints, tmp_path: Path) -> None:
-    """The model goes straight into the output (export/direct/); the optimizer, which safetensors does
+    """The model goes straight into the output (sink/, each format's `plan_direct`); the optimizer, which safetensors does
     not take, is never written anywhere."""
     from shardstore import api
 

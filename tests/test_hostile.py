@@ -470,7 +470,7 @@ def test_dcp_sharding_info_nested_too_deeply_is_refused_by_name(tmp_path: Path) 
 
 def test_a_file_larger_than_the_file_system_allows_is_one_line(tmp_path: Path) -> None:
     from shardstore.errors import ExportError
-    from shardstore.export.direct.layout import Layout, prepare
+    from shardstore.sink.layout import Layout, prepare
 
     with pytest.raises(ExportError, match=r"huge\.pt: cannot write the export: a file larger than its file system allows"):
         prepare(None, Layout(str(tmp_path), ("huge.pt",), (1 << 62,), {}), [[]])  # type: ignore[arg-type]

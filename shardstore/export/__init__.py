@@ -11,14 +11,14 @@ from typing import Callable, Iterator
 
 from .. import dtypes, paths, tempfiles
 from ..errors import ExportError, StoreError
+from ..sink.layout import MOVING
+from ..sink.output import output_error, write_side_files
 from ..store.onesave import check_one_save
 from ..store.store import Status, Store
 from ..tree import Node
-from .contract import CAST_DTYPES, ExportRequest, OutputFormat
-from .direct import MOVING, DirectExport
+from .contract import CAST_DTYPES, DirectExport, ExportRequest, OutputFormat
 from .hf import NO_HF_DESCRIPTION, has_hf_description
 from .notes import flat_buckets
-from .output import output_error, write_side_files
 from .registry import FORMATS as _FORMATS
 from .registry import output_format
 from .resolve import NOT_A_MODEL, leaves, model_node, node_at
@@ -254,7 +254,7 @@ def _writing_into(out: Path, stale: list[Path]) -> Iterator[None]:
 
 def plan_direct(store: Store, request: ExportRequest, jobs: int = 1) -> DirectExport | None:
     """The export laid out from the plan alone and its files prepared, for the ingest to write straight
-    into; None where it cannot be (see export/direct/), and the store then feeds the export as usual."""
+    into; None where it cannot be (each format's `plan_direct`), and the store then feeds the export as usual."""
     if store.manifest.facts.replicas > 1 and not store.manifest.facts.group_claims:
         return None
     fmt = output_format(request.format)

@@ -17,10 +17,12 @@ export/registry.py, from which the command line takes its choices.
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
+from ..sink.layout import Layout
 from ..store.store import Store
 from ..tree import Node
 
@@ -41,6 +43,10 @@ class ExportRequest:
     allow_partial: bool = False  # holes for what an incomplete store lacks, said in the output's metadata
 
 
+Progress = Callable[[int], None] | None
+Written = tuple[list[Path], list[str], list[str]]  # files, leaves left out, notes
+
+
 @dataclass
 class Planned:
     """An export laid out once the data is in: its exact files (beside-files aside), the tensor bytes it
@@ -49,8 +55,7 @@ class Planned:
 
     files: list[str]
     nbytes: int
-    write: Callable[[Path, Callable[[int], None] | None, dict[str, str] | None, str | None, int],
-                    tuple[list[Path], list[str], list[str]]]
+    write: Callable[[Path, Progress, dict[str, str] | None, str | None, int], Written]
 
 
 @dataclass(frozen=True)
@@ -70,4 +75,40 @@ class OutputFormat:
     # (from the checkpoint, or --hf-config) and a model's weights
     takes_scheduler: bool  # one Dask task per output file
     plan: Callable[[Store, ExportRequest, Node, str, int], Planned]
-    direct: Callable[[Store, ExportRequest, Node, str, int], Any]
+    direct: Callable[[Store, ExportRequest, Node, str, int], DirectExport | None]
+
+
+class DirectExport(ABC):
+    """An export the ingest writes itself (each format module's `plan_direct`; the sink/ package writes it).
+
+    The call sequence: the format's `plan` lays the files out and prepares them (before any rank is read);
+    the ingest's workers fill them (`layout` is what they are told); once every unit is journalled,
+    `seal` writes what could only follow the data, in the files where they are (it may run again after a
+    crash, and must then give the same files); the files are renamed into OUT; `finish` writes the files
+    that go beside them, each atomically, the one that makes the folder loadable last.
+    """
+
+    layout: Layout
+
+    @property
+    @abstractmethod
+    def files(self) -> list[str]:
+        """Every file it leaves in OUT."""
+
+    @property
+    def skipped(self) -> list[str]:
+        """Leaves it cannot hold (a safetensors file holds tensors only)."""
+        return []
+
+    @property
+    def notes(self) -> list[str]:
+        """What the user should know about the output."""
+        return []
+
+    def seal(self, store: Store) -> None:
+        """The files' last bytes, once every unit is in (a torch zip's pickle and directory, the CRCs);
+        nothing for safetensors."""
+
+    def finish(self, store: Store, out: Path) -> list[Path]:
+        """The files beside the laid-out ones, in OUT (the run's side files aside)."""
+        return []

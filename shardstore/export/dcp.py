@@ -7,13 +7,23 @@ store cell becomes one chunk (a cell is one shard file, so its bytes are copied 
 names torch's own `flatten_state_dict` gives the nested state dict (so the loader finds them), with
 `planner_data` to rebuild the nesting. Several workers write .distcp files at once; `.metadata`, which
 makes the folder a checkpoint, is written last, so a run that stops early leaves nothing that loads.
+
+In one pass (`plan_direct`) every chunk's .distcp item is laid out whole but for its tensor bytes.
+
+A chunk is a store cell, as in the two-step export: its item is a small torch zip (the pickle of one
+tensor, its one storage entry) known entirely from the plan, except the storage's bytes, which the
+workers write, and its CRC-32, patched in at the seal from what they recorded. The values (and the
+tensors the store assembles) arrive with the data: they go into one more .distcp file at the finish,
+and `.metadata`, which makes the folder a checkpoint, is written last.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import struct
 import sys
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
@@ -21,8 +31,12 @@ from typing import Any, Callable, Iterator, TypeVar
 from ..errors import ExportError
 from ..ranges import Part
 from ..runner import Pool
+from ..sink.layout import Layout, Sketch, Target, entry_crc, journalled_runs, new_layout, prepare
+from ..sink.output import OutputFile
 from ..store.store import Store
-from .output import OutputFile
+from ..tree import Node
+from .contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
+from .notes import flat_buckets
 from .resolve import ArrayRef, build, leaves, object_value
 from .torch import write_zip
 
@@ -95,17 +109,17 @@ def dcp_names(store: Store) -> dict[tuple[Any, ...], str]:
     return leaf_of
 
 
-Written = tuple[str, list[tuple[Item, int, int]]]  # a file's name, and (item, offset, length) of each item in it
+ItemsWritten = tuple[str, list[tuple[Item, int, int]]]  # a file's name, and (item, offset, length) of each item in it
 
 
 def _write_file(location: str, storage_options: dict[str, Any] | None, path: str, items: list[Item],
-                partial: bool) -> Written:
+                partial: bool) -> ItemsWritten:
     """One .distcp file, in a worker: every item a torch.save zip, one after another."""
     return write_items(Store.open(location, storage_options), Path(path), items, partial)
 
 
 def write_items(store: Store, path: Path, items: list[Item], partial: bool,
-                 progress: Callable[[int], None] | None = None) -> Written:
+                 progress: Callable[[int], None] | None = None) -> ItemsWritten:
     written = []
     with OutputFile(path) as out:
         for item in items:
@@ -183,10 +197,10 @@ def export_dcp(store: Store, out_dir: Path, plan: DcpPlan, jobs: int = 1, progre
                partial: dict[str, str] | None = None) -> list[Path]:
     """Write every planned `out_dir/__{i}_0.distcp` (by `jobs` workers), and then `out_dir/.metadata`.
     `progress` hears each item's tensor bytes as it is written (here), or each file's once it is (workers)."""
-    results: list[Written] = []
+    results: list[ItemsWritten] = []
     names = plan.names
 
-    def done(result: Written) -> None:
+    def done(result: ItemsWritten) -> None:
         results.append(result)
         if progress:
             progress(sum(item.nbytes for item, _, _ in result[1]))
@@ -204,7 +218,7 @@ def export_dcp(store: Store, out_dir: Path, plan: DcpPlan, jobs: int = 1, progre
     return [out_dir / n for n in names] + [out_dir / METADATA]
 
 
-def metadata(described: dict[str, Any], mappings: dict[str, tuple], results: list[Written]) -> bytes:
+def metadata(described: dict[str, Any], mappings: dict[str, tuple], results: list[ItemsWritten]) -> bytes:
     """`.metadata` exactly as torch writes it: its own classes, pickled with pickle's default protocol."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -251,3 +265,104 @@ def metadata(described: dict[str, Any], mappings: dict[str, tuple], results: lis
 
 def _interned(value: Any) -> Any:
     return sys.intern(value) if type(value) is str else value
+
+
+# ---------------------------------------------------------------------------------------------- one pass
+# Where a chunk's item is: its file, its start and length there, its storage bytes' start and length,
+# and the positions of its CRC-32 (local header, central directory).
+Laid = tuple[int, int, int, int, int, list[int]]
+
+
+@dataclass(frozen=True)
+class DcpDirect(DirectExport):
+    layout: Layout
+    values: bool  # whether anything is left for the last .distcp file (values, assembled tensors)
+    laid: dict[tuple[str, tuple[int, ...]], Laid]  # (store path, cell) -> where its item is
+
+    @property
+    def files(self) -> list[str]:
+        return list(self.layout.names) + ([distcp_name(len(self.layout.names))] if self.values else []) + [METADATA]
+
+    def seal(self, store: Store) -> None:
+        runs = journalled_runs(store, self.layout)
+        with ExitStack() as stack:  # each file made durable, or left for the rerun, as it exits
+            files = [stack.enter_context(OutputFile.reopen(Path(self.layout.folder) / name, size))
+                     for name, size in zip(self.layout.names, self.layout.sizes)]
+            for file, _, _, at, size, positions in self.laid.values():
+                crc = struct.pack("<I", entry_crc(runs.get(file, []), at, size, files[file].fd))
+                for position in positions:
+                    files[file].pwrite(crc, position)
+
+    def finish(self, store: Store, out: Path) -> list[Path]:
+        described, mappings, items = describe(store)
+        results: dict[str, list] = {name: [] for name in self.layout.names}
+        rest = []
+        for item in items:
+            where = self.laid.get((item.source.path, item.source.index)) if isinstance(item.source, CellRef) else None
+            if where is None:
+                rest.append(item)
+            else:
+                results[self.layout.names[where[0]]].append((item, where[1], where[2]))
+        written: list[ItemsWritten] = list(results.items())
+        files = []
+        if rest:
+            name = distcp_name(len(self.layout.names))
+            written.append(write_items(store, out / name, rest, False))
+            files.append(out / name)
+        with OutputFile(out / METADATA) as f:
+            f.write(metadata(described, mappings, written))
+        return files + [out / METADATA]
+
+
+def _laid_out(store: Store, jobs: int) -> tuple[list[Sketch], dict[tuple[str, tuple[int, ...]], Laid]]:
+    """Each .distcp file sketched, and where each chunk's item is."""
+    cells = []
+    for _, path in leaves(store.manifest.tree):
+        entry = store.manifest.arrays.get(path)
+        if entry is None or entry.staged:  # a value, or an array the store assembles: at the finish
+            continue
+        for flat in range(entry.ncells):
+            index = entry.cell_index(flat)
+            sizes = tuple(hi - lo for lo, hi in entry.cell_bounds(index))
+            if 0 not in sizes:
+                cells.append(CellRef(path, entry.dtype, sizes, index=index))
+    sketches, laid = [], {}
+    for file, refs in enumerate(spread(cells, jobs) if cells else []):
+        sketch = Sketch()
+        for ref in refs:
+            start = sketch.pos
+            zw = write_zip(sketch, "archive", ref, store, holes=True)
+            (at, size), = zw.holes.values()
+            laid[(ref.path, ref.index)] = (file, start, sketch.pos - start, at, size, zw.crc_at(next(iter(zw.holes))))
+        sketches.append(sketch)
+    return sketches, laid
+
+
+def plan_direct(store: Store, jobs: int) -> DcpDirect:
+    dcp_names(store)  # two leaves DCP would name alike: refused before the ingest, not after it
+    sketches, laid = _laid_out(store, jobs)
+    targets: dict[str, list[Target]] = {}
+    for (path, index), (file, _, _, at, _, _) in laid.items():
+        entry = store.manifest.arrays[path]
+        bounds = entry.cell_bounds(index)
+        box = (tuple(lo for lo, _ in bounds), tuple(hi - lo for lo, hi in bounds))
+        targets.setdefault(path, []).append(Target(file, at, box, entry.dtype, crc=True))
+    lay = new_layout(store, [distcp_name(i) for i in range(len(sketches))], [s.pos for s in sketches], targets)
+    prepare(store, lay, [s.writes for s in sketches])
+    values = any(path not in targets for _, path in leaves(store.manifest.tree))
+    return DcpDirect(lay, values, laid)
+
+
+def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> Planned:
+    plan = plan_dcp(store, jobs)
+
+    def write(out: Path, progress: Progress, partial: dict[str, str] | None, scheduler: str | None,
+              jobs: int) -> Written:
+        return export_dcp(store, out, plan, jobs, progress, partial), [], flat_buckets(store.manifest.arrays)
+
+    return Planned(plan.names + [METADATA], plan.nbytes, write)
+
+
+FORMAT = OutputFormat("dcp", subtree=False, may_write=r"__\d+_0\.distcp|\.metadata", config_beside=True,
+                      resume_beside=False, describes_model=False, takes_scheduler=False, plan=_plan,
+                      direct=lambda store, request, node, subtree, jobs: plan_direct(store, jobs))

@@ -128,3 +128,10 @@ def _plain(value: Any) -> Any:
 
 def _no_tensor(record: Any) -> Any:
     raise ExportError("a tensor used as a dict key")
+
+
+def tensors_only(store: Store, node: Node) -> bool:
+    """Whether every leaf below `node` is known from the plan (an array, or a value known not to be a
+    tensor): a plain value's shape comes with the data, too late for a layout made before it."""
+    facts = store.manifest.facts
+    return all(path in store.manifest.arrays or path in facts.not_tensors for _, path in leaves(node))

@@ -3,7 +3,8 @@
 All shapes are known up front, so each file's header is written first and the data follows; without a
 dtype cast, bytes go from the store's shard files to the output kernel-side (copy_file_range). Files
 above `max_shard_size` are split `model-00001-of-0000N.safetensors` with a `model.safetensors.index.json`
-written last, as transformers' `save_pretrained` does.
+written last, as transformers' `save_pretrained` does. In one pass (`plan_direct`) the same files are
+laid out before any unit is read, and the workers write every tensor's bytes where the header says.
 """
 
 from __future__ import annotations
@@ -16,18 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import numpy as np
-
 from .. import dtypes
 from ..errors import ExportError
-from ..ranges import blocks
 from ..runner import Pool
+from ..sink.layout import Layout, Target, new_layout, prepare
+from ..sink.output import OutputFile
 from ..store.store import Store
 from ..tree import Node
-from .output import OutputFile
-from .resolve import ArrayRef, Rows, build, leaves
+from .contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
+from .notes import flat_buckets
+from .resolve import ArrayRef, Rows, build, leaves, tensors_only
 
-CAST_BLOCK_BYTES = 16 << 20
 CASTABLE = ("float64", "float32", "float16", "bfloat16")  # what --dtype casts; other dtypes pass unchanged
 
 
@@ -122,16 +122,7 @@ def _tensor_bytes(store: Store, it: Item, allow_partial: bool) -> Iterator[Any]:
     if it.dtype == it.source.dtype:
         yield from parts
         return
-    src = dtypes.info(it.source.dtype)
-    for block in blocks(parts, CAST_BLOCK_BYTES - CAST_BLOCK_BYTES % src.itemsize):
-        yield _cast(np.frombuffer(block, dtype=src.raw), src, it.dtype)
-
-
-def _cast(raw: np.ndarray, src: dtypes.DTypeInfo, dst: str) -> bytes:
-    import torch
-
-    t = torch.from_numpy(raw.copy()).view(getattr(torch, src.name))
-    return t.to(getattr(torch, dst)).view(torch.uint8).numpy().tobytes()
+    yield from dtypes.cast(parts, dtypes.info(it.source.dtype), it.dtype)
 
 
 def _split(items: list[Item], max_shard_size: int) -> list[list[Item]]:
@@ -230,3 +221,81 @@ def write_index(out_dir: Path, plan: SafetensorsPlan) -> list[Path]:
     with OutputFile(out_dir / INDEX) as out:
         out.write(json.dumps(index, indent=2).encode() + b"\n")
     return [out_dir / INDEX]
+
+
+# ---------------------------------------------------------------------------------------------- one pass
+@dataclass(frozen=True)
+class SafetensorsDirect(DirectExport):
+    layout: Layout
+    plan: SafetensorsPlan
+
+    @property
+    def files(self) -> list[str]:
+        return self.plan.files
+
+    @property
+    def skipped(self) -> list[str]:
+        return self.plan.skipped
+
+    @property
+    def notes(self) -> list[str]:
+        return flat_buckets(it.key for group in self.plan.groups for it in group)
+
+    def finish(self, store: Store, out: Path) -> list[Path]:
+        return write_index(out, self.plan)
+
+
+def direct_layout(store: Store, plan: SafetensorsPlan) -> Layout:
+    """The files of `plan`, laid out and prepared: every tensor an array of the store's plan (the caller
+    made sure), the header first, every tensor's bytes where it says; a row block of a split weight
+    (`att_proj` -> q, k, v) a box of the fused array."""
+    targets: dict[str, list[Target]] = {}
+    sizes, heads = [], []
+    for i, group in enumerate(plan.groups):
+        head = header(group, {})
+        offset = len(head)
+        for item in group:
+            ref = item.source
+            assert isinstance(ref, ArrayRef), item.key  # plain values never reach a one-pass plan
+            if ref.rows is None:
+                targets.setdefault(ref.path, []).append(Target(i, offset, None, item.dtype))
+                offset += item.nbytes
+                continue
+            shape = store.manifest.arrays[ref.path].shape
+            row = item.nbytes // ref.shape[0] if ref.shape[0] else 0  # one row, in the output's dtype
+            for first, stop in ref.rows:  # each block where the ones before it end
+                box = ((first,) + (0,) * (len(shape) - 1), (stop - first,) + shape[1:])
+                targets.setdefault(ref.path, []).append(Target(i, offset, box, item.dtype))
+                offset += (stop - first) * row
+        sizes.append(offset)
+        heads.append([(0, head)])
+    lay = new_layout(store, plan.names, sizes, targets)
+    prepare(store, lay, heads)
+    return lay
+
+
+def plan_direct(store: Store, plan: SafetensorsPlan) -> SafetensorsDirect:
+    return SafetensorsDirect(direct_layout(store, plan), plan)
+
+
+def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> Planned:
+    plan = plan_safetensors(store, node, request.strip_prefix, request.dtype, request.max_shard_size)
+
+    def write(out: Path, progress: Progress, partial: dict[str, str] | None, scheduler: str | None,
+              jobs: int) -> Written:
+        files = export_safetensors(store, out, plan, progress, partial, scheduler, jobs)
+        return files, plan.skipped, flat_buckets(it.key for group in plan.groups for it in group)
+
+    return Planned(plan.files, plan.nbytes, write)
+
+
+def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> DirectExport | None:
+    if not tensors_only(store, node):
+        return None
+    plan = plan_safetensors(store, node, request.strip_prefix, request.dtype, request.max_shard_size)
+    return plan_direct(store, plan)
+
+
+FILE_NAMES = r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
+FORMAT = OutputFormat("safetensors", subtree=True, may_write=FILE_NAMES, config_beside=True, resume_beside=False,
+                      describes_model=False, takes_scheduler=True, plan=_plan, direct=_direct)

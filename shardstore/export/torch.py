@@ -6,6 +6,16 @@ drop-in; the HF Trainer's, Accelerate's and Lightning's checkpoints get the file
 from without FSDP (export/resume.py); any other layout gets one checkpoint.pt in the input's own nesting. For Composer, whose rank
 files each hold a one-element `rng` list, the monolithic file's `rng` lists every rank's state in rank
 order, as Composer's own monolithic checkpoints do.
+
+In one pass (`plan_direct`) each file is a torch zip whose arrays' entries are laid out first.
+
+torch.load finds every record through the zip's central directory, so the order of the records in the
+file is free. The arrays' entries (local header, then the bytes, 64-byte aligned as torch writes them)
+come first, at offsets known from the plan; the workers fill them. The pickle needs the checkpoint's
+values, which arrive with the data: it follows at the seal, with the small records, the tensors the
+store assembled (staged pieces, plain tensors), and the central directory. Each entry's CRC-32 is
+combined from the CRCs the workers recorded for what they wrote (the rank file's own where a piece is
+one of its storage records whole).
 """
 
 from __future__ import annotations
@@ -15,16 +25,20 @@ import json
 import math
 import pickle
 import secrets
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from .. import dtypes
 from ..records import GlobalRef, Opaque, TorchDevice, TorchDType, TorchVersion
+from ..sink.layout import Layout, Sketch, Target, entry_crc, journalled_runs, new_layout, prepare
+from ..sink.output import OutputFile
 from ..store.handle import TensorValue, tensor_value
 from ..store.store import Store
 from ..tree import Node
-from .output import OutputFile
+from .contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
+from .notes import flat_buckets
 from .resolve import ArrayRef, build, leaves, node_at
 from .resume import resume_layout
 from .torchzip import Sink, TorchZipWriter
@@ -154,7 +168,7 @@ def save(store: Store, obj: Any, path: Path, progress: Callable[[int], None] | N
 def write_zip(out: Sink, archive: str, obj: Any, store: Store, partial: dict[str, str] | None = None,
               force_zip64: bool = False, holes: bool = False) -> TorchZipWriter:
     """What torch.save writes for `obj`, at the output's current position; with `holes`, the store's
-    arrays are left as holes for the one-pass export's workers to fill (export/direct/)."""
+    arrays are left as holes for the one-pass export's workers to fill (sink/, each format's `plan_direct`)."""
     zw = TorchZipWriter(out, archive, force_zip64=force_zip64)
     write_entries(zw, obj, store, partial, holes=holes)
     zw.close()
@@ -274,3 +288,69 @@ def _holders(store: Store, node: Node) -> list[int]:
     """The ranks whose records hold every value below `node`, in rank order."""
     paths = [path for _, path in leaves(node)]
     return sorted(r for r, rec in store.records(refresh=False).items() if all(p in rec.objects for p in paths))
+
+
+# ---------------------------------------------------------------------------------------------- one pass
+@dataclass(frozen=True)
+class TorchDirect(DirectExport):
+    layout: Layout
+
+    @property
+    def files(self) -> list[str]:
+        return list(self.layout.names)
+
+    def seal(self, store: Store) -> None:
+        runs = journalled_runs(store, self.layout)
+        for i, file in enumerate(torch_layout(store)):
+            zw, placed = _sketch(store, file)
+            with OutputFile.reopen(Path(self.layout.folder) / file.name, zw.out.pos) as out:
+                for name, (at, size) in zw.holes.items():
+                    crc = entry_crc(runs.get(i, []), at, size, out.fd)
+                    zw.set_crc(name, crc)
+                    for position in zw.crc_at(name):
+                        out.pwrite(struct.pack("<I", crc), position)
+                zw.out = out
+                write_entries(zw, torch_object(store, file), store, placed=placed)
+                zw.close()
+
+
+def _sketch(store: Store, file: TorchFile) -> tuple[TorchZipWriter, dict[str, str]]:
+    """The file's array entries, sketched; and each array's storage key. The same every time it is asked,
+    so the seal finds the entries where the workers wrote them."""
+    zw = TorchZipWriter(Sketch(), Path(file.name).stem)
+    placed: dict[str, str] = {}
+    for path in file.arrays(store):
+        entry = store.manifest.arrays[path]
+        if path not in placed and not entry.staged:  # a staged array is assembled in the store
+            placed[path] = str(len(placed))
+            zw.hole(f"data/{placed[path]}", entry.nbytes)
+    return zw, placed
+
+
+def plan_direct(store: Store) -> TorchDirect:
+    targets: dict[str, list[Target]] = {}
+    sizes, heads, files = [], [], torch_layout(store)
+    for i, file in enumerate(files):
+        zw, placed = _sketch(store, file)
+        for path, key in placed.items():
+            at, _ = zw.holes[f"data/{key}"]
+            targets.setdefault(path, []).append(Target(i, at, None, store.manifest.arrays[path].dtype, crc=True))
+        assert isinstance(zw.out, Sketch)
+        sizes.append(zw.out.pos)
+        heads.append(zw.out.writes)
+    lay = new_layout(store, [f.name for f in files], sizes, targets)
+    prepare(store, lay, heads)
+    return TorchDirect(lay)
+
+
+def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> Planned:
+    def write(out: Path, progress: Progress, partial: dict[str, str] | None, scheduler: str | None,
+              jobs: int) -> Written:
+        return export_torch(store, out, progress, partial), [], flat_buckets(store.manifest.arrays)
+
+    return Planned(torch_files(store), sum(a.nbytes for a in store.manifest.arrays.values()), write)
+
+
+FORMAT = OutputFormat("torch", subtree=False, may_write=None, config_beside=True, resume_beside=True,
+                      describes_model=False, takes_scheduler=False, plan=_plan,
+                      direct=lambda store, request, node, subtree, jobs: plan_direct(store))

@@ -6,7 +6,7 @@ header afterwards. Entries are STORED and 64-byte aligned like torch's own, with
 sizes or offsets need them.
 
 An entry can also be a hole (`hole`): its header is written and its bytes are left for others to fill
-(the one-pass export's workers, export/direct/); its CRC is patched in once they have (`crc_at`).
+(the one-pass export's workers, sink/, each format's `plan_direct`); its CRC is patched in once they have (`crc_at`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _LIMIT = 0xFFFFFFFF
 
 
 class Sink(Protocol):
-    """Where a zip is written: an output file (OutputFile), or a sketch of one (export/direct/)."""
+    """Where a zip is written: an output file (OutputFile), or a sketch of one (sink/, each format's `plan_direct`)."""
 
     pos: int
 

@@ -99,7 +99,7 @@ def replica_count(arrays: dict[str, ShardedSpec]) -> int:
 @dataclass
 class LocalPiece:
     """A box of an array held in a unit (for a flat array, an element range), and where its bytes are: a
-    tensor view into a storage of `zip`. The store's `Piece` (store/writer.py)."""
+    tensor view into a storage of `zip`. The store's `Piece` (sink/cells.py)."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]

@@ -285,7 +285,7 @@ class CommitRecord:
     group_size: int = 0
     crcs: dict[str, dict[str, int]] = field(default_factory=dict)  # path -> cell -> its source's CRC-32
     identity: str | None = None  # which file it was (read/primitives/identity.py); None in stores from before it
-    direct: str | None = None  # its pieces went straight into the output of this layout (export/direct/)
+    direct: str | None = None  # its pieces went straight into the output of this layout (sink/, each format's `plan_direct`)
     runs: list[list[int]] = field(default_factory=list)  # [file, offset, length, CRC-32] it wrote into zip entries
 
     def to_json(self) -> dict[str, Any]:

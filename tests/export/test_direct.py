@@ -1,4 +1,4 @@
-"""One read, one write (export/direct/): `unshard` without `--store` writes each shard straight into the
+"""One read, one write (sink/, each format's `plan_direct`): `unshard` without `--store` writes each shard straight into the
 output, and the output is byte for byte what the two-step path (ingest into a store, then export) writes."""
 
 from __future__ import annotations
@@ -127,9 +127,9 @@ def test_torch_and_dcp_from_dcp_boxes_in_one_pass(format: str, kind: str, dcp_ch
 def test_entries_whose_pieces_record_no_crc_are_read_back(dcp_checkpoints, tmp_path: Path, monkeypatch) -> None:
     """A piece written in more runs than the workers record CRCs for (a column box, row by row): the seal
     reads its entry back from the file, and the CRC is right."""
-    from shardstore.export.direct import layout, writer
+    from shardstore.sink import files, layout
 
-    monkeypatch.setattr(writer, "RECORDED_RUNS", 1)
+    monkeypatch.setattr(files, "RECORDED_RUNS", 1)
     read_back = []
     real_pread = layout.os.pread
     monkeypatch.setattr(layout.os, "pread", lambda fd, n, at: read_back.append(n) or real_pread(fd, n, at))
@@ -158,7 +158,7 @@ def test_torch_and_dcp_under_hybrid_sharding_in_one_pass(format: str, tmp_path: 
 def test_a_crash_while_sealing_a_torch_export_resumes(checkpoints, tmp_path: Path, monkeypatch) -> None:
     """Killed while the seal writes the second file's pickle and directory (the first is sealed): OUT
     holds nothing, and the rerun seals both again from the same journal."""
-    from shardstore.export.direct import torch as direct_torch
+    from shardstore.export import torch as direct_torch
 
     src = checkpoints(3)
     out = tmp_path / "out"
@@ -195,12 +195,12 @@ def test_hybrid_sharding_in_one_pass(member: str, tmp_path: Path) -> None:
 def test_a_claim_whose_unit_never_committed_is_void(tmp_path: Path) -> None:
     """A unit that claimed its group rank and died before its commit: the rerun's units of that group
     rank write instead, and the output is whole."""
-    from shardstore.export import direct
+    from shardstore.sink import files, layout
 
     src = Path(__file__).parents[1] / "corpus" / "data" / "composer-t2.13-hsdp-w4" / "ep0-ba1"
     out = tmp_path / "out"
     scratch = shardstore.scratch_location(out)
-    original = direct.DirectWriter.claim
+    original = files.DirectWriter.claim
 
     def die_after_claiming(self, group_rank: int, rank: int) -> bool:
         won = original(self, group_rank, rank)
@@ -208,13 +208,13 @@ def test_a_claim_whose_unit_never_committed_is_void(tmp_path: Path) -> None:
             raise KeyboardInterrupt  # killed between its claim and its commit
         return won
 
-    direct.DirectWriter.claim = die_after_claiming
+    files.DirectWriter.claim = die_after_claiming
     try:
         with pytest.raises(KeyboardInterrupt):
             shardstore.unshard(src, out, jobs=1)
     finally:
-        direct.DirectWriter.claim = original
-    claims = scratch / direct.FOLDER / direct.CLAIMS
+        files.DirectWriter.claim = original
+    claims = scratch / layout.FOLDER / layout.CLAIMS
     assert (claims / "1").read_text() == "1" and 1 not in shardstore.open(scratch).records()
     assert plan_direct(shardstore.open(scratch), ExportRequest()) is not None  # what the rerun lays out first
     assert sorted(p.name for p in claims.iterdir()) == ["0"]  # rank 0's claim holds: it was journalled

@@ -85,7 +85,7 @@ def test_the_checkpoint_facts_are_typed_and_versioned(checkpoints, tmp_path: Pat
 def test_tied_names_round_trip_and_older_facts_have_none() -> None:
     """DeepSpeed's shared_params are a typed fact: (the tied name's keys, the store path of its tensor);
     facts written before it existed read as none."""
-    from shardstore.store.manifest import FACTS_VERSION, CheckpointFacts
+    from shardstore.store.manifest import CheckpointFacts
 
     facts = CheckpointFacts.of("deepspeed", 1, 1, {"tied": [[["model", "lm_head.weight"], "model/wte"]], "x": 1})
     assert facts.tied == ((("model", "lm_head.weight"), "model/wte"),) and facts.reader == {"x": 1}

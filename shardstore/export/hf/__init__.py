@@ -17,17 +17,27 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from ... import jsonin
 from ...errors import ExportError, ShardstoreError
 from ...hf_files import hf_model_file
+from ...sink.output import OutputFile
 from ...store.store import Store
 from ...tree import Node
-from ..output import OutputFile
-from ..resolve import build, leaves, model_node, node_at
-from ..safetensors import SafetensorsPlan, export_safetensors, plan_items, tensor_item
+from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
+from ..resolve import build, leaves, model_node, node_at, tensors_only
+from ..safetensors import (
+    FILE_NAMES,
+    SafetensorsDirect,
+    SafetensorsPlan,
+    direct_layout,
+    export_safetensors,
+    plan_items,
+    tensor_item,
+)
 from . import megatron, olmo, olmo_core
 from .spec import HFModel, HFTensor
 
@@ -355,3 +365,45 @@ def write_model_files(out_dir: Path, model: HFModel) -> list[Path]:
             f.write(data)
         written.append(out_dir / name)
     return written
+
+
+@dataclass(frozen=True)
+class HFDirect(SafetensorsDirect):
+    """The safetensors files in one pass, and the model's config and tokenizer files beside them."""
+
+    model: HFModel
+
+    @property
+    def files(self) -> list[str]:
+        return planned_files(self.model, self.plan)
+
+    @property
+    def notes(self) -> list[str]:
+        return self.model.notes
+
+    def finish(self, store: Store, out: Path) -> list[Path]:
+        return super().finish(store, out) + write_model_files(out, self.model)
+
+
+def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> Planned:
+    model, plan = plan_hf(store, subtree, request.hf_config, request.strip_prefix, request.dtype,
+                          request.max_shard_size)
+
+    def write(out: Path, progress: Progress, partial: dict[str, str] | None, scheduler: str | None,
+              jobs: int) -> Written:
+        return export_hf(store, out, model, plan, progress, partial), [], model.notes
+
+    return Planned(planned_files(model, plan), plan.nbytes, write)
+
+
+def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> DirectExport | None:
+    if not tensors_only(store, node) or (request.hf_config is None and in_values(store)):
+        return None
+    model, plan = plan_hf(store, subtree, request.hf_config, request.strip_prefix, request.dtype,
+                          request.max_shard_size)
+    return HFDirect(direct_layout(store, plan), plan, model)
+
+
+FORMAT = OutputFormat("hf", subtree=True, may_write=FILE_NAMES + r"|config\.json|generation_config\.json",
+                      config_beside=False, resume_beside=False, describes_model=True, takes_scheduler=False,
+                      plan=_plan, direct=_direct)

@@ -1,4 +1,14 @@
-"""One read, one write: `unshard` with every shard written straight into its place in the output, no copy
+"""Where a worker's pieces are written: one writer interface under ingest and export.
+
+- `cells.py`: the Zarr store's cells (and staged small pieces, values, blobs), then the unit's commit
+  record, which names its file's identity: the two-step path, and the journal of the one-pass path.
+- `files.py`: the output files' byte ranges, laid out before any unit is read (`layout.py`).
+- `output.py`: an output file written atomically (the exporters' too).
+
+Both writers take `piece(entry, piece)`: the array's manifest entry and a box of it with its bytes
+still in the unit's file (`Piece`); neither knows anything of pickles or of the input format.
+
+One read, one write: `unshard` with every shard written straight into its place in the output, no copy
 of it in the scratch store.
 
 Every output byte's place is known once the checkpoint is planned: each format lays its files out
@@ -26,48 +36,33 @@ into OUT as local ones do: it must be a folder they all see.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from pathlib import Path
+from typing import Protocol
 
-from ...store.store import Store
-from .layout import CLAIMS, FOLDER, MOVING, Layout, Target
-from .writer import DirectWriter
+import numpy as np
 
-
-class DirectExport(ABC):
-    """An export the ingest writes itself, one module per format (safetensors.py, torch.py, dcp.py).
-
-    The call sequence: the format's `plan` lays the files out and prepares them (before any rank is read);
-    the ingest's workers fill them (`layout` is what they are told); once every unit is journalled,
-    `seal` writes what could only follow the data, in the files where they are (it may run again after a
-    crash, and must then give the same files); the files are renamed into OUT; `finish` writes the files
-    that go beside them, each atomically, the one that makes the folder loadable last.
-    """
-
-    layout: Layout
-
-    @property
-    @abstractmethod
-    def files(self) -> list[str]:
-        """Every file it leaves in OUT."""
-
-    @property
-    def skipped(self) -> list[str]:
-        """Leaves it cannot hold (a safetensors file holds tensors only)."""
-        return []
-
-    @property
-    def notes(self) -> list[str]:
-        """What the user should know about the output."""
-        return []
-
-    def seal(self, store: Store) -> None:
-        """The files' last bytes, once every unit is in (a torch zip's pickle and directory, the CRCs);
-        nothing for safetensors."""
-
-    def finish(self, store: Store, out: Path) -> list[Path]:
-        """The files beside the laid-out ones, in OUT (the run's side files aside)."""
-        return []
+from ..ranges import Part
+from ..store.manifest import ArrayEntry
 
 
-__all__ = ["CLAIMS", "DirectExport", "DirectWriter", "FOLDER", "Layout", "MOVING", "Target"]
+class Piece(Protocol):
+    """A box of an array, still in its source file."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def rows(self, first: int, count: int) -> Part | None:
+        """Rows [first, first + count) of the box as one contiguous byte range, or None if not contiguous."""
+
+    def values(self) -> np.ndarray:
+        """The box as an array of the store's raw dtype (a view where possible)."""
+
+    def crc(self) -> int | None:
+        """The CRC-32 its file stores for exactly the box's bytes, if it stores one."""
+
+
+class Sink(Protocol):
+    """Where a unit's pieces go: the store's cells (`cells.UnitWriter`) or the output files
+    (`files.DirectWriter`)."""
+
+    def piece(self, entry: ArrayEntry, piece: Piece) -> None:
+        """Write one box of the array `entry` describes where it belongs."""

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from ...crc import crc32_combine
-from ...ranges import BLOCK, Part
-from ...store.store import Store
-from ..output import output_error
+from ..crc import crc32_combine
+from ..ranges import BLOCK, Part
+from ..store.store import Store
+from .output import output_error
 
 FOLDER = "__shardstore__/direct"  # inside the scratch store: the output files while they are written
 LAYOUT = "layout.json"

@@ -98,7 +98,7 @@ class OutputFile:
 
     @classmethod
     def reopen(cls, path: Path, pos: int) -> "OutputFile":
-        """A file laid out earlier (export/direct/), written on from `pos`, whatever followed it cut off:
+        """A file laid out earlier (sink/, each format's `plan_direct`), written on from `pos`, whatever followed it cut off:
         committing makes it durable where it is; aborting leaves it for a rerun to write on again."""
         out = cls.__new__(cls)
         out.path = out.tmp = path

@@ -17,13 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from ... import dtypes
-from ...errors import StoreError
-from ...ranges import FileRange, Part, blocks, copy_range, part_length
-from ...store.manifest import ArrayEntry
-from ..output import output_error
-from ..safetensors import CAST_BLOCK_BYTES, _cast
+from .. import dtypes
+from ..errors import StoreError
+from ..ranges import FileRange, Part, blocks, copy_range, part_length
+from ..store.manifest import ArrayEntry
 from .layout import CLAIMS, Layout, Target
+from .output import output_error
 
 RECORDED_RUNS = 64  # a piece in more runs than this (a column box, row by row): the finish reads it back
 
@@ -92,8 +91,7 @@ class DirectWriter:
                 values.append(np.ascontiguousarray(piece.values()).reshape(-1))
             part = values[0][first:first + count].data
         if target.dtype != entry.dtype:
-            for block in blocks([part], CAST_BLOCK_BYTES - CAST_BLOCK_BYTES % src.itemsize):
-                data = _cast(np.frombuffer(block, dtype=src.raw), src, target.dtype)
+            for data in dtypes.cast([part], src, target.dtype):
                 _pwrite(fd, data, offset)
                 offset += len(data)
             return

@@ -11,31 +11,16 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from .. import dtypes
 from ..errors import CheckpointError
 from ..ranges import Part, blocks, part_length
-from .manifest import ArrayEntry, CommitRecord
-from .store import BLOBS, Store, first_difference
-
-
-class Piece(Protocol):
-    """A box of an array, still in its source file."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-    def rows(self, first: int, count: int) -> Part | None:
-        """Rows [first, first + count) of the box as one contiguous byte range, or None if not contiguous."""
-
-    def values(self) -> np.ndarray:
-        """The box as an array of the store's raw dtype (a view where possible)."""
-
-    def crc(self) -> int | None:
-        """The CRC-32 its file stores for exactly the box's bytes, if it stores one."""
+from ..store.manifest import ArrayEntry, CommitRecord
+from ..store.store import BLOBS, Store, first_difference
+from . import Piece
 
 
 class UnitWriter:
