@@ -20,14 +20,12 @@ from . import values
 from .errors import CheckpointError, StoreError, closed_on_error, named
 from .locations import StorageOptions, filesystem, is_url
 from .plan import plan_checkpoint
-from .read.contract import ArrayLeaf, LocalPiece
+from .read.contract import LocalPiece, PlannedCheckpoint
 from .read.discover import open_unit
 from .read.discover import plan as plan_source
-from .read.formats.rankfile import RankFile
-from .read.layouts import name_rank
 from .read.primitives import tensors
-from .read.primitives.container import Container, TorchZip
-from .read.primitives.identity import content, file_identity, file_stamp, identity_of, stamp, zip_identity
+from .read.primitives.container import Container
+from .read.primitives.identity import content, file_identity, file_stamp, stamp
 from .read.primitives.unpickle import gc_paused
 from .read.registry import get
 from .read.source import Source
@@ -59,64 +57,11 @@ class IngestOptions:
     direct: Layout | None = None  # the arrays it places go straight into these output files (sink/files.py)
 
 
-def _check_against(store: Store, unit: Any) -> None:
-    """Refuse a unit that is not part of the checkpoint the store was planned from."""
-    fmt = store.manifest.facts.format
-    if isinstance(unit, RankFile) != (fmt == "torch-save"):
-        raise CheckpointError(f"{unit.path}: the store holds a {fmt} checkpoint, this file is not part of one")
-    if isinstance(unit, RankFile):
-        _check_rank_file(store, unit)
-        return
-    if unit.digest != store.manifest.facts.metadata:
-        raise CheckpointError(f"{unit.path}: belongs to another {get(fmt).title} checkpoint than the "
-                              f"store's (its metadata differs from the one the store was planned from)")
+def _planned(store: Store) -> PlannedCheckpoint:
+    """What each unit is checked against: the store's plan."""
     m = store.manifest
-    known = set(m.objects)
-    for path, leaf in unit.leaves.items():
-        entry = m.arrays.get(path)
-        if entry is None and path not in known:
-            raise CheckpointError(f"{unit.path}: holds {path}, which the checkpoint's plan does not have "
-                                  f"(its state differs from the files the plan was read from)")
-        if entry is not None and (not isinstance(leaf, ArrayLeaf) or (leaf.dtype, leaf.shape) != (entry.dtype, entry.shape)):
-            got = f"{leaf.dtype}{list(leaf.shape)}" if isinstance(leaf, ArrayLeaf) else type(leaf).__name__
-            raise CheckpointError(f"{unit.path}: {path} is {got} here but {entry.dtype}{list(entry.shape)} in the plan")
-
-
-def _check_rank_file(store: Store, rf: RankFile) -> None:
-    m = store.manifest
-    claimed = name_rank(rf.path)
-    if claimed is not None and claimed != rf.rank:
-        raise CheckpointError(f"{rf.path}: named rank {claimed} but holds rank {rf.rank} (renamed file?)")
-    if rf.group_size != m.facts.group_size:
-        raise CheckpointError(f"{rf.path}: sharded over groups of {rf.group_size} ranks, but the store holds a "
-                              f"checkpoint sharded over {m.facts.group_size} (another checkpoint?)")
-    if rf.world_size != m.world_size:
-        raise CheckpointError(f"{rf.path}: from a world of {rf.world_size} ranks, but the store holds a checkpoint "
-                              f"of {m.world_size} (a rank file from another checkpoint?)")
-    if not 0 <= rf.rank < m.world_size:
-        raise CheckpointError(f"{rf.path}: rank {rf.rank} outside world size {m.world_size}")
-    if rf.skeleton != m.tree:
-        raise CheckpointError(f"{rf.path}: its keys differ from the checkpoint in the store (another checkpoint?)")
-    for path, entry in m.arrays.items():
-        leaf = rf.leaves.get(path)
-        if entry.replicated:
-            if not isinstance(leaf, TensorRef) or (leaf.dtype, tuple(leaf.shape)) != (entry.dtype, entry.shape):
-                raise CheckpointError(f"{rf.path}: {path} differs from the plain tensor in the store (another checkpoint?)")
-            continue
-        if not isinstance(leaf, ArrayLeaf):
-            raise CheckpointError(f"{rf.path}: {path} is not a ShardedTensor here, but is in the store")
-        if (leaf.dtype, leaf.shape) != (entry.dtype, entry.shape):
-            raise CheckpointError(f"{rf.path}: {path} is {leaf.dtype}{list(leaf.shape)} here but "
-                                  f"{entry.dtype}{list(entry.shape)} in the store (another checkpoint?)")
-        if entry.layout is not None and not leaf.planned and leaf.layout_digest() != entry.layout:
-            raise CheckpointError(f"{rf.path}: {path} is sharded differently here than in the rest of the "
-                                  f"checkpoint (its shard metadata is forged, damaged or from another run)")
-        if not entry.staged:
-            for piece in leaf.pieces:
-                if any(o % c or (s % c and o + s != d)
-                       for o, s, c, d in zip(piece.offsets, piece.sizes, entry.cell, entry.shape)):
-                    raise CheckpointError(f"{rf.path}: {path} has a shard at {list(piece.offsets)} that does not "
-                                          f"match the checkpoint's shard layout")
+    return PlannedCheckpoint(m.world_size, m.facts.group_size, m.tree, m.arrays, frozenset(m.objects), m.facts.metadata,
+                             get(m.facts.format).title)
 
 
 def _encode_tensor(writer: UnitWriter, zf: Container) -> Callable[[TensorRef], Any]:
@@ -163,8 +108,11 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
     rf = unit if unit is not None else open_unit(options.format, os.fspath(path), store.storage_options,
                                                  options.strict, values.encode, store.manifest.facts.reader_view())
     try:
-        _check_against(store, rf)
-        identity = _identity(rf)
+        if options.format != store.manifest.facts.format:
+            raise CheckpointError(f"{rf.path}: the store holds a {store.manifest.facts.format} checkpoint, this "
+                                  f"file is not part of one")
+        rf.check(_planned(store))
+        identity = rf.identity()
         _check_identity(store, rf, identity)
         writer = UnitWriter(store, rf.path, verify_replicas)
         arrays = store.manifest.arrays
@@ -200,15 +148,6 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
         return Ingested(rf.rank, rf.path, rf.size)
     finally:
         rf.close()
-
-
-def _identity(unit: Any) -> str:
-    """The identity of a unit's file (read/primitives/identity.py), from what the worker already opened: the zip a
-    rank file (or an OLMo file) is, else the .distcp or safetensors file itself."""
-    holder = getattr(unit, "rf", unit)  # an OLMo trainer-state unit wraps its rank file
-    holder = getattr(holder, "zip", None) or getattr(holder, "container", None) or holder
-    identity = zip_identity(holder) if isinstance(holder, TorchZip) else None
-    return identity if identity is not None else identity_of(holder.file)
 
 
 def _check_identity(store: Store, unit: Any, identity: str) -> None:

@@ -20,7 +20,6 @@ import numpy as np
 from . import dtypes
 from .errors import CheckpointError
 from .read.contract import CheckpointSpec, ShardedSpec
-from .read.formats.rankfile import layout_digest
 from .records import TensorRef
 from .store.manifest import ArrayEntry, CheckpointFacts, Manifest
 from .tree import Node
@@ -106,7 +105,7 @@ def plan_flat(path: str, spec: ShardedSpec) -> ArrayEntry:
     if total * info.itemsize <= SMALL_ARRAY_BYTES or (smallest < MIN_CELL_BYTES and total * info.itemsize <= MAX_STAGED_BYTES):
         cell = tuple(max(d, 1) for d in spec.shape)
         return ArrayEntry(path, spec.dtype, spec.shape, cell, _inner_chunk(cell, info.itemsize), True,
-                          layout=layout_digest(spec), flat=True)
+                          layout=spec.layout_digest(), flat=True)
     edges = reduce(math.gcd, [start for start, _ in ranges], total)
     if edges % row == 0 and edges * info.itemsize >= MIN_CELL_BYTES:
         rows = edges // row
@@ -115,7 +114,7 @@ def plan_flat(path: str, spec: ShardedSpec) -> ArrayEntry:
         rows = max(1, min(spec.shape[0], target // (row * info.itemsize)))
     cell = (rows,) + tuple(spec.shape[1:])
     return ArrayEntry(path, spec.dtype, spec.shape, cell, _inner_chunk(cell, info.itemsize), False,
-                      layout=layout_digest(spec), flat=True)
+                      layout=spec.layout_digest(), flat=True)
 
 
 def plan_array(path: str, spec: ShardedSpec) -> ArrayEntry:
@@ -130,7 +129,7 @@ def plan_array(path: str, spec: ShardedSpec) -> ArrayEntry:
     if staged:
         cell = tuple(max(d, 1) for d in spec.shape)
     return ArrayEntry(path, spec.dtype, spec.shape, cell, _inner_chunk(cell, info.itemsize), staged,
-                      layout=layout_digest(spec))
+                      layout=spec.layout_digest())
 
 
 def plain_nbytes(ref: TensorRef) -> int:

@@ -19,16 +19,17 @@ is one module in read/ and one line there.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 from .. import dtypes
 from ..errors import CheckpointError
 from ..locations import StorageOptions
 from ..ranges import FileRange, RemoteRange
 from ..records import TensorRef
-from ..tree import Skeleton
+from ..tree import Node, Skeleton
 from .arrival import Arrived, Looks
 from .primitives import tensors
 from .primitives.container import Container
@@ -49,6 +50,16 @@ def whole_numbers(values: Any, what: str) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------------- the spec
+def shard_layout_digest(dtype: str, shape: tuple[int, ...], shards: Any, flat: bool = False) -> str:
+    """The shard layout (boxes and which rank of its group holds each), with placements numbered within
+    the group so every replica group of a hybrid-sharded checkpoint has the same digest."""
+    shards = list(shards)
+    order = {r: i for i, r in enumerate(sorted({r for _, _, r in shards}))}
+    boxes = sorted((o, s, order[r]) for o, s, r in shards)
+    described = (dtype, shape, boxes, "flat") if flat else (dtype, shape, boxes)
+    return hashlib.blake2b(repr(described).encode(), digest_size=16).hexdigest()
+
+
 @dataclass(frozen=True)
 class ShardSpec:
     """One box of an array (or, for a flat array, one element range), and the unit that holds it."""
@@ -66,6 +77,11 @@ class ShardedSpec:
     shape: tuple[int, ...]
     shards: tuple[ShardSpec, ...]
     flat: bool = False  # shards are element ranges (offsets, sizes) of the flattened tensor, not boxes
+
+    def layout_digest(self) -> str:
+        """The digest of its shard layout, which every unit's own list of the global layout must give."""
+        return shard_layout_digest(self.dtype, self.shape, ((s.offsets, s.sizes, s.rank) for s in self.shards),
+                                   self.flat)
 
 
 @dataclass
@@ -154,7 +170,49 @@ class Unit(Protocol):
 
     def value_zip(self, path: str) -> Container: ...
 
+    def identity(self) -> str:
+        """Its file's identity (read/primitives/identity.py), from what is already open."""
+
+    def check(self, plan: PlannedCheckpoint) -> None:
+        """Refuse, naming the file, a unit that is not part of the checkpoint `plan` was made from: run
+        before anything of it is written."""
+
     def close(self) -> None: ...
+
+
+class PlannedArray(Protocol):
+    """What the plan says of one array (the store's ArrayEntry is one)."""
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def replicated(self) -> bool: ...  # a plain tensor every unit holds whole
+
+    @property
+    def layout(self) -> str | None: ...  # the digest of its shard layout, where the plan has one
+
+    @property
+    def staged(self) -> bool: ...  # its pieces are staged, not written into cells
+
+    @property
+    def cell(self) -> tuple[int, ...]: ...
+
+
+@dataclass(frozen=True)
+class PlannedCheckpoint:
+    """What the plan says of the whole checkpoint: what each unit checks itself against (`Unit.check`)."""
+
+    world_size: int
+    group_size: int
+    tree: Node
+    arrays: Mapping[str, PlannedArray]
+    objects: frozenset[str]  # store paths of its values
+    metadata: str | None  # the digest of what the plan was read from
+    title: str  # the format's, for messages ("DCP")
 
 
 # ---------------------------------------------------------------------------------------------- formats

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError
-from .contract import ShardedSpec, ShardSpec
+from .contract import ArrayLeaf, PlannedCheckpoint, ShardedSpec, ShardSpec
+from .primitives.identity import container_identity
 
 
 def relative(path: str) -> str:
@@ -52,5 +53,27 @@ class FileUnit:
     def value_zip(self, path: str) -> Any:
         return self.container
 
+    def identity(self) -> str:
+        return container_identity(self.container)
+
+    def check(self, plan: PlannedCheckpoint) -> None:
+        check_leaves(self, plan)
+
     def close(self) -> None:
         self.container.close()
+
+
+def check_leaves(unit: Any, plan: PlannedCheckpoint) -> None:
+    """A unit of a checkpoint whose files list their own pieces: of the same save as the plan's (its
+    metadata digest), and every leaf one the plan has, an array of the plan's dtype and shape."""
+    if unit.digest != plan.metadata:
+        raise CheckpointError(f"{unit.path}: belongs to another {plan.title} checkpoint than the store's (its "
+                              f"metadata differs from the one the store was planned from)")
+    for path, leaf in unit.leaves.items():
+        entry = plan.arrays.get(path)
+        if entry is None and path not in plan.objects:
+            raise CheckpointError(f"{unit.path}: holds {path}, which the checkpoint's plan does not have "
+                                  f"(its state differs from the files the plan was read from)")
+        if entry is not None and (not isinstance(leaf, ArrayLeaf) or (leaf.dtype, leaf.shape) != (entry.dtype, entry.shape)):
+            got = f"{leaf.dtype}{list(leaf.shape)}" if isinstance(leaf, ArrayLeaf) else type(leaf).__name__
+            raise CheckpointError(f"{unit.path}: {path} is {got} here but {entry.dtype}{list(entry.shape)} in the plan")

@@ -29,12 +29,14 @@ from ...locations import StorageOptions, filesystem, folder_of, is_url, join, li
 from ...records import TensorRef
 from ...tree import Node, Skeleton
 from ..arrival import Arrived
-from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec, whole_numbers
+from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, PlannedCheckpoint, ShardedSpec, ShardSpec, whole_numbers
 from ..layouts import name_rank
 from ..primitives.container import DataFile, TorchZip, parsed_once, read_small
+from ..primitives.identity import identity_of
 from ..primitives.tensors import check_view
 from ..primitives.unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, load
 from ..source import JSON_CONFIG, Source, config_files, pick
+from ..unit import check_leaves
 from . import lightning, trainer
 from .resume import resume_files
 from .trainer import TRAIN, TrainerUnit, join_trainer_state, open_trainer
@@ -516,6 +518,12 @@ class DcpUnit:
 
     def value_zip(self, path: str) -> TorchZip:
         return self.zips[path]
+
+    def identity(self) -> str:
+        return identity_of(self.file)
+
+    def check(self, plan: PlannedCheckpoint) -> None:
+        check_leaves(self, plan)
 
     def close(self) -> None:
         for zf in self.opened:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,11 +12,21 @@ from ...locations import StorageOptions, folder_of
 from ...records import TensorRef
 from ...tree import Skeleton
 from ..arrival import Arrived
-from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec, whole_numbers
-from ..layouts import discover, refuse_mixed, scan
+from ..contract import (
+    ArrayLeaf,
+    CheckpointSpec,
+    LocalPiece,
+    PlannedCheckpoint,
+    ShardedSpec,
+    ShardSpec,
+    shard_layout_digest,
+    whole_numbers,
+)
+from ..layouts import discover, name_rank, refuse_mixed, scan
 from ..primitives import tensors
 from ..primitives.container import TorchZip
 from ..primitives.flatten import flatten
+from ..primitives.identity import container_identity
 from ..primitives.skim import Skimmed, skim
 from ..primitives.unpickle import DTensor, ShardedTensor, load
 from ..source import Source, config_files
@@ -68,10 +77,10 @@ class ShardedLeaf(ArrayLeaf):
         return self._spec
 
     def layout_digest(self) -> str:
-        """`layout_digest(self.spec)` for an honest file, computed from the file's own values: anything
+        """`ShardedSpec.layout_digest` of the plan for an honest file, computed from the file's own values: anything
         that is not a plain int gives another digest, so the comparison with the plan checks it too."""
         try:
-            return digest_of(self.dtype, self.shape, ((o, s, -1 if r is None else r) for o, s, r in self._global()))
+            return shard_layout_digest(self.dtype, self.shape, ((o, s, -1 if r is None else r) for o, s, r in self._global()))
         except TypeError:  # ranks that do not even sort
             raise CheckpointError(f"{self._where}: malformed ShardedTensor metadata (placement ranks)") from None
 
@@ -113,20 +122,6 @@ def is_chunk_layout(spec: ShardedSpec, world: int) -> bool:
     return sorted((s.offsets, s.sizes, s.rank) for s in spec.shards) == want
 
 
-def digest_of(dtype: str, shape: tuple[int, ...], shards: Any, flat: bool = False) -> str:
-    """The shard layout (boxes and which rank of its group holds each), with placements numbered within
-    the group so every replica group of a hybrid-sharded checkpoint has the same digest."""
-    shards = list(shards)
-    order = {r: i for i, r in enumerate(sorted({r for _, _, r in shards}))}
-    boxes = sorted((o, s, order[r]) for o, s, r in shards)
-    described = (dtype, shape, boxes, "flat") if flat else (dtype, shape, boxes)
-    return hashlib.blake2b(repr(described).encode(), digest_size=16).hexdigest()
-
-
-def layout_digest(spec: ShardedSpec) -> str:
-    return digest_of(spec.dtype, spec.shape, ((s.offsets, s.sizes, s.rank) for s in spec.shards), spec.flat)
-
-
 @dataclass
 class RankFile:
     path: str
@@ -145,6 +140,47 @@ class RankFile:
 
     def value_zip(self, path: str) -> TorchZip:
         return self.zip
+
+    def identity(self) -> str:
+        return container_identity(self.zip)
+
+    def check(self, plan: PlannedCheckpoint) -> None:
+        """Everything a rank file says of its save against the plan: its rank (by name and inside), its
+        process group, its keys, and every ShardedTensor's global layout and local boxes."""
+        claimed = name_rank(self.path)
+        if claimed is not None and claimed != self.rank:
+            raise CheckpointError(f"{self.path}: named rank {claimed} but holds rank {self.rank} (renamed file?)")
+        if self.group_size != plan.group_size:
+            raise CheckpointError(f"{self.path}: sharded over groups of {self.group_size} ranks, but the store holds "
+                                  f"a checkpoint sharded over {plan.group_size} (another checkpoint?)")
+        if self.world_size != plan.world_size:
+            raise CheckpointError(f"{self.path}: from a world of {self.world_size} ranks, but the store holds a "
+                                  f"checkpoint of {plan.world_size} (a rank file from another checkpoint?)")
+        if not 0 <= self.rank < plan.world_size:
+            raise CheckpointError(f"{self.path}: rank {self.rank} outside world size {plan.world_size}")
+        if self.skeleton != plan.tree:
+            raise CheckpointError(f"{self.path}: its keys differ from the checkpoint in the store (another checkpoint?)")
+        for path, entry in plan.arrays.items():
+            leaf = self.leaves.get(path)
+            if entry.replicated:
+                if not isinstance(leaf, TensorRef) or (leaf.dtype, tuple(leaf.shape)) != (entry.dtype, entry.shape):
+                    raise CheckpointError(f"{self.path}: {path} differs from the plain tensor in the store (another "
+                                          f"checkpoint?)")
+                continue
+            if not isinstance(leaf, ArrayLeaf):
+                raise CheckpointError(f"{self.path}: {path} is not a ShardedTensor here, but is in the store")
+            if (leaf.dtype, leaf.shape) != (entry.dtype, entry.shape):
+                raise CheckpointError(f"{self.path}: {path} is {leaf.dtype}{list(leaf.shape)} here but "
+                                      f"{entry.dtype}{list(entry.shape)} in the store (another checkpoint?)")
+            if entry.layout is not None and not leaf.planned and leaf.layout_digest() != entry.layout:
+                raise CheckpointError(f"{self.path}: {path} is sharded differently here than in the rest of the "
+                                      f"checkpoint (its shard metadata is forged, damaged or from another run)")
+            if not entry.staged:
+                for piece in leaf.pieces:
+                    if any(o % c or (s % c and o + s != d)
+                           for o, s, c, d in zip(piece.offsets, piece.sizes, entry.cell, entry.shape)):
+                        raise CheckpointError(f"{self.path}: {path} has a shard at {list(piece.offsets)} that does "
+                                              f"not match the checkpoint's shard layout")
 
     def close(self) -> None:
         self.zip.close()

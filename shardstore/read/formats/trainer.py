@@ -15,9 +15,11 @@ from ... import paths
 from ...errors import CheckpointError
 from ...locations import StorageOptions, join, listing
 from ...tree import Node
+from ..contract import PlannedCheckpoint
 from ..layouts import name_rank
 from ..primitives.container import TorchZip
-from .rankfile import ShardedLeaf, read_rank_file
+from ..unit import check_leaves
+from .rankfile import RankFile, ShardedLeaf, read_rank_file
 
 TRAIN = "train"
 
@@ -39,7 +41,7 @@ class TrainerUnit:
     group_rank: int
     group_size: int
     digest: str
-    rf: Any  # the RankFile
+    rf: RankFile
     under: str = ""  # the key its values are kept under ("" for the top level)
 
     @property
@@ -52,6 +54,12 @@ class TrainerUnit:
 
     def value_zip(self, path: str) -> TorchZip:
         return self.rf.zip
+
+    def identity(self) -> str:
+        return self.rf.identity()
+
+    def check(self, plan: PlannedCheckpoint) -> None:
+        check_leaves(self, plan)
 
     def close(self) -> None:
         self.rf.close()

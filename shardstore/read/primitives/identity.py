@@ -58,6 +58,13 @@ def zip_identity(zf: TorchZip) -> str | None:
     return None if entries is None else _stamped(_of_zip(zf.file.size, entries), zf.file)
 
 
+def container_identity(container: TorchZip | Any) -> str:
+    """The identity of the file a unit's container (a torch zip, a safetensors file, a .distcp file) is
+    read from: from the zip's parsed directory where it is the whole file, else from the file itself."""
+    identity = zip_identity(container) if isinstance(container, TorchZip) else None
+    return identity if identity is not None else identity_of(container.file)
+
+
 def refuse_copies(paths: list[str], storage_options: StorageOptions | None, what: str,
                   replica: Callable[[str], Any] | None = None) -> None:
     """Refuse one rank's `what` copied over another's, where nothing inside the files says which rank wrote
