@@ -20,7 +20,7 @@ from . import values
 from .errors import CheckpointError, StoreError, closed_on_error, named
 from .locations import StorageOptions, filesystem, is_url
 from .plan import plan_checkpoint
-from .read.contract import LocalPiece, PlannedCheckpoint
+from .read.contract import LocalPiece, PlannedCheckpoint, Unit
 from .read.discover import open_unit
 from .read.discover import plan as plan_source
 from .read.primitives import tensors
@@ -91,8 +91,9 @@ def under(path: str, subtree: str | None) -> bool:
 
 
 def ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptions = IngestOptions(),
-                unit: Any = None) -> Ingested:
-    """Ingest one rank file into an existing store: the whole job of one worker.
+                unit: Unit | None = None) -> Ingested:
+    """Ingest one unit (a rank file, a .distcp file, a model file) into an existing store: the whole job
+    of one worker.
 
     Under hybrid sharding every shard exists once per replica group: the first copy to arrive is written,
     later ones are skipped (or, with `verify_replicas`, compared bit for bit). With `only`, tensors outside
@@ -103,37 +104,37 @@ def ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptio
         return _ingest_file(store, path, options, unit)
 
 
-def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptions, unit: Any) -> Ingested:
+def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptions, unit: Unit | None) -> Ingested:
     verify_replicas, only = options.verify_replicas, options.only
-    rf = unit if unit is not None else open_unit(options.format, os.fspath(path), store.storage_options,
-                                                 options.strict, values.encode, store.manifest.facts.reader_view())
+    unit = unit if unit is not None else open_unit(options.format, os.fspath(path), store.storage_options,
+                                                   options.strict, values.encode, store.manifest.facts.reader_view())
     try:
         if options.format != store.manifest.facts.format:
-            raise CheckpointError(f"{rf.path}: the store holds a {store.manifest.facts.format} checkpoint, this "
+            raise CheckpointError(f"{unit.path}: the store holds a {store.manifest.facts.format} checkpoint, this "
                                   f"file is not part of one")
-        rf.check(_planned(store))
-        identity = rf.identity()
-        _check_identity(store, rf, identity)
-        writer = UnitWriter(store, rf.path, verify_replicas)
+        unit.check(_planned(store))
+        identity = unit.identity()
+        _check_identity(store, unit, identity)
+        writer = UnitWriter(store, unit.path, verify_replicas)
         arrays = store.manifest.arrays
-        for leaf_path, leaf in rf.leaves.items():  # values first: one that cannot be stored refuses the file
+        for leaf_path, leaf in unit.leaves.items():  # values first: one that cannot be stored refuses the file
             if leaf_path not in arrays:  # before any tensor byte is written
-                encoded = _encoded(leaf, _encode_tensor(writer, rf.value_zip(leaf_path)), f"{rf.path}: {leaf_path}")
+                encoded = _encoded(leaf, _encode_tensor(writer, unit.value_zip(leaf_path)), f"{unit.path}: {leaf_path}")
                 writer.value(leaf_path, encoded)
         # before any tensor byte: a unit of another save than the units already in is refused
         saves = _SAVES.setdefault(store, OneSave())
-        saves.add_records(store.records(refresh=False)).check(os.path.basename(rf.path), writer.objects)
+        saves.add_records(store.records(refresh=False)).check(os.path.basename(unit.path), writer.objects)
         direct = DirectWriter(options.direct) if options.direct is not None else None
-        writes = direct is not None and direct.claim(rf.group_rank, rf.rank)  # hybrid: one copy per group rank
+        writes = direct is not None and direct.claim(unit.group_rank, unit.rank)  # hybrid: one copy per group rank
         try:
-            for leaf_path, leaf in rf.leaves.items():
+            for leaf_path, leaf in unit.leaves.items():
                 entry = arrays.get(leaf_path)
                 if entry is None or not under(leaf_path, only):
                     continue
                 sink: Sink = direct if direct is not None and direct.places(leaf_path) else writer
-                if sink is direct and (not writes or entry.replicated and rf.group_rank != 0):
+                if sink is direct and (not writes or entry.replicated and unit.group_rank != 0):
                     continue  # another unit writes this copy (every unit holds a plain tensor whole)
-                pieces = ([LocalPiece((0,) * len(entry.shape), entry.shape, leaf, rf.value_zip(leaf_path))]
+                pieces = ([LocalPiece((0,) * len(entry.shape), entry.shape, leaf, unit.value_zip(leaf_path))]
                           if entry.replicated else leaf.pieces)
                 for piece in pieces:
                     sink.piece(entry, piece)
@@ -142,12 +143,12 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
         finally:
             if direct is not None:
                 direct.close()
-        writer.commit(rf.rank, rf.path, rf.size, only, rf.world_size, rf.group_rank, rf.group_size, identity,
+        writer.commit(unit.rank, unit.path, unit.size, only, unit.world_size, unit.group_rank, unit.group_size, identity,
                       options.direct.digest if options.direct is not None else None,
                       direct.runs if direct is not None else None)
-        return Ingested(rf.rank, rf.path, rf.size)
+        return Ingested(unit.rank, unit.path, unit.size)
     finally:
-        rf.close()
+        unit.close()
 
 
 def _check_identity(store: Store, unit: Any, identity: str) -> None:
@@ -167,7 +168,7 @@ _SAVES: "weakref.WeakKeyDictionary[Store, OneSave]" = weakref.WeakKeyDictionary(
 
 
 def _worker(location: str, path: str, options: IngestOptions, storage_options: StorageOptions | None = None) -> Ingested:
-    """One task: a worker process (or a Dask worker) ingests one rank file."""
+    """One task: a worker process (or a Dask worker) ingests one unit."""
     key = f"{location} {sorted((storage_options or {}).items())}"
     store = _WORKER_STORES.get(key)
     if store is None:

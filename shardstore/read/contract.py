@@ -115,30 +115,30 @@ def replica_count(arrays: dict[str, ShardedSpec]) -> int:
 @dataclass
 class LocalPiece:
     """A box of an array held in a unit (for a flat array, an element range), and where its bytes are: a
-    tensor view into a storage of `zip`. The store's `Piece` (sink/cells.py)."""
+    tensor view into a storage of `container`. The store's `Piece` (sink/cells.py)."""
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     tensor: TensorRef
-    zip: Container = field(repr=False)
+    container: Container = field(repr=False)
 
     def rows(self, first: int, count: int) -> FileRange | RemoteRange | None:
-        span = tensors.byte_range(self.zip, self.tensor)
+        span = tensors.byte_range(self.container, self.tensor)
         if span is None:
             return None
         row = math.prod(self.sizes[1:]) * dtypes.info(self.tensor.dtype).itemsize
-        return self.zip.range(span[0] + first * row, count * row)
+        return self.container.range(span[0] + first * row, count * row)
 
     def values(self) -> Any:
-        return tensors.array(self.zip, self.tensor)
+        return tensors.array(self.container, self.tensor)
 
     def crc(self) -> int | None:
         """The CRC-32 its file stores for exactly this piece's bytes (a tensor that is its whole storage)."""
-        span = tensors.byte_range(self.zip, self.tensor)
+        span = tensors.byte_range(self.container, self.tensor)
         key = self.tensor.storage.key
-        if span is None or span != (self.zip.storage_offset(key), self.zip.entries[f"data/{key}"].size):
+        if span is None or span != (self.container.storage_offset(key), self.container.entries[f"data/{key}"].size):
             return None
-        return self.zip.stored_crc(key)
+        return self.container.stored_crc(key)
 
 
 class ArrayLeaf:

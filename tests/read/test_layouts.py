@@ -88,7 +88,7 @@ def test_replicas_that_differ_are_reported(composer: Path, tmp_path: Path, name,
     rf = read_rank_file(victim)
     piece = rf.leaves[f"state/model/model.transformer.{name}"].pieces[0]
     assert piece.offsets[0] == rows
-    start, _ = tensors.byte_range(piece.zip, piece.tensor)
+    start, _ = tensors.byte_range(piece.container, piece.tensor)
     rf.close()
     data = bytearray(victim.read_bytes())
     data[start + 4 * (width * 2 + 7)] ^= 0x01  # row 2 of the shard, column 7
