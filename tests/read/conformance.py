@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -104,19 +105,22 @@ class FormatTests:
             ingest_file(store, foreign, IngestOptions(format=source.format))
         assert _digests(tmp_path / "s") == before
 
-    def test_arrivals_take_the_checkpoint_or_refuse_it_by_name(self, checkpoint: Path) -> None:
+    def test_arrivals_take_the_checkpoint_or_refuse_it_by_name(self, checkpoint: Path, tmp_path: Path) -> None:
         """What `watch` sees of the folder as it stands, complete: after two looks (a file must hold still
         between them) every unit file is ready and none twice, under the format the folder is read as; or
-        the format refuses, naming itself."""
+        the format refuses on the first look, naming the folder and itself, and `watch` leaves no store."""
         source = open_source(checkpoint)
         fmt = get(source.format)
         looks = Looks()
         try:
             arriving(str(checkpoint), None, looks)
-            arrived = arriving(str(checkpoint), None, looks)
         except CheckpointError as e:
-            assert f"in the {fmt.title} format; watch takes" in str(e)
+            assert str(e).startswith(f"{checkpoint}: a checkpoint in the {fmt.title} format; watch takes")
+            with pytest.raises(CheckpointError, match=re.escape(f"in the {fmt.title} format")):
+                shardstore.watch(tmp_path / "s", checkpoint, timeout=5, jobs=1)
+            assert not (tmp_path / "s").exists()
             return
+        arrived = arriving(str(checkpoint), None, looks)
         assert arrived.source.format == source.format
         paths = [p for p, _ in arrived.ready]
         assert sorted(paths) == sorted(u for u in source.units if not u.endswith(".pt") or fmt.ranked)
