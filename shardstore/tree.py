@@ -5,13 +5,16 @@ pickled or JSON structure keeps."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 # How deep a state dict's containers may nest (trainers' are a dozen levels at most), and how many more
 # visits than containers a walk may make (a container reached by two paths is walked twice): a pickle's
 # memo makes a DAG of a few objects and 2^40 paths, and the work must stay bounded by the file's size.
 MAX_DEPTH = 200
 MAX_REVISITS = 100_000
+
+# How a reader spells a state-dict key in the key tree (values.encode: typed JSON).
+KeyEncoder = Callable[[Any], Any]
 
 
 

@@ -29,7 +29,7 @@ from ..errors import CheckpointError
 from ..locations import StorageOptions
 from ..ranges import FileRange, RemoteRange
 from ..records import TensorRef
-from ..tree import Node, Skeleton
+from ..tree import KeyEncoder, Node, Skeleton
 from .arrival import Arrived, Looks
 from .primitives import tensors
 from .primitives.container import Container
@@ -240,11 +240,11 @@ class Format(Protocol):
     def of_files(self, files: list[str], storage_options: StorageOptions | None) -> "Source | None":
         """The checkpoint some of whose unit files are `files`, or None when they are not this format's."""
 
-    def plan(self, source: "Source", encode_key: Any, strict: bool) -> tuple[CheckpointSpec, Unit | None]:
+    def plan(self, source: "Source", encode_key: KeyEncoder, strict: bool) -> tuple[CheckpointSpec, Unit | None]:
         """The spec, and any unit that planning had to open whole (left open: the caller ingests it from
         there and closes it)."""
 
-    def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+    def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
                   facts: dict[str, Any]) -> Unit:
         """One unit, checked against `facts` (the spec's extra, as the store kept it)."""
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..locations import StorageOptions, is_url, join, listing, name_of, subfolders
+from ..tree import KeyEncoder
 from .arrival import Arrived, Looks
 from .contract import CheckpointSpec, Format, Unit
 from .layouts import name_rank
@@ -21,7 +22,7 @@ from .registry import fallback, folder_formats, formats, get
 from .source import MAX_SIDE_FILE, Source, pick
 
 
-def plan(source: Source, encode_key: Any, strict: bool = False) -> tuple[CheckpointSpec, Unit | None]:
+def plan(source: Source, encode_key: KeyEncoder, strict: bool = False) -> tuple[CheckpointSpec, Unit | None]:
     """The spec, and the unit planning had to open whole to make it (rank 0 of per-rank files), left
     open for the caller, who owns it: ingesting it from there reads that file once, not twice."""
     fmt = get(source.format)
@@ -36,7 +37,7 @@ def plan(source: Source, encode_key: Any, strict: bool = False) -> tuple[Checkpo
     return spec, unit
 
 
-def spec_of(source: Source, encode_key: Any, strict: bool = False) -> CheckpointSpec:
+def spec_of(source: Source, encode_key: KeyEncoder, strict: bool = False) -> CheckpointSpec:
     """The spec alone (the unit planning opened, closed)."""
     spec, unit = plan(source, encode_key, strict)
     if unit is not None:
@@ -107,7 +108,7 @@ def source_of_files(files: list[str | os.PathLike[str]], storage_options: Storag
     raise CheckpointError(f"{names[0] if names else 'no files'}: not the unit files of a checkpoint shardstore reads")
 
 
-def open_unit(format: str, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+def open_unit(format: str, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
               facts: dict[str, Any] | None = None) -> Unit:
     """Open one unit of work of a checkpoint of `format` (in a worker). `facts` are what the store kept
     of the checkpoint when it was planned (the manifest's extra)."""

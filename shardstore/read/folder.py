@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..locations import StorageOptions, folder_of, join, name_of, subfolders
+from ..tree import KeyEncoder
 from .contract import CheckpointSpec, Unit
 from .source import Source, config_files
 
@@ -59,12 +60,12 @@ class FolderFormat:
             return None
         return self._source(runs.pop(), files, storage_options)
 
-    def plan(self, source: Source, encode_key: Any, strict: bool) -> tuple[CheckpointSpec, Unit | None]:
+    def plan(self, source: Source, encode_key: KeyEncoder, strict: bool) -> tuple[CheckpointSpec, Unit | None]:
         run = self._run_of(source.units[0])
         units = self.module.units(run, source.storage_options)  # every unit, whichever were given
         return self.module.spec(run, units, encode_key, strict, source.storage_options), None
 
-    def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+    def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
                   facts: dict[str, Any]) -> Unit:
         return self.module.open_unit(path, storage_options, strict, encode_key, facts)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, folder_of, listing, name_of
-from ...tree import Node
+from ...tree import KeyEncoder, Node
 from ..contract import CheckpointSpec, replica_count
 from ..unit import FileUnit, planned_place
 from .dtensor import File, array_spec, checked_leaves, digest_of, layouts_of, model_mesh, read_file
@@ -73,14 +73,14 @@ def unit_kind(name: str) -> str:
     return "model files" if name_of(name).startswith("pytorch_model_fsdp") else "optimizer files"
 
 
-def _read(path: str, world: int, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> File:
+def _read(path: str, world: int, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder) -> File:
     part, rank = _parse(path)
     if rank >= world:
         raise CheckpointError(f"{path}: names rank {rank} of a checkpoint of {world} ranks")
     return read_file(path, part, world, rank, storage_options, strict, encode_key)
 
 
-def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
+def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: bool,
          storage_options: StorageOptions | None) -> CheckpointSpec:
     """From rank 0's file of each part: a DTensor's pickle describes every rank's box."""
     parts = [_parse(p)[0] for p in unit_paths]
@@ -108,7 +108,7 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
 
 
-def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
               facts: dict[str, Any]) -> FileUnit:
     """One rank's file of one part, checked against its part's rank 0 file (their keys and layouts)."""
     index, count = planned_place(name_of(path), path, facts, "accelerate", "Accelerate")

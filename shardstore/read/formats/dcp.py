@@ -27,9 +27,17 @@ from ...errors import CheckpointError, closed_on_error, named
 from ...hf_files import hf_model_file
 from ...locations import StorageOptions, filesystem, folder_of, is_url, join, listing, local, name_of, subfolders
 from ...records import TensorRef
-from ...tree import Node, Skeleton
+from ...tree import KeyEncoder, Node, Skeleton
 from ..arrival import Arrived
-from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, PlannedCheckpoint, ShardedSpec, ShardSpec, whole_numbers
+from ..contract import (
+    ArrayLeaf,
+    CheckpointSpec,
+    LocalPiece,
+    PlannedCheckpoint,
+    ShardedSpec,
+    ShardSpec,
+    whole_numbers,
+)
 from ..layouts import name_rank
 from ..primitives.container import DataFile, TorchZip, parsed_once, read_small
 from ..primitives.identity import identity_of
@@ -401,7 +409,7 @@ def trainer_files(folder: str, storage_options: StorageOptions | None = None) ->
     return config_files(folder, storage_options, lightning.META)
 
 
-def spec(ckpt: DcpCheckpoint, encode_key: Any, trainer_state: list[str] | None = None, strict: bool = False,
+def spec(ckpt: DcpCheckpoint, encode_key: KeyEncoder, trainer_state: list[str] | None = None, strict: bool = False,
          storage_options: StorageOptions | None = None) -> CheckpointSpec:
     """The planner's view: arrays for tensors (`_array`), values for the rest; every chunk's holder is the
     index of the file that stores it. OLMo's per-rank trainer
@@ -467,7 +475,7 @@ def _array(size: tuple[int, ...]) -> bool:
     return len(size) > 0 and math.prod(size) > 0
 
 
-def _tree(ckpt: DcpCheckpoint, encode_key: Any) -> Skeleton:
+def _tree(ckpt: DcpCheckpoint, encode_key: KeyEncoder) -> Skeleton:
     """The nested state dict's skeleton from planner_data: int keys make lists, str keys dicts."""
     root: dict[Any, Any] = {}
     for fqn in ckpt.paths:
@@ -540,7 +548,7 @@ def _is_common(path: str) -> bool:
     return path.replace("\\", "/").rsplit("/", 1)[-1] == MEGATRON_COMMON
 
 
-def open_trainer_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> TrainerUnit:
+def open_trainer_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder) -> TrainerUnit:
     if _is_common(path) or name_of(path) == lightning.META:  # one file after the .distcp files
         ckpt = _checkpoint(folder_of(path), storage_options)
         return open_trainer(path, len(ckpt.files), len(ckpt.files) + 1, ckpt.digest, storage_options, strict,
@@ -801,7 +809,7 @@ class DcpFormat:
                                   "them), or rank files, not both")
         return Source(self.name, sorted(files, key=lambda f: not f.endswith(".distcp")), storage_options)
 
-    def plan(self, source: Any, encode_key: Any, strict: bool) -> tuple[CheckpointSpec, None]:
+    def plan(self, source: Any, encode_key: KeyEncoder, strict: bool) -> tuple[CheckpointSpec, None]:
         trainer_state = [u for u in source.units if u.endswith(".pt")]
         folder, name = _unit_folder(source.units[0])
         ckpt = read_parts(folder, source.storage_options) if "/" in name else None
@@ -810,7 +818,7 @@ class DcpFormat:
             ckpt = read_checkpoint(folder_of(source.units[0]), source.storage_options)
         return spec(ckpt, encode_key, trainer_state, strict, source.storage_options), None
 
-    def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+    def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
                   facts: dict[str, Any]) -> Any:
         if path.endswith(".pt"):  # OLMo's train/rank<N>.pt beside model_and_optim/
             return open_trainer_unit(path, storage_options, strict, encode_key)

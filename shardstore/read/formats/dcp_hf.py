@@ -25,7 +25,7 @@ from ... import jsonin, paths
 from ...errors import CheckpointError, closed_on_error
 from ...hf_files import hf_model_file
 from ...locations import StorageOptions, join, listing
-from ...tree import Node
+from ...tree import KeyEncoder, Node
 from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec
 from ..primitives.container import read_small
 from ..primitives.safetensors_file import SafetensorsFile
@@ -107,7 +107,7 @@ def _header_digest(st: SafetensorsFile, pieces: dict[str, tuple]) -> str:
     return hashlib.blake2b(repr(described).encode(), digest_size=16).hexdigest()
 
 
-def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
+def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: bool,
          storage_options: StorageOptions | None) -> CheckpointSpec:
     """Every file's header (its tensors' dtypes, shapes and offsets): the pieces of every tensor."""
     names = [_name(u) for u in unit_paths]
@@ -196,7 +196,7 @@ def _same_piece(a: str, b: str, name: str, storage_options: StorageOptions | Non
                                       f"model's cannot be told (two exports mixed in one folder?)")
 
 
-def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
               facts: dict[str, Any]) -> FileUnit:
     index, count = planned_place(_name(path), path, facts, "dcp_hf", "safetensors")
     st = SafetensorsFile(path, storage_options)

@@ -50,7 +50,7 @@ from ...errors import CheckpointError, closed_on_error
 from ...hf_files import hf_model_file
 from ...locations import StorageOptions, folder_of, join, listing, subfolders
 from ...records import Building, TensorRef, building_class
-from ...tree import Node
+from ...tree import KeyEncoder, Node
 from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, replica_count
 from ..primitives import tensors
 from ..primitives.container import TorchZip, read_small
@@ -344,7 +344,7 @@ def _rank(path: str) -> tuple[str, int]:
     raise CheckpointError(f"{path}: not a DeepSpeed ZeRO checkpoint file")
 
 
-def _train_tree(model: _File, encode_key: Any) -> tuple[Node, dict[str, Any]]:
+def _train_tree(model: _File, encode_key: KeyEncoder) -> tuple[Node, dict[str, Any]]:
     rest = {k: v for k, v in model.state.items() if k not in LAYOUT_KEYS and k not in ("model", "optim")}
     return flatten(rest, encode_key)
 
@@ -384,7 +384,7 @@ def _optim_state(od: dict, stage: int, where: str) -> dict:
     return base
 
 
-def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
+def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: bool,
          storage_options: StorageOptions | None) -> CheckpointSpec:
     """Planned from the (rank 0) model-states file and rank 0's optimizer file: with `param_shapes` and
     the partition rule they place every rank's part."""
@@ -459,7 +459,7 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     return CheckpointSpec(FORMAT, len(listed), len(listed), tree, arrays, {}, objects, extra)
 
 
-def _unpartitioned(f: _File, encode_key: Any) -> tuple[Node, dict[str, Any], dict[str, str]]:
+def _unpartitioned(f: _File, encode_key: KeyEncoder) -> tuple[Node, dict[str, Any], dict[str, str]]:
     """ZeRO-0's file: (tree, leaves by path, {tied name: name}). `module` becomes `model` (a name viewing
     the same tensor as an earlier one is tied to it, not a tensor of its own), `optimizer` becomes `optim`
     as saved, and the engine's state sits beside them."""
@@ -484,7 +484,7 @@ def _unpartitioned(f: _File, encode_key: Any) -> tuple[Node, dict[str, Any], dic
     return tree, leaves, tied
 
 
-def _unpartitioned_spec(model: _File, unit_paths: list[str], encode_key: Any) -> CheckpointSpec:
+def _unpartitioned_spec(model: _File, unit_paths: list[str], encode_key: KeyEncoder) -> CheckpointSpec:
     """ZeRO-0: one file, every tensor whole in it."""
     try:
         tree, leaves, tied = _unpartitioned(model, encode_key)
@@ -541,7 +541,7 @@ def _z3_frozen_spec(layout: Layout, name: str, model: _File, base: int) -> Shard
 
 
 # ---------------------------------------------------------------------------------------------- units
-def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
               facts: dict[str, Any]) -> FileUnit:
     """One file, checked against the plan: its stage, world and part lengths are the plan's, then each of
     its parts is cut at the parameters' edges."""
@@ -561,7 +561,7 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
     return unit
 
 
-def _model_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key: Any) -> None:
+def _model_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key: KeyEncoder) -> None:
     """Rank 0's model-states file: the tensors it holds whole and the engine's state; under ZeRO-3 every
     rank's also its frozen parameters' fragments."""
     ms = f.state
@@ -621,7 +621,7 @@ def _held_whole(f: _File, value: Any, place: str) -> Any:
     return ArrayLeaf(value.dtype, tuple(value.shape), [LocalPiece((0,), (numel,), flat, f.zip)])
 
 
-def _optim_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key: Any) -> None:
+def _optim_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key: KeyEncoder) -> None:
     od = _get(f.state, "optimizer_state_dict", f.path, dict)
     mine = (_stage(od, f.path), _world(od, f.path), _bf16_optimizer(od))
     if mine != (layout.stage, layout.world, layout.padded_masters):

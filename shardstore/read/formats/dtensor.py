@@ -33,7 +33,7 @@ from ... import dtypes
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions
 from ...records import TensorRef
-from ...tree import Node
+from ...tree import KeyEncoder, Node
 from ..contract import (
     SMALL_TENSOR_BYTES,
     ArrayLeaf,
@@ -347,7 +347,7 @@ class File:
 
 
 def read_file(path: str, kind: str, world: int, rank: int, storage_options: StorageOptions | None, strict: bool,
-              encode_key: Any) -> File:
+              encode_key: KeyEncoder) -> File:
     """One rank's file, its state under `kind` in the tree ("model" for veRL's model files; "" for a file
     whose own keys are the top level)."""
     zf = TorchZip(path, storage_options)
@@ -522,13 +522,13 @@ class DTensorFiles:
         return None  # rank-file discovery routes them (RankFiles.of_files)
 
     def _file(self, path: str, world: int, storage_options: StorageOptions | None, strict: bool,
-              encode_key: Any) -> File:
+              encode_key: KeyEncoder) -> File:
         rank = name_rank(path)
         if rank is None or not 0 <= rank < world:
             raise CheckpointError(f"{path}: names no rank of the {world} the checkpoint has")
         return read_file(path, "", world, rank, storage_options, strict, encode_key)
 
-    def plan(self, source: Any, encode_key: Any, strict: bool) -> tuple[CheckpointSpec, None]:
+    def plan(self, source: Any, encode_key: KeyEncoder, strict: bool) -> tuple[CheckpointSpec, None]:
         """Planned from the first file: its DTensors' meshes say the world size (the files given may be
         some of them: ingesting ranks as they arrive)."""
         f = self._file(source.units[0], MAX_MESH, source.storage_options, strict, encode_key)
@@ -549,7 +549,7 @@ class DTensorFiles:
         finally:
             f.zip.close()
 
-    def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+    def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
                   facts: dict[str, Any]) -> FileUnit:
         f = self._file(path, facts["dtensor_files"]["world"], storage_options, strict, encode_key)
         unit = FileUnit(path, f.rank, f.world, f.rank, f.world, facts["metadata"], {}, f.zip)

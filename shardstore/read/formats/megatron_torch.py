@@ -24,7 +24,7 @@ from ... import dtypes, paths
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, folder_of, join, listing, name_of, subfolders
 from ...records import TensorRef
-from ...tree import Node
+from ...tree import KeyEncoder, Node
 from ..contract import SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec
 from ..primitives.container import TorchZip
 from ..primitives.flatten import flatten
@@ -166,7 +166,7 @@ def _boxes(name: str, shape: tuple[int, ...], t: int, grid: dict[str, Any], wher
 class _Read:
     """One rank's file read: its model (global names, tensors and values) and everything else."""
 
-    def __init__(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any):
+    def __init__(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder):
         self.path, self.name = path, _rank_name(path)
         self.t, self.p = _place(self.name)
         self.optimizer = name_of(path) == DISTRIB  # its whole content: ranks/<rank>/distrib_optim/
@@ -220,7 +220,7 @@ def _big(value: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- spec
-def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
+def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: bool,
          storage_options: StorageOptions | None) -> CheckpointSpec:
     """Planned from every rank's file (their pickles, not their tensors): the grid from rank 0's args,
     each stage's names and shapes from its files, checked equal across a stage's tensor ranks."""
@@ -278,7 +278,7 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
     return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
 
 
-def _per_rank(files: list[_Read], encode_key: Any) -> list[tuple[Any, Node]]:
+def _per_rank(files: list[_Read], encode_key: KeyEncoder) -> list[tuple[Any, Node]]:
     """Each rank's own values: its model file's, and its distributed optimizer's under distrib_optim."""
     out: dict[str, Node] = {}
     for f in files:
@@ -293,7 +293,7 @@ def _per_rank(files: list[_Read], encode_key: Any) -> list[tuple[Any, Node]]:
 
 
 # ---------------------------------------------------------------------------------------------- units
-def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
               facts: dict[str, Any]) -> FileUnit:
     """One rank's file, checked against the plan (its digest), its model's parts placed by the grid."""
     index, count = planned_place(relative(path), path, facts, "megatron", "Megatron-LM")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ... import paths
-from ...tree import Node
+from ...tree import KeyEncoder, Node
 from ..unit import planned_place, relative
 from .trainer import TRAIN, open_trainer
 
@@ -32,11 +32,11 @@ def state_path(pid: Any, key: Any) -> str:
     return paths.join(OPTIM, "state", paths.escape(pid), paths.escape(key))
 
 
-def model_tree(fqns: list[str], encode_key: Any) -> Node:
+def model_tree(fqns: list[str], encode_key: KeyEncoder) -> Node:
     return Node("dict", MODEL, [(encode_key(f), Node("leaf", model_path(f))) for f in fqns])
 
 
-def optim_tree(state: list[tuple[Any, list[Any]]], encode_key: Any) -> Node:
+def optim_tree(state: list[tuple[Any, list[Any]]], encode_key: KeyEncoder) -> Node:
     """{"state": {id: {key: leaf}}, "param_groups": leaf} for (id, state keys) in order."""
     node = Node("dict", paths.join(OPTIM, "state"))
     for pid, keys in state:
@@ -46,7 +46,7 @@ def optim_tree(state: list[tuple[Any, list[Any]]], encode_key: Any) -> Node:
     return Node("dict", OPTIM, [(encode_key("state"), node), (encode_key("param_groups"), Node("leaf", PARAM_GROUPS))])
 
 
-def open_olmo_unit(path: str, storage_options: Any, strict: bool, encode_key: Any, facts: dict[str, Any], key: str,
+def open_olmo_unit(path: str, storage_options: Any, strict: bool, encode_key: KeyEncoder, facts: dict[str, Any], key: str,
                    what: str, open_file: Callable[..., Any]) -> Any:
     """One unit of an OLMo folder checkpoint, placed by the store's facts about it (`facts[key]`, its
     `units` list and digest): a trainer-state file, or what `open_file(path, kind, file name, index, count,

@@ -28,7 +28,7 @@ from ... import dtypes, jsonin
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, join, listing
 from ...records import TensorRef
-from ...tree import Node
+from ...tree import KeyEncoder, Node
 from ..contract import (
     SMALL_TENSOR_BYTES,
     ArrayLeaf,
@@ -255,7 +255,7 @@ def _split(name: str) -> tuple[str, str] | None:
     return param, key
 
 
-def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
+def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: bool,
          storage_options: StorageOptions | None) -> CheckpointSpec:
     parts = _parts(folder, storage_options)
     names = [relative(u) for u in unit_paths]
@@ -305,7 +305,7 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
 
 
 # ---------------------------------------------------------------------------------------------- units
-def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
               facts: dict[str, Any]) -> Any:
     return open_olmo_unit(path, storage_options, strict, encode_key, facts, "olmo_core", "OLMo-core", _open_file)
 

@@ -28,7 +28,7 @@ from ... import dtypes
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, join, listing
 from ...records import TensorRef
-from ...tree import Node
+from ...tree import KeyEncoder, Node
 from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, whole_numbers
 from ..primitives.container import TorchZip, read_small
 from ..primitives.tensors import check_view
@@ -320,7 +320,7 @@ def _groups(state: Any, where: str) -> tuple[dict[Any, str], list[Any]]:
     return ids, cleaned
 
 
-def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
+def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: bool,
          storage_options: StorageOptions | None) -> CheckpointSpec:
     facts = read_layout(folder, storage_options, strict)
     handles = [Handle.from_json(h) for h in facts["handles"]]
@@ -390,7 +390,7 @@ def _optim_spec(folder: str, optims: dict[int, str], holders: dict[str, list[tup
 
 
 # ---------------------------------------------------------------------------------------------- units
-def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
               facts: dict[str, Any]) -> Any:
     """Open one unit; `facts` are the store's (the layout planned from rank 0)."""
     return open_olmo_unit(path, storage_options, strict, encode_key, facts, "olmo_local", "`local`", _open_file)

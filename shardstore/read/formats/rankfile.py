@@ -10,7 +10,7 @@ from ... import dtypes
 from ...errors import CheckpointError, ShardstoreError, closed_on_error
 from ...locations import StorageOptions, folder_of
 from ...records import TensorRef
-from ...tree import Skeleton
+from ...tree import KeyEncoder, Skeleton
 from ..arrival import Arrived
 from ..contract import (
     ArrayLeaf,
@@ -229,7 +229,7 @@ def _group(pg: Any, name: str) -> tuple[int, int, int, int]:
     return rank, world, group_rank, group_size
 
 
-def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr,
+def read_rank_file(path: str | os.PathLike[str], encode_key: KeyEncoder = repr,
                    storage_options: StorageOptions | None = None, strict: bool = False,
                    planned: dict[str, str] | None = None, digests: bool = False) -> RankFile:
     """Open and unpickle one rank file (safely: see `unpickle`), leaving every tensor byte where it is.
@@ -263,7 +263,7 @@ def read_rank_file(path: str | os.PathLike[str], encode_key: Any = repr,
     return rf
 
 
-def _tree(obj: Any, name: str, encode_key: Any) -> tuple[Skeleton, dict[str, Any]]:
+def _tree(obj: Any, name: str, encode_key: KeyEncoder) -> tuple[Skeleton, dict[str, Any]]:
     try:
         return flatten(obj, encode_key)
     except RecursionError:
@@ -287,7 +287,7 @@ class _Skimmed:
             self.raw[path].metadata.shards_metadata = lists[digest]
 
 
-def _skim(name: str, data: Any, strict: bool, encode_key: Any, forms: bool) -> _Skimmed | None:
+def _skim(name: str, data: Any, strict: bool, encode_key: KeyEncoder, forms: bool) -> _Skimmed | None:
     """The file's tree and leaves with every global shard list cut out (read/primitives/skim.py), and each
     ShardedTensor's digest of its list; None where the skimmer does not apply to this file."""
     cut = skim(data, forms)
@@ -386,14 +386,14 @@ class RankFiles:
         """Rank files of DTensors (a plain FSDP2 `torch.save` per rank) are read by read/formats/dtensor.py."""
         return dtensor.FORMAT if files and dtensor.holds_dtensors(files[0], storage_options) else self.name
 
-    def plan(self, source: Any, encode_key: Any, strict: bool) -> tuple[CheckpointSpec, RankFile]:
+    def plan(self, source: Any, encode_key: KeyEncoder, strict: bool) -> tuple[CheckpointSpec, RankFile]:
         """Planned from the first file (every rank's metadata is in every file), which stays open."""
         rf = read_rank_file(source.units[0], encode_key=encode_key, storage_options=source.storage_options,
                             strict=strict, digests=True)
         with closed_on_error(rf.close, rf.path):
             return spec_of(rf), rf
 
-    def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+    def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
                   facts: dict[str, Any]) -> RankFile:
         return read_rank_file(path, encode_key=encode_key, storage_options=storage_options, strict=strict,
                               planned=facts.get("skim"))

@@ -14,7 +14,7 @@ from typing import Any
 from ... import paths
 from ...errors import CheckpointError
 from ...locations import StorageOptions, join, listing
-from ...tree import Node
+from ...tree import KeyEncoder, Node
 from ..contract import PlannedCheckpoint
 from ..layouts import name_rank
 from ..primitives.container import TorchZip
@@ -66,7 +66,7 @@ class TrainerUnit:
 
 
 def open_trainer(path: str, index: int, count: int, digest: str, storage_options: StorageOptions | None,
-                 strict: bool, encode_key: Any, under: str = "", named: bool = False) -> TrainerUnit:
+                 strict: bool, encode_key: KeyEncoder, under: str = "", named: bool = False) -> TrainerUnit:
     """Open `path` as unit `index` of `count`; it must hold plain values only (kept under `under`, or at
     the top level: then it is a train/rank<N>.pt, or a file its format `named`, as Lightning's meta.pt)."""
     rf = read_rank_file(path, encode_key=encode_key, storage_options=storage_options, strict=strict)
@@ -78,7 +78,7 @@ def open_trainer(path: str, index: int, count: int, digest: str, storage_options
     return TrainerUnit(path, index, count, index, count, digest, rf, under)
 
 
-def join_trainer_state(tree: Node, objects: list[str], first: str, encode_key: Any,
+def join_trainer_state(tree: Node, objects: list[str], first: str, encode_key: KeyEncoder,
                        storage_options: StorageOptions | None, strict: bool, under: str = "") -> None:
     """Add the keys of trainer-state file `first` (rank 0's) to the top level of `tree`, as values, or
     the whole file under the key `under`."""

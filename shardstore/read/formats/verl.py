@@ -24,7 +24,7 @@ from ...errors import CheckpointError, closed_on_error
 from ...hf_files import hf_model_file
 from ...locations import StorageOptions, join, listing
 from ...records import TensorRef
-from ...tree import Node
+from ...tree import KeyEncoder, Node
 from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, replica_count
 from ..primitives import tensors
 from ..primitives.identity import refuse_copies
@@ -119,7 +119,7 @@ def side_files(folder: str, storage_options: StorageOptions | None = None) -> li
 
 
 
-def _read(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any) -> File:
+def _read(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder) -> File:
     return read_file(path, *_parse(path), storage_options, strict, encode_key)
 
 
@@ -192,7 +192,7 @@ class _Ragged:
 
 def _ragged(model: File, model_layouts: dict[str, tuple[Layout, TensorRef]], optim: File, paths: list[str],
             mesh: Mesh | None, storage_options: StorageOptions | None, strict: bool,
-            encode_key: Any) -> _Ragged | None:
+            encode_key: KeyEncoder) -> _Ragged | None:
     """FSDP1 with `use_orig_params=True` (veRL's choice when part of a model is frozen): the optimizer's
     state is per original parameter, each rank holding a differently sized 1-D part, or none
     (fsdp_flat.ragged). Told apart from flat parameters by its param_groups listing every model parameter.
@@ -268,7 +268,7 @@ def _walk_nodes(node: Node) -> list[tuple[Any, Node]]:
     return out
 
 
-def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
+def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: bool,
          storage_options: StorageOptions | None) -> CheckpointSpec:
     """Planned from rank 0's file of each kind: a DTensor's pickle describes every rank's box."""
     names = [relative(u) for u in unit_paths]
@@ -341,7 +341,7 @@ def spec(folder: str, unit_paths: list[str], encode_key: Any, strict: bool,
 
 
 # ---------------------------------------------------------------------------------------------- units
-def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: Any,
+def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
               facts: dict[str, Any]) -> FileUnit:
     """One rank's file, checked against the plan: the same keys and layouts as rank 0's file of its kind
     (a digest of them), and a local tensor that is exactly the box its rank holds."""

@@ -13,7 +13,7 @@ from typing import Any
 from ... import paths
 from ...errors import CheckpointError
 from ...records import TensorRef
-from ...tree import MAX_DEPTH, MAX_REVISITS, Node, Skeleton
+from ...tree import MAX_DEPTH, MAX_REVISITS, KeyEncoder, Node, Skeleton
 from .unpickle import DTensor, ShardedTensor
 
 
@@ -58,7 +58,7 @@ def _holds(obj: Any, holders: set[int]) -> bool:
     return isinstance(obj, (ShardedTensor, DTensor, TensorRef)) or id(obj) in holders
 
 
-def flatten(obj: Any, encode_key: Any) -> tuple[Skeleton, dict[str, Any]]:
+def flatten(obj: Any, encode_key: KeyEncoder) -> tuple[Skeleton, dict[str, Any]]:
     """Return (skeleton, {path: leaf}) in state-dict order. `encode_key` turns a key into JSON.
 
     The skeleton is a `Node` tree (read/contract.py): containers with their children under their keys
@@ -96,7 +96,7 @@ class _Visits:
         return True
 
 
-def _walk(node: Any, path: str, leaves: dict[str, Any], encode_key: Any, visits: _Visits) -> Skeleton:
+def _walk(node: Any, path: str, leaves: dict[str, Any], encode_key: KeyEncoder, visits: _Visits) -> Skeleton:
     # A module-level function, not a closure: a recursive closure is a reference cycle, and this one
     # would keep every object of the rank file alive until the cyclic GC ran. Its depth is bounded by
     # _tensor_holders' (it only enters containers holding a tensor).
