@@ -1,6 +1,6 @@
 """The package's layering, read from its source: the data flows read -> plan -> sink -> store -> export,
-no module imports a stage above it, and there is no import circle anywhere (not even one dodged by an
-import inside a function: shardstore has none)."""
+no module imports a stage above it, and there is no import circle anywhere, counting the imports made
+inside functions (one of those may defer a slow import; it may not hide a circle)."""
 
 from __future__ import annotations
 
@@ -73,10 +73,7 @@ def test_no_module_imports_a_stage_above_it(graph) -> None:
     assert not wrong, "\n".join(wrong)
 
 
-def test_no_import_circle_and_no_import_inside_a_function(graph) -> None:
-    inside = [f"{name} imports {target} inside a function" for name, imports in graph.items()
-              for target, at_top in imports if not at_top]
-    assert not inside, "\n".join(inside)
+def test_no_import_circle(graph) -> None:
     done: set[str] = set()
 
     def visit(name: str, stack: list[str]) -> None:
@@ -99,12 +96,8 @@ def test_the_checks_see_a_circle_and_an_upward_import(tmp_path: Path) -> None:
     modules = {"shardstore.a": tmp_path / "a.py", "shardstore.b": tmp_path / "b.py"}
     graph = {n: _imports(n, p, modules) for n, p in modules.items()}
     assert graph == {"shardstore.a": [("shardstore.b", True)], "shardstore.b": [("shardstore.a", False)]}
-    with pytest.raises(AssertionError, match="inside a function"):
-        test_no_import_circle_and_no_import_inside_a_function(graph)
-    (tmp_path / "b.py").write_text("from .a import x\n")
-    graph = {n: _imports(n, p, modules) for n, p in modules.items()}
     with pytest.raises(AssertionError, match="import circle: shardstore.a -> shardstore.b -> shardstore.a"):
-        test_no_import_circle_and_no_import_inside_a_function(graph)
+        test_no_import_circle(graph)  # hidden inside a function, still a circle
     up = {"shardstore.store.x": [("shardstore.read.contract", True)]}
     with pytest.raises(AssertionError, match="shardstore.store.x imports shardstore.read.contract"):
         test_no_module_imports_a_stage_above_it(up)
