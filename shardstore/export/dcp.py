@@ -22,19 +22,20 @@ from __future__ import annotations
 import io
 import pickle
 import struct
-import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from ..errors import ExportError
 from ..ranges import Part
+from ..records import GlobalRef
 from ..runner import Pool
 from ..sink.layout import Layout, Sketch, Target, entry_crc, journalled_runs, new_layout, prepare
 from ..sink.output import OutputFile
+from ..store.handle import TensorValue
 from ..store.store import Store
-from ..tree import Node
+from ..tree import MAX_DEPTH, Node
 from .contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from .notes import flat_buckets
 from .resolve import ArrayRef, build, leaves, object_value
@@ -65,12 +66,9 @@ class Item:
 
 
 def describe(store: Store) -> tuple[dict[str, Any], dict[str, tuple], list[Item]]:
-    """(what each flattened key is, planner_data, items) for the whole store. Keys are flattened by torch's
-    own `flatten_state_dict`, which goes into containers the store keeps as one value (param_groups)."""
-    import torch
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    flat, mappings = flatten_state_dict(build(store, store.manifest.tree))
+    """(what each flattened key is, planner_data, items) for the whole store. Keys are flattened as torch's
+    `flatten_state_dict` does (`flatten`), into containers the store keeps as one value (param_groups)."""
+    flat, mappings = flatten(build(store, store.manifest.tree, lean=True))
     leaf_of = dcp_names(store)
     described: dict[str, Any] = {}
     items: list[Item] = []
@@ -89,14 +87,51 @@ def describe(store: Store) -> tuple[dict[str, Any], dict[str, tuple], list[Item]
         keys = tuple(mappings[fqn])
         at = next(n for n in range(len(keys), 0, -1) if keys[:n] in leaf_of)
         source = (leaf_of[keys[:at]], keys[at:])
-        if isinstance(value, torch.Tensor):
-            described[fqn] = ("tensor", str(value.dtype).removeprefix("torch."), tuple(value.shape))
-            items.append(Item(fqn, ((0,) * value.dim(), tuple(value.shape)), source,
-                              value.numel() * value.element_size()))
+        if isinstance(value, TensorValue):
+            described[fqn] = ("tensor", value.dtype, value.shape)
+            items.append(Item(fqn, ((0,) * len(value.shape), value.shape), source, len(value.data)))
         else:
             described[fqn] = ("bytes",)
             items.append(Item(fqn, None, source, 0))
     return described, mappings, items
+
+
+def flatten(state: dict[Any, Any]) -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]]]:
+    """torch's `flatten_state_dict` (torch >= 2.4) without torch: every mapping is gone into (its keys by
+    str()), a list only where something below it is a mapping, a list gone into or a tensor (`ArrayRef`,
+    `TensorValue`); anything else is one value. Keys are the path joined by dots; mappings, each key's
+    path."""
+    flat: dict[str, Any] = {}
+    mappings: dict[str, tuple[str | int, ...]] = {}
+    todo: list[tuple[tuple[str | int, ...], Any, int]] = [((str(k),), v, 1) for k, v in reversed(state.items())]
+    while todo:
+        path, value, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise ExportError(f"{'.'.join(map(str, path[:8]))}...: values nested deeper than {MAX_DEPTH} levels")
+        if isinstance(value, Mapping):
+            todo += [(path + (str(k),), v, depth + 1) for k, v in reversed(list(value.items()))]
+        elif isinstance(value, list) and not _terminal(value):
+            todo += [(path + (i,), v, depth + 1) for i, v in reversed(list(enumerate(value)))]
+        else:
+            fqn = ".".join(map(str, path))
+            if fqn in flat:
+                raise ExportError(f"{fqn}: two values get this DCP name; --format dcp cannot keep both "
+                                  f"(--format torch can)")
+            flat[fqn], mappings[fqn] = value, path
+    return flat, mappings
+
+
+def _terminal(values: list[Any]) -> bool:
+    """A list torch keeps whole: nothing in it is a tensor, and nothing is a mapping or a list it goes into
+    (torch's `_is_terminal`: a mapping is gone into even when it holds no tensor; so is its list)."""
+    todo = [values]
+    while todo:
+        for entry in todo.pop():
+            if isinstance(entry, (Mapping, ArrayRef, TensorValue)):
+                return False
+            if isinstance(entry, list):
+                todo.append(entry)
+    return True
 
 
 def dcp_names(store: Store) -> dict[tuple[Any, ...], str]:
@@ -128,7 +163,7 @@ def write_items(store: Store, path: Path, items: list[Item], partial: bool,
                 obj: Any = item.source
             else:
                 leaf, below = item.source
-                obj = object_value(store, leaf)
+                obj = object_value(store, leaf, lean=True)
                 for key in below:
                     obj = _below(obj, key)
             write_zip(out, "archive", obj, store, {"partial": "true"} if partial else None)
@@ -219,52 +254,123 @@ def export_dcp(store: Store, out_dir: Path, plan: DcpPlan, jobs: int = 1, progre
 
 
 def metadata(described: dict[str, Any], mappings: dict[str, tuple], results: list[ItemsWritten]) -> bytes:
-    """`.metadata` exactly as torch writes it: its own classes, pickled with pickle's default protocol."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    chunks: dict[str, list[ChunkStorageMetadata]] = {}
-    storage: dict[MetadataIndex, _StorageInfo] = {}
+    """`.metadata` as torch writes it, without torch: torch's own classes (Metadata, TensorStorageMetadata,
+    ...) named in a pickle of pickle's protocol 4, each written as pickle writes that class's instances
+    (a dataclass: NEWOBJ of its class, BUILD of its fields; torch.Size, a layout and an enum: a call).
+    Every string is one object however it was made (records read back after a kill, or this run's own),
+    so a resumed export's .metadata is a clean one's, byte for byte."""
+    chunks: dict[str, list[_New]] = {}
+    storage: dict[_New, _New] = {}
     for name, written in sorted(results, key=lambda r: r[0]):
         for item, offset, length in written:
+            where = _New(_META_INDEX[0], {"relative_path": name, "offset": offset, "length": length})
             if item.chunk is None:
-                storage[MetadataIndex(item.fqn)] = _StorageInfo(name, offset, length)
+                storage[_New(_META_INDEX[1], {"fqn": item.fqn, "offset": None, "index": None})] = where
                 continue
             offsets, sizes = item.chunk
             index = len(chunks.setdefault(item.fqn, []))
-            chunks[item.fqn].append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-            storage[MetadataIndex(item.fqn, torch.Size(offsets), index)] = _StorageInfo(name, offset, length)
-    state_dict_metadata: dict[str, Any] = {}
+            chunks[item.fqn].append(_New(_metadata_class("ChunkStorageMetadata"),
+                                         {"offsets": _size(offsets), "sizes": _size(sizes)}))
+            storage[_New(_META_INDEX[1], {"fqn": item.fqn, "offset": _size(offsets), "index": index})] = where
+    state_dict_metadata: dict[str, _New] = {}
     for fqn, what in described.items():
         if what[0] == "bytes":
-            state_dict_metadata[fqn] = BytesStorageMetadata()
+            state_dict_metadata[fqn] = _New(_metadata_class("BytesStorageMetadata"), None)
         else:
             _, dtype, shape = what
-            state_dict_metadata[fqn] = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, dtype)),
-                                                             torch.Size(shape), chunks.get(fqn, []))
-    # pickle shares what is one object: with every string interned, equal strings are shared alike however
-    # the names were made (records read back after a kill, or this run's own), so a resumed export's
-    # .metadata is a clean one's, byte for byte
-    storage = {MetadataIndex(_interned(i.fqn), i.offset, i.index): _StorageInfo(_interned(s.relative_path), s.offset,
-                                                                                  s.length)
-               for i, s in storage.items()}
-    state_dict_metadata = {_interned(k): v for k, v in state_dict_metadata.items()}
-    mappings = {_interned(k): tuple(_interned(p) for p in path) for k, path in mappings.items()}
+            properties = _New(_metadata_class("TensorProperties"), (_global("torch", dtype), _STRIDED, False,
+                                                                   _CONTIGUOUS, False))
+            state_dict_metadata[fqn] = _New(_metadata_class("TensorStorageMetadata"),
+                                            {"properties": properties, "size": _size(shape),
+                                             "chunks": chunks.get(fqn, [])})
+    root = _New(_metadata_class("Metadata"), {
+        "state_dict_metadata": state_dict_metadata, "planner_data": mappings, "storage_data": storage,
+        "storage_meta": None, "version": "1.0.0"})
     buf = io.BytesIO()
-    pickle.dump(Metadata(state_dict_metadata, planner_data=mappings, storage_data=storage, version="1.0.0"), buf)
+    _MetadataPickler(buf).dump(root)
     return buf.getvalue()
 
 
-def _interned(value: Any) -> Any:
-    return sys.intern(value) if type(value) is str else value
+@dataclass(eq=False)
+class _New:
+    """An instance of one of torch's classes, as pickle writes it: NEWOBJ of its class, then (unless the
+    state is None) BUILD of its state."""
+
+    cls: GlobalRef
+    state: Any
+
+
+@dataclass(eq=False)
+class _Call:
+    """An object pickle writes as a call (REDUCE): torch.Size, a layout, an enum member."""
+
+    func: GlobalRef
+    args: tuple[Any, ...]
+
+
+# The pure-Python pickler, whose dispatch table this extends; typeshed does not describe it.
+_PythonPickler: Any = pickle._Pickler
+_GLOBALS: dict[tuple[str, str], GlobalRef] = {}
+_META = "torch.distributed.checkpoint.metadata"
+
+
+def _global(module: str, name: str) -> GlobalRef:
+    """One object per global, as a class or a dtype is one object: the pickle names it once."""
+    return _GLOBALS.setdefault((module, name), GlobalRef(module, name))
+
+
+def _metadata_class(name: str) -> GlobalRef:
+    return _global(_META, name)
+
+
+def _size(dims: tuple[int, ...]) -> _Call:
+    return _Call(_global("torch", "Size"), (tuple(dims),))
+
+
+_META_INDEX = (_global("torch.distributed.checkpoint.filesystem", "_StorageInfo"), _metadata_class("MetadataIndex"))
+_STRIDED = _Call(_global("torch.serialization", "_get_layout"), ("torch.strided",))  # torch.strided, as torch writes it
+_CONTIGUOUS = _Call(_metadata_class("_MEM_FORMAT_ENCODING"), (0,))  # TORCH_CONTIGUOUS_FORMAT
+
+
+class _MetadataPickler(_PythonPickler):
+    """pickle's own writer at protocol 4 (as torch's `.metadata` is), with torch's objects as `_New`,
+    `_Call` and `GlobalRef` stand-ins, and every equal string one object."""
+
+    dispatch = _PythonPickler.dispatch.copy()
+
+    def __init__(self, buf: io.BytesIO):
+        super().__init__(buf, protocol=4)
+        self._strings: dict[str, str] = {}
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if type(obj) is str:
+            obj = self._strings.setdefault(obj, obj)
+        super().save(obj, save_persistent_id)
+
+    def save_global_ref(self, ref: GlobalRef) -> None:
+        self.save(ref.module)
+        self.save(ref.name)
+        self.write(pickle.STACK_GLOBAL)
+        self.memoize(ref)
+
+    def save_new(self, obj: _New) -> None:
+        self.save(obj.cls)
+        self.save(())
+        self.write(pickle.NEWOBJ)
+        self.memoize(obj)
+        if obj.state is not None:
+            self.save(obj.state)
+            self.write(pickle.BUILD)
+
+    def save_call(self, obj: _Call) -> None:
+        self.save(obj.func)
+        self.save(obj.args)
+        self.write(pickle.REDUCE)
+        self.memoize(obj)
+
+    dispatch[GlobalRef] = save_global_ref
+    dispatch[_New] = save_new
+    dispatch[_Call] = save_call
 
 
 # ---------------------------------------------------------------------------------------------- one pass

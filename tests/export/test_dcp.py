@@ -88,3 +88,91 @@ def test_progress_counts_the_same_tensor_bytes_however_many_workers(checkpoints,
     assert alone.total == shared.total == sum(alone.steps) == sum(shared.steps) > 0
     assert alone.total >= sum(a.nbytes for a in store.manifest.arrays.values())
     assert len(shared.steps) == len(list((tmp_path / "two").glob("*.distcp"))) > 2
+
+
+def _torch_metadata(described, mappings, results):
+    """`.metadata` as torch's own classes build it from the same description (the reference)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    chunks, storage = {}, {}
+    for name, written in results:
+        for item, offset, length in written:
+            if item.chunk is None:
+                storage[MetadataIndex(item.fqn)] = _StorageInfo(name, offset, length)
+                continue
+            index = len(chunks.setdefault(item.fqn, []))
+            chunks[item.fqn].append(ChunkStorageMetadata(torch.Size(item.chunk[0]), torch.Size(item.chunk[1])))
+            storage[MetadataIndex(item.fqn, torch.Size(item.chunk[0]), index)] = _StorageInfo(name, offset, length)
+    state = {fqn: BytesStorageMetadata() if what[0] == "bytes" else
+             TensorStorageMetadata(TensorProperties(dtype=getattr(torch, what[1])), torch.Size(what[2]), chunks.get(fqn, []))
+             for fqn, what in described.items()}
+    return Metadata(state, planner_data=mappings, storage_data=storage, version="1.0.0")
+
+
+def test_metadata_written_without_torch_loads_as_torch_builds_it(checkpoints, tmp_path: Path) -> None:
+    """The `.metadata` shardstore pickles from stand-ins loads (with torch) as the Metadata torch's own
+    classes make of the same items, field for field, for tensors of several dtypes and for bytes items."""
+    import pickle
+
+    src = checkpoints(2)
+    store = shardstore.ingest(tmp_path / "store", sorted(src.glob("rank*.pt")), jobs=1)
+    plan = dcp_export.plan_dcp(store)
+    results = [dcp_export.write_items(store, tmp_path / name, items, False) for name, items in zip(plan.names, plan.files)]
+    dtypes = {what[1] for what in plan.described.values() if what[0] == "tensor"}
+    assert len(dtypes) >= 1 and any(what[0] == "bytes" for what in plan.described.values())
+    ours = pickle.loads(dcp_export.metadata(plan.described, plan.mappings, results))
+    assert ours == _torch_metadata(plan.described, plan.mappings, results)
+    assert dcp_export.metadata(plan.described, plan.mappings, list(reversed(results))) == \
+        dcp_export.metadata(plan.described, plan.mappings, results)  # the same bytes however the files came
+
+
+def test_flatten_names_values_as_torchs_flatten_state_dict() -> None:
+    """shardstore's `flatten` (no torch) against torch's `flatten_state_dict` on the shapes state dicts
+    take: nested dicts, lists of dicts, lists holding tensors, lists and tuples of plain values, empty
+    containers, integer keys; tensors as the stand-ins the store gives (TensorValue)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from shardstore.store.handle import TensorValue, tensor_value
+
+    t = torch.arange(3.0)
+    state = {"model": {"w": t, "blocks": [{"a": t}, {"b": [t, 1]}]}, "optim": {"state": {0: {"exp": t, "step": 3}},
+             "param_groups": [{"lr": 0.1, "params": [0, 1]}]}, "rng": [1, [2, 3], (4, 5)], "empty": {},
+             "nothing": [], "mixed": [[t], [1]], "pair": (t, 1), 7: "int key"}
+
+    def lean(v):
+        if isinstance(v, torch.Tensor):
+            return tensor_value(v)
+        if isinstance(v, dict):
+            return {k: lean(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [lean(x) for x in v]
+        return v
+
+    theirs, their_paths = flatten_state_dict(state)
+    ours, our_paths = dcp_export.flatten(lean(state))
+    assert list(ours) == list(theirs) and our_paths == their_paths
+    for fqn, value in theirs.items():
+        if isinstance(value, (torch.Tensor, tuple)):  # a tensor, or a tuple kept whole (holding one here)
+            assert type(ours[fqn]) is (TensorValue if isinstance(value, torch.Tensor) else tuple), fqn
+        else:
+            assert ours[fqn] == value, fqn
+
+
+def test_a_dcp_export_never_imports_torch_in_the_coordinator(checkpoints, tmp_path: Path) -> None:
+    """`--format dcp` pickles `.metadata` and flattens the state without torch: an unshard in one process
+    (jobs=1) ends with torch never imported, and its output loads with torch's dcp_to_torch_save."""
+    import subprocess
+    import sys
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src = checkpoints(2)
+    code = ("import sys, shardstore; shardstore.unshard(sys.argv[1], sys.argv[2], format='dcp', jobs=1); "
+            "print('torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "out")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "False"
+    dcp_to_torch_save(tmp_path / "out", tmp_path / "torch.pt")
+    assert_bitwise_equal(torch.load(tmp_path / "torch.pt", weights_only=False)["model"], expected(src)["model"], "dcp")
