@@ -139,10 +139,13 @@ def _tree_rss(root: int) -> int:
     return total
 
 
-def timed_tree(cmd: list[str], env: dict[str, str] | None = None, interval: float = 0.02) -> tuple[float, int]:
-    """(wall seconds, peak summed RSS of the whole process tree) of `cmd`, caches dropped first: what
-    `/usr/bin/time` cannot say (it reports the largest single process). Sampled every `interval` s."""
-    drop_caches()
+def timed_tree(cmd: list[str], env: dict[str, str] | None = None, interval: float = 0.02,
+               cold: bool = True) -> tuple[float, int]:
+    """(wall seconds, peak summed RSS of the whole process tree) of `cmd`, caches dropped first unless not
+    `cold`: what `/usr/bin/time` cannot say (it reports the largest single process). Sampled every
+    `interval` s."""
+    if cold:
+        drop_caches()
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
     peak = 0

@@ -206,7 +206,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     def before_ingest(st: Store) -> None:  # the store is planned and nothing is read yet
         all_ranks_present(st)
         _export.preflight(st, out_dir, format, select, hf_config, overwrite)
-        output = _export.output_bytes(st, format, select, dtype)
+        output = _export.output_bytes(st, format, select, request.dtype)
         # the sizes the plan declares, against the disks, before any file of that size is made
         check_space(st, len(source.units), exported_subtree(st), out_dir, output, in_store=not one_pass)
         if one_pass:
@@ -237,7 +237,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     if planned[0] is not None:
         result = _export.finish_direct(st, out_dir, planned[0], format, overwrite)
     else:
-        result = export(st, out_dir, format, select, strip_prefix, dtype, max_shard_size, progress, allow_partial,
+        result = export(st, out_dir, format, select, strip_prefix, request.dtype, max_shard_size, progress, allow_partial,
                         scheduler=scheduler if fmt.takes_scheduler else None, jobs=jobs, overwrite=overwrite,
                         hf_config=hf_config)
     if store is None:  # done: the scratch store has served its purpose

@@ -16,7 +16,8 @@ import numpy as np
 
 from . import api, values
 from .errors import ShardstoreError, StoreError
-from .export import CAST_DTYPES, FORMATS
+from .export import FORMATS
+from .export.contract import CAST_DTYPES, DTYPE_ALIASES
 from .plan import LAYOUTS
 from .progress import QUIET, ConsoleProgress, Progress, size_text
 from .read.registry import get
@@ -137,7 +138,8 @@ def _export_options(f: Any) -> Any:
         click.option("--select", default=None, help="Store path of the subtree to export as the model "
                                                     "[default: detected, e.g. model or state/model]."),
         click.option("--strip-prefix", default=None, help="Drop this prefix from output keys (e.g. 'model.')."),
-        click.option("--dtype", type=click.Choice(CAST_DTYPES), default=None, help="Cast floating tensors."),
+        click.option("--dtype", type=click.Choice(CAST_DTYPES + tuple(DTYPE_ALIASES), case_sensitive=False),
+                     default=None, help="Cast floating tensors (bf16, fp16, fp32 say the same)."),
         click.option("--max-shard-size", default="5GB", show_default=True, type=parse_size, metavar="SIZE",
                      help="Split safetensors output above this size (decimal units, like transformers)."),
         click.option("--overwrite", is_flag=True,

@@ -305,3 +305,21 @@ def error_line_or_usage(*args: object) -> str:
     proc = run(*args)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     return proc.stderr
+
+
+def test_dtype_takes_the_short_names_users_type(checkpoints, tmp_path: Path) -> None:
+    """`--dtype bf16` (fp16, fp32, any case) is `--dtype bfloat16`: the same bytes, round to nearest even as
+    torch casts; an unknown name is one line naming the choices, from the API as from the CLI."""
+    from shardstore.export.contract import ExportRequest
+
+    src = checkpoints(2)
+    assert run("unshard", src, tmp_path / "short", "--dtype", "BF16", "-q").returncode == 0
+    assert run("unshard", src, tmp_path / "long", "--dtype", "bfloat16", "-q").returncode == 0
+    short, long = load_file(tmp_path / "short" / "model.safetensors"), load_file(tmp_path / "long" / "model.safetensors")
+    want = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in expected(src)["model"].items()}
+    assert_bitwise_equal(short, want, "--dtype BF16")
+    assert_bitwise_equal(long, want, "--dtype bfloat16")
+    assert ExportRequest(dtype="fp16").dtype == "float16" and ExportRequest(dtype="torch.float32").dtype == "float32"
+    with pytest.raises(shardstore.ExportError, match="--dtype must be one of bfloat16, float16, float32 .*'int8'"):
+        shardstore.unshard(src, tmp_path / "api", dtype="int8")
+    assert not (tmp_path / "api").exists()

@@ -16,7 +16,7 @@ from ..sink.output import output_error, write_side_files
 from ..store.onesave import check_one_save
 from ..store.store import Status, Store
 from ..tree import Node
-from .contract import CAST_DTYPES, DirectExport, ExportRequest, OutputFormat
+from .contract import DirectExport, ExportRequest, OutputFormat, cast_dtype
 from .hf import NO_HF_DESCRIPTION, has_hf_description
 from .notes import flat_buckets
 from .registry import FORMATS as _FORMATS
@@ -102,8 +102,7 @@ def check_request(out_dir: str | os.PathLike[str], format: str = "safetensors", 
     """Everything about an export that can be refused without the store: `unshard` asks this before it
     ingests anything, so a mistyped option costs nothing."""
     fmt = output_format(format)
-    if dtype is not None and dtype not in CAST_DTYPES:
-        raise ExportError(f"--dtype must be one of {', '.join(CAST_DTYPES)}, not {dtype!r}")
+    cast_dtype(dtype)
     if hf_config is not None and not fmt.describes_model:
         raise ExportError(f"--hf-config applies to --format {_those(lambda f: f.describes_model)} only")
     if hf_config is not None and not Path(hf_config).exists():

@@ -22,11 +22,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..errors import ExportError
 from ..sink.layout import Layout
 from ..store.store import Store
 from ..tree import Node
 
 CAST_DTYPES = ("bfloat16", "float16", "float32")
+# The short names users type for them (as transformers' and the trainers' configs spell them).
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def cast_dtype(name: str | None) -> str | None:
+    """A `--dtype` as its torch name ("bf16" -> "bfloat16"), or one line naming the choices."""
+    if name is None:
+        return None
+    bare = name.lower().removeprefix("torch.")
+    found = DTYPE_ALIASES.get(bare, bare)
+    if found not in CAST_DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(CAST_DTYPES)} (or {', '.join(DTYPE_ALIASES)}), "
+                          f"not {name!r}")
+    return found
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,9 @@ class ExportRequest:
     hf_config: str | os.PathLike[str] | None = None
     overwrite: bool = False  # replace an earlier export's files in OUT
     allow_partial: bool = False  # holes for what an incomplete store lacks, said in the output's metadata
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", cast_dtype(self.dtype))
 
 
 Progress = Callable[[int], None] | None
