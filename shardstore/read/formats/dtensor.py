@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -482,11 +483,17 @@ def mesh_from_json(facts: Any) -> Mesh | None:
 
 
 # ---------------------------------------------------------------------------------------------- format
+_TENSOR_CLASS = re.compile(rb"ShardedTensor|DTensor")
+
+
 def holds_dtensors(path: str, storage_options: StorageOptions | None) -> bool:
-    """Whether a rank file's pickle names DTensor: the per-rank DTensor files of a plain FSDP2 save."""
+    """Whether a rank file's pickle names DTensor: the per-rank DTensor files of a plain FSDP2 save. The
+    first of the two tensor classes named decides, so a ShardedTensor file is told from its first tensor
+    (at W=1024 its pickle is tens of MB) and nothing is copied."""
     try:
         with TorchZip(path, storage_options) as zf:
-            return b"DTensor" in bytes(zf.record("data.pkl"))
+            first = _TENSOR_CLASS.search(zf.record("data.pkl"))
+            return first is not None and first.group() == b"DTensor"
     except (CheckpointError, KeyError, OSError):
         return False  # not readable as one: the rank-file reader says why
 
