@@ -15,8 +15,9 @@ from .progress import Progress
 from .records import GlobalRef, Opaque
 from .store.handle import TensorHandle
 from .store.store import Status, Store
+from .verify import Difference, VerifyResult, verify
 
 __version__ = "0.1.0"
-__all__ = ["open", "ingest", "watch", "export", "unshard", "rank_files", "scratch_location", "Store", "Status",
+__all__ = ["open", "ingest", "watch", "export", "unshard", "verify", "VerifyResult", "Difference", "rank_files", "scratch_location", "Store", "Status",
            "TensorHandle", "Opaque", "GlobalRef", "Progress", "ShardstoreError", "CheckpointError",
            "UnsafePickleError", "StoreError", "ExportError", "__version__"]

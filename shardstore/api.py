@@ -20,6 +20,7 @@ from .read.source import Source
 from .runner import default_jobs
 from .sink.layout import Layout
 from .store.store import Store
+from .verify import verify
 from .watcher import watch as _watch
 
 PathLike = str | os.PathLike[str]
@@ -245,4 +246,4 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     return result
 
 
-__all__ = ["open", "ingest", "watch", "export", "unshard", "rank_files", "scratch_location", "Progress"]
+__all__ = ["open", "ingest", "watch", "export", "unshard", "verify", "rank_files", "scratch_location", "Progress"]

@@ -244,6 +244,31 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
     _report(result, quiet)
 
 
+@main.command()
+@click.argument("src", type=click.Path())
+@click.argument("output", type=click.Path(exists=True))
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "hf"]), default=None,
+              help="Check OUTPUT as this export [default: hf for a folder with a config.json, else safetensors].")
+@click.option("--hf-config", type=click.Path(exists=True), default=None, metavar="PATH",
+              help="As given to the export: the config that named the weights (hf).")
+@click.option("--select", default=None, help="As given to the export: the subtree exported as the model.")
+@click.option("--strip-prefix", default=None, help="As given to the export: the prefix dropped from keys.")
+@click.option("--tag", default=None, help="Which checkpoint, when SRC holds several.")
+@click.option("--step", type=int, default=None, help="Which checkpoint, by step [default: the newest].")
+@_jobs
+def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select: str | None,
+           strip_prefix: str | None, tag: str | None, step: int | None, jobs: int | None) -> None:
+    """Check OUTPUT (safetensors files, or a Hugging Face folder, from any tool) against the sharded
+    checkpoint in SRC: every tensor there, of its shape, and bit for bit (or, for a cast, as torch casts).
+    One line per difference; exits 1 if there is any."""
+    result = api.verify(src, output, format=fmt, select=select, strip_prefix=strip_prefix, hf_config=hf_config,
+                        tag=tag, step=step, jobs=jobs, storage_options=_options())
+    for difference in result.differences:
+        click.echo(str(difference))
+    click.echo(result.summary(), err=True)
+    sys.exit(0 if result.ok else 1)
+
+
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:20])) + (" ..." if len(ranks) > 20 else "")
 

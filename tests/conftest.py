@@ -270,3 +270,16 @@ def sigkill_mid_way(cmd: list[str], store: Path, units: int, commits: int, reset
     assert proc.returncode == -signal.SIGKILL, f"the run ended ({proc.returncode}) before the kill"
     assert manifest.exists() and commits <= committed < units, (commits, committed)
     return committed
+
+
+@pytest.fixture(scope="session")
+def olmo_models(tmp_path_factory: pytest.TempPathFactory):
+    """olmo_models(arch, fmt, world_size) -> a checkpoint folder (tests/fixtures/olmo_model.py)."""
+    from tests.fixtures.olmo_model import make_olmo_model_checkpoint
+
+    base = CACHE or tmp_path_factory.mktemp("olmo-models")
+
+    def get(arch: str, fmt: str, world_size: int) -> Path:
+        return cached(base, f"{arch}-{fmt}-w{world_size}", lambda out: make_olmo_model_checkpoint(out, world_size, arch, fmt))
+
+    return get

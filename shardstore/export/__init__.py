@@ -16,7 +16,7 @@ from ..sink.output import output_error, write_side_files
 from ..store.onesave import check_one_save
 from ..store.store import Status, Store
 from ..tree import Node
-from .contract import DirectExport, ExportRequest, OutputFormat, cast_dtype
+from .contract import DirectExport, ExportRequest, OutputFormat, Planned, cast_dtype
 from .hf import NO_HF_DESCRIPTION, has_hf_description
 from .notes import flat_buckets
 from .registry import FORMATS as _FORMATS
@@ -232,6 +232,13 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         result = ExportResult(files + write_side_files(side_files, out), skipped, partial, notes=notes)
     result.replaced = stale
     return result
+
+
+def planned(store: Store, request: ExportRequest) -> Planned:
+    """What an export of `request` from `store` would write, planned and not written (see `verify`)."""
+    fmt = output_format(request.format)
+    node = _model_or(store, request.select) if fmt.subtree else store.manifest.tree
+    return fmt.plan(store, request, node, _subtree(store, request.select) if fmt.subtree else "", 1)
 
 
 @contextmanager

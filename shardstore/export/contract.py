@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ..errors import ExportError
 from ..sink.layout import Layout
@@ -74,6 +74,9 @@ class Planned:
     files: list[str]
     nbytes: int
     write: Callable[[Path, Progress, dict[str, str] | None, str | None, int], Written]
+    # a tensors-only format's tensors, in the order it writes them, each with where its bytes come from in
+    # the store (safetensors.Item): what `verify` checks an output of it against; empty for the others
+    tensors: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,8 @@ def header(items: list[Item], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _tensor_bytes(store: Store, it: Item, allow_partial: bool) -> Iterator[Any]:
+def tensor_bytes(store: Store, it: Item, allow_partial: bool = False) -> Iterator[Any]:
+    """The bytes an export writes for `it`: streamed from the store, cast where its dtype is another."""
     if not isinstance(it.source, ArrayRef):  # a plain tensor decoded from the store (so torch is loaded)
         import torch
 
@@ -143,7 +144,7 @@ def write_file(store: Store, path: Path, group: list[Item], partial: dict[str, s
     with OutputFile(path, progress) as out:
         out.write(header(group, partial or {}))
         for it in group:
-            out.write_parts(_tensor_bytes(store, it, partial is not None))
+            out.write_parts(tensor_bytes(store, it, partial is not None))
     return path
 
 
@@ -286,7 +287,7 @@ def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: 
         files = export_safetensors(store, out, plan, progress, partial, scheduler, jobs)
         return files, plan.skipped, flat_buckets(it.key for group in plan.groups for it in group)
 
-    return Planned(plan.files, plan.nbytes, write)
+    return Planned(plan.files, plan.nbytes, write, [it for group in plan.groups for it in group])
 
 
 def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> DirectExport | None:

@@ -25,20 +25,6 @@ TOLERANCE = 1e-4
 IDS = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(7))
 
 
-@pytest.fixture(scope="session")
-def olmo_models(tmp_path_factory: pytest.TempPathFactory):
-    """olmo_models(arch, fmt, world_size) -> a checkpoint folder (tests/fixtures/olmo_model.py)."""
-    from tests.conftest import CACHE, cached
-    from tests.fixtures.olmo_model import make_olmo_model_checkpoint
-
-    base = CACHE or tmp_path_factory.mktemp("olmo-models")
-
-    def get(arch: str, fmt: str, world_size: int) -> Path:
-        return cached(base, f"{arch}-{fmt}-w{world_size}", lambda out: make_olmo_model_checkpoint(out, world_size, arch, fmt))
-
-    return get
-
-
 def _reference_logits(arch: str, src: Path) -> torch.Tensor:
     model = build_model(arch)
     model.load_state_dict(torch.load(src / "expected.pt.ref", weights_only=False)["model"])

@@ -393,7 +393,7 @@ def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: 
               jobs: int) -> Written:
         return export_hf(store, out, model, plan, progress, partial), [], model.notes
 
-    return Planned(planned_files(model, plan), plan.nbytes, write)
+    return Planned(planned_files(model, plan), plan.nbytes, write, [it for group in plan.groups for it in group])
 
 
 def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> DirectExport | None:

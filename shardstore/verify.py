@@ -1,0 +1,179 @@
+"""`verify SRC OUTPUT`: an unsharded output checked against the sharded checkpoint it came from.
+
+The output is what a safetensors or Hugging Face export writes: shardstore's, or any other tool's
+(`accelerate merge-weights`, a merger of veRL's, a hand-made `model.safetensors`). The checkpoint is
+read through the same readers and checks as `unshard`, into a scratch store of the model's tensors
+(removed afterwards). Then every tensor an export of it would write, under the names that export gives
+(Hugging Face's, split weights included), is compared with the output's tensor of that name, streaming
+both in blocks: there, of the same shape, and of the same bytes; or, where the output holds another
+floating dtype, of the source's bytes cast to it rounding to nearest even, as torch casts. What the
+output holds beyond those is named too. A converter that kept a slice of a tensor, dropped one, cast by
+truncation or swapped the parts of a split weight shows up as one line per tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from . import dtypes
+from .errors import ExportError
+from .export import ExportRequest, model_subtree, output_format, planned
+from .export.safetensors import CASTABLE, INDEX, Item, tensor_bytes
+from .ingest import ingest
+from .jsonin import loads
+from .locations import StorageOptions
+from .ranges import blocks
+from .read.discover import open_source
+from .read.primitives.safetensors_file import SafetensorsFile
+from .store.store import Store
+
+MAX_INDEX_FILE = 64 << 20
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One tensor where the output is not what the checkpoint gives, in one line."""
+
+    name: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.what}"
+
+
+@dataclass
+class VerifyResult:
+    format: str  # the export the output was checked as: "safetensors" or "hf"
+    tensors: int = 0  # compared
+    nbytes: int = 0  # of the output's tensors compared
+    differences: list[Difference] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.differences
+
+    def summary(self) -> str:
+        size = f"{self.tensors} tensors ({self.nbytes / 2**30:.2f} GiB)"
+        if self.ok:
+            return f"verified {size} against the checkpoint: every one equal"
+        return f"{len(self.differences)} difference(s) in the output; compared {size}"
+
+
+def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: str | None = None,
+           select: str | None = None, strip_prefix: str | None = None,
+           hf_config: str | os.PathLike[str] | None = None, tag: str | None = None, step: int | None = None,
+           jobs: int | None = None, storage_options: StorageOptions | None = None) -> VerifyResult:
+    """Check OUTPUT (a safetensors file, or a folder of them: a Hugging Face folder when it has a
+    config.json) against the checkpoint in SRC. `format` ("safetensors" or "hf") says which export to check
+    it as [default: from the folder]; `select`, `strip_prefix` and `hf_config` as the export took them."""
+    out = Path(output)
+    format = format or ("hf" if (out / "config.json").is_file() else "safetensors")
+    request = ExportRequest(format, select, strip_prefix, hf_config=hf_config)
+    if not output_format(format).subtree:
+        raise ExportError(f"verify checks safetensors and hf outputs, not {format}")
+    outputs = _output_tensors(out)
+    source = open_source(src, tag, step, storage_options)
+    scratch = Path(tempfile.mkdtemp(prefix=".shardstore-verify-", dir=out.absolute().parent))  # beside OUTPUT
+    try:
+        store = ingest(scratch / "store", source, jobs=jobs,  # the model's tensors only
+                               only=lambda st: select if select is not None else model_subtree(st))
+        return _compare(store, planned(store, request).tensors, outputs, format)
+    finally:
+        for f, _ in outputs.values():
+            f.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _output_tensors(out: Path) -> dict[str, tuple[SafetensorsFile, str]]:
+    """Each tensor the output holds: the (open) file it is in, and its dtype. The index names the files
+    of a sharded output; else every .safetensors file of the folder is one."""
+    if out.is_file():
+        files = [out]
+    elif (out / INDEX).is_file():
+        index = loads((out / INDEX).read_bytes()[:MAX_INDEX_FILE], str(out / INDEX), "index", ExportError)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ExportError(f"{out / INDEX}: has no weight_map")
+        files = [out / name for name in sorted({str(v) for v in weight_map.values()})]
+    else:
+        files = sorted(out.glob("*.safetensors"))
+    if not files:
+        raise ExportError(f"{out}: no safetensors file to verify")
+    found: dict[str, tuple[SafetensorsFile, str]] = {}
+    try:
+        for path in files:
+            f = SafetensorsFile(path)
+            for name, ref in f.tensors.items():
+                if name in found:
+                    raise ExportError(f"{path}: holds {name}, which {found[name][0].path} holds too")
+                found[name] = (f, ref.dtype)
+    except BaseException:
+        for f in {f for f, _ in found.values()}:
+            f.close()
+        raise
+    return found
+
+
+def _compare(store: Store, items: list[Item], outputs: dict[str, tuple[SafetensorsFile, str]],
+             format: str) -> VerifyResult:
+    result = VerifyResult(format)
+    left = dict(outputs)
+    for item in items:
+        got = left.pop(item.key, None)
+        if got is None:
+            result.differences.append(Difference(item.key, "missing from the output"))
+            continue
+        f, dtype = got
+        shape = f.tensors[item.key].shape
+        if tuple(shape) != tuple(item.shape):
+            result.differences.append(Difference(item.key, f"shape {list(shape)} in the output, {list(item.shape)} "
+                                                           f"from the checkpoint"))
+            continue
+        if dtype != item.dtype:
+            if not (dtype in CASTABLE and item.dtype in CASTABLE):
+                result.differences.append(Difference(item.key, f"{dtype} in the output, {item.dtype} in the "
+                                                               f"checkpoint (not a floating cast)"))
+                continue
+            item = replace(item, dtype=dtype)  # checked against the source cast as torch casts
+        result.tensors += 1
+        result.nbytes += item.nbytes
+        difference = _first_difference(item, tensor_bytes(store, item), f.record(f"data/{item.key}"))
+        if difference is not None:
+            result.differences.append(Difference(item.key, difference))
+    for name in sorted(left):
+        result.differences.append(Difference(name, "in the output, but not a tensor the checkpoint's export holds"))
+    if items and len(left) == len(outputs):
+        result.differences.append(Difference("(all)", "no tensor name in common: was the output exported with "
+                                                      "another --select, --strip-prefix or --format?"))
+    return result
+
+
+def _first_difference(item: Item, expected: Iterator[Any], got: memoryview) -> str | None:
+    """How the output's bytes differ from the expected ones: how many elements, and the first (its index and
+    both values); None when they are equal. Blocks of the expected bytes hold whole elements."""
+    info = dtypes.info(item.dtype)
+    pos, count, first = 0, 0, None
+    for block in blocks(expected):
+        theirs = got[pos:pos + len(block)]
+        if theirs != block:
+            ours = np.frombuffer(block, dtype=np.uint8)
+            differ = np.unique((pos + np.flatnonzero(ours != np.frombuffer(theirs, dtype=np.uint8))) // info.itemsize)
+            count += len(differ)
+            if first is None:
+                at = int(differ[0]) * info.itemsize - pos
+                first = (int(differ[0]), bytes(theirs[at:at + info.itemsize]), bytes(block[at:at + info.itemsize]))
+        pos += len(block)
+    if first is None:
+        return None
+    element, output, source = first
+    index = [int(i) for i in np.unravel_index(element, item.shape)] if item.shape else []
+    value = [dtypes.as_numbers(np.frombuffer(raw, dtype=info.raw), item.dtype)[0] for raw in (output, source)]
+    return (f"{count} of {int(np.prod(item.shape))} elements differ; the first, at {index}, is {value[0]} in the "
+            f"output, {value[1]} from the checkpoint")

@@ -1,0 +1,154 @@
+"""`verify SRC OUTPUT`: genuine outputs pass, and every kind of damage a converter does is caught, one
+line per tensor: one changed element, a dropped tensor, a cast by truncation, swapped parts of a split
+weight, an extra tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import shardstore
+from shardstore.errors import ExportError
+
+
+def _cli(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "shardstore.cli", "verify", *map(str, args)], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def exported(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    src = checkpoints(2)
+    out = tmp_path_factory.mktemp("verify") / "st"
+    shardstore.unshard(src, out, jobs=1)
+    return src, out
+
+
+def _damaged(out: Path, tmp_path: Path, change) -> Path:
+    copy = tmp_path / "damaged"
+    shutil.copytree(out, copy)
+    tensors = load_file(copy / "model.safetensors")
+    change(tensors)
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    return copy
+
+
+def test_a_genuine_export_passes(exported) -> None:
+    src, out = exported
+    result = shardstore.verify(src, out)
+    assert result.ok and result.format == "safetensors"
+    assert result.tensors == len(load_file(out / "model.safetensors")) > 0
+    run = _cli(src, out)
+    assert run.returncode == 0 and run.stdout == "", run.stderr
+    assert "every one equal" in run.stderr
+
+
+def test_one_changed_element_is_caught_with_its_index_and_values(exported, tmp_path: Path) -> None:
+    src, out = exported
+    tensors = load_file(out / "model.safetensors")
+    name = next(n for n, t in tensors.items() if t.dim() == 2 and t.dtype == torch.float32)
+    copy = tmp_path / "flipped"
+    shutil.copytree(out, copy)
+    raw = bytearray((copy / "model.safetensors").read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin = json.loads(raw[8:8 + n])[name]["data_offsets"][0]
+    row, col = 1, 2
+    at = 8 + n + begin + (row * tensors[name].shape[1] + col) * 4
+    raw[at + 3] ^= 0x40  # one element's exponent bit
+    (copy / "model.safetensors").write_bytes(bytes(raw))
+    result = shardstore.verify(src, copy)
+    assert [d.name for d in result.differences] == [name]
+    assert f"1 of {tensors[name].numel()} elements differ; the first, at [{row}, {col}], is" in result.differences[0].what
+    run = _cli(src, copy)
+    assert run.returncode == 1 and run.stdout.startswith(f"{name}: 1 of ")
+
+
+def test_a_dropped_tensor_and_an_extra_one_are_named(exported, tmp_path: Path) -> None:
+    src, out = exported
+    names = sorted(load_file(out / "model.safetensors"))
+
+    def change(tensors):
+        tensors.pop(names[0])
+        tensors["lm_head.extra"] = torch.zeros(2)
+
+    result = shardstore.verify(src, _damaged(out, tmp_path, change))
+    assert {(d.name, d.what.split(",")[0]) for d in result.differences} == {
+        (names[0], "missing from the output"),
+        ("lm_head.extra", "in the output")}
+
+
+def test_a_cast_by_truncation_is_caught_where_round_to_nearest_even_differs(exported, tmp_path: Path) -> None:
+    """A bf16 output is checked against the source cast as torch casts it: torch's own cast passes, a
+    converter that cut the low mantissa bits off instead does not."""
+    src, out = exported
+    cast = tmp_path / "bf16"
+    shardstore.unshard(src, cast, dtype="bf16", jobs=1)
+    assert shardstore.verify(src, cast).ok
+    source = load_file(out / "model.safetensors")
+    name = next(n for n, t in source.items() if t.dtype == torch.float32 and t.numel() > 16)
+    truncated = (source[name].view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+    assert not torch.equal(truncated, source[name].to(torch.bfloat16))  # it does differ here
+
+    def change(tensors):
+        tensors[name] = truncated
+
+    result = shardstore.verify(src, _damaged(cast, tmp_path, change))
+    assert [d.name for d in result.differences] == [name]
+    assert "elements differ" in result.differences[0].what
+
+
+def test_a_hugging_face_folder_is_checked_under_its_names_and_swapped_splits_are_caught(olmo_models,
+                                                                                          tmp_path: Path) -> None:
+    """An hf folder (sharded, cast to bf16) is checked under the names and splits the export gives them;
+    the up and gate halves of a fused MLP weight swapped is two differences."""
+    src = olmo_models("olmo2", "legacy", 3)
+    out = tmp_path / "hf"
+    shardstore.unshard(src, out, format="hf", dtype="bfloat16", max_shard_size=60_000, jobs=1)
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    result = shardstore.verify(src, out)
+    assert result.ok and result.format == "hf" and result.tensors > 10
+    swapped = tmp_path / "swapped"
+    shutil.copytree(out, swapped)
+    up, gate = "model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.gate_proj.weight"
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    files = {index[up], index[gate]}
+    tensors = {f: load_file(out / f) for f in files}
+    tensors[index[up]][up], tensors[index[gate]][gate] = tensors[index[gate]][gate], tensors[index[up]][up]
+    for f, held in tensors.items():
+        save_file(held, swapped / f, metadata={"format": "pt"})
+    assert sorted(d.name for d in shardstore.verify(src, swapped).differences) == sorted([gate, up])
+
+
+def test_an_output_of_other_names_says_so_and_a_torch_export_is_refused(exported, tmp_path: Path) -> None:
+    src, out = exported
+
+    def rename(tensors):
+        for name in list(tensors):
+            tensors[f"model.{name}"] = tensors.pop(name)
+
+    result = shardstore.verify(src, _damaged(out, tmp_path, rename))
+    assert result.differences[-1].name == "(all)" and "no tensor name in common" in result.differences[-1].what
+    with pytest.raises(ExportError, match="verify checks safetensors and hf outputs, not torch"):
+        shardstore.verify(src, out, format="torch")
+    run = _cli(src, tmp_path / "nothing-here")
+    assert run.returncode == 2 and "does not exist" in run.stderr
+
+
+def test_accelerates_own_merge_passes(tmp_path: Path) -> None:
+    """A peer's genuine output: `accelerate merge-weights` of the HF Trainer's FSDP2 checkpoint (its DCP
+    model folder, as accelerate's docs give it) verifies against the checkpoint folder, tensor for tensor."""
+    checkpoint = Path(__file__).parent / "fixtures" / "data" / "accelerate" / "fsdp2-w2" / "checkpoint-4"
+    merge = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "merge-weights",
+                            str(checkpoint / "pytorch_model_fsdp_0"), str(tmp_path / "merged")],
+                           capture_output=True, text=True, timeout=300)
+    assert merge.returncode == 0, merge.stderr
+    result = shardstore.verify(checkpoint, tmp_path / "merged")
+    assert result.ok and result.tensors == len(load_file(tmp_path / "merged" / "model.safetensors"))
