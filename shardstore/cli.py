@@ -111,6 +111,8 @@ def _options() -> dict[str, Any]:
 
 
 _quiet = click.option("--quiet", "-q", is_flag=True, help="No progress output (for scripts).")
+_json = click.option("--json", "as_json", is_flag=True,
+                     help="One JSON object on stdout, for scripts (docs/commands.md gives its schema).")
 _strict = click.option("--strict", is_flag=True,
                        help="Refuse any pickled class outside shardstore's allowlist (paths, a trainer's own "
                             "classes) instead of keeping it as an opaque record.")
@@ -256,15 +258,20 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
 @click.option("--tag", default=None, help="Which checkpoint, when SRC holds several.")
 @click.option("--step", type=int, default=None, help="Which checkpoint, by step [default: the newest].")
 @_jobs
+@_json
 def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select: str | None,
-           strip_prefix: str | None, tag: str | None, step: int | None, jobs: int | None) -> None:
+           strip_prefix: str | None, tag: str | None, step: int | None, jobs: int | None, as_json: bool) -> None:
     """Check OUTPUT (safetensors files, or a Hugging Face folder, from any tool) against the sharded
     checkpoint in SRC: every tensor there, of its shape, and bit for bit (or, for a cast, as torch casts).
     One line per difference; exits 1 if there is any."""
     result = api.verify(src, output, format=fmt, select=select, strip_prefix=strip_prefix, hf_config=hf_config,
                         tag=tag, step=step, jobs=jobs, storage_options=_options())
-    for difference in result.differences:
-        click.echo(str(difference))
+    if as_json:
+        _echo_json({"ok": result.ok, "format": result.format, "tensors": result.tensors, "bytes": result.nbytes,
+                    "differences": [{"name": d.name, "what": d.what} for d in result.differences]})
+    else:
+        for difference in result.differences:
+            click.echo(str(difference))
     click.echo(result.summary(), err=True)
     sys.exit(0 if result.ok else 1)
 
@@ -348,11 +355,29 @@ def _summary(store: str) -> tuple[Any, Any, list[str]]:
                    + (f"; missing: {_ranks(s.ranks_missing)}" if s.ranks_missing else "")]
 
 
+def _store_json(st: Any, s: Any) -> dict[str, Any]:
+    """What `status --json` and `ls --json` say of a store as a whole."""
+    m = st.manifest
+    return {"store": str(st.location), "format": m.facts.format, "layout": m.layout, "world_size": m.world_size,
+            "replica_groups": m.facts.replicas, "units": list(m.facts.units) if m.facts.units is not None else None,
+            "ranks_ingested": sorted(s.ranks_done), "ranks_missing": sorted(s.ranks_missing),
+            "tensors": len(m.arrays), "tensors_complete": len(s.complete),
+            "tensors_partial": {path: round(frac, 6) for path, frac in s.partial.items()}, "ready": s.ok}
+
+
+def _echo_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=1, default=str))
+
+
 @main.command()
 @click.argument("store", type=click.Path())
-def status(store: str) -> None:
+@_json
+def status(store: str, as_json: bool) -> None:
     """What STORE holds and lacks; exit status 0 only when it is complete enough to export."""
     st, s, lines = _summary(store)
+    if as_json:
+        _echo_json(_store_json(st, s))
+        sys.exit(0 if s.ok else 1)
     click.echo("\n".join(lines))
     click.echo(f"tensors complete: {len(s.complete)}/{len(st.manifest.arrays)}")
     for path, frac in list(s.partial.items())[:20]:
@@ -368,7 +393,8 @@ def status(store: str) -> None:
 @click.argument("key")
 @click.option("--slice", "selection", default=None, help='Numpy-style selection, e.g. "0:4,:" or "-1" or "..., 0:8".')
 @click.option("--stats", "with_stats", is_flag=True, help="min/max/mean/std, NaN/Inf counts and L2 norm.")
-def show(store: str, key: str, selection: str | None, with_stats: bool) -> None:
+@_json
+def show(store: str, key: str, selection: str | None, with_stats: bool, as_json: bool) -> None:
     """Show one tensor (or value) of STORE, reading only the chunks it needs."""
     sel = parse_selection(selection) if selection else None
     st = api.open(store, _options())
@@ -382,6 +408,9 @@ def show(store: str, key: str, selection: str | None, with_stats: bool) -> None:
         by_rank = st.values(key)
         if not by_rank:
             raise StoreError(f"{store}: {key}: no rank holding it has been ingested yet")
+        if as_json:
+            _echo_json({"key": key, "kind": "value", "by_rank": {str(r): repr(v) for r, v in by_rank.items()}})
+            return
         if len({repr(v) for v in by_rank.values()}) <= 1:
             click.echo(f"{key}: {next(iter(by_rank.values()))!r}")
         else:
@@ -394,6 +423,16 @@ def show(store: str, key: str, selection: str | None, with_stats: bool) -> None:
         sel = (slice(0, 4),)
     h.check(... if sel is None else sel)  # before printing anything: an error is then the only line
     status = st.status()
+    if as_json:
+        out: dict[str, Any] = {"key": key, "kind": "tensor", "dtype": h.entry.dtype, "shape": list(h.entry.shape),
+                               "complete": round(status.partial.get(key, 1.0), 6), "ranks": h.ranks,
+                               "selection": selection}
+        if with_stats:
+            out["stats"] = h.stats(sel)
+        else:
+            out["values"] = h.numpy(... if sel is None else sel).tolist()
+        _echo_json(out)
+        return
     where = "complete" if key not in status.partial else f"{status.partial[key]:.0%} present"
     click.echo(f"{key}: torch.{h.entry.dtype} {list(h.entry.shape)}, {where}, from ranks {_ranks(h.ranks)}")
     if with_stats:
@@ -430,18 +469,22 @@ def parse_selection(text: str) -> tuple[Any, ...]:
 @main.command(name="ls")
 @click.argument("store", type=click.Path())
 @click.argument("pattern", required=False)
-def ls(store: str, pattern: str | None) -> None:
+@_json
+def ls(store: str, pattern: str | None, as_json: bool) -> None:
     """List STORE: layout, ranks, and every key with its shape, dtype and completeness; with PATTERN (a
     glob: 'model/*attn*', or a plain part of the key: 'blocks.3.'), only the keys it matches."""
     st, status, lines = _summary(store)
     m = st.manifest
-    click.echo("   ".join(lines))
     keys = st.keys()
     if pattern:
         glob = pattern if any(c in pattern for c in "*?[") else f"*{pattern}*"
         keys = [k for k in keys if fnmatch.fnmatchcase(k, glob)]
         if not keys:
             raise StoreError(f"{store}: no key matches {pattern!r}")
+    if as_json:
+        _echo_json({**_store_json(st, status), "keys": [_key_json(st, status, key) for key in keys]})
+        return
+    click.echo("   ".join(lines))
     width = max((len(k) for k in keys), default=0)
     for key in keys:
         entry = m.arrays.get(key)
@@ -457,6 +500,16 @@ def ls(store: str, pattern: str | None) -> None:
             shown = values.preview(ranks[min(ranks)])
             click.echo(f"{key:<{width}}  {'value':<13} {shown}"
                        + ("" if same else f"  (rank {min(ranks)}; differs per rank)"))
+
+
+def _key_json(st: Any, status: Any, key: str) -> dict[str, Any]:
+    entry = st.manifest.arrays.get(key)
+    if entry is not None:
+        return {"key": key, "kind": "tensor", "dtype": entry.dtype, "shape": list(entry.shape),
+                "complete": round(status.partial.get(key, 1.0), 6)}
+    ranks = st.object_values(key)
+    return {"key": key, "kind": "value", "preview": values.preview(ranks[min(ranks)]) if ranks else None,
+            "same_on_every_rank": len({json.dumps(v, sort_keys=True) for v in ranks.values()}) <= 1}
 
 
 if __name__ == "__main__":

@@ -323,3 +323,35 @@ def test_dtype_takes_the_short_names_users_type(checkpoints, tmp_path: Path) -> 
     with pytest.raises(shardstore.ExportError, match="--dtype must be one of bfloat16, float16, float32 .*'int8'"):
         shardstore.unshard(src, tmp_path / "api", dtype="int8")
     assert not (tmp_path / "api").exists()
+
+
+def test_json_output_for_scripts(checkpoints, tmp_path: Path) -> None:
+    """`status`, `ls`, `show` and `verify` with --json print one JSON object on stdout (the schema in
+    docs/commands.md) and keep their exit statuses."""
+    import json
+
+    src = checkpoints(2)
+    store = tmp_path / "s"
+    assert run("ingest", store, src / "rank0.pt", "-q").returncode == 0
+    half = run("status", store, "--json")
+    facts = json.loads(half.stdout)
+    assert half.returncode == 1 and facts["ready"] is False and facts["ranks_missing"] == [1]
+    assert facts["world_size"] == 2 and facts["tensors"] > facts["tensors_complete"]
+    assert run("ingest", store, src / "rank1.pt", "-q").returncode == 0
+    whole = run("status", store, "--json")
+    assert whole.returncode == 0 and json.loads(whole.stdout)["ready"] is True
+    listing = json.loads(run("ls", store, "--json").stdout)
+    tensors = [k for k in listing["keys"] if k["kind"] == "tensor"]
+    want = expected(src)["model"]
+    name, tensor = next(iter(want.items()))
+    key = f"model/{name}"
+    assert {"key": key, "kind": "tensor", "dtype": "float32", "shape": list(tensor.shape), "complete": 1.0} in tensors
+    shown = json.loads(run("show", store, key, "--json", "--slice", "0:2").stdout)
+    assert torch.equal(torch.tensor(shown["values"], dtype=torch.float32), tensor[0:2])
+    stats = json.loads(run("show", store, key, "--json", "--stats").stdout)["stats"]
+    assert stats["max"] == tensor.max().item()
+    assert run("export", store, tmp_path / "out", "-q").returncode == 0
+    checked = run("verify", src, tmp_path / "out", "--json")
+    report = json.loads(checked.stdout)
+    assert checked.returncode == 0 and report["ok"] is True and report["differences"] == []
+    assert report["tensors"] == len(want)
