@@ -243,6 +243,8 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
                         hf_config=hf_config)
     if store is None:  # done: the scratch store has served its purpose
         shutil.rmtree(scratch, ignore_errors=True)
+    if not any(is_url(os.fspath(u)) for u in source.units):
+        result.read = sum(os.path.getsize(u) for u in source.units)
     return result
 
 

@@ -152,18 +152,38 @@ def _export_options(f: Any) -> Any:
     return f
 
 
-def _report(result: Any, quiet: bool) -> None:
+def _report(result: Any, quiet: bool, started: float, what: str) -> None:
     if quiet:
         return
     for path in result.replaced:
         click.echo(f"removed {path} (earlier export)")
     for path in result.files:
         click.echo(f"wrote {path}")
+    click.echo(summary_line(result, time.perf_counter() - started, what), err=True)
     if result.skipped:
         click.echo(f"left out {len(result.skipped)} non-tensor value(s): {', '.join(result.skipped[:5])}"
                    f"{' ...' if len(result.skipped) > 5 else ''}", err=True)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
+
+
+def summary_line(result: Any, seconds: float, what: str) -> str:
+    """One line after a run: tensors and parameters by output dtype, bytes read and written, time, speed."""
+    tensors = sum(n for n, _ in result.dtypes.values())
+    by_dtype = ", ".join(f"{dtype} {n} ({_count(elements)})" for dtype, (n, elements) in sorted(result.dtypes.items()))
+    written = sum(p.stat().st_size for p in result.files if p.is_file())
+    read = f"read {size_text(result.read)}, " if result.read is not None else ""
+    return (f"{what}: {tensors} tensors, {_count(sum(e for _, e in result.dtypes.values()))} parameters "
+            f"[{by_dtype}]; {read}wrote {size_text(written)} in {seconds:.1f} s "
+            f"({size_text(written / max(seconds, 1e-9))}/s)")
+
+
+def _count(n: int) -> str:
+    """1234567 -> "1.23 M"."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(n)
 
 
 @main.command()
@@ -199,6 +219,7 @@ def export(store: str, out: str, fmt: str, hf_config: str | None, select: str | 
            dtype: str | None, max_shard_size: int, overwrite: bool, allow_partial: bool, scheduler: str | None,
            jobs: int | None, quiet: bool) -> None:
     """Export the unsharded checkpoint in STORE to the folder OUT."""
+    started = time.perf_counter()
     with _progress(quiet) as progress:
         result = api.export(store, out, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
                             max_shard_size=max_shard_size, progress=progress, allow_partial=allow_partial,
@@ -208,7 +229,7 @@ def export(store: str, out: str, fmt: str, hf_config: str | None, select: str | 
         click.echo(f"warning: partial export: ranks {result.partial['shardstore_missing_ranks'] or 'none'} missing, "
                    f"holes filled with NaN/zero in {len(result.partial['shardstore_incomplete_tensors'].split(','))} "
                    f"tensor(s); recorded in the output's metadata", err=True)
-    _report(result, quiet)
+    _report(result, quiet, started, "export")
 
 
 @main.command()
@@ -235,6 +256,7 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
     Without --store, the work in progress is kept in OUT/.shardstore-scratch until the export is complete,
     so an interrupted or failed run resumes where it stopped when rerun.
     """
+    started = time.perf_counter()
     scratch = api.scratch_location(out)
     if store is None:
         ctx.meta["shardstore.kept"] = lambda: scratch if scratch.is_dir() and not scratch.is_symlink() else None
@@ -243,7 +265,7 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
                              storage_options=_options(), scheduler=scheduler, strict=strict, progress=progress,
                              format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
                              max_shard_size=max_shard_size, overwrite=overwrite, hf_config=hf_config)
-    _report(result, quiet)
+    _report(result, quiet, started, "unshard")
 
 
 @main.command()

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 import shardstore
+from shardstore.progress import size_text
 from tests.conftest import assert_bitwise_equal, expected
 
 
@@ -66,7 +67,11 @@ def test_unshard_says_which_checkpoint_it_found(checkpoints, tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines()[0] == f"unshard: the checkpoint in {run_folder / 'ckpt'}"
     again = run("unshard", run_folder / "ckpt", tmp_path / "out2", "-j", "1")  # named exactly: nothing to say
-    assert [line.split(":")[0] for line in again.stderr.splitlines()] == ["ingest"], again.stderr  # one pass
+    assert [line.split(":")[0] for line in again.stderr.splitlines()] == ["ingest", "unshard"], again.stderr  # one pass
+    summary = again.stderr.splitlines()[-1]  # the summary after the run
+    read = sum(f.stat().st_size for f in (run_folder / "ckpt").glob("rank*.pt"))
+    assert summary.startswith(f"unshard: {len(expected(checkpoints(2))['model'])} tensors, ")
+    assert f"[float32 {len(expected(checkpoints(2))['model'])} (" in summary and f"read {size_text(read)}, wrote " in summary
 
 
 def test_missing_and_empty_folders(tmp_path: Path) -> None:
@@ -223,7 +228,7 @@ def test_a_failed_unshard_keeps_its_work_and_the_rerun_resumes(checkpoints, tmp_
     resumed = run("unshard", src, out, "-j", "1")  # stderr is not a terminal: one plain line per phase
     assert resumed.returncode == 0, resumed.stderr
     phases = resumed.stderr.splitlines()
-    assert [line.split(":")[0] for line in phases] == ["ingest"], resumed.stderr  # the output written in one pass
+    assert [line.split(":")[0] for line in phases] == ["ingest", "unshard"], resumed.stderr  # one pass, a summary
     done_before = sum((src / f"rank{r}.pt").stat().st_size for r in (0, 1)) / 2**20
     assert f"({done_before:.1f} MiB were already done)" in phases[0]
     assert not (out / ".shardstore-scratch").exists()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from .. import dtypes, paths, tempfiles
 from ..errors import ExportError, StoreError
@@ -34,6 +35,19 @@ class ExportResult:
     partial: dict[str, str] | None = None  # set when holes were filled (--allow-partial)
     replaced: list[Path] = field(default_factory=list)  # a previous export's files removed (overwrite)
     notes: list[str] = field(default_factory=list)  # what the user should know about the output
+    dtypes: dict[str, tuple[int, int]] = field(default_factory=dict)  # output dtype -> (tensors, elements)
+    read: int | None = None  # bytes of the checkpoint's files read (unshard, local files), for the summary
+
+
+def _dtypes(store: Store, tensors: list[Any]) -> dict[str, tuple[int, int]]:
+    """How many tensors and elements of each dtype the output holds: a tensors-only format's own tensors,
+    else the store's sharded ones (its small plain tensors aside)."""
+    shapes = [(it.dtype, it.shape) for it in tensors] or [(a.dtype, a.shape) for a in store.manifest.arrays.values()]
+    counts: dict[str, tuple[int, int]] = {}
+    for dtype, shape in shapes:
+        n, elements = counts.get(dtype, (0, 0))
+        counts[dtype] = (n + 1, elements + math.prod(shape))
+    return counts
 
 
 # Every file name an export of any format writes: what a previous export may have left in OUT.
@@ -229,7 +243,8 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
         if on_start:
             on_start(planned.nbytes)
         files, skipped, notes = planned.write(out, progress, partial, scheduler, jobs)
-        result = ExportResult(files + write_side_files(side_files, out), skipped, partial, notes=notes)
+        result = ExportResult(files + write_side_files(side_files, out), skipped, partial, notes=notes,
+                              dtypes=_dtypes(store, planned.tensors))
     result.replaced = stale
     return result
 
@@ -296,4 +311,5 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
             files.append(out / name)
         files += planned.finish(store, out) + write_side_files(side_files, out)
     return ExportResult(files, planned.skipped, replaced=stale,
-                        notes=planned.notes + (flat_buckets(store.manifest.arrays) if not fmt.subtree else []))
+                        notes=planned.notes + (flat_buckets(store.manifest.arrays) if not fmt.subtree else []),
+                        dtypes=_dtypes(store, planned.tensors))

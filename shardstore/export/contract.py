@@ -126,6 +126,11 @@ class DirectExport(ABC):
         """What the user should know about the output."""
         return []
 
+    @property
+    def tensors(self) -> list[Any]:
+        """A tensors-only format's tensors (as `Planned.tensors`); empty for the others."""
+        return []
+
     def seal(self, store: Store) -> None:
         """The files' last bytes, once every unit is in (a torch zip's pickle and directory, the CRCs);
         nothing for safetensors."""

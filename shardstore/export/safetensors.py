@@ -240,7 +240,11 @@ class SafetensorsDirect(DirectExport):
 
     @property
     def notes(self) -> list[str]:
-        return flat_buckets(it.key for group in self.plan.groups for it in group)
+        return flat_buckets(it.key for it in self.tensors)
+
+    @property
+    def tensors(self) -> list[Any]:
+        return [it for group in self.plan.groups for it in group]
 
     def finish(self, store: Store, out: Path) -> list[Path]:
         return write_index(out, self.plan)
