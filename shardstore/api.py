@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 from . import export as _export
 from . import ingest as _ingest
-from .errors import CheckpointError, ExportError
+from .errors import CheckpointError, ExportError, ShardstoreError
 from .locations import StorageOptions, is_url
 from .progress import Progress, size_text
 from .progress import resolve as _progress
@@ -168,9 +171,10 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
             progress: Progress | bool = False, format: str = "safetensors", select: str | None = None,
             strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
             hf_config: PathLike | None = None, overwrite: bool = False,
-            allow_partial: bool = False) -> _export.ExportResult:
+            allow_partial: bool = False, plan: bool = False) -> _export.ExportResult | Plan:
     """Ingest every rank file in `src_dir`, then export (the export's options as for `export`). Without
-    `store`, a scratch store inside `out_dir` is used: see `scratch_location`."""
+    `store`, a scratch store inside `out_dir` is used: see `scratch_location`. With `plan`, nothing is
+    ingested or written: the `Plan` of the run, read from what planning needs, or its refusal."""
     request = _export.ExportRequest(format, select, strip_prefix, dtype, max_shard_size, hf_config, overwrite,
                                     allow_partial)
     _export.check_request(out_dir, format, select, strip_prefix, dtype, hf_config)
@@ -182,7 +186,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     scratch = scratch_location(out_dir)
     if store is None and scratch.is_symlink():
         raise ExportError(f"{scratch}: is a symbolic link; shardstore keeps its scratch store only inside OUT")
-    if store is None and Store.exists(scratch):
+    if store is None and Store.exists(scratch) and not plan:
         previous = Store.open(scratch)
         if _ingest.source_changed(previous, source.units):
             previous.discard()  # started on another checkpoint (a newer step saved over this one): start again
@@ -222,6 +226,9 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
             return None
         return select if select is not None else _export.model_subtree(st)
 
+    if plan:
+        return _plan(source, out_dir, request, one_pass, all_ranks_present, exported_subtree, jobs or default_jobs(),
+                     strict)
     made = _missing_folders(out_dir)
     try:
         st = ingest(location, source, jobs=jobs, verify_replicas=verify_replicas, storage_options=storage_options,
@@ -248,4 +255,85 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     return result
 
 
-__all__ = ["open", "ingest", "watch", "export", "unshard", "verify", "rank_files", "scratch_location", "Progress"]
+@dataclass(frozen=True)
+class Plan:
+    """What `unshard` would do, read from what planning needs (`unshard(..., plan=True)`, `--dry-run`)."""
+
+    checkpoint: str  # the folder of the checkpoint taken
+    reader: str  # its format, as messages name it
+    trainer: str | None  # the trainer whose resume files it has
+    units: int  # its unit files
+    world_size: int
+    read: int | None  # bytes of its unit files (None: some on object storage)
+    one_pass: bool  # the output written straight by the workers (else through the scratch store)
+    files: list[tuple[str, int | None]]  # every output file the plan lays out, with its size (None: unknown yet)
+    write: int  # the tensor bytes of the output
+    casts: dict[str, int]  # "float32 -> bfloat16": how many tensors
+    free: dict[str, int]  # a path on each file system written to -> its free bytes
+    speed: float | None  # this disk's read speed, measured on a unit file (bytes/s)
+
+    @property
+    def seconds(self) -> float | None:
+        """About how long the run would take at that speed: every byte read once and written once."""
+        return None if not self.speed or self.read is None else (self.read + self.write) / self.speed
+
+
+def _plan(source: Source, out_dir: PathLike, request: _export.ExportRequest, one_pass: bool,
+          all_ranks_present: Callable[[Store], None], subtree: Callable[[Store], str | None], jobs: int,
+          strict: bool) -> Plan:
+    """The run planned in a temporary store beside OUT (removed after), with every check a real run makes
+    before its first unit is read: its refusals are the real run's."""
+    near = next(p for p in [Path(out_dir).absolute(), *Path(out_dir).absolute().parents] if p.exists())
+    tmp = Path(tempfile.mkdtemp(prefix=".shardstore-plan-", dir=near))
+    try:
+        st, unit = _ingest.planned_store(tmp / "store", source, strict, scratch=True)
+        if unit is not None:
+            unit.close()
+        all_ranks_present(st)
+        _export.preflight(st, out_dir, request.format, request.select, request.hf_config, request.overwrite)
+        output = _export.output_bytes(st, request.format, request.select, request.dtype)
+        check_space(st, len(source.units), subtree(st), out_dir, output, in_store=not one_pass)
+        direct = _export.plan_direct(st, request, jobs) if one_pass else None
+        if direct is not None:
+            sizes = dict(zip(direct.layout.names, direct.layout.sizes))
+            files: list[tuple[str, int | None]] = [(f, sizes.get(f)) for f in direct.files]
+            tensors = direct.tensors
+        else:
+            try:
+                planned = _export.planned(st, request)
+                files, tensors = [(f, None) for f in planned.files], planned.tensors
+            except ShardstoreError:  # what the files are depends on values only the data brings
+                files, tensors = [], []
+        casts: dict[str, int] = {}
+        for it in tensors:
+            if it.dtype != getattr(it.source, "dtype", it.dtype):
+                key = f"{it.source.dtype} -> {it.dtype}"
+                casts[key] = casts.get(key, 0) + 1
+        local = not any(is_url(os.fspath(u)) for u in source.units)
+        return Plan(source.folder, get(source.format).title, source.trainer, len(source.units), st.manifest.world_size,
+                    sum(os.path.getsize(u) for u in source.units) if local else None, direct is not None, files,
+                    output, casts, {str(near): shutil.disk_usage(near).free},
+                    _read_speed(max(source.units, key=os.path.getsize)) if local else None)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_speed(path: PathLike, limit: int = 256 << 20) -> float | None:
+    """This disk's read speed (bytes/s), from reading up to `limit` bytes of `path` with its cached pages
+    dropped first (what a real run would read cold); None where it reads too little to tell."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        start, done = time.perf_counter(), 0
+        while done < limit:
+            block = os.read(fd, 8 << 20)
+            if not block:
+                break
+            done += len(block)
+        seconds = time.perf_counter() - start
+    finally:
+        os.close(fd)
+    return done / seconds if done >= 1 << 20 and seconds > 0 else None
+
+
+__all__ = ["open", "ingest", "watch", "export", "unshard", "verify", "Plan", "rank_files", "scratch_location", "Progress"]

@@ -9,6 +9,7 @@ import re
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 import click
@@ -167,6 +168,32 @@ def _report(result: Any, quiet: bool, started: float, what: str) -> None:
         click.echo(f"note: {note}", err=True)
 
 
+def _echo_plan(plan: Any, out: str, as_json: bool) -> None:
+    """`unshard --dry-run`'s answer: text, or one JSON object (docs/commands.md)."""
+    if as_json:
+        _echo_json({"checkpoint": plan.checkpoint, "reader": plan.reader, "trainer": plan.trainer, "units": plan.units,
+                    "world_size": plan.world_size, "read_bytes": plan.read, "write_bytes": plan.write,
+                    "one_pass": plan.one_pass, "files": [{"name": n, "bytes": b} for n, b in plan.files],
+                    "casts": plan.casts, "free_bytes": plan.free, "read_speed": plan.speed,
+                    "seconds": plan.seconds, "would_start": True})
+        return
+    click.echo(f"checkpoint: {plan.checkpoint} ({plan.reader}" + (f", {plan.trainer}'s folder" if plan.trainer else "")
+               + f"): {plan.units} unit files, world size {plan.world_size}")
+    click.echo(f"read: {size_text(plan.read) if plan.read is not None else 'unknown (object storage)'}; write: "
+               f"{size_text(plan.write)} of tensors, " + ("in one pass" if plan.one_pass else "through the store"))
+    for name, size in plan.files:
+        click.echo(f"  {Path(out) / name}  {size_text(size) if size is not None else '(size known once written)'}")
+    if not plan.files:
+        click.echo("  (the files depend on values the data brings: known once it is read)")
+    for cast, n in plan.casts.items():
+        click.echo(f"cast: {cast}: {n} tensors")
+    for where, free in plan.free.items():
+        click.echo(f"free: {size_text(free)} on {where}")
+    if plan.seconds is not None:
+        click.echo(f"estimate: {plan.seconds:.1f} s at {size_text(plan.speed)}/s (this disk's read speed, measured)")
+    click.echo("a real run would start (nothing was written)")
+
+
 def summary_line(result: Any, seconds: float, what: str) -> str:
     """One line after a run: tensors and parameters by output dtype, bytes read and written, time, speed."""
     tensors = sum(n for n, _ in result.dtypes.values())
@@ -247,16 +274,30 @@ def export(store: str, out: str, fmt: str, hf_config: str | None, select: str | 
 @_scheduler
 @_jobs
 @_quiet
+@click.option("--dry-run", is_flag=True, help="Read only what planning needs and say what the run would do "
+                                             "(files, sizes, casts, bytes, free space, time); write nothing.")
+@_json
 @click.pass_context
 def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str | None, step: int | None, fmt: str,
             hf_config: str | None, select: str | None, strip_prefix: str | None, dtype: str | None, max_shard_size: int, overwrite: bool,
-            verify_replicas: bool, strict: bool, scheduler: str | None, jobs: int | None, quiet: bool) -> None:
+            verify_replicas: bool, strict: bool, scheduler: str | None, jobs: int | None, quiet: bool, dry_run: bool,
+            as_json: bool) -> None:
     """Unshard the checkpoint in folder SRC into folder OUT: ingest, then export.
 
     Without --store, the work in progress is kept in OUT/.shardstore-scratch until the export is complete,
     so an interrupted or failed run resumes where it stopped when rerun.
     """
     started = time.perf_counter()
+    if as_json and not dry_run:
+        raise click.BadParameter("--json goes with --dry-run (the run's own output is its files)", param_hint="--json")
+    if dry_run:
+        planned = api.unshard(src, out, store=store, tag=tag, step=step, jobs=jobs, verify_replicas=verify_replicas,
+                              storage_options=_options(), scheduler=scheduler, strict=strict, format=fmt,
+                              select=select, strip_prefix=strip_prefix, dtype=dtype, max_shard_size=max_shard_size,
+                              overwrite=overwrite, hf_config=hf_config, plan=True)
+        assert isinstance(planned, api.Plan)
+        _echo_plan(planned, out, as_json)
+        return
     scratch = api.scratch_location(out)
     if store is None:
         ctx.meta["shardstore.kept"] = lambda: scratch if scratch.is_dir() and not scratch.is_symlink() else None

@@ -183,13 +183,13 @@ def create_store(location: str | os.PathLike[str], source: Source, strict: bool 
     that a worker reads again, and each worker checks its own file against the plan anyway. A store that
     holds nothing committed was planned by a run whose files were all refused (a damaged first file): if
     today's files plan it differently, it is planned again rather than refusing the genuine files."""
-    store, unit = _planned_store(location, source, strict)
+    store, unit = planned_store(location, source, strict)
     if unit is not None:
         unit.close()
     return store
 
 
-def _planned_store(location: str | os.PathLike[str], source: Source, strict: bool,
+def planned_store(location: str | os.PathLike[str], source: Source, strict: bool,
                    scratch: bool = False) -> tuple[Store, Any | None]:
     """`create_store`, also handing back the unit planning opened (Source.plan), which the caller closes."""
     existing = Store.open(location, source.storage_options) if Store.exists(location, source.storage_options) else None
@@ -238,7 +238,7 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
     created, store, held = not Store.exists(location, source.storage_options), None, None
     try:
         with Pool(jobs, scheduler) as pool:  # workers start now: their start-up overlaps creating the store
-            store, held = _planned_store(location, source, strict, scratch)
+            store, held = planned_store(location, source, strict, scratch)
             if store.manifest.facts.format != source.format:  # before a unit is opened with another's facts
                 raise CheckpointError(f"{source.units[0]}: the store at {location} holds a "
                                       f"{get(store.manifest.facts.format).title} checkpoint, and this is a file of a "

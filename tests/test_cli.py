@@ -360,3 +360,31 @@ def test_json_output_for_scripts(checkpoints, tmp_path: Path) -> None:
     report = json.loads(checked.stdout)
     assert checked.returncode == 0 and report["ok"] is True and report["differences"] == []
     assert report["tensors"] == len(want)
+
+
+def test_dry_run_says_what_the_run_would_do_and_writes_nothing(checkpoints, tmp_path: Path) -> None:
+    """`unshard --dry-run` plans from what planning reads: the files the real run then writes, with the
+    sizes it gives them (safetensors: exact), the casts, the bytes to read; OUT is not made. A run that
+    would be refused is refused the same way, in one line."""
+    import json
+
+    src = checkpoints(2)
+    out = tmp_path / "out"
+    plan = shardstore.unshard(src, out, dtype="bf16", plan=True)
+    assert isinstance(plan, shardstore.api.Plan) and not out.exists()
+    want = expected(src)["model"]
+    assert plan.casts == {"float32 -> bfloat16": len(want)} and plan.one_pass and plan.world_size == 2
+    assert plan.read == sum(f.stat().st_size for f in src.glob("rank*.pt"))
+    shardstore.unshard(src, out, dtype="bf16")
+    assert [(name, (out / name).stat().st_size) for name, _ in plan.files] == plan.files
+    text = run("unshard", src, tmp_path / "o2", "--dry-run", "--format", "torch")
+    assert text.returncode == 0 and "a real run would start" in text.stdout and not (tmp_path / "o2").exists()
+    facts = json.loads(run("unshard", src, tmp_path / "o2", "--dry-run", "--json").stdout)
+    assert facts["would_start"] and facts["casts"] == {} and facts["read_bytes"] == plan.read
+    shardstore.unshard(src, tmp_path / "o3")
+    assert facts["files"] == [{"name": "model.safetensors", "bytes": (tmp_path / "o3" / "model.safetensors").stat().st_size}]
+    partial = tmp_path / "partial"
+    shutil.copytree(src, partial, ignore=shutil.ignore_patterns("rank1.pt"))
+    refused = run("unshard", partial, tmp_path / "o4", "--dry-run")
+    assert_one_line_error(refused, "rank files are missing for ranks 1")
+    assert not (tmp_path / "o4").exists()
