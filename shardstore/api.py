@@ -73,7 +73,7 @@ def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensor
            strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
            progress: Progress | bool = False, allow_partial: bool = False, storage_options: StorageOptions | None = None,
            scheduler: str | None = None, jobs: int | None = None, overwrite: bool = False,
-           hf_config: PathLike | None = None) -> _export.ExportResult:
+           hf_config: PathLike | None = None, keep_dtype: Sequence[str] = ()) -> _export.ExportResult:
     """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style), `"torch"`, `"dcp"`,
     or `"hf"` (a folder transformers loads; `hf_config` for checkpoints that carry no config of their own).
 
@@ -86,7 +86,7 @@ def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensor
     result = _export.export(st, out_dir, format=format, select=select, strip_prefix=strip_prefix, dtype=dtype,
                             max_shard_size=max_shard_size, progress=progress.advance, allow_partial=allow_partial,
                             scheduler=scheduler, jobs=jobs or default_jobs(), overwrite=overwrite, hf_config=hf_config,
-                            on_start=lambda total: progress.start("export", total))
+                            on_start=lambda total: progress.start("export", total), keep_dtype=keep_dtype)
     progress.end()
     return result
 
@@ -171,12 +171,12 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
             progress: Progress | bool = False, format: str = "safetensors", select: str | None = None,
             strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
             hf_config: PathLike | None = None, overwrite: bool = False,
-            allow_partial: bool = False, plan: bool = False) -> _export.ExportResult | Plan:
+            allow_partial: bool = False, plan: bool = False, keep_dtype: Sequence[str] = ()) -> _export.ExportResult | Plan:
     """Ingest every rank file in `src_dir`, then export (the export's options as for `export`). Without
     `store`, a scratch store inside `out_dir` is used: see `scratch_location`. With `plan`, nothing is
     ingested or written: the `Plan` of the run, read from what planning needs, or its refusal."""
     request = _export.ExportRequest(format, select, strip_prefix, dtype, max_shard_size, hf_config, overwrite,
-                                    allow_partial)
+                                    allow_partial, tuple(keep_dtype))
     _export.check_request(out_dir, format, select, strip_prefix, dtype, hf_config)
     progress = _progress(progress)
     source = open_source(src_dir, tag, step, storage_options)
@@ -247,7 +247,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     else:
         result = export(st, out_dir, format, select, strip_prefix, request.dtype, max_shard_size, progress, allow_partial,
                         scheduler=scheduler if fmt.takes_scheduler else None, jobs=jobs, overwrite=overwrite,
-                        hf_config=hf_config)
+                        hf_config=hf_config, keep_dtype=keep_dtype)
     if store is None:  # done: the scratch store has served its purpose
         shutil.rmtree(scratch, ignore_errors=True)
     if not any(is_url(os.fspath(u)) for u in source.units):

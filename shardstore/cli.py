@@ -143,6 +143,9 @@ def _export_options(f: Any) -> Any:
         click.option("--strip-prefix", default=None, help="Drop this prefix from output keys (e.g. 'model.')."),
         click.option("--dtype", type=click.Choice(CAST_DTYPES + tuple(DTYPE_ALIASES), case_sensitive=False),
                      default=None, help="Cast floating tensors (bf16, fp16, fp32 say the same)."),
+        click.option("--keep-dtype", "keep_dtype", multiple=True, metavar="PATTERN",
+                     help="With --dtype: output tensors whose name matches stay in their own dtype (a glob, "
+                          "'*norm*', or a regex as 're:...'); repeatable; recorded in the output's metadata."),
         click.option("--max-shard-size", default="5GB", show_default=True, type=parse_size, metavar="SIZE",
                      help="Split safetensors output above this size (decimal units, like transformers)."),
         click.option("--overwrite", is_flag=True,
@@ -243,15 +246,15 @@ def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, strict: bo
 @_jobs
 @_quiet
 def export(store: str, out: str, fmt: str, hf_config: str | None, select: str | None, strip_prefix: str | None,
-           dtype: str | None, max_shard_size: int, overwrite: bool, allow_partial: bool, scheduler: str | None,
-           jobs: int | None, quiet: bool) -> None:
+           dtype: str | None, keep_dtype: tuple[str, ...], max_shard_size: int, overwrite: bool, allow_partial: bool,
+           scheduler: str | None, jobs: int | None, quiet: bool) -> None:
     """Export the unsharded checkpoint in STORE to the folder OUT."""
     started = time.perf_counter()
     with _progress(quiet) as progress:
         result = api.export(store, out, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
                             max_shard_size=max_shard_size, progress=progress, allow_partial=allow_partial,
                             storage_options=_options(), scheduler=scheduler, jobs=jobs, overwrite=overwrite,
-                            hf_config=hf_config)
+                            hf_config=hf_config, keep_dtype=keep_dtype)
     if result.partial:
         click.echo(f"warning: partial export: ranks {result.partial['shardstore_missing_ranks'] or 'none'} missing, "
                    f"holes filled with NaN/zero in {len(result.partial['shardstore_incomplete_tensors'].split(','))} "
@@ -279,8 +282,8 @@ def export(store: str, out: str, fmt: str, hf_config: str | None, select: str | 
 @_json
 @click.pass_context
 def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str | None, step: int | None, fmt: str,
-            hf_config: str | None, select: str | None, strip_prefix: str | None, dtype: str | None, max_shard_size: int, overwrite: bool,
-            verify_replicas: bool, strict: bool, scheduler: str | None, jobs: int | None, quiet: bool, dry_run: bool,
+            hf_config: str | None, select: str | None, strip_prefix: str | None, dtype: str | None,
+            keep_dtype: tuple[str, ...], max_shard_size: int, overwrite: bool, verify_replicas: bool, strict: bool, scheduler: str | None, jobs: int | None, quiet: bool, dry_run: bool,
             as_json: bool) -> None:
     """Unshard the checkpoint in folder SRC into folder OUT: ingest, then export.
 
@@ -294,7 +297,7 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
         planned = api.unshard(src, out, store=store, tag=tag, step=step, jobs=jobs, verify_replicas=verify_replicas,
                               storage_options=_options(), scheduler=scheduler, strict=strict, format=fmt,
                               select=select, strip_prefix=strip_prefix, dtype=dtype, max_shard_size=max_shard_size,
-                              overwrite=overwrite, hf_config=hf_config, plan=True)
+                              overwrite=overwrite, hf_config=hf_config, plan=True, keep_dtype=keep_dtype)
         assert isinstance(planned, api.Plan)
         _echo_plan(planned, out, as_json)
         return
@@ -305,7 +308,8 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
         result = api.unshard(src, out, store=store, tag=tag, step=step, jobs=jobs, verify_replicas=verify_replicas,
                              storage_options=_options(), scheduler=scheduler, strict=strict, progress=progress,
                              format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
-                             max_shard_size=max_shard_size, overwrite=overwrite, hf_config=hf_config)
+                             max_shard_size=max_shard_size, overwrite=overwrite, hf_config=hf_config,
+                             keep_dtype=keep_dtype)
     _report(result, quiet, started, "unshard")
 
 

@@ -152,3 +152,29 @@ def test_accelerates_own_merge_passes(tmp_path: Path) -> None:
     assert merge.returncode == 0, merge.stderr
     result = shardstore.verify(checkpoint, tmp_path / "merged")
     assert result.ok and result.tensors == len(load_file(tmp_path / "merged" / "model.safetensors"))
+
+
+def test_a_dtype_policy_keeps_matching_tensors_and_is_recorded(olmo_models, tmp_path: Path) -> None:
+    """`--dtype bf16 --keep-dtype PATTERN`: tensors whose output name matches (a glob, or `re:` a regex)
+    keep their dtype, the rest are cast; the same in one pass and in two steps; the headers record the
+    policy; verify passes; a bad pattern or a policy without a cast is one line, before any work."""
+    from safetensors import safe_open
+
+    src = olmo_models("olmo2", "legacy", 3)
+    one, two = tmp_path / "one", tmp_path / "two"
+    shardstore.unshard(src, one, format="hf", dtype="bf16", keep_dtype=["*norm*", r"re:lm_head\..*"], jobs=1)
+    shardstore.unshard(src, two, format="hf", dtype="bf16", keep_dtype=["*norm*", r"re:lm_head\..*"], jobs=1,
+                       store=tmp_path / "store")
+    tensors = load_file(one / "model.safetensors")
+    kept = {n for n, t in tensors.items() if t.dtype == torch.float32}
+    assert kept == {n for n in tensors if "norm" in n or n.startswith("lm_head.")} and kept != set(tensors)
+    assert all(t.dtype == torch.bfloat16 for n, t in tensors.items() if n not in kept)
+    assert (one / "model.safetensors").read_bytes() == (two / "model.safetensors").read_bytes()
+    with safe_open(one / "model.safetensors", "pt") as f:
+        assert f.metadata()["shardstore_keep_dtype"] == r"*norm* re:lm_head\..*"
+    assert shardstore.verify(src, one).ok
+    with pytest.raises(ExportError, match="--keep-dtype 're:\\(': not a regular expression"):
+        shardstore.unshard(src, tmp_path / "bad", dtype="bf16", keep_dtype=["re:("])
+    with pytest.raises(ExportError, match="--keep-dtype goes with --dtype"):
+        shardstore.unshard(src, tmp_path / "bad", keep_dtype=["*norm*"])
+    assert not (tmp_path / "bad").exists()

@@ -8,7 +8,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from .. import dtypes, paths, tempfiles
 from ..errors import ExportError, StoreError
@@ -207,7 +207,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
            progress: Callable[[int], None] | None = None, allow_partial: bool = False,
            scheduler: str | None = None, jobs: int = 1, overwrite: bool = False,
            on_start: Callable[[int], None] | None = None,
-           hf_config: str | os.PathLike[str] | None = None) -> ExportResult:
+           hf_config: str | os.PathLike[str] | None = None, keep_dtype: Sequence[str] = ()) -> ExportResult:
     """Write the unsharded checkpoint from `store` into `out_dir` (see docs/commands.md for the formats).
 
     An incomplete store is refused unless `allow_partial`: then missing pieces are holes (NaN, or zero for
@@ -219,7 +219,8 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     """
     out = check_request(out_dir, format, select, strip_prefix, dtype, hf_config, scheduler)
     fmt = output_format(format)
-    request = ExportRequest(format, select, strip_prefix, dtype, max_shard_size, hf_config, overwrite, allow_partial)
+    request = ExportRequest(format, select, strip_prefix, dtype, max_shard_size, hf_config, overwrite, allow_partial,
+                            tuple(keep_dtype))
     full = status = store.status()
     check_one_save(store.records(refresh=False))  # units that raced each other to commit
     node = _model_or(store, select) if fmt.subtree else store.manifest.tree

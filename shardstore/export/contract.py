@@ -16,7 +16,9 @@ export/registry.py, from which the command line takes its choices.
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,9 +58,33 @@ class ExportRequest:
     hf_config: str | os.PathLike[str] | None = None
     overwrite: bool = False  # replace an earlier export's files in OUT
     allow_partial: bool = False  # holes for what an incomplete store lacks, said in the output's metadata
+    # output names kept in their source dtype when `dtype` casts the rest: globs, or regexes as "re:PATTERN"
+    keep_dtype: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", cast_dtype(self.dtype))
+        object.__setattr__(self, "keep_dtype", tuple(self.keep_dtype))
+        if self.keep_dtype and self.dtype is None:
+            raise ExportError("--keep-dtype goes with --dtype: it names what the cast leaves in its own dtype")
+        for pattern in self.keep_dtype:
+            if pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as exc:
+                    raise ExportError(f"--keep-dtype {pattern!r}: not a regular expression ({exc})") from None
+
+    def cast_of(self, key: str) -> str | None:
+        """The dtype output tensor `key` is cast to (floating tensors only): `dtype`, unless a `keep_dtype`
+        pattern matches the whole name."""
+        if self.dtype is None or any(re.fullmatch(p[3:], key) if p.startswith("re:") else fnmatch.fnmatchcase(key, p)
+                                     for p in self.keep_dtype):
+            return None
+        return self.dtype
+
+    def metadata(self) -> dict[str, str]:
+        """What a safetensors header records of the dtype policy (only when there is one beyond `dtype`)."""
+        return {"shardstore_dtype": self.dtype or "", "shardstore_keep_dtype": " ".join(self.keep_dtype)} \
+            if self.keep_dtype else {}
 
 
 Progress = Callable[[int], None] | None

@@ -13,7 +13,7 @@ import json
 import math
 import struct
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -43,14 +43,15 @@ class Item:
         return math.prod(self.shape) * dtypes.info(self.dtype).itemsize
 
 
-def collect(store: Store, node: Node, strip_prefix: str | None, cast: str | None) -> tuple[list[Item], list[str]]:
+def collect(store: Store, node: Node, strip_prefix: str | None,
+            cast: Callable[[str], str | None]) -> tuple[list[Item], list[str]]:
     """The tensors below `node` with their output keys, and the non-tensor leaves that were left out."""
     items, skipped, seen = [], [], set()
     for keys, path in leaves(node):
         key = ".".join(str(k) for k in keys)
         if strip_prefix and key.startswith(strip_prefix):
             key = key[len(strip_prefix):]
-        item = tensor_item(store, key, path, cast)
+        item = tensor_item(store, key, path, cast(key))
         if item is None:
             skipped.append(path)
             continue
@@ -139,18 +140,18 @@ def _split(items: list[Item], max_shard_size: int) -> list[list[Item]]:
 
 
 def write_file(store: Store, path: Path, group: list[Item], partial: dict[str, str] | None,
-               progress: Callable[[int], None] | None = None) -> Path:
+               progress: Callable[[int], None] | None = None, metadata: dict[str, str] | None = None) -> Path:
     """One safetensors file: header first, then every tensor streamed from the store."""
     with OutputFile(path, progress) as out:
-        out.write(header(group, partial or {}))
+        out.write(header(group, {**(metadata or {}), **(partial or {})}))
         for it in group:
             out.write_parts(tensor_bytes(store, it, partial is not None))
     return path
 
 
 def _write_file_task(location: str, storage_options: dict[str, Any], path: str, group: list[Item],
-                     partial: dict[str, str] | None) -> Path:
-    return write_file(Store.open(location, storage_options), Path(path), group, partial)
+                     partial: dict[str, str] | None, metadata: dict[str, str]) -> Path:
+    return write_file(Store.open(location, storage_options), Path(path), group, partial, metadata=metadata)
 
 
 INDEX = "model.safetensors.index.json"
@@ -163,6 +164,7 @@ class SafetensorsPlan:
     names: list[str]
     groups: list[list[Item]]
     skipped: list[str]
+    metadata: dict[str, str] = field(default_factory=dict)  # every header's, beside "format"
 
     @property
     def files(self) -> list[str]:
@@ -173,18 +175,18 @@ class SafetensorsPlan:
         return sum(it.nbytes for group in self.groups for it in group)
 
 
-def plan_safetensors(store: Store, node: Node, strip_prefix: str | None = None, cast: str | None = None,
-                     max_shard_size: int = 5_000_000_000) -> SafetensorsPlan:
-    items, skipped = collect(store, node, strip_prefix, cast)
-    return plan_items(items, skipped, max_shard_size)
+def plan_safetensors(store: Store, node: Node, request: ExportRequest) -> SafetensorsPlan:
+    items, skipped = collect(store, node, request.strip_prefix, request.cast_of)
+    return plan_items(items, skipped, request.max_shard_size, request.metadata())
 
 
-def plan_items(items: list[Item], skipped: list[str], max_shard_size: int) -> SafetensorsPlan:
+def plan_items(items: list[Item], skipped: list[str], max_shard_size: int,
+               metadata: dict[str, str] | None = None) -> SafetensorsPlan:
     """Files for `items` in order, a new file whenever the next tensor would pass `max_shard_size`."""
     groups = _split(items, max_shard_size)
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
-    return SafetensorsPlan(names, groups, skipped)
+    return SafetensorsPlan(names, groups, skipped, dict(metadata or {}))
 
 
 def export_safetensors(store: Store, out_dir: Path, plan: SafetensorsPlan, progress: Callable[[int], None] | None = None,
@@ -197,9 +199,10 @@ def export_safetensors(store: Store, out_dir: Path, plan: SafetensorsPlan, progr
     names, groups = plan.names, plan.groups
     items = [it for group in groups for it in group]
     if scheduler is None:
-        written = [write_file(store, out_dir / name, group, partial, progress) for name, group in zip(names, groups)]
+        written = [write_file(store, out_dir / name, group, partial, progress, plan.metadata)
+                   for name, group in zip(names, groups)]
     else:
-        args = [(store.location, store.storage_options, str(out_dir / name), group, partial)
+        args = [(store.location, store.storage_options, str(out_dir / name), group, partial, plan.metadata)
                 for name, group in zip(names, groups)]
         written = []
         with Pool(jobs, scheduler) as pool:
@@ -257,7 +260,7 @@ def direct_layout(store: Store, plan: SafetensorsPlan) -> Layout:
     targets: dict[str, list[Target]] = {}
     sizes, heads = [], []
     for i, group in enumerate(plan.groups):
-        head = header(group, {})
+        head = header(group, plan.metadata)
         offset = len(head)
         for item in group:
             ref = item.source
@@ -284,7 +287,7 @@ def plan_direct(store: Store, plan: SafetensorsPlan) -> SafetensorsDirect:
 
 
 def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> Planned:
-    plan = plan_safetensors(store, node, request.strip_prefix, request.dtype, request.max_shard_size)
+    plan = plan_safetensors(store, node, request)
 
     def write(out: Path, progress: Progress, partial: dict[str, str] | None, scheduler: str | None,
               jobs: int) -> Written:
@@ -297,7 +300,7 @@ def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: 
 def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> DirectExport | None:
     if not tensors_only(store, node):
         return None
-    plan = plan_safetensors(store, node, request.strip_prefix, request.dtype, request.max_shard_size)
+    plan = plan_safetensors(store, node, request)
     return plan_direct(store, plan)
 
 

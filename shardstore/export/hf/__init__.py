@@ -317,9 +317,8 @@ def _module_attribute(store: Store, subtree: str) -> str | None:
     return f"{firsts.pop()}." if len(firsts) == 1 and all("." in n for n in names) else None
 
 
-def plan_hf(store: Store, subtree: str, hf_config: str | os.PathLike[str] | None, strip_prefix: str | None,
-            cast: str | None, max_shard_size: int) -> tuple[HFModel, SafetensorsPlan]:
-    model, names = describe(store, subtree, hf_config, strip_prefix)
+def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel, SafetensorsPlan]:
+    model, names = describe(store, subtree, request.hf_config, request.strip_prefix)
     adapters = [n for n in names if any(mark in n for mark in ADAPTER_MARKS)]
     wrapped = [n for n in names if WRAPPED_MARK in n]
     if adapters or wrapped:  # transformers would not load these names into the config's model: it would
@@ -331,7 +330,7 @@ def plan_hf(store: Store, subtree: str, hf_config: str | os.PathLike[str] | None
                           f"adapters with peft, or export them as they are with --format safetensors or torch")
     items = []
     for t in model.tensors:
-        item = tensor_item(store, t.key, names[t.source], cast, t.rows)
+        item = tensor_item(store, t.key, names[t.source], request.cast_of(t.key), t.rows)
         if item is None:
             raise ExportError(f"{t.source}: not a tensor")
         items.append(item)
@@ -342,7 +341,7 @@ def plan_hf(store: Store, subtree: str, hf_config: str | os.PathLike[str] | None
     if floating:  # transformers >= 4.56 writes "dtype", older versions "torch_dtype": say it in the config's own key
         keys = [k for k in ("dtype", "torch_dtype") if k in model.config] or ["torch_dtype"]
         model.config = {**model.config, **{k: floating[0] if len(floating) == 1 else "float32" for k in keys}}
-    return model, plan_items(items, [], max_shard_size)
+    return model, plan_items(items, [], request.max_shard_size, request.metadata())
 
 
 def planned_files(model: HFModel, plan: SafetensorsPlan) -> list[str]:
@@ -386,8 +385,7 @@ class HFDirect(SafetensorsDirect):
 
 
 def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> Planned:
-    model, plan = plan_hf(store, subtree, request.hf_config, request.strip_prefix, request.dtype,
-                          request.max_shard_size)
+    model, plan = plan_hf(store, subtree, request)
 
     def write(out: Path, progress: Progress, partial: dict[str, str] | None, scheduler: str | None,
               jobs: int) -> Written:
@@ -399,8 +397,7 @@ def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: 
 def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> DirectExport | None:
     if not tensors_only(store, node) or (request.hf_config is None and in_values(store)):
         return None
-    model, plan = plan_hf(store, subtree, request.hf_config, request.strip_prefix, request.dtype,
-                          request.max_shard_size)
+    model, plan = plan_hf(store, subtree, request)
     return HFDirect(direct_layout(store, plan), plan, model)
 
 
