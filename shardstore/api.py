@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 from . import export as _export
 from . import ingest as _ingest
+from .average import average
 from .errors import CheckpointError, ExportError, ShardstoreError
 from .locations import StorageOptions, is_url
 from .progress import Progress, size_text
@@ -336,4 +337,4 @@ def _read_speed(path: PathLike, limit: int = 256 << 20) -> float | None:
     return done / seconds if done >= 1 << 20 and seconds > 0 else None
 
 
-__all__ = ["open", "ingest", "watch", "export", "unshard", "verify", "Plan", "rank_files", "scratch_location", "Progress"]
+__all__ = ["open", "ingest", "watch", "export", "unshard", "verify", "average", "Plan", "rank_files", "scratch_location", "Progress"]

@@ -343,6 +343,39 @@ def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select
     sys.exit(0 if result.ok else 1)
 
 
+@main.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--weights", default=None, metavar="W1,W2,...", help="One weight per checkpoint [default: equal].")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "hf"]), default="safetensors", show_default=True,
+              help="What to write, as unshard writes it.")
+@click.option("--hf-config", type=click.Path(exists=True), default=None, metavar="PATH",
+              help="For --format hf, as for unshard.")
+@click.option("--select", default=None, help="The subtree to average as the model [default: detected].")
+@click.option("--strip-prefix", default=None, help="Drop this prefix from output keys.")
+@click.option("--dtype", type=click.Choice(CAST_DTYPES + tuple(DTYPE_ALIASES), case_sensitive=False), default=None,
+              help="Write the mean in this floating dtype [default: each tensor's own].")
+@_jobs
+def average(paths: tuple[str, ...], weights: str | None, fmt: str, hf_config: str | None, select: str | None,
+            strip_prefix: str | None, dtype: str | None, jobs: int | None) -> None:
+    """Average CHECKPOINTS... (two or more of one run, each a folder as unshard takes it, any format and world
+    size each) into OUT, the last of PATHS: the weighted mean of every floating tensor of the model, written
+    once as safetensors or a Hugging Face folder."""
+    if len(paths) < 3:
+        raise click.UsageError("give two checkpoints or more, then OUT")
+    try:
+        parsed = [float(w) for w in weights.split(",")] if weights else None
+    except ValueError:
+        raise click.BadParameter(f"not numbers: {weights!r}", param_hint="--weights") from None
+    result = api.average(paths[:-1], paths[-1], weights=parsed, format=fmt, select=select, strip_prefix=strip_prefix,
+                         dtype=dtype, hf_config=hf_config, jobs=jobs)
+    for path in result.files:
+        click.echo(f"wrote {path}")
+    if result.kept:
+        click.echo(f"note: {len(result.kept)} tensor(s) not floating, taken from the last checkpoint: "
+                   f"{', '.join(result.kept[:5])}{' ...' if len(result.kept) > 5 else ''}", err=True)
+    click.echo(f"average: {result.averaged} tensors, the mean of {len(paths) - 1} checkpoints", err=True)
+
+
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:20])) + (" ..." if len(ranks) > 20 else "")
 

@@ -1,0 +1,164 @@
+"""`average CKPT... OUT`: the (weighted) mean of several checkpoints of one run, written once.
+
+Each checkpoint is read through the same readers and checks as `unshard` (any format it reads, any world
+size each), its model's tensors into a scratch store beside OUT that is removed afterwards; their tensor
+names, shapes and dtypes must agree. The export is then planned on the last one (its names, its Hugging
+Face description) and written by the usual writer, each floating tensor's bytes being the mean of the
+checkpoints' bytes, computed block by block in bounded memory:
+
+    acc = w[0] * x[0];  acc = acc + w[1] * x[1];  ...  (in the order the checkpoints are given)
+
+with w the weights normalised to sum to 1 (in float64, then as the accumulator), the accumulator float64
+for float32 and float64 tensors and float32 otherwise, each product and sum rounded as IEEE arithmetic
+rounds it, and the result rounded to nearest even into the tensor's dtype (or `dtype`'s). Tensors of
+other dtypes (integer buffers) are the last checkpoint's, and said so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from . import dtypes
+from .errors import ExportError
+from .export import ExportRequest, model_subtree, output_format, planned
+from .export.resolve import ArrayRef
+from .export.safetensors import CASTABLE
+from .ingest import ingest
+from .ranges import BLOCK, Part, blocks
+from .read.discover import open_source
+from .store.store import Store
+
+MEAN_BLOCK = 4 << 20  # bytes of each checkpoint's tensor held at a time
+
+
+@dataclass(frozen=True)
+class MeanRef(ArrayRef):
+    """An array of the output whose bytes are the weighted mean of the same array in several stores."""
+
+    stores: tuple[Store, ...] = ()
+    weights: tuple[float, ...] = ()
+    stored: str = ""  # the stores' dtype of the array (`dtype` is the output's: rounded into once)
+
+    def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
+        one = ArrayRef(self.path, self.stored, self.shape, self.rows)
+        size = MEAN_BLOCK - MEAN_BLOCK % dtypes.info(self.stored).itemsize
+        for raw in zip(*(_exact(one.parts(s), size) for s in self.stores)):
+            yield mean(raw, self.weights, self.stored, self.dtype)
+
+    def stored_crc(self, store: Store) -> int | None:
+        return None
+
+
+def mean(raw: Sequence[bytes | bytearray | memoryview], weights: Sequence[float], dtype: str, out: str) -> bytes:
+    """The weighted mean of the same elements from each checkpoint (`raw`, in `dtype`), in `out`, as the
+    module says."""
+    info = dtypes.info(dtype)
+    acc_type = np.float64 if dtype in ("float32", "float64") else np.float32
+    total = float(np.sum(np.asarray(weights, dtype=np.float64)))
+    acc = None
+    for w, data in zip(weights, raw):
+        x = dtypes.as_numbers(np.frombuffer(data, dtype=info.raw), dtype).astype(acc_type)
+        term = np.multiply(np.asarray(np.float64(w) / total, dtype=acc_type), x)
+        acc = term if acc is None else np.add(acc, term)
+    assert acc is not None
+    return rounded(acc, out)
+
+
+def rounded(values: np.ndarray, dtype: str) -> bytes:
+    """`values` rounded to nearest even into `dtype` (bfloat16 as torch rounds it: NaN stays NaN)."""
+    if dtype != "bfloat16":
+        return values.astype(dtypes.info(dtype).raw).tobytes()
+    bits = values.astype(np.float32).view(np.uint32)
+    out = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        out[nan] = np.uint16(0x7FC0)
+    return out.tobytes()
+
+
+def _exact(parts: Iterator[Part], size: int) -> Iterator[bytes]:
+    """The bytes of `parts` in blocks of exactly `size` (the last one shorter): the stores of different
+    world sizes cut the same array at different places."""
+    pending = bytearray()
+    for block in blocks(parts, min(size, BLOCK)):
+        pending += block
+        while len(pending) >= size:
+            yield bytes(pending[:size])
+            del pending[:size]
+    if pending:
+        yield bytes(pending)
+
+
+@dataclass
+class AverageResult:
+    files: list[Path]
+    averaged: int  # tensors
+    kept: list[str]  # tensors taken from the last checkpoint (not floating)
+
+
+def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str],
+            weights: Sequence[float] | None = None, format: str = "safetensors", select: str | None = None,
+            strip_prefix: str | None = None, dtype: str | None = None, hf_config: str | os.PathLike[str] | None = None,
+            max_shard_size: int = 5_000_000_000, jobs: int | None = None) -> AverageResult:
+    """The weighted mean of `checkpoints` (folders, each as `unshard` takes them) into `out_dir`, as a
+    safetensors or Hugging Face export (its options as `unshard`'s)."""
+    if len(checkpoints) < 2:
+        raise ExportError("average takes two checkpoints or more")
+    weights = tuple(float(w) for w in (weights or [1.0] * len(checkpoints)))
+    if len(weights) != len(checkpoints) or not all(w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ExportError(f"--weights: {len(checkpoints)} non-negative numbers, not all zero, one per checkpoint")
+    request = ExportRequest(format, select, strip_prefix, dtype, max_shard_size, hf_config)
+    if not output_format(format).subtree:
+        raise ExportError(f"average writes safetensors and hf outputs, not {format}")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ExportError(f"{out}: not empty; average writes into a new or empty folder")
+    sources = [open_source(c) for c in checkpoints]
+    near = next(p for p in [out.absolute(), *out.absolute().parents] if p.exists())
+    scratch = Path(tempfile.mkdtemp(prefix=".shardstore-average-", dir=near))
+    try:
+        stores = [ingest(scratch / str(i), source, jobs=jobs,
+                         only=lambda st: select if select is not None else model_subtree(st))
+                  for i, source in enumerate(sources)]
+        _same_tensors(stores, [str(c) for c in checkpoints], select)
+        plan = planned(stores[-1], request)
+        kept = []
+        for it in plan.tensors:
+            source = it.source
+            if not isinstance(source, ArrayRef):
+                raise ExportError(f"{it.key}: a small plain tensor; average reads sharded tensors only")
+            if source.dtype in CASTABLE:
+                it.source = MeanRef(source.path, it.dtype, source.shape, source.rows, tuple(stores), weights,
+                                    source.dtype)
+            else:
+                kept.append(it.key)
+        out.mkdir(parents=True, exist_ok=True)
+        files, _, _ = plan.write(out, None, None, None, 1)
+        return AverageResult(files, len(plan.tensors) - len(kept), kept)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _same_tensors(stores: list[Store], names: list[str], select: str | None) -> None:
+    """Refuse checkpoints whose model tensors differ in name, shape or dtype, naming the first."""
+    def tensors(st: Store) -> dict[str, Any]:
+        subtree = select if select is not None else model_subtree(st)
+        return {p: (a.dtype, a.shape) for p, a in st.manifest.arrays.items()
+                if not subtree or p == subtree or p.startswith(subtree.rstrip("/") + "/")}
+
+    last = tensors(stores[-1])
+    for st, name in zip(stores[:-1], names):
+        mine = tensors(st)
+        for path in sorted(set(mine) | set(last)):
+            if mine.get(path) != last.get(path):
+                def said(t: Any) -> str:
+                    return "no such tensor" if t is None else f"{t[0]}{list(t[1])}"
+                raise ExportError(f"{name}: {path} is {said(mine.get(path))} here but {said(last.get(path))} in "
+                                  f"{names[-1]}; average takes checkpoints of one model")
