@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -388,3 +389,14 @@ def test_dry_run_says_what_the_run_would_do_and_writes_nothing(checkpoints, tmp_
     refused = run("unshard", partial, tmp_path / "o4", "--dry-run")
     assert_one_line_error(refused, "rank files are missing for ranks 1")
     assert not (tmp_path / "o4").exists()
+
+
+def test_shell_completion_as_documented() -> None:
+    """The line docs/commands.md gives makes a bash completion function, which completes commands."""
+    env = {**os.environ, "_SHARDSTORE_COMPLETE": "bash_source"}
+    source = subprocess.run([sys.executable, "-m", "shardstore"], capture_output=True, text=True, env=env)
+    assert "_shardstore_completion()" in source.stdout
+    env = {**os.environ, "_SHARDSTORE_COMPLETE": "bash_complete", "COMP_WORDS": "shardstore ver", "COMP_CWORD": "1"}
+    words = subprocess.run([sys.executable, "-m", "shardstore"], capture_output=True, text=True, env=env)
+    assert words.stdout.split() == ["plain,verify"]
+    assert '_SHARDSTORE_COMPLETE=bash_source shardstore' in (Path(__file__).parents[1] / "docs" / "commands.md").read_text()
