@@ -24,15 +24,23 @@ import numpy as np
 
 from . import dtypes
 from .errors import ExportError
-from .export import ExportRequest, model_subtree, output_format, planned
+from .export import ExportRequest, model_subtree, planned
+from .export.resolve import ArrayRef
 from .export.safetensors import CASTABLE, INDEX, Item, tensor_bytes
+from .export.torch import torch_layout, torch_object
 from .ingest import ingest
 from .jsonin import loads
 from .locations import StorageOptions
 from .ranges import blocks
 from .read.discover import open_source
+from .read.primitives import tensors
+from .read.primitives.container import TorchZip
 from .read.primitives.safetensors_file import SafetensorsFile
+from .read.primitives.unpickle import load
+from .records import TensorRef
+from .store.handle import TensorValue
 from .store.store import Store
+from .tree import MAX_DEPTH
 
 MAX_INDEX_FILE = 64 << 20
 
@@ -71,24 +79,96 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
            hf_config: str | os.PathLike[str] | None = None, tag: str | None = None, step: int | None = None,
            jobs: int | None = None, storage_options: StorageOptions | None = None) -> VerifyResult:
     """Check OUTPUT (a safetensors file, or a folder of them: a Hugging Face folder when it has a
-    config.json) against the checkpoint in SRC. `format` ("safetensors" or "hf") says which export to check
-    it as [default: from the folder]; `select`, `strip_prefix` and `hf_config` as the export took them."""
+    config.json; or the torch files `--format torch` writes) against the checkpoint in SRC. `format`
+    ("safetensors", "hf" or "torch") says which export to check it as [default: from the folder];
+    `select`, `strip_prefix` and `hf_config` as the export took them."""
     out = Path(output)
-    format = format or ("hf" if (out / "config.json").is_file() else "safetensors")
+    format = format or _format_of(out)
     request = ExportRequest(format, select, strip_prefix, hf_config=hf_config)
-    if not output_format(format).subtree:
-        raise ExportError(f"verify checks safetensors and hf outputs, not {format}")
-    outputs = _output_tensors(out)
+    if format not in ("safetensors", "hf", "torch"):
+        raise ExportError(f"verify checks safetensors, hf and torch outputs, not {format}")
+    outputs = _output_tensors(out) if format != "torch" else {}
     source = open_source(src, tag, step, storage_options)
     scratch = Path(tempfile.mkdtemp(prefix=".shardstore-verify-", dir=out.absolute().parent))  # beside OUTPUT
     try:
+        if format == "torch":  # the whole checkpoint: the optimizer's files too
+            return _compare_torch(ingest(scratch / "store", source, jobs=jobs), out)
         store = ingest(scratch / "store", source, jobs=jobs,  # the model's tensors only
-                               only=lambda st: select if select is not None else model_subtree(st))
+                       only=lambda st: select if select is not None else model_subtree(st))
         return _compare(store, planned(store, request).tensors, outputs, format)
     finally:
         for f, _ in outputs.values():
             f.close()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _format_of(out: Path) -> str:
+    """Which export OUTPUT looks like: a Hugging Face folder, safetensors, or torch files."""
+    if (out / "config.json").is_file():
+        return "hf"
+    if out.suffix in (".pt", ".pth", ".bin", ".ckpt") or \
+            out.is_dir() and not any(out.glob("*.safetensors")) and any(out.glob("*.pt")):
+        return "torch"
+    return "safetensors"
+
+
+def _compare_torch(store: Store, out: Path) -> VerifyResult:
+    """Every file the torch export of `store` writes, read back with the safe unpickler (nothing of it is
+    called), walked beside what the export would write: every tensor of the same dtype, shape and bytes,
+    every plain number and string equal; keys missing or extra named."""
+    result = VerifyResult("torch")
+    files = torch_layout(store)
+    for file in files:
+        path = out if out.is_file() and len(files) == 1 else out / file.name  # one file, by any name
+        if not path.is_file():
+            result.differences.append(Difference(file.name, "missing from the output"))
+            continue
+        with TorchZip(path) as zf:
+            got = load(zf.record("data.pkl"), str(path), strict=False)
+            _walk(store, zf, file.name, torch_object(store, file), got, result, 0)
+    return result
+
+
+def _walk(store: Store, zf: TorchZip, name: str, want: Any, got: Any, result: VerifyResult, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise ExportError(f"{name}: nested deeper than {MAX_DEPTH} levels")
+    differ = result.differences.append
+    if isinstance(want, (ArrayRef, TensorValue)):
+        if not isinstance(got, TensorRef):
+            differ(Difference(name, f"a tensor from the checkpoint, {type(got).__name__} in the output"))
+        elif (got.dtype, tuple(got.shape)) != (want.dtype, tuple(want.shape)):
+            differ(Difference(name, f"{got.dtype}{list(got.shape)} in the output, {want.dtype}{list(want.shape)} "
+                                    f"from the checkpoint"))
+        else:
+            span = tensors.byte_range(zf, got)
+            view = zf.file.view(*span) if span is not None else memoryview(tensors.array(zf, got).tobytes())
+            item = Item(name, None, want.dtype, tuple(want.shape))
+            expected = want.parts(store) if isinstance(want, ArrayRef) else iter([want.data])
+            result.tensors += 1
+            result.nbytes += item.nbytes
+            difference = _first_difference(item, expected, view)
+            if difference is not None:
+                differ(Difference(name, difference))
+    elif isinstance(want, dict):
+        if not isinstance(got, dict):
+            differ(Difference(name, f"a dict from the checkpoint, {type(got).__name__} in the output"))
+            return
+        for key, value in want.items():
+            if key in got:
+                _walk(store, zf, f"{name}/{key}", value, got[key], result, depth + 1)
+            else:
+                differ(Difference(f"{name}/{key}", "missing from the output"))
+        for key in got:
+            if key not in want:
+                differ(Difference(f"{name}/{key}", "in the output, but not in the checkpoint"))
+    elif isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(want):
+            differ(Difference(name, f"{len(want)} items from the checkpoint, not so in the output"))
+            return
+        for i, (a, b) in enumerate(zip(want, got)):
+            _walk(store, zf, f"{name}/{i}", a, b, result, depth + 1)
+    elif type(want) in (int, float, str, bool, type(None)) and not (want == got or want != want and got != got):
+        differ(Difference(name, f"{got!r:.60} in the output, {want!r:.60} in the checkpoint"))
 
 
 def _output_tensors(out: Path) -> dict[str, tuple[SafetensorsFile, str]]:

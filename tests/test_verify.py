@@ -127,7 +127,7 @@ def test_a_hugging_face_folder_is_checked_under_its_names_and_swapped_splits_are
     assert sorted(d.name for d in shardstore.verify(src, swapped).differences) == sorted([gate, up])
 
 
-def test_an_output_of_other_names_says_so_and_a_torch_export_is_refused(exported, tmp_path: Path) -> None:
+def test_an_output_of_other_names_says_so_and_a_dcp_export_is_refused(exported, tmp_path: Path) -> None:
     src, out = exported
 
     def rename(tensors):
@@ -136,8 +136,8 @@ def test_an_output_of_other_names_says_so_and_a_torch_export_is_refused(exported
 
     result = shardstore.verify(src, _damaged(out, tmp_path, rename))
     assert result.differences[-1].name == "(all)" and "no tensor name in common" in result.differences[-1].what
-    with pytest.raises(ExportError, match="verify checks safetensors and hf outputs, not torch"):
-        shardstore.verify(src, out, format="torch")
+    with pytest.raises(ExportError, match="verify checks safetensors, hf and torch outputs, not dcp"):
+        shardstore.verify(src, out, format="dcp")
     run = _cli(src, tmp_path / "nothing-here")
     assert run.returncode == 2 and "does not exist" in run.stderr
 
@@ -178,3 +178,27 @@ def test_a_dtype_policy_keeps_matching_tensors_and_is_recorded(olmo_models, tmp_
     with pytest.raises(ExportError, match="--keep-dtype goes with --dtype"):
         shardstore.unshard(src, tmp_path / "bad", keep_dtype=["*norm*"])
     assert not (tmp_path / "bad").exists()
+
+
+def test_torch_outputs_are_walked_key_by_key(tmp_path: Path) -> None:
+    """A torch output (shardstore's checkpoint.pt, or torch's own `dcp_to_torch_save` file by any name) is
+    read back with the safe unpickler and walked beside what the export would write: genuine ones pass;
+    a changed element and a dropped key are each named by their path."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src = Path(__file__).parent / "corpus" / "data" / "torchtitan-dcp-t2.13-w2" / "step-2"
+    dcp_to_torch_save(src, tmp_path / "theirs.pt")
+    assert shardstore.verify(src, tmp_path / "theirs.pt").ok
+    shardstore.unshard(src, tmp_path / "ours", format="torch", jobs=1)
+    result = shardstore.verify(src, tmp_path / "ours")
+    assert result.ok and result.format == "torch" and result.tensors > 10
+    state = torch.load(tmp_path / "theirs.pt", weights_only=False)
+    weight = next(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 2)
+    state[weight][0, 1] += 1
+    dropped = next(k for k in state if k != weight)
+    del state[dropped]
+    torch.save(state, tmp_path / "damaged.pt")
+    names = {d.name: d.what for d in shardstore.verify(src, tmp_path / "damaged.pt").differences}
+    assert names.keys() == {f"checkpoint.pt/{weight}", f"checkpoint.pt/{dropped}"}
+    assert names[f"checkpoint.pt/{weight}"].startswith("1 of ") and "at [0, 1]" in names[f"checkpoint.pt/{weight}"]
+    assert names[f"checkpoint.pt/{dropped}"] == "missing from the output"
