@@ -324,7 +324,9 @@ def _metadata_class(name: str) -> GlobalRef:
 
 
 def _size(dims: tuple[int, ...]) -> _Call:
-    return _Call(_global("torch", "Size"), (tuple(dims),))
+    """torch.Size(dims), its tuple always a new one: pickle shares what is one object, and whether a plan's
+    tuple is shared must not decide the bytes (a resumed run reads its sizes back as new ones)."""
+    return _Call(_global("torch", "Size"), (tuple(int(d) for d in dims),))
 
 
 _META_INDEX = (_global("torch.distributed.checkpoint.filesystem", "_StorageInfo"), _metadata_class("MetadataIndex"))
