@@ -93,14 +93,8 @@ def test_progress_counts_the_same_tensor_bytes_however_many_workers(checkpoints,
 def _torch_metadata(described, mappings, results):
     """`.metadata` as torch's own classes build it from the same description (the reference)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
 
     chunks, storage = {}, {}
     for name, written in results:

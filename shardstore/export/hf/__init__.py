@@ -29,15 +29,8 @@ from ...store.store import Store
 from ...tree import Node
 from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from ..resolve import build, leaves, model_node, node_at, tensors_only
-from ..safetensors import (
-    FILE_NAMES,
-    SafetensorsDirect,
-    SafetensorsPlan,
-    direct_layout,
-    export_safetensors,
-    plan_items,
-    tensor_item,
-)
+from ..safetensors import (FILE_NAMES, SafetensorsDirect, SafetensorsPlan, direct_layout, export_safetensors,
+                           plan_items, tensor_item)
 from . import megatron, olmo, olmo_core
 from .spec import HFModel, HFTensor
 

@@ -29,15 +29,8 @@ from ...locations import StorageOptions, filesystem, folder_of, is_url, join, li
 from ...records import TensorRef
 from ...tree import KeyEncoder, Node, Skeleton
 from ..arrival import Arrived
-from ..contract import (
-    ArrayLeaf,
-    CheckpointSpec,
-    LocalPiece,
-    PlannedCheckpoint,
-    ShardedSpec,
-    ShardSpec,
-    whole_numbers,
-)
+from ..contract import (ArrayLeaf, CheckpointSpec, LocalPiece, PlannedCheckpoint, ShardedSpec, ShardSpec,
+                        whole_numbers)
 from ..layouts import name_rank
 from ..primitives.container import DataFile, TorchZip, parsed_once, read_small
 from ..primitives.identity import identity_of

@@ -35,16 +35,8 @@ from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions
 from ...records import TensorRef
 from ...tree import KeyEncoder, Node
-from ..contract import (
-    SMALL_TENSOR_BYTES,
-    ArrayLeaf,
-    CheckpointSpec,
-    LocalPiece,
-    ShardedSpec,
-    ShardSpec,
-    replica_count,
-    whole_numbers,
-)
+from ..contract import (SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec,
+                        replica_count, whole_numbers)
 from ..layouts import name_rank
 from ..primitives import tensors
 from ..primitives.container import TorchZip

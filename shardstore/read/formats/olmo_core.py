@@ -29,16 +29,8 @@ from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, join, listing
 from ...records import TensorRef
 from ...tree import KeyEncoder, Node
-from ..contract import (
-    SMALL_TENSOR_BYTES,
-    ArrayLeaf,
-    CheckpointSpec,
-    LocalPiece,
-    ShardedSpec,
-    ShardSpec,
-    replica_count,
-    whole_numbers,
-)
+from ..contract import (SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec,
+                        replica_count, whole_numbers)
 from ..primitives.container import parsed_once, read_small
 from ..primitives.safetensors_file import SafetensorsFile
 from ..primitives.tensors import check_view

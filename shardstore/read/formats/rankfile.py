@@ -12,16 +12,8 @@ from ...locations import StorageOptions, folder_of
 from ...records import TensorRef
 from ...tree import KeyEncoder, Skeleton
 from ..arrival import Arrived
-from ..contract import (
-    ArrayLeaf,
-    CheckpointSpec,
-    LocalPiece,
-    PlannedCheckpoint,
-    ShardedSpec,
-    ShardSpec,
-    shard_layout_digest,
-    whole_numbers,
-)
+from ..contract import (ArrayLeaf, CheckpointSpec, LocalPiece, PlannedCheckpoint, ShardedSpec, ShardSpec,
+                        shard_layout_digest, whole_numbers)
 from ..layouts import discover, name_rank, refuse_mixed, scan
 from ..primitives import tensors
 from ..primitives.container import TorchZip

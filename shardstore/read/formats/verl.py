@@ -30,22 +30,8 @@ from ..primitives import tensors
 from ..primitives.identity import refuse_copies
 from ..unit import FileUnit, flat_spec, planned_place, relative
 from . import fsdp_flat
-from .dtensor import (
-    STATE,
-    File,
-    Layout,
-    Mesh,
-    array_leaf,
-    array_spec,
-    box_of,
-    boxes,
-    digest_of,
-    layouts_of,
-    mesh_from_json,
-    mesh_json,
-    model_mesh,
-    read_file,
-)
+from .dtensor import (STATE, File, Layout, Mesh, array_leaf, array_spec, box_of, boxes, digest_of, layouts_of,
+                      mesh_from_json, mesh_json, model_mesh, read_file)
 
 FORMAT = "verl"
 ACTOR = "actor"
