@@ -89,7 +89,7 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
         raise ExportError(f"verify checks safetensors, hf and torch outputs, not {format}")
     outputs = _output_tensors(out) if format != "torch" else {}
     source = open_source(src, tag, step, storage_options)
-    scratch = Path(tempfile.mkdtemp(prefix=".shardstore-verify-", dir=out.absolute().parent))  # beside OUTPUT
+    scratch = _scratch(out)
     try:
         if format == "torch":  # the whole checkpoint: the optimizer's files too
             return _compare_torch(ingest(scratch / "store", source, jobs=jobs), out)
@@ -100,6 +100,15 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
         for f, _ in outputs.values():
             f.close()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _scratch(out: Path) -> Path:
+    """A scratch folder for the checkpoint's store: beside OUTPUT (its file system), or where temporary
+    files go when OUTPUT's folder is not writable (a published, read-only copy)."""
+    try:
+        return Path(tempfile.mkdtemp(prefix=".shardstore-verify-", dir=out.absolute().parent))
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="shardstore-verify-"))
 
 
 def _format_of(out: Path) -> str:
