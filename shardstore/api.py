@@ -14,7 +14,7 @@ from . import export as _export
 from . import ingest as _ingest
 from .average import average
 from .errors import CheckpointError, ExportError, ShardstoreError
-from .locations import StorageOptions, is_url
+from .locations import StorageOptions, is_url, nearest_existing
 from .progress import Progress, size_text
 from .progress import resolve as _progress
 from .read.discover import open_source, source_of_files
@@ -129,7 +129,7 @@ def check_space(store: Store, units: int, only: str | None, out_dir: PathLike, o
                                 ("the output", os.fspath(out_dir), output)):
         if is_url(where) or nbytes <= 0:
             continue
-        existing = next(p for p in [Path(where), *Path(where).absolute().parents] if p.exists())
+        existing = nearest_existing(where)
         by_device.setdefault(os.stat(existing).st_dev, []).append((what, os.fspath(existing), nbytes))
     for needs in by_device.values():
         fs = os.statvfs(needs[0][1])
@@ -284,7 +284,7 @@ def _plan(source: Source, out_dir: PathLike, request: _export.ExportRequest, one
           strict: bool) -> Plan:
     """The run planned in a temporary store beside OUT (removed after), with every check a real run makes
     before its first unit is read: its refusals are the real run's."""
-    near = next(p for p in [Path(out_dir).absolute(), *Path(out_dir).absolute().parents] if p.exists())
+    near = nearest_existing(Path(out_dir).absolute())
     tmp = Path(tempfile.mkdtemp(prefix=".shardstore-plan-", dir=near))
     try:
         st, unit = _ingest.planned_store(tmp / "store", source, strict, scratch=True)

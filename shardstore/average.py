@@ -30,7 +30,8 @@ from .errors import ExportError
 from .export import ExportRequest, model_subtree, output_format, planned
 from .export.resolve import ArrayRef
 from .export.safetensors import CASTABLE
-from .ingest import ingest
+from .ingest import ingest, under
+from .locations import nearest_existing
 from .ranges import BLOCK, Part, blocks
 from .read.discover import open_source
 from .store.store import Store
@@ -121,8 +122,7 @@ def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.Pat
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out}: not empty; average writes into a new or empty folder")
     sources = [open_source(c) for c in checkpoints]
-    near = next(p for p in [out.absolute(), *out.absolute().parents] if p.exists())
-    scratch = Path(tempfile.mkdtemp(prefix=".shardstore-average-", dir=near))
+    scratch = Path(tempfile.mkdtemp(prefix=".shardstore-average-", dir=nearest_existing(out.absolute())))
     try:
         stores = [ingest(scratch / str(i), source, jobs=jobs,
                          only=lambda st: select if select is not None else model_subtree(st))
@@ -150,8 +150,7 @@ def _same_tensors(stores: list[Store], names: list[str], select: str | None) -> 
     """Refuse checkpoints whose model tensors differ in name, shape or dtype, naming the first."""
     def tensors(st: Store) -> dict[str, Any]:
         subtree = select if select is not None else model_subtree(st)
-        return {p: (a.dtype, a.shape) for p, a in st.manifest.arrays.items()
-                if not subtree or p == subtree or p.startswith(subtree.rstrip("/") + "/")}
+        return {p: (a.dtype, a.shape) for p, a in st.manifest.arrays.items() if under(p, subtree)}
 
     last = tensors(stores[-1])
     for st, name in zip(stores[:-1], names):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 from .errors import ShardstoreError
@@ -92,3 +93,9 @@ def subfolders(src: str, storage_options: StorageOptions | None) -> list[str]:
     if not os.path.isdir(root):
         return []
     return sorted(n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n)))
+
+
+def nearest_existing(path: str | os.PathLike[str]) -> Path:
+    """`path` itself if it exists, else its nearest ancestor that does: where a folder not made yet will
+    be, for its file system's free space and for scratch files beside it."""
+    return next(p for p in [Path(path), *Path(path).absolute().parents] if p.exists())

@@ -34,7 +34,7 @@ from .locations import StorageOptions
 from .ranges import blocks
 from .read.discover import open_source
 from .read.primitives import tensors
-from .read.primitives.container import TorchZip
+from .read.primitives.container import TorchZip, read_small
 from .read.primitives.safetensors_file import SafetensorsFile
 from .read.primitives.unpickle import load
 from .records import TensorRef
@@ -87,9 +87,14 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
     request = ExportRequest(format, select, strip_prefix, hf_config=hf_config)
     if format not in ("safetensors", "hf", "torch"):
         raise ExportError(f"verify checks safetensors, hf and torch outputs, not {format}")
-    outputs = _output_tensors(out) if format != "torch" else {}
-    source = open_source(src, tag, step, storage_options)
-    scratch = _scratch(out)
+    files, outputs = _output_tensors(out) if format != "torch" else ([], {})
+    try:
+        source = open_source(src, tag, step, storage_options)
+        scratch = _scratch(out)
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
     try:
         if format == "torch":  # the whole checkpoint: the optimizer's files too
             return _compare_torch(ingest(scratch / "store", source, jobs=jobs), out)
@@ -97,7 +102,7 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
                        only=lambda st: select if select is not None else model_subtree(st))
         return _compare(store, planned(store, request).tensors, outputs, format)
     finally:
-        for f, _ in outputs.values():
+        for f in files:
             f.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -180,34 +185,36 @@ def _walk(store: Store, zf: TorchZip, name: str, want: Any, got: Any, result: Ve
         differ(Difference(name, f"{got!r:.60} in the output, {want!r:.60} in the checkpoint"))
 
 
-def _output_tensors(out: Path) -> dict[str, tuple[SafetensorsFile, str]]:
-    """Each tensor the output holds: the (open) file it is in, and its dtype. The index names the files
-    of a sharded output; else every .safetensors file of the folder is one."""
+def _output_tensors(out: Path) -> tuple[list[SafetensorsFile], dict[str, tuple[SafetensorsFile, str]]]:
+    """The output's files, open (the caller closes them), and each tensor they hold: its file and dtype.
+    The index names the files of a sharded output; else every .safetensors file of the folder is one."""
     if out.is_file():
-        files = [out]
+        paths = [out]
     elif (out / INDEX).is_file():
-        index = loads((out / INDEX).read_bytes()[:MAX_INDEX_FILE], str(out / INDEX), "index", ExportError)
+        index = loads(read_small(out / INDEX, None, MAX_INDEX_FILE, "a safetensors index"), str(out / INDEX),
+                      "index", ExportError)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise ExportError(f"{out / INDEX}: has no weight_map")
-        files = [out / name for name in sorted({str(v) for v in weight_map.values()})]
+        paths = [out / name for name in sorted({str(v) for v in weight_map.values()})]
     else:
-        files = sorted(out.glob("*.safetensors"))
-    if not files:
+        paths = sorted(out.glob("*.safetensors"))
+    if not paths:
         raise ExportError(f"{out}: no safetensors file to verify")
+    files: list[SafetensorsFile] = []
     found: dict[str, tuple[SafetensorsFile, str]] = {}
     try:
-        for path in files:
-            f = SafetensorsFile(path)
-            for name, ref in f.tensors.items():
+        for path in paths:
+            files.append(SafetensorsFile(path))
+            for name, ref in files[-1].tensors.items():
                 if name in found:
                     raise ExportError(f"{path}: holds {name}, which {found[name][0].path} holds too")
-                found[name] = (f, ref.dtype)
+                found[name] = (files[-1], ref.dtype)
     except BaseException:
-        for f in {f for f, _ in found.values()}:
+        for f in files:
             f.close()
         raise
-    return found
+    return files, found
 
 
 def _compare(store: Store, items: list[Item], outputs: dict[str, tuple[SafetensorsFile, str]],
