@@ -39,7 +39,7 @@ from ..tree import MAX_DEPTH, Node
 from .contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from .notes import flat_buckets
 from .resolve import ArrayRef, build, leaves, object_value
-from .torch import write_zip
+from .torch import PythonPickler, write_zip
 
 METADATA = ".metadata"
 
@@ -308,8 +308,6 @@ class _Call:
     args: tuple[Any, ...]
 
 
-# The pure-Python pickler, whose dispatch table this extends; typeshed does not describe it.
-_PythonPickler: Any = pickle._Pickler
 _GLOBALS: dict[tuple[str, str], GlobalRef] = {}
 _META = "torch.distributed.checkpoint.metadata"
 
@@ -334,11 +332,11 @@ _STRIDED = _Call(_global("torch.serialization", "_get_layout"), ("torch.strided"
 _CONTIGUOUS = _Call(_metadata_class("_MEM_FORMAT_ENCODING"), (0,))  # TORCH_CONTIGUOUS_FORMAT
 
 
-class _MetadataPickler(_PythonPickler):
+class _MetadataPickler(PythonPickler):
     """pickle's own writer at protocol 4 (as torch's `.metadata` is), with torch's objects as `_New`,
     `_Call` and `GlobalRef` stand-ins, and every equal string one object."""
 
-    dispatch = _PythonPickler.dispatch.copy()
+    dispatch = PythonPickler.dispatch.copy()
 
     def __init__(self, buf: io.BytesIO):
         super().__init__(buf, protocol=4)

@@ -47,17 +47,18 @@ from .torchzip import Sink, TorchZipWriter
 PROTOCOL = 2
 
 
-# The pure-Python pickler, whose dispatch table and helpers this extends; typeshed does not describe it.
-_PythonPickler: Any = pickle._Pickler
+# The pure-Python pickler, whose dispatch table and helpers the torch and DCP writers extend (they write
+# globals they never import, which the C pickler cannot); typeshed does not describe it.
+PythonPickler: Any = pickle._Pickler
 
 
-class _Pickler(_PythonPickler):
+class _Pickler(PythonPickler):
     """Pickles tensors and ArrayRefs the way torch.save does, collecting their storages for later.
 
     Opaque records are written back as the opcodes that built them (the same global, arguments and
     state), which needs the Python pickler: the C one cannot name a global it has not imported."""
 
-    dispatch = _PythonPickler.dispatch.copy()
+    dispatch = PythonPickler.dispatch.copy()
 
     def save_global_ref(self, ref: GlobalRef) -> None:
         self.write(pickle.GLOBAL + f"{ref.module}\n{ref.name}\n".encode("ascii"))
