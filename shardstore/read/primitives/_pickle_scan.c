@@ -179,6 +179,29 @@ static int buf_add(Buf *b, const void *src, size_t n) {
 #define LOOKAHEAD 65536  /* bytes looked at to tell a list's last single item from what follows the list */
 #define PLACEMENTS (1 << 30) /* the memo owner of a placements list's entries: elided, not digested */
 
+/* The lists of a file skimmed before (see `skim`'s `reference`): each list's bytes, and what it took from
+ * outside itself (a memo entry it reads back that was set before the list began). */
+typedef struct {
+    size_t raw, len;      /* its bytes, from its EMPTY_LIST to its end, in Ref.raw */
+    int key;              /* 1: shards_metadata, 2: placements */
+    size_t first, count;  /* its outside entries, in Ref.outs */
+    PyObject *digest;     /* key 1: the digest its normal form got */
+} RefList;
+
+typedef struct {
+    uint32_t index;       /* the memo entry */
+    int list_owned;       /* 0: an atom (`atom`, `alen`: its bytes in Ref.atoms); 1: an entry of a cut list */
+    size_t atom;
+    uint32_t alen;
+} RefOut;
+
+typedef struct {
+    Buf raw, atoms;
+    RefList *lists;
+    RefOut *outs;
+    size_t nlists, caplists, nouts, capouts;
+} Ref;
+
 typedef struct {
     const unsigned char *raw;
     long long n;
@@ -186,7 +209,11 @@ typedef struct {
     uint32_t *val;
     uint32_t *renum; /* an entry's number in the output, where memo entries are numbered anew from 0 */
     uint32_t *alen;  /* an atom's length in bytes (its opcode and argument) */
+    uint32_t *epoch; /* the list (numbered from 1) inside which the entry was set, 0 outside every list */
+    uint32_t *seen;  /* the last list that read the entry back from outside itself (recorded once per list) */
     size_t cap, puts, kept;
+    uint32_t list;   /* the list being walked, numbered from 1; 0 outside */
+    Ref *build;      /* the reference being built from this file, or NULL */
 } Skim;
 
 static unsigned char atom_ops[256]; /* opcodes that push an immutable value of their own: inlined by value */
@@ -248,13 +275,14 @@ static int memo_set(Skim *s, long long index, int32_t owner, uint32_t val) {
             if (!grown) { PyErr_NoMemory(); return -1; } \
             s->column = grown; \
         } while (0)
-        GROW(owner); GROW(val); GROW(renum); GROW(alen);
+        GROW(owner); GROW(val); GROW(renum); GROW(alen); GROW(epoch); GROW(seen);
 #undef GROW
-        for (size_t i = s->cap; i < cap; i++) s->owner[i] = OWNER_UNSET;
+        for (size_t i = s->cap; i < cap; i++) s->owner[i] = OWNER_UNSET, s->epoch[i] = 0, s->seen[i] = 0;
         s->cap = cap;
     }
     s->owner[index] = owner;
     s->val[index] = val;
+    s->epoch[index] = s->list;
     if (owner == OWNER_ATOM || owner == OWNER_LIST_ATOM) {
         long long arg;
         s->alen[index] = (uint32_t)(op_end(s, val, &arg) - val);
@@ -266,6 +294,27 @@ static int memo_set(Skim *s, long long index, int32_t owner, uint32_t val) {
 
 static int32_t memo_owner(const Skim *s, long long index) {
     return index >= 0 && (size_t)index < s->cap ? s->owner[index] : OWNER_UNSET;
+}
+
+/* Notes, for the reference being built, that the list being walked reads memo entry `index` back from
+ * outside itself (once per list): what another file's same bytes must find there to mean the same. */
+static int note_outside(Skim *s, long long index, int32_t owner) {
+    if (!s->build || s->epoch[index] == s->list || s->seen[index] == s->list) return 0;
+    s->seen[index] = s->list;
+    Ref *r = s->build;
+    if (r->nouts == r->capouts) {
+        size_t cap = r->capouts ? 2 * r->capouts : 64;
+        RefOut *grown = PyMem_Realloc(r->outs, cap * sizeof *grown);
+        if (!grown) { PyErr_NoMemory(); return -1; }
+        r->outs = grown;
+        r->capouts = cap;
+    }
+    RefOut *o = &r->outs[r->nouts++];
+    o->index = (uint32_t)index;
+    o->list_owned = owner >= 0;
+    o->atom = r->atoms.len;
+    o->alen = owner >= 0 ? 0 : s->alen[index];
+    return owner >= 0 ? 0 : buf_add(&r->atoms, s->raw + s->val[index], o->alen);
 }
 
 /* 1 when the atom at `at` is the string "shards_metadata" (ShardedTensorMetadata's list of every rank's
@@ -380,6 +429,8 @@ static long long walk(Skim *s, long long at, int batch, int span, uint32_t *rel,
                 if (top_atom < 0 && emit_long(out, 'r', (*rel)++) < 0) return -2;
             } else if (op == 'h' || op == 'j') {
                 owner = memo_owner(s, arg);
+                if ((owner == OWNER_ATOM || owner == OWNER_LIST_ATOM || owner >= 0) && note_outside(s, arg, owner) < 0)
+                    return -2;
                 if (owner == OWNER_ATOM || owner == OWNER_LIST_ATOM) {
                     long long a = s->val[arg];
                     if (buf_add(out, s->raw + a, s->alen[arg]) < 0) return -2;
@@ -426,6 +477,79 @@ static long long skim_list(Skim *s, long long at, int span, Buf *out) {
     }
 }
 
+#define REF_CAPSULE "shardstore._pickle_scan.reference"
+
+static void ref_free(Ref *r) {
+    if (!r) return;
+    for (size_t i = 0; i < r->nlists; i++) Py_XDECREF(r->lists[i].digest);
+    PyMem_Free(r->raw.p);
+    PyMem_Free(r->atoms.p);
+    PyMem_Free(r->lists);
+    PyMem_Free(r->outs);
+    PyMem_Free(r);
+}
+
+static void ref_destroy(PyObject *capsule) { ref_free(PyCapsule_GetPointer(capsule, REF_CAPSULE)); }
+
+/* Adds the list at [at, stop) just skimmed (its outside entries are the ones noted since `first`). */
+static int ref_add_list(Skim *s, long long at, long long stop, int key, size_t first, PyObject *digest) {
+    Ref *r = s->build;
+    if (r->nlists == r->caplists) {
+        size_t cap = r->caplists ? 2 * r->caplists : 64;
+        RefList *grown = PyMem_Realloc(r->lists, cap * sizeof *grown);
+        if (!grown) { PyErr_NoMemory(); return -1; }
+        r->lists = grown;
+        r->caplists = cap;
+    }
+    RefList *l = &r->lists[r->nlists];
+    *l = (RefList){r->raw.len, (size_t)(stop - at), key, first, r->nouts - first, Py_XNewRef(digest)};
+    r->nlists++;
+    return buf_add(&r->raw, s->raw + at, (size_t)(stop - at));
+}
+
+/* The list at `at` if it is the reference's list `l`: the same bytes, reading back from outside itself
+ * memo entries that hold the same atoms (or, for a placements list, entries of cut lists), and ending
+ * where that list ended. Then it has the normal form, so the digest, of that list, and walking it would
+ * make the memo entries `replay` makes. Returns its end, or 0 when it is not (it is then walked). */
+static long long matches(Skim *s, const Ref *r, const RefList *l, long long at, int span) {
+    long long stop = at + (long long)l->len;
+    if (stop >= s->n || memcmp(s->raw + at, r->raw.p + l->raw, l->len) != 0) return 0;
+    for (size_t i = l->first; i < l->first + l->count; i++) {
+        const RefOut *o = &r->outs[i];
+        int32_t owner = memo_owner(s, o->index);
+        if (o->list_owned ? owner < 0
+                          : (owner != OWNER_ATOM && owner != OWNER_LIST_ATOM) || s->alen[o->index] != o->alen ||
+                                memcmp(s->raw + s->val[o->index], r->atoms.p + o->atom, o->alen) != 0)
+            return 0;
+    }
+    uint32_t rel = 0;
+    if (s->raw[stop] == '(' || walk(s, stop, 0, span, &rel, NULL) != 0) return 0; /* it goes on */
+    return stop;
+}
+
+/* The memo entries walking the list at [at, stop) makes (see `walk`), without its normal form: -1 to give
+ * up on skimming where walking it would, -2 with a Python error set. */
+static int replay(Skim *s, long long at, long long stop, int span) {
+    uint32_t rel = 0;
+    long long top = -1, pos = at + 1, arg;
+    while (pos < stop) {
+        unsigned char op = s->raw[pos];
+        long long end = op_end(s, pos, &arg);
+        if (end < 0 || end > stop) return -1;
+        if (op == 'q' || op == 'r') {
+            int r = top >= 0 ? memo_set(s, arg, OWNER_LIST_ATOM, (uint32_t)top) : memo_set(s, arg, span, rel++);
+            if (r) return r < 0 ? -2 : -1;
+        } else if (op == 'h' || op == 'j') {
+            int32_t owner = memo_owner(s, arg);
+            top = owner == OWNER_ATOM || owner == OWNER_LIST_ATOM ? (long long)s->val[arg] : -1;
+        } else {
+            top = is_atom(op) ? pos : -1;
+        }
+        pos = end;
+    }
+    return 0;
+}
+
 static int emit_global(Buf *out, PyObject *module, const char *name) {
     Py_ssize_t len;
     const char *m = PyUnicode_AsUTF8AndSize(module, &len);
@@ -438,12 +562,25 @@ static int emit_global(Buf *out, PyObject *module, const char *name) {
 
 static PyObject *skim(PyObject *self, PyObject *args) {
     Py_buffer view;
-    PyObject *module, *digest, *result = NULL, *digests = NULL;
-    if (!PyArg_ParseTuple(args, "y*UO", &view, &module, &digest)) return NULL;
-    Skim s = {view.buf, view.len, NULL, NULL, NULL, NULL, 0, 0, 0};
+    PyObject *module, *digest, *reference = Py_None, *result = NULL, *digests = NULL;
+    if (!PyArg_ParseTuple(args, "y*UO|O", &view, &module, &digest, &reference)) return NULL;
+    Skim s = {.raw = view.buf, .n = view.len};
     Buf out = {0}, norm = {0};
+    Ref *ref = NULL;
     long long pos = 0, copied = 0, top_atom = -1;
+    size_t lists = 0, matched = 0;
     int spans = 0, key, give_up = s.n >= UINT32_MAX; /* offsets are kept in 32 bits */
+    if (reference != Py_None && !(ref = PyCapsule_GetPointer(reference, REF_CAPSULE))) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    if (!ref) {
+        if (!(s.build = PyMem_Realloc(NULL, sizeof *s.build))) {
+            PyBuffer_Release(&view);
+            return PyErr_NoMemory();
+        }
+        memset(s.build, 0, sizeof *s.build);
+    }
     if (!(digests = PyList_New(0))) goto done;
     while (!give_up) {
         if (pos >= s.n) { give_up = 1; break; }
@@ -475,14 +612,30 @@ static PyObject *skim(PyObject *self, PyObject *args) {
                 goto done;
             }
         } else if (op == ']' && top_atom >= 0 && (key = list_key(&s, top_atom))) {
-            norm.len = 0;
-            long long stop = skim_list(&s, pos, key == 1 ? spans : PLACEMENTS, &norm);
-            if (stop == -2) goto done;
-            if (stop < 0) { give_up = 1; break; }
+            int span = key == 1 ? spans : PLACEMENTS;
+            const RefList *same = ref && lists < ref->nlists && ref->lists[lists].key == key ? &ref->lists[lists] : NULL;
+            long long stop = same ? matches(&s, ref, same, pos, span) : 0;
+            size_t first = s.build ? s.build->nouts : 0;
+            PyObject *text = NULL;
+            s.list = (uint32_t)++lists;
+            if (stop > 0) { /* the reference's list: its digest, and the memo entries walking it would make */
+                int r = replay(&s, pos, stop, span);
+                if (r == -2) goto done;
+                if (r < 0) { give_up = 1; break; }
+                text = Py_XNewRef(same->digest);
+                matched++;
+            } else {
+                norm.len = 0;
+                stop = skim_list(&s, pos, span, &norm);
+                if (stop == -2) goto done;
+                if (stop < 0) { give_up = 1; break; }
+                if (key == 1 && !(text = PyObject_CallFunction(digest, "y#", (const char *)norm.p, (Py_ssize_t)norm.len)))
+                    goto done;
+                if (s.build && ref_add_list(&s, pos, stop, key, first, text) < 0) { Py_XDECREF(text); goto done; }
+            }
+            s.list = 0;
             char name[32] = "ref";
             if (key == 1) {
-                PyObject *text = PyObject_CallFunction(digest, "y#", (const char *)norm.p, (Py_ssize_t)norm.len);
-                if (!text) goto done;
                 int r = PyList_Append(digests, text);
                 Py_DECREF(text);
                 if (r < 0) goto done;
@@ -511,16 +664,30 @@ static PyObject *skim(PyObject *self, PyObject *args) {
     if (give_up) {
         result = Py_NewRef(Py_None);
     } else {
-        PyObject *bytes = PyBytes_FromStringAndSize((const char *)out.p, (Py_ssize_t)out.len);
-        if (bytes) result = Py_BuildValue("(NO)", bytes, digests);
+        /* (the pickle, the digests, this file's lists as a reference for other files when none was given,
+         * how many lists were the given reference's, how many lists were cut) */
+        PyObject *bytes = PyBytes_FromStringAndSize((const char *)out.p, (Py_ssize_t)out.len), *built = NULL;
+        if (bytes && s.build) {
+            if ((built = PyCapsule_New(s.build, REF_CAPSULE, ref_destroy))) s.build = NULL; /* the capsule owns it */
+        } else if (bytes) {
+            built = Py_NewRef(Py_None);
+        }
+        if (bytes && built) {
+            result = Py_BuildValue("(NONnn)", bytes, digests, built, (Py_ssize_t)matched, (Py_ssize_t)lists);
+        } else {
+            Py_XDECREF(bytes);
+        }
     }
 done:
+    ref_free(s.build);
     PyMem_Free(out.p);
     PyMem_Free(norm.p);
     PyMem_Free(s.owner);
     PyMem_Free(s.val);
     PyMem_Free(s.renum);
     PyMem_Free(s.alen);
+    PyMem_Free(s.epoch);
+    PyMem_Free(s.seen);
     Py_XDECREF(digests);
     PyBuffer_Release(&view);
     return result;

@@ -12,6 +12,14 @@ not depend on memo numbering, so two files whose lists hold the same values give
 rest of the pickle, a small fraction, goes through the same safe unpickler as ever. Nothing in the cut
 lists is built or called. Anything the skimmer does not recognise (or no C compiler at install time)
 gives None, and the caller unpickles the whole file: identical results, just slower.
+
+Walking and digesting the lists is still linear in W in every file, and at W=1024 it was most of a
+file's cost. But one save's rank files repeat the same lists byte for byte, so each process keeps the
+lists of the last file it skimmed (a `Reference`: their bytes, and the atoms they read from outside
+themselves). The next file's list that is the same bytes, reading the same atoms and ending at the same
+place, has the same normal form, so the same digest: it is compared with memcmp and its memo entries
+replayed, not walked and hashed again. Anything else is walked as before; the result is the same either
+way (tests/read/primitives/test_skim.py and the fuzz harness compare them).
 """
 
 from __future__ import annotations
@@ -45,6 +53,17 @@ class _Elided:
     """What stands for anything else that was cut (a placements list, a reference into a cut list)."""
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The lists of a file skimmed before, and their normal forms (what `Skimmed.decode` needs)."""
+
+    lists: Any  # the C extension's capsule
+    forms: dict[str, bytes]
+
+
+_LAST: list[Reference] = []  # this process's reference: the last file skimmed in full (at most one)
+
+
 @dataclass
 class Skimmed:
     data: bytes  # the pickle without the lists
@@ -53,6 +72,9 @@ class Skimmed:
     globals: dict[tuple[str, str], Any]  # the placeholders' globals, for the unpickler
     spans: list[Span]  # the placeholder of each cut `shards_metadata` list
     elided: _Elided  # the one object standing for what else was cut
+    matched: int  # cut lists that were the reference's, compared byte for byte instead of walked
+    cut: int  # cut lists in all (`shards_metadata` and `placements`)
+    reference: Reference | None  # this file's lists, where no reference was given
 
     def span_index(self, value: Any) -> int | None:
         """Which cut list `value` stands for, if it is one of this file's placeholders."""
@@ -70,25 +92,31 @@ class Skimmed:
         return load(b"\x80\x02" + self.forms[digest] + b".", where, strict)
 
 
-def skim(data: bytes | memoryview, forms: bool = False) -> Skimmed | None:
-    """`data` (a rank file's pickle) without its shard lists, or None where the skimmer does not apply."""
+def skim(data: bytes | memoryview, forms: bool = False, reference: Reference | None | bool = True) -> Skimmed | None:
+    """`data` (a rank file's pickle) without its shard lists, or None where the skimmer does not apply.
+    `reference`: True for this process's last file (and this file becomes it when that one does not fit),
+    None for none, or a given one."""
     if _skim_c is None:
         return None
-    kept: dict[str, bytes] = {}
+    given = (_LAST[0] if _LAST else None) if reference is True else reference
+    kept: dict[str, bytes] = dict(given.forms) if given is not None else {}
 
     def digest(form: bytes) -> str:
         text = hashlib.sha256(form).hexdigest()[:32]
-        if forms:
-            kept.setdefault(text, form)
+        kept.setdefault(text, form)
         return text
 
     # A fresh module name each time: a file cannot name a placeholder it was not given.
     module = f"shardstore_elided_{secrets.token_hex(8)}"
-    found = _skim_c(data, module, digest)
+    found = _skim_c(data, module, digest, given.lists if given is not None else None)
     if found is None:
         return None
-    out, digests = found
+    out, digests, built, matched, lists = found
+    made = Reference(built, kept) if built is not None else None
+    if reference is True and (made is not None or matched < lists):
+        _LAST[:] = [made] if made is not None else []  # a miss: the next file makes its own
     elided, spans = _Elided(), [Span(i) for i in range(len(digests))]
     names: dict[tuple[str, str], Any] = {(module, "ref"): elided}
     names.update({(module, f"span{s.index}"): s for s in spans})
-    return Skimmed(out, digests, kept, names, spans, elided)
+    mine = {d: kept[d] for d in digests} if forms else {}  # (a reference's forms hold other files' lists too)
+    return Skimmed(out, digests, mine, names, spans, elided, matched, lists, made)

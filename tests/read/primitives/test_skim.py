@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import re
 import zipfile
 from pathlib import Path
 
@@ -215,3 +216,91 @@ def test_hybrid_sharded_files_are_skimmed_and_read_as_the_whole_file(member: str
         assert decoded.digests and not whole.digests  # the lists came from the skim
         _same(decoded, whole)
         decoded.close(), whole.close()
+
+
+def _result(cut: skim.Skimmed | None) -> tuple[bytes, list[str], dict[str, bytes]] | None:
+    """What a skim gives, its placeholders' module (fresh in every call) named alike."""
+    return None if cut is None else (re.sub(rb"shardstore_elided_[0-9a-f]{16}", b"M", cut.data), cut.digests, cut.forms)
+
+
+def _hsdp_files(member: str) -> list[Path]:
+    return sorted((Path(__file__).parents[2] / "corpus" / "data" / member / "ep0-ba1").glob("*rank*.pt"))
+
+
+@native
+def test_lists_another_file_repeats_are_compared_not_walked(checkpoints):
+    """One save's rank files repeat the same lists byte for byte: each is compared with the reference
+    file's and takes its digest, and the file skims to exactly what walking every list gives."""
+    data = [_pickle_of(checkpoints(3) / f"rank{r}.pt") for r in range(3)]
+    first = skim.skim(data[0], forms=True, reference=None)
+    assert first.matched == 0 and first.reference is not None and first.cut == 2 * len(first.digests) > 0
+    for d in data:
+        fast, slow = skim.skim(d, forms=True, reference=first.reference), skim.skim(d, forms=True, reference=None)
+        assert (fast.matched, slow.matched) == (fast.cut, 0) and fast.reference is None
+        assert _result(fast) == _result(slow)
+
+
+@native
+def test_another_replica_groups_lists_are_walked():
+    """Under hybrid sharding each group's lists name its own ranks: a file of the other group matches none
+    of the reference's lists, and is walked to the same result as without one."""
+    files = _hsdp_files("composer-t2.13-hsdp-w4")
+    ref = skim.skim(_pickle_of(files[0]), reference=None).reference
+    matched = []
+    for f in files:
+        data = _pickle_of(f)
+        fast = skim.skim(data, forms=True, reference=ref)
+        assert _result(fast) == _result(skim.skim(data, forms=True, reference=None))
+        matched.append(fast.matched == fast.cut)
+    assert matched == [True, True, False, False]  # ranks 0, 1 are group 0; 2, 3 group 1
+
+
+@native
+def test_the_same_list_bytes_reading_another_atom_are_walked(forged: Path):
+    """A list's bytes say `GET n`, not what n holds: the field names its entries read back from outside
+    the list are set earlier in the file. Renamed there, the same list bytes mean another list, so they
+    are walked and get another digest."""
+    data = _pickle_of(forged / "rank1.pt")
+    ref = skim.skim(_pickle_of(forged / "rank0.pt"), reference=None).reference
+    at = data.index(b"shard_sizes")
+    assert data.index(b"shards_metadata") > at  # set in the local shard, before any list
+    renamed = data[:at] + b"shard_sizez" + data[at + 11:]
+    fast, slow = skim.skim(renamed, forms=True, reference=ref), skim.skim(renamed, forms=True, reference=None)
+    assert fast.matched < fast.cut and _result(fast) == _result(slow)
+    assert fast.digests != skim.skim(data, reference=None).digests
+
+
+@native
+def test_damage_gets_the_same_result_with_a_reference_as_without(forged: Path):
+    """Flipped, inserted and truncated bytes, mostly inside the lists (most of the pickle): whatever the
+    reference, the skimmer gives up, or gives the pickle and digests that walking every list gives."""
+    data = _pickle_of(forged / "rank1.pt")
+    ref = skim.skim(_pickle_of(forged / "rank0.pt"), reference=None).reference
+    rng = random.Random(11)
+    matched = set()
+    for trial in range(600):
+        raw = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(raw))
+            kind = rng.random()
+            if kind < 0.7:
+                raw[at] = rng.randrange(256)
+            elif kind < 0.9:
+                raw.insert(at, rng.randrange(256))
+            else:
+                del raw[at:]
+        fast, slow = skim.skim(bytes(raw), forms=True, reference=ref), skim.skim(bytes(raw), forms=True, reference=None)
+        assert _result(fast) == _result(slow), trial
+        if fast is not None:
+            matched.add(fast.matched == fast.cut)
+    assert matched == {True, False}  # damage both outside the lists (still the reference's) and inside
+
+
+@native
+def test_each_process_keeps_the_last_files_lists(monkeypatch):
+    """By default the reference is the last file this process walked in full; a file that is not all the
+    reference's lists drops it, and the next file becomes the reference."""
+    monkeypatch.setattr(skim, "_LAST", [])
+    data = [_pickle_of(f) for f in _hsdp_files("composer-t2.13-hsdp-w4")]
+    compared = [(lambda c: c.matched == c.cut)(skim.skim(d)) for d in (data[0], data[1], data[2], data[3], data[2])]
+    assert compared == [False, True, False, False, True]
