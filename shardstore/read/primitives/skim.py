@@ -28,7 +28,7 @@ import hashlib
 import secrets
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from .unpickle import load
 
@@ -92,7 +92,8 @@ class Skimmed:
         return load(b"\x80\x02" + self.forms[digest] + b".", where, strict)
 
 
-def skim(data: bytes | memoryview, forms: bool = False, reference: Reference | None | bool = True) -> Skimmed | None:
+def skim(data: bytes | memoryview, forms: bool = False,
+         reference: Reference | None | Literal[True] = True) -> Skimmed | None:
     """`data` (a rank file's pickle) without its shard lists, or None where the skimmer does not apply.
     `reference`: True for this process's last file (and this file becomes it when that one does not fit),
     None for none, or a given one."""
