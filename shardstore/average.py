@@ -12,6 +12,11 @@ with w the weights normalised to sum to 1 (in float64, then as the accumulator),
 for float32 and float64 tensors and float32 otherwise, each product and sum rounded as IEEE arithmetic
 rounds it, and the result rounded to nearest even into the tensor's dtype (or `dtype`'s). Tensors of
 other dtypes (integer buffers) are the last checkpoint's, and said so.
+
+A torch output (`--format torch`) is the whole last checkpoint, as `unshard` writes it, with the model's
+floating tensors averaged in place: the optimizer's state, step counters, RNG states and every other
+value are the last checkpoint's, and said so. With `include_optimizer` every floating sharded tensor is
+averaged, the optimizer's moments too; step counters and other small tensors still come from the last.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import numpy as np
 from . import dtypes
 from .errors import ExportError
 from .export import ExportRequest, model_subtree, output_format, planned
-from .export.resolve import ArrayRef
+from .export.resolve import ArrayRef, leaves
+from .export.torch import export_torch
 from .export.safetensors import CASTABLE
 from .ingest import ingest, under
 from .locations import nearest_existing
@@ -101,33 +107,51 @@ def _exact(parts: Iterator[Part], size: int) -> Iterator[bytes]:
 class AverageResult:
     files: list[Path]
     averaged: int  # tensors
-    kept: list[str]  # tensors taken from the last checkpoint (not floating)
+    kept: list[str]  # tensors taken from the last checkpoint (not floating; for torch, the optimizer's too)
+    values: int = 0  # other leaves taken from the last checkpoint (torch output: counters, RNG states, ...)
 
 
 def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str],
             weights: Sequence[float] | None = None, format: str = "safetensors", select: str | None = None,
             strip_prefix: str | None = None, dtype: str | None = None, hf_config: str | os.PathLike[str] | None = None,
-            max_shard_size: int = 5_000_000_000, jobs: int | None = None) -> AverageResult:
+            max_shard_size: int = 5_000_000_000, jobs: int | None = None,
+            include_optimizer: bool = False) -> AverageResult:
     """The weighted mean of `checkpoints` (folders, each as `unshard` takes them) into `out_dir`, as a
-    safetensors or Hugging Face export (its options as `unshard`'s)."""
+    safetensors or Hugging Face export (its options as `unshard`'s), or as the torch files of the whole last
+    checkpoint with the model's tensors (all floating tensors, `include_optimizer`) averaged."""
     if len(checkpoints) < 2:
         raise ExportError("average takes two checkpoints or more")
     weights = tuple(float(w) for w in (weights or [1.0] * len(checkpoints)))
     if len(weights) != len(checkpoints) or not all(w >= 0 for w in weights) or sum(weights) <= 0:
         raise ExportError(f"--weights: {len(checkpoints)} non-negative numbers, not all zero, one per checkpoint")
     request = ExportRequest(format, select, strip_prefix, dtype, max_shard_size, hf_config)
-    if not output_format(format).subtree:
-        raise ExportError(f"average writes safetensors and hf outputs, not {format}")
+    whole = format == "torch"
+    if not whole and not output_format(format).subtree:
+        raise ExportError(f"average writes safetensors, hf and torch outputs, not {format}")
+    if include_optimizer and not whole:
+        raise ExportError(f"--include-optimizer: a {format} output holds the model only; use --format torch")
+    if whole and (dtype or strip_prefix or hf_config):
+        raise ExportError("--format torch writes the last checkpoint as it is: --dtype, --strip-prefix and "
+                          "--hf-config are for safetensors and hf outputs")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"{out}: not empty; average writes into a new or empty folder")
     sources = [open_source(c) for c in checkpoints]
     scratch = Path(tempfile.mkdtemp(prefix=".shardstore-average-", dir=nearest_existing(out.absolute())))
+
+    def model(st: Store) -> str:
+        return select if select is not None else model_subtree(st)
+
     try:
+        # what is averaged, from every checkpoint; a torch output's everything else from the last one
         stores = [ingest(scratch / str(i), source, jobs=jobs,
-                         only=lambda st: select if select is not None else model_subtree(st))
+                         only=None if include_optimizer or (whole and i == len(sources) - 1) else model)
                   for i, source in enumerate(sources)]
-        _same_tensors(stores, [str(c) for c in checkpoints], select)
+        averaged = "" if include_optimizer else model(stores[-1])
+        _same_tensors(stores, [str(c) for c in checkpoints], averaged)
+        out.mkdir(parents=True, exist_ok=True)
+        if whole:
+            return _average_torch(stores, weights, averaged, out)
         plan = planned(stores[-1], request)
         kept = []
         for it in plan.tensors:
@@ -139,17 +163,37 @@ def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.Pat
                                     source.dtype)
             else:
                 kept.append(it.key)
-        out.mkdir(parents=True, exist_ok=True)
         files, _, _ = plan.write(out, None, None, None, 1)
         return AverageResult(files, len(plan.tensors) - len(kept), kept)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _same_tensors(stores: list[Store], names: list[str], select: str | None) -> None:
-    """Refuse checkpoints whose model tensors differ in name, shape or dtype, naming the first."""
+def _average_torch(stores: list[Store], weights: tuple[float, ...], averaged: str, out: Path) -> AverageResult:
+    """The last store's torch files, its floating arrays under `averaged` ("" for all) the stores' mean."""
+    last = stores[-1]
+    means: dict[ArrayRef, ArrayRef] = {}  # one per array: a tied tensor stays one storage
+    kept: list[str] = []
+
+    def mean_of(ref: ArrayRef) -> ArrayRef:
+        if ref not in means:
+            if ref.dtype in CASTABLE and under(ref.path, averaged):
+                means[ref] = MeanRef(ref.path, ref.dtype, ref.shape, ref.rows, tuple(stores), weights, ref.dtype)
+            else:
+                means[ref] = ref
+                kept.append(ref.path)
+        return means[ref]
+
+    files = export_torch(last, out, arrays=mean_of)
+    averaged_paths = {r.path for r, m in means.items() if m is not r}
+    values = sum(1 for _, path in leaves(last.manifest.tree) if path not in last.manifest.arrays)
+    return AverageResult(files, len(averaged_paths), sorted(set(kept)), values)
+
+
+def _same_tensors(stores: list[Store], names: list[str], subtree: str) -> None:
+    """Refuse checkpoints whose tensors under `subtree` ("" for all) differ in name, shape or dtype, naming
+    the first."""
     def tensors(st: Store) -> dict[str, Any]:
-        subtree = select if select is not None else model_subtree(st)
         return {p: (a.dtype, a.shape) for p, a in st.manifest.arrays.items() if under(p, subtree)}
 
     last = tensors(stores[-1])

@@ -347,8 +347,11 @@ def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--weights", default=None, metavar="W1,W2,...", help="One weight per checkpoint [default: equal].")
-@click.option("--format", "fmt", type=click.Choice(["safetensors", "hf"]), default="safetensors", show_default=True,
-              help="What to write, as unshard writes it.")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "hf", "torch"]), default="safetensors",
+              show_default=True, help="What to write, as unshard writes it (torch: the whole last checkpoint, its "
+              "model averaged).")
+@click.option("--include-optimizer", is_flag=True,
+              help="With --format torch, average the optimizer's moments too (every floating sharded tensor).")
 @click.option("--hf-config", type=click.Path(exists=True), default=None, metavar="PATH",
               help="For --format hf, as for unshard.")
 @click.option("--select", default=None, help="The subtree to average as the model [default: detected].")
@@ -356,11 +359,12 @@ def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select
 @click.option("--dtype", type=click.Choice(CAST_DTYPES + tuple(DTYPE_ALIASES), case_sensitive=False), default=None,
               help="Write the mean in this floating dtype [default: each tensor's own].")
 @_jobs
-def average(paths: tuple[str, ...], weights: str | None, fmt: str, hf_config: str | None, select: str | None,
-            strip_prefix: str | None, dtype: str | None, jobs: int | None) -> None:
+def average(paths: tuple[str, ...], weights: str | None, fmt: str, include_optimizer: bool, hf_config: str | None,
+            select: str | None, strip_prefix: str | None, dtype: str | None, jobs: int | None) -> None:
     """Average CHECKPOINTS... (two or more of one run, each a folder as unshard takes it, any format and world
     size each) into OUT, the last of PATHS: the weighted mean of every floating tensor of the model, written
-    once as safetensors or a Hugging Face folder."""
+    once as safetensors, a Hugging Face folder, or the last checkpoint's torch files with its model averaged
+    (its other state, and with --include-optimizer its optimizer's moments averaged too)."""
     if len(paths) < 3:
         raise click.UsageError("give two checkpoints or more, then OUT")
     try:
@@ -368,12 +372,16 @@ def average(paths: tuple[str, ...], weights: str | None, fmt: str, hf_config: st
     except ValueError:
         raise click.BadParameter(f"not numbers: {weights!r}", param_hint="--weights") from None
     result = api.average(paths[:-1], paths[-1], weights=parsed, format=fmt, select=select, strip_prefix=strip_prefix,
-                         dtype=dtype, hf_config=hf_config, jobs=jobs)
+                         dtype=dtype, hf_config=hf_config, jobs=jobs, include_optimizer=include_optimizer)
     for path in result.files:
         click.echo(f"wrote {path}")
     if result.kept:
-        click.echo(f"note: {len(result.kept)} tensor(s) not floating, taken from the last checkpoint: "
+        why = "not averaged (not floating, or outside the model)" if fmt == "torch" else "not floating"
+        click.echo(f"note: {len(result.kept)} tensor(s) {why}, taken from the last checkpoint: "
                    f"{', '.join(result.kept[:5])}{' ...' if len(result.kept) > 5 else ''}", err=True)
+    if result.values:
+        click.echo(f"note: {result.values} other value(s) (counters, RNG states, ...) taken from the last checkpoint",
+                   err=True)
     click.echo(f"average: {result.averaged} tensors, the mean of {len(paths) - 1} checkpoints", err=True)
 
 

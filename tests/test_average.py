@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 
 import shardstore
 from shardstore.errors import ExportError
-from tests.conftest import expected
+from tests.conftest import assert_bitwise_equal, expected
 
 
 def _torch_mean(states: list[dict[str, torch.Tensor]], weights: list[float], out: torch.dtype | None = None):
@@ -58,11 +59,81 @@ def test_average_refuses_in_one_line(checkpoints, tmp_path: Path) -> None:
         shardstore.average([a], tmp_path / "one")
     with pytest.raises(ExportError, match="--weights: 2 non-negative numbers"):
         shardstore.average([a, a], tmp_path / "w", weights=[1, -1])
-    with pytest.raises(ExportError, match="average writes safetensors and hf outputs, not torch"):
-        shardstore.average([a, a], tmp_path / "t", format="torch")
+    with pytest.raises(ExportError, match="average writes safetensors, hf and torch outputs, not dcp"):
+        shardstore.average([a, a], tmp_path / "t", format="dcp")
+    with pytest.raises(ExportError, match="--include-optimizer: a safetensors output holds the model only"):
+        shardstore.average([a, a], tmp_path / "t", include_optimizer=True)
+    with pytest.raises(ExportError, match="--format torch writes the last checkpoint as it is: --dtype"):
+        shardstore.average([a, a], tmp_path / "t", format="torch", dtype="bf16")
     other = checkpoints(3, dtype="bfloat16")
     with pytest.raises(ExportError, match=rf"{other}: model/\S+ is bfloat16\[.*\] here but float32\[.*\] in {a}"):
         shardstore.average([other, a], tmp_path / "mixed")
     run = subprocess.run([sys.executable, "-m", "shardstore.cli", "average", str(a), str(tmp_path / "x")],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "give two checkpoints or more, then OUT" in run.stderr
+
+
+def _loaded(folder: Path) -> dict[str, Any]:
+    """Every torch file of an output, by file stem."""
+    return {f.stem: torch.load(f, weights_only=False) for f in sorted(folder.glob("*.pt"))}  # (ours: a PosixPath value)
+
+
+@pytest.mark.parametrize("include_optimizer", [False, True])
+def test_a_torch_output_is_the_last_checkpoint_with_its_means(checkpoints, tmp_path: Path,
+                                                               include_optimizer: bool) -> None:
+    """--format torch: the last checkpoint's files as unshard writes them, the model's tensors (and with
+    --include-optimizer the optimizer's moments) the mean, bit for bit against torch; step counters,
+    param_groups and the trainer's values the last checkpoint's."""
+    a, b = checkpoints(2), checkpoints(3)
+    shardstore.unshard(b, tmp_path / "last", format="torch")
+    want = _loaded(tmp_path / "last")
+    result = shardstore.average([a, b], tmp_path / "avg", format="torch", weights=[1, 3],
+                                include_optimizer=include_optimizer)
+    got = _loaded(tmp_path / "avg")
+    assert [f.name for f in result.files] == sorted(f.name for f in (tmp_path / "last").glob("*.pt"))
+    states = [expected(a), expected(b)]
+    means = _torch_mean([s["model"] for s in states], [1, 3])
+    model = _only(want, means.keys())  # where the model's tensors sit in the files
+    for name, tensor in means.items():
+        _set(want, model[name], tensor)
+    moments = {f"{p}/{m}": s["optim"]["state"][p][m] for s in states[-1:] for p in s["optim"]["state"]
+               for m in ("exp_avg", "exp_avg_sq")}
+    if include_optimizer:  # each moment is the mean; `step` (a small tensor) stays the last's
+        avg = _torch_mean([{f"{p}/{m}": s["optim"]["state"][p][m] for p in s["optim"]["state"]
+                            for m in ("exp_avg", "exp_avg_sq")} for s in states], [1, 3])
+        for path, where in _only(want, moments.keys(), moments=True).items():
+            _set(want, where, avg[path])
+    assert_bitwise_equal(got, want)
+    assert result.averaged == len(means) + (len(moments) if include_optimizer else 0)
+    assert result.values > 0 and (not include_optimizer or all("exp_avg" not in k for k in result.kept))
+    if include_optimizer:
+        return
+    run = subprocess.run([sys.executable, "-m", "shardstore.cli", "average", str(a), str(b), str(tmp_path / "cli"),
+                          "--format", "torch"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "tensor(s) not averaged (not floating, or outside the model), taken from the last checkpoint" in run.stderr
+    assert "other value(s) (counters, RNG states, ...) taken from the last checkpoint" in run.stderr
+
+
+def _only(tree: Any, names: Any, moments: bool = False) -> dict[str, tuple[Any, ...]]:
+    """Where each of `names` (model names, or "param/exp_avg") is in the loaded files: a key path."""
+    found: dict[str, tuple[Any, ...]] = {}
+
+    def walk(node: Any, keys: tuple[Any, ...]) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, keys + (k,))
+        elif isinstance(node, torch.Tensor):
+            name = f"{keys[-2]}/{keys[-1]}" if moments and len(keys) > 1 else keys[-1]
+            if name in names and (moments or "state" not in keys):
+                found[name] = keys
+
+    walk(tree, ())
+    assert found.keys() == set(names)
+    return found
+
+
+def _set(tree: Any, keys: tuple[Any, ...], value: torch.Tensor) -> None:
+    for k in keys[:-1]:
+        tree = tree[k]
+    tree[keys[-1]] = value

@@ -254,12 +254,28 @@ def torch_object(store: Store, file: TorchFile) -> Any:
 
 
 def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | None = None,
-                 partial: dict[str, str] | None = None) -> list[Path]:
+                 partial: dict[str, str] | None = None,
+                 arrays: Callable[[ArrayRef], ArrayRef] | None = None) -> list[Path]:
+    """The files `--format torch` writes; `arrays` replaces each array's reference (`average` streams a
+    mean of several stores in its place)."""
     written = []
     for file in torch_layout(store):
-        save(store, torch_object(store, file), out_dir / file.name, progress, partial=partial)
+        obj = torch_object(store, file)
+        save(store, obj if arrays is None else _replaced(obj, arrays), out_dir / file.name, progress, partial=partial)
         written.append(out_dir / file.name)
     return written
+
+
+def _replaced(obj: Any, arrays: Callable[[ArrayRef], ArrayRef]) -> Any:
+    """`obj` with every ArrayRef replaced by `arrays(ref)`; the containers `build` makes are rebuilt alike
+    (bounded: `obj` was built from the store's tree, MAX_DEPTH deep at most)."""
+    if isinstance(obj, ArrayRef):
+        return arrays(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _replaced(v, arrays)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_replaced(v, arrays) for v in obj)
+    return obj
 
 
 def _tied(store: Store, node: Node, state: Any) -> Any:
