@@ -316,9 +316,9 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
 @main.command()
 @click.argument("src", type=click.Path())
 @click.argument("output", type=click.Path(exists=True))
-@click.option("--format", "fmt", type=click.Choice(["safetensors", "hf", "torch"]), default=None,
-              help="Check OUTPUT as this export [default: hf for a folder with a config.json, torch for .pt "
-                   "files, else safetensors].")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "hf", "torch", "dcp"]), default=None,
+              help="Check OUTPUT as this export [default: hf for a folder with a config.json, dcp for one with a "
+                   ".metadata, torch for .pt files, else safetensors].")
 @click.option("--hf-config", type=click.Path(exists=True), default=None, metavar="PATH",
               help="As given to the export: the config that named the weights (hf).")
 @click.option("--select", default=None, help="As given to the export: the subtree exported as the model.")
@@ -329,7 +329,7 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
 @_json
 def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select: str | None,
            strip_prefix: str | None, tag: str | None, step: int | None, jobs: int | None, as_json: bool) -> None:
-    """Check OUTPUT (safetensors files, a Hugging Face folder or torch files, from any tool) against the sharded
+    """Check OUTPUT (safetensors files, a Hugging Face folder, torch files or a DCP folder, from any tool) against the sharded
     checkpoint in SRC: every tensor there, of its shape, and bit for bit (or, for a cast, as torch casts).
     One line per difference; exits 1 if there is any."""
     result = api.verify(src, output, format=fmt, select=select, strip_prefix=strip_prefix, hf_config=hf_config,

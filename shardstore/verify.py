@@ -9,6 +9,11 @@ both in blocks: there, of the same shape, and of the same bytes; or, where the o
 floating dtype, of the source's bytes cast to it rounding to nearest even, as torch casts. What the
 output holds beyond those is named too. A converter that kept a slice of a tensor, dropped one, cast by
 truncation or swapped the parts of a split weight shows up as one line per tensor.
+
+A torch output is read back with the safe unpickler and walked beside what the export would write. A DCP
+output is read through shardstore's own DCP reader into a second scratch store, and its state (its
+flattened keys nested again as its `.metadata` records them) walked beside the checkpoint's the same way:
+every tensor by its bytes, streamed from both stores, and plain values by value.
 """
 
 from __future__ import annotations
@@ -18,14 +23,14 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from . import dtypes
 from .errors import ExportError
 from .export import ExportRequest, model_subtree, planned
-from .export.resolve import ArrayRef
+from .export.resolve import ArrayRef, build
 from .export.safetensors import CASTABLE, INDEX, Item, tensor_bytes
 from .export.torch import torch_layout, torch_object
 from .ingest import ingest
@@ -79,15 +84,17 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
            hf_config: str | os.PathLike[str] | None = None, tag: str | None = None, step: int | None = None,
            jobs: int | None = None, storage_options: StorageOptions | None = None) -> VerifyResult:
     """Check OUTPUT (a safetensors file, or a folder of them: a Hugging Face folder when it has a
-    config.json; or the torch files `--format torch` writes) against the checkpoint in SRC. `format`
+    config.json; the torch files `--format torch` writes; a DCP folder) against the checkpoint in SRC. `format`
     ("safetensors", "hf" or "torch") says which export to check it as [default: from the folder];
     `select`, `strip_prefix` and `hf_config` as the export took them."""
     out = Path(output)
     format = format or _format_of(out)
     request = ExportRequest(format, select, strip_prefix, hf_config=hf_config)
-    if format not in ("safetensors", "hf", "torch"):
-        raise ExportError(f"verify checks safetensors, hf and torch outputs, not {format}")
-    files, outputs = _output_tensors(out) if format != "torch" else ([], {})
+    if format not in ("safetensors", "hf", "torch", "dcp"):
+        raise ExportError(f"verify checks safetensors, hf, torch and dcp outputs, not {format}")
+    whole = format in ("torch", "dcp")  # the whole checkpoint: the optimizer's state too
+    files, outputs = _output_tensors(out) if not whole else ([], {})
+    written = open_source(out) if format == "dcp" else None  # refused up front if it is no DCP folder
     try:
         source = open_source(src, tag, step, storage_options)
         scratch = _scratch(out)
@@ -96,8 +103,10 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
             f.close()
         raise
     try:
-        if format == "torch":  # the whole checkpoint: the optimizer's files too
+        if format == "torch":
             return _compare_torch(ingest(scratch / "store", source, jobs=jobs), out)
+        if written is not None:
+            return _compare_dcp(ingest(scratch / "store", source, jobs=jobs), ingest(scratch / "output", written, jobs=jobs))
         store = ingest(scratch / "store", source, jobs=jobs,  # the model's tensors only
                        only=lambda st: select if select is not None else model_subtree(st))
         return _compare(store, planned(store, request).tensors, outputs, format)
@@ -117,13 +126,19 @@ def _scratch(out: Path) -> Path:
 
 
 def _format_of(out: Path) -> str:
-    """Which export OUTPUT looks like: a Hugging Face folder, safetensors, or torch files."""
+    """Which export OUTPUT looks like: a Hugging Face folder, a DCP folder, safetensors, or torch files."""
     if (out / "config.json").is_file():
         return "hf"
+    if (out / ".metadata").is_file():
+        return "dcp"
     if out.suffix in (".pt", ".pth", ".bin", ".ckpt") or \
             out.is_dir() and not any(out.glob("*.safetensors")) and any(out.glob("*.pt")):
         return "torch"
     return "safetensors"
+
+
+# An output's tensor as `_walk` compares it: (dtype, shape, its bytes: a view, or blocks streamed in order)
+Found = tuple[str, tuple[int, ...], Callable[[], "memoryview | Iterator[Any]"]]
 
 
 def _compare_torch(store: Store, out: Path) -> VerifyResult:
@@ -139,28 +154,52 @@ def _compare_torch(store: Store, out: Path) -> VerifyResult:
             continue
         with TorchZip(path) as zf:
             got = load(zf.record("data.pkl"), str(path), strict=False)
-            _walk(store, zf, file.name, torch_object(store, file), got, result, 0)
+
+            def found(leaf: Any, zf: TorchZip = zf) -> Found | None:
+                if not isinstance(leaf, TensorRef):
+                    return None
+                span = tensors.byte_range(zf, leaf)
+                return leaf.dtype, tuple(leaf.shape), lambda: zf.file.view(*span) if span is not None else \
+                    memoryview(tensors.array(zf, leaf).tobytes())
+
+            _walk(store, found, file.name, torch_object(store, file), got, result, 0)
     return result
 
 
-def _walk(store: Store, zf: TorchZip, name: str, want: Any, got: Any, result: VerifyResult, depth: int) -> None:
+def _compare_dcp(store: Store, output: Store) -> VerifyResult:
+    """The DCP output, read into `output`, walked beside the checkpoint's state as the DCP export writes it."""
+    result = VerifyResult("dcp")
+
+    def found(leaf: Any) -> Found | None:
+        if isinstance(leaf, ArrayRef):
+            return leaf.dtype, tuple(leaf.shape), lambda: leaf.parts(output)
+        if isinstance(leaf, TensorValue):
+            return leaf.dtype, tuple(leaf.shape), lambda: iter([leaf.data])
+        return None
+
+    _walk(store, found, "", build(store, store.manifest.tree, lean=True), build(output, output.manifest.tree, lean=True),
+          result, 0)
+    return result
+
+
+def _walk(store: Store, found: Callable[[Any], Found | None], name: str, want: Any, got: Any, result: VerifyResult,
+          depth: int) -> None:
     if depth > MAX_DEPTH:
         raise ExportError(f"{name}: nested deeper than {MAX_DEPTH} levels")
     differ = result.differences.append
     if isinstance(want, (ArrayRef, TensorValue)):
-        if not isinstance(got, TensorRef):
+        tensor = found(got)
+        if tensor is None:
             differ(Difference(name, f"a tensor from the checkpoint, {type(got).__name__} in the output"))
-        elif (got.dtype, tuple(got.shape)) != (want.dtype, tuple(want.shape)):
-            differ(Difference(name, f"{got.dtype}{list(got.shape)} in the output, {want.dtype}{list(want.shape)} "
+        elif tensor[:2] != (want.dtype, tuple(want.shape)):
+            differ(Difference(name, f"{tensor[0]}{list(tensor[1])} in the output, {want.dtype}{list(want.shape)} "
                                     f"from the checkpoint"))
         else:
-            span = tensors.byte_range(zf, got)
-            view = zf.file.view(*span) if span is not None else memoryview(tensors.array(zf, got).tobytes())
             item = Item(name, None, want.dtype, tuple(want.shape))
             expected = want.parts(store) if isinstance(want, ArrayRef) else iter([want.data])
             result.tensors += 1
             result.nbytes += item.nbytes
-            difference = _first_difference(item, expected, view)
+            difference = _first_difference(item, expected, tensor[2]())
             if difference is not None:
                 differ(Difference(name, difference))
     elif isinstance(want, dict):
@@ -169,18 +208,18 @@ def _walk(store: Store, zf: TorchZip, name: str, want: Any, got: Any, result: Ve
             return
         for key, value in want.items():
             if key in got:
-                _walk(store, zf, f"{name}/{key}", value, got[key], result, depth + 1)
+                _walk(store, found, f"{name}/{key}".lstrip("/"), value, got[key], result, depth + 1)
             else:
-                differ(Difference(f"{name}/{key}", "missing from the output"))
+                differ(Difference(f"{name}/{key}".lstrip("/"), "missing from the output"))
         for key in got:
             if key not in want:
-                differ(Difference(f"{name}/{key}", "in the output, but not in the checkpoint"))
+                differ(Difference(f"{name}/{key}".lstrip("/"), "in the output, but not in the checkpoint"))
     elif isinstance(want, (list, tuple)):
         if not isinstance(got, (list, tuple)) or len(got) != len(want):
             differ(Difference(name, f"{len(want)} items from the checkpoint, not so in the output"))
             return
         for i, (a, b) in enumerate(zip(want, got)):
-            _walk(store, zf, f"{name}/{i}", a, b, result, depth + 1)
+            _walk(store, found, f"{name}/{i}", a, b, result, depth + 1)
     elif type(want) in (int, float, str, bool, type(None)) and not (want == got or want != want and got != got):
         differ(Difference(name, f"{got!r:.60} in the output, {want!r:.60} in the checkpoint"))
 
@@ -251,13 +290,17 @@ def _compare(store: Store, items: list[Item], outputs: dict[str, tuple[Safetenso
     return result
 
 
-def _first_difference(item: Item, expected: Iterator[Any], got: memoryview) -> str | None:
-    """How the output's bytes differ from the expected ones: how many elements, and the first (its index and
-    both values); None when they are equal. Blocks of the expected bytes hold whole elements."""
+def _first_difference(item: Item, expected: Iterator[Any], got: memoryview | Iterator[Any]) -> str | None:
+    """How the output's bytes (a view, or blocks streamed in order) differ from the expected ones: how many
+    elements, and the first (its index and both values); None when they are equal. Blocks of the expected
+    bytes hold whole elements."""
     info = dtypes.info(item.dtype)
     pos, count, first = 0, 0, None
+    take = (lambda n: got[pos:pos + n]) if isinstance(got, memoryview) else _Reader(got).take
     for block in blocks(expected):
-        theirs = got[pos:pos + len(block)]
+        theirs = take(len(block))
+        if len(theirs) != len(block):
+            return f"{item.nbytes} bytes from the checkpoint, fewer in the output"
         if theirs != block:
             ours = np.frombuffer(block, dtype=np.uint8)
             differ = np.unique((pos + np.flatnonzero(ours != np.frombuffer(theirs, dtype=np.uint8))) // info.itemsize)
@@ -273,3 +316,25 @@ def _first_difference(item: Item, expected: Iterator[Any], got: memoryview) -> s
     value = [dtypes.as_numbers(np.frombuffer(raw, dtype=info.raw), item.dtype)[0] for raw in (output, source)]
     return (f"{count} of {int(np.prod(item.shape))} elements differ; the first, at {index}, is {value[0]} in the "
             f"output, {value[1]} from the checkpoint")
+
+
+class _Reader:
+    """Blocks streamed in order, taken again in pieces of any size (a store's cells cut an array elsewhere
+    than the other store's)."""
+
+    def __init__(self, parts: Iterator[Any]):
+        self._blocks = blocks(parts)
+        self._pending = memoryview(b"")
+
+    def take(self, n: int) -> memoryview:
+        if len(self._pending) >= n:
+            out, self._pending = self._pending[:n], self._pending[n:]
+            return out
+        buf = bytearray(self._pending)
+        while len(buf) < n:
+            block = next(self._blocks, None)
+            if block is None:
+                break
+            buf += block
+        self._pending = memoryview(buf)[n:]
+        return memoryview(buf)[:n]

@@ -127,7 +127,7 @@ def test_a_hugging_face_folder_is_checked_under_its_names_and_swapped_splits_are
     assert sorted(d.name for d in shardstore.verify(src, swapped).differences) == sorted([gate, up])
 
 
-def test_an_output_of_other_names_says_so_and_a_dcp_export_is_refused(exported, tmp_path: Path) -> None:
+def test_an_output_of_other_names_says_so_and_an_unknown_format_is_refused(exported, tmp_path: Path) -> None:
     src, out = exported
 
     def rename(tensors):
@@ -136,8 +136,8 @@ def test_an_output_of_other_names_says_so_and_a_dcp_export_is_refused(exported, 
 
     result = shardstore.verify(src, _damaged(out, tmp_path, rename))
     assert result.differences[-1].name == "(all)" and "no tensor name in common" in result.differences[-1].what
-    with pytest.raises(ExportError, match="verify checks safetensors, hf and torch outputs, not dcp"):
-        shardstore.verify(src, out, format="dcp")
+    with pytest.raises(ExportError, match="verify checks safetensors, hf, torch and dcp outputs, not zarr"):
+        shardstore.verify(src, out, format="zarr")
     run = _cli(src, tmp_path / "nothing-here")
     assert run.returncode == 2 and "does not exist" in run.stderr
 
@@ -202,3 +202,31 @@ def test_torch_outputs_are_walked_key_by_key(tmp_path: Path) -> None:
     assert names.keys() == {f"checkpoint.pt/{weight}", f"checkpoint.pt/{dropped}"}
     assert names[f"checkpoint.pt/{weight}"].startswith("1 of ") and "at [0, 1]" in names[f"checkpoint.pt/{weight}"]
     assert names[f"checkpoint.pt/{dropped}"] == "missing from the output"
+
+
+def test_dcp_outputs_are_read_back_and_walked_key_by_key(tmp_path: Path) -> None:
+    """A DCP output (shardstore's, or torch's own `torch_save_to_dcp` of the unsharded state) is read through
+    the DCP reader and walked beside the checkpoint's state: genuine ones pass; a changed element and a
+    dropped key are each named by their path."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    src = Path(__file__).parent / "corpus" / "data" / "torchtitan-dcp-t2.13-w2" / "step-2"
+    shardstore.unshard(src, tmp_path / "ours", format="dcp", jobs=1)
+    result = shardstore.verify(src, tmp_path / "ours")
+    assert result.ok and result.format == "dcp" and result.tensors > 10
+    dcp_to_torch_save(src, tmp_path / "whole.pt")
+    torch_save_to_dcp(tmp_path / "whole.pt", tmp_path / "theirs")
+    assert shardstore.verify(src, tmp_path / "theirs").ok
+    state = torch.load(tmp_path / "whole.pt", weights_only=False)
+    weight = next(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() == 2)
+    state[weight][1, 2] -= 1
+    dropped = next(k for k in state if k != weight)
+    del state[dropped]
+    torch.save(state, tmp_path / "damaged.pt")
+    torch_save_to_dcp(tmp_path / "damaged.pt", tmp_path / "damaged")
+    names = {d.name: d.what for d in shardstore.verify(src, tmp_path / "damaged", format="dcp").differences}
+    assert names.keys() == {weight, dropped}
+    assert names[weight].startswith("1 of ") and "at [1, 2]" in names[weight]
+    assert names[dropped] == "missing from the output"
+    run = _cli(src, tmp_path / "damaged", "--json")
+    assert run.returncode == 1 and json.loads(run.stdout)["format"] == "dcp"
