@@ -128,6 +128,22 @@ def test_without_the_extension_files_are_read_whole(checkpoints, monkeypatch):
     rf.close(), whole.close()
 
 
+def _damaged(data: bytes, rng: random.Random) -> bytes:
+    """`data` with one to four bytes flipped or inserted, or cut short."""
+    raw = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        at = rng.randrange(len(raw))
+        kind = rng.random()
+        if kind < 0.6:
+            raw[at] = rng.randrange(256)
+        elif kind < 0.8:
+            raw.insert(at, rng.randrange(256))
+        else:
+            del raw[at:]
+            break
+    return bytes(raw)
+
+
 @native
 def test_the_skimmer_survives_damage(forged: Path):
     """Flipped, inserted and truncated bytes: the C skimmer returns a pickle or gives up, never reads past
@@ -136,18 +152,7 @@ def test_the_skimmer_survives_damage(forged: Path):
     rng = random.Random(7)
     outcomes = set()
     for trial in range(1500):
-        raw = bytearray(data)
-        for _ in range(rng.randint(1, 4)):
-            at = rng.randrange(len(raw))
-            kind = rng.random()
-            if kind < 0.6:
-                raw[at] = rng.randrange(256)
-            elif kind < 0.8:
-                raw.insert(at, rng.randrange(256))
-            else:
-                del raw[at:]
-                break
-        cut = skim.skim(bytes(raw))
+        cut = skim.skim(_damaged(data, rng), reference=None)
         if cut is None:
             outcomes.add("read whole")
             continue
@@ -279,17 +284,8 @@ def test_damage_gets_the_same_result_with_a_reference_as_without(forged: Path):
     rng = random.Random(11)
     matched = set()
     for trial in range(600):
-        raw = bytearray(data)
-        for _ in range(rng.randint(1, 3)):
-            at = rng.randrange(len(raw))
-            kind = rng.random()
-            if kind < 0.7:
-                raw[at] = rng.randrange(256)
-            elif kind < 0.9:
-                raw.insert(at, rng.randrange(256))
-            else:
-                del raw[at:]
-        fast, slow = skim.skim(bytes(raw), forms=True, reference=ref), skim.skim(bytes(raw), forms=True, reference=None)
+        raw = _damaged(data, rng)
+        fast, slow = skim.skim(raw, forms=True, reference=ref), skim.skim(raw, forms=True, reference=None)
         assert _result(fast) == _result(slow), trial
         if fast is not None:
             matched.add(fast.matched == fast.cut)
