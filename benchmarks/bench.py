@@ -13,7 +13,8 @@ and peak RSS of the largest process with /usr/bin/time:
   whole command, and bytes it read), then `shardstore export` to safetensors;
 - `shardstore unshard` end to end, to safetensors, to torch, to DCP and (with the run's config.yaml) to `hf`;
 - `shardstore ingest` with rank files and store on a local S3 API server (moto), counting the requests
-  the server answered (its access log);
+  the server answered (its access log), against a plain copy of the same files on that server through
+  s3fs (the floor there: each byte read once and written once through the same client library);
 - for `w1024-7b`, a subset of a checkpoint too large for the disk: rank 0 ingested alone (it plans the
   store), then rank 1 alone, then the rest; the difference of the last two is the per-file cost;
 - OLMo's `TorchLegacyShardedCheckpointer` (PyPI ai2-olmo, installed with --no-deps plus what it imports),
@@ -81,6 +82,12 @@ SCENARIOS = {
     "dcp": Scenario("olmo-d1024-l10-dcp-w4", 4, ModelSpec(1024, 10), olmo=False, format="dcp",
                     show_key="model/transformer_wte_weight"),
 }
+
+# a plain copy of the rank files on the S3 server through s3fs: each read once, written once (8 MB blocks)
+FSSPEC_COPY = ("import shutil, sys, s3fs; fs = s3fs.S3FileSystem()\n"
+               "for url in sys.argv[1:]:\n"
+               "    with fs.open(url, 'rb') as i, fs.open(url.replace('/ckpt/', '/copy/'), 'wb') as o:\n"
+               "        shutil.copyfileobj(i, o, 8 << 20)")
 
 # torch's own converter, as people run it: everything into one torch.save file
 DCP_TO_TORCH_SAVE = ("import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
@@ -332,14 +339,24 @@ def run_s3(sc: Scenario, ckpt: Path, files: list[Path], run: Callable[..., str],
         time.sleep(2)
         subprocess.run([sys.executable, "-c", upload, *map(str, files)], check=True, env={**os.environ, **env})
         urls = [f"s3://bench/ckpt/{f.name}" for f in files]
-        log.flush()
-        before = len(_requests(log))
-        run("shardstore ingest (S3 -> S3)", [sys.executable, "-m", "shardstore.cli", "ingest", "s3://bench/store",
-                                             *urls, "-q"], env)
-        counts = collections.Counter(method for method, _ in _requests(log)[before:])
-        if results and results[-1].contender == "shardstore ingest (S3 -> S3)" and results[-1].wall:
-            results[-1].note = (f"moto S3 server on loopback; {sum(counts.values()) / len(files):.1f} requests per "
-                                f"rank file ({', '.join(f'{n} {m}' for m, n in counts.most_common())} in all)")
+
+        def requests(name: str, cmd: list[str]) -> None:
+            """Run `cmd` as contender `name`, noting the requests the server answered for it."""
+            log.flush()
+            before = len(_requests(log))
+            run(name, cmd, env)
+            counts = collections.Counter(method for method, _ in _requests(log)[before:])
+            if results and results[-1].contender == name and results[-1].wall:
+                results[-1].note = (f"moto S3 server on loopback; {sum(counts.values()) / len(files):.1f} requests "
+                                    f"per rank file ({', '.join(f'{n} {m}' for m, n in counts.most_common())} in all)")
+
+        # the floor on that server: every rank file read and written once through the same client library
+        requests("fsspec copy (S3 -> S3)", [sys.executable, "-c", FSSPEC_COPY, *urls])
+        floor = results[-1].wall if results and results[-1].contender == "fsspec copy (S3 -> S3)" else None
+        requests("shardstore ingest (S3 -> S3)", [sys.executable, "-m", "shardstore.cli", "ingest", "s3://bench/store",
+                                                  *urls, "-q"])
+        if floor and results[-1].contender == "shardstore ingest (S3 -> S3)" and results[-1].wall:
+            results[-1].note += f"; {results[-1].wall / floor:.2f}x the fsspec copy"
     finally:
         server.terminate()
         server.wait()
