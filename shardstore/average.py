@@ -13,8 +13,8 @@ for float32 and float64 tensors and float32 otherwise, each product and sum roun
 rounds it, and the result rounded to nearest even into the tensor's dtype (or `dtype`'s). Tensors of
 other dtypes (integer buffers) are the last checkpoint's, and said so.
 
-A torch output (`--format torch`) is the whole last checkpoint, as `unshard` writes it, with the model's
-floating tensors averaged in place: the optimizer's state, step counters, RNG states and every other
+A torch or DCP output (`--format torch`, `--format dcp`) is the whole last checkpoint, as `unshard`
+writes it, with the model's floating tensors averaged in place (in DCP, each averaged tensor one chunk): the optimizer's state, step counters, RNG states and every other
 value are the last checkpoint's, and said so. With `include_optimizer` every floating sharded tensor is
 averaged, the optimizer's moments too; step counters and other small tensors still come from the last.
 """
@@ -34,6 +34,7 @@ from . import dtypes
 from .errors import ExportError
 from .export import ExportRequest, model_subtree, output_format, planned
 from .export.resolve import ArrayRef, leaves
+from .export.dcp import export_dcp, plan_dcp
 from .export.torch import export_torch
 from .export.safetensors import CASTABLE
 from .ingest import ingest, under
@@ -125,13 +126,12 @@ def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.Pat
     if len(weights) != len(checkpoints) or not all(w >= 0 for w in weights) or sum(weights) <= 0:
         raise ExportError(f"--weights: {len(checkpoints)} non-negative numbers, not all zero, one per checkpoint")
     request = ExportRequest(format, select, strip_prefix, dtype, max_shard_size, hf_config)
-    whole = format == "torch"
-    if not whole and not output_format(format).subtree:
-        raise ExportError(f"average writes safetensors, hf and torch outputs, not {format}")
+    whole = format in ("torch", "dcp")
+    output_format(format)  # an unknown one refused here, before any reading
     if include_optimizer and not whole:
-        raise ExportError(f"--include-optimizer: a {format} output holds the model only; use --format torch")
+        raise ExportError(f"--include-optimizer: a {format} output holds the model only; use --format torch or dcp")
     if whole and (dtype or strip_prefix or hf_config):
-        raise ExportError("--format torch writes the last checkpoint as it is: --dtype, --strip-prefix and "
+        raise ExportError(f"--format {format} writes the last checkpoint as it is: --dtype, --strip-prefix and "
                           "--hf-config are for safetensors and hf outputs")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -151,7 +151,7 @@ def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.Pat
         _same_tensors(stores, [str(c) for c in checkpoints], averaged)
         out.mkdir(parents=True, exist_ok=True)
         if whole:
-            return _average_torch(stores, weights, averaged, out)
+            return _average_whole(stores, weights, averaged, out, format)
         plan = planned(stores[-1], request)
         kept = []
         for it in plan.tensors:
@@ -169,8 +169,10 @@ def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.Pat
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _average_torch(stores: list[Store], weights: tuple[float, ...], averaged: str, out: Path) -> AverageResult:
-    """The last store's torch files, its floating arrays under `averaged` ("" for all) the stores' mean."""
+def _average_whole(stores: list[Store], weights: tuple[float, ...], averaged: str, out: Path,
+                   format: str) -> AverageResult:
+    """The last store's torch files or DCP folder, its floating arrays under `averaged` ("" for all) the
+    stores' mean (written here, in one process: the means read every store)."""
     last = stores[-1]
     means: dict[ArrayRef, ArrayRef] = {}  # one per array: a tied tensor stays one storage
     kept: list[str] = []
@@ -184,7 +186,10 @@ def _average_torch(stores: list[Store], weights: tuple[float, ...], averaged: st
                 kept.append(ref.path)
         return means[ref]
 
-    files = export_torch(last, out, arrays=mean_of)
+    if format == "torch":
+        files = export_torch(last, out, arrays=mean_of)
+    else:
+        files = export_dcp(last, out, plan_dcp(last, arrays=mean_of))
     averaged_paths = {r.path for r, m in means.items() if m is not r}
     values = sum(1 for _, path in leaves(last.manifest.tree) if path not in last.manifest.arrays)
     return AverageResult(files, len(averaged_paths), sorted(set(kept)), values)

@@ -347,11 +347,12 @@ def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--weights", default=None, metavar="W1,W2,...", help="One weight per checkpoint [default: equal].")
-@click.option("--format", "fmt", type=click.Choice(["safetensors", "hf", "torch"]), default="safetensors",
-              show_default=True, help="What to write, as unshard writes it (torch: the whole last checkpoint, its "
-              "model averaged).")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "hf", "torch", "dcp"]), default="safetensors",
+              show_default=True, help="What to write, as unshard writes it (torch, dcp: the whole last checkpoint, "
+              "its model averaged).")
 @click.option("--include-optimizer", is_flag=True,
-              help="With --format torch, average the optimizer's moments too (every floating sharded tensor).")
+              help="With --format torch or dcp, average the optimizer's moments too (every floating sharded "
+              "tensor).")
 @click.option("--hf-config", type=click.Path(exists=True), default=None, metavar="PATH",
               help="For --format hf, as for unshard.")
 @click.option("--select", default=None, help="The subtree to average as the model [default: detected].")
@@ -363,8 +364,8 @@ def average(paths: tuple[str, ...], weights: str | None, fmt: str, include_optim
             select: str | None, strip_prefix: str | None, dtype: str | None, jobs: int | None) -> None:
     """Average CHECKPOINTS... (two or more of one run, each a folder as unshard takes it, any format and world
     size each) into OUT, the last of PATHS: the weighted mean of every floating tensor of the model, written
-    once as safetensors, a Hugging Face folder, or the last checkpoint's torch files with its model averaged
-    (its other state, and with --include-optimizer its optimizer's moments averaged too)."""
+    once as safetensors, a Hugging Face folder, or the last checkpoint's torch files or DCP folder with its
+    model averaged (its other state, and with --include-optimizer its optimizer's moments averaged too)."""
     if len(paths) < 3:
         raise click.UsageError("give two checkpoints or more, then OUT")
     try:
@@ -376,7 +377,7 @@ def average(paths: tuple[str, ...], weights: str | None, fmt: str, include_optim
     for path in result.files:
         click.echo(f"wrote {path}")
     if result.kept:
-        why = "not averaged (not floating, or outside the model)" if fmt == "torch" else "not floating"
+        why = "not averaged (not floating, or outside the model)" if fmt in ("torch", "dcp") else "not floating"
         click.echo(f"note: {len(result.kept)} tensor(s) {why}, taken from the last checkpoint: "
                    f"{', '.join(result.kept[:5])}{' ...' if len(result.kept) > 5 else ''}", err=True)
     if result.values:

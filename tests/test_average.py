@@ -59,8 +59,8 @@ def test_average_refuses_in_one_line(checkpoints, tmp_path: Path) -> None:
         shardstore.average([a], tmp_path / "one")
     with pytest.raises(ExportError, match="--weights: 2 non-negative numbers"):
         shardstore.average([a, a], tmp_path / "w", weights=[1, -1])
-    with pytest.raises(ExportError, match="average writes safetensors, hf and torch outputs, not dcp"):
-        shardstore.average([a, a], tmp_path / "t", format="dcp")
+    with pytest.raises(ExportError, match="unknown format 'zarr'"):
+        shardstore.average([a, a], tmp_path / "t", format="zarr")
     with pytest.raises(ExportError, match="--include-optimizer: a safetensors output holds the model only"):
         shardstore.average([a, a], tmp_path / "t", include_optimizer=True)
     with pytest.raises(ExportError, match="--format torch writes the last checkpoint as it is: --dtype"):
@@ -113,6 +113,38 @@ def test_a_torch_output_is_the_last_checkpoint_with_its_means(checkpoints, tmp_p
     assert run.returncode == 0, run.stderr
     assert "tensor(s) not averaged (not floating, or outside the model), taken from the last checkpoint" in run.stderr
     assert "other value(s) (counters, RNG states, ...) taken from the last checkpoint" in run.stderr
+
+
+def _dcp_state(folder: Path, tmp_path: Path) -> dict[str, Any]:
+    """A DCP folder as torch's own `dcp_to_torch_save` gathers it."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    target = tmp_path / f"{folder.name}.pt"
+    dcp_to_torch_save(folder, target)
+    return torch.load(target, weights_only=False)
+
+
+def test_a_dcp_output_is_the_last_checkpoint_with_its_means(checkpoints, tmp_path: Path) -> None:
+    """--format dcp: torch's own DCP loader reads the last checkpoint as unshard's DCP export holds it, the
+    model's tensors the mean (each one chunk), bit for bit against torch's mean."""
+    a, b = checkpoints(2), checkpoints(3)
+    shardstore.unshard(b, tmp_path / "last", format="dcp")
+    want = _dcp_state(tmp_path / "last", tmp_path)
+    result = shardstore.average([a, b], tmp_path / "avg", format="dcp", weights=[1, 3])
+    assert sorted(f.name for f in result.files) == sorted(f.name for f in (tmp_path / "avg").iterdir())
+    got = _dcp_state(tmp_path / "avg", tmp_path)
+    means = _torch_mean([expected(a)["model"], expected(b)["model"]], [1, 3])
+    where = _only(want, means.keys())
+    assert any(not torch.equal(means[name], _get(want, at)) for name, at in where.items())  # not the last's
+    for name, at in where.items():
+        _set(want, at, means[name])
+    assert_bitwise_equal(got, want)
+    assert result.averaged == len(means) and result.values > 0
+
+
+def _get(tree: Any, keys: tuple[Any, ...]) -> Any:
+    for k in keys:
+        tree = tree[k]
+    return tree
 
 
 def _only(tree: Any, names: Any, moments: bool = False) -> dict[str, tuple[Any, ...]]:

@@ -61,13 +61,15 @@ class CellRef(ArrayRef):
 class Item:
     fqn: str
     chunk: tuple[tuple[int, ...], tuple[int, ...]] | None  # offsets and sizes of a tensor chunk; None: a value
-    source: Any  # a CellRef; or (store path of the leaf holding it, keys below that leaf) for anything else
+    source: Any  # an ArrayRef (a CellRef: one cell of the store); or (store path of the leaf holding it, keys below that leaf) for anything else
     nbytes: int
 
 
-def describe(store: Store) -> tuple[dict[str, Any], dict[str, tuple], list[Item]]:
+def describe(store: Store, arrays: Callable[[ArrayRef], ArrayRef] | None = None
+             ) -> tuple[dict[str, Any], dict[str, tuple], list[Item]]:
     """(what each flattened key is, planner_data, items) for the whole store. Keys are flattened as torch's
-    `flatten_state_dict` does (`flatten`), into containers the store keeps as one value (param_groups)."""
+    `flatten_state_dict` does (`flatten`), into containers the store keeps as one value (param_groups).
+    An array `arrays` replaces (`average`'s mean of several stores) is one chunk, the whole tensor."""
     flat, mappings = flatten(build(store, store.manifest.tree, lean=True))
     leaf_of = dcp_names(store)
     described: dict[str, Any] = {}
@@ -76,6 +78,10 @@ def describe(store: Store) -> tuple[dict[str, Any], dict[str, tuple], list[Item]
         if isinstance(value, ArrayRef):
             entry = store.manifest.arrays[value.path]
             described[fqn] = ("tensor", entry.dtype, entry.shape)
+            replaced = arrays(value) if arrays else value
+            if replaced != value:
+                items.append(Item(fqn, ((0,) * len(entry.shape), tuple(entry.shape)), replaced, replaced.nbytes))
+                continue
             for flat_index in range(entry.ncells):
                 index = entry.cell_index(flat_index)
                 bounds = entry.cell_bounds(index)
@@ -159,7 +165,7 @@ def write_items(store: Store, path: Path, items: list[Item], partial: bool,
     with OutputFile(path) as out:
         for item in items:
             start = out.pos
-            if isinstance(item.source, CellRef):
+            if isinstance(item.source, ArrayRef):
                 obj: Any = item.source
             else:
                 leaf, below = item.source
@@ -200,10 +206,10 @@ class DcpPlan:
         return sum(item.nbytes for items in self.files for item in items)
 
 
-def plan_dcp(store: Store, jobs: int = 1) -> DcpPlan:
+def plan_dcp(store: Store, jobs: int = 1, arrays: Callable[[ArrayRef], ArrayRef] | None = None) -> DcpPlan:
     """Which item goes into which .distcp file: the largest first, each to the lightest file, in files of
     about FILE_BYTES (at least one per worker), so the work spreads and progress moves file by file."""
-    described, mappings, items = describe(store)
+    described, mappings, items = describe(store, arrays)
     return DcpPlan(described, mappings, spread(items, jobs))
 
 
