@@ -30,7 +30,7 @@ import numpy as np
 from . import dtypes
 from .errors import ExportError
 from .export import ExportRequest, model_subtree, planned
-from .export.resolve import ArrayRef, build
+from .export.resolve import ArrayRef, build, leaves
 from .export.safetensors import CASTABLE, INDEX, Item, tensor_bytes
 from .export.torch import torch_layout, torch_object
 from .ingest import ingest
@@ -84,15 +84,16 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
            hf_config: str | os.PathLike[str] | None = None, tag: str | None = None, step: int | None = None,
            jobs: int | None = None, storage_options: StorageOptions | None = None) -> VerifyResult:
     """Check OUTPUT (a safetensors file, or a folder of them: a Hugging Face folder when it has a
-    config.json; the torch files `--format torch` writes; a DCP folder) against the checkpoint in SRC. `format`
-    ("safetensors", "hf" or "torch") says which export to check it as [default: from the folder];
+    config.json; a model's state dict in torch files, one or pytorch_model*.bin; the torch files `--format
+    torch` writes; a DCP folder) against the checkpoint in SRC. `format` ("safetensors", "hf", "torch" or
+    "dcp") says which export to check it as [default: from the folder];
     `select`, `strip_prefix` and `hf_config` as the export took them."""
     out = Path(output)
     format = format or _format_of(out)
-    request = ExportRequest(format, select, strip_prefix, hf_config=hf_config)
     if format not in ("safetensors", "hf", "torch", "dcp"):
         raise ExportError(f"verify checks safetensors, hf, torch and dcp outputs, not {format}")
-    whole = format in ("torch", "dcp")  # the whole checkpoint: the optimizer's state too
+    # the whole checkpoint, the optimizer's state too; or a model's state dict in torch files
+    whole = format == "dcp" or format == "torch" and not state_dict_files(out)
     files, outputs = _output_tensors(out) if not whole else ([], {})
     written = open_source(out) if format == "dcp" else None  # refused up front if it is no DCP folder
     try:
@@ -103,12 +104,14 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
             f.close()
         raise
     try:
-        if format == "torch":
+        if whole and format == "torch":
             return _compare_torch(ingest(scratch / "store", source, jobs=jobs), out)
         if written is not None:
             return _compare_dcp(ingest(scratch / "store", source, jobs=jobs), ingest(scratch / "output", written, jobs=jobs))
         store = ingest(scratch / "store", source, jobs=jobs,  # the model's tensors only
                        only=lambda st: select if select is not None else model_subtree(st))
+        # the tensors, and their names, a safetensors (or hf) export writes: a state dict's too
+        request = ExportRequest("hf" if format == "hf" else "safetensors", select, strip_prefix, hf_config=hf_config)
         return _compare(store, planned(store, request).tensors, outputs, format)
     finally:
         for f in files:
@@ -131,8 +134,8 @@ def _format_of(out: Path) -> str:
         return "hf"
     if (out / ".metadata").is_file():
         return "dcp"
-    if out.suffix in (".pt", ".pth", ".bin", ".ckpt") or \
-            out.is_dir() and not any(out.glob("*.safetensors")) and any(out.glob("*.pt")):
+    if out.suffix in (".pt", ".pth", ".bin", ".ckpt") or out.is_dir() and not any(out.glob("*.safetensors")) and \
+            (any(out.glob("*.pt")) or any(out.glob("*.bin"))):
         return "torch"
     return "safetensors"
 
@@ -224,31 +227,80 @@ def _walk(store: Store, found: Callable[[Any], Found | None], name: str, want: A
         differ(Difference(name, f"{got!r:.60} in the output, {want!r:.60} in the checkpoint"))
 
 
-def _output_tensors(out: Path) -> tuple[list[SafetensorsFile], dict[str, tuple[SafetensorsFile, str]]]:
-    """The output's files, open (the caller closes them), and each tensor they hold: its file and dtype.
-    The index names the files of a sharded output; else every .safetensors file of the folder is one."""
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+class _StateFile:
+    """A torch file of one flat {name: tensor} dict (`torch.save(model.state_dict())`, zero_to_fp32's and
+    the HF Trainer's pytorch_model*.bin, accelerate's --unsafe_serialization), read with the safe
+    unpickler: nothing of it is called."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+        self._zf = TorchZip(path)
+        try:
+            state = load(self._zf.record("data.pkl"), self.path, strict=False)
+            if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, TensorRef)
+                                                      for k, v in state.items()):
+                raise ExportError(f"{path}: not a state dict ({{name: tensor}}); a torch export of shardstore's "
+                                  f"is verified as its folder")
+            self.tensors: dict[str, TensorRef] = state
+        except BaseException:
+            self._zf.close()
+            raise
+
+    def view(self, name: str) -> memoryview:
+        ref = self.tensors[name]
+        span = tensors.byte_range(self._zf, ref)
+        return self._zf.file.view(*span) if span is not None else memoryview(tensors.array(self._zf, ref).tobytes())
+
+    def close(self) -> None:
+        self._zf.close()
+
+
+class _Safetensors(SafetensorsFile):
+    def view(self, name: str) -> memoryview:
+        return self.record(f"data/{name}")
+
+
+OutputFile = _StateFile | _Safetensors
+
+
+def state_dict_files(out: Path) -> bool:
+    """Whether OUTPUT is a model's state dict in torch files (one, or a folder of pytorch_model*.bin) rather
+    than the files of shardstore's torch export (which verify walks whole)."""
+    if out.is_file():
+        with TorchZip(out) as zf:
+            state = load(zf.record("data.pkl"), str(out), strict=False)
+        return isinstance(state, dict) and all(isinstance(v, TensorRef) for v in state.values())
+    return (out / BIN_INDEX).is_file() or not any(out.glob("*.pt")) and any(out.glob("*.bin"))
+
+
+def _output_tensors(out: Path) -> tuple[list[OutputFile], dict[str, tuple[OutputFile, TensorRef]]]:
+    """The output's files, open (the caller closes them), and each tensor they hold. An index names the
+    files of a sharded output; else every .safetensors file of the folder is one, or else every .bin."""
     if out.is_file():
         paths = [out]
-    elif (out / INDEX).is_file():
-        index = loads(read_small(out / INDEX, None, MAX_INDEX_FILE, "a safetensors index"), str(out / INDEX),
-                      "index", ExportError)
+    elif (out / INDEX).is_file() or (out / BIN_INDEX).is_file():
+        at = out / INDEX if (out / INDEX).is_file() else out / BIN_INDEX
+        index = loads(read_small(at, None, MAX_INDEX_FILE, "an index"), str(at), "index", ExportError)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
-            raise ExportError(f"{out / INDEX}: has no weight_map")
+            raise ExportError(f"{at}: has no weight_map")
         paths = [out / name for name in sorted({str(v) for v in weight_map.values()})]
     else:
-        paths = sorted(out.glob("*.safetensors"))
+        paths = sorted(out.glob("*.safetensors")) or sorted(out.glob("*.bin"))
     if not paths:
-        raise ExportError(f"{out}: no safetensors file to verify")
-    files: list[SafetensorsFile] = []
-    found: dict[str, tuple[SafetensorsFile, str]] = {}
+        raise ExportError(f"{out}: no safetensors or pytorch_model*.bin file to verify")
+    files: list[OutputFile] = []
+    found: dict[str, tuple[OutputFile, TensorRef]] = {}
     try:
         for path in paths:
-            files.append(SafetensorsFile(path))
+            files.append(_Safetensors(path) if path.suffix == ".safetensors" else _StateFile(path))
             for name, ref in files[-1].tensors.items():
                 if name in found:
                     raise ExportError(f"{path}: holds {name}, which {found[name][0].path} holds too")
-                found[name] = (files[-1], ref.dtype)
+                found[name] = (files[-1], ref)
     except BaseException:
         for f in files:
             f.close()
@@ -256,17 +308,35 @@ def _output_tensors(out: Path) -> tuple[list[SafetensorsFile], dict[str, tuple[S
     return files, found
 
 
-def _compare(store: Store, items: list[Item], outputs: dict[str, tuple[SafetensorsFile, str]],
+def _tied_items(store: Store, items: list[Item]) -> list[Item]:
+    """The tied names (DeepSpeed's shared_params: `lm_head.weight` for `embed_tokens.weight`) under the
+    names an export would give them, each its target's item: a state dict holds them (zero_to_fp32's
+    does), a safetensors export does not, so they are compared where present, never missing."""
+    by_path = {it.source.path: it for it in items if isinstance(it.source, ArrayRef) and it.source.rows is None}
+    full = {path: ".".join(map(str, keys)) for keys, path in leaves(store.manifest.tree)}
+    tied = []
+    for alias, target in store.manifest.facts.tied:
+        item, joined = by_path.get(target), full.get(target, "")
+        if item is None or not joined.endswith(item.key):
+            continue
+        prefix, name = joined[:len(joined) - len(item.key)], ".".join(map(str, alias))  # the subtree, stripped
+        if name.startswith(prefix) and len(name) > len(prefix):
+            tied.append(replace(item, key=name[len(prefix):]))
+    return tied
+
+
+def _compare(store: Store, items: list[Item], outputs: dict[str, tuple[OutputFile, TensorRef]],
              format: str) -> VerifyResult:
     result = VerifyResult(format)
     left = dict(outputs)
-    for item in items:
+    optional = [it for it in _tied_items(store, items) if it.key in outputs]
+    for item in items + optional:
         got = left.pop(item.key, None)
         if got is None:
             result.differences.append(Difference(item.key, "missing from the output"))
             continue
-        f, dtype = got
-        shape = f.tensors[item.key].shape
+        f, ref = got
+        shape, dtype = ref.shape, ref.dtype
         if tuple(shape) != tuple(item.shape):
             result.differences.append(Difference(item.key, f"shape {list(shape)} in the output, {list(item.shape)} "
                                                            f"from the checkpoint"))
@@ -279,7 +349,7 @@ def _compare(store: Store, items: list[Item], outputs: dict[str, tuple[Safetenso
             item = replace(item, dtype=dtype)  # checked against the source cast as torch casts
         result.tensors += 1
         result.nbytes += item.nbytes
-        difference = _first_difference(item, tensor_bytes(store, item), f.record(f"data/{item.key}"))
+        difference = _first_difference(item, tensor_bytes(store, item), f.view(item.key))
         if difference is not None:
             result.differences.append(Difference(item.key, difference))
     for name in sorted(left):

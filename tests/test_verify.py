@@ -154,6 +154,51 @@ def test_accelerates_own_merge_passes(tmp_path: Path) -> None:
     assert result.ok and result.tensors == len(load_file(tmp_path / "merged" / "model.safetensors"))
 
 
+PEERS = Path(__file__).parent / "fixtures" / "data" / "peers"
+DEEPSPEED = Path(__file__).parent / "fixtures" / "data" / "deepspeed"
+
+
+@pytest.mark.parametrize("run", ["verl-fsdp2-w4", "verl-fsdp1-w3"])
+def test_verls_own_merger_passes_and_a_changed_element_in_it_is_caught(run: str, tmp_path: Path) -> None:
+    """`python -m verl.model_merger merge --backend fsdp` (veRL 0.9.1) of a veRL run's actor folder, kept
+    with the run (tests/fixtures/peer_outputs.py): an HF folder, verified tensor for tensor against the run
+    folder; the same folder with one element of one tensor changed fails, naming it."""
+    merged = PEERS / f"{run}.merged"
+    result = shardstore.verify(PEERS / run, merged)
+    assert result.ok, result.differences
+    assert result.format == "hf" and result.tensors == len(load_file(merged / "model.safetensors"))
+    copy = tmp_path / "merged"
+    shutil.copytree(merged, copy)
+    tensors = load_file(copy / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] += 1
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    run_ = _cli(PEERS / run, copy)
+    assert run_.returncode == 1
+    assert "model.layers.1.mlp.up_proj.weight: 1 of" in run_.stdout and "the first, at [3, 5]" in run_.stdout
+
+
+@pytest.mark.parametrize("kind", ["z2-w3", "z3-bf16-w3"])
+def test_zero_to_fp32s_state_dict_passes_with_its_tied_name(kind: str, tmp_path: Path) -> None:
+    """DeepSpeed's own zero_to_fp32.py output (a torch `pytorch_model.bin`: {name: tensor}, the tied
+    `lm_head.weight` sharing the embedding's storage), given as its folder or as the file, verifies
+    against the ZeRO checkpoint, the tied name compared too; the tie broken by a changed element is caught
+    under the tied name, and a dropped tensor is named."""
+    out = PEERS / f"{kind}.zero_to_fp32"
+    state = torch.load(out / "pytorch_model.bin", weights_only=True)
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    for given in (out, out / "pytorch_model.bin"):
+        result = shardstore.verify(DEEPSPEED / kind, given)
+        assert result.ok, result.differences
+        assert result.format == "torch" and result.tensors == len(state)
+    state["lm_head.weight"] = state["lm_head.weight"].clone()
+    state["lm_head.weight"][2, 1] += 1
+    del state["model.norm.weight"]
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    found = {d.name: d.what for d in shardstore.verify(DEEPSPEED / kind, tmp_path).differences}
+    assert found.keys() == {"lm_head.weight", "model.norm.weight"}
+    assert "the first, at [2, 1]" in found["lm_head.weight"] and found["model.norm.weight"] == "missing from the output"
+
+
 def test_a_dtype_policy_keeps_matching_tensors_and_is_recorded(olmo_models, tmp_path: Path) -> None:
     """`--dtype bf16 --keep-dtype PATTERN`: tensors whose output name matches (a glob, or `re:` a regex)
     keep their dtype, the rest are cast; the same in one pass and in two steps; the headers record the
