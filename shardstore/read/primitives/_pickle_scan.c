@@ -186,6 +186,12 @@ typedef struct {
     int key;              /* 1: shards_metadata, 2: placements */
     size_t first, count;  /* its outside entries, in Ref.outs */
     PyObject *digest;     /* key 1: the digest its normal form got */
+    /* the memo entries walking it sets, when they are `puts` consecutive ones from `lo` (as torch.save
+     * numbers them) and every atom it memoizes lies inside it: each a byte in Ref.kinds from `kinds` (1: an
+     * atom, at the offset from the list's start next in Ref.offsets from `offsets`; 0: the list's own) */
+    int simple;
+    uint32_t lo, puts;
+    size_t kinds, offsets;
 } RefList;
 
 typedef struct {
@@ -196,10 +202,11 @@ typedef struct {
 } RefOut;
 
 typedef struct {
-    Buf raw, atoms;
+    Buf raw, atoms, kinds, offsets;
     RefList *lists;
     RefOut *outs;
     size_t nlists, caplists, nouts, capouts;
+    size_t cap;           /* the memo capacity that file needed: another file of its save needs about as much */
 } Ref;
 
 typedef struct {
@@ -214,6 +221,10 @@ typedef struct {
     size_t cap, puts, kept;
     uint32_t list;   /* the list being walked, numbered from 1; 0 outside */
     Ref *build;      /* the reference being built from this file, or NULL */
+    /* while building, the memo entries the list being walked sets (see RefList) */
+    long long list_at;
+    int list_simple;
+    uint32_t list_lo, list_puts, list_atoms;
 } Skim;
 
 static unsigned char atom_ops[256]; /* opcodes that push an immutable value of their own: inlined by value */
@@ -265,30 +276,83 @@ static inline long long op_end(const Skim *s, long long at, long long *arg) {
     }
 }
 
+/* Room for memo entries [0, need): the columns grown (epoch and seen only while building a reference). */
+static int memo_grow(Skim *s, size_t need) {
+    if (need <= s->cap) return 0;
+    size_t cap = s->cap ? s->cap : 1024;
+    while (cap < need) cap *= 2;
+#define GROW(column) do { \
+        void *grown = PyMem_Realloc(s->column, cap * sizeof *s->column); \
+        if (!grown) { PyErr_NoMemory(); return -1; } \
+        s->column = grown; \
+    } while (0)
+    GROW(owner); GROW(val); GROW(renum); GROW(alen);
+    if (s->build) { GROW(epoch); GROW(seen); }
+#undef GROW
+    for (size_t i = s->cap; i < cap; i++) s->owner[i] = OWNER_UNSET;
+    if (s->build)
+        for (size_t i = s->cap; i < cap; i++) s->epoch[i] = 0, s->seen[i] = 0;
+    s->cap = cap;
+    return 0;
+}
+
 static int memo_set(Skim *s, long long index, int32_t owner, uint32_t val) {
     if (index < 0 || (size_t)index > s->puts + MEMO_SLACK) return 1;
-    if ((size_t)index >= s->cap) {
-        size_t cap = s->cap ? s->cap : 1024;
-        while (cap <= (size_t)index) cap *= 2;
-#define GROW(column) do { \
-            void *grown = PyMem_Realloc(s->column, cap * sizeof *s->column); \
-            if (!grown) { PyErr_NoMemory(); return -1; } \
-            s->column = grown; \
-        } while (0)
-        GROW(owner); GROW(val); GROW(renum); GROW(alen); GROW(epoch); GROW(seen);
-#undef GROW
-        for (size_t i = s->cap; i < cap; i++) s->owner[i] = OWNER_UNSET, s->epoch[i] = 0, s->seen[i] = 0;
-        s->cap = cap;
-    }
+    if (memo_grow(s, (size_t)index + 1) < 0) return -1;
     s->owner[index] = owner;
     s->val[index] = val;
-    s->epoch[index] = s->list;
     if (owner == OWNER_ATOM || owner == OWNER_LIST_ATOM) {
         long long arg;
         s->alen[index] = (uint32_t)(op_end(s, val, &arg) - val);
     }
     if (owner == OWNER_ATOM || owner == OWNER_OUTSIDE) s->renum[index] = (uint32_t)s->kept++;
     s->puts++;
+    if (s->build) {
+        s->epoch[index] = s->list;
+        if (s->list && s->list_simple) { /* what RefList keeps to set these entries again without walking */
+            int atom = owner == OWNER_LIST_ATOM;
+            uint32_t offset = (uint32_t)(val - s->list_at);
+            if (s->list_puts == 0) s->list_lo = (uint32_t)index;
+            if ((uint32_t)index != s->list_lo + s->list_puts || (atom && (long long)val < s->list_at)) {
+                s->list_simple = 0; /* walked again when matched: what it recorded so far is dropped */
+                s->build->kinds.len -= s->list_puts;
+                s->build->offsets.len -= s->list_atoms * sizeof offset;
+            } else {
+                unsigned char kind = (unsigned char)atom;
+                if (buf_add(&s->build->kinds, &kind, 1) < 0 ||
+                    (atom && buf_add(&s->build->offsets, &offset, sizeof offset) < 0)) return -1;
+                s->list_puts++;
+                s->list_atoms += (uint32_t)atom;
+            }
+        }
+    }
+    return 0;
+}
+
+/* What walking a simple reference list (RefList) at `at` sets, without walking it: the same entries, the
+ * same owners and values, since its bytes are the same. 1 where memo_set would give up. */
+static int memo_set_again(Skim *s, const Ref *r, const RefList *l, long long at, int span) {
+    if ((size_t)l->lo > s->puts + MEMO_SLACK) return 1;
+    if (memo_grow(s, (size_t)l->lo + l->puts) < 0) return -1;
+    const unsigned char *kinds = r->kinds.p + l->kinds;
+    const unsigned char *offsets = r->offsets.p + l->offsets;
+    uint32_t rel = 0;
+    for (uint32_t k = 0; k < l->puts; k++) {
+        uint32_t index = l->lo + k;
+        if (kinds[k]) {
+            uint32_t offset;
+            memcpy(&offset, offsets, sizeof offset);
+            offsets += sizeof offset;
+            long long arg, a = at + offset;
+            s->owner[index] = OWNER_LIST_ATOM;
+            s->val[index] = (uint32_t)a;
+            s->alen[index] = (uint32_t)(op_end(s, a, &arg) - a);
+        } else {
+            s->owner[index] = span;
+            s->val[index] = rel++;
+        }
+    }
+    s->puts += l->puts;
     return 0;
 }
 
@@ -484,6 +548,8 @@ static void ref_free(Ref *r) {
     for (size_t i = 0; i < r->nlists; i++) Py_XDECREF(r->lists[i].digest);
     PyMem_Free(r->raw.p);
     PyMem_Free(r->atoms.p);
+    PyMem_Free(r->kinds.p);
+    PyMem_Free(r->offsets.p);
     PyMem_Free(r->lists);
     PyMem_Free(r->outs);
     PyMem_Free(r);
@@ -502,7 +568,9 @@ static int ref_add_list(Skim *s, long long at, long long stop, int key, size_t f
         r->caplists = cap;
     }
     RefList *l = &r->lists[r->nlists];
-    *l = (RefList){r->raw.len, (size_t)(stop - at), key, first, r->nouts - first, Py_XNewRef(digest)};
+    *l = (RefList){r->raw.len, (size_t)(stop - at), key, first, r->nouts - first, Py_XNewRef(digest),
+                   s->list_simple, s->list_lo, s->list_puts, r->kinds.len - s->list_puts,
+                   r->offsets.len - s->list_atoms * sizeof(uint32_t)};
     r->nlists++;
     return buf_add(&r->raw, s->raw + at, (size_t)(stop - at));
 }
@@ -582,6 +650,7 @@ static PyObject *skim(PyObject *self, PyObject *args) {
         memset(s.build, 0, sizeof *s.build);
     }
     if (!(digests = PyList_New(0))) goto done;
+    if (ref && memo_grow(&s, ref->cap) < 0) goto done; /* at once, not doubling through copies */
     while (!give_up) {
         if (pos >= s.n) { give_up = 1; break; }
         unsigned char op = s.raw[pos];
@@ -618,8 +687,10 @@ static PyObject *skim(PyObject *self, PyObject *args) {
             size_t first = s.build ? s.build->nouts : 0;
             PyObject *text = NULL;
             s.list = (uint32_t)++lists;
+            s.list_at = pos, s.list_simple = 1, s.list_lo = s.list_puts = s.list_atoms = 0;
             if (stop > 0) { /* the reference's list: its digest, and the memo entries walking it would make */
-                int r = replay(&s, pos, stop, span);
+                int r = same->simple ? memo_set_again(&s, ref, same, pos, span) : replay(&s, pos, stop, span);
+                if (same->simple && r) r = r < 0 ? -2 : -1;
                 if (r == -2) goto done;
                 if (r < 0) { give_up = 1; break; }
                 text = Py_XNewRef(same->digest);
@@ -668,6 +739,7 @@ static PyObject *skim(PyObject *self, PyObject *args) {
          * how many lists were the given reference's, how many lists were cut) */
         PyObject *bytes = PyBytes_FromStringAndSize((const char *)out.p, (Py_ssize_t)out.len), *built = NULL;
         if (bytes && s.build) {
+            s.build->cap = s.cap;
             if ((built = PyCapsule_New(s.build, REF_CAPSULE, ref_destroy))) s.build = NULL; /* the capsule owns it */
         } else if (bytes) {
             built = Py_NewRef(Py_None);
