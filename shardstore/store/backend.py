@@ -40,17 +40,21 @@ class Backend(Protocol):
     def zarr_store(self, read_only: bool = True) -> zarr.abc.store.Store: ...
 
 
-def _find_syncfs() -> Any:
-    """libc's syncfs(2), on Linux; None elsewhere."""
+def _libc(name: str) -> Any:
+    """A function of libc on Linux (syncfs(2), sync_file_range(2)); None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).syncfs
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
 
 
-_syncfs = _find_syncfs()
+_syncfs = _libc("syncfs")
+_sync_file_range = _libc("sync_file_range")
+if _sync_file_range is not None:
+    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+SYNC_FILE_RANGE_WRITE = 2
 
 
 class LocalBackend:
@@ -98,6 +102,8 @@ class LocalBackend:
                         view = view[os.write(fd, view):]
             if durable:
                 os.fsync(fd)
+            elif _sync_file_range is not None:  # writeback starts now, while the next cell is read: the
+                _sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)  # rank's one sync() then waits for less
             os.close(fd)
             fd = -1
             os.replace(tmp, path)
