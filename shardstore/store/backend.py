@@ -63,6 +63,7 @@ class LocalBackend:
     def __init__(self, root: str | os.PathLike[str]):
         self.root = os.fspath(Path(root).absolute())
         self.storage_options: StorageOptions = {}
+        self._made: set[Path] = set()  # folders this process made or found: a rank's ~400 cells share a few
 
     def _path(self, key: str) -> Path:
         return Path(self.root, key)
@@ -88,9 +89,15 @@ class LocalBackend:
 
     def _write(self, key: str, parts: Iterable[Part], durable: bool) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.parent not in self._made:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._made.add(path.parent)
         tmp = tempfiles.temp_path(path)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:  # its folder was removed since (a store deleted and made again)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             for part in parts:
                 if isinstance(part, FileRange):
