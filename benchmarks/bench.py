@@ -1,6 +1,7 @@
 """The benchmark harness: shardstore against today's unsharder and against the disk itself.
 
     python benchmarks/bench.py [--scenarios w8,w256,w1024,w1024-7b,large,dcp] [--out benchmarks/out] [--no-olmo]
+                               [--repeat N]
                                [--deepspeed PY]
 
 For each scenario it generates an OLMo-like checkpoint once (benchmarks/synth.py; cached under --out),
@@ -267,15 +268,8 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
         run("shardstore ingest (1 more rank)", [*shardstore, "ingest", str(work / "store"), str(files[1]), "-q"])
         run(f"shardstore ingest ({len(files) - 2} more ranks)",
             [*shardstore, "ingest", str(work / "store"), *map(str, files[2:]), "-q"])
-        walls = {r.contender: r.wall for r in results}
-        one, more, cp = walls.get("shardstore ingest (1 more rank)"), results[-1].wall, walls.get("cp -r")
-        if one and more and cp:  # the difference leaves out what every command pays once (start-up, workers)
-            per_file, cp_file = (more - one) / (len(files) - 3), cp / len(files)
-            results[-1].note = (f"per file, start-up left out ({len(files) - 2} ranks minus 1): {per_file:.2f} s "
-                                f"against cp -r's {cp_file:.2f} s ({per_file / cp_file:.1f}x); all {sc.world} "
-                                f"files: ~{per_file * sc.world / 60:.0f} min on this machine")
         shutil.rmtree(work, ignore_errors=True)
-        return results
+        return per_file_note(results, sc, len(files))
     if sc.format == "dcp":
         run("dcp_to_torch_save (torch)", [sys.executable, "-c", DCP_TO_TORCH_SAVE, str(ckpt), str(work / "torch.pt")])
         fresh()
@@ -439,11 +433,45 @@ def plot(results: list[Result], path: Path, worlds: dict[str, int]) -> None:
     fig.savefig(path, dpi=90)
 
 
+def per_file_note(results: list[Result], sc: Scenario, files: int) -> list[Result]:
+    """A subset scenario's last row noted with the cost of one more file: the difference of the runs of
+    files-2 ranks and of 1 leaves out what every command pays once (start-up, workers)."""
+    walls = {r.contender: r.wall for r in results}
+    one, more = walls.get("shardstore ingest (1 more rank)"), results[-1].wall
+    cp, synced = walls.get("cp -r"), walls.get("cp -r + sync")
+    if one and more and cp and synced:
+        per_file = (more - one) / (files - 3)
+        results[-1].note = (f"per file, start-up left out ({files - 2} ranks minus 1): {per_file:.2f} s against "
+                            f"cp -r's {cp / files:.2f} s ({per_file * files / cp:.1f}x) and cp -r + sync's "
+                            f"{synced / files:.2f} s ({per_file * files / synced:.1f}x); all {sc.world} files: "
+                            f"~{per_file * sc.world / 60:.0f} min on this machine")
+    return results
+
+
+def medians(runs: list[list[Result]]) -> list[Result]:
+    """One row per contender over repeated runs of a scenario: the median wall time (this disk's speed
+    varies by 2x from minute to minute), the largest peak RSS, the first run's note."""
+    rows: dict[str, list[Result]] = {}
+    for run in runs:
+        for r in run:
+            rows.setdefault(r.contender, []).append(r)
+    merged = []
+    for contender, rs in rows.items():
+        walls = sorted(r.wall for r in rs if r.wall is not None)
+        rss = [r.peak_rss for r in rs if r.peak_rss is not None]
+        note = rs[0].note + (f" (median of {len(walls)})" if len(walls) > 1 else "")
+        merged.append(Result(rs[0].scenario, contender, walls[len(walls) // 2] if walls else None,
+                             max(rss) if rss else None, note.strip()))
+    return merged
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="shardstore benchmark harness")
     ap.add_argument("--scenarios", default="w8,w256,w1024,w1024-7b,large,hsdp,dcp")
     ap.add_argument("--out", type=Path, default=HERE / "out")
     ap.add_argument("--no-olmo", action="store_true", help="skip OLMo's unsharder")
+    ap.add_argument("--repeat", type=int, default=1, help="run each scenario this many times and report each "
+                    "contender's median wall time (OLMo's unsharder, minutes a run, only in the first)")
     ap.add_argument("--contenders", default="", help="only contenders whose name contains one of these (comma "
                     "separated), replacing just their rows in results.json")
     ap.add_argument("--deepspeed", metavar="PY", help="also the DeepSpeed ZeRO rows, generated and timed "
@@ -468,7 +496,9 @@ def main() -> None:
         results, sizes = [Result(**r) for r in old["results"]], old["sizes"]
     for key in args.scenarios.split(","):
         sc = SCENARIOS[key]
-        new = run_scenario(sc, args.out, with_olmo, contenders)
+        new = medians([run_scenario(sc, args.out, with_olmo and i == 0, contenders) for i in range(args.repeat)])
+        if sc.subset:
+            new = per_file_note(new, sc, len(checkpoint_files(sc, args.out / "ckpt" / sc.name.split(" ")[0])))
         replaced = {(r.scenario, r.contender) for r in new}
         results = [r for r in results if (r.scenario, r.contender) not in replaced
                    and (contenders or r.scenario != sc.name)] + new
