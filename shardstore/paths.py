@@ -17,13 +17,17 @@ from __future__ import annotations
 import hashlib
 import re
 
-_SAFE = re.compile(rb"[A-Za-z0-9._-]")
+_SAFE = re.compile(r"[A-Za-z0-9._-]*")
+# Each UTF-8 byte's text in a component: itself if it is one of _SAFE's, else percent-encoded.
+_BYTE = [chr(b) if re.fullmatch(rb"[A-Za-z0-9._-]", bytes([b])) else f"%{b:02X}" for b in range(256)]
 MAX_COMPONENT = 200
 
 
 def escape(key: object) -> str:
-    raw = str(key).encode("utf-8", "surrogatepass")
-    text = "".join(chr(b) if _SAFE.fullmatch(bytes([b])) else f"%{b:02X}" for b in raw)
+    text = str(key)
+    raw = text.encode("utf-8", "surrogatepass")
+    if not _SAFE.fullmatch(text):  # most keys are safe as they are: a rank file has thousands
+        text = "".join([_BYTE[b] for b in raw])
     if text == "":
         return "%"
     if text.startswith("."):

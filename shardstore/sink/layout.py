@@ -15,6 +15,7 @@ import os
 import shutil
 import zlib
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable
 
@@ -52,7 +53,7 @@ class Layout:
     targets: dict[str, tuple[Target, ...]]  # store path -> its places
     hybrid: bool = False  # hybrid sharding: one unit per rank of the shard group writes (claims)
 
-    @property
+    @cached_property  # (asked for once per unit and per journal record)
     def digest(self) -> str:
         text = json.dumps([self.names, self.sizes, sorted((p, [t.__dict__ for t in ts])
                                                           for p, ts in self.targets.items())])

@@ -9,6 +9,7 @@ view reaches inside that record; no expanded view much larger than the record.
 from __future__ import annotations
 
 import math
+from typing import NoReturn
 
 import numpy as np
 
@@ -23,27 +24,34 @@ MAX_EXPANDED_BYTES = 16 << 20
 
 
 def check_view(zf: Container, ref: TensorRef, where: str) -> None:
-    name = f"{zf.path}: {where}"
-    if not all(type(v) is int for v in (ref.offset, *ref.shape, *ref.stride)) or len(ref.shape) != len(ref.stride):
-        raise CheckpointError(f"{name}: tensor with a malformed shape {ref.shape!r:.60} or stride {ref.stride!r:.60}")
-    if ref.offset < 0 or any(d < 0 for d in ref.shape) or any(st < 0 for st in ref.stride):
-        raise CheckpointError(f"{name}: tensor with a negative size, stride or offset (corrupt file)")
+    shape, stride, offset = ref.shape, ref.stride, ref.offset
+    numbers = (offset, *shape, *stride)
+    if not all(type(v) is int for v in numbers) or len(shape) != len(stride):
+        _refuse(zf, where, f"tensor with a malformed shape {shape!r:.60} or stride {stride!r:.60}")
+    if min(numbers) < 0:
+        _refuse(zf, where, "tensor with a negative size, stride or offset (corrupt file)")
     info, storage_info = dtypes.info(ref.dtype), dtypes.info(ref.storage.dtype)
-    entry = zf.entries.get(f"data/{ref.storage.key}")
+    key = ref.storage.key
+    entry = zf.entries.get(f"data/{key}")
     if entry is None:
-        raise CheckpointError(f"{name}: its storage record data/{ref.storage.key} is missing (corrupt file)")
-    if not isinstance(ref.storage.numel, int) or entry.size != ref.storage.numel * storage_info.itemsize:
-        raise CheckpointError(f"{name}: storage data/{ref.storage.key} holds {entry.size} bytes, its pickle "
-                              f"declares {ref.storage.numel} x {storage_info.itemsize} (corrupt file)")
-    count = math.prod(ref.shape)
+        _refuse(zf, where, f"its storage record data/{key} is missing (corrupt file)")
+    numel = ref.storage.numel
+    if type(numel) is not int or entry.size != numel * storage_info.itemsize:
+        _refuse(zf, where, f"storage data/{key} holds {entry.size} bytes, its pickle declares {numel} x "
+                           f"{storage_info.itemsize} (corrupt file)")
+    count = math.prod(shape)
     if count == 0:
         return
-    last = ref.offset + sum((n - 1) * st for n, st in zip(ref.shape, ref.stride))
+    last = offset + sum((n - 1) * st for n, st in zip(shape, stride))
     if (last + 1) * info.itemsize > entry.size:
-        raise CheckpointError(f"{name}: tensor view runs past its storage data/{ref.storage.key} (corrupt file)")
+        _refuse(zf, where, f"tensor view runs past its storage data/{key} (corrupt file)")
     if count * info.itemsize > max(entry.size, MAX_EXPANDED_BYTES):
-        raise CheckpointError(f"{name}: a tensor of {count * info.itemsize} bytes viewing a storage of "
-                              f"{entry.size} (an expanded view this large is not a checkpoint)")
+        _refuse(zf, where, f"a tensor of {count * info.itemsize} bytes viewing a storage of {entry.size} (an "
+                           f"expanded view this large is not a checkpoint)")
+
+
+def _refuse(zf: Container, where: str, why: str) -> NoReturn:
+    raise CheckpointError(f"{zf.path}: {where}: {why}")
 
 
 def array(zf: Container, ref: TensorRef) -> np.ndarray:
