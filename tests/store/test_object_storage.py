@@ -80,25 +80,33 @@ def test_connection_cut_mid_ingest_then_rerun_completes(s3, checkpoints, tmp_pat
     assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), expected(src)["model"])
 
 
-def test_requests_per_rank_file_are_a_small_constant_beyond_its_large_storages(s3, checkpoints, tmp_path: Path) -> None:
-    """Counted at the server: a worker's rank file costs one request for the zip's end and central
-    directory, one per run of local headers (with the records of up to GAP bytes between them), and for a
-    storage larger than that, one for it and one for the headers after it."""
+@pytest.mark.parametrize("whole", [True, False], ids=["small-file-whole", "central-directory-first"])
+def test_requests_per_rank_file_are_a_small_constant_beyond_its_large_storages(s3, checkpoints, tmp_path: Path,
+                                                                               monkeypatch, whole: bool) -> None:
+    """Counted at the server: a rank file up to WHOLE bytes costs one request for all of it; a larger one,
+    one for the zip's end and central directory, one per run of local headers (with the records of up to
+    GAP bytes between them), and for a storage larger than that, one for it and one for the headers after it.
+    (In this process, jobs=1, so that the larger case can be had from small files by lowering WHOLE.)"""
     import zipfile
 
+    from shardstore.read.primitives import container
     from shardstore.read.primitives.container import GAP
 
+    if not whole:
+        monkeypatch.setattr(container, "WHOLE", 0)
     src = checkpoints(3)
-    url = upload(src, "s3://ckpt-r/run")
+    assert all((src / f"rank{r}.pt").stat().st_size <= container.WHOLE for r in range(3)) == whole
+    url = upload(src, f"s3://ckpt-r/run-{whole}")
     before = len(s3.requests())
-    assert cli("ingest", tmp_path / "store", url, "-q", "-j", "1").returncode == 0
+    shardstore.ingest(tmp_path / "store", url, jobs=1)
     gets = [path for method, path in s3.requests()[before:] if method == "GET"]
+    counts = {}
     for rank in (1, 2):  # read by a worker only (rank 0 is also planned from)
         with zipfile.ZipFile(src / f"rank{rank}.pt") as z:
             large = sum(1 for i in z.infolist() if i.file_size > GAP)
-        count = sum(1 for p in gets if p.split("?")[0] == f"/ckpt-r/run/rank{rank}.pt")
-        assert 0 < count <= 2 + 2 * large, (rank, count, large)
-    planning = sum(1 for p in gets if p.split("?")[0] == "/ckpt-r/run/rank0.pt")
+        counts[rank] = sum(1 for p in gets if p.split("?")[0] == f"/ckpt-r/run-{whole}/rank{rank}.pt")
+        assert counts[rank] == 1 if whole else 1 < counts[rank] <= 2 + 2 * large, (rank, counts, large)
+    planning = sum(1 for p in gets if p.split("?")[0] == f"/ckpt-r/run-{whole}/rank0.pt")
     assert planning <= 2 * (2 + 2 * large)  # the coordinator's skimmed read of rank 0 costs about one more file
 
 

@@ -79,6 +79,7 @@ def _open_regular(path: Path) -> Any:
 GAP = 1 << 20  # remote ranges closer than this are read as one request (read_ranges) ...
 KEPT_BYTES = 64 << 20  # ... while what that adds between them, kept in memory, stays below this
 TAIL = 64 << 10  # a remote zip's end records and central directory (~80 bytes a record) come in one read
+WHOLE = 8 << 20  # a remote zip up to this size (a rank file at a large world size) comes whole in one read
 
 
 def local_stamp(st: os.stat_result) -> str:
@@ -134,15 +135,22 @@ class DataFile:
         try:
             if self._remote is None:
                 return os.pread(self._file.fileno(), length, offset)
-            for start, data in self._spans:  # fetched already, with the local headers around it
-                if start <= offset and offset + length <= start + len(data):
-                    return data[offset - start:offset + length - start]
+            held = self._held(offset, length)
+            if held is not None:
+                return held
             fs, fspath = self._remote
             return fs.cat_file(fspath, start=offset, end=offset + length)
         except (OverflowError, ValueError) as exc:
             raise CheckpointError(f"{self.path}: corrupt (an offset no file can have: {exc})") from None
         except service_errors() as exc:
             raise self.failed(exc) from None
+
+    def _held(self, offset: int, length: int) -> bytes | None:
+        """Remote bytes fetched already (with the local headers around them), or None."""
+        for start, data in self._spans:
+            if start <= offset and offset + length <= start + len(data):
+                return data[offset - start:offset + length - start]
+        return None
 
     def prefetch(self, offset: int, length: int) -> None:
         """Remote: fetch a range in one request and keep it, for the small reads that will follow (zipfile
@@ -155,8 +163,8 @@ class DataFile:
         one request, concurrently, and what was fetched is kept: the records lying between the headers (an
         optimizer's step, an RNG state, a shard of up to a megabyte) are then read without a request each,
         and every byte is still fetched once."""
-        if self._remote is None:
-            return [self.read(s, e - s) for s, e in zip(starts, ends)]
+        if self._remote is None or all(self._held(s, e - s) is not None for s, e in zip(starts, ends)):
+            return [self.read(s, e - s) for s, e in zip(starts, ends)]  # (a small zip fetched whole)
         spans: list[list[int]] = []
         budget = KEPT_BYTES
         for start, end in sorted(zip(starts, ends)):
@@ -264,7 +272,9 @@ class TorchZip:
         try:
             if start < 0 or self._size < 0 or start + self._size > self.file.size:
                 raise CheckpointError(f"{self.path}: item at {start} (+{self._size}) lies outside the file")
-            self.file.prefetch(start + max(0, self._size - TAIL), min(self._size, TAIL))  # the central directory
+            # the central directory; a small zip whole (every byte of it is read anyway: one request, not ten)
+            ahead = self._size if self._size <= WHOLE else min(self._size, TAIL)
+            self.file.prefetch(start + self._size - ahead, ahead)
             self.prefix, self.entries = self._index()
         except BaseException:
             self.close()
