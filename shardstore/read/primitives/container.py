@@ -272,8 +272,10 @@ class TorchZip:
         try:
             if start < 0 or self._size < 0 or start + self._size > self.file.size:
                 raise CheckpointError(f"{self.path}: item at {start} (+{self._size}) lies outside the file")
-            # the central directory; a small zip whole (every byte of it is read anyway: one request, not ten)
-            ahead = self._size if self._size <= WHOLE else min(self._size, TAIL)
+            # The central directory; a small zip file whole (an ingest reads all of it: one request, not
+            # ten). Not a zip inside a shared file (a .distcp's items): what is fetched lives as long as the file.
+            whole = self._owns and self._size <= WHOLE
+            ahead = self._size if whole else min(self._size, TAIL)
             self.file.prefetch(start + self._size - ahead, ahead)
             self.prefix, self.entries = self._index()
         except BaseException:
