@@ -35,8 +35,14 @@ from .sink import Sink
 from .sink.cells import UnitWriter
 from .sink.files import DirectWriter
 from .sink.layout import Layout
+from .store.manifest import CommitRecord
 from .store.onesave import OneSave
 from .store.store import Store
+
+
+BATCH_FILES = 32  # a worker's task: at most this many units, synced once ...
+BATCH_BYTES = 64 << 20  # ... holding at most this many bytes of local files ...
+TASKS_PER_WORKER = 4  # ... and at least this many tasks for each worker
 
 
 @dataclass(frozen=True)
@@ -92,19 +98,49 @@ def under(path: str, subtree: str | None) -> bool:
 
 def ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptions = IngestOptions(),
                 unit: Unit | None = None) -> Ingested:
-    """Ingest one unit (a rank file, a .distcp file, a model file) into an existing store: the whole job
-    of one worker.
+    """Ingest one unit (a rank file, a .distcp file, a model file) into an existing store.
 
     Under hybrid sharding every shard exists once per replica group: the first copy to arrive is written,
     later ones are skipped (or, with `verify_replicas`, compared bit for bit). With `only`, tensors outside
     that subtree are not written (values still are): for a scratch store that only feeds one export.
     `unit` is the file already open (the one planning read); it is closed here either way.
     """
+    return ingest_files(store, [path], options, unit)[0]
+
+
+def ingest_files(store: Store, paths: Sequence[str | os.PathLike[str]], options: IngestOptions = IngestOptions(),
+                 unit: Unit | None = None) -> list[Ingested]:
+    """Ingest several units as one batch, the whole job of one worker task (`ingest_file` for each).
+
+    Each unit is written in turn; then everything they wrote is made durable at once and their commit
+    records are written together (Store.commit_ranks). At world size 256 a rank file is a few milliseconds
+    of work and a sync of the disk costs as much again, so a batch pays it once. A unit that fails ends
+    the batch: the units before it are committed first, then its error is raised. `unit` is the first
+    file already open.
+    """
     with gc_paused():
-        return _ingest_file(store, path, options, unit)
+        direct = DirectWriter(options.direct) if options.direct is not None else None
+        done: list[tuple[Ingested, CommitRecord, list[str]]] = []
+        try:
+            for i, path in enumerate(paths):
+                done.append(_write_unit(store, path, options, unit if i == 0 else None, direct,
+                                        {ingested.rank: ingested.path for ingested, _, _ in done}))
+        finally:
+            try:
+                if done:
+                    if direct is not None:
+                        direct.sync()  # durable before the commits that journal it
+                    store.commit_ranks([record for _, record, _ in done], [k for *_, keys in done for k in keys])
+            finally:
+                if direct is not None:
+                    direct.close()
+        return [ingested for ingested, _, _ in done]
 
 
-def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptions, unit: Unit | None) -> Ingested:
+def _write_unit(store: Store, path: str | os.PathLike[str], options: IngestOptions, unit: Unit | None,
+                direct: DirectWriter | None, batch: dict[int, str]) -> tuple[Ingested, CommitRecord, list[str]]:
+    """One unit's pieces and values written, not yet durable: what it ingested, the record that will
+    commit it, and the store keys it wrote. `batch` holds the ranks of the batch's units before it."""
     verify_replicas, only = options.verify_replicas, options.only
     unit = unit if unit is not None else open_unit(options.format, os.fspath(path), store.storage_options,
                                                    options.strict, values.encode, store.manifest.facts.reader_view())
@@ -113,6 +149,8 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
             raise CheckpointError(f"{unit.path}: the store holds a {store.manifest.facts.format} checkpoint, this "
                                   f"file is not part of one")
         unit.check(_planned(store))
+        if unit.rank in batch:
+            raise CheckpointError(f"two files hold rank {unit.rank}: {batch[unit.rank]} and {unit.path}")
         identity = unit.identity()
         _check_identity(store, unit, identity)
         writer = UnitWriter(store, unit.path, verify_replicas)
@@ -123,30 +161,25 @@ def _ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOpti
                 writer.value(leaf_path, encoded)
         # before any tensor byte: a unit of another save than the units already in is refused
         saves = _SAVES.setdefault(store, OneSave())
-        saves.add_records(store.records(refresh=False)).check(os.path.basename(unit.path), writer.objects)
-        direct = DirectWriter(options.direct) if options.direct is not None else None
+        name = os.path.basename(unit.path)
+        saves.add_records(store.records(refresh=False)).check(name, writer.objects)
         writes = direct is not None and direct.claim(unit.group_rank, unit.rank)  # hybrid: one copy per group rank
-        try:
-            for leaf_path, leaf in unit.leaves.items():
-                entry = arrays.get(leaf_path)
-                if entry is None or not under(leaf_path, only):
-                    continue
-                sink: Sink = direct if direct is not None and direct.places(leaf_path) else writer
-                if sink is direct and (not writes or entry.replicated and unit.group_rank != 0):
-                    continue  # another unit writes this copy (every unit holds a plain tensor whole)
-                pieces = ([LocalPiece((0,) * len(entry.shape), entry.shape, leaf, unit.value_zip(leaf_path))]
-                          if entry.replicated else leaf.pieces)
-                for piece in pieces:
-                    sink.piece(entry, piece)
-            if direct is not None:
-                direct.sync()  # durable before the commit that journals it
-        finally:
-            if direct is not None:
-                direct.close()
-        writer.commit(unit.rank, unit.path, unit.size, only, unit.world_size, unit.group_rank, unit.group_size, identity,
-                      options.direct.digest if options.direct is not None else None,
-                      direct.runs if direct is not None else None)
-        return Ingested(unit.rank, unit.path, unit.size)
+        for leaf_path, leaf in unit.leaves.items():
+            entry = arrays.get(leaf_path)
+            if entry is None or not under(leaf_path, only):
+                continue
+            sink: Sink = direct if direct is not None and direct.places(leaf_path) else writer
+            if sink is direct and (not writes or entry.replicated and unit.group_rank != 0):
+                continue  # another unit writes this copy (every unit holds a plain tensor whole)
+            pieces = ([LocalPiece((0,) * len(entry.shape), entry.shape, leaf, unit.value_zip(leaf_path))]
+                      if entry.replicated else leaf.pieces)
+            for piece in pieces:
+                sink.piece(entry, piece)
+        record = writer.record(unit.rank, unit.path, unit.size, only, unit.world_size, unit.group_rank,
+                               unit.group_size, identity, options.direct.digest if options.direct is not None else None,
+                               direct.take_runs() if direct is not None else None)
+        saves.add(name, writer.objects)  # the batch's later units are checked against it too
+        return Ingested(unit.rank, unit.path, unit.size), record, writer.written
     finally:
         unit.close()
 
@@ -167,13 +200,14 @@ _WORKER_STORES: dict[str, Store] = {}
 _SAVES: "weakref.WeakKeyDictionary[Store, OneSave]" = weakref.WeakKeyDictionary()
 
 
-def _worker(location: str, path: str, options: IngestOptions, storage_options: StorageOptions | None = None) -> Ingested:
-    """One task: a worker process (or a Dask worker) ingests one unit."""
+def _worker(location: str, paths: list[str], options: IngestOptions,
+            storage_options: StorageOptions | None = None) -> list[Ingested]:
+    """One task: a worker process (or a Dask worker) ingests a batch of units."""
     key = f"{location} {sorted((storage_options or {}).items())}"
     store = _WORKER_STORES.get(key)
     if store is None:
         store = _WORKER_STORES[key] = Store.open(location, storage_options)
-    return ingest_file(store, path, options)
+    return ingest_files(store, paths, options)
 
 
 def create_store(location: str | os.PathLike[str], source: Source, strict: bool = False) -> Store:
@@ -310,12 +344,36 @@ def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options:
     here = None
     if held is not None and held.path in paths and pool.scheduler is None:
         paths.remove(held.path)
-        here = functools.partial(ingest_file, store, held.path, options, held)
-    names = [f"ingest-{p.rsplit('/', 1)[-1]}" for p in paths]
+        here = functools.partial(ingest_files, store, [held.path], options, held)
+    batches = _batches(paths, pool.jobs)
+    names = [f"ingest-{b[0].rsplit('/', 1)[-1]}" + (f"+{len(b) - 1}" if len(b) > 1 else "") for b in batches]
+
+    def each(results: list[Ingested]) -> None:
+        for result in results:
+            done(result)
+
     if pool.inline:  # this process: the store just opened, not one cached by an earlier run
-        pool.run(lambda p: ingest_file(store, p, options), [(p,) for p in paths], names, done, here)
+        pool.run(lambda b: ingest_files(store, b, options), [(b,) for b in batches], names, each, here)
     else:
-        pool.run(_worker, [(store.location, p, options, store.storage_options) for p in paths], names, done, here)
+        pool.run(_worker, [(store.location, b, options, store.storage_options) for b in batches], names, each, here)
+
+
+def _batches(paths: list[str], jobs: int) -> list[list[str]]:
+    """The tasks: runs of consecutive units, each synced once (ingest_files). A task holds at most
+    BATCH_FILES units and BATCH_BYTES of local files (a large file is a task of its own: its own sync
+    costs little beside its bytes), and every worker gets TASKS_PER_WORKER tasks or more, so none is
+    left with a long last task while the others idle."""
+    most = max(1, min(BATCH_FILES, len(paths) // (jobs * TASKS_PER_WORKER)))
+    batches: list[list[str]] = []
+    held = 0
+    for path in paths:
+        size = 0 if is_url(path) else os.path.getsize(path)
+        if not batches or batches[-1] and (len(batches[-1]) >= most or held + size > BATCH_BYTES):
+            batches.append([])
+            held = 0
+        batches[-1].append(path)
+        held += size
+    return batches
 
 
 def _not_yet_done(store: Store, files: Sequence[str | os.PathLike[str]], subtree: str | None,

@@ -35,7 +35,7 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     looks = Looks()
-    submitted: dict[str, Future[Ingested]] = {}
+    submitted: dict[str, Future[list[Ingested]]] = {}
     store: Store | None = None
     try:
         store = Store.open(location, storage_options)
@@ -47,7 +47,7 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
         while True:
             for path, fut in list(submitted.items()):
                 if fut.done():
-                    result = fut.result()  # a worker's error ends the watch, naming the file
+                    result, = fut.result()  # a worker's error ends the watch, naming the file
                     done_ranks.add(result.rank)
                     del submitted[path]
                     if on_done:
@@ -71,7 +71,7 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
                                               f"{store.manifest.world_size}, not the {expect} expected")
                     if on_world_size:
                         on_world_size(store.manifest.world_size)
-                submitted[path] = pool.submit(_worker, store.location, path,
+                submitted[path] = pool.submit(_worker, store.location, [path],
                                               IngestOptions(strict=strict, format=source.format), storage_options)
             if deadline is not None and time.monotonic() > deadline:
                 expected = expect or (store.manifest.world_size if store else None)

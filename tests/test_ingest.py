@@ -41,18 +41,18 @@ def test_a_new_store_reads_rank_0_once(checkpoints, tmp_path: Path, monkeypatch:
 
     opened: list[str] = []
     here: list[tuple[str, bool]] = []
-    read, ingest_file = rankfile.read_rank_file, ingest_module.ingest_file
+    read, ingest_files = rankfile.read_rank_file, ingest_module.ingest_files
 
     def counting_read(path, *args, **kwargs):  # type: ignore[no-untyped-def]
         opened.append(Path(path).name)
         return read(path, *args, **kwargs)
 
-    def noting_ingest(store, path, options, unit=None):  # type: ignore[no-untyped-def]
-        here.append((Path(path).name, unit is not None))
-        return ingest_file(store, path, options, unit)
+    def noting_ingest(store, paths, options, unit=None):  # type: ignore[no-untyped-def]
+        here.extend((Path(path).name, unit is not None and i == 0) for i, path in enumerate(paths))
+        return ingest_files(store, paths, options, unit)
 
     monkeypatch.setattr(rankfile, "read_rank_file", counting_read)
-    monkeypatch.setattr(ingest_module, "ingest_file", noting_ingest)
+    monkeypatch.setattr(ingest_module, "ingest_files", noting_ingest)
     files = sorted(checkpoints(3).glob("rank*.pt"))
     shardstore.ingest(tmp_path / "s", files, jobs=jobs)
     if jobs == 1:
@@ -104,18 +104,21 @@ def test_two_processes_ingesting_into_one_new_store_at_once(checkpoints, tmp_pat
     assert shardstore.open(tmp_path / "both").status().ok
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
-def test_sigkill_at_any_moment_then_rerun_equals_a_clean_ingest(checkpoints, tmp_path: Path, seed: int) -> None:
+@pytest.mark.parametrize("world, seed", [(6, 1), (6, 2), (6, 3), (6, 4), (6, 5), (16, 1), (16, 2)])
+def test_sigkill_at_any_moment_then_rerun_equals_a_clean_ingest(checkpoints, tmp_path: Path, world: int,
+                                                                seed: int) -> None:
+    """At W=6 one worker takes a file a task; at W=16 four (ingest._batches), committed together after
+    one sync: a kill mid-batch leaves the batch's written units uncommitted, and nothing half-committed."""
     import random
     import subprocess
     import sys
 
-    src = checkpoints(6)
+    src = checkpoints(world)
     files = [str(f) for f in sorted(src.glob("rank*.pt"))]
     shardstore.ingest(tmp_path / "clean", files, jobs=1)
     cmd = [sys.executable, "-m", "shardstore.cli", "ingest", str(tmp_path / "s"), *files, "-j", "1", "-q"]
-    # the kill comes once seed % 5 ranks are committed, a moment into the next one
-    sigkill_mid_way(cmd, tmp_path / "s", len(files), seed % 5,
+    # the kill comes once seed % 5 ranks (W=16: seed batches) are committed, a moment into the next one
+    sigkill_mid_way(cmd, tmp_path / "s", len(files), seed % 5 if world == 6 else 4 * seed,
                     delay=lambda attempt: random.Random(seed + attempt).uniform(0, 0.03) if attempt == 0 else 0)
     store = shardstore.open(tmp_path / "s")
     for rank, record in store.records().items():  # whatever is marked done is really there, whole
@@ -251,3 +254,64 @@ def test_a_refusal_never_removes_a_store_another_worker_is_committing_to(tmp_pat
     assert shardstore.open(tmp_path / "S").status().ranks_done == [0]
     forge_sharded(src, [("rank1.pt", 1, None)], 2)
     assert shardstore.ingest(tmp_path / "S", sorted(src.glob("rank*.pt")), jobs=2).status().ok
+
+
+def test_a_batch_commits_the_units_written_before_a_refused_one(checkpoints, tmp_path: Path) -> None:
+    """A worker's task is a batch of units synced once (ingest_files): a unit that is refused ends the
+    batch, and the units written before it are still committed, whole, before the error is raised."""
+    import importlib
+
+    ingest_module = importlib.import_module("shardstore.ingest")
+    files = sorted(checkpoints(4).glob("rank*.pt"))
+    shardstore.ingest(tmp_path / "clean", files, jobs=1)
+    store = shardstore.ingest(tmp_path / "s", files[:1], jobs=1)
+    foreign = checkpoints(3) / "rank2.pt"  # another checkpoint's file
+    with pytest.raises(CheckpointError, match="rank2.pt: sharded over groups of 3 ranks"):
+        ingest_module.ingest_files(store, [files[1], files[2], foreign, files[3]])
+    assert sorted(store.records()) == [0, 1, 2]  # the two before it, committed; the one after, never read
+    clean = shardstore.open(tmp_path / "clean")
+    for rank in (1, 2):
+        for path, cells in store.records()[rank].cells.items():
+            entry = store.manifest.arrays[path]
+            for flat in cells:
+                key = store.cell_key(path, entry.cell_index(flat))
+                assert (tmp_path / "s" / key).read_bytes() == (tmp_path / "clean" / key).read_bytes(), key
+    assert not list((tmp_path / "s").rglob("*.tmp"))
+    shardstore.ingest(tmp_path / "s", files, jobs=1)
+    assert content(tmp_path / "s") == content(tmp_path / "clean") and clean.status().ok
+
+
+def test_two_files_of_one_rank_in_one_batch_are_refused(checkpoints, tmp_path: Path) -> None:
+    import importlib
+    import shutil
+
+    ingest_module = importlib.import_module("shardstore.ingest")
+    files = sorted(checkpoints(2).glob("rank*.pt"))
+    store = shardstore.ingest(tmp_path / "s", files[:1], jobs=1)
+    twin = tmp_path / "copy" / "rank1.pt"
+    twin.parent.mkdir()
+    shutil.copy(files[1], twin)
+    with pytest.raises(CheckpointError, match=f"two files hold rank 1: {files[1]} and {twin}"):
+        ingest_module.ingest_files(store, [files[1], twin])
+    assert sorted(store.records()) == [0, 1]  # the first of the two, committed; the second never written
+
+
+def test_tasks_batch_small_files_and_leave_large_ones_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of consecutive files: at most BATCH_FILES, at most BATCH_BYTES of them, and at least
+    TASKS_PER_WORKER tasks for every worker."""
+    import importlib
+
+    ingest_module = importlib.import_module("shardstore.ingest")
+    monkeypatch.setattr(ingest_module, "BATCH_BYTES", 1000)
+    sizes = [100] * 64 + [5000, 100, 100]
+    paths = []
+    for i, size in enumerate(sizes):
+        (tmp_path / f"rank{i}.pt").write_bytes(b"x" * size)
+        paths.append(str(tmp_path / f"rank{i}.pt"))
+    batches = ingest_module._batches(paths, 2)
+    assert [p for b in batches for p in b] == paths  # every file once, in order
+    assert [len(b) for b in batches] == [8] * 8 + [1, 2]  # 67 files // (2 workers * 4): 8 a task
+    assert ingest_module._batches(paths, 16) == [[p] for p in paths]  # many workers: one file a task
+    monkeypatch.setattr(ingest_module, "BATCH_BYTES", 250)
+    assert [len(b) for b in ingest_module._batches(paths[:6], 1)] == [1] * 6  # 6 // 4 = 1
+    assert [len(b) for b in ingest_module._batches(paths[:16], 1)] == [2] * 8  # bytes bound them first

@@ -431,7 +431,7 @@ def _laid_out(store: Store, jobs: int) -> tuple[list[Sketch], dict[tuple[str, tu
     cells = []
     for _, path in leaves(store.manifest.tree):
         entry = store.manifest.arrays.get(path)
-        if entry is None or entry.staged:  # a value, or an array the store assembles: at the finish
+        if entry is None:  # a value: at the finish
             continue
         for flat in range(entry.ncells):
             index = entry.cell_index(flat)

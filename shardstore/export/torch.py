@@ -84,10 +84,13 @@ class _Pickler(PythonPickler):
     dispatch[GlobalRef] = save_global_ref
     dispatch[Opaque] = save_opaque
 
-    def __init__(self, buf: io.BytesIO, placed: dict[str, str] | None = None):
+    def __init__(self, buf: io.BytesIO, keys: dict[str, str] | None = None, placed: bool = False):
         super().__init__(buf, protocol=PROTOCOL)
-        self.placed = placed or {}  # store path -> storage key of an array written already (one pass)
-        self.storages: list[tuple[str, Any]] = []  # (key, ArrayRef or TensorValue) of every other storage
+        self.keys = keys or {}  # store path -> storage key of an array (`storage_keys`)
+        self.placed = placed  # those arrays are written already (one pass)
+        self.storages: list[tuple[str, Any]] = []  # (key, ArrayRef or TensorValue) of every storage to write
+        self._next = len(self.keys)
+        self._keyed: set[str] = set()
         self._rebuilt: dict[int, tuple[Any, Opaque]] = {}  # id(tensor) -> (it, its rebuild): one per tensor
         self._canonical: dict[tuple[type, Any], Any] = {}
 
@@ -133,9 +136,13 @@ class _Pickler(PythonPickler):
         return rebuilt
 
     def _storage(self, source: "ArrayRef | TensorValue") -> "_Storage":
-        if isinstance(source, ArrayRef) and source.rows is None and source.path in self.placed:
-            return _Storage(self.placed[source.path], source)
-        key = str(len(self.placed) + len(self.storages))  # called once per tensor (`_rebuild` keeps them)
+        key = self.keys.get(source.path) if isinstance(source, ArrayRef) and source.rows is None else None
+        if key is None:
+            key, self._next = str(self._next), self._next + 1  # once per tensor (`_rebuild` keeps them)
+        elif self.placed or key in self._keyed:  # written already, by the workers; or this array's again
+            return _Storage(key, source)  # (a tied name as another object: still one storage)
+        else:
+            self._keyed.add(key)
         self.storages.append((key, source))
         return _Storage(key, source)
 
@@ -156,31 +163,32 @@ class _Storage:
 
 
 def save(store: Store, obj: Any, path: Path, progress: Callable[[int], None] | None = None,
-         force_zip64: bool = False, partial: dict[str, str] | None = None) -> None:
+         force_zip64: bool = False, partial: dict[str, str] | None = None, keys: dict[str, str] | None = None) -> None:
     """Write `obj` (ArrayRefs streamed from `store`) as a torch.save-compatible file at `path`.
 
     `partial` allows holes in an incomplete store; it is recorded as an extra record
     (`<archive>/shardstore_partial.json`) that torch.load ignores and anyone can read with a zip tool.
     """
     with OutputFile(path, progress) as out:
-        write_zip(out, path.stem, obj, store, partial, force_zip64)
+        write_zip(out, path.stem, obj, store, partial, force_zip64, keys=keys)
 
 
 def write_zip(out: Sink, archive: str, obj: Any, store: Store, partial: dict[str, str] | None = None,
-              force_zip64: bool = False, holes: bool = False) -> TorchZipWriter:
+              force_zip64: bool = False, holes: bool = False, keys: dict[str, str] | None = None) -> TorchZipWriter:
     """What torch.save writes for `obj`, at the output's current position; with `holes`, the store's
     arrays are left as holes for the one-pass export's workers to fill (sink/, each format's `plan_direct`)."""
     zw = TorchZipWriter(out, archive, force_zip64=force_zip64)
-    write_entries(zw, obj, store, partial, holes=holes)
+    write_entries(zw, obj, store, partial, keys=keys, holes=holes)
     zw.close()
     return zw
 
 
 def write_entries(zw: TorchZipWriter, obj: Any, store: Store, partial: dict[str, str] | None = None,
-                  placed: dict[str, str] | None = None, holes: bool = False) -> None:
-    """The pickle and every storage of `obj` but those `placed` already (store path -> storage key)."""
+                  keys: dict[str, str] | None = None, placed: bool = False, holes: bool = False) -> None:
+    """The pickle and every storage of `obj`, the arrays' under their `keys` (store path -> storage key),
+    but the arrays `placed` already (one pass)."""
     buf = io.BytesIO()
-    pickler = _Pickler(buf, placed)
+    pickler = _Pickler(buf, keys, placed)
     pickler.dump(obj)
     zw.add_bytes("data.pkl", buf.getvalue())
     zw.add_bytes(".format_version", b"1")
@@ -261,7 +269,8 @@ def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | 
     written = []
     for file in torch_layout(store):
         obj = torch_object(store, file)
-        save(store, obj if arrays is None else _replaced(obj, arrays), out_dir / file.name, progress, partial=partial)
+        save(store, obj if arrays is None else _replaced(obj, arrays), out_dir / file.name, progress, partial=partial,
+             keys=storage_keys(store, file))
         written.append(out_dir / file.name)
     return written
 
@@ -327,7 +336,7 @@ class TorchDirect(DirectExport):
                     for position in zw.crc_at(name):
                         out.pwrite(struct.pack("<I", crc), position)
                 zw.out = out
-                write_entries(zw, torch_object(store, file), store, placed=placed)
+                write_entries(zw, torch_object(store, file), store, keys=placed, placed=True)
                 zw.close()
 
 
@@ -335,13 +344,16 @@ def _sketch(store: Store, file: TorchFile) -> tuple[TorchZipWriter, dict[str, st
     """The file's array entries, sketched; and each array's storage key. The same every time it is asked,
     so the seal finds the entries where the workers wrote them."""
     zw = TorchZipWriter(Sketch(), Path(file.name).stem)
-    placed: dict[str, str] = {}
-    for path in file.arrays(store):
-        entry = store.manifest.arrays[path]
-        if path not in placed and not entry.staged:  # a staged array is assembled in the store
-            placed[path] = str(len(placed))
-            zw.hole(f"data/{placed[path]}", entry.nbytes)
+    placed = storage_keys(store, file)
+    for path, key in placed.items():
+        zw.hole(f"data/{key}", store.manifest.arrays[path].nbytes)
     return zw, placed
+
+
+def storage_keys(store: Store, file: TorchFile) -> dict[str, str]:
+    """Each array's storage key in `file`: numbered in state-dict order before any other tensor's, in
+    one pass (whose workers fill the arrays' entries before the pickle is known) and in two steps alike."""
+    return {path: str(i) for i, path in enumerate(dict.fromkeys(file.arrays(store)))}
 
 
 def plan_direct(store: Store) -> TorchDirect:

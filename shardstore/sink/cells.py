@@ -91,14 +91,16 @@ class UnitWriter:
         self.staged.setdefault(entry.path, []).append([list(offsets), list(sizes), self._staged_bytes, nbytes])
         self._staged_bytes += nbytes
 
-    def commit(self, rank: int, path: str, nbytes: int, only: str | None, world_size: int, group_rank: int,
+    def record(self, rank: int, path: str, nbytes: int, only: str | None, world_size: int, group_rank: int,
                group_size: int, identity: str | None = None, direct: str | None = None,
-               runs: list[list[int]] | None = None) -> None:
+               runs: list[list[int]] | None = None) -> CommitRecord:
+        """The unit's staged pieces written (while its file is still open), and the record that commits
+        everything it wrote (`written`) once that is durable: `Store.commit_ranks`."""
         if self._staging:
             self.written.append(self.store.write_staging(rank, self._staging))
-        self.store.commit_rank(CommitRecord(rank, os.path.basename(path), nbytes, self.cells, self.staged,
-                                            self.objects, only, world_size, group_rank, group_size, self.crcs,
-                                            identity, direct, runs or []), self.written)
+            self._staging = []
+        return CommitRecord(rank, os.path.basename(path), nbytes, self.cells, self.staged, self.objects, only,
+                            world_size, group_rank, group_size, self.crcs, identity, direct, runs or [])
 
     def _verify(self, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part]) -> None:
         """Compare this unit's copy of a cell with the committed one; name the first difference."""

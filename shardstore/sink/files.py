@@ -103,8 +103,14 @@ class DirectWriter:
                 raise StoreError(f"{target.file}: no CRC-32 for the bytes written at {offset}")
             self.runs.append([target.file, offset, part_length(part), crc])
 
+    def take_runs(self) -> list[list[int]]:
+        """The runs written since the last call: one unit's, for its commit record (a worker's writer
+        serves every unit of its batch)."""
+        runs, self.runs = self.runs, []
+        return runs
+
     def sync(self) -> None:
-        """Make everything written durable: before the unit's commit, which is the journal."""
+        """Make everything written durable: before the commit of the units that wrote it (the journal)."""
         for fd in self.fds.values():
             os.fsync(fd)
 

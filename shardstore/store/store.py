@@ -212,11 +212,12 @@ class Store:
             self.backend.write(key, [data])
         return digest
 
-    def commit_rank(self, record: CommitRecord, written: list[str]) -> None:
-        """Make everything the rank wrote durable, then write its record: the rank now counts as done."""
-        self.backend.sync(written)
-        self.backend.write(f"{RANKS}/{record.rank}.json", [json.dumps(record.to_json()).encode()], durable=True)
-        self._records[record.rank] = record
+    def commit_ranks(self, records: list[CommitRecord], written: list[str]) -> None:
+        """Make everything the units wrote durable, then write their records: each now counts as done.
+        A worker commits the units of its batch at once (ingest.py), with one sync for all of them."""
+        self.backend.publish([(f"{RANKS}/{r.rank}.json", json.dumps(r.to_json()).encode()) for r in records],
+                             after=written)
+        self._records.update((r.rank, r) for r in records)
 
     # ------------------------------------------------------------------ records and status
     def records(self, refresh: bool = True) -> dict[int, CommitRecord]:

@@ -6,7 +6,8 @@ subclass `BackendTests` and provide
 and so show what the store above relies on: an object written is read back whole and by range, from
 every kind of part the ingest and the exports hand over (bytes, views, file ranges); a rewrite replaces
 it whole; a failed write leaves the old object and no trace of the new; a missing key is a KeyError;
-listing gives the keys below a prefix and no temporaries; the Zarr store reads what was written.
+listing gives the keys below a prefix and no temporaries; objects published together (commit records)
+appear whole; the Zarr store reads what was written.
 """
 
 from __future__ import annotations
@@ -79,3 +80,10 @@ class BackendTests:
         backend.write("group/data", [b"0123456789"])
         buffer = sync(backend.zarr_store().get("group/data", prototype=default_buffer_prototype()))
         assert buffer is not None and buffer.to_bytes() == b"0123456789"
+
+    def test_published_objects_appear_whole_after_what_they_commit(self, backend: Backend) -> None:
+        backend.write("cells/a", [b"cell bytes"])
+        backend.publish([("ranks/0.json", b'{"rank": 0}'), ("ranks/1.json", b'{"rank": 1}')], after=["cells/a"])
+        assert backend.list("ranks") == ["ranks/0.json", "ranks/1.json"]
+        assert backend.read("ranks/1.json") == b'{"rank": 1}' and backend.read("cells/a") == b"cell bytes"
+        backend.publish([], after=[])  # an empty batch: nothing to do

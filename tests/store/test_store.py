@@ -106,3 +106,21 @@ class TestLocalBackend(BackendTests):
     @pytest.fixture
     def backend(self, tmp_path: Path) -> LocalBackend:
         return LocalBackend(tmp_path / "store")
+
+    def test_a_publish_whose_sync_fails_shows_no_record(self, backend: LocalBackend,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+        """The records of a batch are renamed into place only after the one sync of everything: the disk
+        failing at that sync leaves no record and no temporary."""
+        calls: list[list[str]] = []
+
+        def failing(keys: list[str]) -> None:
+            calls.append(list(keys))
+            raise OSError(5, "Input/output error")
+
+        backend.write("cells/a", [b"cell bytes"])
+        monkeypatch.setattr(backend, "sync", failing)
+        with pytest.raises(OSError, match="Input/output error"):
+            backend.publish([("ranks/0.json", b"{}"), ("ranks/1.json", b"{}")], after=["cells/a"])
+        # it failed where it was meant to: at the one sync, which covered the cell and both records' temporaries
+        assert len(calls) == 1 and calls[0][0] == "cells/a" and len(calls[0]) == 3
+        assert backend.list("ranks") == [] and not list(Path(backend.root, "ranks").iterdir())
