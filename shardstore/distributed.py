@@ -1,4 +1,4 @@
-"""Dask, as the runner's remote backend: one task per rank file (ingest) or per output file (export).
+"""Dask, as the runner's remote backend: one task per batch of rank files (ingest) or per output file (export).
 
 The store must be reachable from every worker (object storage, or a shared file system); so must the rank
 files. A failed task ends the run with one line naming the rank file and the worker; since committed ranks

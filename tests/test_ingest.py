@@ -315,3 +315,18 @@ def test_tasks_batch_small_files_and_leave_large_ones_alone(tmp_path: Path, monk
     monkeypatch.setattr(ingest_module, "BATCH_BYTES", 250)
     assert [len(b) for b in ingest_module._batches(paths[:6], 1)] == [1] * 6  # 6 // 4 = 1
     assert [len(b) for b in ingest_module._batches(paths[:16], 1)] == [2] * 8  # bytes bound them first
+
+
+def test_reading_ahead_a_batch_never_blocks_or_fails_on_a_file_that_is_not_one(tmp_path: Path) -> None:
+    """The read-ahead hint over a batch's later files opens them without blocking: a FIFO in a rank file's
+    place (no writer: a blocking open would hang the worker for ever), a missing file and a folder are
+    passed over, left for the unit's own read to refuse in one line."""
+    import importlib
+    import os
+
+    ingest_module = importlib.import_module("shardstore.ingest")
+    os.mkfifo(tmp_path / "rank1.pt")
+    (tmp_path / "rank2.pt").mkdir()
+    (tmp_path / "rank3.pt").write_bytes(b"x" * 4096)
+    ingest_module._prefetch([tmp_path / "rank1.pt", tmp_path / "rank2.pt", tmp_path / "missing.pt",
+                             str(tmp_path / "rank3.pt"), "s3://bucket/rank4.pt"])

@@ -14,8 +14,8 @@ of it in the scratch store.
 Every output byte's place is known once the checkpoint is planned: each format lays its files out
 (safetensors: the headers and each tensor's byte range, or for `hf` each row block of a split weight;
 torch: a zip entry per array, 64-byte aligned as torch writes them; DCP: a .distcp item per chunk). The
-coordinator prepares the files (layout.py), each worker writes the pieces of its unit into them
-(writer.py), makes them durable, and only then commits its unit in the scratch store, which keeps its
+coordinator prepares the files (layout.py), each worker writes the pieces of its units into them
+(files.py), makes them durable, and only then commits its units in the scratch store, which keeps their
 values and is the journal a rerun resumes from. Once every unit is in, the export is sealed where the
 files are (a torch file's pickle and directory, each entry's CRC-32 combined from what the workers
 recorded), the files are renamed into OUT, and the files beside them follow (an index, a config,
