@@ -122,10 +122,11 @@ def ingest_files(store: Store, paths: Sequence[str | os.PathLike[str]], options:
     with gc_paused():
         direct = DirectWriter(options.direct) if options.direct is not None else None
         done: list[tuple[Ingested, CommitRecord, list[str]]] = []
+        replicas: dict[str, set[int]] = {}  # replica cells the batch wrote: its later copies are skipped
         try:
             for i, path in enumerate(paths):
                 done.append(_write_unit(store, path, options, unit if i == 0 else None, direct,
-                                        {ingested.rank: ingested.path for ingested, _, _ in done}))
+                                        {ingested.rank: ingested.path for ingested, _, _ in done}, replicas))
         finally:
             try:
                 if done:
@@ -160,9 +161,11 @@ def _prefetch(paths: Sequence[str | os.PathLike[str]]) -> None:
 
 
 def _write_unit(store: Store, path: str | os.PathLike[str], options: IngestOptions, unit: Unit | None,
-                direct: DirectWriter | None, batch: dict[int, str]) -> tuple[Ingested, CommitRecord, list[str]]:
+                direct: DirectWriter | None, batch: dict[int, str],
+                replicas: dict[str, set[int]]) -> tuple[Ingested, CommitRecord, list[str]]:
     """One unit's pieces and values written, not yet durable: what it ingested, the record that will
-    commit it, and the store keys it wrote. `batch` holds the ranks of the batch's units before it."""
+    commit it, and the store keys it wrote. `batch` holds the ranks of the batch's units before it, and
+    `replicas` the replica cells they wrote (hybrid sharding: a later copy is skipped, or verified)."""
     verify_replicas, only = options.verify_replicas, options.only
     unit = unit if unit is not None else open_unit(options.format, os.fspath(path), store.storage_options,
                                                    options.strict, values.encode, store.manifest.facts.reader_view())
@@ -175,7 +178,7 @@ def _write_unit(store: Store, path: str | os.PathLike[str], options: IngestOptio
             raise CheckpointError(f"two files hold rank {unit.rank}: {batch[unit.rank]} and {unit.path}")
         identity = unit.identity()
         _check_identity(store, unit, identity)
-        writer = UnitWriter(store, unit.path, verify_replicas)
+        writer = UnitWriter(store, unit.path, verify_replicas, replicas)
         arrays = store.manifest.arrays
         for leaf_path, leaf in unit.leaves.items():  # values first: one that cannot be stored refuses the file
             if leaf_path not in arrays:  # before any tensor byte is written
