@@ -277,8 +277,8 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
     """Ingest a checkpoint's units of work (rank files, .distcp files) into the store at `location`
     (created from the checkpoint's spec if it does not exist).
 
-    `jobs` worker processes (default: one per core) each take one file at a time; with jobs=1 everything
-    runs in this process. Ingesting a rank that is already in the store simply rewrites the same bytes.
+    `jobs` worker processes (default: one per core) each take one file at a time, a batch of them per task
+    (synced and committed together: `ingest_files`); with jobs=1 everything runs in this process. Ingesting a rank that is already in the store simply rewrites the same bytes.
     `on_created` sees the store before any rank is ingested (and may refuse it by raising). Ranks already
     committed from a file of the same name and size are skipped, so a rerun does only what is missing.
     With `scheduler` ("dask" for a local cluster, or a scheduler address) the ranks run as Dask tasks.
@@ -358,12 +358,13 @@ def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options:
     options = replace(options, only=subtree, direct=layout)
     seen: dict[int, str] = {}
 
-    def done(result: Ingested) -> None:
-        if result.rank in seen and seen[result.rank] != result.path:
-            raise CheckpointError(f"two files hold rank {result.rank}: {seen[result.rank]} and {result.path}")
-        seen[result.rank] = result.path
-        if on_done:
-            on_done(result)
+    def done(results: list[Ingested]) -> None:  # a task's: its batch's units
+        for result in results:
+            if result.rank in seen and seen[result.rank] != result.path:
+                raise CheckpointError(f"two files hold rank {result.rank}: {seen[result.rank]} and {result.path}")
+            seen[result.rank] = result.path
+            if on_done:
+                on_done(result)
 
     paths = [os.fspath(f) for f in todo]
     here = None
@@ -373,14 +374,10 @@ def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options:
     batches = _batches(paths, pool.jobs)
     names = [f"ingest-{b[0].rsplit('/', 1)[-1]}" + (f"+{len(b) - 1}" if len(b) > 1 else "") for b in batches]
 
-    def each(results: list[Ingested]) -> None:
-        for result in results:
-            done(result)
-
     if pool.inline:  # this process: the store just opened, not one cached by an earlier run
-        pool.run(lambda b: ingest_files(store, b, options), [(b,) for b in batches], names, each, here)
+        pool.run(lambda b: ingest_files(store, b, options), [(b,) for b in batches], names, done, here)
     else:
-        pool.run(_worker, [(store.location, b, options, store.storage_options) for b in batches], names, each, here)
+        pool.run(_worker, [(store.location, b, options, store.storage_options) for b in batches], names, done, here)
 
 
 def _batches(paths: list[str], jobs: int) -> list[list[str]]:
@@ -393,7 +390,7 @@ def _batches(paths: list[str], jobs: int) -> list[list[str]]:
     held = 0
     for path in paths:
         size = 0 if is_url(path) else os.path.getsize(path)
-        if not batches or batches[-1] and (len(batches[-1]) >= most or held + size > BATCH_BYTES):
+        if not batches or len(batches[-1]) >= most or held + size > BATCH_BYTES:
             batches.append([])
             held = 0
         batches[-1].append(path)

@@ -25,11 +25,11 @@ from . import Piece
 
 class UnitWriter:
     def __init__(self, store: Store, where: str, verify_replicas: bool = False,
-                 batch: dict[str, set[int]] | None = None):
+                 batch_cells: dict[str, set[int]] | None = None):
         self.store, self.where, self.verify = store, where, verify_replicas
         # replica cells the batch's earlier units wrote (ingest_files): present as if committed, since
         # they will be, in the same commit as this unit
-        self.batch = batch if batch is not None else {}
+        self.batch_cells = batch_cells if batch_cells is not None else {}
         self.written: list[str] = []
         self.cells: dict[str, list[int]] = {}
         self.crcs: dict[str, dict[str, int]] = {}  # cells that are a source record unchanged: its CRC-32
@@ -67,14 +67,14 @@ class UnitWriter:
               crc: int | None = None) -> None:
         flat = entry.flat_index(index)
         replica = entry.replicated or self._replicas > 1
-        if replica and (flat in self.store.cells_present(entry.path) or flat in self.batch.get(entry.path, ())):
+        if replica and (flat in self.store.cells_present(entry.path) or flat in self.batch_cells.get(entry.path, ())):
             # Another replica's copy is committed (or is in this batch): first commit wins. A cell file
             # that no commit record covers (its writer died or was refused) counts for nothing and is rewritten.
             if self.verify:
                 self._verify(entry, index, parts)
             return
         if replica:
-            self.batch.setdefault(entry.path, set()).add(flat)
+            self.batch_cells.setdefault(entry.path, set()).add(flat)
         self.cells.setdefault(entry.path, []).append(flat)
         if crc is not None:
             self.crcs.setdefault(entry.path, {})[str(flat)] = crc
