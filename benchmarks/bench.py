@@ -291,7 +291,7 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
         run("shardstore unshard hf", [*shardstore, "unshard", str(ckpt), str(work / "hf"), "--format", "hf", "-q"])
         fresh()
     if sc.s3:
-        run_s3(sc, ckpt, files, run, results)
+        run_s3(out / "moto.log", files, run, results)
     if with_olmo and sc.olmo:
         olmo = [sys.executable, str(HERE / "olmo_baseline.py"), str(ckpt), str(work / "olmo")]
         env = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
@@ -311,8 +311,9 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
     return results
 
 
-def run_s3(sc: Scenario, ckpt: Path, files: list[Path], run: Callable[..., str], results: list[Result]) -> None:
-    """`shardstore ingest` with rank files and store on a local S3 API server (moto, its own process)."""
+def run_s3(log_path: Path, files: list[Path], run: Callable[..., str], results: list[Result]) -> None:
+    """`shardstore ingest` with rank files and store on a local S3 API server (moto, its own process,
+    its access log at `log_path`)."""
     import socket
 
     try:
@@ -322,7 +323,7 @@ def run_s3(sc: Scenario, ckpt: Path, files: list[Path], run: Callable[..., str],
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(HERE / "out" / "moto.log", "w+")  # its access log: one line per request
+    log = open(log_path, "w+")  # its access log: one line per request
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=log)
     env = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
