@@ -200,6 +200,8 @@ def _write_unit(store: Store, path: str | os.PathLike[str], options: IngestOptio
                       if entry.replicated else leaf.pieces)
             for piece in pieces:
                 sink.piece(entry, piece)
+        if direct is not None:
+            direct.flush()
         record = writer.record(unit.rank, unit.path, unit.size, only, unit.world_size, unit.group_rank,
                                unit.group_size, identity, options.direct.digest if options.direct is not None else None,
                                direct.take_runs() if direct is not None else None)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import itertools
+import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from shardstore.sink.files import _Bands, _runs
-from shardstore.sink.layout import Target
+from shardstore.sink.files import DirectWriter, _Bands, _runs
+from shardstore.sink.layout import Layout, Target
 from shardstore.store.manifest import ArrayEntry
 
 
@@ -71,3 +75,96 @@ def test_whole_array_targets_and_scalars_are_always_near() -> None:
     assert _Bands(entry, (whole,)).near(entry, _Piece((7, 0), (3, 4))) == [whole]
     scalar = ArrayEntry("s", "float32", (), (), (), staged=False)
     assert _Bands(scalar, (whole,)).near(scalar, _Piece((), ())) == [whole]
+
+
+# ------------------------------------------------------------------ one output file at a time
+
+@dataclass(frozen=True)
+class _Rows:
+    """A piece whose bytes are in memory: rows `offsets[0]`.. of a float32 array."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    data: bytes
+
+    def rows(self, first: int, count: int) -> bytes:
+        row = len(self.data) // self.sizes[0]
+        return self.data[first * row:(first + count) * row]
+
+    def crc(self) -> None:
+        return None
+
+
+def _two_files(tmp_path: Path) -> DirectWriter:
+    """A writer laying two arrays into two files: `big` (8 rows) into file 0, `small` (2 rows) into file 1."""
+    for name in ("a", "b"):
+        (tmp_path / name).write_bytes(b"\0" * 64)
+    big = ArrayEntry("big", "float32", (8, 1), (8, 1), (8, 1), staged=False)
+    small = ArrayEntry("small", "float32", (2, 1), (2, 1), (2, 1), staged=False)
+    lay = Layout(str(tmp_path), ("a", "b"), (64, 64), {"big": (Target(0, 0, None, "float32"),),
+                                                       "small": (Target(1, 8, None, "float32"),)})
+    writer = DirectWriter(lay)
+    writer.piece(big, _Rows((0, 0), (8, 1), bytes(range(1, 33))))
+    writer.piece(small, _Rows((0, 0), (2, 1), bytes(range(101, 109))))
+    return writer
+
+
+def _held_elsewhere(path: Path) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def test_the_file_with_most_to_write_comes_first_unless_another_writer_holds_it(tmp_path: Path) -> None:
+    writer = _two_files(tmp_path)
+    assert writer._next_file() == (0, True)  # the 32 bytes of `big` before the 8 of `small`
+    writer.close()
+    writer = _two_files(tmp_path)
+    other = _held_elsewhere(tmp_path / "a")  # another worker is writing file 0
+    try:
+        assert writer._next_file() == (1, True)
+        writer.close()
+        writer = _two_files(tmp_path)
+        also = _held_elsewhere(tmp_path / "b")
+        try:  # every file held: the largest, written anyway (waiting would idle this worker)
+            assert writer._next_file() == (0, False)
+        finally:
+            os.close(also)
+    finally:
+        os.close(other)
+        writer.close()
+
+
+def test_a_flush_writes_every_file_and_lets_go_of_its_locks(tmp_path: Path) -> None:
+    writer = _two_files(tmp_path)
+    other = _held_elsewhere(tmp_path / "b")
+    try:
+        writer.flush()
+    finally:
+        os.close(other)
+    assert (tmp_path / "a").read_bytes()[:32] == bytes(range(1, 33))
+    assert (tmp_path / "b").read_bytes()[8:16] == bytes(range(101, 109))
+    for name in ("a", "b"):  # another worker can take either file now
+        os.close(_held_elsewhere(tmp_path / name))
+    assert not writer._pending
+    writer.close()
+
+
+def test_without_locks_the_pieces_are_still_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A network file system mounted without flock: the order is only a hint, so nothing depends on it."""
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "no locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    writer = _two_files(tmp_path)
+    writer.flush()
+    assert (tmp_path / "a").read_bytes()[:32] == bytes(range(1, 33))
+    assert (tmp_path / "b").read_bytes()[8:16] == bytes(range(101, 109))
+    writer.close()
+
+
+def test_pieces_of_a_unit_that_failed_before_its_flush_are_never_written(tmp_path: Path) -> None:
+    writer = _two_files(tmp_path)
+    writer.close()
+    writer.flush()
+    assert (tmp_path / "a").read_bytes() == b"\0" * 64
