@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping, Protocol
 
 from .. import dtypes
@@ -122,8 +123,13 @@ class LocalPiece:
     tensor: TensorRef
     container: Container = field(repr=False)
 
+    @cached_property
+    def _span(self) -> tuple[int, int] | None:
+        """Where its bytes are, when contiguous: asked for by `rows` and `crc` for every run, checked once."""
+        return tensors.byte_range(self.container, self.tensor)
+
     def rows(self, first: int, count: int) -> FileRange | RemoteRange | None:
-        span = tensors.byte_range(self.container, self.tensor)
+        span = self._span
         if span is None:
             return None
         row = math.prod(self.sizes[1:]) * dtypes.info(self.tensor.dtype).itemsize
@@ -134,7 +140,7 @@ class LocalPiece:
 
     def crc(self) -> int | None:
         """The CRC-32 its file stores for exactly this piece's bytes (a tensor that is its whole storage)."""
-        span = tensors.byte_range(self.container, self.tensor)
+        span = self._span
         key = self.tensor.storage.key
         if span is None or span != (self.container.storage_offset(key), self.container.entries[f"data/{key}"].size):
             return None
