@@ -83,9 +83,10 @@ class DirectWriter:
     def flush(self) -> None:
         """Write every piece taken since the last flush (one unit's), one output file at a time: the file
         with the most bytes to go that no other writer holds, else (all held) the one with the most."""
+        left = self._bytes_to_go()  # once: a file's share does not change while the others are written
         try:
             while self._pending:
-                file, held = self._next_file()
+                file, held = self._next_file({f: left[f] for f in self._pending})
                 try:
                     values: dict[int, list[np.ndarray]] = {}  # a piece's elements in C order, if a run needs them
                     for entry, piece, target in self._pending.pop(file):
@@ -98,16 +99,20 @@ class DirectWriter:
                     if held:
                         fcntl.flock(self._fd(file), fcntl.LOCK_UN)
         except OSError as exc:  # a full disk, a read-only one: one line naming the file, not a traceback
-            self._pending.clear()
             error = output_error(Path(self.layout.folder), exc)
             if error is None:
                 raise
             raise error from None
 
-    def _next_file(self) -> tuple[int, bool]:
-        """The pending file to write now, and whether this writer holds its lock (a hint between workers:
-        a file system without flock, or a file every other writer holds, is written anyway)."""
-        order = sorted(self._pending, key=lambda f: -sum(math.prod(p.sizes) for _, p, _ in self._pending[f]))
+    def _bytes_to_go(self) -> dict[int, int]:
+        return {file: sum(math.prod(p.sizes) * dtypes.info(t.dtype).itemsize for _, p, t in items)
+                for file, items in self._pending.items()}
+
+    def _next_file(self, left: dict[int, int]) -> tuple[int, bool]:
+        """Of the pending files (`left`: their bytes to go), the one to write now, and whether this writer
+        holds its lock (a hint between workers: a file system without flock, or a file every other writer
+        holds, is written anyway). A failed unit's pieces are dropped by `close`."""
+        order = sorted(left, key=lambda f: -left[f])
         for file in order:
             try:
                 fcntl.flock(self._fd(file), fcntl.LOCK_EX | fcntl.LOCK_NB)

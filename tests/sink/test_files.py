@@ -117,17 +117,17 @@ def _held_elsewhere(path: Path) -> int:
 
 def test_the_file_with_most_to_write_comes_first_unless_another_writer_holds_it(tmp_path: Path) -> None:
     writer = _two_files(tmp_path)
-    assert writer._next_file() == (0, True)  # the 32 bytes of `big` before the 8 of `small`
+    assert writer._next_file(writer._bytes_to_go()) == (0, True)  # the 32 bytes of `big` before the 8 of `small`
     writer.close()
     writer = _two_files(tmp_path)
     other = _held_elsewhere(tmp_path / "a")  # another worker is writing file 0
     try:
-        assert writer._next_file() == (1, True)
+        assert writer._next_file(writer._bytes_to_go()) == (1, True)
         writer.close()
         writer = _two_files(tmp_path)
         also = _held_elsewhere(tmp_path / "b")
         try:  # every file held: the largest, written anyway (waiting would idle this worker)
-            assert writer._next_file() == (0, False)
+            assert writer._next_file(writer._bytes_to_go()) == (0, False)
         finally:
             os.close(also)
     finally:
