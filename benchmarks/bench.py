@@ -21,6 +21,14 @@ and peak RSS of the largest process with /usr/bin/time:
 - OLMo's `TorchLegacyShardedCheckpointer` (PyPI ai2-olmo, installed with --no-deps plus what it imports),
   thread mode and shared-memory mode, run as its own unshard script does (benchmarks/olmo_baseline.py).
 
+Every local shardstore `ingest`, `export` and `unshard` run is paired with a `cp -r` + `sync` of the same
+checkpoint run just before it, under the same preparation (the last output removed, caches dropped), and
+its wall time is also given as a multiple of that copy's (the median over repeats). On a virtual machine
+the cost of a cold run moves with the host as well as the disk: this machine's hypervisor takes back the
+memory the guest frees (free page reporting), so writing fresh page cache costs a host page fault per
+page, and `cp -r` + `sync` of the W=8 checkpoint took 4.5 s in one minute and 13.6 s in another. A copy
+timed minutes away from a contender is no floor for it; the copy just before it is.
+
 It prints a markdown table, writes results.json and a PNG plot to --out, and copies the plot to
 docs/img/benchmarks.png. With `--deepspeed PY` (a Python with deepspeed installed) it also runs the ZeRO-2
 and ZeRO-3 rows against `zero_to_fp32.py` (benchmarks/deepspeed_bench.py; `--scenarios ""` for those
@@ -102,6 +110,7 @@ class Result:
     wall: float | None
     peak_rss: int | None
     note: str = ""
+    paired: float | None = None  # wall / that of the `cp -r` + `sync` run just before it (see the docstring)
 
 
 # The ~200M-parameter Llama (fp32, 0.8 GB) the trainers' benchmarks save through their own code
@@ -237,13 +246,18 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
     results: list[Result] = []
 
     def run(name: str, cmd: list[str], env: dict[str, str] | None = None, timeout: float | None = None,
-            note: str = "") -> str:
+            note: str = "", paired: bool = False) -> str:
         if contenders and not any(c in name for c in contenders):
             return ""
         try:
+            floor = None
+            if paired:  # the copy just before it: the floor under the same conditions (module docstring)
+                floor, _, _ = timed(["sh", "-c", f"cp -r {ckpt} {work / 'pair'} && sync"])
+                shutil.rmtree(work / "pair")
             wall, rss, err = timed(cmd, env, timeout)
-            results.append(Result(sc.name, name, wall, rss, note))
-            print(f"  {name:<34} {wall:8.2f} s  {rss / 1e6:8.0f} MB", flush=True)
+            results.append(Result(sc.name, name, wall, rss, note, wall / floor if floor else None))
+            against = f"  ({wall / floor:.2f}x the copy just before, {floor:.2f} s)" if floor else ""
+            print(f"  {name:<34} {wall:8.2f} s  {rss / 1e6:8.0f} MB{against}", flush=True)
             return err
         except subprocess.TimeoutExpired:
             results.append(Result(sc.name, name, None, None, f"timed out after {timeout:.0f} s"))
@@ -274,21 +288,25 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
         run("dcp_to_torch_save (torch)", [sys.executable, "-c", DCP_TO_TORCH_SAVE, str(ckpt), str(work / "torch.pt")])
         fresh()
         files = files[:-1]  # what shardstore ingests: the .distcp files (their .metadata is found beside them)
-    run("shardstore ingest", [*shardstore, "ingest", str(work / "store"), *map(str, files), "-q"])
+    run("shardstore ingest", [*shardstore, "ingest", str(work / "store"), *map(str, files), "-q"], paired=True)
     show = [sys.executable, str(HERE / "show_io.py"), "show", str(work / "store"), sc.show_key, "--slice", "1000:1004"]
     err = run("shardstore show (4-row slice)", show)
     if err:
         results[-1].note = next((line for line in err.splitlines() if line.startswith("bytes read")), "")
-    run("shardstore export safetensors", [*shardstore, "export", str(work / "store"), str(work / "st"), "-q"])
+    run("shardstore export safetensors", [*shardstore, "export", str(work / "store"), str(work / "st"), "-q"],
+        paired=True)
     fresh()
-    run("shardstore unshard safetensors", [*shardstore, "unshard", str(ckpt), str(work / "st"), "-q"])
+    run("shardstore unshard safetensors", [*shardstore, "unshard", str(ckpt), str(work / "st"), "-q"], paired=True)
     fresh()
-    run("shardstore unshard torch", [*shardstore, "unshard", str(ckpt), str(work / "pt"), "--format", "torch", "-q"])
+    run("shardstore unshard torch", [*shardstore, "unshard", str(ckpt), str(work / "pt"), "--format", "torch", "-q"],
+        paired=True)
     fresh()
-    run("shardstore unshard dcp", [*shardstore, "unshard", str(ckpt), str(work / "dcp"), "--format", "dcp", "-q"])
+    run("shardstore unshard dcp", [*shardstore, "unshard", str(ckpt), str(work / "dcp"), "--format", "dcp", "-q"],
+        paired=True)
     fresh()
     if (ckpt / "config.yaml").exists():
-        run("shardstore unshard hf", [*shardstore, "unshard", str(ckpt), str(work / "hf"), "--format", "hf", "-q"])
+        run("shardstore unshard hf", [*shardstore, "unshard", str(ckpt), str(work / "hf"), "--format", "hf", "-q"],
+            paired=True)
         fresh()
     if sc.s3:
         run_s3(out / "moto.log", files, run, results)
@@ -365,14 +383,14 @@ def _requests(log: Any) -> list[tuple[str, str]]:
 
 
 def table(results: list[Result], sizes: dict[str, int]) -> str:
-    rows = ["| checkpoint | contender | wall s | GB/s | peak RSS MB | vs today's tool | vs cp -r | note |",
-            "|---|---|---:|---:|---:|---:|---:|---|"]
+    rows = ["| checkpoint | contender | wall s | GB/s | peak RSS MB | vs today's tool | vs cp -r | vs the copy + sync "
+            "just before | note |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for sc in dict.fromkeys(r.scenario for r in results):
         mine = [r for r in results if r.scenario == sc]
         base = {r.contender: r.wall for r in mine}
         for r in mine:
             if r.wall is None:
-                rows.append(f"| {sc} | {r.contender} | — | — | — | — | — | {r.note} |")
+                rows.append(f"| {sc} | {r.contender} | — | — | — | — | — | — | {r.note} |")
                 continue
             # today's tool: OLMo's unsharder in thread mode, or torch's dcp_to_torch_save for DCP
             olmo = None if r.contender.startswith(("cat", "cp")) else (
@@ -380,7 +398,8 @@ def table(results: list[Result], sizes: dict[str, int]) -> str:
             cp = base.get("cp -r")
             rows.append(f"| {sc} | {r.contender} | {r.wall:.2f} | {sizes[sc] / 1e9 / r.wall:.2f} | "
                         f"{r.peak_rss / 1e6:.0f} | {f'{olmo / r.wall:.1f}x faster' if olmo else '—'} | "
-                        f"{f'{r.wall / cp:.2f}x' if cp else '—'} | {r.note} |")
+                        f"{f'{r.wall / cp:.2f}x' if cp else '—'} | {f'{r.paired:.2f}x' if r.paired else '—'} | "
+                        f"{r.note} |")
     return "\n".join(rows)
 
 
@@ -460,9 +479,10 @@ def medians(runs: list[list[Result]]) -> list[Result]:
     for contender, rs in rows.items():
         walls = sorted(r.wall for r in rs if r.wall is not None)
         rss = [r.peak_rss for r in rs if r.peak_rss is not None]
+        paired = sorted(r.paired for r in rs if r.paired is not None)
         note = rs[0].note + (f" (median of {len(walls)})" if len(walls) > 1 else "")
         merged.append(Result(rs[0].scenario, contender, walls[len(walls) // 2] if walls else None,
-                             max(rss) if rss else None, note.strip()))
+                             max(rss) if rss else None, note.strip(), paired[len(paired) // 2] if paired else None))
     return merged
 
 
