@@ -22,12 +22,13 @@ and peak RSS of the largest process with /usr/bin/time:
   thread mode and shared-memory mode, run as its own unshard script does (benchmarks/olmo_baseline.py).
 
 Every local shardstore `ingest`, `export` and `unshard` run is paired with a `cp -r` + `sync` of the same
-checkpoint run just before it, under the same preparation (the last output removed, caches dropped), and
-its wall time is also given as a multiple of that copy's (the median over repeats). On a virtual machine
-the cost of a cold run moves with the host as well as the disk: this machine's hypervisor takes back the
-memory the guest frees (free page reporting), so writing fresh page cache costs a host page fault per
-page, and `cp -r` + `sync` of the W=8 checkpoint took 4.5 s in one minute and 13.6 s in another. A copy
-timed minutes away from a contender is no floor for it; the copy just before it is.
+checkpoint run just before it and another just after, each prepared the same way (the last output removed,
+caches dropped), and its wall time is also given as a multiple of the two copies' mean (the median over
+repeats). On a virtual machine the cost of a cold run moves with the host as well as the disk: this
+machine's hypervisor takes back the memory the guest frees (free page reporting), so filling fresh page
+cache costs a host page fault per page, and `cp -r` + `sync` of the W=8 checkpoint took 4.5 s in one
+minute and 13.6 s in another. A copy timed minutes away from a contender is no floor for it; the copies
+on either side of it are, whichever of them the order of runs favours.
 
 It prints a markdown table, writes results.json and a PNG plot to --out, and copies the plot to
 docs/img/benchmarks.png. With `--deepspeed PY` (a Python with deepspeed installed) it also runs the ZeRO-2
@@ -110,7 +111,7 @@ class Result:
     wall: float | None
     peak_rss: int | None
     note: str = ""
-    paired: float | None = None  # wall / that of the `cp -r` + `sync` run just before it (see the docstring)
+    paired: float | None = None  # wall / the mean of the `cp -r` + `sync` runs either side of it (docstring)
 
 
 # The ~200M-parameter Llama (fp32, 0.8 GB) the trainers' benchmarks save through their own code
@@ -250,13 +251,11 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
         if contenders and not any(c in name for c in contenders):
             return ""
         try:
-            floor = None
-            if paired:  # the copy just before it: the floor under the same conditions (module docstring)
-                floor, _, _ = timed(["sh", "-c", f"cp -r {ckpt} {work / 'pair'} && sync"])
-                shutil.rmtree(work / "pair")
+            before = copy_floor() if paired else None
             wall, rss, err = timed(cmd, env, timeout)
+            floor = (before + copy_floor()) / 2 if before is not None else None
             results.append(Result(sc.name, name, wall, rss, note, wall / floor if floor else None))
-            against = f"  ({wall / floor:.2f}x the copy just before, {floor:.2f} s)" if floor else ""
+            against = f"  ({wall / floor:.2f}x the copies either side, {floor:.2f} s)" if floor else ""
             print(f"  {name:<34} {wall:8.2f} s  {rss / 1e6:8.0f} MB{against}", flush=True)
             return err
         except subprocess.TimeoutExpired:
@@ -265,6 +264,12 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
             results.append(Result(sc.name, name, None, None, str(exc)[:200]))
         print(f"  {name:<34} {results[-1].note}", flush=True)
         return ""
+
+    def copy_floor() -> float:
+        """`cp -r` + `sync` of the checkpoint beside a contender's output: the floor under its conditions."""
+        wall, _, _ = timed(["sh", "-c", f"cp -r {ckpt} {work / 'pair'} && sync"])
+        shutil.rmtree(work / "pair")
+        return wall
 
     def fresh() -> None:
         shutil.rmtree(work, ignore_errors=True)
@@ -383,8 +388,8 @@ def _requests(log: Any) -> list[tuple[str, str]]:
 
 
 def table(results: list[Result], sizes: dict[str, int]) -> str:
-    rows = ["| checkpoint | contender | wall s | GB/s | peak RSS MB | vs today's tool | vs cp -r | vs the copy + sync "
-            "just before | note |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    rows = ["| checkpoint | contender | wall s | GB/s | peak RSS MB | vs today's tool | vs cp -r | vs cp -r + sync "
+            "either side | note |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for sc in dict.fromkeys(r.scenario for r in results):
         mine = [r for r in results if r.scenario == sc]
         base = {r.contender: r.wall for r in mine}
