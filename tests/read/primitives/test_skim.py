@@ -223,6 +223,29 @@ def test_hybrid_sharded_files_are_skimmed_and_read_as_the_whole_file(member: str
         decoded.close(), whole.close()
 
 
+@native
+def test_a_shard_groups_next_file_takes_the_lists_the_last_file_decoded():
+    """Under hybrid sharding no plan holds the lists, and the files of one shard group hold the same ones:
+    the next file takes the last one's decoded lists (the same objects) where their normal forms are the
+    same bytes, and a file of another group decodes its own. Either way each file reads, and checks its
+    own shards against its lists, as the whole file does."""
+    files = _hsdp_files("composer-t2.13-hsdp-w4")  # ranks 0, 1 hold one group's lists; 2, 3 the other's
+    lists = []
+    for f in files:
+        decoded = read_rank_file(f, values.encode, planned={})
+        whole = read_rank_file(f, values.encode)
+        _same(decoded, whole)
+        sharded = {p: leaf for p, leaf in decoded.leaves.items() if isinstance(leaf, ShardedLeaf)}
+        for p, leaf in sharded.items():
+            other = whole.leaves[p]
+            assert (leaf._global(), leaf.layout_digest()) == (other._global(), other.layout_digest()), p
+        lists.append({p: leaf._metadata.shards_metadata for p, leaf in sharded.items()})
+        decoded.close(), whole.close()
+    taken = [all(lists[i][p] is lists[i - 1][p] for p in lists[i]) for i in range(1, len(files))]
+    fresh = [not any(lists[i][p] is lists[i - 1][p] for p in lists[i]) for i in range(1, len(files))]
+    assert (taken, fresh) == ([True, False, True], [False, True, False])
+
+
 def _result(cut: skim.Skimmed | None) -> tuple[bytes, list[str], dict[str, bytes]] | None:
     """What a skim gives, its placeholders' module (fresh in every call) named alike."""
     return None if cut is None else (re.sub(rb"shardstore_elided_[0-9a-f]{16}", b"M", cut.data), cut.digests, cut.forms)
