@@ -28,7 +28,8 @@ repeats). On a virtual machine the cost of a cold run moves with the host as wel
 machine's hypervisor takes back the memory the guest frees (free page reporting), so filling fresh page
 cache costs a host page fault per page, and `cp -r` + `sync` of the W=8 checkpoint took 4.5 s in one
 minute and 13.6 s in another. A copy timed minutes away from a contender is no floor for it; the copies
-on either side of it are, whichever of them the order of runs favours.
+on either side of it are, whichever of them the order of runs favours. An ingest also starts only once
+the inodes the harness freed last are past the window in which this disk's ext4 skips them (`settle`).
 
 It prints a markdown table, writes results.json and a PNG plot to --out, and copies the plot to
 docs/img/benchmarks.png. With `--deepspeed PY` (a Python with deepspeed installed) it also runs the ZeRO-2
@@ -157,6 +158,31 @@ def _tree_rss(root: int) -> int:
     return total
 
 
+# This machine's disk is ext4 without a journal. There a new inode skips every inode freed in the last 60 s
+# (360 s while its inode-table block is dirty; the kernel's ialloc.c, `recently_deleted`). Creating 2,340
+# files took 1.75 s right after 10,000 were deleted and 0.05 s 70 s later (docs/benchmarks.md, session 21).
+# A store is thousands of cell files, so an ingest started just after the harness deleted the last store
+# paid for the harness's deletion. Each ingest therefore waits until that window has passed.
+RECENTLY_FREED_S = 61.0
+MANY_FILES = 1000
+_freed_at = [0.0]  # time.monotonic() when the harness last deleted MANY_FILES or more
+
+
+def remove(path: Path) -> None:
+    """shutil.rmtree, noting when the tree held many files (see RECENTLY_FREED_S)."""
+    if sum(len(names) for _, _, names in os.walk(path)) >= MANY_FILES:
+        _freed_at[0] = time.monotonic()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def settle() -> None:
+    """Wait until the inodes the harness freed last are no longer skipped (see RECENTLY_FREED_S)."""
+    left = _freed_at[0] + RECENTLY_FREED_S - time.monotonic()
+    if left > 0:
+        subprocess.run(["sync"], check=True)
+        time.sleep(max(0.0, _freed_at[0] + RECENTLY_FREED_S - time.monotonic()))
+
+
 def timed_tree(cmd: list[str], env: dict[str, str] | None = None, interval: float = 0.02,
                cold: bool = True) -> tuple[float, int]:
     """(wall seconds, peak summed RSS of the whole process tree) of `cmd`, caches dropped first unless not
@@ -251,6 +277,8 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
         if contenders and not any(c in name for c in contenders):
             return ""
         try:
+            if "ingest" in name:  # it makes thousands of cell files
+                settle()
             before = copy_floor() if paired else None
             wall, rss, err = timed(cmd, env, timeout)
             floor = (before + copy_floor()) / 2 if before is not None else None
@@ -272,7 +300,7 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
         return wall
 
     def fresh() -> None:
-        shutil.rmtree(work, ignore_errors=True)
+        remove(work)
         work.mkdir(parents=True)
 
     print(f"{sc.name}: {sum(f.stat().st_size for f in files) / 1e9:.2f} GB in {len(files)} files", flush=True)
@@ -287,7 +315,7 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
         run("shardstore ingest (1 more rank)", [*shardstore, "ingest", str(work / "store"), str(files[1]), "-q"])
         run(f"shardstore ingest ({len(files) - 2} more ranks)",
             [*shardstore, "ingest", str(work / "store"), *map(str, files[2:]), "-q"])
-        shutil.rmtree(work, ignore_errors=True)
+        remove(work)
         return per_file_note(results, sc, len(files))
     if sc.format == "dcp":
         run("dcp_to_torch_save (torch)", [sys.executable, "-c", DCP_TO_TORCH_SAVE, str(ckpt), str(work / "torch.pt")])
@@ -328,7 +356,7 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
     elif not sc.olmo and sc.format != "dcp":
         results.append(Result(sc.name, "OLMo unsharder (threads)", None, None,
                               f"not run: {sc.olmo_why}"))
-    shutil.rmtree(work, ignore_errors=True)
+    remove(work)
     for r in results:
         r.note = r.note or ""
     return results
