@@ -177,10 +177,10 @@ def remove(path: Path) -> None:
 
 def settle() -> None:
     """Wait until the inodes the harness freed last are no longer skipped (see RECENTLY_FREED_S)."""
-    left = _freed_at[0] + RECENTLY_FREED_S - time.monotonic()
-    if left > 0:
-        subprocess.run(["sync"], check=True)
-        time.sleep(max(0.0, _freed_at[0] + RECENTLY_FREED_S - time.monotonic()))
+    until = _freed_at[0] + RECENTLY_FREED_S
+    if time.monotonic() < until:
+        subprocess.run(["sync"], check=True)  # the window is the shorter one once the inode table is written
+        time.sleep(max(0.0, until - time.monotonic()))
 
 
 def timed_tree(cmd: list[str], env: dict[str, str] | None = None, interval: float = 0.02,
