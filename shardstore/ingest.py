@@ -26,7 +26,7 @@ from .read.discover import plan as plan_source
 from .read.primitives import tensors
 from .read.primitives.container import Container
 from .read.primitives.identity import content, file_identity, file_stamp, stamp
-from .read.primitives.unpickle import gc_paused
+from .gcpause import gc_paused
 from .read.registry import get
 from .read.source import Source
 from .records import TensorRef
@@ -120,6 +120,7 @@ def ingest_files(store: Store, paths: Sequence[str | os.PathLike[str]], options:
     """
     _prefetch(paths[1:])
     with gc_paused():
+        store.records()  # what other units committed: their replica cells are skipped, their values checked
         direct = DirectWriter(options.direct) if options.direct is not None else None
         done: list[tuple[Ingested, CommitRecord, list[str]]] = []
         replicas: dict[str, set[int]] = {}  # replica cells the batch wrote: its later copies are skipped

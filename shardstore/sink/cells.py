@@ -37,8 +37,10 @@ class UnitWriter:
         self.objects: dict[str, Any] = {}
         self._staging: list[Part] = []
         self._staged_bytes = 0
+        # Which replica cells to write is decided by the records the store has seen: the caller refreshes
+        # them once per batch (ingest_files), not per unit, which at world size 1024 lists 1024 records
+        # per unit. A copy another unit committed since is written again, harmlessly (first commit wins).
         self._replicas = store.manifest.facts.replicas
-        store.records()  # what other units have committed so far decides which replica cells to write
 
     def put_blob(self, data: bytes | memoryview) -> str:
         digest = self.store.put_blob(data)

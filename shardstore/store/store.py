@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 from .. import dtypes
 from ..crc import crc32_combine
 from ..errors import CheckpointError, StoreError
+from ..gcpause import gc_paused
 from ..locations import StorageOptions, filesystem
 from ..ranges import FileRange, Part, part_length
 from .backend import Backend, open_backend
@@ -224,14 +225,18 @@ class Store:
         """Commit records by rank (cached: a committed record never changes). `refresh=False` looks
         for newly committed ranks only if none were seen yet."""
         if refresh or not self._records:
-            for key in self.backend.list(RANKS):
-                name = key.rsplit("/", 1)[-1]
-                if not re.fullmatch(r"(0|[1-9][0-9]{0,6})\.json", name):
-                    continue  # not a commit record (a stray file, an editor's backup): never trusted
-                rank = int(name[:-5])
-                if rank not in self._records and rank < self.manifest.world_size:
-                    self._records[rank] = self._load_record(key)
+            with gc_paused():
+                self._load_records()
         return dict(sorted(self._records.items()))
+
+    def _load_records(self) -> None:
+        for key in self.backend.list(RANKS):
+            name = key.rsplit("/", 1)[-1]
+            if not re.fullmatch(r"(0|[1-9][0-9]{0,6})\.json", name):
+                continue  # not a commit record (a stray file, an editor's backup): never trusted
+            rank = int(name[:-5])
+            if rank not in self._records and rank < self.manifest.world_size:
+                self._records[rank] = self._load_record(key)
 
     def record(self, rank: int) -> CommitRecord | None:
         """Rank `rank`'s commit record, or None: read on its own (a worker checking its own rank), not by

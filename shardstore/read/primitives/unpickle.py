@@ -15,18 +15,17 @@ from __future__ import annotations
 import _codecs
 import _compat_pickle
 import collections
-import contextlib
 import datetime
-import gc
 import io
 import pathlib
 import pickle
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from ... import dtypes
 from ...errors import CheckpointError, UnsafePickleError, named
+from ...gcpause import gc_paused
 from ...records import Building, StorageRef, TensorRef, TorchDevice, TorchDType, TorchVersion, building_class, refusal
 from .pickle_scan import ScanError, scan
 
@@ -432,22 +431,6 @@ class _Unpickler(pickle.Unpickler):
         if not isinstance(storage_type, _StorageType):
             raise CheckpointError(f"{self._source}: storage of unknown type {storage_type!r:.80}")
         return StorageRef(str(key), storage_type.dtype, int(numel))
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic GC. A rank file unpickles into hundreds of thousands of metadata objects, none of
-    them cyclic; while they are alive every GC pass rescans all of them, which costs more than the
-    unpickling itself. On the way out the survivors are frozen (moved out of the GC's sight; reference
-    counting still frees them), so re-enabling does not start with a pass over all of them."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.freeze()
-            gc.enable()
 
 
 def load(data: bytes | memoryview, source: str, strict: bool = False,
