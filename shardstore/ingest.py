@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -44,7 +43,6 @@ from .store.store import Store
 BATCH_FILES = 32  # a worker's task: at most this many units, synced once ...
 BATCH_BYTES = 64 << 20  # ... holding at most this many bytes of local files ...
 TASKS_PER_WORKER = 4  # ... and at least this many tasks for each worker
-READ_AHEAD = 1 << 30  # the checkpoint's first bytes read ahead while the store is planned (_prefetch)
 
 
 @dataclass(frozen=True)
@@ -142,20 +140,13 @@ def ingest_files(store: Store, paths: Sequence[str | os.PathLike[str]], options:
         return [ingested for ingested, _, _ in done]
 
 
-def _prefetch(paths: Sequence[str | os.PathLike[str]], budget: int | None = None) -> None:
-    """Have the kernel start reading these local files (their first `budget` bytes, if given) while other
-    work goes on. A small rank file is read in a few scattered requests (its end records, local headers,
-    pickle, storages), each waiting on the disk when cold; read ahead whole, they come from memory.
-
-    Two callers: a worker, for its batch's later files while it works on the first (at W=256, caches
-    dropped: 2.8-3.1 s -> 2.4-2.8 s for `--format torch`); and `ingest`, on a thread, for the first
-    READ_AHEAD bytes of the checkpoint while it plans the store and the workers start, when the disk
-    would otherwise idle (W=256 `--format torch`, caches dropped, medians of 5 interleaved: 1.97 -> 1.90 s). Only a hint: a file that
-    cannot be opened is left for its own read to report (non-blocking: a FIFO put in a file's place never
-    hangs it)."""
+def _prefetch(paths: Sequence[str | os.PathLike[str]]) -> None:
+    """Have the kernel start reading the batch's later local files (at most BATCH_BYTES) while the first is
+    worked on: a small rank file is read in a few scattered requests (its end records, local headers,
+    pickle, storages), each waiting on the disk when cold; read ahead whole, they come from memory. At
+    W=256, caches dropped: 2.8-3.1 s -> 2.4-2.8 s for `--format torch`. Only a hint: a file that cannot be
+    opened is left for its own read to report (non-blocking: a FIFO put in a file's place never hangs it)."""
     for path in paths:
-        if budget is not None and budget <= 0:
-            return
         if is_url(os.fspath(path)):
             continue
         try:
@@ -163,9 +154,7 @@ def _prefetch(paths: Sequence[str | os.PathLike[str]], budget: int | None = None
         except OSError:
             continue
         try:
-            length = 0 if budget is None else min(os.fstat(fd).st_size, budget)
-            os.posix_fadvise(fd, 0, length, os.POSIX_FADV_WILLNEED)
-            budget = None if budget is None else budget - length
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         except OSError:
             pass
         finally:
@@ -307,8 +296,6 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
         raise CheckpointError("no rank files to ingest")
     files: list[str | os.PathLike[str]] = list(source.units)
     _check_readable(files)
-    # the disk reads the first files while the store is planned and the workers start (see _prefetch)
-    threading.Thread(target=_prefetch, args=(files, READ_AHEAD), name="shardstore-read-ahead", daemon=True).start()
     jobs = max(1, min(jobs or default_jobs(), len(files)))
     created, store, held = not Store.exists(location, source.storage_options), None, None
     try:

@@ -317,24 +317,6 @@ def test_tasks_batch_small_files_and_leave_large_ones_alone(tmp_path: Path, monk
     assert [len(b) for b in ingest_module._batches(paths[:16], 1)] == [2] * 8  # bytes bound them first
 
 
-def test_reading_ahead_the_checkpoint_stops_at_its_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The read-ahead `ingest` starts while it plans covers the checkpoint's first bytes only: a checkpoint
-    larger than memory is not read twice (once ahead, evicted, once for real)."""
-    import importlib
-    import os
-
-    ingest_module = importlib.import_module("shardstore.ingest")
-    files = [tmp_path / f"rank{r}.pt" for r in range(3)]
-    for f in files:
-        f.write_bytes(b"x" * 4096)
-    hinted: list[tuple[int, int]] = []
-    real = os.posix_fadvise
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: (hinted.append((offset, length)),
-                                                                                 real(fd, offset, length, advice)))
-    ingest_module._prefetch(files, 6000)
-    assert hinted == [(0, 4096), (0, 6000 - 4096)]
-
-
 def test_reading_ahead_a_batch_never_blocks_or_fails_on_a_file_that_is_not_one(tmp_path: Path) -> None:
     """The read-ahead hint over a batch's later files opens them without blocking: a FIFO in a rank file's
     place (no writer: a blocking open would hang the worker for ever), a missing file and a folder are
