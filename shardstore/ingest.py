@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -50,6 +50,9 @@ class Ingested:
     rank: int
     path: str
     nbytes: int
+    # its commit record, as committed: the coordinator keeps it rather than read it back from the store
+    # (a request per unit on object storage; a JSON decode each at W=1024)
+    record: CommitRecord | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -122,22 +125,23 @@ def ingest_files(store: Store, paths: Sequence[str | os.PathLike[str]], options:
     with gc_paused():
         store.records()  # what other units committed: their replica cells are skipped, their values checked
         direct = DirectWriter(options.direct) if options.direct is not None else None
-        done: list[tuple[Ingested, CommitRecord, list[str]]] = []
+        done: list[tuple[Ingested, list[str]]] = []
         replicas: dict[str, set[int]] = {}  # replica cells the batch wrote: its later copies are skipped
         try:
             for i, path in enumerate(paths):
                 done.append(_write_unit(store, path, options, unit if i == 0 else None, direct,
-                                        {ingested.rank: ingested.path for ingested, _, _ in done}, replicas))
+                                        {ingested.rank: ingested.path for ingested, _ in done}, replicas))
         finally:
             try:
                 if done:
                     if direct is not None:
                         direct.sync()  # durable before the commits that journal it
-                    store.commit_ranks([record for _, record, _ in done], [k for *_, keys in done for k in keys])
+                    store.commit_ranks([ingested.record for ingested, _ in done if ingested.record is not None],
+                                       [k for _, keys in done for k in keys])
             finally:
                 if direct is not None:
                     direct.close()
-        return [ingested for ingested, _, _ in done]
+        return [ingested for ingested, _ in done]
 
 
 def _prefetch(paths: Sequence[str | os.PathLike[str]]) -> None:
@@ -163,7 +167,7 @@ def _prefetch(paths: Sequence[str | os.PathLike[str]]) -> None:
 
 def _write_unit(store: Store, path: str | os.PathLike[str], options: IngestOptions, unit: Unit | None,
                 direct: DirectWriter | None, batch: dict[int, str],
-                replicas: dict[str, set[int]]) -> tuple[Ingested, CommitRecord, list[str]]:
+                replicas: dict[str, set[int]]) -> tuple[Ingested, list[str]]:
     """One unit's pieces and values written, not yet durable: what it ingested, the record that will
     commit it, and the store keys it wrote. `batch` holds the ranks of the batch's units before it, and
     `replicas` the replica cells they wrote (hybrid sharding: a later copy is skipped, or verified)."""
@@ -207,7 +211,7 @@ def _write_unit(store: Store, path: str | os.PathLike[str], options: IngestOptio
                                unit.group_size, identity, options.direct.digest if options.direct is not None else None,
                                direct.take_runs() if direct is not None else None)
         saves.add(name, writer.objects)  # the batch's later units are checked against it too
-        return Ingested(unit.rank, unit.path, unit.size), record, writer.written
+        return Ingested(unit.rank, unit.path, unit.size, record), writer.written
     finally:
         unit.close()
 
@@ -366,6 +370,8 @@ def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options:
             if result.rank in seen and seen[result.rank] != result.path:
                 raise CheckpointError(f"two files hold rank {result.rank}: {seen[result.rank]} and {result.path}")
             seen[result.rank] = result.path
+            if result.record is not None:
+                store.remember(result.record)
             if on_done:
                 on_done(result)
 

@@ -66,6 +66,27 @@ def test_a_new_store_reads_rank_0_once(checkpoints, tmp_path: Path, monkeypatch:
     assert shardstore.open(tmp_path / "s").status().ok
 
 
+def test_the_coordinator_keeps_the_records_its_workers_committed(checkpoints, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each worker hands back the commit records it wrote; the coordinator, assembling the staged arrays
+    after the run, reads none of them back (on object storage, a request per rank file)."""
+    from shardstore.store.store import Store
+
+    loaded: list[str] = []
+    load = Store._load_record
+
+    def counting_load(self, key):  # type: ignore[no-untyped-def]
+        loaded.append(key)  # (in the forked workers too, but into their own copy of the list)
+        return load(self, key)
+
+    monkeypatch.setattr(Store, "_load_record", counting_load)
+    files = sorted(checkpoints(4).glob("rank*.pt"))
+    store = shardstore.ingest(tmp_path / "s", files, jobs=2)
+    assert loaded == []
+    assert sorted(store.records()) == [0, 1, 2, 3] and store.status().ok
+    assert sorted(Store.open(tmp_path / "s").records()) == [0, 1, 2, 3] and loaded  # the store's own, read back
+
+
 def test_rank_file_from_another_checkpoint_is_refused(checkpoints, tmp_path: Path) -> None:
     shardstore.ingest(tmp_path / "s", [checkpoints(2) / "rank0.pt"], jobs=1)
     before = content(tmp_path / "s")

@@ -220,6 +220,11 @@ class Store:
                              after=written)
         self._records.update((r.rank, r) for r in records)
 
+    def remember(self, record: CommitRecord) -> None:
+        """A record this run's worker committed (ingest.py): kept as if read back from the store."""
+        if 0 <= record.rank < self.manifest.world_size:
+            self._records[record.rank] = record
+
     # ------------------------------------------------------------------ records and status
     def records(self, refresh: bool = True) -> dict[int, CommitRecord]:
         """Commit records by rank (cached: a committed record never changes). `refresh=False` looks
