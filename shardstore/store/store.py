@@ -59,7 +59,7 @@ def _write_array_metadata(backend: Backend, manifest: Manifest, location: str) -
     groups = {p.rsplit("/", 1)[0] for p in manifest.arrays if "/" in p}
     groups |= {g.rsplit("/", i)[0] for g in list(groups) for i in range(1, g.count("/") + 1)}
     for group in sorted(groups):
-        if not backend.exists(f"{group}/zarr.json"):
+        if _read_if_there(backend, f"{group}/zarr.json") is None:
             backend.write(f"{group}/zarr.json", [GROUP_METADATA])
     for entry in manifest.arrays.values():
         info = dtypes.info(entry.dtype)
@@ -67,11 +67,21 @@ def _write_array_metadata(backend: Backend, manifest: Manifest, location: str) -
                               tuple(max(c, 1) for c in entry.chunk), {"torch_dtype": entry.dtype},
                               manifest.separator)
         key = f"{entry.path}/zarr.json"
-        if not backend.exists(key):
+        there = _read_if_there(backend, key)
+        if there is None:
             backend.write(key, [json.dumps(meta).encode()])
-        elif json.loads(backend.read(key)) != meta:
+        elif json.loads(there) != meta:
             raise StoreError(f"{location}: already holds a different array at {entry.path}; "
                              f"use an empty folder for a new store")
+
+
+def _read_if_there(backend: Backend, key: str) -> bytes | None:
+    """A small object, or None: one request on object storage, where asking whether a missing key exists
+    takes two (s3fs follows a 404 with a listing, in case the key is a folder)."""
+    try:
+        return backend.read(key)
+    except KeyError:
+        return None
 
 
 def cell_key(path: str, index: tuple[int, ...], separator: str = ".") -> str:
@@ -195,7 +205,13 @@ class Store:
         return key
 
     def has_cell(self, entry: ArrayEntry, index: tuple[int, ...]) -> bool:
-        return self.backend.exists(self.cell_key(entry.path, index))
+        """Whether the cell is written: its first byte read (a cell is never empty, it ends with its shard
+        index), one request on object storage where asking whether a missing key exists takes two."""
+        try:
+            self.backend.read(self.cell_key(entry.path, index), 0, 1)
+        except KeyError:
+            return False
+        return True
 
     def read_cell_bytes(self, entry: ArrayEntry, index: tuple[int, ...], nbytes: int) -> bytes:
         """The first `nbytes` of a cell's data (its valid rows, in C order)."""
@@ -247,13 +263,18 @@ class Store:
         """Rank `rank`'s commit record, or None: read on its own (a worker checking its own rank), not by
         listing every record (a request per file on object storage)."""
         key = f"{RANKS}/{rank}.json"
-        if rank not in self._records and self.backend.exists(key):
-            self._records[rank] = self._load_record(key)
+        if rank not in self._records:
+            raw = _read_if_there(self.backend, key)  # (a new rank's is missing: one request, not two)
+            if raw is not None:
+                self._records[rank] = self._decode_record(raw, key)
         return self._records.get(rank)
 
     def _load_record(self, key: str) -> CommitRecord:
+        return self._decode_record(self.backend.read(key), key)
+
+    def _decode_record(self, raw: bytes, key: str) -> CommitRecord:
         try:
-            data = json.loads(self.backend.read(key))
+            data = json.loads(raw)
         except ValueError:
             data = None
         return CommitRecord.from_json(data, f"{self.location}: {key}")
