@@ -34,3 +34,17 @@ def test_a_nested_pause_leaves_the_outer_one_in_charge() -> None:
             pass
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+def test_a_pause_without_the_pass_freezes_what_survives_untouched() -> None:
+    """Around one unpickling the pass is skipped: a cycle made there stays (frozen), as before."""
+    with gc_paused(collect=False):
+        cycle: list = [_Big()]
+        cycle.append(cycle)
+        gone = weakref.ref(cycle[0])
+        del cycle
+    gc.collect()
+    assert gone() is not None  # frozen: out of the collector's sight
+    gc.unfreeze()
+    gc.collect()
+    assert gone() is None

@@ -444,7 +444,7 @@ def load(data: bytes | memoryview, source: str, strict: bool = False,
         scan(data)
     except ScanError as exc:
         raise CheckpointError(f"{source}: corrupt or hostile pickle ({exc})") from None
-    with gc_paused():
+    with gc_paused(collect=False):
         unpickler = _Unpickler(io.BytesIO(data), source, strict, placeholders or {})
         try:
             return unpickler.load()
