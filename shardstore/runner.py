@@ -78,24 +78,25 @@ def _warm_up() -> None:
 
 
 def _worker_init(parent: int) -> None:
-    """A worker's initializer."""
+    """A worker's initializer: it dies with its parent, and keeps what it frees for its next file."""
     _die_with(parent)
     _keep_freed_memory()
 
 
 # glibc's mallopt parameters (malloc.h), and its ceiling on the mmap threshold on 64-bit systems
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX = -1, -3, 32 << 20
-# what the heap may keep free at its top: more than one rank file's transient blocks (W=1024 OLMo-7B: ~100 MB)
-_KEEP_FREE = 512 << 20
+_M_TOP_PAD, _M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX = -2, -3, 32 << 20
+# what the heap keeps at its top when it shrinks: more than one rank file's transient blocks at W=256 (4 MB)
+_TOP_PAD = 16 << 20
 
 
 def _keep_freed_memory() -> None:
     """Keep what a worker frees for its next file. Each rank file needs the same large transient blocks
-    (the skimmer's memo columns: 1 MB each at W=256, 16 MB at W=1024), and glibc hands a freed block at
-    the top of the heap back to the kernel once more than twice the last large block is free there: the
-    next file's blocks then come back as fresh zero pages, a page fault each. At W=256 that was 1.0 of the
-    skimmer's 1.4 ms a file. A worker's memory is bounded by one file either way; it now stays at that
-    bound between files instead of falling back and faulting again. glibc only; elsewhere nothing changes."""
+    (the skimmer's memo columns: 1 MB each at W=256), which glibc maps afresh or hands back to the kernel
+    as soon as they are freed: the next file's blocks then come back as fresh zero pages, a page fault
+    each. At W=256 that was 1.0 of the skimmer's 1.4 ms a file. Blocks up to 32 MB now come from the heap,
+    and the heap keeps 16 MB free when it shrinks, so a worker holds at most that much more between files
+    (the same faults are saved as by keeping everything freed, which held up to 512 MB a worker). glibc
+    only; elsewhere nothing changes."""
     if sys.platform != "linux":
         return
     try:
@@ -103,7 +104,7 @@ def _keep_freed_memory() -> None:
 
         libc = ctypes.CDLL(None)
         libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-        libc.mallopt(_M_TRIM_THRESHOLD, _KEEP_FREE)
+        libc.mallopt(_M_TOP_PAD, _TOP_PAD)
     except (OSError, AttributeError):
         pass
 
