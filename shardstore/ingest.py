@@ -52,7 +52,7 @@ class Ingested:
     nbytes: int
     # its commit record, as committed: the coordinator keeps it rather than read it back from the store
     # (a request per unit on object storage; a JSON decode each at W=1024)
-    record: CommitRecord | None = field(default=None, repr=False, compare=False)
+    record: CommitRecord = field(repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -136,8 +136,7 @@ def ingest_files(store: Store, paths: Sequence[str | os.PathLike[str]], options:
                 if done:
                     if direct is not None:
                         direct.sync()  # durable before the commits that journal it
-                    store.commit_ranks([ingested.record for ingested, _ in done if ingested.record is not None],
-                                       [k for _, keys in done for k in keys])
+                    store.commit_ranks([ingested.record for ingested, _ in done], [k for _, keys in done for k in keys])
             finally:
                 if direct is not None:
                     direct.close()
@@ -370,8 +369,7 @@ def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options:
             if result.rank in seen and seen[result.rank] != result.path:
                 raise CheckpointError(f"two files hold rank {result.rank}: {seen[result.rank]} and {result.path}")
             seen[result.rank] = result.path
-            if result.record is not None:
-                store.remember(result.record)
+            store.remember(result.record)
             if on_done:
                 on_done(result)
 

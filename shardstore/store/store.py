@@ -75,11 +75,12 @@ def _write_array_metadata(backend: Backend, manifest: Manifest, location: str) -
                              f"use an empty folder for a new store")
 
 
-def _read_if_there(backend: Backend, key: str) -> bytes | None:
-    """A small object, or None: one request on object storage, where asking whether a missing key exists
-    takes two (s3fs follows a 404 with a listing, in case the key is a folder)."""
+def _read_if_there(backend: Backend, key: str, length: int | None = None) -> bytes | None:
+    """A small object (its first `length` bytes, if given), or None: one request on object storage, where
+    asking whether a missing key exists takes two (s3fs follows a 404 with a listing, in case the key is
+    a folder)."""
     try:
-        return backend.read(key)
+        return backend.read(key, 0, length)
     except KeyError:
         return None
 
@@ -206,12 +207,8 @@ class Store:
 
     def has_cell(self, entry: ArrayEntry, index: tuple[int, ...]) -> bool:
         """Whether the cell is written: its first byte read (a cell is never empty, it ends with its shard
-        index), one request on object storage where asking whether a missing key exists takes two."""
-        try:
-            self.backend.read(self.cell_key(entry.path, index), 0, 1)
-        except KeyError:
-            return False
-        return True
+        index), see `_read_if_there`."""
+        return _read_if_there(self.backend, self.cell_key(entry.path, index), 1) is not None
 
     def read_cell_bytes(self, entry: ArrayEntry, index: tuple[int, ...], nbytes: int) -> bytes:
         """The first `nbytes` of a cell's data (its valid rows, in C order)."""
