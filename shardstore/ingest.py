@@ -53,6 +53,8 @@ class Ingested:
     # its commit record, as committed: the coordinator keeps it rather than read it back from the store
     # (a request per unit on object storage; a JSON decode each at W=1024)
     record: CommitRecord = field(repr=False, compare=False)
+    # its staging file's bytes, if small (sink/cells.py): the coordinator assembles from them, not a read
+    staging: bytes | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -210,15 +212,16 @@ def _write_unit(store: Store, path: str | os.PathLike[str], options: IngestOptio
                                unit.group_size, identity, options.direct.digest if options.direct is not None else None,
                                direct.take_runs() if direct is not None else None)
         saves.add(name, writer.objects)  # the batch's later units are checked against it too
-        return Ingested(unit.rank, unit.path, unit.size, record), writer.written
+        return Ingested(unit.rank, unit.path, unit.size, record, writer.staging), writer.written
     finally:
         unit.close()
 
 
 def _check_identity(store: Store, unit: Any, identity: str) -> None:
     """A rank committed from one file is never overwritten by another: the store would then hold two
-    checkpoints (a committed cell is never rewritten, so the old tensors would stay beside new values)."""
-    record = store.record(unit.rank)
+    checkpoints (a committed cell is never rewritten, so the old tensors would stay beside new values).
+    The records are the batch's listing (`ingest_files`), not a request per unit."""
+    record = store.records(refresh=False).get(unit.rank)
     if record is not None and record.identity is not None and content(record.identity) != content(identity):
         raise CheckpointError(
             f"{unit.path}: {store.location} already holds rank {unit.rank} from another file ({record.file}, "
@@ -369,7 +372,7 @@ def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options:
             if result.rank in seen and seen[result.rank] != result.path:
                 raise CheckpointError(f"two files hold rank {result.rank}: {seen[result.rank]} and {result.path}")
             seen[result.rank] = result.path
-            store.remember(result.record)
+            store.remember(result.record, result.staging)
             if on_done:
                 on_done(result)
 

@@ -73,13 +73,13 @@ def test_the_coordinator_keeps_the_records_its_workers_committed(checkpoints, tm
     from shardstore.store.store import Store
 
     loaded: list[str] = []
-    load = Store._load_record
+    decode = Store._decode_record
 
-    def counting_load(self, key):  # type: ignore[no-untyped-def]
+    def counting_decode(self, raw, key):  # type: ignore[no-untyped-def]
         loaded.append(key)  # (in the forked workers too, but into their own copy of the list)
-        return load(self, key)
+        return decode(self, raw, key)
 
-    monkeypatch.setattr(Store, "_load_record", counting_load)
+    monkeypatch.setattr(Store, "_decode_record", counting_decode)
     files = sorted(checkpoints(4).glob("rank*.pt"))
     store = shardstore.ingest(tmp_path / "s", files, jobs=2)
     assert loaded == []

@@ -18,9 +18,13 @@ import numpy as np
 from .. import dtypes
 from ..errors import CheckpointError
 from ..ranges import Part, blocks, part_length
-from ..store.manifest import ArrayEntry, CommitRecord
+from ..store.manifest import INLINE_STAGING, ArrayEntry, CommitRecord
 from ..store.store import BLOBS, Store, first_difference
 from . import Piece
+
+
+INLINE_BYTES = 64 << 10  # a unit's staged bytes up to this size go in its commit record (store format 3) ...
+HANDBACK_BYTES = 1 << 20  # ... else into a staging file, which up to this size is also handed back to the coordinator
 
 
 class UnitWriter:
@@ -37,6 +41,7 @@ class UnitWriter:
         self.objects: dict[str, Any] = {}
         self._staging: list[Part] = []
         self._staged_bytes = 0
+        self.staging: bytes | None = None  # the staging file written, if small enough to hand back
         # Which replica cells to write is decided by the records the store has seen: the caller refreshes
         # them once per batch (ingest_files), not per unit, which at world size 1024 lists 1024 records
         # per unit. A copy another unit committed since is written again, harmlessly (first commit wins).
@@ -105,11 +110,19 @@ class UnitWriter:
                runs: list[list[int]] | None = None) -> CommitRecord:
         """The unit's staged pieces written (while its file is still open), and the record that commits
         everything it wrote (`written`) once that is durable: `Store.commit_ranks`."""
+        inline = None
+        if self._staging and self._staged_bytes <= INLINE_BYTES and self.store.manifest.version >= INLINE_STAGING:
+            inline = b"".join(bytes(b) for b in blocks(self._staging))  # at W=256 a few KB: a PUT (or a
+            self._staging = []  # file and its sync) per unit less, and no read of it back
         if self._staging:
-            self.written.append(self.store.write_staging(rank, self._staging))
+            parts = self._staging
+            if self._staged_bytes <= HANDBACK_BYTES:  # handed back to the coordinator: it assembles from
+                self.staging = b"".join(bytes(b) for b in blocks(parts))  # these, not a read of the file
+                parts = [self.staging]
+            self.written.append(self.store.write_staging(rank, parts))
             self._staging = []
         return CommitRecord(rank, os.path.basename(path), nbytes, self.cells, self.staged, self.objects, only,
-                            world_size, group_rank, group_size, self.crcs, identity, direct, runs or [])
+                            world_size, group_rank, group_size, self.crcs, identity, direct, runs or [], inline)
 
     def _verify(self, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part]) -> None:
         """Compare this unit's copy of a cell with the committed one; name the first difference."""

@@ -30,7 +30,9 @@ class Backend(Protocol):
     storage_options: StorageOptions
 
     def read(self, key: str, start: int = 0, length: int | None = None) -> bytes: ...
+    def read_many(self, keys: Sequence[str], length: int | None = None) -> list[bytes | None]: ...
     def write(self, key: str, parts: Iterable[Part], durable: bool = False) -> None: ...
+    def write_many(self, items: Sequence[tuple[str, bytes]]) -> None: ...
     def publish(self, items: Sequence[tuple[str, bytes]], after: Iterable[str]) -> None: ...
     def exists(self, key: str) -> bool: ...
     def list(self, prefix: str) -> list[str]: ...
@@ -76,6 +78,15 @@ class LocalBackend:
                 return f.read() if length is None else f.read(length)
         except FileNotFoundError:
             raise KeyError(key) from None
+
+    def read_many(self, keys: Sequence[str], length: int | None = None) -> list[bytes | None]:
+        """Several small objects (the first `length` bytes of each), None for each one that is missing."""
+        return [_or_none(self.read, key, 0, length) for key in keys]
+
+    def write_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Several small objects, each written as `write` would (not durable)."""
+        for key, data in items:
+            self.write(key, [data])
 
     def write(self, key: str, parts: Iterable[Part], durable: bool = False) -> None:
         with self._user_errors(key):
@@ -220,6 +231,9 @@ class LocalBackend:
         return zarr.storage.LocalStore(self.root, read_only=read_only)
 
 
+TOGETHER = 16  # requests in flight at once (FsspecBackend.read_many, write_many)
+
+
 class FsspecBackend:
     """Object storage (S3 and anything else fsspec reaches). A PUT is atomic (an object appears whole or
     not at all), so writes need no rename, and a commit record written last is a commit record. Network
@@ -244,8 +258,40 @@ class FsspecBackend:
                              f"{str(exc)[:200]}); nothing half-written was kept, rerun to continue") from None
 
     def read(self, key: str, start: int = 0, length: int | None = None) -> bytes:
-        return self._call(key, self.fs.cat_file, self._path(key), start=start,
-                          end=None if length is None else start + length)
+        return self._call(key, self.fs.cat_file, self._path(key), start=start or None,  # (no range: an empty
+                          end=None if length is None else start + length)  # object has no byte 0 to ask for)
+
+    def read_many(self, keys: Sequence[str], length: int | None = None) -> list[bytes | None]:
+        """Several small objects (the first `length` bytes of each), None for each one that is missing: the
+        requests go out together (fsspec's concurrent `cat_ranges`), so a coordinator's checks of a few
+        hundred arrays wait for the service once, not once each."""
+        if not keys:
+            return []
+        got = self._call(keys[0], self.fs.cat_ranges, [self._path(k) for k in keys],
+                         [None if length is None else 0] * len(keys), [length] * len(keys), on_error="return",
+                         **self._together())
+        out: list[bytes | None] = []
+        for key, data in zip(keys, got):
+            if isinstance(data, FileNotFoundError):
+                out.append(None)
+            elif isinstance(data, BaseException):
+                self._call(key, _raise, data)  # the one line a failed request becomes
+            else:
+                out.append(data)
+        return out
+
+    def write_many(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Several small objects, their PUTs sent together (fsspec's concurrent `pipe`). Each appears whole
+        or not at all; if one fails, the others may have appeared (nothing committed names them yet)."""
+        if items:
+            self._call(items[0][0], self.fs.pipe, {self._path(key): bytes(data) for key, data in items},
+                       **self._together())
+
+    def _together(self) -> dict[str, int]:
+        """How many requests an async filesystem (s3fs) has in flight at once. fsspec's default (1280) made
+        a W=256 ingest from and into S3 peak at 305 MB in one process against 254 MB with 4 at a time, at the
+        same speed; 16 was 259 MB."""
+        return {"batch_size": TOGETHER} if getattr(self.fs, "async_impl", False) else {}
 
     def write(self, key: str, parts: Iterable[Part], durable: bool = False) -> None:
         f = self._call(key, self.fs.open, self._path(key), "wb", block_size=BLOCK)  # multipart: one block in memory
@@ -281,9 +327,8 @@ class FsspecBackend:
         """Nothing to do: an object is durable once its PUT returns."""
 
     def publish(self, items: Sequence[tuple[str, bytes]], after: Iterable[str]) -> None:
-        """A PUT each, in order: what `after` names is durable already."""
-        for key, data in items:
-            self.write(key, [data])
+        """Their PUTs, together: what `after` names is durable already, and each object is whole or absent."""
+        self.write_many(items)
 
     def sweep_temporaries(self) -> int:
         return 0  # writes are never visible half-done, so nothing is left behind
@@ -293,6 +338,17 @@ class FsspecBackend:
 
         return zarr.storage.FsspecStore.from_url(self.root, storage_options=self.storage_options,
                                                  read_only=read_only)
+
+
+def _or_none(read: Any, key: str, start: int, length: int | None) -> bytes | None:
+    try:
+        return read(key, start, length)
+    except KeyError:
+        return None
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 def open_backend(location: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> Backend:

@@ -7,6 +7,8 @@ hold per-rank values. Zarr's own metadata says how to read each array; this says
 
 from __future__ import annotations
 
+import base64
+import builtins
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -15,7 +17,9 @@ from .. import dtypes
 from ..errors import StoreError
 from ..tree import Node
 
-FORMAT_VERSION = 2  # 2: cell files named with Zarr's "." chunk key separator (1: "/")
+FORMAT_VERSION = 3  # 3: a commit record may hold its rank's staged bytes; 2: cell files named with Zarr's "."
+# chunk key separator (1: "/")
+INLINE_STAGING = 3  # the first format whose commit records may hold their staged bytes
 MANIFEST_KEY = "__shardstore__/manifest.json"
 
 
@@ -287,20 +291,23 @@ class CommitRecord:
     identity: str | None = None  # which file it was (read/primitives/identity.py); None in stores from before it
     direct: str | None = None  # its pieces went straight into the output of this layout (sink/, each format's `plan_direct`)
     runs: list[list[int]] = field(default_factory=list)  # [file, offset, length, CRC-32] it wrote into zip entries
+    # its staged pieces' bytes, where few (store format 3): no staging file, nothing more to write or read
+    inline: builtins.bytes | None = field(default=None, repr=False)  # (the field `bytes` hides the type)
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "world_size": self.world_size, "group_rank": self.group_rank,
                 "group_size": self.group_size, "file": self.file, "bytes": self.bytes, "only": self.only,
                 "cells": self.cells, "staged": self.staged, "objects": self.objects, "crcs": self.crcs,
-                "identity": self.identity, "direct": self.direct, "runs": self.runs}
+                "identity": self.identity, "direct": self.direct, "runs": self.runs,
+                **({"staging": base64.b64encode(self.inline).decode("ascii")} if self.inline is not None else {})}
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> "CommitRecord":
         try:
             record = cls(d["rank"], d["file"], d["bytes"], d["cells"], d["staged"], d["objects"], d.get("only"),
                          d.get("world_size", 0), d.get("group_rank", 0), d.get("group_size", 0), d.get("crcs", {}),
-                         d.get("identity"), d.get("direct"), d.get("runs", []))
-        except (KeyError, TypeError):
+                         d.get("identity"), d.get("direct"), d.get("runs", []), _inline(d.get("staging")))
+        except (KeyError, TypeError, ValueError):  # (ValueError: staged bytes that are not base64)
             record = None
         if record is None or not all(isinstance(v, t) for v, t in (
                 (record.rank, int), (record.file, str), (record.bytes, int), (record.cells, dict),
@@ -312,3 +319,12 @@ class CommitRecord:
                 isinstance(r, list) and len(r) == 4 and all(isinstance(v, int) for v in r) for r in record.runs):
             raise StoreError(f"{where}: damaged commit record; delete it and ingest that rank again")
         return record
+
+
+def _inline(text: Any) -> bytes | None:
+    """A record's inline staged bytes (base64), checked: anything else is a damaged record."""
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise TypeError("staged bytes are not a string")
+    return base64.b64decode(text, validate=True)

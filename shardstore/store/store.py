@@ -3,7 +3,8 @@
     <store>/zarr.json, <path>/zarr.json, <path>/c.<i>.<j>  Zarr: one array per sharded tensor, a file per cell
     <store>/__shardstore__/manifest.json                 what the store holds (written before any data)
     <store>/__shardstore__/ranks/<r>.json                one commit record per ingested rank, written last
-    <store>/__shardstore__/staging/<r>.bin               a rank's pieces of small tensors
+    <store>/__shardstore__/staging/<r>.bin               a rank's pieces of small tensors, where more than
+                                                         its commit record holds (store format 3)
     <store>/__shardstore__/blobs/<digest>                plain-tensor bytes, content-addressed
     <store>/__shardstore__/zarr.json                     an empty array node, so Zarr readers walking the
                                                          group see a node there and never look inside
@@ -15,6 +16,7 @@ durable, so a crash at any moment leaves nothing that looks finished.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -34,7 +36,7 @@ from ..crc import crc32_combine
 from ..errors import CheckpointError, StoreError
 from ..gcpause import gc_paused
 from ..locations import StorageOptions, filesystem
-from ..ranges import FileRange, Part, part_length
+from ..ranges import FileRange, Part, blocks, part_length
 from .backend import Backend, open_backend
 from .handle import TensorHandle, decode_value
 from .manifest import MANIFEST_KEY, ArrayEntry, CommitRecord, Manifest
@@ -43,7 +45,8 @@ from .shardfile import GROUP_METADATA, array_metadata, records_node_metadata, sh
 RECORDS_NODE = "__shardstore__/zarr.json"
 RANKS = "__shardstore__/ranks"
 STAGING = "__shardstore__/staging"
-STAGING_CACHE_BYTES = 64 << 20  # staging files kept in memory while assembling (Store._staged)
+STAGING_CACHE_BYTES = 64 << 20  # whole staging files kept in memory (Store._staged)
+ASSEMBLED_WRITE_BYTES = 16 << 20  # assembled cells held before they are written together (Store.assemble_ready)
 BLOBS = "__shardstore__/blobs"
 
 
@@ -53,36 +56,35 @@ def first_difference(a: bytes, b: bytes, itemsize: int, shape: tuple[int, ...], 
     return [int(o + i) for o, i in zip(origin, np.unravel_index(at, shape))]
 
 
-def _write_array_metadata(backend: Backend, manifest: Manifest, location: str) -> None:
-    """The zarr.json of each group above an array, then each array's, in manifest order, never overwriting
-    one that differs (another process may be writing that array's cells right now)."""
+def _write_array_metadata(backend: Backend, manifest: Manifest, location: str, fresh: bool = False) -> None:
+    """The zarr.json of each group above an array and of each array, never overwriting one that differs
+    (another process may be writing that array's cells right now): all read at once, then the missing ones
+    written at once, the last array's last (`Store.ensure_array_metadata`). A `fresh` store (one whose root
+    this run made) holds none yet, so nothing is read: on object storage that was a request per array."""
     groups = {p.rsplit("/", 1)[0] for p in manifest.arrays if "/" in p}
     groups |= {g.rsplit("/", i)[0] for g in list(groups) for i in range(1, g.count("/") + 1)}
-    for group in sorted(groups):
-        if _read_if_there(backend, f"{group}/zarr.json") is None:
-            backend.write(f"{group}/zarr.json", [GROUP_METADATA])
+    wanted: list[tuple[str, Any]] = [(f"{group}/zarr.json", None) for group in sorted(groups)]
     for entry in manifest.arrays.values():
         info = dtypes.info(entry.dtype)
-        meta = array_metadata(info.raw, entry.shape, tuple(max(c, 1) for c in entry.cell),
-                              tuple(max(c, 1) for c in entry.chunk), {"torch_dtype": entry.dtype},
-                              manifest.separator)
-        key = f"{entry.path}/zarr.json"
-        there = _read_if_there(backend, key)
-        if there is None:
-            backend.write(key, [json.dumps(meta).encode()])
-        elif json.loads(there) != meta:
-            raise StoreError(f"{location}: already holds a different array at {entry.path}; "
+        wanted.append((f"{entry.path}/zarr.json", array_metadata(
+            info.raw, entry.shape, tuple(max(c, 1) for c in entry.cell), tuple(max(c, 1) for c in entry.chunk),
+            {"torch_dtype": entry.dtype}, manifest.separator)))
+    there = [None] * len(wanted) if fresh else backend.read_many([key for key, _ in wanted])
+    for (key, meta), raw in zip(wanted, there):
+        if meta is not None and raw is not None and json.loads(raw) != meta:
+            raise StoreError(f"{location}: already holds a different array at {key[:-len('/zarr.json')]}; "
                              f"use an empty folder for a new store")
+    missing = [(key, GROUP_METADATA if meta is None else json.dumps(meta).encode())
+               for (key, meta), raw in zip(wanted, there) if raw is None]
+    backend.write_many(missing[:-1])
+    backend.write_many(missing[-1:])
 
 
 def _read_if_there(backend: Backend, key: str, length: int | None = None) -> bytes | None:
     """A small object (its first `length` bytes, if given), or None: one request on object storage, where
-    asking whether a missing key exists takes two (s3fs follows a 404 with a listing, in case the key is
-    a folder)."""
-    try:
-        return backend.read(key, 0, length)
-    except KeyError:
-        return None
+    asking whether a missing key exists takes two (s3fs follows a HEAD's 404 with a listing, in case the key
+    is a folder)."""
+    return backend.read_many([key], length)[0]
 
 
 def cell_key(path: str, index: tuple[int, ...], separator: str = ".") -> str:
@@ -115,10 +117,12 @@ class Store:
         self.manifest = manifest
         self._zarr_root: zarr.Group | None = None
         self._records: dict[int, CommitRecord] = {}
+        self._listed = False  # whether `records` has listed the store's commit records yet
         self._crcs: tuple[int, dict[str, dict[int, int]]] = (0, {})  # (records indexed, path -> cell -> CRC)
-        self._staging: dict[int, bytes | None] | None = None  # during assembly: staging files read whole, by
-        # rank (None: one too large for what is left of the cache, read piece by piece)
+        self._staging: dict[int, bytes] = {}  # whole staging files by rank, up to STAGING_CACHE_BYTES (_staged)
         self._staged_bytes = 0
+        self._present: set[str] = set()  # cell keys known to be written (a cell is never removed)
+        self._absent: set[str] | None = None  # inside `_cells_as_of_now`: cell keys found missing
 
     # ------------------------------------------------------------------ opening and creating
     @classmethod
@@ -153,12 +157,13 @@ class Store:
             store = cls.open(location, storage_options)
             store.check_compatible(manifest, str(location))
             return store
-        if not backend.exists("zarr.json"):
+        fresh = _read_if_there(backend, "zarr.json") is None
+        if fresh:
             backend.write("zarr.json", [GROUP_METADATA])
-        if not backend.exists(RECORDS_NODE):
+        if fresh or _read_if_there(backend, RECORDS_NODE) is None:
             backend.write(RECORDS_NODE, [json.dumps(records_node_metadata()).encode()])
         if array_metadata:
-            _write_array_metadata(backend, manifest, str(location))
+            _write_array_metadata(backend, manifest, str(location), fresh)
         if backend.exists(MANIFEST_KEY):
             store = cls.open(location, storage_options)
             store.check_compatible(manifest, str(location))
@@ -199,16 +204,56 @@ class Store:
     # ------------------------------------------------------------------ writing (ingestion)
     def write_cell(self, plan: ArrayEntry, index: tuple[int, ...], data: list[Part], valid_rows: int) -> str:
         """Write one cell as a complete Zarr shard file; `data` are its valid rows' bytes in order."""
+        key, parts = self._cell_object(plan, index, data, valid_rows)
+        self.backend.write(key, parts)
+        self._written(key)
+        return key
+
+    def _cell_object(self, plan: ArrayEntry, index: tuple[int, ...], data: list[Part],
+                     valid_rows: int) -> tuple[str, list[Part]]:
         itemsize = dtypes.info(plan.dtype).itemsize
         nbytes = sum(part_length(p) for p in data)
-        key = self.cell_key(plan.path, index)
-        self.backend.write(key, shard_parts(data, nbytes, plan.cell, plan.chunk, valid_rows, itemsize))
-        return key
+        return (self.cell_key(plan.path, index),
+                list(shard_parts(data, nbytes, plan.cell, plan.chunk, valid_rows, itemsize)))
+
+    def _written(self, key: str) -> None:
+        self._present.add(key)
+        if self._absent is not None:
+            self._absent.discard(key)
 
     def has_cell(self, entry: ArrayEntry, index: tuple[int, ...]) -> bool:
         """Whether the cell is written: its first byte read (a cell is never empty, it ends with its shard
-        index), see `_read_if_there`."""
-        return _read_if_there(self.backend, self.cell_key(entry.path, index), 1) is not None
+        index), see `_read_if_there`. One found stays found (a cell is never removed)."""
+        key = self.cell_key(entry.path, index)
+        if key in self._present:
+            return True
+        if self._absent is not None and key in self._absent:
+            return False
+        if _read_if_there(self.backend, key, 1) is None:
+            return False
+        self._present.add(key)
+        return True
+
+    @contextlib.contextmanager
+    def _cells_as_of_now(self) -> Iterator[None]:
+        """Inside, `has_cell` answers for every cell that a staged array or the committed staged pieces of
+        a flat one could fill from what was found on entry, all looked for at once (`Backend.read_many`):
+        on object storage, a status or an assembly waits for the service once, not once per array."""
+        cells = [self.cell_key(entry.path, (0,) * len(entry.shape)) for entry in self.manifest.arrays.values()
+                 if entry.staged]
+        for entry in self.manifest.arrays.values():
+            if entry.flat and not entry.staged:
+                recorded = self._recorded_cells(entry.path)
+                cells += [self.cell_key(entry.path, self._row_cell(entry, i))
+                          for i in sorted(self._staged_cells(entry) - recorded)]
+        keys = [key for key in dict.fromkeys(cells) if key not in self._present]
+        absent = {key for key, got in zip(keys, self.backend.read_many(keys, 1)) if got is None}
+        self._present.update(set(keys) - absent)
+        self._absent = absent
+        try:
+            yield
+        finally:
+            self._absent = None
 
     def read_cell_bytes(self, entry: ArrayEntry, index: tuple[int, ...], nbytes: int) -> bytes:
         """The first `nbytes` of a cell's data (its valid rows, in C order)."""
@@ -233,41 +278,39 @@ class Store:
                              after=written)
         self._records.update((r.rank, r) for r in records)
 
-    def remember(self, record: CommitRecord) -> None:
-        """A record this run's worker committed (ingest.py): kept as if read back from the store."""
+    def remember(self, record: CommitRecord, staging: bytes | None = None) -> None:
+        """A record this run's worker committed (ingest.py): kept as if read back from the store, with the
+        staging file the worker wrote, if it handed that back (`_staged`)."""
         if 0 <= record.rank < self.manifest.world_size:
             self._records[record.rank] = record
+            if staging is not None:
+                self._keep_staging(record.rank, staging)
 
     # ------------------------------------------------------------------ records and status
     def records(self, refresh: bool = True) -> dict[int, CommitRecord]:
-        """Commit records by rank (cached: a committed record never changes). `refresh=False` looks
-        for newly committed ranks only if none were seen yet."""
-        if refresh or not self._records:
+        """Commit records by rank (cached: a committed record never changes). `refresh=False` lists the
+        store for newly committed ranks only if this process never has."""
+        if refresh or not self._listed:
             with gc_paused():
                 self._load_records()
         return dict(sorted(self._records.items()))
 
     def _load_records(self) -> None:
+        """The records not read yet, fetched together (`Backend.read_many`)."""
+        new: list[tuple[int, str]] = []
         for key in self.backend.list(RANKS):
             name = key.rsplit("/", 1)[-1]
             if not re.fullmatch(r"(0|[1-9][0-9]{0,6})\.json", name):
                 continue  # not a commit record (a stray file, an editor's backup): never trusted
             rank = int(name[:-5])
             if rank not in self._records and rank < self.manifest.world_size:
-                self._records[rank] = self._load_record(key)
-
-    def record(self, rank: int) -> CommitRecord | None:
-        """Rank `rank`'s commit record, or None: read on its own (a worker checking its own rank), not by
-        listing every record (a request per file on object storage)."""
-        key = f"{RANKS}/{rank}.json"
-        if rank not in self._records:
-            raw = _read_if_there(self.backend, key)  # (a new rank's is missing: one request, not two)
-            if raw is not None:
-                self._records[rank] = self._decode_record(raw, key)
-        return self._records.get(rank)
-
-    def _load_record(self, key: str) -> CommitRecord:
-        return self._decode_record(self.backend.read(key), key)
+                new.append((rank, key))
+        for (rank, key), raw in zip(new, self.backend.read_many([key for _, key in new])):
+            if raw is None:
+                raise StoreError(f"{self.location}: {key} was listed but cannot be read; is another process "
+                                 f"deleting the store?")
+            self._records[rank] = self._decode_record(raw, key)
+        self._listed = True
 
     def _decode_record(self, raw: bytes, key: str) -> CommitRecord:
         try:
@@ -280,12 +323,17 @@ class Store:
         """Flat indices of the cells of `path` that committed ranks have delivered."""
         plan = self.manifest.arrays[path]
         if plan.staged:
-            return {0} if self.backend.exists(self.cell_key(path, (0,) * len(plan.shape))) else set()
+            return {0} if self.has_cell(plan, (0,) * len(plan.shape)) else set()
+        cells = self._recorded_cells(path)
+        if plan.flat:  # cells assembled from several units' staged parts
+            cells.update(i for i in self._staged_cells(plan) - cells if self.has_cell(plan, self._row_cell(plan, i)))
+        return cells
+
+    def _recorded_cells(self, path: str) -> set[int]:
+        """Flat indices of the cells of `path` that commit records list."""
         cells: set[int] = set()
         for rec in self.records(refresh=False).values():
             cells.update(rec.cells.get(path, ()))
-        if plan.flat:  # cells assembled from several units' staged parts
-            cells.update(i for i in self._staged_cells(plan) - cells if self.has_cell(plan, self._row_cell(plan, i)))
         return cells
 
     @staticmethod
@@ -303,15 +351,16 @@ class Store:
         done = sorted(records)
         missing = sorted(set(range(self.manifest.world_size)) - set(done))
         complete, partial = [], {}
-        for path, plan in self.manifest.arrays.items():
-            have = len(self.cells_present(path))
-            if have >= plan.ncells:
-                complete.append(path)
-            elif plan.staged:  # not assembled yet: count the elements its committed pieces cover
-                pieces = self._staged_pieces(plan)
-                partial[path] = sum(math.prod(s) for _, s in pieces) / max(math.prod(plan.shape), 1)
-            else:
-                partial[path] = have / plan.ncells
+        with self._cells_as_of_now():
+            for path, plan in self.manifest.arrays.items():
+                have = len(self.cells_present(path))
+                if have >= plan.ncells:
+                    complete.append(path)
+                elif plan.staged:  # not assembled yet: count the elements its committed pieces cover
+                    pieces = self._staged_pieces(plan)
+                    partial[path] = sum(math.prod(s) for _, s in pieces) / max(math.prod(plan.shape), 1)
+                else:
+                    partial[path] = have / plan.ncells
         return Status(self.manifest.world_size, done, missing, complete, partial)
 
     # ------------------------------------------------------------------ staged (small) arrays
@@ -319,48 +368,63 @@ class Store:
         """Assemble every staged array whose pieces are all committed. Idempotent; returns what it wrote.
 
         Under hybrid sharding a piece is staged once per replica group; the lowest rank's copy is used, and
-        with `verify` every other copy must match it bit for bit.
+        with `verify` every other copy must match it bit for bit. What is looked for, read and written here
+        goes to the backend together (`_cells_as_of_now`, `_fetch_staging`, `Backend.write_many`): on
+        object storage, a few waits for the service instead of one per array and per rank.
         """
-        written = []
-        self._staging, self._staged_bytes = {}, 0
         self.records()  # once: what every array below is assembled from (a listing each was a request each)
-        try:
-            for path, entry in self.manifest.arrays.items():
+        written: list[str] = []
+        out: list[tuple[str, bytes]] = []
+
+        def write(entry: ArrayEntry, index: tuple[int, ...], data: bytes, valid_rows: int, what: str) -> None:
+            key, parts = self._cell_object(entry, index, [data], valid_rows)
+            out.append((key, b"".join(bytes(b) for b in blocks(parts))))
+            written.append(what)
+            if sum(len(b) for _, b in out) >= ASSEMBLED_WRITE_BYTES:
+                flush()
+
+        def flush() -> None:
+            self.backend.write_many(out)
+            for key, _ in out:
+                self._written(key)
+            out.clear()
+
+        with self._cells_as_of_now():
+            todo = [entry for entry in self.manifest.arrays.values()
+                    if entry.flat and not entry.staged and self._staged_cells(entry) - self.cells_present(entry.path)
+                    or entry.staged and not self.has_cell(entry, (0,) * len(entry.shape))]
+            self._fetch_staging(sorted({rank for entry in todo for rank, rec in self._records.items()
+                                        if entry.path in rec.staged}))
+            for entry in todo:
                 if entry.flat and not entry.staged:
-                    written += self._assemble_flat_cells(entry, verify)
-                    continue
-                if not entry.staged or self.has_cell(entry, (0,) * len(entry.shape)):
+                    self._assemble_flat_cells(entry, verify, write)
                     continue
                 pieces = self._staged_pieces(entry, verify)
                 if sum(math.prod(s) for _, s in pieces) < math.prod(entry.shape):
                     continue
                 if entry.shape:
-                    self.write_cell(entry, (0,) * len(entry.shape), [self._assemble(entry, pieces).tobytes()],
-                                    entry.shape[0])
-                written.append(path)
-        finally:
-            self._staging = None
+                    write(entry, (0,) * len(entry.shape), self._assemble(entry, pieces).tobytes(), entry.shape[0],
+                          entry.path)
+                else:
+                    written.append(entry.path)
+            flush()
         return written
 
-    def _assemble_flat_cells(self, entry: ArrayEntry, verify: bool) -> list[str]:
-        """Write every cell of a flat entry that units share, once all its parts are committed."""
+    def _assemble_flat_cells(self, entry: ArrayEntry, verify: bool, write: Any) -> None:
+        """Write (`write`) every cell of a flat entry that units share, once all its parts are committed."""
         todo = self._staged_cells(entry) - self.cells_present(entry.path)
-        if not todo:
-            return []
         span, total = entry.cell_elements, math.prod(entry.shape)
         by_cell: dict[int, dict[tuple, tuple[int, int, int]]] = {}
         for key, where in self._staged_pieces(entry, verify).items():
             by_cell.setdefault(key[0][0] // span, {})[key] = where
-        written = []
         for cell in sorted(todo):
             lo, hi = cell * span, min((cell + 1) * span, total)
             pieces = by_cell[cell]
             if sum(s[0] for _, s in pieces) < hi - lo:
                 continue  # a unit holding part of it is not in yet
             data = self._assemble(entry, pieces, shape=(hi - lo,), origin=lo)
-            self.write_cell(entry, self._row_cell(entry, cell), [data.tobytes()], (hi - lo) * entry.cell[0] // span)
-            written.append(f"{entry.path}[{cell}]")
-        return written
+            write(entry, self._row_cell(entry, cell), data.tobytes(), (hi - lo) * entry.cell[0] // span,
+                  f"{entry.path}[{cell}]")
 
     def _staged_pieces(self, entry: ArrayEntry, verify: bool = False) -> dict[tuple, tuple[int, int, int]]:
         """(offsets, sizes) -> (rank, start, nbytes) of every committed piece of a staged array."""
@@ -421,23 +485,41 @@ class Store:
         return full, covered
 
     def _staged(self, rank: int, start: int, nbytes: int) -> bytes:
-        """A staged piece's bytes. While assembling, each rank's staging file is read whole, once, and kept
-        while all kept fit in STAGING_CACHE_BYTES (a larger one is read piece by piece): on object storage
-        that is one request per rank instead of one per piece of every staged tensor. Its size is its
-        commit record's (what assembly lists the records for), not another request."""
-        key = f"{STAGING}/{rank}.bin"
-        if self._staging is not None and rank not in self._staging:
+        """A staged piece's bytes: from its commit record where they are inline there, or from the rank's
+        whole staging file where that is kept (handed back by the worker that wrote it, or fetched by
+        `_fetch_staging`), else read on its own."""
+        whole = self._records[rank].inline if rank in self._records else None
+        whole = whole if whole is not None else self._staging.get(rank)
+        data = whole[start:start + nbytes] if whole is not None else self.backend.read(f"{STAGING}/{rank}.bin",
+                                                                                       start, nbytes)
+        if len(data) != nbytes:
+            where = f"{RANKS}/{rank}.json's staged bytes are" if whole is not None and self._records[rank].inline \
+                is not None else f"{STAGING}/{rank}.bin is"
+            raise StoreError(f"{self.location}: {where} shorter than its commit record says; the store is damaged "
+                             f"(re-ingest rank {rank})")
+        return data
+
+    def _keep_staging(self, rank: int, data: bytes) -> None:
+        """A rank's whole staging file, kept while all kept fit in STAGING_CACHE_BYTES."""
+        if rank not in self._staging and self._staged_bytes + len(data) <= STAGING_CACHE_BYTES:
+            self._staging[rank] = data
+            self._staged_bytes += len(data)
+
+    def _fetch_staging(self, ranks: list[int]) -> None:
+        """The whole staging files of `ranks` not kept yet, fetched together while they fit in what is left of
+        STAGING_CACHE_BYTES (a larger one is read piece by piece): on object storage one request per rank,
+        sent at once, instead of one per piece of every staged tensor. A file's size is what its commit
+        record lists in it, not another request."""
+        budget, want = STAGING_CACHE_BYTES - self._staged_bytes, []
+        for rank in ranks:
             size = max((start + n for pieces in self._records[rank].staged.values() for *_, start, n in pieces),
                        default=0)
-            fits = self._staged_bytes + size <= STAGING_CACHE_BYTES
-            self._staging[rank] = self.backend.read(key, 0, size) if fits else None
-            self._staged_bytes += size if fits else 0
-        whole = self._staging.get(rank) if self._staging is not None else None
-        data = whole[start:start + nbytes] if whole is not None else self.backend.read(key, start, nbytes)
-        if len(data) != nbytes:
-            raise StoreError(f"{self.location}: {STAGING}/{rank}.bin is shorter than its commit record says; "
-                             f"the store is damaged (re-ingest rank {rank})")
-        return data
+            if rank not in self._staging and self._records[rank].inline is None and size <= budget:
+                want.append((rank, size))
+                budget -= size
+        for (rank, size), data in zip(want, self.backend.read_many([f"{STAGING}/{r}.bin" for r, _ in want])):
+            if data is not None:  # (a missing one is reported by the read of its first piece)
+                self._keep_staging(rank, data[:size])
 
     # ------------------------------------------------------------------ reading
     @property

@@ -87,3 +87,11 @@ class BackendTests:
         assert backend.list("ranks") == ["ranks/0.json", "ranks/1.json"]
         assert backend.read("ranks/1.json") == b'{"rank": 1}' and backend.read("cells/a") == b"cell bytes"
         backend.publish([], after=[])  # an empty batch: nothing to do
+
+    def test_objects_read_and_written_together_are_each_whole(self, backend: Backend) -> None:
+        backend.write_many([("m/a", b"alpha"), ("m/b", b"bravo bytes"), ("m/c", b"")])
+        backend.write_many([])  # an empty batch: nothing to do
+        assert backend.read_many(["m/b", "m/none", "m/a", "m/c"]) == [b"bravo bytes", None, b"alpha", b""]
+        assert backend.read_many(["m/a", "m/none", "m/b"], 1) == [b"a", None, b"b"]  # a first byte: is it there
+        assert backend.read_many([]) == []
+        assert backend.list("m") == ["m/a", "m/b", "m/c"]

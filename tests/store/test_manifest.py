@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,8 +32,11 @@ def test_newer_store_format_is_refused(checkpoints, tmp_path: Path) -> None:
     assert manifest.read_bytes() == before and not (tmp_path / "s" / "__shardstore__" / "ranks" / "1.json").exists()
 
 
-def test_a_format_1_store_is_still_read_and_completed(checkpoints, tmp_path: Path) -> None:
-    """Stores of format 1 name cells with Zarr's "/" separator: this version finishes and exports them."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_store_is_still_read_and_completed(checkpoints, tmp_path: Path, version: int) -> None:
+    """Stores of format 1 name cells with Zarr's "/" separator, and commit records before format 3 never
+    hold staged bytes (a shardstore of then reads them from staging files): this version finishes such a
+    store in its own format and exports it."""
     import dataclasses
 
     import numpy as np
@@ -46,9 +50,13 @@ def test_a_format_1_store_is_still_read_and_completed(checkpoints, tmp_path: Pat
 
     src = checkpoints(2)
     manifest = plan_checkpoint(spec_of(source_of_files([src / "rank0.pt"]), values.encode))
-    Store.create(tmp_path / "s", dataclasses.replace(manifest, version=1))
+    Store.create(tmp_path / "s", dataclasses.replace(manifest, version=version))
     shardstore.ingest(tmp_path / "s", [src / "rank0.pt", src / "rank1.pt"], jobs=1)
-    assert (tmp_path / "s" / "model" / "wte.weight" / "c" / "1" / "0").is_file()
+    cell = ("c", "1", "0") if version == 1 else ("c.1.0",)
+    assert (tmp_path / "s" / "model" / "wte.weight").joinpath(*cell).is_file()
+    records = [json.loads((tmp_path / "s" / "__shardstore__" / "ranks" / f"{r}.json").read_text()) for r in (0, 1)]
+    assert all(rec["staged"] and "staging" not in rec for rec in records)
+    assert sorted(os.listdir(tmp_path / "s" / "__shardstore__" / "staging")) == ["0.bin", "1.bin"]
     want = expected(src)["model"]["wte.weight"].numpy()
     assert np.array_equal(zarr.open_array(tmp_path / "s" / "model" / "wte.weight", mode="r")[:], want)
     shardstore.export(tmp_path / "s", tmp_path / "out")

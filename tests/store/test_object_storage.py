@@ -110,6 +110,45 @@ def test_requests_per_rank_file_are_a_small_constant_beyond_its_large_storages(s
     assert planning <= 2 * (2 + 2 * large)  # the coordinator's skimmed read of rank 0 costs about one more file
 
 
+def test_a_rank_file_opened_with_its_tail_has_what_a_head_says(s3, monkeypatch) -> None:
+    """Opening a rank file on S3 fetches its end (all of a small one) in the same request that tells its
+    size and version: the same size and stamp a HEAD gives (identities of files ingested before match), and
+    the bytes it holds served from memory. Where the service refuses a suffix range (S3 does for an empty
+    object), the file is opened the plain way."""
+    import s3fs
+
+    from shardstore.read.primitives.container import DataFile, remote_stamp
+
+    fs = s3fs.S3FileSystem()
+    fs.mkdir("tails")
+    body = bytes(range(256)) * 40
+    real = s3fs.S3FileSystem._call_s3
+
+    async def refusing(self, method, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if method == "get_object" and str(kwargs.get("Range", "")).startswith("bytes=-"):
+            raise OSError(22, "The requested range is not satisfiable")
+        return await real(self, method, *args, **kwargs)
+
+    for name, data, refused in (("small", body[:1000], False), ("large", body, False), ("empty", b"", False),
+                                ("refused", body[:1000], True)):
+        fs.pipe_file(f"tails/{name}", data)
+        before = len(s3.requests())
+        with monkeypatch.context() as m:
+            if refused:
+                m.setattr(s3fs.S3FileSystem, "_call_s3", refusing)
+            f = DataFile(f"s3://tails/{name}", ahead=2048)
+        asked = [m for m, _ in s3.requests()[before:]]
+        info = fs.info(f"tails/{name}", refresh=True)
+        assert (f.size, f.stamp) == (len(data), remote_stamp(info)), name
+        assert asked == (["HEAD"] if refused else ["GET"]), (name, asked)
+        if data:
+            before = len(s3.requests())
+            assert f.read(len(data) - 100, 100) == data[-100:]
+            assert len(s3.requests()) == before + refused
+            assert f.read(0, 10) == data[:10]  # (outside what was fetched, for the large one: asked for)
+        f.close()
+
+
 class TestS3Backend(BackendTests):
     """The same promises over a real S3 API (moto), through fsspec."""
 

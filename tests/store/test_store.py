@@ -11,6 +11,7 @@ import pytest
 import zarr
 
 import shardstore
+from shardstore.errors import StoreError
 from shardstore.store.backend import LocalBackend
 from tests.conftest import expected
 from tests.store.conformance import BackendTests
@@ -56,7 +57,9 @@ def test_a_scratch_store_writes_array_metadata_only_once_an_array_is_to_be_writt
 def test_assembly_keeps_no_more_staging_bytes_than_its_cache_holds(checkpoints, tmp_path: Path,
                                                                    monkeypatch) -> None:
     """Assembling staged arrays reads a rank's staging file whole only while all kept fit the cache; one
-    that would not fit is read piece by piece. The arrays are the same bits either way."""
+    that would not fit is read piece by piece. A staging file its worker handed back is not read at all.
+    The arrays are the same bits every way."""
+    from shardstore.sink import cells
     from shardstore.store import backend
     from shardstore.store import store as store_module
 
@@ -65,11 +68,14 @@ def test_assembly_keeps_no_more_staging_bytes_than_its_cache_holds(checkpoints, 
     want = expected(src)["model"]
     real = backend.LocalBackend.read
     kept: list[int] = []
+    staging_reads: list[str] = []
 
     def spy(self, key, start=0, length=None):  # notes each staging file read whole
         data = real(self, key, start, length)
-        if key.startswith("__shardstore__/staging/") and start == 0 and len(data) == os.path.getsize(self._path(key)):
-            kept.append(len(data))
+        if key.startswith("__shardstore__/staging/"):
+            staging_reads.append(key)
+            if start == 0 and len(data) == os.path.getsize(self._path(key)):
+                kept.append(len(data))
         return data
 
     sized: list[str] = []  # a staging file's size is its commit record's: no request (on object storage) each
@@ -80,13 +86,17 @@ def test_assembly_keeps_no_more_staging_bytes_than_its_cache_holds(checkpoints, 
         return real_size(self, key)
 
     sizes: list[int] = []
-    for name in ("roomy", "tight"):
-        if sizes:  # room for the largest staging file, not for two
+    for name in ("handed back", "roomy", "tight"):
+        if name == "tight":  # room for the largest staging file, not for two
             monkeypatch.setattr(store_module, "STAGING_CACHE_BYTES", max(sizes) + 1)
         kept.clear()
+        staging_reads.clear()
         with monkeypatch.context() as m:
             m.setattr(backend.LocalBackend, "read", spy)
             m.setattr(backend.LocalBackend, "size", size_spy)
+            m.setattr(cells, "INLINE_BYTES", 0)  # (staged bytes in the records: test_staged_bytes_go_in_the_records)
+            if name != "handed back":
+                m.setattr(cells, "HANDBACK_BYTES", 0)
             shardstore.ingest(tmp_path / name, files, jobs=1)
         assert not [k for k in sized if k.startswith("__shardstore__/staging/")]
         sizes = sorted(p.stat().st_size for p in (tmp_path / name / "__shardstore__" / "staging").iterdir())
@@ -98,6 +108,8 @@ def test_assembly_keeps_no_more_staging_bytes_than_its_cache_holds(checkpoints, 
             assert np.array_equal(group[path][:], want[path.removeprefix("model/")].numpy()), path
         if name == "roomy":
             assert sorted(kept) == sizes and len(sizes) == 3 and sum(sizes[:2]) > max(sizes) + 1
+        elif name == "handed back":
+            assert staging_reads == [] and len(sizes) == 3
         else:
             assert len(kept) == 1 and sum(kept) <= max(sizes) + 1
 
@@ -124,3 +136,45 @@ class TestLocalBackend(BackendTests):
         # it failed where it was meant to: at the one sync, which covered the cell and both records' temporaries
         assert len(calls) == 1 and calls[0][0] == "cells/a" and len(calls[0]) == 3
         assert backend.list("ranks") == [] and not list(Path(backend.root, "ranks").iterdir())
+
+
+def test_staged_bytes_go_in_the_records(checkpoints, tmp_path: Path) -> None:
+    """A unit's few staged bytes are in its commit record (store format 3): no staging file is written or
+    read, a store opened afresh assembles the same bits from the records, and a record whose staged bytes
+    are damaged or cut short is refused with one line naming it."""
+    import json
+
+    src = checkpoints(3)
+    files = sorted(src.glob("rank*.pt"))
+    shardstore.ingest(tmp_path / "s", files, jobs=2)
+    assert not (tmp_path / "s" / "__shardstore__" / "staging").exists()
+    ranks = tmp_path / "s" / "__shardstore__" / "ranks"
+    records = {r: json.loads((ranks / f"{r}.json").read_text()) for r in range(3)}
+    assert all(rec["staged"] and rec["staging"] for rec in records.values())
+    want = expected(src)["model"]
+    staged = [p for p, e in shardstore.open(tmp_path / "s").manifest.arrays.items()
+              if e.staged and p.removeprefix("model/") in want]
+    assert staged
+
+    def assembled(store: Path) -> dict[str, np.ndarray]:
+        group = zarr.open_group(store, mode="r", zarr_format=3)
+        return {p: group[p][:] for p in staged}
+
+    got = assembled(tmp_path / "s")
+    for path in staged:
+        assert np.array_equal(got[path], want[path.removeprefix("model/")].numpy()), path
+    for path in staged:  # assembled again from the records alone, by a store opened afresh
+        for cell in (tmp_path / "s" / path).glob("c*"):
+            cell.unlink()
+    assert sorted(shardstore.open(tmp_path / "s").assemble_ready()) == sorted(staged)
+    assert all(np.array_equal(a, got[p]) for p, a in assembled(tmp_path / "s").items())
+
+    for damage, message in ((lambda t: t[:-2] + "!=", "damaged commit record"),
+                            (lambda t: t[:8], "1.json's staged bytes are shorter than its commit record says")):
+        rec = dict(records[1], staging=damage(records[1]["staging"]))
+        (ranks / "1.json").write_text(json.dumps(rec))
+        for path in staged:
+            for cell in (tmp_path / "s" / path).glob("c*"):
+                cell.unlink()
+        with pytest.raises(StoreError, match=message):
+            shardstore.open(tmp_path / "s").assemble_ready()

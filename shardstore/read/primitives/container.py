@@ -100,7 +100,10 @@ class DataFile:
     """One file, opened once: memory-mapped when local, read by ranged requests when a URL. Zips are read
     from windows of it (a rank file is one window; a DCP .distcp file holds one zip per item)."""
 
-    def __init__(self, path: str | os.PathLike[str], storage_options: StorageOptions | None = None):
+    def __init__(self, path: str | os.PathLike[str], storage_options: StorageOptions | None = None,
+                 ahead: int = 0):
+        """`ahead`: remote, the bytes at the file's end that its reader will want first, fetched with
+        opening it where the service can say in the same answer how large the file is (`_open_tail`)."""
         self.path: str | Path = os.fspath(path) if is_url(path) else Path(local(path))
         self.stamp: str | None  # what says the file changed (local_stamp, remote_stamp)
         self._map: mmap.mmap | None = None
@@ -118,8 +121,11 @@ class DataFile:
         else:
             try:
                 fs, fspath = self._remote = filesystem(str(self.path), storage_options)
-                info = fs.info(fspath)
+                opened = _open_tail(fs, fspath, ahead)
+                info = opened[0] if opened is not None else fs.info(fspath)
                 self.size, self.stamp = int(info["size"]), remote_stamp(info)
+                if opened is not None:
+                    self._spans.append((self.size - len(opened[1]), opened[1]))
             except FileNotFoundError:
                 raise CheckpointError(f"{self.path}: no such file") from None
             except service_errors() as exc:  # a URL whose service cannot be reached
@@ -155,7 +161,7 @@ class DataFile:
     def prefetch(self, offset: int, length: int) -> None:
         """Remote: fetch a range in one request and keep it, for the small reads that will follow (zipfile
         reads a zip's end records and central directory in four)."""
-        if self._remote is not None and length > 0:
+        if self._remote is not None and length > 0 and self._held(offset, length) is None:
             self._spans.append((offset, self.read(offset, length)))
 
     def read_ranges(self, starts: list[int], ends: list[int]) -> list[bytes]:
@@ -203,6 +209,36 @@ class DataFile:
                 pass
         if self._file is not None:
             self._file.close()
+
+
+def _open_tail(fs: Any, fspath: str, ahead: int) -> tuple[dict[str, Any], bytes] | None:
+    """On S3 (s3fs), the last `ahead` bytes of an object (all of it, if smaller) with what a HEAD would have
+    said (its size, ETag, version): one request where a HEAD and a read took two, for every rank file of an
+    ingest. None elsewhere, or if the service refuses a suffix range (an empty object, an S3 look-alike
+    without them): the caller then asks as before, and reports what fails from there."""
+    call = getattr(fs, "_call_s3", None)
+    if ahead <= 0 or call is None or not hasattr(fs, "split_path"):
+        return None
+    from fsspec.asyn import sync
+
+    async def get() -> tuple[dict[str, Any], bytes]:
+        bucket, key, version = fs.split_path(fspath)
+        resp = await call("get_object", Bucket=bucket, Key=key, Range=f"bytes=-{ahead}",
+                          **({"VersionId": version} if version else {}))
+        try:
+            return resp, await resp["Body"].read()
+        finally:
+            resp["Body"].close()
+
+    try:
+        resp, body = sync(fs.loop, get)
+        total = str(resp.get("ContentRange") or "").rsplit("/", 1)[-1]
+        size = int(total) if total.isdigit() else len(body)
+    except Exception:  # noqa: BLE001 - whatever it was, the plain way (a HEAD) says it properly
+        return None
+    if len(body) != min(ahead, size):
+        return None
+    return {"size": size, **{k: resp.get(k) for k in ("VersionId", "ETag", "LastModified")}}, body
 
 
 def read_small(path: str | os.PathLike[str], storage_options: StorageOptions | None, limit: int, what: str) -> bytes:
@@ -265,7 +301,7 @@ class TorchZip:
     def __init__(self, path: str | os.PathLike[str] | DataFile, storage_options: StorageOptions | None = None,
                  start: int = 0, length: int | None = None):
         self._owns = not isinstance(path, DataFile)
-        self.file: DataFile = path if isinstance(path, DataFile) else DataFile(path, storage_options)
+        self.file: DataFile = path if isinstance(path, DataFile) else DataFile(path, storage_options, WHOLE)
         self.path = str(self.file.path)
         self.start = start
         self._size = self.file.size - start if length is None else length
