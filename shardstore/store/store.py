@@ -48,6 +48,7 @@ STAGING = "__shardstore__/staging"
 STAGING_CACHE_BYTES = 64 << 20  # whole staging files kept in memory (Store._staged)
 ASSEMBLED_WRITE_BYTES = 16 << 20  # assembled cells held before they are written together (Store.assemble_ready)
 BLOBS = "__shardstore__/blobs"
+RECORDS_TOGETHER = 64  # commit records fetched at once (at W=1024 one is ~75 KB: 5 MB raw, not all of them)
 
 
 def first_difference(a: bytes, b: bytes, itemsize: int, shape: tuple[int, ...], origin: tuple[int, ...]) -> list[int]:
@@ -305,11 +306,13 @@ class Store:
             rank = int(name[:-5])
             if rank not in self._records and rank < self.manifest.world_size:
                 new.append((rank, key))
-        for (rank, key), raw in zip(new, self.backend.read_many([key for _, key in new])):
-            if raw is None:
-                raise StoreError(f"{self.location}: {key} was listed but cannot be read; is another process "
-                                 f"deleting the store?")
-            self._records[rank] = self._decode_record(raw, key)
+        for at in range(0, len(new), RECORDS_TOGETHER):
+            some = new[at:at + RECORDS_TOGETHER]
+            for (rank, key), raw in zip(some, self.backend.read_many([key for _, key in some])):
+                if raw is None:
+                    raise StoreError(f"{self.location}: {key} was listed but cannot be read; is another process "
+                                     f"deleting the store?")
+                self._records[rank] = self._decode_record(raw, key)
         self._listed = True
 
     def _decode_record(self, raw: bytes, key: str) -> CommitRecord:
