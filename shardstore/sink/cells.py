@@ -112,7 +112,7 @@ class UnitWriter:
         everything it wrote (`written`) once that is durable: `Store.commit_ranks`."""
         inline = None
         if self._staging and self._staged_bytes <= INLINE_BYTES and self.store.manifest.version >= INLINE_STAGING:
-            inline = b"".join(bytes(b) for b in blocks(self._staging))  # at W=256 a few KB: a PUT (or a
+            inline = b"".join(bytes(b) for b in blocks(self._staging))  # (the fixtures: 4-8 KB) a PUT (or a
             self._staging = []  # file and its sync) per unit less, and no read of it back
         if self._staging:
             parts = self._staging
