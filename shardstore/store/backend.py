@@ -254,8 +254,12 @@ class FsspecBackend:
         except FileNotFoundError:
             raise KeyError(key) from None
         except service_errors() as exc:  # the service or the network failed
-            raise StoreError(f"{self.root}: {key or 'store'}: object storage failed ({type(exc).__name__}: "
-                             f"{str(exc)[:200]}); nothing half-written was kept, rerun to continue") from None
+            raise self._failed(key, exc) from None
+
+    def _failed(self, key: str, exc: BaseException) -> StoreError:
+        """The one line a failed request becomes."""
+        return StoreError(f"{self.root}: {key or 'store'}: object storage failed ({type(exc).__name__}: "
+                          f"{str(exc)[:200]}); nothing half-written was kept, rerun to continue")
 
     def read(self, key: str, start: int = 0, length: int | None = None) -> bytes:
         return self._call(key, self.fs.cat_file, self._path(key), start=start or None,  # (no range: an empty
@@ -274,8 +278,10 @@ class FsspecBackend:
         for key, data in zip(keys, got):
             if isinstance(data, FileNotFoundError):
                 out.append(None)
+            elif isinstance(data, service_errors()):
+                raise self._failed(key, data) from None
             elif isinstance(data, BaseException):
-                self._call(key, _raise, data)  # the one line a failed request becomes
+                raise data
             else:
                 out.append(data)
         return out
@@ -345,10 +351,6 @@ def _or_none(read: Any, key: str, start: int, length: int | None) -> bytes | Non
         return read(key, start, length)
     except KeyError:
         return None
-
-
-def _raise(exc: BaseException) -> None:
-    raise exc
 
 
 def open_backend(location: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> Backend:

@@ -393,14 +393,19 @@ class Store:
             out.clear()
 
         with self._cells_as_of_now():
-            todo = [entry for entry in self.manifest.arrays.values()
-                    if entry.flat and not entry.staged and self._staged_cells(entry) - self.cells_present(entry.path)
-                    or entry.staged and not self.has_cell(entry, (0,) * len(entry.shape))]
-            self._fetch_staging(sorted({rank for entry in todo for rank, rec in self._records.items()
-                                        if entry.path in rec.staged}))
-            for entry in todo:
-                if entry.flat and not entry.staged:
-                    self._assemble_flat_cells(entry, verify, write)
+            todo: dict[str, set[int]] = {}  # path -> its flat cells to write (empty for a whole staged array)
+            for entry in self.manifest.arrays.values():
+                if entry.staged:
+                    if not self.has_cell(entry, (0,) * len(entry.shape)):
+                        todo[entry.path] = set()
+                elif entry.flat and (cells := self._staged_cells(entry) - self.cells_present(entry.path)):
+                    todo[entry.path] = cells
+            self._fetch_staging(sorted({rank for path in todo for rank, rec in self._records.items()
+                                        if path in rec.staged}))
+            for path, cells in todo.items():
+                entry = self.manifest.arrays[path]
+                if not entry.staged:
+                    self._assemble_flat_cells(entry, cells, verify, write)
                     continue
                 pieces = self._staged_pieces(entry, verify)
                 if sum(math.prod(s) for _, s in pieces) < math.prod(entry.shape):
@@ -413,9 +418,8 @@ class Store:
             flush()
         return written
 
-    def _assemble_flat_cells(self, entry: ArrayEntry, verify: bool, write: Any) -> None:
-        """Write (`write`) every cell of a flat entry that units share, once all its parts are committed."""
-        todo = self._staged_cells(entry) - self.cells_present(entry.path)
+    def _assemble_flat_cells(self, entry: ArrayEntry, todo: set[int], verify: bool, write: Any) -> None:
+        """Write (`write`) each cell in `todo` of a flat entry that units share, once all its parts are committed."""
         span, total = entry.cell_elements, math.prod(entry.shape)
         by_cell: dict[int, dict[tuple, tuple[int, int, int]]] = {}
         for key, where in self._staged_pieces(entry, verify).items():
