@@ -19,11 +19,12 @@ from .. import dtypes
 from ..errors import CheckpointError
 from ..ranges import Part, blocks, part_length
 from ..store.manifest import INLINE_STAGING, ArrayEntry, CommitRecord
-from ..store.store import BLOBS, Store, first_difference
+from ..store.store import BLOBS, STAGING_CACHE_BYTES, Store, first_difference
 from . import Piece
 
 
-INLINE_BYTES = 64 << 10  # a unit's staged bytes up to this size go in its commit record (store format 3) ...
+INLINE_BYTES = 1 << 20  # a unit's staged bytes up to this size (and its share of STAGING_CACHE_BYTES) go in
+# its commit record (store format 3) ...
 HANDBACK_BYTES = 1 << 20  # ... else into a staging file, which up to this size is also handed back to the coordinator
 
 
@@ -111,9 +112,11 @@ class UnitWriter:
         """The unit's staged pieces written (while its file is still open), and the record that commits
         everything it wrote (`written`) once that is durable: `Store.commit_ranks`."""
         inline = None
-        if self._staging and self._staged_bytes <= INLINE_BYTES and self.store.manifest.version >= INLINE_STAGING:
-            inline = b"".join(bytes(b) for b in blocks(self._staging))  # (the fixtures: 4-8 KB) a PUT (or a
-            self._staging = []  # file and its sync) per unit less, and no read of it back
+        share = min(INLINE_BYTES, STAGING_CACHE_BYTES // max(world_size, 1))  # what the coordinator can hold
+        if self._staging and self._staged_bytes <= share and self.store.manifest.version >= INLINE_STAGING:
+            # a PUT (or a file and its sync) per unit less, and no read of it back: at world size 256, 286 KB
+            inline = b"".join(bytes(b) for b in blocks(self._staging))  # of norms a rank; the fixtures 4-8 KB
+            self._staging = []
         if self._staging:
             parts = self._staging
             if self._staged_bytes <= HANDBACK_BYTES:  # handed back to the coordinator: it assembles from

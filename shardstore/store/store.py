@@ -24,7 +24,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from .shardfile import GROUP_METADATA, array_metadata, records_node_metadata, sh
 RECORDS_NODE = "__shardstore__/zarr.json"
 RANKS = "__shardstore__/ranks"
 STAGING = "__shardstore__/staging"
-STAGING_CACHE_BYTES = 64 << 20  # whole staging files kept in memory (Store._staged)
+STAGING_CACHE_BYTES = 96 << 20  # staged bytes kept in memory: whole staging files, records' inline bytes (_staged)
 ASSEMBLED_WRITE_BYTES = 16 << 20  # assembled cells held before they are written together (Store.assemble_ready)
 BLOBS = "__shardstore__/blobs"
 RECORDS_TOGETHER = 64  # commit records fetched at once (at W=1024 one is ~75 KB: 5 MB raw, not all of them)
@@ -119,11 +119,13 @@ class Store:
         self._zarr_root: zarr.Group | None = None
         self._records: dict[int, CommitRecord] = {}
         self._listed = False  # whether `records` has listed the store's commit records yet
+        self._committed: dict[int, str] = {}  # rank -> its record's key, as the last listing found them
         self._crcs: tuple[int, dict[str, dict[int, int]]] = (0, {})  # (records indexed, path -> cell -> CRC)
         self._staging: dict[int, bytes] = {}  # whole staging files by rank, up to STAGING_CACHE_BYTES (_staged)
         self._staged_bytes = 0
         self._present: set[str] = set()  # cell keys known to be written (a cell is never removed)
         self._absent: set[str] | None = None  # inside `_cells_as_of_now`: cell keys found missing
+        self._created = False  # this process made the store: no cell it has not written is looked for
 
     # ------------------------------------------------------------------ opening and creating
     @classmethod
@@ -170,7 +172,9 @@ class Store:
             store.check_compatible(manifest, str(location))
             return store
         backend.write(MANIFEST_KEY, [json.dumps(manifest.to_json()).encode()], durable=True)
-        return cls(backend, manifest)
+        store = cls(backend, manifest)
+        store._created = fresh
+        return store
 
     def ensure_array_metadata(self) -> None:
         """Every array's zarr.json, where a store was created without them (`create`): before any array is
@@ -248,7 +252,11 @@ class Store:
                 cells += [self.cell_key(entry.path, self._row_cell(entry, i))
                           for i in sorted(self._staged_cells(entry) - recorded)]
         keys = [key for key in dict.fromkeys(cells) if key not in self._present]
-        absent = {key for key, got in zip(keys, self.backend.read_many(keys, 1)) if got is None}
+        # Only a coordinator writes these cells (assemble_ready). In a store this process made, only another
+        # run ingesting into it at once could have written one, and writing it again writes the same bytes
+        # from the same committed pieces, atomically: not looked for (at world size 256, 99 requests to S3).
+        absent = set(keys) if self._created else \
+            {key for key, got in zip(keys, self.backend.read_many(keys, 1)) if got is None}
         self._present.update(set(keys) - absent)
         self._absent = absent
         try:
@@ -277,13 +285,14 @@ class Store:
         A worker commits the units of its batch at once (ingest.py), with one sync for all of them."""
         self.backend.publish([(f"{RANKS}/{r.rank}.json", json.dumps(r.to_json()).encode()) for r in records],
                              after=written)
-        self._records.update((r.rank, r) for r in records)
+        for record in records:
+            self._hold(record)
 
     def remember(self, record: CommitRecord, staging: bytes | None = None) -> None:
         """A record this run's worker committed (ingest.py): kept as if read back from the store, with the
         staging file the worker wrote, if it handed that back (`_staged`)."""
         if 0 <= record.rank < self.manifest.world_size:
-            self._records[record.rank] = record
+            self._hold(record)
             if staging is not None:
                 self._keep_staging(record.rank, staging)
 
@@ -293,27 +302,43 @@ class Store:
         store for newly committed ranks only if this process never has."""
         if refresh or not self._listed:
             with gc_paused():
-                self._load_records()
+                self.records_of(self.committed())
+            self._listed = True
         return dict(sorted(self._records.items()))
 
-    def _load_records(self) -> None:
-        """The records not read yet, fetched together (`Backend.read_many`)."""
-        new: list[tuple[int, str]] = []
+    def committed(self) -> set[int]:
+        """The ranks whose commit records the store holds now: one listing, no record read. A worker
+        reads only the records it needs (ingest.py); reading all of them was most of its requests on S3."""
+        self._committed = {}
         for key in self.backend.list(RANKS):
             name = key.rsplit("/", 1)[-1]
             if not re.fullmatch(r"(0|[1-9][0-9]{0,6})\.json", name):
                 continue  # not a commit record (a stray file, an editor's backup): never trusted
-            rank = int(name[:-5])
-            if rank not in self._records and rank < self.manifest.world_size:
-                new.append((rank, key))
+            if int(name[:-5]) < self.manifest.world_size:
+                self._committed[int(name[:-5])] = key
+        return set(self._committed)
+
+    def records_of(self, ranks: Iterable[int]) -> dict[int, CommitRecord]:
+        """The commit records of those of `ranks` that are committed (as of the last `committed()` or as
+        this process committed or was handed them), each read once, together (`Backend.read_many`)."""
+        wanted = sorted(set(ranks))
+        new = [(rank, self._committed[rank]) for rank in wanted if rank not in self._records and rank in self._committed]
         for at in range(0, len(new), RECORDS_TOGETHER):
             some = new[at:at + RECORDS_TOGETHER]
             for (rank, key), raw in zip(some, self.backend.read_many([key for _, key in some])):
                 if raw is None:
                     raise StoreError(f"{self.location}: {key} was listed but cannot be read; is another process "
                                      f"deleting the store?")
-                self._records[rank] = self._decode_record(raw, key)
-        self._listed = True
+                self._hold(self._decode_record(raw, key))
+        return {rank: self._records[rank] for rank in wanted if rank in self._records}
+
+    def _hold(self, record: CommitRecord) -> None:
+        """Keep a record; staged bytes inline in it count against STAGING_CACHE_BYTES like a kept staging
+        file (a worker inlines at most its share of that: sink/cells.py), so the two together stay bounded."""
+        held = self._records.get(record.rank)
+        before = held.inline if held is not None else None
+        self._staged_bytes += len(record.inline or b"") - len(before or b"")
+        self._records[record.rank] = record
 
     def _decode_record(self, raw: bytes, key: str) -> CommitRecord:
         try:

@@ -77,3 +77,46 @@ def test_a_rank_of_another_save_is_refused_by_an_incremental_ingest(mixed: Path,
     with pytest.raises(CheckpointError, match="ep0-ba10-rank5.pt and ep0-ba10-rank0.pt are from two different saves"):
         shardstore.ingest(store, [mixed / "ep0-ba10-rank5.pt"], jobs=1)
     assert sorted(shardstore.open(store).records()) == [0, 1, 2, 3]
+
+
+def test_units_of_two_saves_from_workers_that_never_saw_each_other_are_refused_by_the_coordinator(
+        mixed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every batch on a worker of its own, each listing the store before any other committed (workers
+    starting together): no worker has a unit to compare its own with. The coordinator compares every
+    record as it arrives, refuses the run naming both files, and says the store now holds both; an export
+    of that store is refused too."""
+    import importlib
+
+    from shardstore.runner import Pool
+    from shardstore.store.store import Store
+
+    ingest_module = importlib.import_module("shardstore.ingest")  # (the package's `ingest` is the function)
+
+    class Apart(Pool):
+        def __init__(self, jobs: int, scheduler: str | None = None) -> None:
+            super().__init__(1)
+            self.jobs = jobs
+
+        @property
+        def inline(self) -> bool:
+            return False
+
+        def run(self, fn, args, names, on_done, here=None) -> None:  # type: ignore[no-untyped-def]
+            with monkeypatch.context() as m:
+                m.setattr(Store, "committed", lambda self: set())  # what each worker's listing found
+                results = [here()] if here is not None else []
+                for a in args:
+                    ingest_module._WORKER_STORES.clear()  # a worker process of its own
+                    results.append(fn(*a))
+            for result in results:
+                on_done(result)
+
+    monkeypatch.setattr(ingest_module, "Pool", Apart)
+    store = tmp_path / "store"
+    with pytest.raises(CheckpointError, match=r"ep0-ba10-rank5\.pt and ep0-ba10-rank0\.pt are from two different "
+                                              r"saves: state/timestamp .* now holds units of both"):
+        shardstore.ingest(store, sorted(mixed.glob("*.pt")), jobs=4)
+    assert 5 in shardstore.open(store).records()
+    with pytest.raises(CheckpointError, match="from two different saves"):
+        shardstore.export(store, tmp_path / "out")
+    assert not (tmp_path / "out" / "model.safetensors").exists()

@@ -178,3 +178,54 @@ def test_staged_bytes_go_in_the_records(checkpoints, tmp_path: Path) -> None:
                 cell.unlink()
         with pytest.raises(StoreError, match=message):
             shardstore.open(tmp_path / "s").assemble_ready()
+
+
+def test_a_unit_puts_in_its_record_no_more_than_its_share_of_what_the_coordinator_holds(
+        checkpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staged bytes inline in the records are all held by the coordinator (as kept staging files are, within
+    STAGING_CACHE_BYTES): a unit inlines them only up to its world size's share of that, so a large world
+    cannot make the records hold more. Past its share, a unit writes a staging file, and the store
+    assembles the same bits."""
+    import base64
+    import json
+
+    from shardstore.sink import cells
+
+    src = checkpoints(3)
+    files = sorted(src.glob("rank*.pt"))
+    inline = shardstore.ingest(tmp_path / "inline", files, jobs=1)
+    records = [json.loads(p.read_text()) for p in (tmp_path / "inline" / "__shardstore__" / "ranks").iterdir()]
+    staged = [len(base64.b64decode(rec["staging"])) for rec in records]
+    assert len(staged) == 3 and inline._staged_bytes == sum(staged)  # held, and counted as held
+    monkeypatch.setattr(cells, "STAGING_CACHE_BYTES", 3 * max(staged) - 1)  # the largest unit's is over its share
+    shardstore.ingest(tmp_path / "files", files, jobs=1)
+    records = [json.loads(p.read_text()) for p in (tmp_path / "files" / "__shardstore__" / "ranks").iterdir()]
+    over = [n for n in staged if n > (3 * max(staged) - 1) // 3]
+    assert over and sum("staging" not in rec for rec in records) == len(over)
+    assert len(list((tmp_path / "files" / "__shardstore__" / "staging").iterdir())) == len(over)
+    a, b = (zarr.open_group(tmp_path / s, mode="r", zarr_format=3) for s in ("inline", "files"))
+    paths = [p for p, e in inline.manifest.arrays.items() if e.staged]
+    assert paths and all(np.array_equal(a[p][:], b[p][:]) for p in paths)
+
+
+def test_a_store_made_by_this_process_is_assembled_without_looking_for_its_cells(
+        checkpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a coordinator writes the cells of staged arrays: the run that made the store writes them without
+    asking whether they exist (on S3, a request each), and a store opened afresh asks once, for all."""
+    from shardstore.store import backend
+
+    looked: list[list[str]] = []
+    real = backend.LocalBackend.read_many
+
+    def spy(self, keys, length=None):  # type: ignore[no-untyped-def]
+        if length == 1:
+            looked.append(list(keys))
+        return real(self, keys, length)
+
+    monkeypatch.setattr(backend.LocalBackend, "read_many", spy)
+    files = sorted(checkpoints(3).glob("rank*.pt"))
+    made = shardstore.ingest(tmp_path / "s", files, jobs=2)
+    staged = [p for p, e in made.manifest.arrays.items() if e.staged]
+    assert staged and looked == [] and made.status().ok
+    opened = shardstore.open(tmp_path / "s")
+    assert opened.status().ok and len(looked) == 1 and len(looked[0]) == len(staged)
