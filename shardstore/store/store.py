@@ -125,7 +125,7 @@ class Store:
         self._staged_bytes = 0
         self._present: set[str] = set()  # cell keys known to be written (a cell is never removed)
         self._absent: set[str] | None = None  # inside `_cells_as_of_now`: cell keys found missing
-        self._created = False  # this process made the store: no cell it has not written is looked for
+        self._created = False  # this process made the store: its first assembly looks for no cell (_cells_as_of_now)
 
     # ------------------------------------------------------------------ opening and creating
     @classmethod
@@ -252,9 +252,10 @@ class Store:
                 cells += [self.cell_key(entry.path, self._row_cell(entry, i))
                           for i in sorted(self._staged_cells(entry) - recorded)]
         keys = [key for key in dict.fromkeys(cells) if key not in self._present]
-        # Only a coordinator writes these cells (assemble_ready). In a store this process made, only another
-        # run ingesting into it at once could have written one, and writing it again writes the same bytes
-        # from the same committed pieces, atomically: not looked for (at world size 256, 99 requests to S3).
+        # Only a coordinator writes these cells (assemble_ready). Until the first assembly of a store this
+        # process made, only another run ingesting into it at once could have written one, and writing it
+        # again writes the same bytes from the same committed pieces, atomically: not looked for (at world
+        # size 256, 99 requests to S3). Later, other runs may have: a status then looks.
         absent = set(keys) if self._created else \
             {key for key, got in zip(keys, self.backend.read_many(keys, 1)) if got is None}
         self._present.update(set(keys) - absent)
@@ -441,6 +442,7 @@ class Store:
                 else:
                     written.append(entry.path)
             flush()
+        self._created = False
         return written
 
     def _assemble_flat_cells(self, entry: ArrayEntry, todo: set[int], verify: bool, write: Any) -> None:
