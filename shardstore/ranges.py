@@ -61,6 +61,12 @@ def blocks(parts: Iterable[Part], size: int = BLOCK) -> Iterator[bytes | memoryv
                 yield view[off:off + size]
 
 
+def joined(parts: Iterable[Part]) -> bytes:
+    """Parts as one bytes object: for the few small ones that are kept or compared whole (a unit's staged
+    bytes, an assembled cell)."""
+    return b"".join(blocks(parts))
+
+
 def copy_range(src: FileRange, dst_fd: int, dst_offset: int | None = None) -> None:
     """Copy `src` into `dst_fd`, kernel-side where the two files allow it: at the file's position, or at
     `dst_offset` (the position left as it is, so several writers can fill one file)."""

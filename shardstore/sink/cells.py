@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import CheckpointError
-from ..ranges import Part, blocks, part_length
+from ..ranges import Part, joined, part_length
 from ..store.manifest import INLINE_STAGING, ArrayEntry, CommitRecord
 from ..store.store import BLOBS, STAGING_CACHE_BYTES, Store, first_difference
 from . import Piece
@@ -115,12 +115,12 @@ class UnitWriter:
         share = min(INLINE_BYTES, STAGING_CACHE_BYTES // max(world_size, 1))  # what the coordinator can hold
         if self._staging and self._staged_bytes <= share and self.store.manifest.version >= INLINE_STAGING:
             # a PUT (or a file and its sync) per unit less, and no read of it back: at world size 256, 286 KB
-            inline = b"".join(bytes(b) for b in blocks(self._staging))  # of norms a rank; the fixtures 4-8 KB
+            inline = joined(self._staging)  # of norms a rank; the fixtures 4-8 KB
             self._staging = []
         if self._staging:
             parts = self._staging
             if self._staged_bytes <= HANDBACK_BYTES:  # handed back to the coordinator: it assembles from
-                self.staging = b"".join(bytes(b) for b in blocks(parts))  # these, not a read of the file
+                self.staging = joined(parts)  # these, not a read of the file
                 parts = [self.staging]
             self.written.append(self.store.write_staging(rank, parts))
             self._staging = []
@@ -129,7 +129,7 @@ class UnitWriter:
 
     def _verify(self, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part]) -> None:
         """Compare this unit's copy of a cell with the committed one; name the first difference."""
-        mine = b"".join(bytes(b) for b in blocks(parts))
+        mine = joined(parts)
         theirs = self.store.read_cell_bytes(entry, index, len(mine))
         if mine == theirs:
             return

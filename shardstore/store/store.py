@@ -36,7 +36,7 @@ from ..crc import crc32_combine
 from ..errors import CheckpointError, StoreError
 from ..gcpause import gc_paused
 from ..locations import StorageOptions, filesystem
-from ..ranges import FileRange, Part, blocks, part_length
+from ..ranges import FileRange, Part, joined, part_length
 from .backend import Backend, open_backend
 from .handle import TensorHandle, decode_value
 from .manifest import MANIFEST_KEY, ArrayEntry, CommitRecord, Manifest
@@ -404,19 +404,24 @@ class Store:
         self.records()  # once: what every array below is assembled from (a listing each was a request each)
         written: list[str] = []
         out: list[tuple[str, bytes]] = []
+        held = 0  # bytes in `out`
 
         def write(entry: ArrayEntry, index: tuple[int, ...], data: bytes, valid_rows: int, what: str) -> None:
+            nonlocal held
             key, parts = self._cell_object(entry, index, [data], valid_rows)
-            out.append((key, b"".join(bytes(b) for b in blocks(parts))))
+            out.append((key, joined(parts)))
+            held += len(out[-1][1])
             written.append(what)
-            if sum(len(b) for _, b in out) >= ASSEMBLED_WRITE_BYTES:
+            if held >= ASSEMBLED_WRITE_BYTES:
                 flush()
 
         def flush() -> None:
+            nonlocal held
             self.backend.write_many(out)
             for key, _ in out:
                 self._written(key)
             out.clear()
+            held = 0
 
         with self._cells_as_of_now():
             todo: dict[str, set[int]] = {}  # path -> its flat cells to write (empty for a whole staged array)
@@ -522,13 +527,12 @@ class Store:
         """A staged piece's bytes: from its commit record where they are inline there, or from the rank's
         whole staging file where that is kept (handed back by the worker that wrote it, or fetched by
         `_fetch_staging`), else read on its own."""
-        whole = self._records[rank].inline if rank in self._records else None
-        whole = whole if whole is not None else self._staging.get(rank)
+        inline = self._records[rank].inline if rank in self._records else None
+        whole = inline if inline is not None else self._staging.get(rank)
         data = whole[start:start + nbytes] if whole is not None else self.backend.read(f"{STAGING}/{rank}.bin",
                                                                                        start, nbytes)
         if len(data) != nbytes:
-            where = f"{RANKS}/{rank}.json's staged bytes are" if whole is not None and self._records[rank].inline \
-                is not None else f"{STAGING}/{rank}.bin is"
+            where = f"{RANKS}/{rank}.json's staged bytes are" if inline is not None else f"{STAGING}/{rank}.bin is"
             raise StoreError(f"{self.location}: {where} shorter than its commit record says; the store is damaged "
                              f"(re-ingest rank {rank})")
         return data
