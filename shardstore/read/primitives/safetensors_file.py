@@ -45,7 +45,13 @@ class SafetensorsFile:
         header = jsonin.loads(self.file.read(8, n), str(self.path), "safetensors header", CheckpointError)
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path}: safetensors header is not a JSON object")
-        metadata = header.pop("__metadata__", None) or {}
+        metadata = header.pop("__metadata__", None)
+        metadata = {} if metadata is None else metadata
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            # the format's __metadata__ maps strings to strings (safetensors parses nothing else); a reader
+            # that json-decodes one of its values must not be handed an object
+            raise CheckpointError(f"{self.path}: safetensors __metadata__ is not an object of strings (forged or "
+                                  f"damaged)")
         base, data_size = 8 + n, self.file.size - 8 - n
         entries, tensors, spans = {}, {}, []
         for name, d in header.items():
@@ -54,7 +60,7 @@ class SafetensorsFile:
                 code, shape, (begin, end) = d["dtype"], d["shape"], d["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise CheckpointError(f"{where}: malformed safetensors entry") from None
-            if code not in _BY_CODE:
+            if not isinstance(code, str) or code not in _BY_CODE:
                 raise CheckpointError(f"{where}: unknown safetensors dtype {code!r:.20}")
             if not isinstance(shape, list) or not all(type(v) is int and v >= 0 for v in (*shape, begin, end)):
                 raise CheckpointError(f"{where}: shape or offsets that are not whole non-negative numbers")

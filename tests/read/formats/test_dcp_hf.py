@@ -3,7 +3,9 @@ what the writing processes gathered, in every output format."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -114,4 +116,42 @@ def test_a_shard_copied_over_another_is_refused_by_the_index_or_the_sharding(dcp
     shutil.copy(first, rest[-1])
     with pytest.raises(CheckpointError, match=rf"{rest[-1].name}: holds the piece of .* that {first.name} holds"):
         shardstore.unshard(sharded, tmp_path / "out", jobs=1)
+    assert not (tmp_path / "out").exists()
+
+
+def _with_header(path: Path, change) -> None:
+    """Rewrite a safetensors file's JSON header through `change` (its data, addressed relative to the header's
+    end, stays valid)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    change(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+@pytest.mark.parametrize("forgery", ["metadata-object", "metadata-list", "sharding-info-object", "dtype-list"])
+def test_a_header_field_of_the_wrong_json_type_is_one_line(forgery: str, dcp_hf_checkpoint: Path, tmp_path: Path) -> None:
+    """safetensors' __metadata__ maps strings to strings and a dtype is a string: a header giving an object
+    or a list where the format has a string is refused naming the file (it was a TypeError traceback)."""
+    src = shutil.copytree(dcp_hf_checkpoint / "sharded", tmp_path / "src")
+    victim = src / "shard-00002-model-00001-of-00001.safetensors"
+
+    def change(header: dict) -> None:
+        meta = header["__metadata__"]
+        if forgery == "metadata-object":
+            header["__metadata__"] = {"DCP_SHARDING_INFO": json.loads(meta["DCP_SHARDING_INFO"])}
+        elif forgery == "metadata-list":
+            header["__metadata__"] = [meta]
+        elif forgery == "sharding-info-object":
+            meta["format"] = {"pt": True}
+        else:
+            name = next(k for k in header if k != "__metadata__")
+            header[name]["dtype"] = ["F32"]
+
+    _with_header(victim, change)
+    with pytest.raises(CheckpointError, match=rf"{victim.name}: (safetensors __metadata__ is not an object of "
+                                              rf"strings|.*unknown safetensors dtype)") as exc:
+        shardstore.unshard(src, tmp_path / "out", jobs=1)
+    assert "\n" not in str(exc.value)
     assert not (tmp_path / "out").exists()
