@@ -34,6 +34,7 @@ from ..contract import (ArrayLeaf, CheckpointSpec, LocalPiece, PlannedCheckpoint
 from ..layouts import name_rank
 from ..primitives.container import DataFile, TorchZip, parsed_once, read_small
 from ..primitives.identity import identity_of
+from ..primitives import transforms as stream_transforms
 from ..primitives.tensors import check_view
 from ..primitives.unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, load
 from ..source import JSON_CONFIG, Source, config_files, pick
@@ -75,6 +76,8 @@ CHAINED = re.compile(r"chained_\d+\.optimizer\.")  # a ChainedOptimizer's (dense
 MEGATRON_TOP = ("common_state", "rng_state", "rerun_state_machine_state")  # Megatron-LM's non-model keys
 LATEST = ("latest-rank0.pt", "last.ckpt")  # Composer's and Lightning's newest checkpoint
 MAX_METADATA = 1 << 30  # tens of MB at thousands of ranks; a gigabyte is not a .metadata
+ZIP_RECORDS = 1 << 20  # what a tensor's torch.save holds beside its bytes (data.pkl, version, alignment, directory)
+MAX_VALUE = 1 << 30  # a compressed value's torch.save decompressed (an optimizer's param_groups, a loader's state)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class Item:
     # a flattened range of a block (Megatron's fully_sharded_model_space): (first element of the item, box
     # offsets, box sizes) of each box it fills, in order; the item's elements are these boxes end to end
     boxes: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
+    transforms: tuple[str, ...] = ()  # the stream transforms it was written through (primitives/transforms.py)
 
 
 @dataclass
@@ -159,10 +163,7 @@ def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
         fqn = index.fqn
         if fqn not in tensors and fqn not in values:
             raise CheckpointError(f"storage_data names {fqn!r:.80}, which the metadata does not describe")
-        descriptors = getattr(info, "transform_descriptors", None)
-        if descriptors:
-            raise CheckpointError(f"{fqn}: stored through transforms {list(descriptors)!r:.80}, which shardstore "
-                                  f"does not read (only plain torch.save items)")
+        steps = stream_transforms.checked(getattr(info, "transform_descriptors", None), fqn)
         name = info.relative_path
         if not isinstance(name, str) or posixpath.basename(name) != name or name in ("", ".", "..") or "\\" in name:
             raise CheckpointError(f"{fqn}: item file {name!r:.80} is not a file name inside the checkpoint folder")
@@ -170,7 +171,7 @@ def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
         offset, length = info.offset, info.length
         if type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
             raise CheckpointError(f"{fqn}: item byte range {offset!r:.30}+{length!r:.30} is impossible")
-        items.append(Item(fqn, offsets, name, offset, length))
+        items.append(Item(fqn, offsets, name, offset, length, transforms=steps))
     seen = {(i.fqn, i.offsets) for i in items}
     for fqn, (_, _, chunks) in tensors.items():
         missing = [list(o) for o, _ in chunks if (fqn, o) not in seen]
@@ -231,8 +232,8 @@ def _per_layer(ckpt: DcpCheckpoint) -> DcpCheckpoint:
         renamed[(fqn, None)] = (name, None, 0)
     if len(set(tensors) | set(values)) != len(tensors) + len(values):
         raise CheckpointError("per-layer keys that Megatron's stacked keys would share (a damaged metadata?)")
-    items = [Item(*renamed[(i.fqn, i.offsets)][:2], i.file, i.offset, i.length, squeeze=renamed[(i.fqn, i.offsets)][2])
-             if (i.fqn, i.offsets) in renamed else i for i in ckpt.items]
+    items = [replace(i, fqn=renamed[(i.fqn, i.offsets)][0], offsets=renamed[(i.fqn, i.offsets)][1],
+                     squeeze=renamed[(i.fqn, i.offsets)][2]) if (i.fqn, i.offsets) in renamed else i for i in ckpt.items]
     # layer by layer, each layer's keys in the saved order, where the first stacked key of its stack was
     first = {fqn: at for at, fqn in enumerate(ckpt.paths)}
     was = {new: first[old] for (old, _), (new, _, _) in renamed.items()}  # a key's place before the split
@@ -444,7 +445,7 @@ def _megatron_args(ckpt: DcpCheckpoint, trainer_state: list[str], storage_option
         return None
     if item is not None:  # a bytes item of a .distcp file
         where, data = join(ckpt.folder, item.file), DataFile(join(ckpt.folder, item.file), storage_options)
-        zf = TorchZip(data, start=item.offset, length=item.length)
+        zf = _item_zip(ckpt, data, item, f"{where}: {item.fqn}")
     else:
         assert common is not None  # (one of the two, above)
         where, data, zf = common, None, TorchZip(common, storage_options)
@@ -585,7 +586,7 @@ def _read_items(ckpt: DcpCheckpoint, unit: DcpUnit, name: str, strict: bool) -> 
         where = f"{item.fqn}" + ("" if item.offsets is None else f" at {list(item.offsets)}")
         if item.offset + item.length > unit.file.size:
             raise CheckpointError(f"{where}: its item runs past the end of the file (truncated?)")
-        zf = TorchZip(unit.file, start=item.offset, length=item.length)
+        zf = _item_zip(ckpt, unit.file, item, where)
         unit.opened.append(zf)
         store_path = ckpt.store_path(item.fqn)
         value = load(zf.record("data.pkl"), f"{unit.path}: {where}", strict)
@@ -611,6 +612,25 @@ def _read_items(ckpt: DcpCheckpoint, unit: DcpUnit, name: str, strict: bool) -> 
         leaf = sharded.setdefault(store_path, ArrayLeaf(dtype, size, []))
         leaf.pieces.append(LocalPiece(item.offsets, sizes, value, zf))
     unit.leaves.update(sharded)
+
+
+def _item_zip(ckpt: DcpCheckpoint, data: DataFile, item: Item, where: str) -> TorchZip:
+    """An item's torch.save zip: in place in its file, or, written through stream transforms (ZStandard),
+    decompressed into a temporary file of its own (closed, so deleted, with the zip)."""
+    if not item.transforms:
+        return TorchZip(data, start=item.offset, length=item.length)
+    return TorchZip(stream_transforms.decoded(data, item.offset, item.length, item.transforms, _most(ckpt, item), where),
+                    owns=True)
+
+
+def _most(ckpt: DcpCheckpoint, item: Item) -> int:
+    """The bytes an item's torch.save can take: its tensor's (boxes') elements and the zip's other records;
+    a value's, up to MAX_VALUE."""
+    if item.offsets is None:
+        return MAX_VALUE
+    dtype, _, chunks = ckpt.tensors[item.fqn]
+    count = sum(math.prod(s) for _, _, s in item.boxes) if item.boxes else math.prod(dict(chunks)[item.offsets])
+    return count * dtypes.info(dtype).itemsize + ZIP_RECORDS
 
 
 def _flat_pieces(zf: TorchZip, value: Any, item: Item, dtype: str, where: str) -> list[LocalPiece]:

@@ -101,16 +101,18 @@ class DataFile:
     from windows of it (a rank file is one window; a DCP .distcp file holds one zip per item)."""
 
     def __init__(self, path: str | os.PathLike[str], storage_options: StorageOptions | None = None,
-                 ahead: int = 0):
+                 ahead: int = 0, opened: Any = None):
         """`ahead`: remote, the bytes at the file's end that its reader will want first, fetched with
-        opening it where the service can say in the same answer how large the file is (`_open_tail`)."""
+        opening it where the service can say in the same answer how large the file is (`_open_tail`).
+        `opened`: a local file already open that `path` only names (an anonymous temporary file holding a
+        DCP item's decompressed bytes: read/primitives/transforms.py); closed with this."""
         self.path: str | Path = os.fspath(path) if is_url(path) else Path(local(path))
         self.stamp: str | None  # what says the file changed (local_stamp, remote_stamp)
         self._map: mmap.mmap | None = None
         self._remote: tuple[Any, str] | None = None
         self._spans: list[tuple[int, bytes]] = []  # remote bytes fetched already (read_ranges)
-        if isinstance(self.path, Path):
-            self._file: Any = _open_regular(self.path)
+        if isinstance(self.path, Path) or opened is not None:
+            self._file: Any = _open_regular(Path(self.path)) if opened is None else opened
             st = os.fstat(self._file.fileno())
             self.size, self.stamp = st.st_size, local_stamp(st)
             try:
@@ -187,6 +189,10 @@ class DataFile:
             raise self.failed(exc) from None
         self._spans += [(a, data) for (a, _), data in zip(spans, fetched)]
         return [self.read(s, e - s) for s, e in zip(starts, ends)]
+
+    def window(self, start: int, length: int) -> io.RawIOBase:
+        """Bytes [start, start + length) as a seekable file of their own."""
+        return _Window(self, start, length)
 
     def view(self, offset: int, length: int) -> memoryview:
         """Bytes of the file: a zero-copy view of the mmap when local."""
@@ -299,8 +305,9 @@ class TorchZip:
     (`start`, `length`: an item of a DCP .distcp file), read through a DataFile that may be shared."""
 
     def __init__(self, path: str | os.PathLike[str] | DataFile, storage_options: StorageOptions | None = None,
-                 start: int = 0, length: int | None = None):
-        self._owns = not isinstance(path, DataFile)
+                 start: int = 0, length: int | None = None, owns: bool = False):
+        """`owns`: a DataFile given is closed with the zip (one made for it alone: transforms.py)."""
+        self._owns = owns or not isinstance(path, DataFile)
         self.file: DataFile = path if isinstance(path, DataFile) else DataFile(path, storage_options, WHOLE)
         self.path = str(self.file.path)
         self.start = start
@@ -324,7 +331,7 @@ class TorchZip:
 
     def _index(self) -> tuple[str, dict[str, Entry]]:
         try:
-            infos = zipfile.ZipFile(_Window(self.file, self.start, self._size)).infolist()
+            infos = zipfile.ZipFile(self.file.window(self.start, self._size)).infolist()
         except (zipfile.BadZipFile, ValueError, NotImplementedError, OSError, EOFError, struct.error,
                 OverflowError, UnicodeDecodeError) as exc:
             # ValueError: a remote file too small to seek back in; the rest: a damaged central directory or
