@@ -129,11 +129,21 @@ def read_checkpoint(folder: str | os.PathLike[str], storage_options: StorageOpti
         raise CheckpointError(f"{where}: not a torch.distributed.checkpoint metadata file")
     try:
         ckpt = _parse(folder, md, hashlib.blake2b(raw, digest_size=16).hexdigest())
+        if not ckpt.items:
+            ckpt.files = _empty_save(folder, storage_options)
         return _model_space(_per_layer(ckpt)) if _torch_dist(folder, storage_options) else ckpt
     except CheckpointError as exc:
         raise named(exc, where) from None
     except (AttributeError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{where}: malformed metadata ({type(exc).__name__}: {str(exc)[:120]})") from None
+
+
+def _empty_save(folder: str, storage_options: StorageOptions | None) -> list[str]:
+    """The units of a save of nothing (`dcp.save({})`, a Stateful whose state is {}), which torch loads as {}:
+    the empty .distcp files its ranks wrote, or its .metadata alone where there are none (a copy without
+    them, which torch loads the same)."""
+    found = [name_of(p) for p in listing(folder, storage_options) if p.endswith(".distcp")]
+    return sorted(found, key=_file_order) or [METADATA]
 
 
 def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
@@ -861,6 +871,8 @@ class DcpFormat:
     def unit_kind(self, name: str) -> str:
         if name.endswith(".distcp"):
             return ".distcp files"
+        if name_of(name) == METADATA:
+            return "DCP metadata (of an empty save)"
         if name_of(name) == lightning.META:
             return "Lightning's meta.pt"
         return "Megatron's common state" if _is_common(name) else "trainer-state files"

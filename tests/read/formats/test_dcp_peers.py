@@ -125,3 +125,30 @@ def test_without_zstandard_the_refusal_says_what_to_install(tmp_path: Path, monk
     with pytest.raises(CheckpointError, match=r"stream\.zstd/1.*pip install 'shardstore\[zstd\]'"):
         shardstore.unshard(src, tmp_path / "out", format="torch", jobs=1)
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------ empty saves
+class _Nothing:
+    """A Stateful whose state is empty (torch's tests save such an app state)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert state == {}
+
+
+@pytest.mark.parametrize("case", ["empty", "stateful", "empty-module", "metadata-only"])
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_an_empty_save_exports_what_torch_loads(case: str, fmt: str, tmp_path: Path) -> None:
+    """torch loads a save of nothing as {} (a nested empty dict is dropped as it flattens the state); so do
+    the exports. A copy with its empty .distcp file gone, as --format dcp writes one, torch loads the same."""
+    state = {"empty": {}, "stateful": {"app": _Nothing()}, "empty-module": {"model": {}, "step": 7},
+             "metadata-only": {}}[case]
+    src = _save(state, tmp_path / "src")
+    if case == "metadata-only":
+        for distcp in src.glob("*.distcp"):
+            distcp.unlink()
+    want = _torch_reads(src)
+    assert want == ({"step": 7} if case == "empty-module" else {})
+    assert_bitwise_equal(_exported(src, tmp_path, fmt), want, case)
