@@ -66,6 +66,7 @@ COMMON_STATE = "common_state"  # where the store keeps it
 MEGATRON_ARGS = "megatron_args"  # the plan's copy of Megatron-LM's args (plain values), for --format hf
 STACKED = re.compile(r"(.*?(?:^|\.)layers\.)(?=[A-Za-z_])")  # "decoder.layers." then a module name, no number
 LAYER_KEY = re.compile(r"(.*?(?:^|\.)layers\.)(\d+)\.")  # a per-layer key: its stack, and its layer
+SHARDED_OBJECT = re.compile(r".+/shard_\d+(?:\.\d+)*_\d+(?:\.\d+)*")  # Megatron's ShardedObject.unique_key
 EXTRA_STATE = re.compile(r"(.*?_extra_state)/shard_(\d+(?:\.\d+)?)_\d+(?:\.\d+)?")  # shard_{layer[.expert]}_{count}
 MODEL_SPACE = re.compile(r"(optimizer\.state\.[A-Za-z0-9_]+\.)(.+)")  # a parameter's optimizer state, by its key
 STACKED_EXPERTS = re.compile(r"(.*?(?:^|\.)experts\.)experts\.")  # a MoE layer's experts on one axis
@@ -131,11 +132,20 @@ def read_checkpoint(folder: str | os.PathLike[str], storage_options: StorageOpti
         ckpt = _parse(folder, md, hashlib.blake2b(raw, digest_size=16).hexdigest())
         if not ckpt.items:
             ckpt.files = _empty_save(folder, storage_options)
-        return _model_space(_per_layer(ckpt)) if _torch_dist(folder, storage_options) else ckpt
+        if _torch_dist(folder, storage_options):
+            return _model_space(_per_layer(ckpt))
+        _without_megatron_metadata(ckpt, folder, storage_options)
+        return ckpt
     except CheckpointError as exc:
         raise named(exc, where) from None
     except (AttributeError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{where}: malformed metadata ({type(exc).__name__}: {str(exc)[:120]})") from None
+
+
+def _dtype_name(dtype: Any) -> str:
+    """A TensorProperties' dtype as torch names it: one the unpickler does not know (float8_e4m3fnuz) comes
+    as a stand-in class for its global, named by it."""
+    return str(dtype.global_[1]) if isinstance(dtype, type) and hasattr(dtype, "global_") else str(dtype)
 
 
 def _empty_save(folder: str, storage_options: StorageOptions | None) -> list[str]:
@@ -152,8 +162,11 @@ def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
         if not isinstance(fqn, str):
             raise CheckpointError(f"a key {fqn!r:.60} that is not a string")
         if isinstance(meta, DcpTensorStorage):
-            dtype = str(meta.properties.dtype)
-            dtypes.info(dtype)
+            dtype = _dtype_name(meta.properties.dtype)
+            try:
+                dtypes.info(dtype)
+            except CheckpointError as exc:
+                raise named(exc, fqn) from None
             size = whole_numbers(meta.size, f"{fqn}: sizes")
             chunks = [(whole_numbers(c.offsets, f"{fqn}: chunk offsets"), whole_numbers(c.sizes, f"{fqn}: chunk sizes"))
                       for c in meta.chunks]
@@ -189,6 +202,18 @@ def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
             raise CheckpointError(f"{fqn}: chunk at {missing[0]} has no stored item")
     files = sorted({i.file for i in items}, key=_file_order)
     return DcpCheckpoint(folder, digest, tensors, values, nested, items, files)
+
+
+def _without_megatron_metadata(ckpt: DcpCheckpoint, folder: str, storage_options: StorageOptions | None) -> None:
+    """Refuses a .metadata holding Megatron-Core's own keys (its ShardedObjects', `key/shard_{offset}_{shape}`:
+    the common state, every layer's extra state) in a folder without Megatron's metadata.json: read as a
+    plain DCP folder it would export Megatron's stacked keys under other names and lose its common.pt;
+    Megatron's own load refuses such a folder too ("is not a distributed checkpoint")."""
+    key = next((fqn for fqn in ckpt.values if SHARDED_OBJECT.fullmatch(fqn)), None)
+    if key is not None and join(folder, MEGATRON_METADATA) not in listing(folder, storage_options):
+        raise CheckpointError(f"holds Megatron-Core's torch_dist keys ({key!r:.80}), but {MEGATRON_METADATA} is "
+                              f"missing from its folder (Megatron does not load it without one either): restore "
+                              f"it from the save")
 
 
 def _torch_dist(folder: str, storage_options: StorageOptions | None) -> bool:

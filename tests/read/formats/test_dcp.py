@@ -100,7 +100,7 @@ def _first_item(md):
 @pytest.mark.parametrize("edit, needle", [
     (lambda md: setattr(_first_item(md), "relative_path", "../../etc/passwd"), "not a file name inside"),
     (lambda md: setattr(_first_item(md), "transform_descriptors", ["zstd"]), "transforms ['zstd']"),
-    (lambda md: setattr(_first_item(md), "length", 10**9), "runs past the end"),
+    (lambda md: setattr(_first_item(md), "length", 10**9), "truncated?"),
     (lambda md: setattr(_first_item(md), "offset", -5), "impossible"),
 ])
 def test_forged_metadata_is_refused_in_one_line(edit, needle: str, dcp_checkpoints, tmp_path: Path) -> None:
@@ -195,6 +195,23 @@ def test_olmo_core_metadata_and_accelerate_folders(dcp_checkpoints, tmp_path: Pa
     monkeypatch.undo()  # olmo_core is gone again: shardstore must not need it
     shardstore.unshard(tmp_path / "run", tmp_path / "pt", format="torch", jobs=1)
     assert_bitwise_equal(_torch_output(tmp_path / "pt"), _expected(src), "OLMo-core metadata")
+
+
+MEGATRON = Path(__file__).parents[2] / "fixtures" / "data" / "megatron"
+
+
+@pytest.mark.parametrize("save", ["core0.19.2/tp2-pp1/iter_0000010", "core0.16.1/tp2-pp1/iter_0000010",
+                                  "core0.19.2/tp2-pp1-nemo/weights"])
+def test_a_megatron_folder_without_its_metadata_json_is_refused_naming_it(save: str, tmp_path: Path) -> None:
+    """Content, not file names, decides: a genuine torch_dist save whose metadata.json was lost holds
+    Megatron's keys in its .metadata; read as a plain DCP folder it would export Megatron's stacked names (9
+    tensors for the per-layer 15) and leave its common.pt out. Megatron itself refuses it; so does this."""
+    src = shutil.copytree(MEGATRON / save, tmp_path / "src")
+    (src / "metadata.json").unlink()
+    with pytest.raises(shardstore.CheckpointError, match=r"src/\.metadata: holds Megatron-Core's torch_dist keys "
+                                                         r"\('.*_extra_state/shard_0_2'\), but metadata\.json is missing"):
+        shardstore.unshard(src, tmp_path / "out", format="torch", jobs=1)
+    assert not (tmp_path / "out").exists()
 
 
 class TestDcpConformance(FormatTests):

@@ -152,3 +152,133 @@ def test_an_empty_save_exports_what_torch_loads(case: str, fmt: str, tmp_path: P
     want = _torch_reads(src)
     assert want == ({"step": 7} if case == "empty-module" else {})
     assert_bitwise_equal(_exported(src, tmp_path, fmt), want, case)
+
+
+# ------------------------------------------------------------------------------------------ torch's test states
+DTYPES = [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32, torch.int64,
+          torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+          torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _of(dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A (3, 5) tensor of `dtype`: a float8's every bit pattern is as likely (NaNs too), the rest from bytes."""
+    raw = torch.randint(0, 256, (3, 5), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype) if dtype.itemsize == 1 and dtype.is_floating_point else raw.to(dtype)
+
+
+def _torch_test_state(case: str) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    if case == "dtypes":
+        return {"model": {str(dtype).removeprefix("torch."): _of(dtype, gen) for dtype in DTYPES}}
+    if case == "shapes":  # 0-d, expanded (stride 0), transposed and sliced (not contiguous), without elements
+        return {"model": {"scalar": torch.tensor(3.5), "count": torch.tensor(7), "expanded": torch.ones(4).expand(3, 4),
+                          "transposed": rand(4, 6).t(), "sliced": rand(8, 8)[2:5, 1:7], "empty": torch.empty(0, 3)}}
+    if case == "containers":  # lists and tuples of tensors and values, nested
+        return {"list": [rand(3), rand(2, 2), 5, "x"], "tuple": (rand(3), rand(4)),
+                "nested": {"a": [{"b": rand(2)}, (rand(1),)]}}
+    return {"model": {"w": rand(4, 4), "sub": {"b": rand(2)}}, "step": 3, "t": rand(5)}  # "unflattened"
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+@pytest.mark.parametrize("case", ["dtypes", "shapes", "containers", "unflattened"])
+def test_torch_test_states_read_as_torch_reads_them(case: str, fmt: str, tmp_path: Path) -> None:
+    """`unflattened`: saved with flatten_state_dict=False, each top-level value one item (a nested dict of
+    tensors torch.saved whole)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    planner = {"planner": DefaultSavePlanner(flatten_state_dict=False)} if case == "unflattened" else {}
+    src = tmp_path / "src"
+    dcp.save(_torch_test_state(case), storage_writer=FileSystemWriter(src), **planner)
+    assert_bitwise_equal(_exported(src, tmp_path, fmt), _torch_reads(src), f"{case} {fmt}")
+
+
+# ------------------------------------------------------------------------------------------ HF storage
+def _hf_state() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    return {"embed.weight": torch.randn(10, 4, generator=gen), "layers.0.w": torch.randn(4, 4, generator=gen).bfloat16(),
+            "layers.0.b": torch.randn(4, generator=gen), "f8": torch.randn(3, 3, generator=gen).to(torch.float8_e4m3fn),
+            "ids": torch.arange(6, dtype=torch.int32), "u16": torch.arange(5).to(torch.uint16)}
+
+
+@pytest.mark.parametrize("case", ["plain", "sharded", "consolidated", "consolidated/sharded", "mapped"])
+def test_hf_storage_reads_as_torch_hf_reader_reads_it(case: str, tmp_path: Path) -> None:
+    """torch's HuggingFaceStorageWriter without and with save_distributed (shard-* files), with consolidation
+    (model-* files, the shards kept in sharded/; `mapped`: its fqn_to_index_mapping over two files), against
+    torch's HuggingFaceStorageReader. (torch's consolidation cannot write integer tensors: torch.finfo.)"""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+    state = _hf_state()
+    kind = case.split("/")[0]
+    if kind in ("consolidated", "mapped"):
+        state = {k: v for k, v in state.items() if v.is_floating_point()}
+    options = {"plain": {}, "sharded": {"save_distributed": True},
+               "consolidated": {"save_distributed": True, "enable_consolidation": True},
+               "mapped": {"save_distributed": True, "enable_consolidation": True,
+                          "fqn_to_index_mapping": {k: 1 + (i % 2) for i, k in enumerate(state)}}}[kind]
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(tmp_path / "src"), **options))
+    src = tmp_path / "src" / case.removeprefix(kind).lstrip("/")
+    want = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(want, storage_reader=HuggingFaceStorageReader(str(src)))
+    shardstore.unshard(src, tmp_path / "pt", format="torch", jobs=1)
+    assert_bitwise_equal(torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=True), want, f"{case} torch")
+    shardstore.unshard(src, tmp_path / "st", jobs=1)
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), want, f"{case} safetensors")
+
+
+# ------------------------------------------------------------------------------------------ DTensor placements
+def _save_placements(rank: int, world: int, out: str, port: int) -> None:
+    """FSDP2 over tensor parallelism on a (dp=2, tp=2) mesh with sizes that do not divide: `_StridedShard`
+    + `Shard` pieces of uneven rows, a parameter of one row (an empty piece on one dp rank); and DTensors
+    placed on both mesh dimensions: uneven on two axes, twice on one axis (an empty piece), replicated."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 5), torch.nn.LayerNorm(5))
+    model.register_parameter("row", torch.nn.Parameter(torch.randn(1, 4)))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    full = torch.arange(15.0).reshape(3, 5)
+    placed = {"both": distribute_tensor(full, mesh, [Shard(0), Shard(1)]),
+              "twice": distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0), Shard(0)]),
+              "replicated": distribute_tensor(full, mesh, [Replicate(), Shard(1)])}
+    dcp.save({"model": model.state_dict(), "placed": placed}, checkpoint_id=out)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def placements(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.fixtures.fsdp import spawn_gloo
+
+    out = tmp_path_factory.mktemp("placements") / "ckpt"
+    spawn_gloo(_save_placements, (4, str(out)), 4)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["torch", "dcp"])
+def test_strided_uneven_and_empty_dtensor_pieces_read_as_torch_reads_them(fmt: str, placements: Path,
+                                                                           tmp_path: Path) -> None:
+    md = pickle.loads((placements / ".metadata").read_bytes())
+    sizes = [tuple(c.sizes) for meta in md.state_dict_metadata.values() for c in getattr(meta, "chunks", [])]
+    assert (0, 4) in sizes and (1, 5) in sizes  # an empty piece, an uneven one
+    assert_bitwise_equal(_exported(placements, tmp_path, fmt), _torch_reads(placements), fmt)
+
+
+def test_a_dtype_shardstore_does_not_hold_is_named_as_torch_names_it(tmp_path: Path) -> None:
+    src = _save({"w": torch.zeros(2, 3, dtype=torch.float8_e4m3fnuz)}, tmp_path / "src")
+    with pytest.raises(CheckpointError, match=r"\.metadata: w: unsupported tensor dtype torch\.float8_e4m3fnuz\Z"):
+        shardstore.unshard(src, tmp_path / "out", format="torch", jobs=1)
+    assert not (tmp_path / "out").exists()
