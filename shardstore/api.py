@@ -194,14 +194,6 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     location = store if store is not None else scratch  # may be a URL: no Path()
     fmt = _export.output_format(format)
 
-    def all_ranks_present(st: Store) -> None:
-        if not get(source.format).ranked:
-            return  # the checkpoint's metadata names every file; each is opened as it is ingested
-        missing = missing_ranks(source.units, st.manifest.world_size)
-        if missing:
-            raise CheckpointError(f"{src_dir}: world size is {st.manifest.world_size} but rank files are missing "
-                                  f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
-
     # One write: with a scratch store on local disk, the ingest writes the output itself where the plan
     # lays it out (each export format's `plan_direct`); the store then keeps only values, and the journal of units.
     # Under Dask the workers write into OUT too: it must be a folder they all see (local, or a cluster's
@@ -210,15 +202,8 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     planned: list[_export.DirectExport | None] = [None]
 
     def before_ingest(st: Store) -> None:  # the store is planned and nothing is read yet
-        all_ranks_present(st)
-        _export.preflight(st, out_dir, format, select, hf_config, overwrite)
-        output = _export.output_bytes(st, format, select, request.dtype)
-        # the sizes the plan declares, against the disks, before any file of that size is made
-        check_space(st, len(source.units), exported_subtree(st), out_dir, output, in_store=not one_pass)
-        if one_pass:
-            planned[0] = _export.plan_direct(st, request, jobs=jobs or default_jobs())
-            if planned[0] is None:  # the store holds the data after all
-                check_space(st, len(source.units), exported_subtree(st), out_dir, output)
+        planned[0] = _up_front(st, src_dir, source, out_dir, request, one_pass, exported_subtree(st),
+                               jobs or default_jobs())[1]
 
     def exported_subtree(st: Store) -> str | None:
         # A scratch store only feeds this export: for safetensors, write just the tensors it takes
@@ -228,7 +213,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
         return select if select is not None else _export.model_subtree(st)
 
     if plan:
-        return _plan(source, out_dir, request, one_pass, all_ranks_present, exported_subtree, jobs or default_jobs(),
+        return _plan(src_dir, source, out_dir, store, request, one_pass, exported_subtree, jobs or default_jobs(),
                      strict)
     made = _missing_folders(out_dir)
     try:
@@ -279,22 +264,43 @@ class Plan:
         return None if not self.speed or self.read is None else (self.read + self.write) / self.speed
 
 
-def _plan(source: Source, out_dir: PathLike, request: _export.ExportRequest, one_pass: bool,
-          all_ranks_present: Callable[[Store], None], subtree: Callable[[Store], str | None], jobs: int,
+def _up_front(st: Store, src_dir: PathLike, source: Source, out_dir: PathLike, request: _export.ExportRequest,
+              one_pass: bool, subtree: str | None, jobs: int) -> tuple[int, _export.DirectExport | None]:
+    """Every check a run makes once its store is planned and before a unit is read, and the one-pass
+    export's plan: (the output's tensor bytes, that plan, or None where the store is to hold the data).
+    The real run (ingest's `on_created`) and the dry run both call this: what one refuses the other does."""
+    if get(source.format).ranked:  # (else the checkpoint's metadata names every file, checked at planning)
+        missing = missing_ranks(source.units, st.manifest.world_size)
+        if missing:
+            raise CheckpointError(f"{src_dir}: world size is {st.manifest.world_size} but rank files are missing "
+                                  f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
+    _export.preflight(st, out_dir, request.format, request.select, request.hf_config, request.overwrite)
+    output = _export.output_bytes(st, request.format, request.select, request.dtype)
+    # the sizes the plan declares, against the disks, before any file of that size is made
+    check_space(st, len(source.units), subtree, out_dir, output, in_store=not one_pass)
+    direct = _export.plan_direct(st, request, jobs=jobs) if one_pass else None
+    if one_pass and direct is None:  # the store holds the data after all
+        check_space(st, len(source.units), subtree, out_dir, output)
+    return output, direct
+
+
+def _plan(src_dir: PathLike, source: Source, out_dir: PathLike, store: PathLike | None,
+          request: _export.ExportRequest, one_pass: bool, subtree: Callable[[Store], str | None], jobs: int,
           strict: bool) -> Plan:
     """The run planned in a temporary store beside OUT (removed after), with every check a real run makes
-    before its first unit is read: its refusals are the real run's."""
+    before its first unit is read (`planned_store`, then `_up_front`): its refusals are the real run's."""
     near = nearest_existing(Path(out_dir).absolute())
     tmp = Path(tempfile.mkdtemp(prefix=".shardstore-plan-", dir=near))
     try:
         st, unit = _ingest.planned_store(tmp / "store", source, strict, scratch=True)
         if unit is not None:
             unit.close()
-        all_ranks_present(st)
-        _export.preflight(st, out_dir, request.format, request.select, request.hf_config, request.overwrite)
-        output = _export.output_bytes(st, request.format, request.select, request.dtype)
-        check_space(st, len(source.units), subtree(st), out_dir, output, in_store=not one_pass)
-        direct = _export.plan_direct(st, request, jobs) if one_pass else None
+        if store is not None and Store.exists(store, source.storage_options):  # the user's, as the real run opens it
+            existing = Store.open(store, source.storage_options)
+            if existing.records() and not get(source.format).ranked:
+                existing.check_compatible(st.manifest, os.fspath(store))
+            _ingest.same_format(existing, source)
+        output, direct = _up_front(st, src_dir, source, out_dir, request, one_pass, subtree(st), jobs)
         if direct is not None:
             sizes = dict(zip(direct.layout.names, direct.layout.sizes))
             files: list[tuple[str, int | None]] = [(f, sizes.get(f)) for f in direct.files]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import json
 import re
 import sys
@@ -19,6 +18,7 @@ from . import api, values
 from .errors import ShardstoreError, StoreError
 from .export import FORMATS
 from .export.contract import CAST_DTYPES, DTYPE_ALIASES
+from .patterns import matcher
 from .plan import LAYOUTS
 from .progress import QUIET, ConsoleProgress, Progress, size_text
 from .read.registry import get
@@ -588,7 +588,8 @@ def ls(store: str, pattern: str | None, as_json: bool) -> None:
     keys = st.keys()
     if pattern:
         glob = pattern if any(c in pattern for c in "*?[") else f"*{pattern}*"
-        keys = [k for k in keys if fnmatch.fnmatchcase(k, glob)]
+        matches = matcher(glob, "PATTERN")
+        keys = [k for k in keys if matches(k)]
         if not keys:
             raise StoreError(f"{store}: no key matches {pattern!r}")
     if as_json:

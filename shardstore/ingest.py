@@ -18,7 +18,7 @@ import numpy as np
 
 from . import values
 from .errors import CheckpointError, StoreError, closed_on_error, named
-from .locations import StorageOptions, filesystem, is_url
+from .locations import StorageOptions, filesystem, is_url, local
 from .plan import plan_checkpoint
 from .read.contract import LocalPiece, PlannedCheckpoint, Unit
 from .read.discover import open_unit
@@ -265,15 +265,22 @@ def create_store(location: str | os.PathLike[str], source: Source, strict: bool 
     that a worker reads again, and each worker checks its own file against the plan anyway. A store that
     holds nothing committed was planned by a run whose files were all refused (a damaged first file): if
     today's files plan it differently, it is planned again rather than refusing the genuine files."""
-    store, unit = planned_store(location, source, strict)
+    store, unit = planned_store(location, source, strict, arriving=True)
     if unit is not None:
         unit.close()
     return store
 
 
 def planned_store(location: str | os.PathLike[str], source: Source, strict: bool,
-                   scratch: bool = False) -> tuple[Store, Any | None]:
-    """`create_store`, also handing back the unit planning opened (Source.plan), which the caller closes."""
+                  scratch: bool = False, arriving: bool = False) -> tuple[Store, Any | None]:
+    """`create_store`, also handing back the unit planning opened (Source.plan), which the caller closes.
+    Every check of the unit files that can be made before one is read is made here, where the real run and
+    the dry run (`unshard(plan=True)`) both plan; `arriving`: the files are still being written (`watch`),
+    and each is checked as it is ingested."""
+    if not source.units:
+        raise CheckpointError("no rank files to ingest")
+    if not arriving:
+        _check_readable(source.units)
     existing = Store.open(location, source.storage_options) if Store.exists(location, source.storage_options) else None
     if existing is not None and get(source.format).ranked and existing.records():
         return existing, None
@@ -282,6 +289,8 @@ def planned_store(location: str | os.PathLike[str], source: Source, strict: bool
     except CheckpointError as exc:
         raise named(exc, source.units[0]) from None
     with closed_on_error(unit.close if unit is not None else lambda: None, source.units[0]):
+        if not arriving:
+            _check_sizes(source.units, spec.least_sizes)
         manifest = plan_checkpoint(spec)
         if existing is not None and not existing.records():
             try:
@@ -312,19 +321,13 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
     A `scratch` store (a one-pass export's) gets its arrays' Zarr metadata only if the export turns out
     to write into the store after all (`direct` gives no layout).
     """
-    if not source.units:
-        raise CheckpointError("no rank files to ingest")
     files: list[str | os.PathLike[str]] = list(source.units)
-    _check_readable(files)
     jobs = max(1, min(jobs or default_jobs(), len(files)))
     created, store, held = not Store.exists(location, source.storage_options), None, None
     try:
         with Pool(jobs, scheduler) as pool:  # workers start now: their start-up overlaps creating the store
             store, held = planned_store(location, source, strict, scratch)
-            if store.manifest.facts.format != source.format:  # before a unit is opened with another's facts
-                raise CheckpointError(f"{source.units[0]}: the store at {location} holds a "
-                                      f"{get(store.manifest.facts.format).title} checkpoint, and this is a file of a "
-                                      f"{get(source.format).title} one; ingest it into another store")
+            same_format(store, source)  # before a unit is opened with another's facts
             _run(store, pool, files, IngestOptions(verify_replicas, None, strict, source.format),
                  on_created=on_created, only=only, on_start=on_start, on_done=on_done, direct=direct, held=held)
     except BaseException:
@@ -338,6 +341,14 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
             held.close()
     store.assemble_ready(verify=verify_replicas)
     return store
+
+
+def same_format(store: Store, source: Source) -> None:
+    """Refuse a store that holds a checkpoint of another format than `source`'s."""
+    if store.manifest.facts.format != source.format:
+        raise CheckpointError(f"{source.units[0]}: the store at {store.location} holds a "
+                              f"{get(store.manifest.facts.format).title} checkpoint, and this is a file of a "
+                              f"{get(source.format).title} one; ingest it into another store")
 
 
 def _check_readable(files: Sequence[str | os.PathLike[str]]) -> None:
@@ -358,6 +369,18 @@ def _check_readable(files: Sequence[str | os.PathLike[str]]) -> None:
             raise CheckpointError(f"{f}: is a directory, not a rank file")
         if not stat.S_ISREG(mode):
             raise CheckpointError(f"{f}: is not a regular file")
+
+
+def _check_sizes(units: Sequence[str], least: dict[str, int]) -> None:
+    """Every local unit file holds at least the bytes the checkpoint's metadata places in it."""
+    if not least:
+        return
+    ends = {os.path.abspath(local(p)): n for p, n in least.items() if not is_url(p)}
+    for path in units:
+        need = None if is_url(path) else ends.get(os.path.abspath(local(path)))
+        if need is not None and (size := os.path.getsize(local(path))) < need:
+            raise CheckpointError(f"{path}: its items run past the end of the file: the checkpoint's metadata "
+                                  f"places them up to byte {need}, the file has {size} bytes (truncated?)")
 
 
 def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options: IngestOptions,

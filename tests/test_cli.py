@@ -15,20 +15,16 @@ from safetensors.torch import load_file
 import shardstore
 from shardstore.progress import size_text
 from tests.conftest import assert_bitwise_equal, expected
+from tests.refusals import assert_refused, cli
 
 
 def run(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shardstore.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=300)
+    """The command line; an `unshard` runs as `--dry-run` too (tests/refusals.py)."""
+    return cli(*args, cwd=cwd)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
-    assert proc.returncode == 1, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip() and "%|" not in line]
-    assert len(lines) == 1 and lines[0].startswith("shardstore: error: "), proc.stderr
-    assert "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+    assert_refused(proc, *needles)
 
 
 def error_line(*args: object) -> str:

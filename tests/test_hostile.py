@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import resource
 import shutil
 import struct
 import subprocess
@@ -24,31 +23,15 @@ import torch
 from safetensors.torch import load_file
 
 import shardstore
+from tests import refusals
 from tests.fixtures import forge
 from tests.fixtures.forge import Raw, Tensor, floats, plain_rank_file
-
-# The command line's own footprint is ~300 MB of address space (Python, numpy, zarr); every input here is
-# a few MB at most, so a ceiling of 512 MB leaves room for what the file justifies and none for what its
-# numbers merely claim.
-ADDRESS_SPACE = 512 << 20
+from tests.refusals import assert_refused
 
 
 def cli(*args: object, limit: bool = True) -> subprocess.CompletedProcess[str]:
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
-
-    return subprocess.run([sys.executable, "-m", "shardstore", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, preexec_fn=cap if limit else None)
-
-
-def assert_refused(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
-    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("shardstore: error: "), proc.stderr[-2000:]
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    assert "MemoryError" not in lines[0]
-    return lines[0]
+    """The command line in a capped address space; an `unshard` runs as `--dry-run` too (tests/refusals.py)."""
+    return refusals.cli(*args, limit=limit)
 
 
 def snapshot(store: Path) -> dict[str, str]:
@@ -362,6 +345,24 @@ def test_a_distcp_file_the_metadata_names_but_the_folder_lacks(tmp_path: Path) -
     out = tmp_path / "out"
     assert_refused(cli("unshard", src, out, limit=False), "__1_0.distcp: no such file (the checkpoint names it)")
     assert not shardstore.scratch_location(out).exists()
+
+
+@pytest.mark.parametrize("json", [False, True])
+def test_a_distcp_file_truncated_mid_item_is_refused_up_front_by_the_dry_run_too(json: bool, tmp_path: Path) -> None:
+    """Its size against the end of the last item .metadata places in it: known before any unit is read."""
+    src = shutil.copytree(Path(__file__).parent / "corpus" / "data" / "torchtitan-dcp-t2.13-w2" / "step-2",
+                          tmp_path / "step-2")
+    data = (src / "__1_0.distcp").read_bytes()
+    (src / "__1_0.distcp").write_bytes(data[:len(data) - 100])
+    out = tmp_path / "out"
+    needles = ("__1_0.distcp", "run past the end", f"up to byte {len(data)}", f"has {len(data) - 100} bytes")
+    if json:
+        assert_refused(cli("unshard", src, out, "--dry-run", "--json", limit=False), *needles)
+    else:
+        proc = cli("unshard", src, out, limit=False)
+        assert_refused(proc, *needles)
+        assert_refused(proc.dry, *needles)  # type: ignore[attr-defined]
+    assert not out.exists()
 
 
 def test_json_nested_too_deeply_is_refused_by_name(tmp_path: Path) -> None:

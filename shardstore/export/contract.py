@@ -16,15 +16,14 @@ export/registry.py, from which the command line takes its choices.
 
 from __future__ import annotations
 
-import fnmatch
 import os
-import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ExportError
+from ..patterns import matcher
 from ..sink.layout import Layout
 from ..store.store import Store
 from ..tree import Node
@@ -67,17 +66,12 @@ class ExportRequest:
         if self.keep_dtype and self.dtype is None:
             raise ExportError("--keep-dtype goes with --dtype: it names what the cast leaves in its own dtype")
         for pattern in self.keep_dtype:
-            if pattern.startswith("re:"):
-                try:
-                    re.compile(pattern[3:])
-                except re.error as exc:
-                    raise ExportError(f"--keep-dtype {pattern!r}: not a regular expression ({exc})") from None
+            matcher(pattern, "--keep-dtype")  # one line for a pattern that cannot be matched in linear time
 
     def cast_of(self, key: str) -> str | None:
         """The dtype output tensor `key` is cast to (floating tensors only): `dtype`, unless a `keep_dtype`
         pattern matches the whole name."""
-        if self.dtype is None or any(re.fullmatch(p[3:], key) if p.startswith("re:") else fnmatch.fnmatchcase(key, p)
-                                     for p in self.keep_dtype):
+        if self.dtype is None or any(matcher(p, "--keep-dtype")(key) for p in self.keep_dtype):
             return None
         return self.dtype
 

@@ -97,6 +97,9 @@ class CheckpointSpec:
     replicated: dict[str, TensorRef]  # a plain tensor every unit holds whole (world size 1)
     objects: list[str]  # store paths of every other leaf
     extra: dict[str, Any] = field(default_factory=dict)  # the format's facts for its workers, kept in the store
+    # A unit file's least size, where the metadata planning read places bytes in it (DCP's items): a
+    # truncated file is then refused up front, by the dry run too, not by the worker that reaches its end.
+    least_sizes: dict[str, int] = field(default_factory=dict)
 
 
 def replica_count(arrays: dict[str, ShardedSpec]) -> int:

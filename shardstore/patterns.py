@@ -1,0 +1,67 @@
+"""Name patterns (`--keep-dtype`, `ls PATTERN`), matched in time linear in the name.
+
+The names matched come from the checkpoint, so a pattern must not let them choose how long a match takes:
+Python's `re` backtracks (`re:(a+)+$` against `aaaa…a!` takes exponential time), so both globs and
+`re:` patterns are compiled for RE2 (google-re2), whose matching is linear in the name and whose memory is
+bounded. A regex RE2 cannot run in linear time (a back-reference, a look-around) is refused in one line.
+Names are matched as their UTF-8 bytes (lone surrogates too, as `paths` encodes them).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Callable
+
+import re2
+
+from .errors import ShardstoreError
+
+REGEX = "re:"
+
+
+@functools.lru_cache(maxsize=256)  # a pattern is asked about every name of a checkpoint
+def matcher(pattern: str, what: str) -> Callable[[str], bool]:
+    """Whether a whole name matches `pattern`: a shell glob (`*`, `?`, `[...]`, `[!...]`), or a regular
+    expression after `re:`. `what` names the option for the refusal of a pattern RE2 cannot take."""
+    source = pattern[len(REGEX):] if pattern.startswith(REGEX) else _glob(pattern)
+    options = re2.Options()
+    options.log_errors = False  # the refusal below is the one line the user sees
+    options.dot_nl = True  # a name is one string, newlines and all (as fnmatch's globs see it)
+    try:
+        compiled = re2.compile(source.encode("utf-8", "surrogatepass"), options)
+    except re2.error as exc:
+        reason = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        raise ShardstoreError(f"{what} {pattern!r}: not a pattern shardstore can match in linear time ({reason}); "
+                              f"back-references and look-arounds are not supported") from None
+    return lambda name: compiled.fullmatch(name.encode("utf-8", "surrogatepass")) is not None
+
+
+def _glob(glob: str) -> str:
+    """A shell glob as a regular expression RE2 takes (fnmatch.translate's needs back-references)."""
+    out: list[str] = []
+    i, n = 0, len(glob)
+    while i < n:
+        c = glob[i]
+        i += 1
+        if c == "*":
+            if not out or out[-1] != ".*":
+                out.append(".*")
+        elif c == "?":
+            out.append(".")
+        elif c == "[":
+            end = i + (i < n and glob[i] == "!")
+            end += end < n and glob[end] == "]"  # a "]" first in the set is one of its characters
+            end = glob.find("]", end)
+            if end < 0:  # no closing bracket: a literal "[", as fnmatch takes it
+                out.append(re.escape(c))
+                continue
+            body, i = glob[i:end], end + 1
+            negate = body.startswith("!")
+            body = body[negate:].replace("\\", "\\\\").replace("[", "\\[")  # both literal in a glob's set
+            if body.startswith("^") and not negate:  # a literal caret, not RE2's negation
+                body = "\\" + body
+            out.append(f"[{'^' if negate else ''}{body}]")
+        else:
+            out.append(re.escape(c))
+    return "".join(out)
