@@ -16,9 +16,9 @@ from typing import Sequence
 
 from ..errors import CheckpointError
 from ..locations import StorageOptions, filesystem, is_url, local
-from .source import names_step
+from .source import inside_run, names_step
 
-RANK_FILE = re.compile(r"^(?P<tag>.*?)[-_.]?rank(?P<rank>\d+)\.pt$")
+RANK_FILE = re.compile(r"^(?P<tag>.*?)[-_.]?rank(?P<rank>[0-9]+)\.pt$")
 
 
 def name_rank(path: str | os.PathLike[str]) -> int | None:
@@ -99,6 +99,8 @@ def scan(src: str | os.PathLike[str], tag: str | None = None, step: int | None =
     files = _candidates(src)
     real = {p.resolve() for p in files if not p.is_symlink()}
     links = [p for p in files if p.is_symlink()]
+    for link in links:  # a pointer out of the run is another run's file (Composer's latest-rank{r}.pt)
+        inside_run(str(src), str(link))
     if tag == "latest":
         files = sorted({p.resolve() for p in links})
     else:

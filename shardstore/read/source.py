@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointError
-from ..locations import StorageOptions, is_url, join, listing, local
+from ..locations import StorageOptions, is_url, join, listing, local, name_of
 
 MAX_SIDE_FILE = 64 << 20  # a tokenizer.json of a large vocabulary is several MB
 CONFIG = "config.yaml"  # OLMo's run config, copied beside every export as OLMo's unsharder does
@@ -59,10 +59,46 @@ def pick(src: str, candidates: list[str], tag: str | None, step: int | None) -> 
                                   f"it holds {', '.join(there)}")
         raise CheckpointError(f"{src}: holds more than one checkpoint ({', '.join(candidates)}); pick one with "
                               f"--tag or --step")
+    inside_run(src, join(src, candidates[0]))
     return candidates[0]
 
 
-STEP_NAME = re.compile(r"(?:^|[-_/])(?:step[-_=]?|ba|checkpoint-|iter_)(\d+)(?:\.ckpt)?$")
+STEP_NAME = re.compile(r"(?:^|[-_/])(?:step[-_=]?|ba|checkpoint-|iter_)([0-9]+)(?:\.ckpt)?$")
+OLMO_STEP = re.compile(r"\Astep([0-9]+)\Z")  # OLMo's and OLMo-core's f"step{global_step}" folder
+# Composer's f"ep{epoch}-ba{batch}" folder and f"ep{epoch}-ba{batch}-rank{rank}.pt" files, from its timestamp
+COMPOSER_EPOCH = re.compile(r"\Aep([0-9]+)-ba[0-9]+(?:-rank[0-9]+\.pt)?\Z")
+COMPOSER_BATCH = re.compile(r"\Aep[0-9]+-ba([0-9]+)(?:-rank[0-9]+\.pt)?\Z")
+
+
+def digits(text: str) -> bool:
+    """Whether `text` is ASCII digits alone, as every trainer writes a step or rank into a name: str.isdigit()
+    and `\\d` also take other scripts' digits (`step-٩` is not step 9) and superscripts (`'²'.isdigit()`,
+    which int() refuses)."""
+    return text.isascii() and text.isdigit()
+
+
+def inside_run(run: str, pointer: str) -> str:
+    """Where `pointer` (a link, or a folder a pointer file names, in the folder `run` the user named) leads,
+    refused when that is outside `run`: a run's `last.ckpt`, `latest` or step folder linking to another
+    run's checkpoint would export that run's tensors under this one's name. The user can name the target
+    itself. Object storage has no links."""
+    if is_url(pointer):
+        return pointer
+    target, top = os.path.realpath(local(pointer)), os.path.realpath(local(run))
+    if os.path.commonpath([target, top]) != top:
+        raise CheckpointError(f"{pointer}: leads to {target}, outside {run}: name that checkpoint itself to read it")
+    return target
+
+
+def check_step(path: str, key: str, recorded: object, named_by: str, named: re.Pattern[str]) -> None:
+    """A trainer names a checkpoint's folder (or file: `named_by`) by the step it records in file `path`:
+    `named`, searched in that name, gives the step (group 1). A file recording another step than the name
+    says is of another save (a copy into an older save's folder), and is refused. A name `named` does not
+    fit (renamed, Lightning's last.ckpt) says nothing; a file recording no `key` as a number neither."""
+    m = named.search(name_of(named_by))
+    if m is not None and type(recorded) is int and recorded != int(m.group(1)):
+        raise CheckpointError(f"{path}: records {key} {recorded!r:.40}, but its {'name' if named_by == path else 'folder'}"
+                              f" is {name_of(named_by)}: files of two saves?")
 
 
 def _newest(candidates: list[str]) -> int | None:

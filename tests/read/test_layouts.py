@@ -162,3 +162,25 @@ def test_a_step_is_found_by_every_trainers_own_name_for_it(name: str) -> None:
     assert names_step(name, 40)
     assert not names_step(name, 4) and not names_step(name, 400)
     assert not names_step(name.replace("40", "140"), 40)
+
+
+def test_composer_latest_links_out_of_the_run_are_refused(tmp_path: Path) -> None:
+    """latest-rank{r}.pt linking to another run's files: refused in one line naming where the first leads,
+    nothing left, whether the links are followed (--tag latest) or merely found; a rank named in other
+    digits (`rank٩.pt`) is no rank file."""
+    from shardstore.read.layouts import name_rank
+    from tests.refusals import assert_refused, cli
+
+    corpus = Path(__file__).parents[1] / "corpus" / "data" / "composer-t2.1-hsdp-w4" / "ep0-ba1"
+    other, run = tmp_path / "other" / "ep0-ba1", tmp_path / "run"
+    shutil.copytree(corpus, other)
+    run.mkdir()
+    for rank in range(4):
+        (run / f"latest-rank{rank}.pt").symlink_to(other / f"ep0-ba1-rank{rank}.pt")
+    for tag in (["--tag", "latest"], []):
+        assert_refused(cli("unshard", run, tmp_path / "out", "-q", *tag),
+                       f"{run / 'latest-rank0.pt'}: leads to {other / 'ep0-ba1-rank0.pt'}, outside {run}")
+        assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match="leads to"):
+        discover(run, tag="latest")
+    assert name_rank("rank٩.pt") is None and name_rank("ep0-ba1-rank٣.pt") is None

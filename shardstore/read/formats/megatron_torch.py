@@ -31,15 +31,16 @@ from ..primitives.flatten import flatten
 from ..primitives.identity import refuse_copies
 from ..primitives.tensors import check_view
 from ..primitives.unpickle import load
+from ..source import check_step
 from ..unit import FileUnit, planned_place, relative
 from .trainer import moved
 
 FORMAT = "megatron-torch"
 FILE = "model_optim_rng.pt"
 DISTRIB = "distrib_optim.pt"  # the distributed optimizer's state, gathered to data-parallel rank 0
-RANK_FOLDER = re.compile(r"mp_rank_(?P<tp>\d{2})(?:_(?P<pp>\d{3}))?\Z")
+RANK_FOLDER = re.compile(r"mp_rank_(?P<tp>[0-9]{2})(?:_(?P<pp>[0-9]{3}))?\Z")
 MODEL, RANKS, DISTRIB_KEY = "model", "ranks", "distrib_optim"
-LAYER = re.compile(r"(.*?(?:^|\.)layers\.)(\d+)(\..*)")
+LAYER = re.compile(r"(.*?(?:^|\.)layers\.)([0-9]+)(\..*)")
 # Megatron's tensor-parallel layers, by the end of a parameter's name
 COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
           "mlp.linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
@@ -48,6 +49,10 @@ WHOLE = ("norm.weight", "norm.bias", "layer_norm_weight", "layer_norm_bias", "li
          "embedding.position_embeddings.weight")
 GLU = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
 # Megatron-LM arguments for layouts this reader does not place (uneven or interleaved stages, experts)
+ITERATION = re.compile(r"\Aiter_([0-9]+)\Z")  # save_checkpoint's f"iter_{iteration:07d}" folder
+# What every rank's file of one save records alike: save_checkpoint writes them from one moment's globals
+MOMENT = ("iteration", "num_floating_point_operations_so_far")
+ARGS_MOMENT = ("iteration", "consumed_train_samples", "consumed_valid_samples", "skipped_train_samples")
 UNREAD = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
           "num_layers_per_virtual_pipeline_stage", "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout")
 
@@ -178,6 +183,7 @@ class _Read:
                 raise CheckpointError(f"{path}: not a Megatron-LM checkpoint file (a dict with a `model` state dict)")
             self.model: dict[str, Any] = {} if self.optimizer else obj[MODEL]
             self.args = obj.get("args")
+            self.moment = _moment(obj, self.args) if not self.optimizer else None
             try:
                 tree, leaves = flatten(obj if self.optimizer else {k: v for k, v in obj.items() if k != MODEL},
                                        encode_key)
@@ -210,6 +216,29 @@ class _Read:
                                       digest_size=16).hexdigest()
 
 
+def _moment(obj: dict[str, Any], args: Any) -> dict[str, Any]:
+    """The save's moment as a file records it (MOMENT, and ARGS_MOMENT from its args), where it is plain."""
+    state = getattr(args, "state", None)
+    state = state if isinstance(state, dict) else {}
+    found = {k: obj.get(k) for k in MOMENT} | {f"args.{k}": state.get(k) for k in ARGS_MOMENT}
+    return {k: v for k, v in found.items() if isinstance(v, (int, float, str, type(None)))}
+
+
+def check_iteration(where: str, state: Any, folder: str) -> None:
+    """The iteration a save records (in every rank's file here; in its common state under torch_dist,
+    read/formats/dcp.py) against its folder's name, save_checkpoint's `iter_{iteration:07d}`."""
+    check_step(where, "iteration", state.get("iteration") if isinstance(state, dict) else None, folder, ITERATION)
+
+
+def _same_moment(f: _Read, moment: dict[str, Any], first: str) -> None:
+    """Refuse a rank's file of another save than `first`'s (whose moment is `moment`): Megatron-LM's files
+    of one iteration and those of the next share every shape, and only this tells them apart."""
+    for key, value in (f.moment or {}).items():
+        if key in moment and moment[key] != value:
+            raise CheckpointError(f"{f.path}: records {key} {value!r:.40}, but {first} records {moment[key]!r:.40}: "
+                                  f"files of two saves; take every rank's file from the same iter_N folder")
+
+
 def _model_path(name: str) -> str:
     return paths.join(MODEL, paths.escape(name))
 
@@ -230,7 +259,9 @@ def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: boo
         for path in unit_paths:
             files.append(_Read(path, storage_options, strict, encode_key))
         grid = _grid(files[0].args, sum(not f.optimizer for f in files), files[0].path)
+        check_iteration(files[0].path, files[0].moment, folder)
         for f in files:
+            _same_moment(f, files[0].moment or {}, files[0].path)
             f.place(grid)
         digests = [f.digest for f in files]
         first_of = {f.p: f for f in files if f.t == 0 and not f.optimizer}
@@ -273,7 +304,8 @@ def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: boo
             f.zip.close()
     names = [relative(u) for u in unit_paths]
     digest = hashlib.blake2b(repr(digests).encode(), digest_size=16).hexdigest()
-    extra = {"units": names, "metadata": digest, "megatron": {"grid": grid, "digests": digests},
+    extra = {"units": names, "metadata": digest,
+             "megatron": {"grid": grid, "digests": digests, "moment": files[0].moment, "first": names[0]},
              "megatron_common": ranks.children[0][1].path if ranks.children else None}  # the first rank's values
     return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
 
@@ -304,6 +336,7 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
         if f.digest != facts["megatron"]["digests"][index]:
             raise CheckpointError(f"{path}: its keys or shapes differ from the file the store was planned from "
                                   f"(a file of another checkpoint?)")
+        _same_moment(f, facts["megatron"].get("moment") or {}, facts["megatron"].get("first", "the first file"))
         for name, value, shape, boxes in f.entries:
             if not isinstance(value, TensorRef):
                 if f.t == 0:

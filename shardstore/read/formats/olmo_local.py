@@ -106,7 +106,7 @@ def _world_size(folder: str, model_files: dict[int, str], storage_options: Stora
     if path not in listing(folder, storage_options):
         return len(model_files)
     text = read_small(path, storage_options, 1 << 16, "OLMo's metadata.yaml").decode("utf-8", "replace")
-    m = re.search(r"^world_size:\s*(\d+)\s*$", text, re.M)
+    m = re.search(r"^world_size:\s*([0-9]+)\s*$", text, re.M)
     if not m or not 0 < int(m.group(1)) <= MAX_WORLD_SIZE:
         raise CheckpointError(f"{path}: no world_size a checkpoint can have")
     return int(m.group(1))

@@ -21,10 +21,11 @@ from ..primitives.flatten import flatten
 from ..primitives.identity import container_identity
 from ..primitives.skim import Skimmed, skim
 from ..primitives.unpickle import DTensor, ShardedTensor, load
-from ..source import Source, config_files
+from ..source import COMPOSER_BATCH, COMPOSER_EPOCH, Source, check_step, config_files
 from . import dtensor
 
 MAX_WORLD_SIZE = 1 << 20
+COMPOSER_TIMESTAMP = "state/timestamp"  # what Composer names its files by (source.COMPOSER_EPOCH, _BATCH)
 
 
 class ShardedLeaf(ArrayLeaf):
@@ -404,6 +405,7 @@ class RankFiles:
         rf = read_rank_file(source.units[0], encode_key=encode_key, storage_options=source.storage_options,
                             strict=strict, digests=True)
         with closed_on_error(rf.close, rf.path):
+            _check_named_step(rf)
             return spec_of(rf), rf
 
     def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
@@ -423,6 +425,15 @@ class RankFiles:
 
     def unit_kind(self, name: str) -> str:
         return "rank files"
+
+
+def _check_named_step(rf: RankFile) -> None:
+    """Composer's timestamp (epoch and batch) in rank 0's file against those its name says: a file of
+    another save renamed into this one is refused (the other ranks' are compared with it: store/onesave.py)."""
+    timestamp = rf.leaves.get(COMPOSER_TIMESTAMP)
+    if isinstance(timestamp, dict):
+        for key, named in (("epoch", COMPOSER_EPOCH), ("batch", COMPOSER_BATCH)):
+            check_step(rf.path, f"timestamp {key}", timestamp.get(key), rf.path, named)
 
 
 def _whole_zip(path: str) -> bool:

@@ -17,14 +17,14 @@ from ... import jsonin
 from ...errors import CheckpointError
 from ...locations import StorageOptions, listing, name_of
 from ..primitives.container import read_small
-from ..source import MAX_SIDE_FILE
+from ..source import MAX_SIDE_FILE, check_step
 
 TRAINER_STATE = "trainer_state.json"
 TRAINER_FILES = ("scheduler.pt", "scaler.pt", "training_args.bin", TRAINER_STATE)
 TRAINER_RNG = ("rng_state.pth", "rng_state_0.pth")  # a one-process run's, else process 0's
 ACCELERATE_FILES = re.compile(r"(?:(?:scheduler|sampler|dl_state_dict)(?:_\d+)?\.bin|scaler\.pt|custom_checkpoint_\d+\.pkl)\Z")
 ACCELERATE_RNG = "random_states_0.pkl"
-STEP_FOLDER = re.compile(r"checkpoint-(\d+)\Z")  # the Trainer's f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
+STEP_FOLDER = re.compile(r"\Acheckpoint-([0-9]+)\Z")  # the Trainer's f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,4 @@ def _check_step(folder: str, path: str, storage_options: StorageOptions | None) 
     step = state.get("global_step") if isinstance(state, dict) else None
     if type(step) is not int:
         raise CheckpointError(f"{path}: not the HF Trainer's trainer_state.json (no global_step)")
-    named = STEP_FOLDER.match(name_of(folder))
-    if named is not None and int(named.group(1)) != step:
-        raise CheckpointError(f"{path}: records global_step {step}, but its folder is {name_of(folder)}: files "
-                              f"of two saves?")
+    check_step(path, "global_step", step, folder, STEP_FOLDER)

@@ -13,12 +13,14 @@ from typing import Any
 
 from ... import paths
 from ...errors import CheckpointError
-from ...locations import StorageOptions, join, listing
+from ...locations import StorageOptions, folder_of, join, listing, name_of
 from ...tree import KeyEncoder, Node
 from ..contract import PlannedCheckpoint
 from ..layouts import name_rank
 from ..primitives.container import TorchZip
+from ..source import OLMO_STEP, check_step
 from ..unit import check_leaves
+from . import lightning
 from .rankfile import RankFile, ShardedLeaf, read_rank_file
 
 TRAIN = "train"
@@ -84,6 +86,7 @@ def join_trainer_state(tree: Node, objects: list[str], first: str, encode_key: K
     the whole file under the key `under`."""
     rf = read_rank_file(first, encode_key=encode_key, storage_options=storage_options, strict=strict)
     try:
+        _check_named_step(first, rf.leaves)
         mine = {child.path for _, child in tree.children}
         theirs = [(encode_key(under), moved(rf.skeleton, under))] if under else rf.skeleton.children
         if (rf.skeleton.kind not in ("dict", "odict") and not under) or mine & {child.path for _, child in theirs}:
@@ -92,6 +95,16 @@ def join_trainer_state(tree: Node, objects: list[str], first: str, encode_key: K
         objects += [paths.join(under, p) for p in rf.leaves] if under else list(rf.leaves)
     finally:
         rf.close()
+
+
+def _check_named_step(first: str, values: dict[str, Any]) -> None:
+    """The step rank 0's trainer state records against the one its checkpoint's name says (the other ranks'
+    are compared with rank 0's: store/onesave.py): Lightning's meta.pt (read/formats/lightning.py), OLMo's and
+    OLMo-core's train/rank0.pt, whose global_step names their `step{N}/`."""
+    if name_of(first) == lightning.META:
+        lightning.check_steps(first, values)
+    elif name_of(folder_of(first)) == TRAIN:
+        check_step(first, "global_step", values.get("global_step"), folder_of(folder_of(first)), OLMO_STEP)
 
 
 def moved(node: Node, under: str) -> Node:

@@ -208,3 +208,60 @@ def test_an_unreadable_hparams_yaml_is_no_description(tmp_path: Path, monkeypatc
             shardstore.unshard(run / "checkpoints", tmp_path / "hf", format="hf")
     shardstore.unshard(run / "checkpoints", tmp_path / "pt", format="torch")
     assert (tmp_path / "pt" / "checkpoint.ckpt").is_file()
+
+
+META_FILE = "meta.pt"
+
+
+def _forged_meta(run: Path, **values: int) -> Path:
+    """A copy of trainer-w3's checkpoints folder whose epoch=1-step=4.ckpt/meta.pt records `values` instead."""
+    from tests.fixtures.forge import resaved
+
+    shutil.copytree(DATA / "trainer-w3" / "checkpoints", run, symlinks=True)
+    meta = run / "epoch=1-step=4.ckpt" / META_FILE
+    resaved(meta, meta, lambda state: state.update(values))
+    return run
+
+
+@pytest.mark.parametrize("values, needle", [({"global_step": 2, "epoch": 0}, "records global_step 2"),
+                                            ({"epoch": 0}, "records epoch 0")])
+def test_a_meta_pt_of_another_step_is_refused(values: dict, needle: str, tmp_path: Path) -> None:
+    """ModelCheckpoint names the folder by the epoch and global_step dump_checkpoint records in meta.pt at
+    the same moment: another save's meta.pt in epoch=1-step=4.ckpt/ is refused in one line, nothing left."""
+    from tests.refusals import assert_refused, cli
+
+    run = _forged_meta(tmp_path / "checkpoints", **values)
+    assert_refused(cli("unshard", run, tmp_path / "out", "--format", "torch", "-q"),
+                   str(run / "epoch=1-step=4.ckpt" / META_FILE), needle, "its folder is epoch=1-step=4.ckpt")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("run", [*RUNS, "fabric-w2"])
+def test_every_genuine_meta_pt_agrees_with_its_folder(run: str) -> None:
+    """Each fixture's recorded epoch and step are those its name says (Fabric's names say nothing), read
+    by the check itself: nothing refused."""
+    from shardstore.read.formats import lightning
+
+    for meta in sorted((DATA / run).rglob(META_FILE)):
+        values = torch.load(meta, weights_only=False)
+        lightning.check_steps(str(meta), values)
+        if "global_step" in values and meta.parent.name != "last.ckpt":
+            assert f"step={values['global_step']}" in meta.parent.name and f"epoch={values['epoch']}" in meta.parent.name
+
+
+def test_a_last_ckpt_leading_out_of_the_run_is_refused(tmp_path: Path) -> None:
+    """last.ckpt linking to another run's checkpoint outside the folder named: refused in one line naming
+    where it leads, nothing left; that checkpoint named itself is read."""
+    from tests.refusals import assert_refused, cli
+
+    other = tmp_path / "other" / "epoch=1-step=4.ckpt"
+    shutil.copytree(DATA / "trainer-w3" / "checkpoints" / "epoch=1-step=4.ckpt", other)
+    run = tmp_path / "run" / "checkpoints"
+    run.mkdir(parents=True)
+    (run / "last.ckpt").symlink_to(other)
+    assert_refused(cli("unshard", run, tmp_path / "out", "--format", "torch", "-q"),
+                   f"{run / 'last.ckpt'}: leads to {other}, outside {run}")
+    assert not (tmp_path / "out").exists()
+    assert_refused(cli("unshard", run, tmp_path / "out", "--tag", "last.ckpt", "-q"), "leads to", str(other))
+    shardstore.unshard(other, tmp_path / "pt", format="torch")
+    assert (tmp_path / "pt" / "checkpoint.ckpt").is_file()

@@ -380,3 +380,46 @@ def test_a_run_whose_pointer_says_release_gives_its_release_folder(tmp_path: Pat
     (run / "latest_checkpointed_iteration.txt").write_text("release")
     assert open_source(run).units[0].startswith(str(run / "release"))
     assert open_source(run, step=10).units[0].startswith(str(run / "iter_0000010"))
+
+
+def _iteration(n: int):  # type: ignore[no-untyped-def]
+    def change(state: dict) -> None:
+        state["iteration"] = n
+        state["args"].iteration = n
+    return change
+
+
+@pytest.mark.parametrize("layout", ["tp2-pp1-legacy", "tp2-pp2-dp2-legacy-optim"])
+def test_megatron_lm_torch_format_refuses_rank_files_of_two_iterations(layout: str, tmp_path: Path) -> None:
+    """Rank 1's model_optim_rng.pt of iteration 20 beside rank 0's of iteration 10 (every key and shape the
+    same): refused in one line naming both files, nothing left; the same files in a folder whose name says
+    another iteration than theirs too."""
+    from tests.fixtures.forge import resaved
+    from tests.refusals import assert_refused, cli
+
+    src = tmp_path / "run" / "iter_0000010"
+    shutil.copytree(DATA / layout / "iter_0000010", src)
+    last = sorted(src.glob("mp_rank_*/model_optim_rng.pt"))[-1]
+    resaved(last, last, _iteration(20))
+    assert_refused(cli("unshard", src, tmp_path / "out", "-q"), f"{last}: records iteration 20, but "
+                   f"{sorted(src.glob('mp_rank_*/model_optim_rng.pt'))[0]} records 10")
+    assert not (tmp_path / "out").exists()
+    renamed = tmp_path / "run" / "iter_0000020"
+    shutil.rmtree(src)
+    shutil.copytree(DATA / layout / "iter_0000010", renamed)
+    assert_refused(cli("unshard", renamed, tmp_path / "out", "-q"), "records iteration 10, but its folder is "
+                   "iter_0000020")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("layout", [MEGATRON / "core0.16.1" / "tp2-pp1", DATA / "tp2-pp1"])  # common.pt; a bytes item
+def test_torch_dist_common_state_of_another_iteration_is_refused(layout: Path, tmp_path: Path) -> None:
+    """torch_dist's common state records the iteration save_checkpoint named iter_N/ by: in a folder of
+    another name, refused in one line naming the file, nothing left."""
+    from tests.refusals import assert_refused, cli
+
+    src = tmp_path / "iter_0000020"
+    shutil.copytree(layout / "iter_0000010", src)
+    assert_refused(cli("unshard", src, tmp_path / "out", "-q"), str(src), "Megatron's common state: records "
+                   "iteration 10, but its folder is iter_0000020")
+    assert not (tmp_path / "out").exists()

@@ -165,9 +165,14 @@ def test_the_store_keeps_the_layout_it_planned_from(olmo_checkpoints, tmp_path: 
 def test_a_run_folder_of_steps_is_searched_one_level_down(olmo_checkpoints, tmp_path: Path) -> None:
     """OLMo's save folder holds one checkpoint per step: --step picks one, and two are never mixed; without
     it the newest is taken, and the first line of the output names it."""
+    from tests.fixtures.forge import resaved
+
     run = tmp_path / "run"
     shutil.copytree(olmo_checkpoints("local", "2.2", 3), run / "step1000")  # with its expected answer
     copy_checkpoint(olmo_checkpoints("olmo_core", "flat", 3), run / "step2000")
+    for step in (1000, 2000):  # the step each folder's name says, as OLMo's trainer records it
+        for train in (run / f"step{step}" / "train").glob("rank*.pt"):
+            resaved(train, train, lambda state: state.update(global_step=step))
     proc = subprocess.run([sys.executable, "-m", "shardstore.cli", "unshard", str(run), str(tmp_path / "new")],
                           capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stderr.splitlines()[0] == f"unshard: the checkpoint in {run / 'step2000'}"
@@ -225,3 +230,17 @@ class TestOlmoLocalConformance(FormatTests):
     @pytest.fixture
     def foreign(self, olmo_checkpoints) -> Path:
         return olmo_checkpoints("local", "2.0", 3) / "model" / "rank1.pt"
+
+
+def test_a_trainer_state_of_another_step_is_refused(tmp_path: Path) -> None:
+    """OLMo names step{N}/ by the global_step train/rank{r}.pt records: a genuine corpus checkpoint of step 1
+    in a step2/ folder is refused in one line naming rank 0's file, nothing left; in step1/ it unshards."""
+    from tests.refusals import assert_refused, cli
+
+    corpus = Path(__file__).parents[2] / "corpus" / "data" / "olmo-local-t2.1-hsdp-w4"
+    shutil.copytree(corpus, tmp_path / "step2")
+    assert_refused(cli("unshard", tmp_path / "step2", tmp_path / "out", "-q"),
+                   f"{tmp_path / 'step2' / 'train' / 'rank0.pt'}: records global_step 1, but its folder is step2")
+    assert not (tmp_path / "out").exists()
+    shutil.copytree(corpus, tmp_path / "step1")
+    assert cli("unshard", tmp_path / "step1", tmp_path / "ok", "-q").returncode == 0

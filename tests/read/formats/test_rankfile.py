@@ -3,6 +3,7 @@ corpus: torch <= 2.1 numbers placements within the shard group, torch 2.13 by gl
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,25 @@ class TestRankFilesConformance(FormatTests):
     @pytest.fixture
     def foreign(self, checkpoints) -> Path:
         return checkpoints(2) / "rank1.pt"
+
+
+def _renamed(member: str, batch: int, out: Path) -> Path:
+    """A copy of a corpus Composer checkpoint whose folder and files name batch `batch`."""
+    folder = out / f"ep0-ba{batch}"
+    folder.mkdir(parents=True)
+    for path in _files(member):
+        shutil.copy(path, folder / path.name.replace("ep0-ba1-", f"ep0-ba{batch}-"))
+    return folder
+
+
+@pytest.mark.parametrize("member", ["composer-t2.0-hsdp-w4", "composer-t2.13-hsdp-w4"])
+def test_a_composer_file_of_another_batch_is_refused(member: str, tmp_path: Path) -> None:
+    """Composer names ep{E}-ba{B}-rank{r}.pt by the timestamp it records: files of batch 1 named batch 2
+    are refused in one line naming the file, nothing left; named batch 1, they unshard."""
+    from tests.refusals import assert_refused, cli
+
+    folder = _renamed(member, 2, tmp_path / "two")
+    assert_refused(cli("unshard", folder, tmp_path / "out", "-q"), str(folder / "ep0-ba2-rank0.pt"),
+                   "records timestamp batch 1, but its name is ep0-ba2-rank0.pt")
+    assert not (tmp_path / "out").exists()
+    assert cli("unshard", _renamed(member, 1, tmp_path / "one"), tmp_path / "ok", "-q").returncode == 0

@@ -97,3 +97,18 @@ class TestTorchtitanOutputs(OutputTests):
     @pytest.fixture
     def checkpoint(self, tmp_path: Path) -> Path:
         return RUN / "step-4"
+
+
+def test_a_train_state_of_another_step_is_refused(tmp_path: Path) -> None:
+    """torchtitan names step-N/ by the step its train_state records: step-2 copied as step-6 is refused in
+    one line naming the file, nothing left; every genuine step folder agrees with its name."""
+    import shutil
+
+    from tests.refusals import assert_refused, cli
+
+    shutil.copytree(RUN / "step-2", tmp_path / "step-6")
+    assert_refused(cli("unshard", tmp_path / "step-6", tmp_path / "out", "-q"), str(tmp_path / "step-6"),
+                   "train_state.step: records step 2, but its folder is step-6")
+    assert not (tmp_path / "out").exists()
+    for step in (2, 4):
+        assert cli("unshard", RUN / f"step-{step}", tmp_path / f"ok{step}", "-q").returncode == 0
