@@ -37,9 +37,9 @@ from ..primitives.identity import identity_of
 from ..primitives import transforms as stream_transforms
 from ..primitives.tensors import check_view
 from ..primitives.unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, load
-from ..source import JSON_CONFIG, Source, config_files, pick
+from ..source import COMPOSER_BATCH, COMPOSER_EPOCH, JSON_CONFIG, Source, check_step, config_files, inside_run, pick
 from ..unit import check_leaves
-from . import lightning, trainer
+from . import lightning, megatron_torch, trainer
 from .resume import resume_files
 from .trainer import TRAIN, TrainerUnit, join_trainer_state, open_trainer
 
@@ -75,6 +75,10 @@ EXPERT_MODULE = re.compile(r"(.*?local_experts\.)(\d+)(\..*)")
 MEGATRON_OPTIMIZER = "optimizer."  # every key of Megatron's optimizers' sharded state dicts
 CHAINED = re.compile(r"chained_\d+\.optimizer\.")  # a ChainedOptimizer's (dense and expert) keys
 MEGATRON_TOP = ("common_state", "rng_state", "rerun_state_machine_state")  # Megatron-LM's non-model keys
+# The steps trainers record as bytes items, by the name they give the folder from them: torchtitan's
+# f"step-{step}", Composer's f"ep{epoch}-ba{batch}"
+NAMED_STEPS = {"train_state.step": re.compile(r"\Astep-([0-9]+)\Z"), "state.timestamp.epoch": COMPOSER_EPOCH,
+               "state.timestamp.batch": COMPOSER_BATCH}
 LATEST = ("latest-rank0.pt", "last.ckpt")  # Composer's and Lightning's newest checkpoint
 MAX_METADATA = 1 << 30  # tens of MB at thousands of ranks; a gigabyte is not a .metadata
 ZIP_RECORDS = 1 << 20  # what a tensor's torch.save holds beside its bytes (data.pkl, version, alignment, directory)
@@ -463,11 +467,33 @@ def spec(ckpt: DcpCheckpoint, encode_key: KeyEncoder, trainer_state: list[str] |
             else [f"{TRAIN}/{os.path.basename(f.rstrip('/'))}" for f in trainer_state]
     extra: dict[str, Any] = {"units": units, "metadata": ckpt.digest,
                              "not_tensors": [ckpt.store_path(fqn) for fqn in ckpt.values]}
+    _check_named_steps(ckpt, storage_options, strict)
     args = _megatron_args(ckpt, trainer_state or [], storage_options, strict)
     if args is not None:
         extra[MEGATRON_ARGS] = args
     extra["megatron_common"] = next((c.path for _, c in tree.children if c.path.startswith(COMMON_STATE)), None)
     return CheckpointSpec("dcp", len(units), len(units), tree, arrays, {}, objects, extra)
+
+
+def _check_named_steps(ckpt: DcpCheckpoint, storage_options: StorageOptions | None, strict: bool) -> None:
+    """A step a trainer records as a bytes item (NAMED_STEPS) against the one its folder's name says: a
+    folder holding another save's is refused (read/source.py's check_step). Read only where the name
+    says a step: one small item each."""
+    for item in ckpt.items:
+        named = NAMED_STEPS.get(item.fqn) if item.offsets is None else None
+        if named is None or not named.search(name_of(ckpt.folder)):
+            continue
+        where = f"{join(ckpt.folder, item.file)}: {item.fqn}"
+        data = DataFile(join(ckpt.folder, item.file), storage_options)
+        try:
+            zf = TorchZip(data, start=item.offset, length=item.length)
+            try:
+                step = load(zf.record("data.pkl"), where, strict)
+            finally:
+                zf.close()
+        finally:
+            data.close()
+        check_step(where, item.fqn.rsplit(".", 1)[-1], step, ckpt.folder, named)
 
 
 def _megatron_args(ckpt: DcpCheckpoint, trainer_state: list[str], storage_options: StorageOptions | None,
@@ -491,6 +517,7 @@ def _megatron_args(ckpt: DcpCheckpoint, trainer_state: list[str], storage_option
         if data is not None:
             data.close()
     state = state[0] if isinstance(state, list) and len(state) == 1 else state
+    megatron_torch.check_iteration(f"{where}: Megatron's common state", state, ckpt.folder)
     args = getattr(state.get("args") if isinstance(state, dict) else None, "state", None)
     if not isinstance(args, dict):
         return None
@@ -842,7 +869,7 @@ class DcpFormat:
         for name in LATEST:
             link = os.path.join(local(folder), name)
             if os.path.isdir(link) and self.detect(link, storage_options):
-                return os.path.realpath(link)
+                return inside_run(folder, link)
         return None
 
     def of_files(self, files: list[str], storage_options: StorageOptions | None) -> Any:

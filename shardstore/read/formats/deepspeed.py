@@ -57,6 +57,7 @@ from ..primitives.container import TorchZip, read_small
 from ..primitives.flatten import flatten
 from ..primitives.identity import refuse_copies
 from ..primitives.unpickle import load
+from ..source import inside_run
 from ..unit import FileUnit, flat_spec, planned_place, relative
 from . import fsdp_flat
 
@@ -91,6 +92,7 @@ def _tag_folder(folder: str, storage_options: StorageOptions | None) -> str | No
             return None
         if tag and "/" not in tag and tag in subfolders(folder, storage_options):
             inner = join(folder, tag)
+            inside_run(folder, inner)  # a tag folder linking to another run's is that run's checkpoint
             return inner if _tag_folder(inner, storage_options) == inner else None
     return None
 
