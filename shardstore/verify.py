@@ -30,6 +30,7 @@ import numpy as np
 from . import dtypes
 from .errors import ExportError
 from .export import ExportRequest, model_subtree, planned
+from .export.dcp import dcp_state
 from .export.resolve import ArrayRef, build, leaves
 from .export.safetensors import CASTABLE, INDEX, Item, tensor_bytes
 from .export.torch import torch_layout, torch_object
@@ -180,8 +181,7 @@ def _compare_dcp(store: Store, output: Store) -> VerifyResult:
             return leaf.dtype, tuple(leaf.shape), lambda: iter([leaf.data])
         return None
 
-    _walk(store, found, "", build(store, store.manifest.tree, lean=True), build(output, output.manifest.tree, lean=True),
-          result, 0)
+    _walk(store, found, "", dcp_state(store), build(output, output.manifest.tree, lean=True), result, 0)
     return result
 
 

@@ -23,7 +23,7 @@ import io
 import pickle
 import struct
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
@@ -39,7 +39,7 @@ from ..tree import MAX_DEPTH, Node
 from .contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from .notes import flat_buckets
 from .resolve import ArrayRef, build, leaves, object_value
-from .torch import PythonPickler, write_zip
+from .torch import PythonPickler, _tied, write_zip
 
 METADATA = ".metadata"
 
@@ -65,16 +65,34 @@ class Item:
     nbytes: int
 
 
+Aliases = dict[str, list[str]]  # a tensor's flattened key -> those of the tied names that are that tensor
+
+
+def dcp_state(store: Store) -> Any:
+    """The state the folder stands for: the store's tree, and its tied names (DeepSpeed's shared_params:
+    the state dict names one tensor twice) as the very tensors they name, so that `dcp.load` of that
+    state finds every key."""
+    return _tied(store, store.manifest.tree, build(store, store.manifest.tree, lean=True))
+
+
 def describe(store: Store, arrays: Callable[[ArrayRef], ArrayRef] | None = None
-             ) -> tuple[dict[str, Any], dict[str, tuple], list[Item]]:
-    """(what each flattened key is, planner_data, items) for the whole store. Keys are flattened as torch's
-    `flatten_state_dict` does (`flatten`), into containers the store keeps as one value (param_groups).
-    An array `arrays` replaces (`average`'s mean of several stores) is one chunk, the whole tensor."""
-    flat, mappings = flatten(build(store, store.manifest.tree, lean=True))
+             ) -> tuple[dict[str, Any], dict[str, tuple], list[Item], Aliases]:
+    """(what each flattened key is, planner_data, items, aliases) for the whole store. Keys are flattened
+    as torch's `flatten_state_dict` does (`flatten`), into containers the store keeps as one value
+    (param_groups). An array `arrays` replaces (`average`'s mean of several stores) is one chunk, the whole
+    tensor. A tied name (`dcp_state`) is a key of its own; its chunks are its tensor's items, written once
+    (`with_aliases`)."""
+    flat, mappings = flatten(dcp_state(store))
     leaf_of = dcp_names(store)
     described: dict[str, Any] = {}
     items: list[Item] = []
+    aliases: Aliases = {}
+    first: dict[int, str] = {}  # each tensor's first key
     for fqn, value in flat.items():
+        if isinstance(value, (ArrayRef, TensorValue)) and first.setdefault(id(value), fqn) != fqn:
+            described[fqn] = described[first[id(value)]]
+            aliases.setdefault(first[id(value)], []).append(fqn)
+            continue
         if isinstance(value, ArrayRef):
             entry = store.manifest.arrays[value.path]
             described[fqn] = ("tensor", entry.dtype, entry.shape)
@@ -99,7 +117,14 @@ def describe(store: Store, arrays: Callable[[ArrayRef], ArrayRef] | None = None
         else:
             described[fqn] = ("bytes",)
             items.append(Item(fqn, None, source, 0))
-    return described, mappings, items
+    return described, mappings, items, aliases
+
+
+def with_aliases(results: list[ItemsWritten], aliases: Aliases) -> list[ItemsWritten]:
+    """Each tied name's chunks at the very bytes its tensor's were written to: the folder names every key
+    of the state, and stores each tensor once (torch's reader reads each item from its own offset)."""
+    return [(name, written + [(replace(item, fqn=alias), offset, length) for item, offset, length in written
+                              for alias in aliases.get(item.fqn, ())]) for name, written in results]
 
 
 def flatten(state: dict[Any, Any]) -> tuple[dict[str, Any], dict[str, tuple[str | int, ...]]]:
@@ -196,6 +221,7 @@ class DcpPlan:
     described: dict[str, Any]
     mappings: dict[str, tuple]
     files: list[list[Item]]  # the items of each .distcp file
+    aliases: Aliases  # the tied names, written as their tensors' items
 
     @property
     def names(self) -> list[str]:
@@ -209,8 +235,8 @@ class DcpPlan:
 def plan_dcp(store: Store, jobs: int = 1, arrays: Callable[[ArrayRef], ArrayRef] | None = None) -> DcpPlan:
     """Which item goes into which .distcp file: the largest first, each to the lightest file, in files of
     about FILE_BYTES (at least one per worker), so the work spreads and progress moves file by file."""
-    described, mappings, items = describe(store, arrays)
-    return DcpPlan(described, mappings, spread(items, jobs))
+    described, mappings, items, aliases = describe(store, arrays)
+    return DcpPlan(described, mappings, spread(items, jobs), aliases)
 
 
 Sized = TypeVar("Sized", Item, CellRef)
@@ -253,7 +279,7 @@ def export_dcp(store: Store, out_dir: Path, plan: DcpPlan, jobs: int = 1, progre
         else:
             pool.run(_write_file, [(store.location, store.storage_options, str(out_dir / n), f, partial is not None)
                                    for n, f in zip(names, plan.files)], names, done)
-    described_metadata = metadata(plan.described, plan.mappings, results)
+    described_metadata = metadata(plan.described, plan.mappings, with_aliases(results, plan.aliases))
     with OutputFile(out_dir / METADATA) as out:
         out.write(described_metadata)
     return [out_dir / n for n in names] + [out_dir / METADATA]
@@ -406,7 +432,7 @@ class DcpDirect(DirectExport):
                     files[file].pwrite(crc, position)
 
     def finish(self, store: Store, out: Path) -> list[Path]:
-        described, mappings, items = describe(store)
+        described, mappings, items, aliases = describe(store)
         results: dict[str, list] = {name: [] for name in self.layout.names}
         rest = []
         for item in items:
@@ -422,7 +448,7 @@ class DcpDirect(DirectExport):
             written.append(write_items(store, out / name, rest, False))
             files.append(out / name)
         with OutputFile(out / METADATA) as f:
-            f.write(metadata(described, mappings, written))
+            f.write(metadata(described, mappings, with_aliases(written, aliases)))
         return files + [out / METADATA]
 
 
@@ -476,5 +502,5 @@ def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: 
 
 
 FORMAT = OutputFormat("dcp", subtree=False, may_write=r"__\d+_0\.distcp|\.metadata", config_beside=True,
-                      resume_beside=False, describes_model=False, takes_scheduler=False, plan=_plan,
+                      resume_beside=False, describes_model=False, single_file=False, takes_scheduler=False, plan=_plan,
                       direct=lambda store, request, node, subtree, jobs: plan_direct(store, jobs))

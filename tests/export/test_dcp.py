@@ -176,3 +176,27 @@ def test_a_dcp_export_never_imports_torch_in_the_coordinator(checkpoints, tmp_pa
     assert run.stdout.strip() == "False"
     dcp_to_torch_save(tmp_path / "out", tmp_path / "torch.pt")
     assert_bitwise_equal(torch.load(tmp_path / "torch.pt", weights_only=False)["model"], expected(src)["model"], "dcp")
+
+
+def test_a_tied_name_is_a_key_of_the_folder_written_by_workers(tmp_path: Path, monkeypatch) -> None:
+    """DeepSpeed's test_shared_weights model (`layer2.weight` is `layer1.weight`, tests/fixtures/
+    deepspeed_zero.py) through the two-step export, items written by worker processes: `.metadata` names
+    the tied key at its tensor's bytes (written once), and torch's own `dcp.load` of the model's full
+    state dict gets every key, equal to DeepSpeed's zero_to_fp32 bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tests.fixtures.deepspeed_zero import SharedWeights
+
+    src = Path(__file__).parents[1] / "fixtures" / "data" / "deepspeed" / "shared-z2-w3"
+    want = torch.load(f"{src}.expected.pt.ref", weights_only=False)["fp32"]
+    monkeypatch.setattr(dcp_export, "INLINE_BYTES", 0)  # workers even for this small a checkpoint
+    store = shardstore.ingest(tmp_path / "store", src, jobs=1)
+    shardstore.export(store, tmp_path / "dcp", format="dcp", jobs=2)
+    state = SharedWeights().state_dict()
+    dcp.load({"model": state}, checkpoint_id=tmp_path / "dcp")
+    assert_bitwise_equal(state, want, "dcp.load")
+    storage = FileSystemReader(str(tmp_path / "dcp")).read_metadata().storage_data
+    places = {i.fqn: (s.relative_path, s.offset, s.length) for i, s in storage.items()}
+    assert places["model.layer2.weight"] == places["model.layer1.weight"]
+    assert len(set(places.values())) == len(places) - 1  # every other item its own bytes

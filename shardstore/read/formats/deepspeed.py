@@ -9,7 +9,10 @@ A save folder (the HF Trainer's `checkpoint-N/`) holds `latest` (the tag) and `<
   optimizer's state over the same parts (`base_optimizer_state`), `group_paddings`,
   `param_alignment_paddings`, `partition_count`. A group's parameters are laid end to end (each followed
   by its alignment padding), padded at the end, and cut into `partition_count` equal parts; the last
-  rank's masters are saved without the end padding (its `group_paddings`), its moments with it.
+  rank's masters are saved without the end padding (its `group_paddings`), its moments with it. Saved
+  with `elastic_checkpoint`, `base_optimizer_state` is a list of each group's state, the moments cut as the
+  masters are, without the groups' hyperparameters (a resuming engine keeps its own; the step DeepSpeed's
+  own optimizers keep in them is `base_optimizer_state_step`).
   ZeRO-1 with bf16 weights and fp32 gradient accumulation (`data_types.grad_accum_dtype`, as Megatron-
   DeepSpeed runs) is DeepSpeed's BF16_Optimizer instead: the same files, but no `zero_stage` and no
   alignment paddings (parameters end to end), and every rank's masters saved with its end padding.
@@ -57,7 +60,7 @@ from ..primitives.container import TorchZip, read_small
 from ..primitives.flatten import flatten
 from ..primitives.identity import refuse_copies
 from ..primitives.unpickle import load
-from ..source import inside_run
+from ..source import check_step, inside_run
 from ..unit import FileUnit, flat_spec, planned_place, relative
 from . import fsdp_flat
 
@@ -77,6 +80,7 @@ PLACEHOLDERS = {key: building_class(*key) for key in (
 LAYOUT_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
                "shared_params", "optimizer")
 MAX_TAG = 256
+GLOBAL_STEP = re.compile(r"\Aglobal_step([0-9]+)\Z")  # engine.save_checkpoint's tag (and the HF Trainer's)
 
 
 # ---------------------------------------------------------------------------------------------- finding
@@ -171,6 +175,9 @@ def _read(path: str, storage_options: StorageOptions | None, strict: bool) -> _F
         state = load(zf.record("data.pkl"), path, strict, PLACEHOLDERS)
         if not isinstance(state, dict):
             raise CheckpointError(f"{path}: not a DeepSpeed checkpoint file (holds a {type(state).__name__})")
+        # a model-states file records the engine's step: a file of another save copied into a tag folder
+        # named by its step is refused (a tag named otherwise says nothing; optimizer files record none)
+        check_step(path, "global_steps", state.get("global_steps"), folder_of(path), GLOBAL_STEP)
         return _File(path, zf, state)
 
 
@@ -198,6 +205,7 @@ class Layout:
     paddings: list[list[int]]  # ZeRO-1/2: each parameter's alignment padding after it
     parts: list[int]  # per group: each rank's part length (ZeRO-1/2, padding included; ZeRO-3: ignored)
     padded_masters: bool = False  # BF16_Optimizer: the last rank's fp32 part is saved with its end padding
+    elastic: bool = False  # ZeRO-1/2 `elastic_checkpoint`: the moments saved as the fp32 parts are, unpadded
 
     def members(self, g: int) -> list[fsdp_flat.Member]:
         """ZeRO-1/2: group g's parameters where they lie in the group's flat vector."""
@@ -225,25 +233,23 @@ class Layout:
             offset += per
         return out
 
-    def flat_length(self, g: int) -> int:
-        """The length of each rank's flat part of group g (ZeRO-1/2: padding included)."""
-        return self.parts[g] if self.stage < 3 else sum(per for _, _, _, per in self.z3_offsets(g))
-
     def digest(self) -> str:
         return hashlib.blake2b(repr((self.stage, self.world, self.groups, self.frozen, self.shared, self.paddings,
-                                     self.parts, self.padded_masters)).encode(), digest_size=16).hexdigest()
+                                     self.parts, self.padded_masters, self.elastic)).encode(),
+                              digest_size=16).hexdigest()
 
     def facts(self) -> dict[str, Any]:
         """The layout as the store keeps it for the workers (`from_facts` reads it back)."""
         return {"stage": self.stage, "world": self.world, "groups": [[[n, list(s)] for n, s in g] for g in self.groups],
                 "frozen": {n: list(s) for n, s in self.frozen.items()}, "paddings": self.paddings,
-                "parts": self.parts, "shared": self.shared, "padded_masters": self.padded_masters}
+                "parts": self.parts, "shared": self.shared, "padded_masters": self.padded_masters,
+                "elastic": self.elastic}
 
     @classmethod
     def from_facts(cls, ds: dict[str, Any]) -> "Layout":
         return cls(ds["stage"], ds["world"], [[(n, tuple(s)) for n, s in g] for g in ds["groups"]],
                    {n: tuple(s) for n, s in ds["frozen"].items()}, ds["shared"], ds["paddings"], ds["parts"],
-                   ds.get("padded_masters", False))
+                   ds.get("padded_masters", False), ds.get("elastic", False))
 
 
 def _shapes(value: Any, where: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -305,7 +311,7 @@ def _layout(model: _File, optim: _File) -> Layout:
         parts = [_part(t, optim.path) + (0 if padded else _count(p, optim.path)) for t, p in zip(fp32, own)]
     else:
         paddings, parts, padded = [[0] * len(g) for g in groups], [0] * len(groups), False
-    return Layout(stage, world, groups, frozen, shared, paddings, parts, padded)
+    return Layout(stage, world, groups, frozen, shared, paddings, parts, padded, _elastic(od))
 
 
 def _flat_order(layout: Layout, module: dict, mappings_of: Callable[[int], Any]) -> Layout:
@@ -377,12 +383,25 @@ def _whole(layout: Layout, name: str, ms: dict, where: str) -> Any:
     return ref
 
 
+def _elastic(od: dict) -> bool:
+    """ZeRO-1/2 saved with `elastic_checkpoint`: the base optimizer's state is a list, one dict a group."""
+    return isinstance(od.get("base_optimizer_state"), list)
+
+
 def _optim_state(od: dict, stage: int, where: str) -> dict:
+    """The base optimizer's state over the flat parts as torch's state dict has it: `state` by group,
+    `param_groups`. An elastic save (`_elastic`) keeps each group's state alone, its moments cut as the
+    fp32 parts are; the step DeepSpeed's own optimizers keep in their groups is `base_optimizer_state_step`,
+    and no hyperparameters are saved (a resuming engine keeps its own): its groups hold that step or
+    nothing."""
     base = od.get("base_optimizer_state" if stage < 3 else "optimizer_state_dict")
+    if stage < 3 and isinstance(base, list) and all(isinstance(g, dict) for g in base):
+        step = {"step": od["base_optimizer_state_step"]} if "base_optimizer_state_step" in od else {}
+        return {"state": dict(enumerate(base)), "param_groups": [dict(step) for _ in base]}
     if not isinstance(base, dict) or not isinstance(base.get("state"), dict) or \
             not isinstance(base.get("param_groups"), list):
-        raise CheckpointError(f"{where}: no torch optimizer state over its flat parts (an elastic or "
-                              f"already-stripped checkpoint?); not read")
+        raise CheckpointError(f"{where}: no torch optimizer state over its flat parts (an already-stripped "
+                              f"checkpoint?); not read")
     return base
 
 
@@ -436,9 +455,10 @@ def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: boo
         for name in [n for n in names if n in trainable]:
             g, member = trainable[name]
             children = []
+            moments = _expected_part(layout, g, 0, od, optim.path)[1]  # rank 0's length of them
             for key, value in base["state"].get(g, {}).items():
                 path = f"optim/state/{encode_key(name)}/{encode_key(key)}"
-                if isinstance(value, TensorRef) and value.shape == (layout.flat_length(g),):
+                if isinstance(value, TensorRef) and value.shape == (moments,):
                     arrays[path] = flat_spec(value.dtype, member.shape, _ranges(layout, member, g, o0))
                 else:
                     objects.append(path)
@@ -625,10 +645,11 @@ def _held_whole(f: _File, value: Any, place: str) -> Any:
 
 def _optim_unit(unit: FileUnit, f: _File, layout: Layout, rank: int, encode_key: KeyEncoder) -> None:
     od = _get(f.state, "optimizer_state_dict", f.path, dict)
-    mine = (_stage(od, f.path), _world(od, f.path), _bf16_optimizer(od))
-    if mine != (layout.stage, layout.world, layout.padded_masters):
-        kind = [f"ZeRO-{stage}{' (BF16_Optimizer)' if bf16 else ''} over {world} ranks"
-                for stage, world, bf16 in (mine, (layout.stage, layout.world, layout.padded_masters))]
+    mine = (_stage(od, f.path), _world(od, f.path), _bf16_optimizer(od), _elastic(od))
+    if mine != (layout.stage, layout.world, layout.padded_masters, layout.elastic):
+        kind = [f"ZeRO-{stage}{' (BF16_Optimizer)' if bf16 else ''}{' (elastic)' if elastic else ''} over {world} "
+                f"ranks" for stage, world, bf16, elastic in
+                (mine, (layout.stage, layout.world, layout.padded_masters, layout.elastic))]
         raise CheckpointError(f"{f.path}: {kind[0]}, but the store holds {kind[1]}")
     if not 0 <= rank < layout.world:
         raise CheckpointError(f"{f.path}: rank {rank} outside the {layout.world} the checkpoint has")
@@ -684,7 +705,8 @@ def _check_mapping(where: str, saved: Any, layout: Layout, g: int, rank: int) ->
 
 
 def _expected_part(layout: Layout, g: int, rank: int, od: dict, where: str) -> tuple[int, int]:
-    """(the fp32 part's length, the moments' length) this rank's file must hold of group g."""
+    """(the fp32 part's length, the moments' length) this rank's file must hold of group g: the moments
+    padded as the optimizer holds them, but in an elastic save cut as the fp32 part is."""
     if layout.stage == 3:
         n = sum(per for _, _, _, per in layout.z3_offsets(g))
         return n, n
@@ -694,7 +716,8 @@ def _expected_part(layout: Layout, g: int, rank: int, od: dict, where: str) -> t
     if len(own) != len(layout.groups) or own[g] != pad:
         raise CheckpointError(f"{where}: group {g}'s padding is {own[g] if g < len(own) else None}, not the {pad} "
                               f"its rank's share of the plan has")
-    return (part if layout.padded_masters else part - pad), part
+    fp32 = part if layout.padded_masters else part - pad
+    return fp32, fp32 if layout.elastic else part
 
 
 def _cut(unit: FileUnit, f: _File, layout: Layout, g: int, rank: int, flat: TensorRef, length: int,

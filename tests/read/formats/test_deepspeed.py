@@ -18,7 +18,10 @@ the files are kept in tests/fixtures/data/deepspeed/), against what DeepSpeed it
 | z3-bf16-dsadam | 3 | bf16 | DeepSpeed's FusedAdam, from the config | 3 model-states + 3 optimizer files |
 | z2-bf16-offload-dsadam | 2 | bf16, optimizer offloaded | DeepSpeedCPUAdam, from the config | mp_rank_00 + 3 optimizer files |
 | z2-bf16-rr | 2 | bf16, `round_robin_gradients` (param_shapes in round-robin order, flat vectors not: `zero_to_fp32` rebuilds 20 of 27 tensors wrong) | DeepSpeedZeroOptimizer | mp_rank_00 + 3 optimizer files |
+| z1-elastic, z2-elastic | 1; 2, `elastic_checkpoint` (each group's state saved alone, moments unpadded, no hyperparameters) | fp32 | DeepSpeedZeroOptimizer, torch AdamW (step in the state) | mp_rank_00 + 3 optimizer files |
+| z2-bf16-elastic-dsadam | 2, `elastic_checkpoint`, as DeepSpeed's own `ws4_model_checkpoint` saves | bf16 | DeepSpeed's FusedAdam (its groups' step saved as `base_optimizer_state_step`) | mp_rank_00 + 3 optimizer files |
 | z0, z0-bf16 | 0 (no ZeRO) | fp32; bf16 | torch AdamW; FP16_UnfusedOptimizer around it | mp_rank_00 alone (`zero_to_fp32` fails on it) |
+| shared-z2, shared-z3 | 2; 3 | fp32 | torch Adam | DeepSpeed's `test_shared_weights` model (`layer2.weight` is `layer1.weight`), tag `checkpoint` |
 | ds0.14.4/z2-bf16, ds0.14.4/z3-bf16 | 2; 3 | bf16 (DeepSpeed 0.14.4, torch 2.6) | as above | as above |
 | ds0.14.4/z0-bf16 | 0 (no ZeRO) | bf16 (DeepSpeed 0.14.4) | BF16_Optimizer: zero files though ZeRO is off (`zero_to_fp32` fails on them) | mp_rank_00 + 3 optimizer files |
 
@@ -47,7 +50,8 @@ from tests.read.conformance import FormatTests
 
 DATA = Path(__file__).parents[2] / "fixtures" / "data" / "deepspeed"
 KINDS = ["z1", "z2", "z3", "z1-bf16", "z2-bf16", "z3-bf16", "z2-fp16", "z3-fp16", "z1-bf16-fp32acc",
-         "z2-bf16-offload", "z3-bf16-offload", "z3-bf16-dsadam", "z2-bf16-offload-dsadam", "z2-bf16-rr"]
+         "z2-bf16-offload", "z3-bf16-offload", "z3-bf16-dsadam", "z2-bf16-offload-dsadam", "z2-bf16-rr",
+         "z1-elastic", "z2-elastic", "z2-bf16-elastic-dsadam"]
 # DeepSpeed's own zero_to_fp32 rebuilds these wrong: the live ranks' gather is the only reference
 ZERO_TO_FP32_WRONG = ["z2-bf16-rr"]
 # DeepSpeed 0.14.4 (torch 2.6, transformers 4.48): its bf16 without ZeRO is BF16_Optimizer's zero files
@@ -91,7 +95,12 @@ def test_torch_export_is_deepspeeds_reconstruction_and_the_live_gather(kind: str
     for name in want["live"]["moments"]:  # an fp16 step that overflowed is skipped, and not counted
         step = optim["state"][name]["step"]  # a tensor under torch's AdamW, an int under DeepSpeed's Adams
         assert int(step) == train["global_steps"] - train["skipped_steps"]
-    assert optim["param_groups"] == want["param_groups"]
+    if "-elastic" in kind:  # no hyperparameters saved: each group's names, and the step if its groups keep one
+        assert [g["params"] for g in optim["param_groups"]] == [g["params"] for g in want["param_groups"]]
+        for got, live in zip(optim["param_groups"], want["param_groups"]):
+            assert set(got) <= {"params", "step"} and got == {k: live[k] for k in got}
+    else:
+        assert optim["param_groups"] == want["param_groups"]
 
 
 @pytest.mark.parametrize("kind", ["z0", "z0-bf16"])
@@ -146,21 +155,60 @@ def test_a_zero_checkpoint_without_its_optimizer_files_is_refused_by_name(tmp_pa
 
 @pytest.mark.parametrize("kind", ["z1", "z3-bf16"])
 def test_safetensors_and_dcp_exports(kind: str, tmp_path: Path) -> None:
-    """safetensors cannot share a tensor between names: the tied name is left out (the model ties it)."""
+    """safetensors cannot share a tensor between names: the tied name is left out (the model ties it, as
+    transformers' own files leave it out); a DCP folder holds every key of the state, the tied one too."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     want = _expected(kind)
     weights = {**want["fp32"], **want["live"]["fp32"]}
-    del weights["lm_head.weight"]
-    shardstore.unshard(_src(kind), tmp_path / "st", jobs=2)
-    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), weights, "safetensors")
     shardstore.unshard(_src(kind), tmp_path / "dcp", format="dcp", jobs=2)
     dcp_to_torch_save(tmp_path / "dcp", tmp_path / "dcp.pt")
     got = torch.load(tmp_path / "dcp.pt", weights_only=False)
     assert_bitwise_equal(got["model"], weights, "dcp")
+    del weights["lm_head.weight"]
+    shardstore.unshard(_src(kind), tmp_path / "st", jobs=2)
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), weights, "safetensors")
     assert_bitwise_equal(got["optim"]["state"]["model.norm.weight"]["exp_avg"],
                          want["live"]["moments"]["model.norm.weight"]["exp_avg"], "dcp moments")
+
+
+@pytest.mark.parametrize("kind", ["shared-z2", "shared-z3"])
+def test_a_tied_weight_is_every_outputs_key(kind: str, tmp_path: Path) -> None:
+    """DeepSpeed's test_shared_weights model, whose state dict names one parameter twice (`layer2.weight`
+    is `layer1.weight`): `--format torch` keeps both names on one storage as zero_to_fp32 does; the DCP
+    folder holds both keys, so torch's own `dcp.load` of the model's full state dict succeeds (its tied
+    tensor stored once, both keys reading the same bytes); safetensors leaves the alias out, as
+    safetensors' own `save_model` does, and its `load_model` fills it in. Each equals zero_to_fp32's bit for
+    bit, and `verify` passes each."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, load_model
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from tests.fixtures.deepspeed_zero import SharedWeights
+
+    want = _expected(kind)
+    src = DATA / f"{kind}-w3"
+    assert set(want["fp32"]) == set(want["keys"]) and want["keys"] == list(SharedWeights().state_dict())
+    shardstore.unshard(src, tmp_path / "pt", format="torch", jobs=2)
+    model = torch.load(tmp_path / "pt" / "model.pt", weights_only=True)
+    assert_bitwise_equal(model, want["fp32"], "torch")
+    assert model["layer2.weight"].untyped_storage().data_ptr() == model["layer1.weight"].untyped_storage().data_ptr()
+    shardstore.unshard(src, tmp_path / "dcp", format="dcp", jobs=2)
+    state = SharedWeights().state_dict()
+    dcp.load({"model": state}, checkpoint_id=tmp_path / "dcp")
+    assert_bitwise_equal(state, want["fp32"], "dcp.load")
+    storage = FileSystemReader(str(tmp_path / "dcp")).read_metadata().storage_data
+    places = {i.fqn: (s.relative_path, s.offset, s.length) for i, s in storage.items() if i.fqn.endswith(".weight")}
+    assert places["model.layer2.weight"] == places["model.layer1.weight"]  # one tensor, written once
+    shardstore.unshard(src, tmp_path / "st", jobs=2)
+    assert set(load_file(tmp_path / "st" / "model.safetensors")) == set(want["keys"]) - {"layer2.weight"}
+    tied = SharedWeights()
+    load_model(tied, tmp_path / "st" / "model.safetensors", strict=True)
+    assert_bitwise_equal(tied.state_dict(), want["fp32"], "safetensors' load_model")
+    for out, fmt in (("pt", "torch"), ("dcp", "dcp"), ("st", "safetensors")):  # each as its export writes it
+        result = shardstore.verify(src, tmp_path / out, format=fmt)
+        assert result.ok, (fmt, result.differences)
 
 
 @pytest.mark.parametrize("kind", ["z1-bf16", "z2", "z3-bf16", "z2-fp16", "z1-bf16-fp32acc", "ds0.14.4/z0-bf16"])
@@ -300,7 +348,7 @@ def test_from_object_storage_on_a_dask_cluster(cluster, tmp_path: Path) -> None:
 
 
 class TestDeepSpeedConformance(FormatTests):
-    @pytest.fixture(params=["z2", "z3-bf16", "z1-bf16-fp32acc", "z0-bf16", "z2-bf16-rr"])
+    @pytest.fixture(params=["z2", "z3-bf16", "z1-bf16-fp32acc", "z0-bf16", "z2-bf16-rr", "z2-elastic"])
     def checkpoint(self, request) -> Path:
         return _src(request.param)
 
@@ -376,7 +424,7 @@ def _edit(path: Path, change, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("kind, name, change", [
-    ("z3", "zero_pp_rank_1_mp_rank_00_model_states.pt", lambda s: s.__setitem__("global_steps", 7)),
+    ("z3", "zero_pp_rank_1_mp_rank_00_model_states.pt", lambda s: s.__setitem__("global_samples", 7)),
     ("z3", "zero_pp_rank_2_mp_rank_00_optim_states.pt",
      lambda s: s["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"][0].__setitem__("lr", 0.5)),
     ("z2", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
@@ -390,5 +438,27 @@ def test_a_file_of_another_save_is_refused_naming_the_value(kind: str, name: str
     path = src / TAG / name
     _edit(path, change, monkeypatch)
     with pytest.raises(CheckpointError, match=f"{name} and .* are from two different saves"):
+        shardstore.unshard(src, tmp_path / "out", format="torch", jobs=1)
+    assert not (tmp_path / "out" / "model.pt").exists()
+
+
+@pytest.mark.parametrize("kind, name", [
+    ("z2", "mp_rank_00_model_states.pt"),
+    ("z3", "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+    ("z3", "zero_pp_rank_2_mp_rank_00_model_states.pt"),
+    ("z0", "mp_rank_00_model_states.pt"),
+    ("ds0.14.4/z2-bf16", "mp_rank_00_model_states.pt"),
+])
+def test_a_model_states_file_recording_another_step_than_its_folder_is_refused(kind: str, name: str, tmp_path: Path,
+                                                                              monkeypatch) -> None:
+    """DeepSpeed names a tag folder by the engine's step (`global_step{global_steps}`), which every
+    model-states file records: a file of another save copied in (every length right, and under ZeRO-1/2
+    the only one) is refused naming it; the genuine folder passes, as do the shared-* saves, whose tag
+    (DeepSpeed's test_shared_weights's "checkpoint") names no step."""
+    src = shutil.copytree(_src(kind), tmp_path / "src")
+    shardstore.unshard(src, tmp_path / "genuine", format="torch", jobs=1)
+    assert torch.load(tmp_path / "genuine" / "train.pt", weights_only=False)["global_steps"] == 2
+    _edit(src / TAG / name, lambda s: s.__setitem__("global_steps", 3), monkeypatch)
+    with pytest.raises(CheckpointError, match=rf"{name}: records global_steps 3, but its folder is {TAG}"):
         shardstore.unshard(src, tmp_path / "out", format="torch", jobs=1)
     assert not (tmp_path / "out" / "model.pt").exists()
