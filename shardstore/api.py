@@ -74,20 +74,23 @@ def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensor
            strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
            progress: Progress | bool = False, allow_partial: bool = False, storage_options: StorageOptions | None = None,
            scheduler: str | None = None, jobs: int | None = None, overwrite: bool = False,
-           hf_config: PathLike | None = None, keep_dtype: Sequence[str] = ()) -> _export.ExportResult:
+           hf_config: PathLike | None = None, keep_dtype: Sequence[str] = (),
+           single_file: bool = False) -> _export.ExportResult:
     """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style), `"torch"`, `"dcp"`,
     or `"hf"` (a folder transformers loads; `hf_config` for checkpoints that carry no config of their own).
 
     An incomplete store is refused unless `allow_partial` (holes become NaN, or zero for integers, and the
     output's metadata says so). Files an earlier export left in `out_dir` that this one would not replace
     are refused unless `overwrite` (which removes them once the new export is complete). `progress` as
-    for `ingest`."""
+    for `ingest`. `single_file`: `format="torch"` as one checkpoint.pt of the whole state in the input's
+    nesting (what torch's dcp_to_torch_save writes), not the files the checkpoint's trainer resumes from."""
     progress = _progress(progress)
     st = store if isinstance(store, Store) else Store.open(store, storage_options)
     result = _export.export(st, out_dir, format=format, select=select, strip_prefix=strip_prefix, dtype=dtype,
                             max_shard_size=max_shard_size, progress=progress.advance, allow_partial=allow_partial,
                             scheduler=scheduler, jobs=jobs or default_jobs(), overwrite=overwrite, hf_config=hf_config,
-                            on_start=lambda total: progress.start("export", total), keep_dtype=keep_dtype)
+                            on_start=lambda total: progress.start("export", total), keep_dtype=keep_dtype,
+                            single_file=single_file)
     progress.end()
     return result
 
@@ -172,13 +175,14 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
             progress: Progress | bool = False, format: str = "safetensors", select: str | None = None,
             strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
             hf_config: PathLike | None = None, overwrite: bool = False,
-            allow_partial: bool = False, plan: bool = False, keep_dtype: Sequence[str] = ()) -> _export.ExportResult | Plan:
+            allow_partial: bool = False, plan: bool = False, keep_dtype: Sequence[str] = (),
+            single_file: bool = False) -> _export.ExportResult | Plan:
     """Ingest every rank file in `src_dir`, then export (the export's options as for `export`). Without
     `store`, a scratch store inside `out_dir` is used: see `scratch_location`. With `plan`, nothing is
     ingested or written: the `Plan` of the run, read from what planning needs, or its refusal."""
     request = _export.ExportRequest(format, select, strip_prefix, dtype, max_shard_size, hf_config, overwrite,
-                                    allow_partial, tuple(keep_dtype))
-    _export.check_request(out_dir, format, select, strip_prefix, dtype, hf_config)
+                                    allow_partial, tuple(keep_dtype), single_file)
+    _export.check_request(out_dir, format, select, strip_prefix, dtype, hf_config, single_file=single_file)
     progress = _progress(progress)
     source = open_source(src_dir, tag, step, storage_options)
     _outside_checkpoint(source, out_dir, store)
@@ -233,7 +237,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     else:
         result = export(st, out_dir, format, select, strip_prefix, request.dtype, max_shard_size, progress, allow_partial,
                         scheduler=scheduler if fmt.takes_scheduler else None, jobs=jobs, overwrite=overwrite,
-                        hf_config=hf_config, keep_dtype=keep_dtype)
+                        hf_config=hf_config, keep_dtype=keep_dtype, single_file=single_file)
     if store is None:  # done: the scratch store has served its purpose
         shutil.rmtree(scratch, ignore_errors=True)
     if not any(is_url(os.fspath(u)) for u in source.units):
@@ -274,7 +278,7 @@ def _up_front(st: Store, src_dir: PathLike, source: Source, out_dir: PathLike, r
         if missing:
             raise CheckpointError(f"{src_dir}: world size is {st.manifest.world_size} but rank files are missing "
                                   f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
-    _export.preflight(st, out_dir, request.format, request.select, request.hf_config, request.overwrite)
+    _export.preflight(st, out_dir, request)
     output = _export.output_bytes(st, request.format, request.select, request.dtype)
     # the sizes the plan declares, against the disks, before any file of that size is made
     check_space(st, len(source.units), subtree, out_dir, output, in_store=not one_pass)

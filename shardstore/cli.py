@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import re
 import sys
@@ -146,6 +147,9 @@ def _export_options(f: Any) -> Any:
         click.option("--keep-dtype", "keep_dtype", multiple=True, metavar="PATTERN",
                      help="With --dtype: output tensors whose name matches stay in their own dtype (a glob, "
                           "'*norm*', or a regex as 're:...'); repeatable; recorded in the output's metadata."),
+        click.option("--single-file", is_flag=True,
+                     help="With --format torch: the whole state in one checkpoint.pt in the input's nesting (what "
+                          "torch's dcp_to_torch_save writes), not the files the trainer resumes from."),
         click.option("--max-shard-size", default="5GB", show_default=True, type=parse_size, metavar="SIZE",
                      help="Split safetensors output above this size (decimal units, like transformers)."),
         click.option("--overwrite", is_flag=True,
@@ -246,15 +250,15 @@ def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, strict: bo
 @_jobs
 @_quiet
 def export(store: str, out: str, fmt: str, hf_config: str | None, select: str | None, strip_prefix: str | None,
-           dtype: str | None, keep_dtype: tuple[str, ...], max_shard_size: int, overwrite: bool, allow_partial: bool,
-           scheduler: str | None, jobs: int | None, quiet: bool) -> None:
+           dtype: str | None, keep_dtype: tuple[str, ...], single_file: bool, max_shard_size: int, overwrite: bool,
+           allow_partial: bool, scheduler: str | None, jobs: int | None, quiet: bool) -> None:
     """Export the unsharded checkpoint in STORE to the folder OUT."""
     started = time.perf_counter()
     with _progress(quiet) as progress:
         result = api.export(store, out, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
                             max_shard_size=max_shard_size, progress=progress, allow_partial=allow_partial,
                             storage_options=_options(), scheduler=scheduler, jobs=jobs, overwrite=overwrite,
-                            hf_config=hf_config, keep_dtype=keep_dtype)
+                            hf_config=hf_config, keep_dtype=keep_dtype, single_file=single_file)
     if result.partial:
         click.echo(f"warning: partial export: ranks {result.partial['shardstore_missing_ranks'] or 'none'} missing, "
                    f"holes filled with NaN/zero in {len(result.partial['shardstore_incomplete_tensors'].split(','))} "
@@ -283,8 +287,8 @@ def export(store: str, out: str, fmt: str, hf_config: str | None, select: str | 
 @click.pass_context
 def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str | None, step: int | None, fmt: str,
             hf_config: str | None, select: str | None, strip_prefix: str | None, dtype: str | None,
-            keep_dtype: tuple[str, ...], max_shard_size: int, overwrite: bool, verify_replicas: bool, strict: bool, scheduler: str | None, jobs: int | None, quiet: bool, dry_run: bool,
-            as_json: bool) -> None:
+            keep_dtype: tuple[str, ...], single_file: bool, max_shard_size: int, overwrite: bool, verify_replicas: bool,
+            strict: bool, scheduler: str | None, jobs: int | None, quiet: bool, dry_run: bool, as_json: bool) -> None:
     """Unshard the checkpoint in folder SRC into folder OUT: ingest, then export.
 
     Without --store, the work in progress is kept in OUT/.shardstore-scratch until the export is complete,
@@ -293,11 +297,13 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
     started = time.perf_counter()
     if as_json and not dry_run:
         raise click.BadParameter("--json goes with --dry-run (the run's own output is its files)", param_hint="--json")
+    run = functools.partial(api.unshard, src, out, store=store, tag=tag, step=step, jobs=jobs,
+                            verify_replicas=verify_replicas, storage_options=_options(), scheduler=scheduler,
+                            strict=strict, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
+                            max_shard_size=max_shard_size, overwrite=overwrite, hf_config=hf_config,
+                            keep_dtype=keep_dtype, single_file=single_file)
     if dry_run:
-        planned = api.unshard(src, out, store=store, tag=tag, step=step, jobs=jobs, verify_replicas=verify_replicas,
-                              storage_options=_options(), scheduler=scheduler, strict=strict, format=fmt,
-                              select=select, strip_prefix=strip_prefix, dtype=dtype, max_shard_size=max_shard_size,
-                              overwrite=overwrite, hf_config=hf_config, plan=True, keep_dtype=keep_dtype)
+        planned = run(plan=True)
         assert isinstance(planned, api.Plan)
         _echo_plan(planned, out, as_json)
         return
@@ -305,11 +311,7 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
     if store is None:
         ctx.meta["shardstore.kept"] = lambda: scratch if scratch.is_dir() and not scratch.is_symlink() else None
     with _progress(quiet) as progress:
-        result = api.unshard(src, out, store=store, tag=tag, step=step, jobs=jobs, verify_replicas=verify_replicas,
-                             storage_options=_options(), scheduler=scheduler, strict=strict, progress=progress,
-                             format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
-                             max_shard_size=max_shard_size, overwrite=overwrite, hf_config=hf_config,
-                             keep_dtype=keep_dtype)
+        result = run(progress=progress)
     _report(result, quiet, started, "unshard")
 
 

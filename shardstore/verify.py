@@ -151,8 +151,10 @@ def _compare_torch(store: Store, out: Path) -> VerifyResult:
     every plain number and string equal; keys missing or extra named."""
     result = VerifyResult("torch")
     files = torch_layout(store)
+    if out.is_file() or not any((out / f.name).exists() for f in files):
+        files = torch_layout(store, single=True)  # the whole state in one file (--single-file, dcp_to_torch_save)
     for file in files:
-        path = out if out.is_file() and len(files) == 1 else out / file.name  # one file, by any name
+        path = out if out.is_file() else out / file.name  # one file, by any name
         if not path.is_file():
             result.differences.append(Difference(file.name, "missing from the output"))
             continue

@@ -112,7 +112,8 @@ def _scoped(status: Status, node: Node) -> Status:
 
 def check_request(out_dir: str | os.PathLike[str], format: str = "safetensors", select: str | None = None,
                   strip_prefix: str | None = None, dtype: str | None = None,
-                  hf_config: str | os.PathLike[str] | None = None, scheduler: str | None = None) -> Path:
+                  hf_config: str | os.PathLike[str] | None = None, scheduler: str | None = None,
+                  single_file: bool = False) -> Path:
     """Everything about an export that can be refused without the store: `unshard` asks this before it
     ingests anything, so a mistyped option costs nothing."""
     fmt = output_format(format)
@@ -121,6 +122,8 @@ def check_request(out_dir: str | os.PathLike[str], format: str = "safetensors", 
         raise ExportError(f"--hf-config applies to --format {_those(lambda f: f.describes_model)} only")
     if hf_config is not None and not Path(hf_config).exists():
         raise ExportError(f"{hf_config}: no such config file or folder (--hf-config)")
+    if single_file and not fmt.single_file:
+        raise ExportError(f"--single-file applies to --format {_those(lambda f: f.single_file)} only")
     if scheduler and not fmt.takes_scheduler:
         raise ExportError(f"--scheduler exports {_those(lambda f: f.takes_scheduler)} only, not {format}")
     if not fmt.subtree and (select or strip_prefix or dtype):
@@ -151,14 +154,13 @@ def output_bytes(store: Store, format: str = "safetensors", select: str | None =
     return total
 
 
-def preflight(store: Store, out_dir: str | os.PathLike[str], format: str = "safetensors", select: str | None = None,
-              hf_config: str | os.PathLike[str] | None = None, overwrite: bool = False) -> None:
+def preflight(store: Store, out_dir: str | os.PathLike[str], request: ExportRequest) -> None:
     """What an export of `store` can be refused for from its plan alone, before any rank is ingested
     (`unshard` asks this once the store is planned, so a mistake costs no ingest): a subtree that is not
     there, a Hugging Face export with nothing to describe the model, and an earlier export of another
     format in OUT. `export` checks the rest, exactly, once the data is in."""
-    out = Path(out_dir)
-    fmt = output_format(format)
+    out, select, hf_config = Path(out_dir), request.select, request.hf_config
+    fmt = output_format(request.format)
     if fmt.subtree:
         _model_or(store, select)
     if fmt.describes_model and _selected(store, select) is None:
@@ -168,12 +170,12 @@ def preflight(store: Store, out_dir: str | os.PathLike[str], format: str = "safe
                               f"checkpoint (pytorch_model_fsdp_0/ beside it), or --format torch/safetensors")
     if fmt.describes_model and hf_config is None and not has_hf_description(store):
         raise ExportError(NO_HF_DESCRIPTION)
-    if overwrite:
+    if request.overwrite:
         return
     side = set(_beside(store, fmt))
     may_write = fmt.may_write
     # a format that may write any name knows its exact files from the plan alone
-    exact = fmt.plan(store, ExportRequest(format), store.manifest.tree, "", 1).files if may_write is None else []
+    exact = fmt.plan(store, request, store.manifest.tree, "", 1).files if may_write is None else []
     stale = [p for p in previous_outputs(out, exact + list(side))
              if may_write is None or not re.fullmatch(may_write, p.name)]
     if stale:
@@ -207,7 +209,8 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
            progress: Callable[[int], None] | None = None, allow_partial: bool = False,
            scheduler: str | None = None, jobs: int = 1, overwrite: bool = False,
            on_start: Callable[[int], None] | None = None,
-           hf_config: str | os.PathLike[str] | None = None, keep_dtype: Sequence[str] = ()) -> ExportResult:
+           hf_config: str | os.PathLike[str] | None = None, keep_dtype: Sequence[str] = (),
+           single_file: bool = False) -> ExportResult:
     """Write the unsharded checkpoint from `store` into `out_dir` (see docs/commands.md for the formats).
 
     An incomplete store is refused unless `allow_partial`: then missing pieces are holes (NaN, or zero for
@@ -217,10 +220,10 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     this export is complete; files no export writes are never touched. `on_start` hears the number of
     tensor bytes to write (what `progress` will count up to) once the export is planned.
     """
-    out = check_request(out_dir, format, select, strip_prefix, dtype, hf_config, scheduler)
+    out = check_request(out_dir, format, select, strip_prefix, dtype, hf_config, scheduler, single_file)
     fmt = output_format(format)
     request = ExportRequest(format, select, strip_prefix, dtype, max_shard_size, hf_config, overwrite, allow_partial,
-                            tuple(keep_dtype))
+                            tuple(keep_dtype), single_file)
     full = status = store.status()
     check_one_save(store.records(refresh=False))  # units that raced each other to commit
     node = _model_or(store, select) if fmt.subtree else store.manifest.tree

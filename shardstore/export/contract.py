@@ -59,6 +59,9 @@ class ExportRequest:
     allow_partial: bool = False  # holes for what an incomplete store lacks, said in the output's metadata
     # output names kept in their source dtype when `dtype` casts the rest: globs, or regexes as "re:PATTERN"
     keep_dtype: tuple[str, ...] = ()
+    # `--format torch`: the whole state in one checkpoint.pt in the input's nesting (what torch's
+    # dcp_to_torch_save writes), instead of the files the checkpoint's trainer resumes from
+    single_file: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", cast_dtype(self.dtype))
@@ -114,6 +117,7 @@ class OutputFormat:
     resume_beside: bool  # the trainer's files to resume from go beside it (read/formats/resume.py)
     describes_model: bool  # a folder that describes its model (config, tokenizer): it needs a description
     # (from the checkpoint, or --hf-config) and a model's weights
+    single_file: bool  # has a one-file form of the whole state (`ExportRequest.single_file`)
     takes_scheduler: bool  # one Dask task per output file
     plan: Callable[[Store, ExportRequest, Node, str, int], Planned]
     direct: Callable[[Store, ExportRequest, Node, str, int], DirectExport | None]

@@ -224,9 +224,12 @@ class TorchFile:
                 and not (keys and keys[0] in self.dropped)]
 
 
-def torch_layout(store: Store) -> list[TorchFile]:
-    """The files `export_torch` writes for this store's layout, and what each holds."""
+def torch_layout(store: Store, single: bool = False) -> list[TorchFile]:
+    """The files `export_torch` writes for this store's layout, and what each holds; `single`: the whole
+    state in one checkpoint.pt, whatever the layout (ExportRequest.single_file)."""
     tree = store.manifest.tree
+    if single:
+        return [TorchFile("checkpoint.pt", tree)]
     if store.manifest.layout == "olmo":
         # OLMo's legacy unsharder leaves the per-rank RNG states out of train.pt; for the formats with
         # train/rank{r}.pt files its unsharders write rank 0's file whole.
@@ -239,9 +242,9 @@ def torch_layout(store: Store) -> list[TorchFile]:
         else [TorchFile("checkpoint.pt", tree)]
 
 
-def torch_files(store: Store) -> list[str]:
+def torch_files(store: Store, single: bool = False) -> list[str]:
     """The names of the files `export_torch` writes."""
-    return [f.name for f in torch_layout(store)]
+    return [f.name for f in torch_layout(store, single)]
 
 
 def torch_object(store: Store, file: TorchFile) -> Any:
@@ -263,11 +266,11 @@ def torch_object(store: Store, file: TorchFile) -> Any:
 
 def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | None = None,
                  partial: dict[str, str] | None = None,
-                 arrays: Callable[[ArrayRef], ArrayRef] | None = None) -> list[Path]:
-    """The files `--format torch` writes; `arrays` replaces each array's reference (`average` streams a
-    mean of several stores in its place)."""
+                 arrays: Callable[[ArrayRef], ArrayRef] | None = None, single: bool = False) -> list[Path]:
+    """The files `--format torch` writes (`single`: as one file); `arrays` replaces each array's reference
+    (`average` streams a mean of several stores in its place)."""
     written = []
-    for file in torch_layout(store):
+    for file in torch_layout(store, single):
         obj = torch_object(store, file)
         save(store, obj if arrays is None else _replaced(obj, arrays), out_dir / file.name, progress, partial=partial,
              keys=storage_keys(store, file))
@@ -320,6 +323,7 @@ def _holders(store: Store, node: Node) -> list[int]:
 @dataclass(frozen=True)
 class TorchDirect(DirectExport):
     layout: Layout
+    single: bool  # one checkpoint.pt (torch_layout)
 
     @property
     def files(self) -> list[str]:
@@ -327,7 +331,7 @@ class TorchDirect(DirectExport):
 
     def seal(self, store: Store) -> None:
         runs = journalled_runs(store, self.layout)
-        for i, file in enumerate(torch_layout(store)):
+        for i, file in enumerate(torch_layout(store, self.single)):
             zw, placed = _sketch(store, file)
             with OutputFile.reopen(Path(self.layout.folder) / file.name, zw.out.pos) as out:
                 for name, (at, size) in zw.holes.items():
@@ -356,9 +360,9 @@ def storage_keys(store: Store, file: TorchFile) -> dict[str, str]:
     return {path: str(i) for i, path in enumerate(dict.fromkeys(file.arrays(store)))}
 
 
-def plan_direct(store: Store) -> TorchDirect:
+def plan_direct(store: Store, single: bool = False) -> TorchDirect:
     targets: dict[str, list[Target]] = {}
-    sizes, heads, files = [], [], torch_layout(store)
+    sizes, heads, files = [], [], torch_layout(store, single)
     for i, file in enumerate(files):
         zw, placed = _sketch(store, file)
         for path, key in placed.items():
@@ -369,17 +373,19 @@ def plan_direct(store: Store) -> TorchDirect:
         heads.append(zw.out.writes)
     lay = new_layout(store, [f.name for f in files], sizes, targets)
     prepare(store, lay, heads)
-    return TorchDirect(lay)
+    return TorchDirect(lay, single)
 
 
 def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> Planned:
     def write(out: Path, progress: Progress, partial: dict[str, str] | None, scheduler: str | None,
               jobs: int) -> Written:
-        return export_torch(store, out, progress, partial), [], flat_buckets(store.manifest.arrays)
+        return export_torch(store, out, progress, partial, single=request.single_file), [], \
+            flat_buckets(store.manifest.arrays)
 
-    return Planned(torch_files(store), sum(a.nbytes for a in store.manifest.arrays.values()), write)
+    return Planned(torch_files(store, request.single_file), sum(a.nbytes for a in store.manifest.arrays.values()),
+                   write)
 
 
 FORMAT = OutputFormat("torch", subtree=False, may_write=None, config_beside=True, resume_beside=True,
-                      describes_model=False, takes_scheduler=False, plan=_plan,
-                      direct=lambda store, request, node, subtree, jobs: plan_direct(store))
+                      describes_model=False, single_file=True, takes_scheduler=False, plan=_plan,
+                      direct=lambda store, request, node, subtree, jobs: plan_direct(store, request.single_file))

@@ -3,6 +3,7 @@ and the trainer state (paths, TorchVersion, the trainer's own objects) given bac
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -167,3 +168,31 @@ def test_a_resumed_export_is_the_clean_ones_bytes(fmt: str, tmp_path: Path) -> N
     for name in names:
         a, b = (tmp_path / "clean" / name).read_bytes(), (out / name).read_bytes()
         assert _without_serialization_ids(a) == _without_serialization_ids(b), name
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "tp"])
+def test_single_file_is_what_dcp_to_torch_save_writes(kind: str, dcp_checkpoints, tmp_path: Path) -> None:
+    """A DCP folder of `model` and `optim` (which `--format torch` splits into OLMo's model.pt, optim.pt and
+    train.pt) as one checkpoint.pt of the whole state, in one pass and in two steps: torch's own
+    `dcp_to_torch_save` of the folder (the fixture's .expected.pt.ref), bit for bit. `verify` reads either."""
+    src = dcp_checkpoints(kind)
+    want = torch.load(f"{src}.expected.pt.ref", weights_only=False)
+    assert {"model", "optim"} <= set(want)
+    shardstore.unshard(src, tmp_path / "split", format="torch", jobs=1)
+    assert sorted(p.name for p in (tmp_path / "split").iterdir()) == ["model.pt", "optim.pt", "train.pt"]
+    proc = run("unshard", src, tmp_path / "one", "--format", "torch", "--single-file", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["checkpoint.pt"]
+    assert_bitwise_equal(torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False), want)
+    shardstore.ingest(tmp_path / "store", src, jobs=1)
+    shardstore.export(tmp_path / "store", tmp_path / "two", format="torch", single_file=True)
+    assert_bitwise_equal(torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False), want)
+    shutil.copy(f"{src}.expected.pt.ref", tmp_path / "theirs.pt")
+    for output in (tmp_path / "one", tmp_path / "theirs.pt", tmp_path / "split"):
+        result = shardstore.verify(src, output)
+        assert result.ok and result.tensors > 10, (output, result.differences[:3])
+
+
+def test_single_file_is_for_the_torch_format_only(tmp_path: Path) -> None:
+    assert_one_line_error(run("unshard", tmp_path, tmp_path / "out", "--single-file"),
+                          "--single-file applies to --format torch only")
