@@ -486,7 +486,7 @@ def _check_named_steps(ckpt: DcpCheckpoint, storage_options: StorageOptions | No
         where = f"{join(ckpt.folder, item.file)}: {item.fqn}"
         data = DataFile(join(ckpt.folder, item.file), storage_options)
         try:
-            zf = TorchZip(data, start=item.offset, length=item.length)
+            zf = _item_zip(ckpt, data, item, where)
             try:
                 step = load(zf.record("data.pkl"), where, strict)
             finally:

@@ -282,3 +282,17 @@ def test_a_dtype_shardstore_does_not_hold_is_named_as_torch_names_it(tmp_path: P
     with pytest.raises(CheckpointError, match=r"\.metadata: w: unsupported tensor dtype torch\.float8_e4m3fnuz\Z"):
         shardstore.unshard(src, tmp_path / "out", format="torch", jobs=1)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_step_torchtitan_records_through_zstandard_is_read_against_its_folder_name(tmp_path: Path) -> None:
+    """The step a trainer keeps as a bytes item (torchtitan's train_state.step) is checked against its folder
+    (step-N) when the plan is made: read through the same ZStandard stream as every item."""
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    state = {"model": {"w": torch.arange(6.0)}, "train_state": {"step": 10}}
+    src = _save(state, tmp_path / "step-10", _extensions=[ZStandard()])
+    assert_bitwise_equal(_exported(src, tmp_path), _torch_reads(src))
+    other = _save({**state, "train_state": {"step": 9}}, tmp_path / "again" / "step-10", _extensions=[ZStandard()])
+    with pytest.raises(CheckpointError, match=r"train_state\.step.* 9"):
+        shardstore.unshard(other, tmp_path / "out", format="torch", jobs=1)
+    assert not (tmp_path / "out").exists()
