@@ -918,7 +918,7 @@ class DcpFormat:
         units = [os.path.join(found, f) for f in ckpt.files]
         return Arrived(Source(self.name, units), [
             (path, i) for i, path in enumerate(units)
-            if looks.still(path, lambda p, size: size >= ends[os.path.basename(p)])])
+            if looks.still(path, lambda p, size: size >= ends.get(os.path.basename(p), 0))])  # (an empty save's)
 
     def unit_kind(self, name: str) -> str:
         if name.endswith(".distcp"):

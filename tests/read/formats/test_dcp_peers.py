@@ -154,6 +154,19 @@ def test_an_empty_save_exports_what_torch_loads(case: str, fmt: str, tmp_path: P
     assert_bitwise_equal(_exported(src, tmp_path, fmt), want, case)
 
 
+@pytest.mark.parametrize("case", ["empty", "metadata-only"])
+def test_watch_takes_an_empty_save_whole(case: str, tmp_path: Path) -> None:
+    """watch counts a .distcp file once it reaches its last item's end: an empty save's have none (it was a
+    KeyError traceback)."""
+    src = _save({}, tmp_path / "src")
+    if case == "metadata-only":
+        (src / "__0_0.distcp").unlink()
+    store = shardstore.watch(tmp_path / "store", src, timeout=60, jobs=1)
+    assert store.status().ok
+    shardstore.export(store, tmp_path / "out", format="torch")
+    assert torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True) == {}
+
+
 # ------------------------------------------------------------------------------------------ torch's test states
 DTYPES = [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32, torch.int64,
           torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
