@@ -210,14 +210,17 @@ def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
 
 def _without_megatron_metadata(ckpt: DcpCheckpoint, folder: str, storage_options: StorageOptions | None) -> None:
     """Refuses a .metadata holding Megatron-Core's own keys (its ShardedObjects', `key/shard_{offset}_{shape}`:
-    the common state, every layer's extra state) in a folder without Megatron's metadata.json: read as a
-    plain DCP folder it would export Megatron's stacked keys under other names and lose its common.pt;
-    Megatron's own load refuses such a folder too ("is not a distributed checkpoint")."""
+    the common state, every layer's extra state) in a folder without Megatron's metadata.json, or with one
+    that does not say `torch_dist`: read as a plain DCP folder it would export Megatron's stacked keys under
+    other names and lose its common.pt; Megatron's own load refuses such a folder too ("is not a distributed
+    checkpoint")."""
     key = next((fqn for fqn in ckpt.values if SHARDED_OBJECT.fullmatch(fqn)), None)
-    if key is not None and join(folder, MEGATRON_METADATA) not in listing(folder, storage_options):
-        raise CheckpointError(f"holds Megatron-Core's torch_dist keys ({key!r:.80}), but {MEGATRON_METADATA} is "
-                              f"missing from its folder (Megatron does not load it without one either): restore "
-                              f"it from the save")
+    if key is None:
+        return
+    there = join(folder, MEGATRON_METADATA) in listing(folder, storage_options)
+    raise CheckpointError(f"holds Megatron-Core's torch_dist keys ({key!r:.80}), but {MEGATRON_METADATA} "
+                          f"{'does not name its sharded_backend torch_dist' if there else 'is missing from its folder'} "
+                          f"(Megatron does not load it so either): restore it from the save")
 
 
 def _torch_dist(folder: str, storage_options: StorageOptions | None) -> bool:

@@ -200,16 +200,23 @@ def test_olmo_core_metadata_and_accelerate_folders(dcp_checkpoints, tmp_path: Pa
 MEGATRON = Path(__file__).parents[2] / "fixtures" / "data" / "megatron"
 
 
-@pytest.mark.parametrize("save", ["core0.19.2/tp2-pp1/iter_0000010", "core0.16.1/tp2-pp1/iter_0000010",
-                                  "core0.19.2/tp2-pp1-nemo/weights"])
-def test_a_megatron_folder_without_its_metadata_json_is_refused_naming_it(save: str, tmp_path: Path) -> None:
-    """Content, not file names, decides: a genuine torch_dist save whose metadata.json was lost holds
-    Megatron's keys in its .metadata; read as a plain DCP folder it would export Megatron's stacked names (9
-    tensors for the per-layer 15) and leave its common.pt out. Megatron itself refuses it; so does this."""
+@pytest.mark.parametrize("save, emptied", [("core0.19.2/tp2-pp1/iter_0000010", False),
+                                           ("core0.16.1/tp2-pp1/iter_0000010", False),
+                                           ("core0.19.2/tp2-pp1-nemo/weights", False),
+                                           ("core0.19.2/tp2-pp1/iter_0000010", True)])
+def test_a_megatron_folder_without_its_metadata_json_is_refused_naming_it(save: str, emptied: bool,
+                                                                          tmp_path: Path) -> None:
+    """Content, not file names, decides: a genuine torch_dist save whose metadata.json was lost (or emptied)
+    holds Megatron's keys in its .metadata; read as a plain DCP folder it would export Megatron's stacked
+    names (9 tensors for the per-layer 15) and leave its common.pt out. Megatron itself refuses it; so does
+    this."""
     src = shutil.copytree(MEGATRON / save, tmp_path / "src")
     (src / "metadata.json").unlink()
+    if emptied:
+        (src / "metadata.json").write_text("{}")
+    what = "does not name its sharded_backend torch_dist" if emptied else "is missing"
     with pytest.raises(shardstore.CheckpointError, match=r"src/\.metadata: holds Megatron-Core's torch_dist keys "
-                                                         r"\('.*_extra_state/shard_0_2'\), but metadata\.json is missing"):
+                                                         rf"\('.*_extra_state/shard_0_2'\), but metadata\.json {what}"):
         shardstore.unshard(src, tmp_path / "out", format="torch", jobs=1)
     assert not (tmp_path / "out").exists()
 
