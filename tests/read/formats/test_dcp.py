@@ -142,7 +142,7 @@ def test_olmo_torch_new_with_its_trainer_state_files(dcp_checkpoints, tmp_path: 
     from tests.fixtures.fsdp import trainer_state
 
     src = dcp_checkpoints("fsdp1")
-    step = tmp_path / "step1000"
+    step = tmp_path / "step1"  # OLMo names it by the global_step its trainer state records
     shutil.copytree(src, step / "model_and_optim")
     (step / "train").mkdir()
     for rank in range(4):
