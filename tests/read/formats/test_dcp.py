@@ -200,6 +200,22 @@ def test_olmo_core_metadata_and_accelerate_folders(dcp_checkpoints, tmp_path: Pa
 MEGATRON = Path(__file__).parents[2] / "fixtures" / "data" / "megatron"
 
 
+def refused(src: Path, out: Path, needle: str, up_front: bool = True) -> str:
+    """`unshard` of `src` refuses in one line matching `needle` and leaves nothing at `out`. `up_front`: the
+    dry run (plan=True) refuses with the same line, as the real run does before reading a unit; else the
+    refusal is one only reading a unit can make, and the dry run passes."""
+    if not up_front:
+        shardstore.unshard(src, out, format="torch", jobs=1, plan=True)
+    lines = []
+    for plan in (True, False) if up_front else (False,):
+        with pytest.raises(shardstore.CheckpointError, match=needle) as exc:
+            shardstore.unshard(src, out, format="torch", jobs=1, plan=plan)
+        lines.append(str(exc.value))
+    assert len(set(lines)) == 1 and "\n" not in lines[0], lines
+    assert not out.exists()
+    return lines[0]
+
+
 @pytest.mark.parametrize("save, emptied", [("core0.19.2/tp2-pp1/iter_0000010", False),
                                            ("core0.16.1/tp2-pp1/iter_0000010", False),
                                            ("core0.19.2/tp2-pp1-nemo/weights", False),
@@ -215,10 +231,8 @@ def test_a_megatron_folder_without_its_metadata_json_is_refused_naming_it(save: 
     if emptied:
         (src / "metadata.json").write_text("{}")
     what = "does not name its sharded_backend torch_dist" if emptied else "is missing"
-    with pytest.raises(shardstore.CheckpointError, match=r"src/\.metadata: holds Megatron-Core's torch_dist keys "
-                                                         rf"\('.*_extra_state/shard_0_2'\), but metadata\.json {what}"):
-        shardstore.unshard(src, tmp_path / "out", format="torch", jobs=1)
-    assert not (tmp_path / "out").exists()
+    refused(src, tmp_path / "out", rf"src/\.metadata: holds Megatron-Core's torch_dist keys "
+                                   rf"\('.*_extra_state/shard_0_2'\), but metadata\.json {what}")
 
 
 class TestDcpConformance(FormatTests):
