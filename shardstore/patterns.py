@@ -21,10 +21,15 @@ REGEX = "re:"
 
 
 @functools.lru_cache(maxsize=256)  # a pattern is asked about every name of a checkpoint
-def matcher(pattern: str, what: str) -> Callable[[str], bool]:
+def matcher(pattern: str, what: str, error: type[ShardstoreError] = ShardstoreError) -> Callable[[str], bool]:
     """Whether a whole name matches `pattern`: a shell glob (`*`, `?`, `[...]`, `[!...]`), or a regular
-    expression after `re:`. `what` names the option for the refusal of a pattern RE2 cannot take."""
+    expression after `re:`. A pattern that is not one, or that RE2 cannot take, is refused as `error`,
+    naming the option (`what`)."""
     source = pattern[len(REGEX):] if pattern.startswith(REGEX) else _glob(pattern)
+    try:
+        re.compile(source)  # (compiled only, never matched: its syntax errors say what Python users expect)
+    except re.error as exc:
+        raise error(f"{what} {pattern!r}: not a regular expression ({exc})") from None
     options = re2.Options()
     options.log_errors = False  # the refusal below is the one line the user sees
     options.dot_nl = True  # a name is one string, newlines and all (as fnmatch's globs see it)
@@ -32,8 +37,8 @@ def matcher(pattern: str, what: str) -> Callable[[str], bool]:
         compiled = re2.compile(source.encode("utf-8", "surrogatepass"), options)
     except re2.error as exc:
         reason = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
-        raise ShardstoreError(f"{what} {pattern!r}: not a pattern shardstore can match in linear time ({reason}); "
-                              f"back-references and look-arounds are not supported") from None
+        raise error(f"{what} {pattern!r}: not a pattern shardstore can match in linear time ({reason}); "
+                    f"back-references and look-arounds are not supported") from None
     return lambda name: compiled.fullmatch(name.encode("utf-8", "surrogatepass")) is not None
 
 

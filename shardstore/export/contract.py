@@ -69,12 +69,12 @@ class ExportRequest:
         if self.keep_dtype and self.dtype is None:
             raise ExportError("--keep-dtype goes with --dtype: it names what the cast leaves in its own dtype")
         for pattern in self.keep_dtype:
-            matcher(pattern, "--keep-dtype")  # one line for a pattern that cannot be matched in linear time
+            matcher(pattern, "--keep-dtype", ExportError)  # one line for a pattern that cannot be matched
 
     def cast_of(self, key: str) -> str | None:
         """The dtype output tensor `key` is cast to (floating tensors only): `dtype`, unless a `keep_dtype`
         pattern matches the whole name."""
-        if self.dtype is None or any(matcher(p, "--keep-dtype")(key) for p in self.keep_dtype):
+        if self.dtype is None or any(matcher(p, "--keep-dtype", ExportError)(key) for p in self.keep_dtype):
             return None
         return self.dtype
 
