@@ -114,6 +114,13 @@ class DcpCheckpoint:
     def store_path(self, fqn: str) -> str:
         return paths.join(*(paths.escape(k) for k in self.paths[fqn]))
 
+    def ends(self) -> dict[str, int]:
+        """Each file's least size: the end of the last item the metadata places in it."""
+        ends: dict[str, int] = {}
+        for item in self.items:
+            ends[item.file] = max(ends.get(item.file, 0), item.offset + item.length)
+        return ends
+
 
 def has_metadata(folder: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> bool:
     folder = os.fspath(folder)
@@ -475,7 +482,8 @@ def spec(ckpt: DcpCheckpoint, encode_key: KeyEncoder, trainer_state: list[str] |
     if args is not None:
         extra[MEGATRON_ARGS] = args
     extra["megatron_common"] = next((c.path for _, c in tree.children if c.path.startswith(COMMON_STATE)), None)
-    return CheckpointSpec("dcp", len(units), len(units), tree, arrays, {}, objects, extra)
+    return CheckpointSpec("dcp", len(units), len(units), tree, arrays, {}, objects, extra,
+                          {join(ckpt.folder, f): end for f, end in ckpt.ends().items()})
 
 
 def _check_named_steps(ckpt: DcpCheckpoint, storage_options: StorageOptions | None, strict: bool) -> None:
@@ -915,9 +923,7 @@ class DcpFormat:
         ckpt = looks.parse(os.path.join(found, METADATA), lambda path: read_checkpoint(found))
         if ckpt is None:
             return Arrived(Source(self.name, []), [])  # still being written: look again
-        ends: dict[str, int] = {}
-        for item in ckpt.items:
-            ends[item.file] = max(ends.get(item.file, 0), item.offset + item.length)
+        ends = ckpt.ends()
         units = [os.path.join(found, f) for f in ckpt.files]
         return Arrived(Source(self.name, units), [
             (path, i) for i, path in enumerate(units)
