@@ -46,6 +46,9 @@ _TABLE = [
     DTypeInfo("bfloat16", np.dtype("<u2"), "BF16", "BFloat16Storage"),
     DTypeInfo("float8_e4m3fn", np.dtype("u1"), "F8_E4M3", None),
     DTypeInfo("float8_e5m2", np.dtype("u1"), "F8_E5M2", None),
+    DTypeInfo("float8_e4m3fnuz", np.dtype("u1"), "F8_E4M3FNUZ", None),
+    DTypeInfo("float8_e5m2fnuz", np.dtype("u1"), "F8_E5M2FNUZ", None),
+    DTypeInfo("float8_e8m0fnu", np.dtype("u1"), None, None),  # MX block scales; safetensors has no code for it
     DTypeInfo("int64", np.dtype("<i8"), "I64", "LongStorage"),
     DTypeInfo("int32", np.dtype("<i4"), "I32", "IntStorage"),
     DTypeInfo("int16", np.dtype("<i2"), "I16", "ShortStorage"),
@@ -55,19 +58,20 @@ _TABLE = [
     DTypeInfo("uint32", np.dtype("<u4"), "U32", None),
     DTypeInfo("uint64", np.dtype("<u8"), "U64", None),
     DTypeInfo("bool", np.dtype("?"), "BOOL", "BoolStorage"),
+    DTypeInfo("complex32", np.dtype("<u4"), None, None),  # torch.chalf: two float16s, held as their bits
     DTypeInfo("complex64", np.dtype("<c8"), "C64", "ComplexFloatStorage"),
     DTypeInfo("complex128", np.dtype("<c16"), None, "ComplexDoubleStorage"),
 ]
 
 # Quiet-NaN bit patterns, in the raw (store) dtype of each floating dtype.
 _NAN_BITS = {"float64": np.nan, "float32": np.nan, "float16": np.nan, "bfloat16": 0x7FC0, "float8_e4m3fn": 0x7F,
-             "float8_e5m2": 0x7F}
+             "float8_e5m2": 0x7F, "float8_e4m3fnuz": 0x80, "float8_e5m2fnuz": 0x80, "float8_e8m0fnu": 0xFF}
 
 BY_NAME: dict[str, DTypeInfo] = {d.name: d for d in _TABLE}
 BY_STORAGE_CLASS: dict[str, DTypeInfo] = {d.storage_class: d for d in _TABLE if d.storage_class}
 # Aliases torch also exposes as module attributes and may pickle under.
 _ALIASES = {"float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32",
-            "short": "int16", "cfloat": "complex64", "cdouble": "complex128"}
+            "short": "int16", "chalf": "complex32", "cfloat": "complex64", "cdouble": "complex128"}
 
 
 def info(name: str) -> DTypeInfo:
@@ -79,8 +83,10 @@ def info(name: str) -> DTypeInfo:
 
 
 
-def _fp8_table(exp_bits: int, bias: int, finite_max_exp: bool) -> np.ndarray:
-    """float32 value of every byte of an 8-bit float (IEEE-like, OCP FP8 flavours)."""
+def _fp8_table(exp_bits: int, bias: int, flavour: str) -> np.ndarray:
+    """float32 value of every byte of an 8-bit float: "ieee" (e5m2: infinities and NaNs at the top
+    exponent), "fn" (e4m3fn: no infinities, only S.1111.111 is NaN), "fnuz" (no infinities, no negative
+    zero: 0x80 alone is NaN)."""
     mant_bits = 7 - exp_bits
     codes = np.arange(256, dtype=np.uint32)
     sign = np.where(codes >> 7, -1.0, 1.0)
@@ -89,14 +95,23 @@ def _fp8_table(exp_bits: int, bias: int, finite_max_exp: bool) -> np.ndarray:
     frac = mant / float(1 << mant_bits)
     value = np.where(exp == 0, frac * 2.0 ** (1 - bias), (1 + frac) * 2.0 ** (exp.astype(np.float64) - bias))
     top = exp == (1 << exp_bits) - 1
-    if finite_max_exp:  # e4m3fn: no infinities, only S.1111.111 is NaN
+    if flavour == "fn":
         value = np.where(top & (mant == (1 << mant_bits) - 1), np.nan, value)
-    else:  # e5m2: IEEE-style
+    elif flavour == "ieee":
         value = np.where(top, np.where(mant == 0, np.inf, np.nan), value)
-    return (sign * value).astype(np.float32)
+    value = sign * value
+    return (np.where(codes == 0x80, np.nan, value) if flavour == "fnuz" else value).astype(np.float32)
 
 
-_WIDEN = {"float8_e4m3fn": lambda: _fp8_table(4, 7, True), "float8_e5m2": lambda: _fp8_table(5, 15, False)}
+def _e8m0_table() -> np.ndarray:
+    """float32 value of every byte of float8_e8m0fnu: an exponent alone, 2**(e - 127); 0xFF is NaN."""
+    codes = np.arange(256, dtype=np.float64)
+    return np.where(codes == 255, np.nan, 2.0 ** (codes - 127)).astype(np.float32)
+
+
+_WIDEN = {"float8_e4m3fn": lambda: _fp8_table(4, 7, "fn"), "float8_e5m2": lambda: _fp8_table(5, 15, "ieee"),
+          "float8_e4m3fnuz": lambda: _fp8_table(4, 8, "fnuz"), "float8_e5m2fnuz": lambda: _fp8_table(5, 16, "fnuz"),
+          "float8_e8m0fnu": _e8m0_table}
 
 
 def as_numbers(raw: np.ndarray, name: str) -> np.ndarray:

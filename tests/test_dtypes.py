@@ -11,7 +11,7 @@ from shardstore import dtypes
 from shardstore.errors import CheckpointError
 
 
-@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"])
 def test_float8_tables_equal_torch_for_all_256_codes(name: str) -> None:
     codes = np.arange(256, dtype=np.uint8)
     ours = dtypes.as_numbers(codes, name)
@@ -27,7 +27,8 @@ def test_bfloat16_widening_equals_torch_for_all_65536_codes() -> None:
     assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
 
 
-@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float64"])
+@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                  "float8_e5m2fnuz", "float8_e8m0fnu", "float64"])
 def test_holes_are_nan(name: str) -> None:
     info = dtypes.info(name)
     raw = np.frombuffer(info.hole(3), dtype=info.raw)

@@ -164,8 +164,9 @@ def test_watch_takes_an_empty_save_whole(case: str, tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ torch's test states
 DTYPES = [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32, torch.int64,
-          torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
-          torch.float8_e4m3fn, torch.float8_e5m2]
+          torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex32, torch.complex64,
+          torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+          torch.float8_e8m0fnu]
 
 
 def _of(dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -287,8 +288,8 @@ def test_strided_uneven_and_empty_dtensor_pieces_read_as_torch_reads_them(fmt: s
 
 
 def test_a_dtype_shardstore_does_not_hold_is_named_as_torch_names_it(tmp_path: Path) -> None:
-    src = _save({"w": torch.zeros(2, 3, dtype=torch.float8_e4m3fnuz)}, tmp_path / "src")
-    refused(src, tmp_path / "out", r"\.metadata: w: unsupported tensor dtype torch\.float8_e4m3fnuz\Z")
+    src = _save({"w": torch.zeros(2, 3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}, tmp_path / "src")
+    refused(src, tmp_path / "out", r"\.metadata: w: unsupported tensor dtype torch\.float4_e2m1fn_x2\Z")
 
 
 def test_a_step_torchtitan_records_through_zstandard_is_read_against_its_folder_name(tmp_path: Path) -> None:
