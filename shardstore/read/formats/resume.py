@@ -15,13 +15,15 @@ from dataclasses import dataclass
 
 from ... import jsonin
 from ...errors import CheckpointError
-from ...locations import StorageOptions, listing, name_of
+from ...locations import StorageOptions, join, listing, name_of
 from ..primitives.container import read_small
 from ..source import MAX_SIDE_FILE, check_step
 
 TRAINER_STATE = "trainer_state.json"
 TRAINER_FILES = ("scheduler.pt", "scaler.pt", "training_args.bin", TRAINER_STATE)
 TRAINER_RNG = ("rng_state.pth", "rng_state_0.pth")  # a one-process run's, else process 0's
+# Only `_save_checkpoint` writes the RNG states, and it writes trainer_state.json after them
+TRAINER_ONLY = re.compile(r"rng_state(?:_[0-9]+)?\.pth\Z")
 ACCELERATE_FILES = re.compile(r"(?:(?:scheduler|sampler|dl_state_dict)(?:_\d+)?\.bin|scaler\.pt|custom_checkpoint_\d+\.pkl)\Z")
 ACCELERATE_RNG = "random_states_0.pkl"
 STEP_FOLDER = re.compile(r"\Acheckpoint-([0-9]+)\Z")  # the Trainer's f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
@@ -42,6 +44,10 @@ def resume_files(folder: str, storage_options: StorageOptions | None = None) -> 
         files = {name: there[name] for name in TRAINER_FILES if name in there}
         rng = next((there[name] for name in TRAINER_RNG if name in there), None)
         return Resume("hf-trainer", files | ({"rng_state.pth": rng} if rng else {}))
+    rng = next((name for name in sorted(there) if TRAINER_ONLY.match(name)), None)
+    if rng is not None:
+        raise CheckpointError(f"{join(folder, TRAINER_STATE)}: missing beside the HF Trainer's {rng} (the Trainer "
+                              f"writes it after them: this save did not finish, and the Trainer cannot resume from it)")
     if ACCELERATE_RNG in there:
         return Resume("accelerate", {name: path for name, path in there.items()
                                      if ACCELERATE_FILES.match(name) or name == ACCELERATE_RNG})
