@@ -1,4 +1,5 @@
-"""Name patterns (`--keep-dtype`, `ls PATTERN`), matched in time linear in the name.
+"""Names: what is a number in one (`digits`), and patterns (`--keep-dtype`, `ls PATTERN`) matched in time
+linear in the name.
 
 The names matched come from the checkpoint, so a pattern must not let them choose how long a match takes:
 Python's `re` backtracks (`re:(a+)+$` against `aaaa…a!` takes exponential time), so both globs and
@@ -13,11 +14,16 @@ import functools
 import re
 from typing import Callable
 
-import re2
-
 from .errors import ShardstoreError
 
 REGEX = "re:"
+
+
+def digits(text: str) -> bool:
+    """Whether `text` is ASCII digits alone, as every trainer writes a step or rank into a name: str.isdigit()
+    and `\\d` also take other scripts' digits (`step-٩` is not step 9) and superscripts (`'²'.isdigit()`,
+    which int() refuses)."""
+    return text.isascii() and text.isdigit()
 
 
 @functools.lru_cache(maxsize=256)  # a pattern is asked about every name of a checkpoint
@@ -25,6 +31,8 @@ def matcher(pattern: str, what: str, error: type[ShardstoreError] = ShardstoreEr
     """Whether a whole name matches `pattern`: a shell glob (`*`, `?`, `[...]`, `[!...]`), or a regular
     expression after `re:`. A pattern that is not one, or that RE2 cannot take, is refused as `error`,
     naming the option (`what`)."""
+    import re2  # (here, not at the top: the readers import this module for `digits` alone)
+
     source = pattern[len(REGEX):] if pattern.startswith(REGEX) else _glob(pattern)
     try:
         re.compile(source)  # (compiled only, never matched: its syntax errors say what Python users expect)

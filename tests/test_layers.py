@@ -26,7 +26,7 @@ FORBIDDEN = {
     "shardstore.ingest": ("shardstore.export", "shardstore.read.formats"),
 }
 BOTTOM = ("tree", "records", "errors", "dtypes", "ranges", "locations", "paths", "crc", "tempfiles", "jsonin",
-          "hf_files", "values")
+          "hf_files", "values", "patterns")
 
 
 def _modules() -> dict[str, Path]:

@@ -1,4 +1,5 @@
-"""Name patterns: globs as fnmatch reads them, regexes after `re:`, both in time linear in the name."""
+"""Names: ASCII digits alone are a number; globs as fnmatch reads them, regexes after `re:`, both in time
+linear in the name."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import pytest
 
 from shardstore.errors import ShardstoreError
-from shardstore.patterns import matcher
+from shardstore.patterns import digits, matcher
 
 
 def _random_globs_and_names(seed: int, count: int) -> list[tuple[str, str]]:
@@ -63,3 +64,10 @@ def test_patterns_that_cannot_be_matched_in_linear_time_are_one_line(pattern: st
 def test_patterns_that_are_not_patterns_are_one_line(pattern: str) -> None:
     with pytest.raises(ShardstoreError, match=r"^--keep-dtype '.*': not a regular expression \("):
         matcher(pattern, "--keep-dtype")
+
+
+@pytest.mark.parametrize("text, ok", [("0009", True), ("٩", False), ("²", False), ("1٩", False), ("", False),
+                                      ("９", False), ("12", True)])
+def test_digits_are_ascii_digits_alone(text: str, ok: bool) -> None:
+    """str.isdigit() takes `٩` (an Arabic-Indic nine) and `²` (which int() refuses); a step name does not."""
+    assert digits(text) is ok

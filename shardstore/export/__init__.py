@@ -51,13 +51,13 @@ def _dtypes(store: Store, tensors: list[Any]) -> dict[str, tuple[int, int]]:
 
 
 # Every file name an export of any format writes: what a previous export may have left in OUT.
-_OUTPUT_NAME = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
-                          r"|(model|optim|train|checkpoint)\.pt|__\d+_0\.distcp|\.metadata|config\.yaml"
+_OUTPUT_NAME = re.compile(r"(model(-[0-9]{5}-of-[0-9]{5})?\.safetensors|model\.safetensors\.index\.json"
+                          r"|(model|optim|train|checkpoint)\.pt|__[0-9]+_0\.distcp|\.metadata|config\.yaml"
                           r"|config\.json|generation_config\.json"
                           # the torch files a trainer resumes from, and its own files beside them (export/resume.py)
-                          r"|pytorch_model(_\d+)?\.bin|optimizer(_\d+)?\.(pt|bin)|checkpoint\.ckpt"
-                          r"|(scheduler|sampler|dl_state_dict)(_\d+)?\.(pt|bin)|scaler\.pt|rng_state\.pth"
-                          r"|trainer_state\.json|training_args\.bin|random_states_0\.pkl|custom_checkpoint_\d+\.pkl)\Z")
+                          r"|pytorch_model(_[0-9]+)?\.bin|optimizer(_[0-9]+)?\.(pt|bin)|checkpoint\.ckpt"
+                          r"|(scheduler|sampler|dl_state_dict)(_[0-9]+)?\.(pt|bin)|scaler\.pt|rng_state\.pth"
+                          r"|trainer_state\.json|training_args\.bin|random_states_0\.pkl|custom_checkpoint_[0-9]+\.pkl)\Z")
 
 
 

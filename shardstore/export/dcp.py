@@ -501,6 +501,6 @@ def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: 
     return Planned(plan.names + [METADATA], plan.nbytes, write)
 
 
-FORMAT = OutputFormat("dcp", subtree=False, may_write=r"__\d+_0\.distcp|\.metadata", config_beside=True,
+FORMAT = OutputFormat("dcp", subtree=False, may_write=r"__[0-9]+_0\.distcp|\.metadata", config_beside=True,
                       resume_beside=False, describes_model=False, single_file=False, takes_scheduler=False, plan=_plan,
                       direct=lambda store, request, node, subtree, jobs: plan_direct(store, jobs))

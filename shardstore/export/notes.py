@@ -6,7 +6,7 @@ import re
 from typing import Iterable
 
 # Megatron's DistributedOptimizer state in its default `dp_reshardable` form: one flat tensor per bucket
-FLAT_BUCKET = re.compile(r"(?:.*/)?(optimizer\.distributed\.dp_group_idx_\d+)\..*\.bucket_idx_\d+\.[^./]+")
+FLAT_BUCKET = re.compile(r"(?:.*/)?(optimizer\.distributed\.dp_group_idx_[0-9]+)\..*\.bucket_idx_[0-9]+\.[^./]+")
 
 
 def flat_buckets(names: Iterable[str]) -> list[str]:

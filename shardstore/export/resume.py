@@ -24,8 +24,8 @@ from typing import Any, Callable
 from ..errors import ExportError
 from ..tree import Node
 
-MODEL = re.compile(r"model(?:_(\d+))?\Z")
-OPTIMIZER = re.compile(r"optimizer(?:_(\d+))?\Z")
+MODEL = re.compile(r"model(?:_([0-9]+))?\Z")
+OPTIMIZER = re.compile(r"optimizer(?:_([0-9]+))?\Z")
 LIGHTNING_MODEL = ("model", "state_dict")  # FSDPStrategy's key in the DCP folder; ModelParallelStrategy's
 LIGHTNING_FILE = "checkpoint.ckpt"
 

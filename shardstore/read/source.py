@@ -70,13 +70,6 @@ COMPOSER_EPOCH = re.compile(r"\Aep([0-9]+)-ba[0-9]+(?:-rank[0-9]+\.pt)?\Z")
 COMPOSER_BATCH = re.compile(r"\Aep[0-9]+-ba([0-9]+)(?:-rank[0-9]+\.pt)?\Z")
 
 
-def digits(text: str) -> bool:
-    """Whether `text` is ASCII digits alone, as every trainer writes a step or rank into a name: str.isdigit()
-    and `\\d` also take other scripts' digits (`step-٩` is not step 9) and superscripts (`'²'.isdigit()`,
-    which int() refuses)."""
-    return text.isascii() and text.isdigit()
-
-
 def inside_run(run: str, pointer: str) -> str:
     """Where `pointer` (a link, or a folder a pointer file names, in the folder `run` the user named) leads,
     refused when that is outside `run`: a run's `last.ckpt`, `latest` or step folder linking to another

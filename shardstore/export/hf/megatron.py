@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import ExportError
+from ...patterns import digits
 from .spec import HFModel, HFTensor
 
 EMBEDDING, OUTPUT, FINAL_NORM = "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"
@@ -52,7 +53,7 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
     ffn = _config(config, "intermediate_size", where)
     if type(groups) is not int or heads % groups or type(head_dim) is not int or head_dim <= 0:
         raise ExportError(f"{where}: {heads} heads in {groups!r:.20} key-value groups of {head_dim!r:.20}")
-    have = sorted({int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.") and n.split(".")[2].isdigit()})
+    have = sorted({int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.") and digits(n.split(".")[2])})
     if have != list(range(layers)):
         raise ExportError(f"{where}: num_hidden_layers is {layers}, the checkpoint has layers {have[:8]}"
                           f"{' ...' if len(have) > 8 else ''}")

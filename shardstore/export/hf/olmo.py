@@ -44,7 +44,7 @@ def normalise(name: str, group_size: int) -> str:
     """Wrapper names removed; `block_groups.{g}.{b}` as `blocks.{g * group_size + b}`."""
     for wrapper in WRAPPERS:
         name = name.replace(wrapper, "")
-    m = re.match(r"^transformer\.block_groups\.(\d+)\.(\d+)\.(.*)$", name)
+    m = re.match(r"^transformer\.block_groups\.([0-9]+)\.([0-9]+)\.(.*)$", name)
     if m:
         name = f"transformer.blocks.{int(m.group(1)) * group_size + int(m.group(2))}.{m.group(3)}"
     return name

@@ -50,7 +50,7 @@ def _refuse(what: str) -> ExportError:
 
 def _name(source: str, block: dict[str, str]) -> str | None:
     """The transformers name of an OLMo-core tensor, or None."""
-    m = re.fullmatch(r"blocks\.(\d+)\.(.+)\.(weight|bias)", source)
+    m = re.fullmatch(r"blocks\.([0-9]+)\.(.+)\.(weight|bias)", source)
     if m and m[2] in block:
         return f"model.layers.{m[1]}.{block[m[2]]}.{m[3]}"
     m = re.fullmatch(r"(.+)\.(weight|bias)", source)

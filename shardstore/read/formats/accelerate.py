@@ -24,7 +24,7 @@ from .dtensor import File, array_spec, checked_leaves, digest_of, layouts_of, mo
 from .resume import Resume, resume_files
 
 FORMAT = "accelerate"
-UNIT_FILE = re.compile(r"(?P<part>pytorch_model_fsdp|optimizer)_(?P<index>\d+)_rank(?P<rank>\d+)\.bin\Z")
+UNIT_FILE = re.compile(r"(?P<part>pytorch_model_fsdp|optimizer)_(?P<index>[0-9]+)_rank(?P<rank>[0-9]+)\.bin\Z")
 PART_KEY = {"pytorch_model_fsdp": "model", "optimizer": "optimizer"}
 
 

@@ -37,6 +37,7 @@ from ..primitives.identity import identity_of
 from ..primitives import transforms as stream_transforms
 from ..primitives.tensors import check_view
 from ..primitives.unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, load
+from ...patterns import digits
 from ..source import COMPOSER_BATCH, COMPOSER_EPOCH, JSON_CONFIG, Source, check_step, config_files, inside_run, pick
 from ..unit import check_leaves
 from . import lightning, megatron_torch, trainer
@@ -58,22 +59,22 @@ VERL_DIST, VERL_HF = "dist_ckpt", "huggingface"
 INSIDE = (MODEL_AND_OPTIM, NEMO_WEIGHTS, VERL_DIST, f"model/{VERL_DIST}", f"actor/{VERL_DIST}",
           f"actor/model/{VERL_DIST}")
 FSDP_MODEL = "pytorch_model_fsdp"  # the HF Trainer's and Accelerate's model folder (accelerate FSDP_MODEL_NAME)
-PART = re.compile(r"(pytorch_model_fsdp|optimizer)_\d+")  # its folders: each model's, each optimizer's
-TRAINER_STEP = re.compile(r"checkpoint-\d+")  # the HF Trainer's checkpoint folder in its output_dir
+PART = re.compile(r"(pytorch_model_fsdp|optimizer)_[0-9]+")  # its folders: each model's, each optimizer's
+TRAINER_STEP = re.compile(r"checkpoint-[0-9]+")  # the HF Trainer's checkpoint folder in its output_dir
 MEGATRON_METADATA = "metadata.json"  # Megatron-Core's: {"sharded_backend": "torch_dist", ...}
 MEGATRON_COMMON = "common.pt"  # megatron-core <= 0.18's common state (>= 0.19: a bytes item in the files)
 COMMON_STATE = "common_state"  # where the store keeps it
 MEGATRON_ARGS = "megatron_args"  # the plan's copy of Megatron-LM's args (plain values), for --format hf
 STACKED = re.compile(r"(.*?(?:^|\.)layers\.)(?=[A-Za-z_])")  # "decoder.layers." then a module name, no number
-LAYER_KEY = re.compile(r"(.*?(?:^|\.)layers\.)(\d+)\.")  # a per-layer key: its stack, and its layer
-SHARDED_OBJECT = re.compile(r".+/shard_\d+(?:\.\d+)*_\d+(?:\.\d+)*")  # Megatron's ShardedObject.unique_key
-EXTRA_STATE = re.compile(r"(.*?_extra_state)/shard_(\d+(?:\.\d+)?)_\d+(?:\.\d+)?")  # shard_{layer[.expert]}_{count}
+LAYER_KEY = re.compile(r"(.*?(?:^|\.)layers\.)([0-9]+)\.")  # a per-layer key: its stack, and its layer
+SHARDED_OBJECT = re.compile(r".+/shard_[0-9]+(?:\.[0-9]+)*_[0-9]+(?:\.[0-9]+)*")  # Megatron's ShardedObject.unique_key
+EXTRA_STATE = re.compile(r"(.*?_extra_state)/shard_([0-9]+(?:\.[0-9]+)?)_[0-9]+(?:\.[0-9]+)?")  # shard_{layer[.expert]}_{count}
 MODEL_SPACE = re.compile(r"(optimizer\.state\.[A-Za-z0-9_]+\.)(.+)")  # a parameter's optimizer state, by its key
 STACKED_EXPERTS = re.compile(r"(.*?(?:^|\.)experts\.)experts\.")  # a MoE layer's experts on one axis
 LOCAL_EXPERTS = "local_experts."  # Megatron's own module names, expert by expert
-EXPERT_MODULE = re.compile(r"(.*?local_experts\.)(\d+)(\..*)")
+EXPERT_MODULE = re.compile(r"(.*?local_experts\.)([0-9]+)(\..*)")
 MEGATRON_OPTIMIZER = "optimizer."  # every key of Megatron's optimizers' sharded state dicts
-CHAINED = re.compile(r"chained_\d+\.optimizer\.")  # a ChainedOptimizer's (dense and expert) keys
+CHAINED = re.compile(r"chained_[0-9]+\.optimizer\.")  # a ChainedOptimizer's (dense and expert) keys
 MEGATRON_TOP = ("common_state", "rng_state", "rerun_state_machine_state")  # Megatron-LM's non-model keys
 # The steps trainers record as bytes items, by the name they give the folder from them: torchtitan's
 # f"step-{step}", Composer's f"ep{epoch}-ba{batch}"
@@ -436,7 +437,7 @@ def _extra_state(fqn: str) -> str:
 def _file_order(name: str) -> tuple:
     """__2_0.distcp before __10_0.distcp."""
     parts = name.removeprefix("__").removesuffix(".distcp").split("_")
-    return (0, *map(int, parts)) if all(p.isdigit() for p in parts) else (1, name)
+    return (0, *map(int, parts)) if all(digits(p) for p in parts) else (1, name)
 
 
 def trainer_files(folder: str, storage_options: StorageOptions | None = None) -> list[str]:

@@ -32,8 +32,8 @@ from ..primitives.safetensors_file import SafetensorsFile
 from ..unit import FileUnit, planned_place
 
 FORMAT = "dcp-hf"
-SHARDED = re.compile(r"shard-\d+-model-\d+-of-\d+\.safetensors\Z")
-CONSOLIDATED = re.compile(r"model(-\d+-of-\d+)?\.safetensors\Z")
+SHARDED = re.compile(r"shard-[0-9]+-model-[0-9]+-of-[0-9]+\.safetensors\Z")
+CONSOLIDATED = re.compile(r"model(-[0-9]+-of-[0-9]+)?\.safetensors\Z")
 INFO = "DCP_SHARDING_INFO"
 INDEX = "model.safetensors.index.json"
 MAX_INDEX = 256 << 20  # a weight map of millions of tensors

@@ -66,9 +66,9 @@ from . import fsdp_flat
 
 FORMAT = "deepspeed"
 LATEST = "latest"
-MODEL_STATES = re.compile(r"(?:zero_pp_rank_(?P<rank>\d+)_)?mp_rank_(?P<mp>\d+)_model_states\.pt\Z")
-LAYER_STATES = re.compile(r"layer_\d+-model_\d+-model_states\.pt\Z")  # pipeline parallelism's (PipelineModule)
-OPTIM_STATES = re.compile(r"(?P<bf16>bf16_)?zero_pp_rank_(?P<rank>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt\Z")
+MODEL_STATES = re.compile(r"(?:zero_pp_rank_(?P<rank>[0-9]+)_)?mp_rank_(?P<mp>[0-9]+)_model_states\.pt\Z")
+LAYER_STATES = re.compile(r"layer_[0-9]+-model_[0-9]+-model_states\.pt\Z")  # pipeline parallelism's (PipelineModule)
+OPTIM_STATES = re.compile(r"(?P<bf16>bf16_)?zero_pp_rank_(?P<rank>[0-9]+)_mp_rank_(?P<mp>[0-9]+)_optim_states\.pt\Z")
 # DeepSpeed's classes its checkpoints pickle: inert records (strict mode included), never imported.
 PLACEHOLDERS = {key: building_class(*key) for key in (
     ("deepspeed.runtime.zero.config", "ZeroStageEnum"),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # A decoder layer's parameters, as transformers names them (model.layers.3., transformer.h.3., blocks.3.)
-LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.([0-9]+)\.")
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ from typing import Any
 from ...errors import CheckpointError
 from ...hf_files import hf_model_file
 from ...locations import StorageOptions, folder_of, is_url, join, listing, name_of, subfolders
+from ...patterns import digits
 from ..primitives.container import read_small
-from ..source import JSON_CONFIG, check_step, digits
+from ..source import JSON_CONFIG, check_step
 
 META = "meta.pt"  # rank 0's torch.save of every value but the modules and optimizers
 HPARAMS = "hparams.yaml"

@@ -27,6 +27,7 @@ from typing import Any
 from ... import dtypes, jsonin
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, join, listing
+from ...patterns import digits
 from ...records import TensorRef
 from ...tree import KeyEncoder, Node
 from ..contract import (SMALL_TENSOR_BYTES, ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec,
@@ -78,7 +79,7 @@ def _read_json(path: str, storage_options: StorageOptions | None) -> tuple[Any, 
 
 def _file_order(name: str) -> tuple:
     stem = name.removeprefix("rank_").removesuffix(".safetensors")
-    return (0, int(stem)) if stem.isdigit() else (1, name)
+    return (0, int(stem)) if digits(stem) else (1, name)
 
 
 def _shard(name: str, file: str, spec: Any, shape: tuple[int, ...]) -> tuple:

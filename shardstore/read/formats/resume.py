@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ... import jsonin
 from ...errors import CheckpointError
 from ...locations import StorageOptions, join, listing, name_of
-from ..primitives.container import read_small
+from ..primitives.container import TorchZip, read_small
 from ..source import MAX_SIDE_FILE, check_step
 
 TRAINER_STATE = "trainer_state.json"
@@ -24,8 +24,9 @@ TRAINER_FILES = ("scheduler.pt", "scaler.pt", "training_args.bin", TRAINER_STATE
 TRAINER_RNG = ("rng_state.pth", "rng_state_0.pth")  # a one-process run's, else process 0's
 # Only `_save_checkpoint` writes the RNG states, and it writes trainer_state.json after them
 TRAINER_ONLY = re.compile(r"rng_state(?:_[0-9]+)?\.pth\Z")
-ACCELERATE_FILES = re.compile(r"(?:(?:scheduler|sampler|dl_state_dict)(?:_\d+)?\.bin|scaler\.pt|custom_checkpoint_\d+\.pkl)\Z")
+ACCELERATE_FILES = re.compile(r"(?:(?:scheduler|sampler|dl_state_dict)(?:_[0-9]+)?\.bin|scaler\.pt|custom_checkpoint_[0-9]+\.pkl)\Z")
 ACCELERATE_RNG = "random_states_0.pkl"
+TORCH_SAVED = (".pt", ".pth", ".bin")  # torch.save's zips (Accelerate's .pkl files are plain pickles)
 STEP_FOLDER = re.compile(r"\Acheckpoint-([0-9]+)\Z")  # the Trainer's f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
 
 
@@ -43,15 +44,27 @@ def resume_files(folder: str, storage_options: StorageOptions | None = None) -> 
         _check_step(folder, there[TRAINER_STATE], storage_options)
         files = {name: there[name] for name in TRAINER_FILES if name in there}
         rng = next((there[name] for name in TRAINER_RNG if name in there), None)
-        return Resume("hf-trainer", files | ({"rng_state.pth": rng} if rng else {}))
+        return _whole(Resume("hf-trainer", files | ({"rng_state.pth": rng} if rng else {})), storage_options)
     rng = next((name for name in sorted(there) if TRAINER_ONLY.match(name)), None)
     if rng is not None:
         raise CheckpointError(f"{join(folder, TRAINER_STATE)}: missing beside the HF Trainer's {rng} (the Trainer "
                               f"writes it after them: this save did not finish, and the Trainer cannot resume from it)")
     if ACCELERATE_RNG in there:
-        return Resume("accelerate", {name: path for name, path in there.items()
-                                     if ACCELERATE_FILES.match(name) or name == ACCELERATE_RNG})
+        return _whole(Resume("accelerate", {name: path for name, path in there.items()
+                                            if ACCELERATE_FILES.match(name) or name == ACCELERATE_RNG}), storage_options)
     return None
+
+
+def _whole(resume: Resume, storage_options: StorageOptions | None) -> Resume:
+    """`resume`, its torch.save files (scheduler.pt, rng_state.pth, training_args.bin, Accelerate's .bin)
+    checked to be whole: a zip whose every record passes its CRC-32. They are never unpickled and an export
+    copies them as they are, so a truncated or torn one would otherwise be written out as if sound."""
+    for path in resume.files.values():
+        if path.endswith(TORCH_SAVED):
+            with TorchZip(path, storage_options) as saved:
+                for name in saved.entries:
+                    saved.verify(name)
+    return resume
 
 
 def _check_step(folder: str, path: str, storage_options: StorageOptions | None) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from ...errors import CheckpointError, closed_on_error
 from ...hf_files import hf_model_file
 from ...locations import StorageOptions, join, listing
+from ...patterns import digits
 from ...records import TensorRef
 from ...tree import KeyEncoder, Node
 from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, replica_count
@@ -37,7 +38,7 @@ FORMAT = "verl"
 ACTOR = "actor"
 UNIT_FOLDERS = (ACTOR,)  # a path to it names the step folder's checkpoint
 KINDS = ("model", "optim", "extra_state")
-UNIT_FILE = re.compile(r"(?P<kind>model|optim|extra_state)_world_size_(?P<world>\d+)_rank_(?P<rank>\d+)\.pt\Z")
+UNIT_FILE = re.compile(r"(?P<kind>model|optim|extra_state)_world_size_(?P<world>[0-9]+)_rank_(?P<rank>[0-9]+)\.pt\Z")
 PARAM_GROUPS = "optim/param_groups"
 HF_FOLDER = "huggingface"
 SIDE_FILES = ("fsdp_config.json",)
@@ -196,7 +197,7 @@ def _ragged(model: File, model_layouts: dict[str, tuple[Layout, TensorRef]], opt
             mine: dict[int, int] = {}
             for path, (layout, _) in layouts.items():
                 index = _flat_index(path) or ""
-                if layout.kind != "flat" or not index.isdigit():
+                if layout.kind != "flat" or not digits(index):
                     return None
                 if mine.setdefault(int(index), layout.shape[0]) != layout.shape[0]:
                     raise CheckpointError(f"{f.path}: {path}: {layout.shape[0]} elements, but the other state of "

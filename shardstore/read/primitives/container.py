@@ -239,7 +239,7 @@ def _open_tail(fs: Any, fspath: str, ahead: int) -> tuple[dict[str, Any], bytes]
     try:
         resp, body = sync(fs.loop, get)
         total = str(resp.get("ContentRange") or "").rsplit("/", 1)[-1]
-        size = int(total) if total.isdigit() else len(body)
+        size = int(total) if total.isascii() and total.isdigit() else len(body)
     except Exception:  # noqa: BLE001 - whatever it was, the plain way (a HEAD) says it properly
         return None
     if len(body) != min(ahead, size):
