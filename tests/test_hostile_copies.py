@@ -246,6 +246,9 @@ CASES: dict[str, list[tuple[str, Mutation]]] = {
     "accelerate": [
         *damaged(f"{ACC}/pytorch_model_fsdp_0/__0_0.distcp", f"{ACC}/optimizer_0/__1_0.distcp"),
         (f"{ACC}/pytorch_model_fsdp_0/.metadata:removed", remove(f"{ACC}/pytorch_model_fsdp_0/.metadata")),
+        (f"{ACC}/optimizer_0/.metadata:removed", remove(f"{ACC}/optimizer_0/.metadata")),
+        (f"{ACC}/scheduler.pt:empty", empty(f"{ACC}/scheduler.pt")),  # side files kept byte for byte
+        (f"{ACC}/training_args.bin:minus1", minus1(f"{ACC}/training_args.bin")),
         (f"{ACC}/trainer_state.json:removed", remove(f"{ACC}/trainer_state.json")),
         *json_cases(f"{ACC}/trainer_state.json", "global_step", "invalid", "number", "huge", "arabic"),
         (f"{ACC}:link-out", link_out(ACC)),
@@ -306,6 +309,8 @@ KNOWN = {
         "dcp.trainer_parts skips a model folder without .metadata: the optimizer's state exported as the model",
     f"accelerate:{ACC}/pytorch_model_fsdp_0/.metadata:removed:torch":
         "dcp.trainer_parts skips a model folder without .metadata: exit 0 without pytorch_model.bin",
+    f"accelerate:{ACC}/optimizer_0/.metadata:removed:torch":
+        "dcp.trainer_parts skips an optimizer folder without .metadata: exit 0 without optimizer.pt",
     f"lightning:{LIGHTNING}/meta.pt:removed:torch":
         "a Lightning folder without meta.pt is read as a plain DCP folder (checkpoint.pt, not checkpoint.ckpt)",
     "olmo-local:train/rank0.pt:removed:torch":
