@@ -69,3 +69,18 @@ def assert_refused(proc: subprocess.CompletedProcess[str], *needles: str) -> str
         assert dry.returncode == 1 and error_lines(dry) == lines, \
             f"the real run refused up front, the dry run did not say the same: {dry.returncode} {dry.stderr[-2000:]}"
     return lines[0]
+
+
+def assert_step_is_checked(genuine: Path, tmp_path: Path, step: int, records: str) -> None:
+    """A genuine checkpoint of `step` copied into a folder named for step + 1 is refused in one line naming
+    the file that `records` it (a path inside the checkpoint), nothing left; in a folder of its own step
+    it unshards."""
+    import shutil
+
+    wrong = tmp_path / f"step{step + 1}"
+    shutil.copytree(genuine, wrong)
+    assert_refused(cli("unshard", wrong, tmp_path / "out", "-q"),
+                   f"{wrong / records}: records global_step {step}, but its folder is {wrong.name}")
+    assert not (tmp_path / "out").exists()
+    shutil.copytree(genuine, tmp_path / f"step{step}")
+    assert cli("unshard", tmp_path / f"step{step}", tmp_path / "ok", "-q").returncode == 0
