@@ -7,7 +7,6 @@ exports bit for bit."""
 from __future__ import annotations
 
 import pickle
-import shutil
 from pathlib import Path
 from typing import Any
 
