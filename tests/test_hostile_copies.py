@@ -5,13 +5,13 @@ Each case copies a genuine folder into tmp_path and changes it in one generic, d
 file truncated (to half, to its length minus one byte) or emptied, a file replaced by the same-named file
 of another save of the run, a required file removed, a side file (JSON, a pointer's text) replaced by what
 its writer never writes, a pointer made a link that leads out of the run, nowhere or into a loop, a file
-made a directory. Whatever was changed, the outcome is one of two:
+made a directory, a save's folder renamed to another step. Whatever was changed, the outcome is one of two:
 - exit 0 and the very output of the genuine folder (every tensor bit for bit): what was changed is not
   read, or is read the same way;
 - exit 1, exactly one `shardstore: error:` line naming a file of the copy, no traceback, and nothing in
   OUT that looks finished.
-A case marked `refuse` has only the second: a pointer leading out of the run (the user can name its
-target), a unit of another save (one line naming the file). What docs/commands.md says content cannot
+Some cases have only the second (REFUSE): a folder reached through a link out of the run (the user can name
+its target), a save whose recorded step is not its name's. What docs/commands.md says content cannot
 tell apart (a DCP `.distcp` of another save with the same layout) is held to "no traceback, no output
 of another kind": it may export.
 """
@@ -154,6 +154,22 @@ def rename(rel: str, new: str) -> Mutation:
     return change
 
 
+def renamed_step(rel: str, new: str, pointer: str | None = None, says: str = "") -> Mutation:
+    """The save's folder (and each file named by it) renamed to another step, the run's pointer following
+    it: what the save records of its step no longer agrees with its name."""
+    def change(root: Path, outside: Path) -> None:
+        old, path = Path(rel).name, root / new
+        (root / rel).rename(path)
+        for f in sorted(path.glob(f"{old}-*")):
+            f.rename(f.with_name(Path(new).name + f.name[len(old):]))
+        if pointer and (root / pointer).is_symlink():
+            (root / pointer).unlink()
+            (root / pointer).symlink_to(Path(new).name)
+        elif pointer:
+            (root / pointer).write_text(says)
+    return change
+
+
 def json_cases(rel: str, where: str, *kinds: str) -> list[tuple[str, Mutation]]:
     """A JSON side file replaced by what no writer writes (the `kinds` named, default all): not JSON, the
     wrong type, a number too large for anything, non-ASCII digits, `where` (a key) holding a list."""
@@ -182,7 +198,7 @@ def damaged(*rels: str) -> list[tuple[str, Mutation]]:
 
 # Mutations whose only right outcome is a refusal: a folder reached through a link out of the run. (A unit
 # of another save is refused unless what is read of it is this save's own: the same export.)
-REFUSE = ("link-out",)
+REFUSE = ("link-out", "renamed-step")
 
 TT = "checkpoint/step-4"
 LIGHTNING = "checkpoints/epoch=1-step=4.ckpt"
@@ -201,6 +217,7 @@ CASES: dict[str, list[tuple[str, Mutation]]] = {
         (f"{TT}:link-out", link_out(TT)),
         (f"{TT}:link-nowhere", link_nowhere(TT)),
         (f"{TT}/.metadata:dir", as_dir(f"{TT}/.metadata")),
+        (f"{TT}:renamed-step", renamed_step(TT, "checkpoint/step-6")),
         ("checkpoint/step-2:renamed-arabic-9", rename("checkpoint/step-2", "checkpoint/step-\u0669")),
     ],
     "lightning": [
@@ -208,6 +225,7 @@ CASES: dict[str, list[tuple[str, Mutation]]] = {
         (f"{LIGHTNING}/meta.pt:removed", remove(f"{LIGHTNING}/meta.pt")),
         (f"{LIGHTNING}/.metadata:removed", remove(f"{LIGHTNING}/.metadata")),
         ("checkpoints/last.ckpt:link-out", link_out("checkpoints/last.ckpt")),
+        (f"{LIGHTNING}:renamed-step", renamed_step(LIGHTNING, "checkpoints/epoch=1-step=5.ckpt", "checkpoints/last.ckpt")),
         ("checkpoints/last.ckpt:link-nowhere", link_nowhere("checkpoints/last.ckpt")),
         ("checkpoints/last.ckpt:link-loop", link_loop("checkpoints/last.ckpt")),
         (f"{LIGHTNING}/meta.pt:dir", as_dir(f"{LIGHTNING}/meta.pt")),
@@ -218,6 +236,8 @@ CASES: dict[str, list[tuple[str, Mutation]]] = {
         *json_cases(f"{MEG}/metadata.json", "sharded_backend", "invalid", "list", "huge", "key-list"),
         *pointer_cases("latest_checkpointed_iteration.txt", "", "arabic", "huge", "link-out-file", "link-loop"),
         (f"{MEG}:link-out", link_out(MEG)),
+        (f"{MEG}:renamed-step", renamed_step(MEG, "iter_0000020", "latest_checkpointed_iteration.txt", "20")),
+        ("latest_checkpointed_iteration.txt:missing-step", text("latest_checkpointed_iteration.txt", "20")),
         (f"{MEG}/metadata.json:dir", as_dir(f"{MEG}/metadata.json")),
     ],
     "megatron-torch": [
@@ -225,6 +245,7 @@ CASES: dict[str, list[tuple[str, Mutation]]] = {
         (f"{MEG}/mp_rank_01/model_optim_rng.pt:removed", remove(f"{MEG}/mp_rank_01/model_optim_rng.pt")),
         (f"{MEG}/mp_rank_01/model_optim_rng.pt:dir", as_dir(f"{MEG}/mp_rank_01/model_optim_rng.pt")),
         *pointer_cases("latest_checkpointed_iteration.txt", "1", "arabic", "link-nowhere"),
+        (f"{MEG}:renamed-step", renamed_step(MEG, "iter_0000020", "latest_checkpointed_iteration.txt", "20")),
     ],
     "deepspeed-z2": [
         *damaged(f"{DS2}/zero_pp_rank_1_mp_rank_00_optim_states.pt", f"{DS2}/mp_rank_00_model_states.pt"),
@@ -234,6 +255,8 @@ CASES: dict[str, list[tuple[str, Mutation]]] = {
         *pointer_cases("latest", "global_step", "arabic", "huge", "dotdot", "link-out-file", "link-nowhere",
                        "link-loop"),
         (f"{DS2}:link-out", link_out(DS2)),
+        (f"{DS2}:renamed-step", renamed_step(DS2, "global_step3", "latest", "global_step3")),
+        ("latest:missing-step", text("latest", "global_step3")),
         *json_cases("config.json", "model_type", "invalid", "list"),
     ],
     "deepspeed-z3": [
@@ -252,6 +275,7 @@ CASES: dict[str, list[tuple[str, Mutation]]] = {
         (f"{ACC}/trainer_state.json:removed", remove(f"{ACC}/trainer_state.json")),
         *json_cases(f"{ACC}/trainer_state.json", "global_step", "invalid", "number", "huge", "arabic"),
         (f"{ACC}:link-out", link_out(ACC)),
+        (f"{ACC}:renamed-step", renamed_step(ACC, "checkpoint-5")),
         (f"{ACC}/trainer_state.json:dir", as_dir(f"{ACC}/trainer_state.json")),
     ],
     "fsdp2-tp": [
@@ -266,6 +290,7 @@ CASES: dict[str, list[tuple[str, Mutation]]] = {
         *json_cases("step1/config.json", "model", "invalid", "list"),
         *json_cases("step1/.metadata.json", "version", "number"),
         ("step1:link-out", link_out("step1")),
+        ("step1:renamed-step", renamed_step("step1", "step2")),
     ],
     "verl": [
         *damaged(f"{VERL}/model_world_size_4_rank_1.pt", f"{VERL}/optim_world_size_4_rank_2.pt",
@@ -286,6 +311,7 @@ CASES: dict[str, list[tuple[str, Mutation]]] = {
         *damaged("ep0-ba1/ep0-ba1-rank2.pt", "ep0-ba1/ep0-ba1-rank0.pt"),
         ("ep0-ba1/ep0-ba1-rank3.pt:removed", remove("ep0-ba1/ep0-ba1-rank3.pt")),
         ("ep0-ba1:link-out", link_out("ep0-ba1")),
+        ("ep0-ba1:renamed-step", renamed_step("ep0-ba1", "ep0-ba2")),
     ],
 }
 
