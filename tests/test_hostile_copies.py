@@ -52,6 +52,7 @@ FOLDERS = {
     "deepspeed-z2": Folder(FIXTURES / "deepspeed" / "z2-w3"),
     "deepspeed-z3": Folder(FIXTURES / "deepspeed" / "z3-w3"),
     "accelerate": Folder(FIXTURES / "accelerate" / "fsdp2-w2"),
+    "accelerate-bin": Folder(FIXTURES / "accelerate" / "fsdp2-w3-bin"),
     "fsdp2-tp": Folder(FIXTURES / "fsdp2-tp" / "t2.6"),
     "olmo-core": Folder(FIXTURES / "olmo-core-trainer"),
     "verl": Folder(FIXTURES / "verl" / "t2.6" / "fsdp2-w4"),
@@ -272,11 +273,17 @@ CASES: dict[str, list[tuple[str, Mutation]]] = {
         (f"{ACC}/optimizer_0/.metadata:removed", remove(f"{ACC}/optimizer_0/.metadata")),
         (f"{ACC}/scheduler.pt:empty", empty(f"{ACC}/scheduler.pt")),  # side files kept byte for byte
         (f"{ACC}/training_args.bin:minus1", minus1(f"{ACC}/training_args.bin")),
+        (f"{ACC}/rng_state_0.pth:removed", remove(f"{ACC}/rng_state_0.pth")),
         (f"{ACC}/trainer_state.json:removed", remove(f"{ACC}/trainer_state.json")),
         *json_cases(f"{ACC}/trainer_state.json", "global_step", "invalid", "number", "huge", "arabic"),
         (f"{ACC}:link-out", link_out(ACC)),
         (f"{ACC}:renamed-step", renamed_step(ACC, "checkpoint-5")),
         (f"{ACC}/trainer_state.json:dir", as_dir(f"{ACC}/trainer_state.json")),
+    ],
+    "accelerate-bin": [
+        *damaged(f"{ACC}/pytorch_model_fsdp_0_rank1.bin", f"{ACC}/scheduler.bin"),
+        (f"{ACC}/optimizer_0_rank2.bin:removed", remove(f"{ACC}/optimizer_0_rank2.bin")),
+        (f"{ACC}/random_states_0.pkl:removed", remove(f"{ACC}/random_states_0.pkl")),
     ],
     "fsdp2-tp": [
         *damaged("model_rank1.pt", "model_rank3.pt", "model_rank0.pt"),

@@ -26,6 +26,9 @@ TRAINER_RNG = ("rng_state.pth", "rng_state_0.pth")  # a one-process run's, else 
 TRAINER_ONLY = re.compile(r"rng_state(?:_[0-9]+)?\.pth\Z")
 ACCELERATE_FILES = re.compile(r"(?:(?:scheduler|sampler|dl_state_dict)(?:_[0-9]+)?\.bin|scaler\.pt|custom_checkpoint_[0-9]+\.pkl)\Z")
 ACCELERATE_RNG = "random_states_0.pkl"
+# Every process saves its own RNG state (a one-process Trainer run: rng_state.pth, unnumbered)
+NUMBERED_RNG = {"rng_state_0.pth": re.compile(r"rng_state_[0-9]+\.pth\Z"),
+                ACCELERATE_RNG: re.compile(r"random_states_[0-9]+\.pkl\Z")}
 TORCH_SAVED = (".pt", ".pth", ".bin")  # torch.save's zips (Accelerate's .pkl files are plain pickles)
 STEP_FOLDER = re.compile(r"\Acheckpoint-([0-9]+)\Z")  # the Trainer's f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
 
@@ -42,6 +45,7 @@ def resume_files(folder: str, storage_options: StorageOptions | None = None) -> 
     there = {name_of(p): p for p in listing(folder, storage_options)}
     if TRAINER_STATE in there:
         _check_step(folder, there[TRAINER_STATE], storage_options)
+        _process_zero(folder, there, "rng_state_0.pth")
         files = {name: there[name] for name in TRAINER_FILES if name in there}
         rng = next((there[name] for name in TRAINER_RNG if name in there), None)
         return _whole(Resume("hf-trainer", files | ({"rng_state.pth": rng} if rng else {})), storage_options)
@@ -49,10 +53,21 @@ def resume_files(folder: str, storage_options: StorageOptions | None = None) -> 
     if rng is not None:
         raise CheckpointError(f"{join(folder, TRAINER_STATE)}: missing beside the HF Trainer's {rng} (the Trainer "
                               f"writes it after them: this save did not finish, and the Trainer cannot resume from it)")
+    _process_zero(folder, there, ACCELERATE_RNG)
     if ACCELERATE_RNG in there:
         return _whole(Resume("accelerate", {name: path for name, path in there.items()
                                             if ACCELERATE_FILES.match(name) or name == ACCELERATE_RNG}), storage_options)
     return None
+
+
+def _process_zero(folder: str, there: dict[str, str], first: str) -> None:
+    """Process 0's RNG file (`first`) is there when other processes' are: it is the one a resume reads and an
+    export writes. Without it the folder is a save that did not finish or a copy that lost a file, and
+    would be exported in another form (or without it) as if whole."""
+    others = sorted(name for name in there if NUMBERED_RNG[first].match(name))
+    if others and first not in there:
+        raise CheckpointError(f"{join(folder, first)}: missing beside {', '.join(others)} (every process "
+                              f"saves its own: this save is not whole)")
 
 
 def _whole(resume: Resume, storage_options: StorageOptions | None) -> Resume:
