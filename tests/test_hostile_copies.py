@@ -214,7 +214,8 @@ CASES: dict[str, list[tuple[str, Mutation]]] = {
         (f"{TT}/.metadata:removed", remove(f"{TT}/.metadata")),
         (f"{TT}/__3_0.distcp:removed", remove(f"{TT}/__3_0.distcp")),
         (f"{TT}/.metadata:swap", swap(f"{TT}/.metadata", "checkpoint/step-2/.metadata")),
-        (f"{TT}/__0_0.distcp:swap-undetectable", swap(f"{TT}/__0_0.distcp", "checkpoint/step-2/__0_0.distcp")),
+        (f"{TT}/__0_0.distcp:swap", swap(f"{TT}/__0_0.distcp", "checkpoint/step-2/__0_0.distcp")),  # train_state
+        (f"{TT}/__1_0.distcp:swap-undetectable", swap(f"{TT}/__1_0.distcp", "checkpoint/step-2/__1_0.distcp")),
         (f"{TT}:link-out", link_out(TT)),
         (f"{TT}:link-nowhere", link_nowhere(TT)),
         (f"{TT}/.metadata:dir", as_dir(f"{TT}/.metadata")),
@@ -271,6 +272,7 @@ CASES: dict[str, list[tuple[str, Mutation]]] = {
         *damaged(f"{ACC}/pytorch_model_fsdp_0/__0_0.distcp", f"{ACC}/optimizer_0/__1_0.distcp"),
         (f"{ACC}/pytorch_model_fsdp_0/.metadata:removed", remove(f"{ACC}/pytorch_model_fsdp_0/.metadata")),
         (f"{ACC}/optimizer_0/.metadata:removed", remove(f"{ACC}/optimizer_0/.metadata")),
+        (f"{ACC}/optimizer_0:removed", remove(f"{ACC}/optimizer_0")),  # scheduler.pt is saved after it
         (f"{ACC}/scheduler.pt:empty", empty(f"{ACC}/scheduler.pt")),  # side files kept byte for byte
         (f"{ACC}/training_args.bin:minus1", minus1(f"{ACC}/training_args.bin")),
         (f"{ACC}/rng_state_0.pth:removed", remove(f"{ACC}/rng_state_0.pth")),
@@ -344,6 +346,9 @@ KNOWN = {
         "dcp.trainer_parts skips a model folder without .metadata: exit 0 without pytorch_model.bin",
     f"accelerate:{ACC}/optimizer_0/.metadata:removed:torch":
         "dcp.trainer_parts skips an optimizer folder without .metadata: exit 0 without optimizer.pt",
+    f"accelerate:{ACC}/optimizer_0:removed:torch":
+        "a Trainer folder with scheduler.pt and rng_state (saved after the optimizer) but no optimizer_0/: "
+        "exit 0 without optimizer.pt",
     f"lightning:{LIGHTNING}/meta.pt:removed:torch":
         "a Lightning folder without meta.pt is read as a plain DCP folder (checkpoint.pt, not checkpoint.ckpt)",
     "olmo-local:train/rank0.pt:removed:torch":
