@@ -19,7 +19,6 @@ of another kind": it may export.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
