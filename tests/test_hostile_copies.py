@@ -339,19 +339,8 @@ OTHER_SAVE = {f"{TT}/.metadata:{way}": ("--step", "2") for way in ("removed", "d
 
 # Known bugs, each a case id -> why (the lead un-xfails them once fixed).
 KNOWN = {
-    f"accelerate:{ACC}/pytorch_model_fsdp_0/.metadata:removed:safetensors":
-        "dcp.trainer_parts skips a model folder without .metadata: the optimizer's state exported as the model",
-    f"accelerate:{ACC}/pytorch_model_fsdp_0/.metadata:removed:torch":
-        "dcp.trainer_parts skips a model folder without .metadata: exit 0 without pytorch_model.bin",
-    f"accelerate:{ACC}/optimizer_0/.metadata:removed:torch":
-        "dcp.trainer_parts skips an optimizer folder without .metadata: exit 0 without optimizer.pt",
-    f"accelerate:{ACC}/optimizer_0:removed:torch":
-        "a Trainer folder with scheduler.pt and rng_state (saved after the optimizer) but no optimizer_0/: "
-        "exit 0 without optimizer.pt",
     f"lightning:{LIGHTNING}/meta.pt:removed:torch":
         "a Lightning folder without meta.pt is read as a plain DCP folder (checkpoint.pt, not checkpoint.ckpt)",
-    "olmo-local:train/rank0.pt:removed:torch":
-        "trainer.trainer_files takes the lowest rank present: rank 1's train state (its RNG) as rank 0's",
 }
 
 

@@ -730,9 +730,29 @@ def trainer_parts(folder: str, storage_options: StorageOptions | None) -> list[s
     .metadata of its own or holds no such folder."""
     if has_metadata(folder, storage_options):
         return []
-    found = [n for n in subfolders(folder, storage_options) if PART.fullmatch(n)
-             and has_metadata(join(folder, n), storage_options)]
+    found = [n for n in subfolders(folder, storage_options) if PART.fullmatch(n)]
+    if any(has_metadata(join(folder, n), storage_options) for n in found):  # a trainer's: every part is whole
+        for n in found:
+            if not has_metadata(join(folder, n), storage_options):
+                raise CheckpointError(f"{join(join(folder, n), METADATA)}: missing: the {n} part of the checkpoint "
+                                      f"in {folder} has no .metadata (an unfinished or damaged save)")
+        _optimizer_saved(folder, found, storage_options)
+    else:
+        found = []
     return sorted(found, key=lambda n: (not n.startswith(FSDP_MODEL), int(n.rsplit("_", 1)[1])))
+
+
+def _optimizer_saved(folder: str, parts: list[str], storage_options: StorageOptions | None) -> None:
+    """A trainer folder whose scheduler is saved has its optimizer too: the HF Trainer and Accelerate save
+    the optimizer's folder before the scheduler (`save_only_model` saves neither), so one without it is a
+    damaged save, whose export would silently lack the optimizer."""
+    if any(n.startswith("optimizer_") for n in parts):
+        return
+    there = {name_of(p) for p in listing(folder, storage_options)}
+    scheduler = next((n for n in ("scheduler.pt", "scheduler.bin") if n in there), None)
+    if scheduler is not None:
+        raise CheckpointError(f"{join(folder, 'optimizer_0')}: missing, beside {scheduler}, which the trainer saves "
+                              f"after it (an unfinished or damaged save)")
 
 
 def read_parts(folder: str, storage_options: StorageOptions | None = None) -> DcpCheckpoint:

@@ -27,9 +27,14 @@ TRAIN = "train"
 
 
 def trainer_files(checkpoint: str, storage_options: StorageOptions | None = None) -> list[str]:
-    """`train/rank{r}.pt` under the checkpoint folder, in rank order (empty when there are none)."""
+    """`train/rank{r}.pt` under the checkpoint folder, in rank order (empty when there are none); a rank
+    missing below the highest is refused by name (rank 0's is the one whose state is exported)."""
     found = listing(join(checkpoint, TRAIN), storage_options)
     ranked = {rank: f for f in found if f.endswith(".pt") and (rank := name_rank(f)) is not None}
+    missing = next((r for r in range(max(ranked, default=-1) + 1) if r not in ranked), None)
+    if missing is not None:
+        raise CheckpointError(f"{join(join(checkpoint, TRAIN), f'rank{missing}.pt')}: missing, beside "
+                              f"{name_of(ranked[max(ranked)])} (an unfinished or damaged save)")
     return [ranked[r] for r in sorted(ranked)]
 
 
