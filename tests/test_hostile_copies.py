@@ -337,13 +337,6 @@ UNIT_DAMAGE = (":half", ":minus1", ":empty", ":removed", ":dir", ":swap", ":swap
 OTHER_SAVE = {f"{TT}/.metadata:{way}": ("--step", "2") for way in ("removed", "dir")} | {
     f"{TT}:link-nowhere": ("--step", "2")}
 
-# Known bugs, each a case id -> why (the lead un-xfails them once fixed).
-KNOWN = {
-    f"lightning:{LIGHTNING}/meta.pt:removed:torch":
-        "a Lightning folder without meta.pt is read as a plain DCP folder (checkpoint.pt, not checkpoint.ckpt)",
-}
-
-
 def _formats(folder: str, case: str) -> list[str]:
     torch_too = FOLDERS[folder].torch
     if case in BOTH and torch_too:
@@ -356,9 +349,7 @@ def _params() -> list[Any]:
     for folder, cases in CASES.items():
         for name, _ in cases:
             for fmt in _formats(folder, name):
-                case_id = f"{folder}:{name}:{fmt}"
-                marks = [pytest.mark.xfail(strict=True, reason=KNOWN[case_id])] if case_id in KNOWN else []
-                params.append(pytest.param(folder, name, fmt, id=case_id, marks=marks))
+                params.append(pytest.param(folder, name, fmt, id=f"{folder}:{name}:{fmt}"))
     return params
 
 

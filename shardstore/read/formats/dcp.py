@@ -888,9 +888,13 @@ class DcpFormat:
 
     def source(self, folder: str, storage_options: StorageOptions | None) -> Any:
         folder = _resolved(folder, storage_options)
-        units = [join(folder, f) for f in _read(folder, storage_options).files]
+        ckpt = _read(folder, storage_options)
+        units = [join(folder, f) for f in ckpt.files]
         found = resume_files(folder, storage_options)  # the HF Trainer's, beside its DCP folders
-        return Source(self.name, units + trainer_files(folder, storage_options), storage_options,
+        beside = trainer_files(folder, storage_options)
+        lightning.check_meta_there(folder, {str(p[0]) for p in ckpt.paths.values() if p},
+                                   any(name_of(p) == lightning.META for p in beside))
+        return Source(self.name, units + beside, storage_options,
                       _beside(folder, storage_options), *((found.trainer, found.files) if found is not None else ()))
 
     def latest(self, folder: str, storage_options: StorageOptions | None) -> str | None:

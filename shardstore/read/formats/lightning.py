@@ -27,7 +27,8 @@ from ...patterns import digits
 from ..primitives.container import read_small
 from ..source import JSON_CONFIG, check_step
 
-META = "meta.pt"  # rank 0's torch.save of every value but the modules and optimizers
+META = "meta.pt"
+OPTIMIZER = re.compile(r"optimizer_[0-9]+")  # the Trainer's key for its i-th optimizer's state  # rank 0's torch.save of every value but the modules and optimizers
 HPARAMS = "hparams.yaml"
 MAX_HPARAMS = 1 << 20
 # the keys a LightningModule's hyper-parameters name a transformers model by, as fine-tuning scripts spell them
@@ -45,6 +46,18 @@ def check_steps(meta: str, values: dict[str, Any]) -> None:
     save's meta.pt copied into the folder is refused. Fabric names its folders freely (they name nothing)."""
     for key, named in NAMED.items():
         check_step(meta, key, values.get(key), folder_of(meta), named)
+
+
+def check_meta_there(folder: str, top_keys: set[str], has_meta: bool) -> None:
+    """A DCP folder that is a Lightning Trainer's save (ModelCheckpoint's `*.ckpt` name, its model under
+    `state_dict` or `model` and its optimizers under `optimizer_{i}`) holds meta.pt: the Trainer writes it
+    with every save (epoch, global_step, loops, schedulers). Without it the save is unfinished or damaged,
+    and read as a plain DCP folder it would lose all that (Lightning refuses it too)."""
+    if has_meta or not name_of(folder).endswith(".ckpt") or not any(OPTIMIZER.fullmatch(k) for k in top_keys):
+        return
+    if top_keys <= {"state_dict", "model"} | {k for k in top_keys if OPTIMIZER.fullmatch(k)}:
+        raise CheckpointError(f"{join(folder, META)}: missing from a Lightning checkpoint (its model and "
+                              f"optimizer_N are there): an unfinished or damaged save")
 
 
 def hparams_file(checkpoint: str, storage_options: StorageOptions | None) -> str | None:
