@@ -1,10 +1,11 @@
-"""The command line as the refusal tests run it: every `unshard` is run twice, as `--dry-run` first and then
-for real, so that every refusal test of the suite also holds the dry run to the real run's up-front checks.
+"""The command line as the refusal tests run it: every `unshard` the real run refuses up front is run again
+as `--dry-run`, so that every refusal test of the suite also holds the dry run to the real run's checks.
 
-A dry run must refuse, with the same line, whatever the real run refuses before it reads a unit, and must
-pass whatever the real run passes; it never leaves OUT behind. Only what a unit's own bytes reveal (a
-pickle's payload, a forged tensor inside a rank file) is the real run's alone: `AT_INGEST` lists those
-refusals, by the words of their lines, so that a new up-front check the dry run misses fails here.
+A dry run must refuse, with the same line, whatever the real run refuses before it reads a unit, and it
+never leaves OUT behind. (A refusal up front leaves nothing that the dry run after it could see.) Only
+what a unit's own bytes reveal (a pickle's payload, a forged tensor inside a rank file) is the real run's
+alone: `AT_INGEST` lists those refusals, by the words of their lines, so that a new up-front check the dry
+run misses fails here.
 """
 
 from __future__ import annotations
@@ -26,19 +27,18 @@ AT_INGEST = ("refusing to load global", "refusing getattr",
 
 
 def cli(*args: object, limit: bool = False, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """Run `python -m shardstore ARGS` (under an address-space cap with `limit`); an `unshard` also runs as
-    `--dry-run` first, its result kept as the returned process's `dry` attribute."""
+    """Run `python -m shardstore ARGS` (under an address-space cap with `limit`); an `unshard` refused up
+    front runs again as `--dry-run`, its result kept as the returned process's `dry` attribute."""
     argv = [str(a) for a in args]
-    dry = None
-    if argv[:1] == ["unshard"] and "--dry-run" not in argv:
+    proc = _run(argv, limit, cwd)
+    proc.dry = None  # type: ignore[attr-defined]
+    lines = error_lines(proc)
+    if argv[:1] == ["unshard"] and "--dry-run" not in argv and proc.returncode == 1 \
+            and not any(words in line for line in lines for words in AT_INGEST):
         out = Path(cwd or ".", argv[2]) if len(argv) > 2 and not argv[2].startswith("-") else None
         existed = out is not None and out.exists()
-        dry = _run([*argv, "--dry-run"], limit, cwd)
+        proc.dry = _run([*argv, "--dry-run"], limit, cwd)  # type: ignore[attr-defined]
         assert out is None or existed or not out.exists(), f"the dry run left {out} behind"
-    proc = _run(argv, limit, cwd)
-    proc.dry = dry  # type: ignore[attr-defined]
-    if dry is not None and proc.returncode == 0:
-        assert dry.returncode == 0, f"the dry run refused a run that succeeds: {dry.stderr[-2000:]}"
     return proc
 
 
@@ -65,7 +65,7 @@ def assert_refused(proc: subprocess.CompletedProcess[str], *needles: str) -> str
     for needle in needles:
         assert needle in lines[0], lines[0]
     dry = getattr(proc, "dry", None)
-    if dry is not None and not any(words in lines[0] for words in AT_INGEST):
+    if dry is not None:
         assert dry.returncode == 1 and error_lines(dry) == lines, \
             f"the real run refused up front, the dry run did not say the same: {dry.returncode} {dry.stderr[-2000:]}"
     return lines[0]
