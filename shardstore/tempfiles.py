@@ -10,7 +10,7 @@ import re
 import secrets
 from pathlib import Path
 
-_TEMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]{8}\.tmp$")
+_TEMP = re.compile(r"^\..+\.([0-9]+)\.[0-9a-f]{8}\.tmp$")
 
 
 def temp_path(path: Path) -> Path:
