@@ -496,16 +496,23 @@ def _check_named_steps(ckpt: DcpCheckpoint, storage_options: StorageOptions | No
         if named is None or not named.search(name_of(ckpt.folder)):
             continue
         where = f"{join(ckpt.folder, item.file)}: {item.fqn}"
-        data = DataFile(join(ckpt.folder, item.file), storage_options)
-        try:
-            zf = _item_zip(ckpt, data, item, where)
-            try:
-                step = load(zf.record("data.pkl"), where, strict)
-            finally:
-                zf.close()
-        finally:
-            data.close()
+        step = _item_value(ckpt, item, storage_options, strict, where)
         check_step(where, item.fqn.rsplit(".", 1)[-1], step, ckpt.folder, named)
+
+
+def _item_value(ckpt: DcpCheckpoint, item: Item, storage_options: StorageOptions | None, strict: bool,
+                what: str) -> Any:
+    """A bytes item's value, read with the plan from its file (a small one: a trainer's step, Megatron's
+    common state)."""
+    data = DataFile(join(ckpt.folder, item.file), storage_options)
+    try:
+        zf = _item_zip(ckpt, data, item, f"{join(ckpt.folder, item.file)}: {item.fqn}")
+        try:
+            return load(zf.record("data.pkl"), what, strict)
+        finally:
+            zf.close()
+    finally:
+        data.close()
 
 
 def _megatron_args(ckpt: DcpCheckpoint, trainer_state: list[str], storage_options: StorageOptions | None,
@@ -516,18 +523,13 @@ def _megatron_args(ckpt: DcpCheckpoint, trainer_state: list[str], storage_option
     common = next((p for p in trainer_state if _is_common(p)), None)
     if item is None and common is None:
         return None
+    where = join(ckpt.folder, item.file) if item is not None else common
     if item is not None:  # a bytes item of a .distcp file
-        where, data = join(ckpt.folder, item.file), DataFile(join(ckpt.folder, item.file), storage_options)
-        zf = _item_zip(ckpt, data, item, f"{where}: {item.fqn}")
+        state = _item_value(ckpt, item, storage_options, strict, f"{where}: Megatron's common state")
     else:
         assert common is not None  # (one of the two, above)
-        where, data, zf = common, None, TorchZip(common, storage_options)
-    try:
-        state = load(zf.record("data.pkl"), f"{where}: Megatron's common state", strict)
-    finally:
-        zf.close()
-        if data is not None:
-            data.close()
+        with TorchZip(common, storage_options) as zf:
+            state = load(zf.record("data.pkl"), f"{where}: Megatron's common state", strict)
     state = state[0] if isinstance(state, list) and len(state) == 1 else state
     megatron_torch.check_iteration(f"{where}: Megatron's common state", state, ckpt.folder)
     args = getattr(state.get("args") if isinstance(state, dict) else None, "state", None)
@@ -730,15 +732,16 @@ def trainer_parts(folder: str, storage_options: StorageOptions | None) -> list[s
     .metadata of its own or holds no such folder."""
     if has_metadata(folder, storage_options):
         return []
-    found = [n for n in subfolders(folder, storage_options) if PART.fullmatch(n)]
-    if any(has_metadata(join(folder, n), storage_options) for n in found):  # a trainer's: every part is whole
-        for n in found:
-            if not has_metadata(join(folder, n), storage_options):
-                raise CheckpointError(f"{join(join(folder, n), METADATA)}: missing: the {n} part of the checkpoint "
-                                      f"in {folder} has no .metadata (an unfinished or damaged save)")
-        _optimizer_saved(folder, found, storage_options)
-    else:
-        found = []
+    whole = {n: has_metadata(join(folder, n), storage_options) for n in subfolders(folder, storage_options)
+             if PART.fullmatch(n)}
+    if not any(whole.values()):
+        return []
+    broken = next((n for n, there in whole.items() if not there), None)  # a trainer's: every part is whole
+    if broken is not None:
+        raise CheckpointError(f"{join(join(folder, broken), METADATA)}: missing: the {broken} part of the checkpoint "
+                              f"in {folder} has no .metadata (an unfinished or damaged save)")
+    found = list(whole)
+    _optimizer_saved(folder, found, storage_options)
     return sorted(found, key=lambda n: (not n.startswith(FSDP_MODEL), int(n.rsplit("_", 1)[1])))
 
 
