@@ -8,17 +8,18 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from . import export as _export
 from . import ingest as _ingest
 from .average import average
 from .errors import CheckpointError, ExportError, ShardstoreError
-from .locations import StorageOptions, is_url, nearest_existing
+from .locations import StorageOptions, is_url, name_of, nearest_existing
 from .progress import Progress, size_text
 from .progress import resolve as _progress
 from .read.discover import open_source, source_of_files
 from .read.layouts import missing_ranks
+from .read.primitives.identity import content, file_identity
 from .read.registry import get
 from .read.source import Source
 from .runner import default_jobs
@@ -154,19 +155,23 @@ def _missing_folders(out_dir: PathLike) -> list[Path]:
     return made
 
 
-def _outside_checkpoint(source: Source, out_dir: PathLike, store: PathLike | None) -> None:
-    """Refuse an OUT or a store inside the checkpoint's own folder: what is written there would be read as
-    (part of) the checkpoint by the next run, and a rerun would convert its own output."""
-    if is_url(source.folder):
-        return
-    folder = os.path.realpath(source.folder)
+def _outside_checkpoint(src_dir: PathLike, source: Source, out_dir: PathLike, store: PathLike | None) -> None:
+    """Refuse an OUT or a store inside the folder the user named (a run of checkpoints, or the checkpoint)
+    or the checkpoint's own folder: what is written there would be read as (part of) a checkpoint by the
+    next run (a run holding `export/` beside `step2/` is no longer a run of one kind), and a rerun would
+    convert its own output."""
+    named = os.fspath(src_dir)
+    folders = [f for f in (source.folder, named) if not is_url(f) and os.path.isdir(f)]
     for what, where in (("OUT", out_dir), ("--store", store)):
         if where is None or is_url(os.fspath(where)):
             continue
         path = os.path.realpath(where)
-        if path == folder or path.startswith(folder.rstrip(os.sep) + os.sep):
-            raise ExportError(f"{where}: {what} is inside the checkpoint's folder {source.folder}; "
-                              f"write it elsewhere, so the checkpoint stays as its trainer left it")
+        for folder in folders:
+            real = os.path.realpath(folder)
+            if path == real or path.startswith(real.rstrip(os.sep) + os.sep):
+                kind = "checkpoint's" if os.path.samefile(folder, source.folder) else "run's"
+                raise ExportError(f"{where}: {what} is inside the {kind} folder {folder}; write it elsewhere, "
+                                  f"so the checkpoint stays as its trainer left it")
 
 
 def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None, tag: str | None = None,
@@ -185,7 +190,7 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     _export.check_request(out_dir, format, select, strip_prefix, dtype, hf_config, single_file=single_file)
     progress = _progress(progress)
     source = open_source(src_dir, tag, step, storage_options)
-    _outside_checkpoint(source, out_dir, store)
+    _outside_checkpoint(src_dir, source, out_dir, store)
     if os.path.normpath(source.folder) != os.path.normpath(src_dir):
         progress.note(f"unshard: the checkpoint in {source.folder}")
     scratch = scratch_location(out_dir)
@@ -279,6 +284,7 @@ def _up_front(st: Store, src_dir: PathLike, source: Source, out_dir: PathLike, r
             raise CheckpointError(f"{src_dir}: world size is {st.manifest.world_size} but rank files are missing "
                                   f"for ranks {', '.join(map(str, missing[:20]))}{' ...' if len(missing) > 20 else ''}")
     _export.preflight(st, out_dir, request)
+    _export.check_origin(out_dir, lambda names: _unit_identities(source, names), request.overwrite)
     output = _export.output_bytes(st, request.format, request.select, request.dtype)
     # the sizes the plan declares, against the disks, before any file of that size is made
     check_space(st, len(source.units), subtree, out_dir, output, in_store=not one_pass)
@@ -286,6 +292,14 @@ def _up_front(st: Store, src_dir: PathLike, source: Source, out_dir: PathLike, r
     if one_pass and direct is None:  # the store holds the data after all
         check_space(st, len(source.units), subtree, out_dir, output)
     return output, direct
+
+
+def _unit_identities(source: Source, names: Iterable[str]) -> dict[str, str]:
+    """The content identity of the first of `names` that is one of the checkpoint's unit files: one small
+    read decides whether an export in OUT is of this checkpoint (units of one save are one save's)."""
+    by_name = {name_of(u): u for u in source.units}
+    name = next((n for n in names if n in by_name), None)
+    return {} if name is None else {name: content(file_identity(by_name[name], source.storage_options))}
 
 
 def _plan(src_dir: PathLike, source: Source, out_dir: PathLike, store: PathLike | None,

@@ -17,6 +17,7 @@ from ..sink.output import output_error, write_side_files
 from ..store.onesave import check_one_save
 from ..store.store import Status, Store
 from ..tree import Node
+from . import origin
 from .contract import DirectExport, ExportRequest, OutputFormat, Planned, cast_dtype
 from .hf import NO_HF_DESCRIPTION, has_hf_description
 from .notes import flat_buckets
@@ -198,6 +199,13 @@ def _earlier_export(out: Path, planned: list[str], overwrite: bool) -> list[Path
     return stale
 
 
+def check_origin(out_dir: str | os.PathLike[str], identities: origin.Identities, overwrite: bool) -> None:
+    """Refuse an export into an OUT holding files of an export of another checkpoint (export/origin.py),
+    unless `overwrite`; `identities` gives this checkpoint's unit files' content identities by name."""
+    if not overwrite and previous_outputs(Path(out_dir), []):
+        origin.check(Path(out_dir), identities, overwrite)
+
+
 def _stale_message(out: Path, stale: list[Path]) -> str:
     names = ", ".join(p.name for p in stale[:6]) + (" ..." if len(stale) > 6 else "")
     return (f"{out}: holds files of an earlier export that this one would not replace ({names}); "
@@ -243,7 +251,9 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     planned = fmt.plan(store, request, node, _subtree(store, select) if fmt.subtree else "", jobs)
     side_files = _beside(store, fmt)
     stale = _earlier_export(out, planned.files + list(side_files), overwrite)
+    check_origin(out, lambda names: origin.of_store(store), overwrite)
     with _writing_into(out, stale):
+        origin.write(out, origin.of_store(store))
         if on_start:
             on_start(planned.nbytes)
         files, skipped, notes = planned.write(out, progress, partial, scheduler, jobs)
@@ -301,7 +311,9 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
     fmt = output_format(format)
     side_files = _beside(store, fmt)
     stale = _earlier_export(out, planned.files + list(side_files), overwrite)
+    check_origin(out, lambda names: origin.of_store(store), overwrite)
     with _writing_into(out, stale):
+        origin.write(out, origin.of_store(store))
         files = []
         folder = Path(planned.layout.folder)
         moving = folder / MOVING  # a rerun after a crash mid-way knows which files moved already
