@@ -52,8 +52,7 @@ def layout_checkpoints(tmp_path_factory: pytest.TempPathFactory):
         if name not in made:
             out = base / f"layout-{name}"
             if not (out / ".done").exists():
-                for step in steps:
-                    make_layout_checkpoint(out, world_size, layout, step=step, **options)
+                make_layout_checkpoint(out, world_size, layout, steps=steps, **options)
                 (out / ".done").touch()
             made[name] = out
         return made[name]
