@@ -315,6 +315,9 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
     _report(result, quiet, started, "unshard")
 
 
+VERIFY_LINES = 50  # difference lines `verify` prints; --json gives every one
+
+
 @main.command()
 @click.argument("src", type=click.Path())
 @click.argument("output", type=click.Path(exists=True))
@@ -339,9 +342,11 @@ def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select
     if as_json:
         _echo_json({"ok": result.ok, "format": result.format, "tensors": result.tensors, "bytes": result.nbytes,
                     "differences": [{"name": d.name, "what": d.what} for d in result.differences]})
-    else:
-        for difference in result.differences:
+    else:  # the first lines: a wholly wrong output of thousands of tensors would bury the summary
+        for difference in result.differences[:VERIFY_LINES]:
             click.echo(str(difference))
+        if len(result.differences) > VERIFY_LINES:
+            click.echo(f"... and {len(result.differences) - VERIFY_LINES} more (--json lists every one)")
     click.echo(result.summary(), err=True)
     sys.exit(0 if result.ok else 1)
 

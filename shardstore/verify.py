@@ -29,15 +29,16 @@ import numpy as np
 
 from . import dtypes
 from .errors import ExportError
-from .export import ExportRequest, model_subtree, planned
+from .export import ExportRequest, has_hf_description, model_subtree, planned
 from .export.dcp import dcp_state
 from .export.resolve import ArrayRef, build, leaves
 from .export.safetensors import CASTABLE, INDEX, Item, tensor_bytes
-from .export.torch import torch_layout, torch_object
+from .export.hf import CONFIG
+from .export.torch import TorchFile, torch_layout, torch_object
 from .ingest import ingest
 from .jsonin import loads
 from .locations import StorageOptions
-from .ranges import blocks
+from .ranges import BLOCK, blocks
 from .read.discover import open_source
 from .read.primitives import tensors
 from .read.primitives.container import TorchZip, read_small
@@ -111,6 +112,8 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
             return _compare_dcp(ingest(scratch / "store", source, jobs=jobs), ingest(scratch / "output", written, jobs=jobs))
         store = ingest(scratch / "store", source, jobs=jobs,  # the model's tensors only
                        only=lambda st: select if select is not None else model_subtree(st))
+        if format == "hf" and hf_config is None and not has_hf_description(store):
+            hf_config = out / CONFIG  # the folder's own config.json: what the export was given, as written
         # the tensors, and their names, a safetensors (or hf) export writes: a state dict's too
         request = ExportRequest("hf" if format == "hf" else "safetensors", select, strip_prefix, hf_config=hf_config)
         return _compare(store, planned(store, request).tensors, outputs, format)
@@ -131,14 +134,23 @@ def _scratch(out: Path) -> Path:
 
 def _format_of(out: Path) -> str:
     """Which export OUTPUT looks like: a Hugging Face folder, a DCP folder, safetensors, or torch files."""
-    if (out / "config.json").is_file():
+    if (out / CONFIG).is_file():
         return "hf"
     if (out / ".metadata").is_file():
         return "dcp"
-    if out.suffix in (".pt", ".pth", ".bin", ".ckpt") or out.is_dir() and not any(out.glob("*.safetensors")) and \
-            (any(out.glob("*.pt")) or any(out.glob("*.bin"))):
+    if out.suffix in TORCH_SUFFIXES or out.is_dir() and not any(out.glob("*.safetensors")) and _torch_files_in(out):
         return "torch"
     return "safetensors"
+
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def _torch_files_in(out: Path) -> list[Path]:
+    """The torch files of an output folder: the HF Trainer's pytorch_model*.bin where it has them (not the
+    training_args.bin it writes beside them), else every .pt, .pth, .bin and .ckpt file."""
+    return sorted(out.glob("pytorch_model*.bin")) or sorted(p for p in out.iterdir()
+                                                           if p.suffix in TORCH_SUFFIXES and p.is_file())
 
 
 # An output's tensor as `_walk` compares it: (dtype, shape, its bytes: a view, or blocks streamed in order)
@@ -150,13 +162,9 @@ def _compare_torch(store: Store, out: Path) -> VerifyResult:
     called), walked beside what the export would write: every tensor of the same dtype, shape and bytes,
     every plain number and string equal; keys missing or extra named."""
     result = VerifyResult("torch")
-    files = torch_layout(store)
-    if out.is_file() or not any((out / f.name).exists() for f in files):
-        files = torch_layout(store, single=True)  # the whole state in one file (--single-file, dcp_to_torch_save)
-    for file in files:
-        path = out if out.is_file() else out / file.name  # one file, by any name
+    for file, path in _torch_outputs(store, out):
         if not path.is_file():
-            result.differences.append(Difference(file.name, "missing from the output"))
+            result.differences.append(Difference(path.name, "missing from the output"))
             continue
         with TorchZip(path) as zf:
             got = load(zf.record("data.pkl"), str(path), strict=False)
@@ -164,12 +172,25 @@ def _compare_torch(store: Store, out: Path) -> VerifyResult:
             def found(leaf: Any, zf: TorchZip = zf) -> Found | None:
                 if not isinstance(leaf, TensorRef):
                     return None
-                span = tensors.byte_range(zf, leaf)
-                return leaf.dtype, tuple(leaf.shape), lambda: zf.file.view(*span) if span is not None else \
-                    memoryview(tensors.array(zf, leaf).tobytes())
+                return leaf.dtype, tuple(leaf.shape), lambda: _torch_bytes(zf, leaf)
 
-            _walk(store, found, file.name, torch_object(store, file), got, result, 0)
+            _walk(store, found, path.name, torch_object(store, file), got, result, 0)
     return result
+
+
+def _torch_outputs(store: Store, out: Path) -> list[tuple[TorchFile, Path]]:
+    """Each file of a torch OUTPUT and what it should hold. OUTPUT itself, or the one torch file of its
+    folder, holds the whole state, whatever its name (torch's `dcp_to_torch_save`, `--single-file`); a
+    folder of several holds the files `--format torch` writes for the checkpoint's layout, by their names."""
+    held = [out] if out.is_file() else _torch_files_in(out)
+    if len(held) == 1:
+        return [(torch_layout(store, single=True)[0], held[0])]
+    split = torch_layout(store)
+    if not {f.name for f in split} & {p.name for p in held}:
+        raise ExportError(f"{out}: holds {', '.join(p.name for p in held) or 'no torch file'}, not the files "
+                          f"--format torch writes for this checkpoint ({', '.join(f.name for f in split)}); give "
+                          f"the one file that holds the whole state")
+    return [(f, out / f.name) for f in split]
 
 
 def _compare_dcp(store: Store, output: Store) -> VerifyResult:
@@ -229,6 +250,18 @@ def _walk(store: Store, found: Callable[[Any], Found | None], name: str, want: A
         differ(Difference(name, f"{got!r:.60} in the output, {want!r:.60} in the checkpoint"))
 
 
+def _torch_bytes(zf: TorchZip, ref: TensorRef) -> memoryview | Iterator[Any]:
+    """A torch file's tensor in C order: a view of the file where it is one contiguous run of bytes, else
+    (a transposed or sliced view torch.save kept with its whole storage) streamed in blocks of whole rows,
+    never copied whole."""
+    span = tensors.byte_range(zf, ref)
+    if span is not None:
+        return zf.file.view(*span)
+    array = tensors.array(zf, ref)
+    step = max(1, BLOCK // max(array[:1].nbytes, 1))
+    return (np.ascontiguousarray(array[lo:lo + step]).data for lo in range(0, len(array), step))
+
+
 BIN_INDEX = "pytorch_model.bin.index.json"
 
 
@@ -242,8 +275,7 @@ class _StateFile:
         self._zf = TorchZip(path)
         try:
             state = load(self._zf.record("data.pkl"), self.path, strict=False)
-            if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, TensorRef)
-                                                      for k, v in state.items()):
+            if not _is_state_dict(state):
                 raise ExportError(f"{path}: not a state dict ({{name: tensor}}); a torch export of shardstore's "
                                   f"is verified as its folder")
             self.tensors: dict[str, TensorRef] = state
@@ -251,10 +283,8 @@ class _StateFile:
             self._zf.close()
             raise
 
-    def view(self, name: str) -> memoryview:
-        ref = self.tensors[name]
-        span = tensors.byte_range(self._zf, ref)
-        return self._zf.file.view(*span) if span is not None else memoryview(tensors.array(self._zf, ref).tobytes())
+    def view(self, name: str) -> memoryview | Iterator[Any]:
+        return _torch_bytes(self._zf, self.tensors[name])
 
     def close(self) -> None:
         self._zf.close()
@@ -269,13 +299,22 @@ OutputFile = _StateFile | _Safetensors
 
 
 def state_dict_files(out: Path) -> bool:
-    """Whether OUTPUT is a model's state dict in torch files (one, or a folder of pytorch_model*.bin) rather
-    than the files of shardstore's torch export (which verify walks whole)."""
-    if out.is_file():
-        with TorchZip(out) as zf:
-            state = load(zf.record("data.pkl"), str(out), strict=False)
-        return isinstance(state, dict) and all(isinstance(v, TensorRef) for v in state.values())
-    return (out / BIN_INDEX).is_file() or not any(out.glob("*.pt")) and any(out.glob("*.bin"))
+    """Whether OUTPUT is a model's state dict in torch files (one file, or a folder whose torch files each
+    hold {name: tensor}: the HF Trainer's pytorch_model*.bin, sharded with their index or not) rather than
+    a whole checkpoint's state (torch's `dcp_to_torch_save`, shardstore's torch export: walked whole)."""
+    if out.is_dir() and (out / BIN_INDEX).is_file():
+        return True
+    paths = [out] if out.is_file() else _torch_files_in(out)
+    return bool(paths) and all(_holds_state_dict(p) for p in paths)
+
+
+def _holds_state_dict(path: Path) -> bool:
+    with TorchZip(path) as zf:
+        return _is_state_dict(load(zf.record("data.pkl"), str(path), strict=False))
+
+
+def _is_state_dict(state: Any) -> bool:
+    return isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, TensorRef) for k, v in state.items())
 
 
 def _output_tensors(out: Path) -> tuple[list[OutputFile], dict[str, tuple[OutputFile, TensorRef]]]:
@@ -291,9 +330,9 @@ def _output_tensors(out: Path) -> tuple[list[OutputFile], dict[str, tuple[Output
             raise ExportError(f"{at}: has no weight_map")
         paths = [out / name for name in sorted({str(v) for v in weight_map.values()})]
     else:
-        paths = sorted(out.glob("*.safetensors")) or sorted(out.glob("*.bin"))
+        paths = sorted(out.glob("*.safetensors")) or _torch_files_in(out)
     if not paths:
-        raise ExportError(f"{out}: no safetensors or pytorch_model*.bin file to verify")
+        raise ExportError(f"{out}: no safetensors or torch file of a state dict to verify")
     files: list[OutputFile] = []
     found: dict[str, tuple[OutputFile, TensorRef]] = {}
     try:
@@ -364,8 +403,12 @@ def _compare(store: Store, items: list[Item], outputs: dict[str, tuple[OutputFil
 
 def _first_difference(item: Item, expected: Iterator[Any], got: memoryview | Iterator[Any]) -> str | None:
     """How the output's bytes (a view, or blocks streamed in order) differ from the expected ones: how many
-    elements, and the first (its index and both values); None when they are equal. Blocks of the expected
-    bytes hold whole elements."""
+    elements, and the first (its index and both values); None when they are equal. Each pair of blocks is
+    compared at once as the elements' bit patterns, so a wholly different tensor costs what an equal one
+    does: one vectorised comparison and count a block, the first difference taken from the first unequal
+    block only. Blocks of the expected bytes hold whole elements (every part of an array is whole rows or
+    elements, and `blocks` cuts parts at multiples of 16 MiB, a multiple of every itemsize), and the
+    output's are taken to the same lengths, so both are cut at the same element boundaries."""
     info = dtypes.info(item.dtype)
     pos, count, first = 0, 0, None
     take = (lambda n: got[pos:pos + n]) if isinstance(got, memoryview) else _Reader(got).take
@@ -373,13 +416,13 @@ def _first_difference(item: Item, expected: Iterator[Any], got: memoryview | Ite
         theirs = take(len(block))
         if len(theirs) != len(block):
             return f"{item.nbytes} bytes from the checkpoint, fewer in the output"
-        if theirs != block:
-            ours = np.frombuffer(block, dtype=np.uint8)
-            differ = np.unique((pos + np.flatnonzero(ours != np.frombuffer(theirs, dtype=np.uint8))) // info.itemsize)
-            count += len(differ)
-            if first is None:
-                at = int(differ[0]) * info.itemsize - pos
-                first = (int(differ[0]), bytes(theirs[at:at + info.itemsize]), bytes(block[at:at + info.itemsize]))
+        unequal = _unequal_elements(block, theirs, info.itemsize)
+        differ = int(np.count_nonzero(unequal))
+        if differ and first is None:
+            at = int(np.argmax(unequal))
+            first = (pos // info.itemsize + at, bytes(theirs[at * info.itemsize:(at + 1) * info.itemsize]),
+                     bytes(block[at * info.itemsize:(at + 1) * info.itemsize]))
+        count += differ
         pos += len(block)
     if first is None:
         return None
@@ -390,9 +433,20 @@ def _first_difference(item: Item, expected: Iterator[Any], got: memoryview | Ite
             f"output, {value[1]} from the checkpoint")
 
 
+def _unequal_elements(ours: Any, theirs: Any, itemsize: int) -> np.ndarray:
+    """Which elements of two equally long blocks of whole elements differ, as a bool array: their bits
+    compared as unsigned integers of the element's width (two 8-byte words for a 16-byte complex), so that
+    NaNs compare by their bits and one pass over the bytes does it."""
+    word = np.dtype(f"<u{min(itemsize, 8)}")
+    a, b = np.frombuffer(ours, dtype=word), np.frombuffer(theirs, dtype=word)
+    unequal = a != b
+    return unequal.reshape(-1, itemsize // word.itemsize).any(axis=1) if itemsize > word.itemsize else unequal
+
+
 class _Reader:
     """Blocks streamed in order, taken again in pieces of any size (a store's cells cut an array elsewhere
-    than the other store's)."""
+    than the other store's): a piece within one block is a view of it, one across blocks is copied once
+    into a buffer of its size."""
 
     def __init__(self, parts: Iterator[Any]):
         self._blocks = blocks(parts)
@@ -402,11 +456,15 @@ class _Reader:
         if len(self._pending) >= n:
             out, self._pending = self._pending[:n], self._pending[n:]
             return out
-        buf = bytearray(self._pending)
-        while len(buf) < n:
+        buf, filled = bytearray(n), len(self._pending)
+        buf[:filled], self._pending = self._pending, memoryview(b"")
+        while filled < n:
             block = next(self._blocks, None)
             if block is None:
-                break
-            buf += block
-        self._pending = memoryview(buf)[n:]
-        return memoryview(buf)[:n]
+                return memoryview(buf)[:filled]
+            view = memoryview(block).cast("B")
+            used = min(len(view), n - filled)
+            buf[filled:filled + used] = view[:used]
+            filled += used
+            self._pending = view[used:]
+        return memoryview(buf)

@@ -5,6 +5,7 @@ weight, an extra tensor."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -244,9 +245,9 @@ def test_torch_outputs_are_walked_key_by_key(tmp_path: Path) -> None:
     del state[dropped]
     torch.save(state, tmp_path / "damaged.pt")
     names = {d.name: d.what for d in shardstore.verify(src, tmp_path / "damaged.pt").differences}
-    assert names.keys() == {f"checkpoint.pt/{weight}", f"checkpoint.pt/{dropped}"}
-    assert names[f"checkpoint.pt/{weight}"].startswith("1 of ") and "at [0, 1]" in names[f"checkpoint.pt/{weight}"]
-    assert names[f"checkpoint.pt/{dropped}"] == "missing from the output"
+    assert names.keys() == {f"damaged.pt/{weight}", f"damaged.pt/{dropped}"}  # by the file's own name
+    assert names[f"damaged.pt/{weight}"].startswith("1 of ") and "at [0, 1]" in names[f"damaged.pt/{weight}"]
+    assert names[f"damaged.pt/{dropped}"] == "missing from the output"
 
 
 def test_dcp_outputs_are_read_back_and_walked_key_by_key(tmp_path: Path) -> None:
@@ -275,3 +276,173 @@ def test_dcp_outputs_are_read_back_and_walked_key_by_key(tmp_path: Path) -> None
     assert names[dropped] == "missing from the output"
     run = _cli(src, tmp_path / "damaged", "--json")
     assert run.returncode == 1 and json.loads(run.stdout)["format"] == "dcp"
+
+
+def _values(what: str) -> tuple[float, float]:
+    """The two values a difference line names: (in the output, from the checkpoint)."""
+    found = re.search(r"is (\S+) in the output, (\S+) from the checkpoint$", what)
+    assert found, what
+    return float(found[1]), float(found[2])
+
+
+def _first_difference(ours: torch.Tensor, theirs: torch.Tensor) -> tuple[int, list[int], float, float]:
+    """What verify must report for a tensor, from torch: how many elements differ in their bits, the first's
+    index, its value in the output (`theirs`) and in the checkpoint (`ours`)."""
+    bits = {4: torch.int32, 2: torch.int16}[ours.element_size()]
+    differ = (ours.view(bits) != theirs.view(bits)).reshape(-1)
+    first = int(differ.nonzero()[0])
+    index = [int(i) for i in torch.unravel_index(torch.tensor(first), ours.shape)]
+    return int(differ.sum()), index, float(theirs.reshape(-1)[first]), float(ours.reshape(-1)[first])
+
+
+def _saved_step(path: Path, seed: int, like: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """A user's `dcp.save({"model": ...})` of a model of many tensors (more than verify prints lines for)
+    and one of 5 M elements (several 16 MiB blocks), its values from `seed`; with `like`, the big tensor
+    is `like`'s but for its last 0.6 M elements (so that its first difference is in a later block)."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardstore.cli import VERIFY_LINES
+
+    gen = torch.Generator().manual_seed(seed)
+    state = {f"layers.{i}.{p}": torch.randn(6, 5, generator=gen).to(torch.bfloat16 if i % 2 else torch.float32)
+             for i in range(VERIFY_LINES // 2 + 5) for p in ("weight", "bias")}
+    state["big"] = torch.randn(5_000_000, generator=gen)
+    if like is not None:
+        state["big"][:4_400_000] = like["big"][:4_400_000]
+    dcp.save({"model": state}, checkpoint_id=path)
+    return state
+
+
+def test_an_export_of_another_checkpoint_is_reported_whole_counts_first_index_and_values(tmp_path: Path) -> None:
+    """The user's mistake the report must keep up with: an export of another step verified against this one.
+    Every tensor differs; each line gives the count of differing elements, the first one's index and both
+    values as torch sees them, also where the first difference is blocks into a tensor, for a safetensors
+    output and a DCP one (streamed from a second store, cut elsewhere). The CLI prints the first
+    VERIFY_LINES lines and how many more; --json gives every one."""
+    from shardstore.cli import VERIFY_LINES
+
+    ours = _saved_step(tmp_path / "step2", seed=2)
+    theirs = _saved_step(tmp_path / "step4", seed=4, like=ours)
+    shardstore.unshard(tmp_path / "step4", tmp_path / "st", jobs=1)
+    shardstore.unshard(tmp_path / "step4", tmp_path / "dcp", format="dcp", jobs=1)
+    for out, prefix in ((tmp_path / "dcp", "model/"), (tmp_path / "st", "")):
+        result = shardstore.verify(tmp_path / "step2", out)
+        found = {d.name.removeprefix(prefix): d.what for d in result.differences}
+        assert found.keys() == ours.keys() and result.tensors == len(ours)
+        for name, what in found.items():
+            count, index, output, source = _first_difference(ours[name], theirs[name])
+            assert what.startswith(f"{count} of {ours[name].numel()} elements differ; the first, at {index}, is ")
+            assert torch.tensor(_values(what), dtype=ours[name].dtype).tolist() == [output, source], (name, what)
+        assert found["big"].startswith(f"{5_000_000 - 4_400_000} of 5000000 elements differ; the first, at [4400000]")
+    run = _cli(tmp_path / "step2", tmp_path / "st")  # the last `result`: this output's
+    lines = run.stdout.splitlines()
+    assert run.returncode == 1 and len(ours) > VERIFY_LINES
+    assert lines[:-1] == [str(d) for d in result.differences[:VERIFY_LINES]]
+    assert lines[-1] == f"... and {len(ours) - VERIFY_LINES} more (--json lists every one)"
+    assert f"{len(ours)} difference(s) in the output" in run.stderr
+    listed = json.loads(_cli(tmp_path / "step2", tmp_path / "st", "--json").stdout)["differences"]
+    assert {d["name"] for d in listed} == ours.keys()
+
+
+@pytest.fixture(scope="module")
+def user_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """A user's training script: a tiny Llama (transformers) trained one AdamW step and `dcp.save`d as
+    {"model", "optim"}; the model is returned with it."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 64, (1, 5))).logits.sum().backward()
+    optim.step()
+    src = tmp_path_factory.mktemp("user-run") / "step1"
+    dcp.save({"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=src)
+    return src, model
+
+
+def test_torchs_own_dcp_to_torch_save_passes_in_its_folder_by_any_name(user_run, olmo_models,
+                                                                         tmp_path: Path) -> None:
+    """torch's `dcp_to_torch_save` of the user's {"model", "optim"} save, one file holding the whole state, in
+    the folder the user gave it (named model.pt, as one of shardstore's split files is, or anything else):
+    verified key by key (it said `model.pt: missing from the output ... compared 0 tensors`); a changed
+    element and a dropped optimizer key are named under the file's name. shardstore's own split files and
+    --single-file still pass."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src, _ = user_run
+    for name in ("model.pt", "whole.pth"):
+        (tmp_path / name).mkdir()
+        dcp_to_torch_save(src, tmp_path / name / name)
+        result = shardstore.verify(src, tmp_path / name)
+        assert result.ok and result.format == "torch", result.differences
+        state = torch.load(tmp_path / name / name, weights_only=False)
+        assert result.tensors == sum(isinstance(v, torch.Tensor) for v in _leaves(state)) > 20
+    state["model"]["model.layers.1.mlp.up_proj.weight"][3, 4] += 1
+    param = list(state["optim"]["state"])[2]
+    del state["optim"]["state"][param]["exp_avg"]
+    torch.save(state, tmp_path / name / name)
+    found = {d.name: d.what for d in shardstore.verify(src, tmp_path / name).differences}
+    assert found.keys() == {f"{name}/model/model.layers.1.mlp.up_proj.weight", f"{name}/optim/state/{param}/exp_avg"}
+    assert "the first, at [3, 4]" in found[f"{name}/model/model.layers.1.mlp.up_proj.weight"]
+    olmo = olmo_models("olmo2", "legacy", 3)
+    shardstore.unshard(olmo, tmp_path / "split", format="torch", jobs=1)
+    shardstore.unshard(olmo, tmp_path / "single", format="torch", single_file=True, jobs=1)
+    assert len(list((tmp_path / "split").glob("*.pt"))) > 1 and len(list((tmp_path / "single").glob("*.pt"))) == 1
+    assert shardstore.verify(olmo, tmp_path / "split").ok and shardstore.verify(olmo, tmp_path / "single").ok
+
+
+def _leaves(value: object) -> list[object]:
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_hf_trainers_pytorch_model_bin_passes_beside_its_training_args(user_run, sharded: bool,
+                                                                            tmp_path: Path) -> None:
+    """The folder the HF Trainer saves with save_safetensors=False: config.json, training_args.bin (its
+    pickled TrainingArguments, not a state dict) and pytorch_model.bin, or the shards huggingface_hub's
+    save_torch_state_dict writes for it with their pytorch_model.bin.index.json. Verified by name against the
+    user's DCP save with no --hf-config (the folder's config.json describes the model); a changed element in
+    one shard is named."""
+    from huggingface_hub import save_torch_state_dict
+    from transformers import TrainingArguments
+
+    src, model = user_run
+    out = tmp_path / "trainer"
+    out.mkdir()
+    model.config.save_pretrained(out)
+    torch.save(TrainingArguments(output_dir=str(tmp_path / "run"), report_to="none"), out / "training_args.bin")
+    save_torch_state_dict(model.state_dict(), out, safe_serialization=False, max_shard_size=20_000 if sharded else "5GB")
+    bins = sorted(out.glob("pytorch_model*.bin"))
+    assert (len(bins) > 1) == sharded == (out / "pytorch_model.bin.index.json").is_file()
+    result = shardstore.verify(src, out)
+    assert result.ok and result.format == "hf" and result.tensors == len(model.state_dict()), result.differences
+    shard = torch.load(bins[-1], weights_only=True)
+    name = next(k for k, t in shard.items() if t.dim() == 2)
+    shard[name][1, 0] += 1
+    torch.save(shard, bins[-1])
+    found = {d.name: d.what for d in shardstore.verify(src, out).differences}
+    assert found.keys() == {name} and "the first, at [1, 0]" in found[name]
+
+
+def test_an_hf_folder_with_its_own_config_needs_no_hf_config(user_run, tmp_path: Path) -> None:
+    """An hf folder holds the config.json its export was given: verify takes it as the model's description
+    when the checkpoint has none of its own (it demanded --hf-config); shardstore's export and transformers'
+    own save_pretrained of the model both pass, and a dropped tensor is named."""
+    src, model = user_run
+    model.config.save_pretrained(tmp_path / "config")
+    shardstore.unshard(src, tmp_path / "ours", format="hf", hf_config=tmp_path / "config", jobs=1)
+    model.save_pretrained(tmp_path / "theirs")
+    for out in (tmp_path / "ours", tmp_path / "theirs"):
+        result = shardstore.verify(src, out)
+        assert result.ok and result.format == "hf" and result.tensors == len(model.state_dict()), result.differences
+    tensors = load_file(tmp_path / "theirs" / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, tmp_path / "theirs" / "model.safetensors", metadata={"format": "pt"})
+    found = shardstore.verify(src, tmp_path / "theirs").differences
+    assert [(d.name, d.what) for d in found] == [("model.norm.weight", "missing from the output")]
