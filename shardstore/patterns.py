@@ -50,6 +50,21 @@ def matcher(pattern: str, what: str, error: type[ShardstoreError] = ShardstoreEr
     return lambda name: compiled.fullmatch(name.encode("utf-8", "surrogatepass")) is not None
 
 
+def nearest(pattern: str, names: list[str]) -> str | None:
+    """The name a pattern that matches none of `names` most likely meant (`*nrom*`: `model.norm.weight`):
+    the one whose dotted and underscored parts best match the pattern's words, each word scored by
+    difflib against its closest part (a whole-name comparison would favour names of the same length)."""
+    import difflib
+
+    words = re.findall(r"[A-Za-z]+|[0-9]+", re.sub(r"\\.", " ", pattern.removeprefix(REGEX)))  # `\d`, `\.` aside
+
+    def score(name: str) -> float:
+        parts = re.split(r"[._]", name)
+        return sum(max(difflib.SequenceMatcher(None, w, p).ratio() for p in parts) for w in words)
+
+    return max(names, key=score, default=None)
+
+
 def _glob(glob: str) -> str:
     """A shell glob as a regular expression RE2 takes (fnmatch.translate's needs back-references)."""
     out: list[str] = []

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 
+import shardstore
 from shardstore.errors import CheckpointError
 from shardstore.plan import CHUNK_TARGET_BYTES, plan_array
 from shardstore.read.contract import ShardedSpec, ShardSpec
+from tests.test_cli import run
 
 
 def fsdp_spec(shape: tuple[int, ...], world: int, dtype: str = "float32") -> ShardedSpec:
@@ -51,3 +55,24 @@ def test_two_dimensional_blocks() -> None:
     shards = tuple(ShardSpec((i * 600, j * 700), (600, 700), 2 * i + j) for i in range(2) for j in range(2))
     entry = plan_array("w", ShardedSpec("float32", (1200, 1400), shards))
     assert entry.cell == (600, 700) and entry.ncells == 4
+
+
+def test_a_plain_dcp_save_is_layout_dcp_and_olmos_folder_olmo(tmp_path: Path) -> None:
+    """A user's `dcp.save({"model": ..., "optim": ...})` was shown as `layout: olmo`: it is torch DCP's own
+    nesting; the same save in OLMo's model_and_optim/ folder (OLMo's torch_new, OLMo-core) is OLMo's."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.ones(3, 8)).sum().backward()
+    optim.step()
+    model_state, optim_state = get_state_dict(model, optim)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_path / "ckpt")
+    shardstore.ingest(tmp_path / "store", tmp_path / "ckpt", jobs=1)
+    ls = run("ls", tmp_path / "store")
+    assert ls.returncode == 0 and "layout: dcp (torch DCP's own nesting, as saved)" in ls.stdout, ls.stdout
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "step1" / "model_and_optim")
+    shardstore.ingest(tmp_path / "olmo", tmp_path / "step1", jobs=1)
+    assert shardstore.open(tmp_path / "olmo").manifest.layout == "olmo"

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 
 from .. import dtypes
 from ..errors import ExportError
+from ..patterns import matcher, nearest
 from ..runner import Pool
 from ..sink.layout import Layout, Target, new_layout, prepare
 from ..sink.output import OutputFile
@@ -177,16 +178,27 @@ class SafetensorsPlan:
 
 def plan_safetensors(store: Store, node: Node, request: ExportRequest) -> SafetensorsPlan:
     items, skipped = collect(store, node, request.strip_prefix, request.cast_of)
-    return plan_items(items, skipped, request.max_shard_size, request.metadata())
+    return plan_items(items, skipped, request)
 
 
-def plan_items(items: list[Item], skipped: list[str], max_shard_size: int,
-               metadata: dict[str, str] | None = None) -> SafetensorsPlan:
-    """Files for `items` in order, a new file whenever the next tensor would pass `max_shard_size`."""
-    groups = _split(items, max_shard_size)
+def plan_items(items: list[Item], skipped: list[str], request: ExportRequest) -> SafetensorsPlan:
+    """Files for `items` in order, a new file whenever the next tensor would pass the request's
+    `max_shard_size`; a `--keep-dtype` pattern that keeps none of them refused (`check_keep_dtype`)."""
+    check_keep_dtype(request, [it.key for it in items])
+    groups = _split(items, request.max_shard_size)
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
-    return SafetensorsPlan(names, groups, skipped, dict(metadata or {}))
+    return SafetensorsPlan(names, groups, skipped, request.metadata())
+
+
+def check_keep_dtype(request: ExportRequest, keys: list[str]) -> None:
+    """A `--keep-dtype` pattern that matches no output tensor is a typo (`*nrom*`), not a choice: it would
+    leave every tensor cast without a word. Refused before anything is written, naming the nearest name."""
+    for pattern in request.keep_dtype:
+        match = matcher(pattern, "--keep-dtype", ExportError)
+        if not any(match(key) for key in keys):
+            raise ExportError(f"--keep-dtype {pattern!r}: matches no tensor of the output; the nearest output "
+                              f"name is {nearest(pattern, keys)!r}")
 
 
 def export_safetensors(store: Store, out_dir: Path, plan: SafetensorsPlan, progress: Callable[[int], None] | None = None,

@@ -170,3 +170,64 @@ def test_a_peft_models_weights_are_refused_before_anything_is_written(tmp_path: 
     assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
     shardstore.unshard(src, tmp_path / "st")
     assert sorted(load_file(tmp_path / "st" / "model.safetensors")) == sorted(names)
+
+
+@pytest.fixture(scope="module")
+def user_vl_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A user's own run of a tiny Qwen2-VL: `dcp.save({"model": ...})` with the model's config.json beside
+    it, its sub-configs saying their dtype as transformers 4 wrote them (transformers 5 writes the top's)."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=64, bos_token_id=0, eos_token_id=1,
+                rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
+    vision = dict(depth=1, embed_dim=16, hidden_size=16, num_heads=2, mlp_ratio=2, patch_size=2, spatial_merge_size=1,
+                  temporal_patch_size=1)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision))
+    src = tmp_path_factory.mktemp("user-vl") / "step4"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=src)
+    model.config.save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    for sub in ("text_config", "vision_config"):
+        config[sub]["torch_dtype"] = "float32"
+    (src / "config.json").write_text(json.dumps(config))
+    return src
+
+
+def test_a_bf16_export_says_bf16_in_every_dtype_field_and_loads_so(user_vl_run: Path, tmp_path: Path) -> None:
+    """`--dtype bf16 --keep-dtype '*norm*'` of a run described by its own config.json: the norms stay fp32
+    in the files, the config names the dtype of most of the bytes, top and sub-configs alike (it said
+    float32, and from_pretrained loaded the model at twice its size)."""
+    from transformers import AutoModelForImageTextToText
+
+    out = tmp_path / "hf"
+    shardstore.unshard(user_vl_run, out, format="hf", dtype="bf16", keep_dtype=["*norm*"], jobs=1)
+    weights = load_file(out / "model.safetensors")
+    kept = {k for k, t in weights.items() if t.dtype == torch.float32}
+    assert kept and all("norm" in k for k in kept)
+    assert {t.dtype for k, t in weights.items() if k not in kept} == {torch.bfloat16}
+
+    def dtype_fields(config: dict, where: str = "") -> dict[str, object]:
+        found = {f"{where}{k}": v for k, v in config.items() if k in ("dtype", "torch_dtype")}
+        for k, v in config.items():
+            if isinstance(v, dict):
+                found.update(dtype_fields(v, f"{where}{k}."))
+        return found
+
+    fields = dtype_fields(json.loads((out / "config.json").read_text()))
+    assert {"text_config.torch_dtype", "vision_config.torch_dtype"} <= set(fields)
+    assert {"dtype", "torch_dtype"} & set(fields)  # the top's, as the run's config spelled it (or torch_dtype)
+    assert set(fields.values()) == {"bfloat16"}, fields
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # transformers loads one dtype: the config's
+
+
+def test_a_keep_dtype_pattern_matching_nothing_is_refused_naming_the_nearest(user_vl_run: Path, tmp_path: Path) -> None:
+    """`--keep-dtype '*nrom*'` (a typo for norm) kept nothing and said nothing."""
+    line = error_line("unshard", str(user_vl_run), str(tmp_path / "hf"), "--format", "hf", "--dtype", "bf16",
+                      "--keep-dtype", "*nrom*", "-q")
+    assert "--keep-dtype '*nrom*': matches no tensor of the output; the nearest output name is " in line
+    assert "norm" in line.rsplit("nearest output name is ", 1)[1]
+    assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())

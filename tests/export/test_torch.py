@@ -171,24 +171,26 @@ def test_a_resumed_export_is_the_clean_ones_bytes(fmt: str, tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("kind", ["fsdp1", "tp"])
-def test_single_file_is_what_dcp_to_torch_save_writes(kind: str, dcp_checkpoints, tmp_path: Path) -> None:
-    """A DCP folder of `model` and `optim` (which `--format torch` splits into OLMo's model.pt, optim.pt and
-    train.pt) as one checkpoint.pt of the whole state, in one pass and in two steps: torch's own
-    `dcp_to_torch_save` of the folder (the fixture's .expected.pt.ref), bit for bit. `verify` reads either."""
+def test_a_plain_dcp_save_is_what_dcp_to_torch_save_writes(kind: str, dcp_checkpoints, tmp_path: Path) -> None:
+    """A user's `dcp.save` of `model`, `optim` and their own `trainer` values: --format torch writes one
+    checkpoint.pt in the input's nesting (it wrote OLMo's model.pt, optim.pt and an empty-looking
+    train.pt), in one pass and in two steps, and --single-file the same: torch's own `dcp_to_torch_save`
+    of the folder (the fixture's .expected.pt.ref), bit for bit. `verify` reads either."""
     src = dcp_checkpoints(kind)
     want = torch.load(f"{src}.expected.pt.ref", weights_only=False)
     assert {"model", "optim"} <= set(want)
-    shardstore.unshard(src, tmp_path / "split", format="torch", jobs=1)
-    assert sorted(p.name for p in (tmp_path / "split").iterdir()) == ["model.pt", "optim.pt", "train.pt"]
+    shardstore.unshard(src, tmp_path / "plain", format="torch", jobs=1)
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["checkpoint.pt"]
+    assert_bitwise_equal(torch.load(tmp_path / "plain" / "checkpoint.pt", weights_only=False), want, ordered=True)
     proc = run("unshard", src, tmp_path / "one", "--format", "torch", "--single-file", "-q")
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["checkpoint.pt"]
     assert_bitwise_equal(torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False), want)
     shardstore.ingest(tmp_path / "store", src, jobs=1)
-    shardstore.export(tmp_path / "store", tmp_path / "two", format="torch", single_file=True)
-    assert_bitwise_equal(torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False), want)
+    shardstore.export(tmp_path / "store", tmp_path / "two", format="torch")
+    assert_bitwise_equal(torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=False), want, ordered=True)
     shutil.copy(f"{src}.expected.pt.ref", tmp_path / "theirs.pt")
-    for output in (tmp_path / "one", tmp_path / "theirs.pt", tmp_path / "split"):
+    for output in (tmp_path / "one", tmp_path / "theirs.pt", tmp_path / "plain"):
         result = shardstore.verify(src, output)
         assert result.ok and result.tensors > 10, (output, result.differences[:3])
 

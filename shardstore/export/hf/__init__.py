@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ... import jsonin
+from ... import dtypes, jsonin
 from ...errors import ExportError, ShardstoreError
 from ...hf_files import hf_model_file
 from ...sink.output import OutputFile
@@ -29,8 +29,8 @@ from ...store.store import Store
 from ...tree import Node
 from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from ..resolve import build, leaves, model_node, node_at, tensors_only
-from ..safetensors import (FILE_NAMES, SafetensorsDirect, SafetensorsPlan, direct_layout, export_safetensors,
-                           plan_items, tensor_item)
+from ..safetensors import (CASTABLE, FILE_NAMES, Item, SafetensorsDirect, SafetensorsPlan, direct_layout,
+                           export_safetensors, plan_items, tensor_item)
 from . import megatron, olmo, olmo_core
 from .spec import HFModel, HFTensor
 
@@ -38,6 +38,7 @@ CONFIG, GENERATION = "config.json", "generation_config.json"
 NEMO_MODEL = "model.yaml"  # NeMo's context/model.yaml, which its reader keeps as a side file
 COMPOSER_HF = "state/integrations/huggingface"
 MAX_CONFIG_FILE = 64 << 20  # tokenizer.json of large vocabularies is tens of MB
+DTYPE_KEYS = ("dtype", "torch_dtype")  # a config's dtype, as transformers >= 4.56 and before spell it
 
 
 NO_HF_DESCRIPTION = ("cannot tell which Hugging Face model this is: the checkpoint has no config.yaml (OLMo) and no "
@@ -329,12 +330,35 @@ def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel
         items.append(item)
     if not items:
         raise ExportError("no tensors to export")
-    dtypes = {it.dtype for it in items}
-    floating = sorted(d for d in dtypes if d in ("float32", "bfloat16", "float16", "float64"))
-    if floating:  # transformers >= 4.56 writes "dtype", older versions "torch_dtype": say it in the config's own key
-        keys = [k for k in ("dtype", "torch_dtype") if k in model.config] or ["torch_dtype"]
-        model.config = {**model.config, **{k: floating[0] if len(floating) == 1 else "float32" for k in keys}}
-    return model, plan_items(items, [], request.max_shard_size, request.metadata())
+    loads_as = _loads_as(items)
+    if loads_as is not None:
+        model.config = _saying_dtype(model.config, loads_as)
+    return model, plan_items(items, [], request)
+
+
+def _loads_as(items: list[Item]) -> str | None:
+    """The dtype config.json names: the floating dtype holding most of the output's bytes (the wider on a
+    tie). `from_pretrained(dtype="auto")` loads every tensor in the one dtype the config names, so a bf16
+    export whose norms --keep-dtype keeps in fp32 loads as bf16, not at twice its size."""
+    sizes: dict[str, int] = {}
+    for it in items:
+        if it.dtype in CASTABLE:
+            sizes[it.dtype] = sizes.get(it.dtype, 0) + it.nbytes
+    return max(sizes, key=lambda d: (sizes[d], dtypes.info(d).itemsize), default=None)
+
+
+def _saying_dtype(config: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """`config` with every dtype field saying `dtype`: at the top in the spellings it has (transformers
+    >= 4.56 writes `dtype`, older versions `torch_dtype`, which both read: that one where it has none), and
+    in its sub-configs where they have one (a multimodal model's text_config and vision_config, as
+    transformers 4 wrote them; it loads each part in its own with dtype="auto")."""
+    top = [k for k in DTYPE_KEYS if k in config] or ["torch_dtype"]
+    return {**_sub_configs_saying(config, dtype), **dict.fromkeys(top, dtype)}
+
+
+def _sub_configs_saying(config: dict[str, Any], dtype: str) -> dict[str, Any]:
+    return {k: {**_sub_configs_saying(v, dtype), **{d: dtype for d in DTYPE_KEYS if d in v}}
+            if isinstance(v, dict) else v for k, v in config.items()}
 
 
 def planned_files(model: HFModel, plan: SafetensorsPlan) -> list[str]:

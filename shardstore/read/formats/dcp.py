@@ -478,6 +478,8 @@ def spec(ckpt: DcpCheckpoint, encode_key: KeyEncoder, trainer_state: list[str] |
             else [f"{TRAIN}/{os.path.basename(f.rstrip('/'))}" for f in trainer_state]
     extra: dict[str, Any] = {"units": units, "metadata": ckpt.digest,
                              "not_tensors": [ckpt.store_path(fqn) for fqn in ckpt.values]}
+    if name_of(ckpt.folder) == MODEL_AND_OPTIM:  # OLMo's (torch_new) and OLMo-core's: their layout (plan.py)
+        extra["trainer"] = "olmo"
     _check_named_steps(ckpt, storage_options, strict)
     args = _megatron_args(ckpt, trainer_state or [], storage_options, strict)
     if args is not None:
