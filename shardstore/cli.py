@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 import json
 import re
@@ -19,10 +18,12 @@ from . import api, values
 from .errors import ShardstoreError, StoreError
 from .export import FORMATS
 from .export.contract import CAST_DTYPES, DTYPE_ALIASES
+from .inspect import inspect
 from .patterns import matcher
 from .plan import LAYOUTS
 from .progress import QUIET, ConsoleProgress, Progress, size_text
 from .read.registry import get
+from .store.store import Store
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
@@ -73,13 +74,30 @@ class _Group(click.Group):
             click.echo(f"shardstore: error: {exc}{_kept(ctx)}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
-            click.echo(f"shardstore: interrupted; nothing half-written is marked done{_kept(ctx) or ', rerun to continue'}",
-                       err=True)
+            click.echo(f"shardstore: interrupted; {ctx.meta.get(_LEFT, lambda: 'nothing was left behind')()}", err=True)
             sys.exit(130)
 
 
+# ctx.meta's key for what an interrupted command leaves, as the end of its Ctrl-C line (a function: asked
+# then); a command that sets none leaves nothing (it reads, or removes its scratch folders on the way out)
+_LEFT = "shardstore.interrupted"
+
+
+def _leaves_a_store(store: str, left: str) -> None:
+    """For the Ctrl-C line: `left` (what is kept in `store`, and what a rerun does) if `store` is there by
+    then (a store that took nothing yet is removed), else that nothing was written."""
+    options = _options()
+    click.get_current_context().meta[_LEFT] = lambda: left if Store.exists(store, options) else "nothing was written"
+
+
+def _leaves_outputs(what: str) -> None:
+    """For the Ctrl-C line of a command writing files into OUT, each under a temporary name until whole."""
+    click.get_current_context().meta[_LEFT] = \
+        lambda: f"no half-written file was left under its final name; rerun to write {what} again"
+
+
 def _kept(ctx: click.Context) -> str:
-    """Where the work of a failed or interrupted run is kept, for the end of its one line ("" if nowhere)."""
+    """Where the work of a failed run is kept, for the end of its one line ("" if nowhere)."""
     where = ctx.meta.get("shardstore.kept", lambda: None)()
     return f"; the work so far is kept in {where}: once that is put right, a rerun into the same OUT resumes from it" \
         if where else ""
@@ -231,6 +249,8 @@ def _count(n: int) -> str:
 def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, strict: bool, scheduler: str | None,
            jobs: int | None, quiet: bool) -> None:
     """Ingest rank FILES into STORE (created if needed). Any subset, any order; ranks already in are skipped."""
+    _leaves_a_store(store, f"the files ingested so far are kept in {store} (one cut short is not among them): "
+                           f"rerun to ingest the rest")
     with _progress(quiet) as progress:
         st = api.ingest(store, list(files), jobs=jobs, verify_replicas=verify_replicas, storage_options=_options(),
                         scheduler=scheduler, strict=strict, progress=progress)
@@ -253,6 +273,7 @@ def export(store: str, out: str, fmt: str, hf_config: str | None, select: str | 
            dtype: str | None, keep_dtype: tuple[str, ...], single_file: bool, max_shard_size: int, overwrite: bool,
            allow_partial: bool, scheduler: str | None, jobs: int | None, quiet: bool) -> None:
     """Export the unsharded checkpoint in STORE to the folder OUT."""
+    _leaves_outputs("the export")
     started = time.perf_counter()
     with _progress(quiet) as progress:
         result = api.export(store, out, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
@@ -310,6 +331,8 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
     scratch = api.scratch_location(out)
     if store is None:
         ctx.meta["shardstore.kept"] = lambda: scratch if scratch.is_dir() and not scratch.is_symlink() else None
+    _leaves_a_store(store or str(scratch), f"the work so far is kept in {store or scratch}: a rerun "
+                                           f"{'with the same --store' if store else 'into the same OUT'} resumes from it")
     with _progress(quiet) as progress:
         result = run(progress=progress)
     _report(result, quiet, started, "unshard")
@@ -375,6 +398,7 @@ def average(paths: tuple[str, ...], weights: str | None, fmt: str, include_optim
     model averaged (its other state, and with --include-optimizer its optimizer's moments averaged too)."""
     if len(paths) < 3:
         raise click.UsageError("give two checkpoints or more, then OUT")
+    _leaves_outputs("the average")
     try:
         parsed = [float(w) for w in weights.split(",")] if weights else None
     except ValueError:
@@ -411,6 +435,7 @@ def _ranks(ranks: list[int]) -> str:
 def watch(store: str, src: str, expect: int | None, timeout: float | None, tag: str | None, poll: float,
           strict: bool, jobs: int | None, quiet: bool) -> None:
     """Ingest rank files into STORE as they arrive in the local folder SRC; exit 0 once STORE is complete."""
+    _leaves_a_store(store, f"the files ingested so far are kept in {store}: rerun to watch for the rest")
     if quiet:
         api.watch(store, src, expect=expect, timeout=timeout, jobs=jobs, poll=poll, tag=tag,
                   storage_options=_options(), strict=strict)
@@ -445,12 +470,14 @@ def watch(store: str, src: str, expect: int | None, timeout: float | None, tag: 
     click.echo(f"{store}: complete, {st.manifest.world_size} ranks")
 
 
-def _summary(store: str) -> tuple[Any, Any, list[str]]:
-    """(store, status, the lines that describe both): what `status` and `ls` start with."""
-    st = api.open(store, _options())
+def _summary(st: Any, checkpoint: str | None = None) -> tuple[Any, list[str]]:
+    """(status, the lines that describe the store and it): what `status` and `ls` start with. For a
+    `checkpoint` read without ingesting it (`ls CHECKPOINT`: a scratch plan of it), its folder and the files
+    it has, not ranks ingested."""
     s = st.status()
     m = st.manifest
     fmt = m.facts.format
+    found = [] if checkpoint is None else [f"checkpoint: {checkpoint}"]
     if m.facts.units is not None:  # a format whose units are files the store names (not ranks)
         files = list(m.facts.units)
         missing = [files[r] for r in s.ranks_missing]
@@ -460,23 +487,27 @@ def _summary(store: str) -> tuple[Any, Any, list[str]]:
             counts[kind] = counts.get(kind, 0) + 1
         described = " + ".join(f"{n} {kind}" for kind, n in counts.items())
         replicas = m.facts.replicas
-        return st, s, [f"format: {fmt} ({described})", f"layout: {LAYOUTS.get(m.layout, m.layout)}"]\
+        return s, found + [f"format: {fmt} ({described})", f"layout: {LAYOUTS.get(m.layout, m.layout)}"]\
             + ([f"hybrid sharding: {replicas} replica groups"] if replicas > 1 else []) \
-            + [f"files ingested: {len(s.ranks_done)}/{len(files)}"
+            + [f"files{' ingested' if checkpoint is None else ''}: {len(s.ranks_done)}/{len(files)}"
                + (f"; missing: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}" if missing else "")]
     replicas = m.facts.replicas
-    return st, s, [f"format: {get(fmt).title} rank files", f"layout: {LAYOUTS.get(m.layout, m.layout)}",
-                   f"world size: {m.world_size}" + (f" ({replicas} replica groups of {m.facts.group_size})"
-                                                    if replicas > 1 else ""),
-                   f"ranks ingested: {len(s.ranks_done)}/{m.world_size}"
-                   + (f"; missing: {_ranks(s.ranks_missing)}" if s.ranks_missing else "")]
+    return s, found + [f"format: {get(fmt).title} rank files", f"layout: {LAYOUTS.get(m.layout, m.layout)}",
+                       f"world size: {m.world_size}" + (f" ({replicas} replica groups of {m.facts.group_size})"
+                                                        if replicas > 1 else ""),
+                       f"{'ranks ingested' if checkpoint is None else 'rank files'}: {len(s.ranks_done)}/{m.world_size}"
+                       + (f"; missing: {_ranks(s.ranks_missing)}" if s.ranks_missing else "")]
 
 
-def _store_json(st: Any, s: Any) -> dict[str, Any]:
-    """What `status --json` and `ls --json` say of a store as a whole."""
+def _store_json(st: Any, s: Any, checkpoint: str | None = None) -> dict[str, Any]:
+    """What `status --json` and `ls --json` say of a store as a whole; of a `checkpoint` read without
+    ingesting it, what its plan says (no store, nothing ingested)."""
     m = st.manifest
-    return {"store": str(st.location), "format": m.facts.format, "layout": m.layout, "world_size": m.world_size,
-            "replica_groups": m.facts.replicas, "units": list(m.facts.units) if m.facts.units is not None else None,
+    facts = {"format": m.facts.format, "layout": m.layout, "world_size": m.world_size,
+             "replica_groups": m.facts.replicas, "units": list(m.facts.units) if m.facts.units is not None else None}
+    if checkpoint is not None:
+        return {"checkpoint": checkpoint, **facts, "ranks_missing": sorted(s.ranks_missing), "tensors": len(m.arrays)}
+    return {"store": str(st.location), **facts,
             "ranks_ingested": sorted(s.ranks_done), "ranks_missing": sorted(s.ranks_missing),
             "tensors": len(m.arrays), "tensors_complete": len(s.complete),
             "tensors_partial": {path: round(frac, 6) for path, frac in s.partial.items()}, "ready": s.ok}
@@ -491,7 +522,8 @@ def _echo_json(obj: Any) -> None:
 @_json
 def status(store: str, as_json: bool) -> None:
     """What STORE holds and lacks; exit status 0 only when it is complete enough to export."""
-    st, s, lines = _summary(store)
+    st = api.open(store, _options())
+    s, lines = _summary(st)
     if as_json:
         _echo_json(_store_json(st, s))
         sys.exit(0 if s.ok else 1)
@@ -505,26 +537,43 @@ def status(store: str, as_json: bool) -> None:
     sys.exit(0 if s.ok else 1)
 
 
+_which = [click.option("--tag", default=None, help="Given a folder of several checkpoints: which one, as for unshard."),
+          click.option("--step", type=int, default=None, help="Given a folder of several checkpoints: which one, by "
+                                                              "step, as for unshard [default: the newest].")]
+
+
+def _which_checkpoint(f: Any) -> Any:
+    for opt in reversed(_which):
+        f = opt(f)
+    return f
+
+
 @main.command()
-@click.argument("store", type=click.Path())
+@click.argument("location", metavar="STORE|CHECKPOINT", type=click.Path())
 @click.argument("key")
 @click.option("--slice", "selection", default=None, help='Numpy-style selection, e.g. "0:4,:" or "-1" or "..., 0:8".')
 @click.option("--stats", "with_stats", is_flag=True, help="min/max/mean/std, NaN/Inf counts and L2 norm.")
+@_which_checkpoint
 @_json
-def show(store: str, key: str, selection: str | None, with_stats: bool, as_json: bool) -> None:
-    """Show one tensor (or value) of STORE, reading only the chunks it needs."""
+def show(location: str, key: str, selection: str | None, with_stats: bool, tag: str | None, step: int | None,
+         as_json: bool) -> None:
+    """Show one tensor (or value) of STORE, reading only the chunks it needs; or of a CHECKPOINT (anything
+    unshard takes), reading only that tensor's pieces into a scratch store removed afterwards."""
     sel = parse_selection(selection) if selection else None
-    st = api.open(store, _options())
-    if key not in st:
-        keys = st.keys()
-        close = [k for k in keys if key in k][:5] or difflib.get_close_matches(key, keys, n=5, cutoff=0.6)
-        raise StoreError(f"{store}: no key {key!r}" + (f"; did you mean {', '.join(close)}?" if close else ""))
+    with inspect(location, key, sel, tag, step, _options()) as seen:
+        _show(seen.store, seen.checkpoint or location, key, sel, selection, with_stats, as_json)
+
+
+def _show(st: Any, where: str, key: str, sel: tuple[Any, ...] | None, selection: str | None, with_stats: bool,
+          as_json: bool) -> None:
+    """`show`'s answer, from a store holding `key` (the user's, or a checkpoint's scratch store), which
+    errors call `where`."""
     if key not in st.manifest.arrays:
         if with_stats or selection:
-            raise StoreError(f"{store}: {key} is a value, not a tensor: --stats and --slice apply to tensors")
+            raise StoreError(f"{where}: {key} is a value, not a tensor: --stats and --slice apply to tensors")
         by_rank = st.values(key)
         if not by_rank:
-            raise StoreError(f"{store}: {key}: no rank holding it has been ingested yet")
+            raise StoreError(f"{where}: {key}: no rank holding it has been ingested yet")
         if as_json:
             _echo_json({"key": key, "kind": "value", "by_rank": {str(r): repr(v) for r, v in by_rank.items()}})
             return
@@ -537,7 +586,7 @@ def show(store: str, key: str, selection: str | None, with_stats: bool, as_json:
     h = st[key]
     first_rows = sel is None and not with_stats and h.nbytes > 64 << 10
     if first_rows:
-        sel = (slice(0, 4),)
+        sel = (slice(0, min(4, h.entry.shape[0])),)
     h.check(... if sel is None else sel)  # before printing anything: an error is then the only line
     status = st.status()
     if as_json:
@@ -584,13 +633,21 @@ def parse_selection(text: str) -> tuple[Any, ...]:
 
 
 @main.command(name="ls")
-@click.argument("store", type=click.Path())
+@click.argument("location", metavar="STORE|CHECKPOINT", type=click.Path())
 @click.argument("pattern", required=False)
+@_which_checkpoint
 @_json
-def ls(store: str, pattern: str | None, as_json: bool) -> None:
-    """List STORE: layout, ranks, and every key with its shape, dtype and completeness; with PATTERN (a
-    glob: 'model/*attn*', or a plain part of the key: 'blocks.3.'), only the keys it matches."""
-    st, status, lines = _summary(store)
+def ls(location: str, pattern: str | None, tag: str | None, step: int | None, as_json: bool) -> None:
+    """List STORE: layout, ranks, and every key with its shape, dtype and completeness; or a CHECKPOINT
+    (anything unshard takes), planned without ingesting it (its values are read, no tensor). With PATTERN
+    (a glob: 'model/*attn*', or a plain part of the key: 'blocks.3.'), only the keys it matches."""
+    with inspect(location, tag=tag, step=step, storage_options=_options()) as seen:
+        _ls(seen.store, seen.checkpoint, pattern, as_json)
+
+
+def _ls(st: Any, checkpoint: str | None, pattern: str | None, as_json: bool) -> None:
+    """`ls`'s answer; of a `checkpoint` (a scratch plan of it), no completeness: nothing was ingested."""
+    status, lines = _summary(st, checkpoint)
     m = st.manifest
     keys = st.keys()
     if pattern:
@@ -598,17 +655,19 @@ def ls(store: str, pattern: str | None, as_json: bool) -> None:
         matches = matcher(glob, "PATTERN")
         keys = [k for k in keys if matches(k)]
         if not keys:
-            raise StoreError(f"{store}: no key matches {pattern!r}")
+            raise StoreError(f"{checkpoint or st.location}: no key matches {pattern!r}")
     if as_json:
-        _echo_json({**_store_json(st, status), "keys": [_key_json(st, status, key) for key in keys]})
+        _echo_json({**_store_json(st, status, checkpoint), "keys": [_key_json(st, status, key, checkpoint is None)
+                                                                    for key in keys]})
         return
     click.echo("   ".join(lines))
     width = max((len(k) for k in keys), default=0)
     for key in keys:
         entry = m.arrays.get(key)
         if entry is not None:
-            done = "complete" if key not in status.partial else f"{status.partial[key]:.0%}"
-            click.echo(f"{key:<{width}}  {entry.dtype:<13} {str(list(entry.shape)):<18} {done}")
+            done = "" if checkpoint is not None else "complete" if key not in status.partial \
+                else f"{status.partial[key]:.0%}"
+            click.echo(f"{key:<{width}}  {entry.dtype:<13} {str(list(entry.shape)):<18} {done}".rstrip())
         else:
             ranks = st.object_values(key)
             if not ranks:
@@ -620,11 +679,12 @@ def ls(store: str, pattern: str | None, as_json: bool) -> None:
                        + ("" if same else f"  (rank {min(ranks)}; differs per rank)"))
 
 
-def _key_json(st: Any, status: Any, key: str) -> dict[str, Any]:
+def _key_json(st: Any, status: Any, key: str, stored: bool = True) -> dict[str, Any]:
+    """One key of `ls --json`; a tensor's completeness only where it is `stored` (not a checkpoint's plan)."""
     entry = st.manifest.arrays.get(key)
     if entry is not None:
-        return {"key": key, "kind": "tensor", "dtype": entry.dtype, "shape": list(entry.shape),
-                "complete": round(status.partial.get(key, 1.0), 6)}
+        return {"key": key, "kind": "tensor", "dtype": entry.dtype, "shape": list(entry.shape)} \
+            | ({"complete": round(status.partial.get(key, 1.0), 6)} if stored else {})
     ranks = st.object_values(key)
     return {"key": key, "kind": "value", "preview": values.preview(ranks[min(ranks)]) if ranks else None,
             "same_on_every_rank": len({json.dumps(v, sort_keys=True) for v in ranks.values()}) <= 1}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -75,7 +77,7 @@ def test_missing_and_empty_folders(tmp_path: Path) -> None:
     assert_one_line_error(run("unshard", tmp_path / "nope", tmp_path / "out"), "nope", "no such directory")
     (tmp_path / "empty").mkdir()
     assert_one_line_error(run("unshard", tmp_path / "empty", tmp_path / "out"), "no rank files")
-    assert_one_line_error(run("ls", tmp_path / "nostore"), "no such store")
+    assert_one_line_error(run("ls", tmp_path / "nostore"), "nostore: no such store or checkpoint")
 
 
 def test_missing_rank(checkpoints, tmp_path: Path) -> None:
@@ -183,6 +185,12 @@ def test_show_refuses_selections_outside_the_tensor_in_one_line(checkpoints, tmp
     assert_one_line_error(run("show", tmp_path / "s", key, "--slice", "0:2,::-1"), key, "steps must be positive")
     assert_one_line_error(run("show", tmp_path / "s", key, "--slice", "0:2,0:4,0:1"), key, "3 indices", "[1000, 300]")
     assert_one_line_error(run("show", tmp_path / "s", key, "--slice", "0,-301"), key, "dimension 1 of size 300")
+    # slices reaching outside the tensor, which numpy clips (answering `[]`, exit 0), and empty ones
+    assert_one_line_error(run("show", tmp_path / "s", key, "--slice", "0:2,600:700"), key, "slice 600:700",
+                          "dimension 1 of size 300", "-300 to 300")
+    assert_one_line_error(run("show", tmp_path / "s", key, "--slice", "-1001:"), key, "dimension 0 of size 1000")
+    assert_one_line_error(run("show", tmp_path / "s", key, "--slice", "0,5:3"), key, "slice 5:3 selects nothing")
+    assert_one_line_error(run("show", tmp_path / "s", key, "--slice", "999:1000:2,-300:300:-1"), key, "steps")
     ok = run("show", tmp_path / "s", key, "--slice", "-1,...,298:")
     assert ok.returncode == 0 and len(ok.stdout.splitlines()[1].strip(" []").split()) == 2
 
@@ -396,3 +404,123 @@ def test_shell_completion_as_documented() -> None:
     words = subprocess.run([sys.executable, "-m", "shardstore"], capture_output=True, text=True, env=env)
     assert words.stdout.split() == ["plain,verify"]
     assert '_SHARDSTORE_COMPLETE=bash_source shardstore' in (Path(__file__).parents[1] / "docs" / "commands.md").read_text()
+
+
+def _listing(*args: object) -> list[tuple]:
+    """`ls --json`'s keys: (key, kind, dtype, shape) for a tensor, (key, kind, preview) for a value."""
+    import json
+
+    proc = run("ls", *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return [(k["key"], k["kind"], k.get("dtype"), k.get("shape"), k.get("preview")) for k in json.loads(proc.stdout)["keys"]]
+
+
+def _shown(*args: object) -> torch.Tensor:
+    """`show --json`'s values, as the tensor of the dtype it names (bfloat16 widened to float32 exactly)."""
+    import json
+
+    proc = run("show", *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    shown = json.loads(proc.stdout)
+    wide = torch.float32 if shown["dtype"] == "bfloat16" else getattr(torch, shown["dtype"])
+    return torch.tensor(shown["values"], dtype=wide).to(getattr(torch, shown["dtype"]))
+
+
+def test_ls_and_show_take_rank_files_without_ingesting_them(checkpoints, tmp_path: Path, monkeypatch) -> None:
+    """`ls CHECKPOINT` lists what `ls STORE` lists of the store unshard makes of it (keys, dtypes, shapes,
+    values), `show CHECKPOINT KEY` shows what torch gathered, bit for bit; the scratch store is planned in
+    a temporary folder, removed afterwards (after an error too), and holds no tensor but the one shown."""
+    from shardstore.inspect import inspect
+
+    src = checkpoints(2)
+    shardstore.unshard(src, tmp_path / "out", store=tmp_path / "store", jobs=1)
+    assert _listing(src) == _listing(tmp_path / "store")
+    text = run("ls", src, "wte").stdout.splitlines()
+    assert text[0].startswith(f"checkpoint: {src}   format: ShardedTensor rank files") and "rank files: 2/2" in text[0]
+    assert [line.split() for line in text[1:]][0] == ["model/wte.weight", "float32", "[1000,", "300]"]
+
+    want = expected(src)["model"]
+    assert torch.equal(_shown(src, "model/wte.weight", "--slice", "998:1000,-300:300"), want["wte.weight"][998:1000])
+    assert torch.equal(_shown(src, "model/proj.weight"), want["proj.weight"])  # a staged tensor, from both ranks
+    assert_one_line_error(run("show", src, "model/wte.wieght"), f"{src}: no key", "did you mean model/wte.weight")
+    assert_one_line_error(run("ls", tmp_path / "store", "--step", "1"), "is a shardstore store", "--step")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    with inspect(src, jobs=1) as seen:  # ls: the plan and the values, no tensor
+        assert seen.checkpoint == str(src) and seen.store.status().complete == []
+        assert seen.store.values("global_step") == {0: 1, 1: 1}
+    with inspect(src, "model/wte.weight", jobs=1) as seen:  # show: that tensor only
+        assert seen.store.status().complete == ["model/wte.weight"]
+        assert Path(seen.store.location).is_relative_to(tmp_path / "tmp")
+    with pytest.raises(shardstore.StoreError, match="no key"), inspect(src, "model/nope", jobs=1):
+        pass
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_ls_and_show_take_a_dcp_folder(tmp_path: Path) -> None:
+    """A DCP folder saved by torch in the test: `show` of it is what torch's own DCP reader loads, bit for
+    bit (bfloat16 too), and the issue's slice of a [512, 64] tensor is refused, not answered with `[]`."""
+    import torch.distributed.checkpoint as dcp
+
+    gen = torch.Generator().manual_seed(53)
+    state = {"model": {"w": torch.randn(512, 64, generator=gen), "b": torch.randn(7, 3, generator=gen).bfloat16()},
+             "step": 9}
+    dcp.save(state, checkpoint_id=tmp_path / "ckpt")
+    back = {"model": {"w": torch.zeros(512, 64), "b": torch.zeros(7, 3, dtype=torch.bfloat16)}, "step": 0}
+    dcp.load(back, checkpoint_id=tmp_path / "ckpt")
+
+    assert [entry[:4] for entry in _listing(tmp_path / "ckpt")] == [
+        ("model/w", "tensor", "float32", [512, 64]), ("model/b", "tensor", "bfloat16", [7, 3]),
+        ("step", "value", None, None)]
+    assert torch.equal(_shown(tmp_path / "ckpt", "model/w", "--slice", "0:2,60:64"), back["model"]["w"][0:2, 60:64])
+    assert torch.equal(_shown(tmp_path / "ckpt", "model/b"), back["model"]["b"])
+    assert_one_line_error(run("show", tmp_path / "ckpt", "model/w", "--slice", "0:2,600:700"), "model/w",
+                          "slice 600:700", "dimension 1 of size 64")
+
+
+def _ctrl_c_line(monkeypatch, *args: object) -> str:
+    """The command run in this process with Ctrl-C pressed once its first unit is in: its exit status is 130
+    and its one line is returned."""
+    from click.testing import CliRunner
+
+    from shardstore import cli as cli_module
+
+    class CtrlC(shardstore.Progress):
+        def advance(self, nbytes: int) -> None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "_progress", lambda quiet: contextlib.nullcontext(CtrlC()))
+    result = CliRunner().invoke(cli_module.main, [str(a) for a in args])
+    assert result.exit_code == 130 and len(result.stderr.splitlines()) == 1, result.stderr
+    return result.stderr.strip()
+
+
+def test_the_ctrl_c_line_says_what_was_left_and_what_a_rerun_does(checkpoints, tmp_path: Path, monkeypatch) -> None:
+    """unshard keeps its work for the rerun, ingest its files, and a command that reads leaves nothing: no
+    line asks to put right what nothing needs putting right."""
+    from shardstore import inspect as inspect_module
+
+    src = checkpoints(3)
+    out = tmp_path / "out"
+    line = _ctrl_c_line(monkeypatch, "unshard", src, out, "-j", "1")
+    assert line == f"shardstore: interrupted; the work so far is kept in {out / '.shardstore-scratch'}: a rerun " \
+                   f"into the same OUT resumes from it"
+    line = _ctrl_c_line(monkeypatch, "unshard", src, tmp_path / "o2", "--store", tmp_path / "st", "-j", "1")
+    assert line.endswith(f"kept in {tmp_path / 'st'}: a rerun with the same --store resumes from it")
+    line = _ctrl_c_line(monkeypatch, "ingest", tmp_path / "s", *sorted(src.glob("rank*.pt")), "-j", "1")
+    assert line.endswith(f"the files ingested so far are kept in {tmp_path / 's'} (one cut short is not among "
+                         f"them): rerun to ingest the rest")
+    assert shardstore.open(tmp_path / "s").status().ranks_done == [0]
+
+    real = inspect_module.ingest
+
+    def interrupted(*args: object, **kwargs: object) -> None:  # Ctrl-C once the scratch store is filled
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(inspect_module, "ingest", interrupted)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert _ctrl_c_line(monkeypatch, "show", src, "model/wte.weight") == "shardstore: interrupted; nothing was left behind"
+    assert list((tmp_path / "tmp").iterdir()) == []

@@ -24,6 +24,8 @@ FORBIDDEN = {
     "shardstore.plan": ("shardstore.read.formats", "shardstore.read.primitives", "shardstore.sink",
                         "shardstore.export", "shardstore.ingest"),
     "shardstore.ingest": ("shardstore.export", "shardstore.read.formats"),
+    # a checkpoint read into a scratch store for `ls` and `show`: below the API and the command line
+    "shardstore.inspect": ("shardstore.export", "shardstore.api", "shardstore.cli", "shardstore.verify"),
 }
 BOTTOM = ("tree", "records", "errors", "dtypes", "ranges", "locations", "paths", "crc", "tempfiles", "jsonin",
           "hf_files", "values", "patterns")

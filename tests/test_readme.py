@@ -28,6 +28,10 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     assert "LlamaForCausalLM" in run.stdout and (tmp_path / "demo" / "hf" / "model.safetensors").is_file()
     assert "model/model.embed_tokens.weight" in run.stdout  # ls, then show's slice
+    # the fixture script says what it made, and torch's notices about FSDP1's APIs it uses stay out of sight
+    assert "wrote demo/ckpt: FSDP ShardedTensor rank files rank0.pt ... rank3.pt (world size 4) of a tiny Llama" \
+           in run.stdout and "the model's config: demo/ckpt/hf-config/config.json" in run.stdout
+    assert "Warning" not in run.stderr, run.stderr[-3000:]
 
 
 def test_the_test_command_is_what_ci_runs() -> None:

@@ -87,8 +87,11 @@ class TensorHandle:
         return self._store.arrived(entry)
 
     def check(self, selection: Any) -> None:
-        """Refuse a selection that this tensor cannot answer (see `check_selection`), or whose rows have not
-        arrived yet: a StoreError whose one line names the key."""
+        """Refuse, before reading, a selection that this tensor cannot answer (see `check_selection`), that
+        reaches outside it (see `check_bounds`), or whose rows have not arrived yet: a StoreError whose one
+        line names the key. What `shardstore show` reads is checked here; reading itself (`h[0:100]`)
+        clips slices as numpy and torch do."""
+        self.check_bounds(selection)
         self._check(selection, self._staged())
 
     def _check(self, selection: Any, staged: tuple[np.ndarray, np.ndarray] | None) -> None:
@@ -116,20 +119,8 @@ class TensorHandle:
     def check_selection(self, selection: Any) -> None:
         """Refuse, in one line naming the key and the valid range, what numpy-style basic indexing of this
         tensor would reject or Zarr cannot do (negative steps)."""
-        shape = self.entry.shape
-        sel = selection if isinstance(selection, tuple) else (selection,)
-        if sum(s is Ellipsis for s in sel) > 1:
-            raise StoreError(f"{self.path}: a selection may hold one '...' at most")
-        explicit = [s for s in sel if s is not Ellipsis]
-        if len(explicit) > len(shape):
-            raise StoreError(f"{self.path}: {len(explicit)} indices for a {len(shape)}-d tensor of shape {list(shape)}")
-        if Ellipsis in sel:
-            at = sel.index(Ellipsis)
-            dims = list(range(at)) + list(range(len(shape) - (len(sel) - at - 1), len(shape)))
-        else:
-            dims = list(range(len(explicit)))
-        for dim, s in zip(dims, explicit):
-            size = shape[dim]
+        for dim, s in self._by_dimension(selection):
+            size = self.entry.shape[dim]
             if isinstance(s, (int, np.integer)) and not isinstance(s, bool):
                 if not -size <= s < size:
                     raise StoreError(f"{self.path}: index {s} is out of range for dimension {dim} of size {size} "
@@ -143,6 +134,40 @@ class TensorHandle:
             else:
                 raise StoreError(f"{self.path}: selections are whole numbers, slices and '...', "
                                  f"not {type(s).__name__}")
+
+    def check_bounds(self, selection: Any) -> None:
+        """`check_selection`, and refuse a slice bound outside the tensor's dimension, or a slice that selects
+        nothing of a dimension that has elements: numpy and torch clip these silently, so `0:2,600:700` of
+        a [512, 64] tensor would be answered with `[]` where the reader asked for values that are not there."""
+        self.check_selection(selection)
+        for dim, s in self._by_dimension(selection):
+            size = self.entry.shape[dim]
+            if not isinstance(s, slice):
+                continue
+            text = ":".join("" if v is None else str(v) for v in (s.start, s.stop)) \
+                + ("" if s.step is None else f":{s.step}")
+            if any(v is not None and not -size <= v <= size for v in (s.start, s.stop)):
+                raise StoreError(f"{self.path}: slice {text} is out of range for dimension {dim} of size {size} "
+                                 f"(bounds: {-size} to {size})")
+            if size and not range(*s.indices(size)):
+                raise StoreError(f"{self.path}: slice {text} selects nothing of dimension {dim} of size {size}")
+
+    def _by_dimension(self, selection: Any) -> list[tuple[int, Any]]:
+        """(dimension, its index or slice) for each entry of a selection other than '...' (which stands for
+        the dimensions between); a selection with two '...' or more indices than dimensions is refused."""
+        shape = self.entry.shape
+        sel = selection if isinstance(selection, tuple) else (selection,)
+        if sum(s is Ellipsis for s in sel) > 1:
+            raise StoreError(f"{self.path}: a selection may hold one '...' at most")
+        explicit = [s for s in sel if s is not Ellipsis]
+        if len(explicit) > len(shape):
+            raise StoreError(f"{self.path}: {len(explicit)} indices for a {len(shape)}-d tensor of shape {list(shape)}")
+        if Ellipsis in sel:
+            at = sel.index(Ellipsis)
+            dims = list(range(at)) + list(range(len(shape) - (len(sel) - at - 1), len(shape)))
+        else:
+            dims = list(range(len(explicit)))
+        return list(zip(dims, explicit))
 
     def _check_arrived(self, selection: Any) -> None:
         """Refuse to read rows whose cells no ingested rank has delivered (Zarr would return zeros)."""
