@@ -446,3 +446,20 @@ def test_an_hf_folder_with_its_own_config_needs_no_hf_config(user_run, tmp_path:
     save_file(tensors, tmp_path / "theirs" / "model.safetensors", metadata={"format": "pt"})
     found = shardstore.verify(src, tmp_path / "theirs").differences
     assert [(d.name, d.what) for d in found] == [("model.norm.weight", "missing from the output")]
+
+
+def test_a_state_dict_of_strided_views_is_compared_in_c_order(user_run, tmp_path: Path) -> None:
+    """torch.save keeps a view's strides (a weight held transposed, `w.t().contiguous().t()`): its bytes
+    are not one run of the file, and are streamed in blocks of rows in C order; equal passes, a changed
+    element is found at its index."""
+    src, model = user_run
+    state = {k: v.t().contiguous().t() if v.dim() == 2 else v for k, v in model.state_dict().items()}
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not state[name].is_contiguous()
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    assert shardstore.verify(src, tmp_path / "pytorch_model.bin").ok
+    state[name][2, 3] += 1
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    found = {d.name: d.what for d in shardstore.verify(src, tmp_path / "pytorch_model.bin").differences}
+    assert found.keys() == {name} and found[name].startswith(f"1 of {state[name].numel()} elements differ; the "
+                                                             f"first, at [2, 3]")
