@@ -188,6 +188,16 @@ def expected(folder: Path) -> dict[str, Any]:
     return torch.load(folder / "expected.pt.ref", weights_only=True)
 
 
+def exported(folder: Path) -> list[str]:
+    """The names of the files of the export in `folder`, sorted: all but the record of which checkpoint it
+    came from (export/origin.py), which a finished export always leaves."""
+    from shardstore.export.origin import RECORD
+
+    names = sorted(p.name for p in folder.iterdir())
+    assert RECORD in names, f"{folder}: no {RECORD}"
+    return [n for n in names if n != RECORD]
+
+
 def assert_bitwise_equal(actual: Any, want: Any, where: str = "", ordered: bool = False) -> None:
     """Same structure, same container types, and every tensor identical bit for bit; io.BytesIO buffers
     by content. With `ordered`, dict keys in the same order too."""

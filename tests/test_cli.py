@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import shardstore
 from shardstore.progress import size_text
-from tests.conftest import assert_bitwise_equal, expected
+from tests.conftest import assert_bitwise_equal, expected, exported
 from tests.refusals import assert_refused, cli
 
 
@@ -55,7 +55,7 @@ def test_unshard_ls_and_export(checkpoints, tmp_path: Path) -> None:
 
     proc = run("export", tmp_path / "store", tmp_path / "pt", "--format", "torch")
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in (tmp_path / "pt").iterdir()) == ["model.pt", "optim.pt", "train.pt"]
+    assert exported(tmp_path / "pt") == ["model.pt", "optim.pt", "train.pt"]
     assert "wrote" in proc.stdout and "export" in proc.stderr  # the progress bar
 
 
@@ -200,18 +200,18 @@ def test_a_second_export_never_leaves_the_first_ones_files_beside_it(checkpoints
     assert run("ingest", tmp_path / "s", *sorted(src.glob("rank*.pt")), "-q").returncode == 0
     out = tmp_path / "out"
     assert run("export", tmp_path / "s", out, "--max-shard-size", "600KB", "-q").returncode == 0
-    first = sorted(p.name for p in out.iterdir())
+    first = exported(out)
     assert "model.safetensors.index.json" in first and len(first) >= 3
     (out / "notes.txt").write_text("mine")
 
     refused = run("export", tmp_path / "s", out)
     assert_one_line_error(refused, "earlier export", first[0], "--overwrite")
-    assert sorted(p.name for p in out.iterdir()) == sorted(first + ["notes.txt"])  # nothing was written or removed
+    assert exported(out) == sorted(first + ["notes.txt"])  # nothing was written or removed
     assert_one_line_error(run("export", tmp_path / "s", out, "--format", "torch"), "model.safetensors.index.json")
 
     proc = run("export", tmp_path / "s", out, "--overwrite")
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "notes.txt"]
+    assert exported(out) == ["model.safetensors", "notes.txt"]
     assert all(f"removed {out / name}" in proc.stdout for name in first)
     assert_bitwise_equal(load_file(out / "model.safetensors"), expected(src)["model"])
     assert (out / "notes.txt").read_text() == "mine"

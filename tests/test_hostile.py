@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 import shardstore
+from shardstore.export.origin import RECORD
 from tests import refusals
 from tests.fixtures import forge
 from tests.fixtures.forge import Raw, Tensor, floats, plain_rank_file
@@ -304,7 +305,7 @@ def test_a_killed_exports_temporaries_are_swept_and_zombies_count_as_dead(forged
         (out / f".model.safetensors.{pid}.0123abcd.tmp").write_bytes(b"half")
     assert cli("export", half_store, out, "-q", limit=False).returncode == 0
     left = sorted(p.name for p in out.iterdir())
-    assert left == [f".model.safetensors.{live}.0123abcd.tmp", "model.safetensors"]  # a live writer is left alone
+    assert left == [f".model.safetensors.{live}.0123abcd.tmp", RECORD, "model.safetensors"]  # a live writer is left alone
     zombie.wait()
 
 

@@ -252,8 +252,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     side_files = _beside(store, fmt)
     stale = _earlier_export(out, planned.files + list(side_files), overwrite)
     check_origin(out, lambda names: origin.of_store(store), overwrite)
-    with _writing_into(out, stale):
-        origin.write(out, origin.of_store(store))
+    with _writing_into(out, stale, store):
         if on_start:
             on_start(planned.nbytes)
         files, skipped, notes = planned.write(out, progress, partial, scheduler, jobs)
@@ -271,13 +270,21 @@ def planned(store: Store, request: ExportRequest) -> Planned:
 
 
 @contextmanager
-def _writing_into(out: Path, stale: list[Path]) -> Iterator[None]:
-    """OUT made, and swept of what a killed export left behind; an earlier export's files removed only
-    once the new one is whole; an OSError the folder causes (a full disk) turned into one line."""
+def _writing_into(out: Path, stale: list[Path], store: Store) -> Iterator[None]:
+    """OUT made, swept of what a killed export left behind, and recording which checkpoint it is getting
+    the export of (export/origin.py) until a failure leaves none of an export's files there; an earlier
+    export's files removed only once the new one is whole; an OSError the folder causes (a full disk)
+    turned into one line."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         tempfiles.sweep(out, recursive=False)
-        yield
+        origin.write(out, origin.of_store(store))
+        try:
+            yield
+        except BaseException:
+            if not previous_outputs(out, []):
+                (out / origin.RECORD).unlink(missing_ok=True)
+            raise
         for path in stale:
             path.unlink(missing_ok=True)
     except OSError as exc:
@@ -312,8 +319,7 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
     side_files = _beside(store, fmt)
     stale = _earlier_export(out, planned.files + list(side_files), overwrite)
     check_origin(out, lambda names: origin.of_store(store), overwrite)
-    with _writing_into(out, stale):
-        origin.write(out, origin.of_store(store))
+    with _writing_into(out, stale, store):
         files = []
         folder = Path(planned.layout.folder)
         moving = folder / MOVING  # a rerun after a crash mid-way knows which files moved already

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 import shardstore
 from shardstore.export import ExportRequest, plan_direct
-from tests.conftest import Phases, assert_bitwise_equal, expected, sigkill_mid_way
+from shardstore.export.origin import RECORD
+from tests.conftest import Phases, assert_bitwise_equal, expected, exported, sigkill_mid_way
 
 
 def _same_as_two_step(src: Path, tmp_path: Path, **options: object) -> Path:
@@ -31,7 +32,7 @@ def _same_as_two_step(src: Path, tmp_path: Path, **options: object) -> Path:
     shardstore.unshard(src, two, store=tmp_path / "store", jobs=2, **options)
     if options.get("format") == "dcp":
         assert_bitwise_equal(_dcp_state(one, tmp_path / "one.pt"), _dcp_state(two, tmp_path / "two.pt"), ordered=True)
-        assert sorted(p.name for p in direct.files) == sorted(p.name for p in one.iterdir())
+        assert sorted(p.name for p in direct.files) == exported(one)
         return one
     assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in two.iterdir())
     for path in direct.files:
@@ -139,7 +140,7 @@ def test_entries_whose_pieces_record_no_crc_are_read_back(dcp_checkpoints, tmp_p
     for path in out.files:
         assert zipfile.ZipFile(path).testzip() is None, path.name
     want = torch.load(f"{src}.expected.pt.ref", weights_only=False)["model"]
-    assert_bitwise_equal(torch.load(tmp_path / "out" / "model.pt", weights_only=False), dict(want))
+    assert_bitwise_equal(torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=False)["model"], dict(want))
 
 
 @pytest.mark.parametrize("format", ["torch", "dcp"])
@@ -251,7 +252,7 @@ def test_sigkill_mid_way_leaves_nothing_finished_and_the_rerun_completes(format:
     assert ("were already done" in rerun.stderr) == (committed > 0), rerun.stderr  # journalled units skipped
     if format == "safetensors":
         assert_bitwise_equal(load_file(out / "model.safetensors"), expected(src)["model"])
-        assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+        assert exported(out) == ["model.safetensors"]
     elif format == "torch":
         assert zipfile.ZipFile(out / "optim.pt").testzip() is None
         assert_bitwise_equal(torch.load(out / "optim.pt", weights_only=False), expected(src)["optim"])
@@ -268,7 +269,7 @@ def test_a_crash_while_moving_the_files_into_out_resumes(checkpoints, tmp_path: 
     real, moved = os.replace, []
 
     def replace_once(a: object, b: object) -> None:
-        if Path(b).parent != out:  # the store's own atomic writes
+        if Path(b).parent != out or Path(b).name == RECORD:  # the store's own atomic writes, the export's record
             return real(a, b)
         if moved:
             raise KeyboardInterrupt  # killed between the two renames into OUT
@@ -294,7 +295,7 @@ def test_an_earlier_export_in_out_is_refused_or_replaced(checkpoints, tmp_path: 
     with pytest.raises(ExportError, match="earlier export that this one would not replace"):
         shardstore.unshard(src, out, jobs=1)
     result = shardstore.unshard(src, out, jobs=1, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"] and len(result.replaced) == 3
+    assert exported(out) == ["model.safetensors"] and len(result.replaced) == 3
     assert_bitwise_equal(load_file(out / "model.safetensors"), expected(src)["model"])
 
 

@@ -9,7 +9,7 @@ import shardstore
 from shardstore.export import ExportRequest, model_subtree
 from shardstore.export.resolve import node_at
 from shardstore.export.safetensors import plan_safetensors
-from tests.conftest import expected
+from tests.conftest import expected, exported
 
 
 def test_the_plan_names_exactly_the_files_written(checkpoints, tmp_path: Path) -> None:
@@ -19,7 +19,7 @@ def test_the_plan_names_exactly_the_files_written(checkpoints, tmp_path: Path) -
         plan = plan_safetensors(store, node, ExportRequest(max_shard_size=limit))
         result = shardstore.export(store, tmp_path / str(limit), max_shard_size=limit)
         assert [p.name for p in result.files] == plan.files
-        assert sorted(p.name for p in (tmp_path / str(limit)).iterdir()) == sorted(plan.files)
+        assert exported(tmp_path / str(limit)) == sorted(plan.files)
 
 
 def test_index_carries_total_size_and_total_parameters(checkpoints, tmp_path: Path) -> None:

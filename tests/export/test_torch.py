@@ -12,7 +12,7 @@ import torch
 
 import shardstore
 from shardstore.ranges import blocks
-from tests.conftest import assert_bitwise_equal, expected
+from tests.conftest import assert_bitwise_equal, expected, exported
 from tests.fixtures.fsdp import trainer_state
 from tests.test_cli import assert_one_line_error, run
 
@@ -74,7 +74,7 @@ def test_the_runs_config_is_copied_beside_every_export(checkpoints, tmp_path: Pa
     (src / "config.yaml").unlink()  # the store kept it: exports need not find the checkpoint again
     shardstore.export(tmp_path / "store", tmp_path / "st")
     assert (tmp_path / "st" / "config.yaml").read_bytes() == config
-    assert sorted(p.name for p in (tmp_path / "st").iterdir()) == ["config.yaml", "model.safetensors"]
+    assert exported(tmp_path / "st") == ["config.yaml", "model.safetensors"]
 
 
 def test_tensor_crcs_come_from_the_rank_files_and_check_out(checkpoints, tmp_path: Path) -> None:
@@ -180,11 +180,11 @@ def test_a_plain_dcp_save_is_what_dcp_to_torch_save_writes(kind: str, dcp_checkp
     want = torch.load(f"{src}.expected.pt.ref", weights_only=False)
     assert {"model", "optim"} <= set(want)
     shardstore.unshard(src, tmp_path / "plain", format="torch", jobs=1)
-    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["checkpoint.pt"]
+    assert exported(tmp_path / "plain") == ["checkpoint.pt"]
     assert_bitwise_equal(torch.load(tmp_path / "plain" / "checkpoint.pt", weights_only=False), want, ordered=True)
     proc = run("unshard", src, tmp_path / "one", "--format", "torch", "--single-file", "-q")
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["checkpoint.pt"]
+    assert exported(tmp_path / "one") == ["checkpoint.pt"]
     assert_bitwise_equal(torch.load(tmp_path / "one" / "checkpoint.pt", weights_only=False), want)
     shardstore.ingest(tmp_path / "store", src, jobs=1)
     shardstore.export(tmp_path / "store", tmp_path / "two", format="torch")

@@ -16,6 +16,7 @@ import torch
 
 import shardstore
 from shardstore.read.discover import open_source
+from tests.conftest import exported
 from tests.export.conformance import OutputTests, PartialOutputTests
 from tests.read.conformance import FormatTests
 
@@ -52,14 +53,14 @@ def _as_gathered(src: Path, want: dict, tmp_path: Path, optimizer: str, resume: 
     from safetensors.torch import load_file
 
     shardstore.unshard(src, tmp_path / "pt", format="torch", jobs=2)
-    assert sorted(p.name for p in (tmp_path / "pt").iterdir()) == sorted(["pytorch_model.bin", optimizer, *resume])
+    assert exported(tmp_path / "pt") == sorted(["pytorch_model.bin", optimizer, *resume])
     model = torch.load(tmp_path / "pt" / "pytorch_model.bin", weights_only=True)
     assert set(model) == set(want["model"]) and all(torch.equal(model[k], v) for k, v in want["model"].items())
     same_optimizer(torch.load(tmp_path / "pt" / optimizer, weights_only=True), want["optimizer"])
     for name, saved in resume.items():
         assert (tmp_path / "pt" / name).read_bytes() == (src / "checkpoint-4" / saved).read_bytes(), name
     shardstore.unshard(src, tmp_path / "st", jobs=2)
-    assert sorted(p.name for p in (tmp_path / "st").iterdir()) == ["model.safetensors"]
+    assert exported(tmp_path / "st") == ["model.safetensors"]
     st = load_file(tmp_path / "st" / "model.safetensors")
     assert set(st) == set(want["model"]) and all(torch.equal(st[k], v) for k, v in want["model"].items())
 
@@ -161,7 +162,7 @@ def test_hf_export_takes_the_config_the_trainers_final_save_left_in_output_dir(t
     for metrics in ("all_results.json", "train_results.json"):
         (run / metrics).write_text(json.dumps({"train_loss": 4.6, "epoch": 0.4}))
     shardstore.unshard(run / "checkpoint-4", tmp_path / "hf", format="hf", jobs=2)
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert exported(tmp_path / "hf") == ["config.json", "model.safetensors"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         assert torch.equal(model(input_ids=want["ids"]).logits, want["logits"])
@@ -309,7 +310,7 @@ def test_the_trainers_files_of_an_earlier_export_are_refused_or_replaced(tmp_pat
         shardstore.unshard(DATA / "fsdp2-w2", tmp_path / "out")
     assert not (tmp_path / "out" / "model.safetensors").exists()
     shardstore.unshard(DATA / "fsdp2-w2", tmp_path / "out", overwrite=True)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+    assert exported(tmp_path / "out") == ["model.safetensors"]
 
 
 class TestAccelerateOutputs(OutputTests, PartialOutputTests):
