@@ -346,9 +346,11 @@ VERIFY_LINES = 50  # difference lines `verify` prints; --json gives every one
 @click.argument("output", type=click.Path(exists=True))
 @click.option("--format", "fmt", type=click.Choice(["safetensors", "hf", "torch", "dcp"]), default=None,
               help="Check OUTPUT as this export [default: hf for a folder with a config.json, dcp for one with a "
-                   ".metadata, torch for .pt files, else safetensors].")
+                   ".metadata, torch for torch files (.pt, .bin, .pth: one whole state, a state dict, or the "
+                   "split files of --format torch), else safetensors].")
 @click.option("--hf-config", type=click.Path(exists=True), default=None, metavar="PATH",
-              help="As given to the export: the config that named the weights (hf).")
+              help="As given to the export: the config that named the weights (hf) [default: the checkpoint's "
+                   "own description, else OUTPUT's config.json].")
 @click.option("--select", default=None, help="As given to the export: the subtree exported as the model.")
 @click.option("--strip-prefix", default=None, help="As given to the export: the prefix dropped from keys.")
 @click.option("--tag", default=None, help="Which checkpoint, when SRC holds several.")
