@@ -76,7 +76,7 @@ def test_unshard_says_which_checkpoint_it_found(checkpoints, tmp_path: Path) -> 
 def test_missing_and_empty_folders(tmp_path: Path) -> None:
     assert_one_line_error(run("unshard", tmp_path / "nope", tmp_path / "out"), "nope", "no such directory")
     (tmp_path / "empty").mkdir()
-    assert_one_line_error(run("unshard", tmp_path / "empty", tmp_path / "out"), "no rank files")
+    assert_one_line_error(run("unshard", tmp_path / "empty", tmp_path / "out"), "empty", "an empty folder")
     assert_one_line_error(run("ls", tmp_path / "nostore"), "nostore: no such store or checkpoint")
 
 

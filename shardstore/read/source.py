@@ -19,6 +19,7 @@ CONFIG = "config.yaml"  # OLMo's run config, copied beside every export as OLMo'
 JSON_CONFIG = "config.json"  # OLMo-core's experiment config in each checkpoint; the HF Trainer's model config
 LATEST = "latest_checkpointed_iteration.txt"  # veRL's (and Megatron's) pointer to the newest step
 RELEASE = "release"  # what that pointer says of Megatron-LM's release/ folder
+LATEST_LINK = "latest"  # OLMo's link to the newest step folder of its save folder
 @dataclass
 class Source:
     """One checkpoint: its format (a registry name) and its units of work, in order."""
@@ -39,24 +40,27 @@ class Source:
 # ---------------------------------------------------------------------------------------------- shared
 def pick(src: str, candidates: list[str], tag: str | None, step: int | None) -> str:
     """The one of `candidates` (checkpoint folders found in `src`, by name) that `tag` or `step` names.
-    Without either, the one `src`'s latest_checkpointed_iteration.txt names, else the newest when every
-    one names its step (the HF Trainer's get_last_checkpoint, torchtitan's, DeepSpeed's rule), or the only
-    one (`--step`: `names_step`)."""
-    there = candidates
+    Without either (or with the tag "latest"), the one `src`'s latest_checkpointed_iteration.txt names, or
+    its `latest` link (OLMo's), else the newest when every one names its step (the HF Trainer's
+    get_last_checkpoint, torchtitan's, DeepSpeed's rule), or the only one (`--step`: `names_step`)."""
+    there, named = candidates, f"--tag {tag}" if tag else f"--step {step}"
     if tag in (None, "latest") and step is None and len(candidates) > 1:
-        latest = _latest_step(src)
+        latest, linked = _latest_step(src), _linked_latest(src)
         if latest == RELEASE:
             tag, step = RELEASE, None
+        elif isinstance(latest, int):
+            step, named = latest, f"the step {LATEST} names ({latest})"
+        elif linked is not None:
+            tag, named = linked, f"its {LATEST_LINK} link ({linked})"
         else:
-            step = latest if isinstance(latest, int) else _newest(candidates)
+            step = _newest(candidates)
     if tag not in (None, "latest"):
         candidates = [c for c in candidates if c == tag]
     if step is not None:
         candidates = [c for c in candidates if names_step(c, step)]
     if len(candidates) != 1:
         if not candidates:
-            raise CheckpointError(f"{src}: no checkpoint matches {'--tag ' + tag if tag else f'--step {step}'}; "
-                                  f"it holds {', '.join(there)}")
+            raise CheckpointError(f"{src}: no checkpoint matches {named}; it holds {', '.join(there)}")
         raise CheckpointError(f"{src}: holds more than one checkpoint ({', '.join(candidates)}); pick one with "
                               f"--tag or --step")
     inside_run(src, join(src, candidates[0]))
@@ -125,6 +129,18 @@ def _latest_step(run: str) -> int | str | None:
     if not text.isdigit():
         raise CheckpointError(f"{path}: names no step ({text[:20]!r}); pick a checkpoint with --tag or --step")
     return int(text)
+
+
+def _linked_latest(run: str) -> str | None:
+    """The name of the folder a run folder's `latest` link (OLMo's save_folder/latest -> stepN) leads to,
+    if it has one: a folder of the run itself (one elsewhere is refused: `inside_run`)."""
+    if is_url(run):
+        return None
+    link = os.path.join(local(run), LATEST_LINK)
+    if not (os.path.islink(link) and os.path.isdir(link)):
+        return None
+    target = inside_run(run, link)
+    return os.path.basename(target) if os.path.dirname(target) == os.path.realpath(local(run)) else None
 
 
 def config_files(folder: str, storage_options: StorageOptions | None, *names: str) -> list[str]:

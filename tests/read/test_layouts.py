@@ -14,8 +14,9 @@ from safetensors.torch import load_file
 
 import shardstore
 from shardstore.errors import CheckpointError
+from shardstore.read.discover import open_source
 from shardstore.read.formats.rankfile import read_rank_file
-from shardstore.read.layouts import discover
+from shardstore.read.layouts import discover, name_rank
 from shardstore.read.primitives import tensors
 from tests.conftest import assert_bitwise_equal
 from tests.fixtures import legacy
@@ -42,9 +43,8 @@ def test_olmo_layout_odd_world_size_bfloat16(layout_checkpoints, tmp_path: Path)
 
 
 def test_two_steps_and_latest_links_are_never_mixed(composer: Path) -> None:
-    with pytest.raises(CheckpointError, match="more than one checkpoint.*ep0-ba10.*ep0-ba20"):
-        discover(composer)
     assert [p.parent.name for p in discover(composer, tag="latest")] == ["ep0-ba20"] * 8
+    assert discover(composer) == discover(composer, tag="latest")  # the links Composer points with
     assert [p.name for p in discover(composer, step=10)] == [f"ep0-ba10-rank{r}.pt" for r in range(8)]
     assert [p.name for p in discover(composer / "ep0-ba20")] == [f"ep0-ba20-rank{r}.pt" for r in range(8)]
     assert discover(composer, tag="ep0-ba20") == discover(composer / "ep0-ba20")
@@ -168,7 +168,6 @@ def test_composer_latest_links_out_of_the_run_are_refused(tmp_path: Path) -> Non
     """latest-rank{r}.pt linking to another run's files: refused in one line naming where the first leads,
     nothing left, whether the links are followed (--tag latest) or merely found; a rank named in other
     digits (`rank٩.pt`) is no rank file."""
-    from shardstore.read.layouts import name_rank
     from tests.refusals import assert_refused, cli
 
     corpus = Path(__file__).parents[1] / "corpus" / "data" / "composer-t2.1-hsdp-w4" / "ep0-ba1"
@@ -184,3 +183,95 @@ def test_composer_latest_links_out_of_the_run_are_refused(tmp_path: Path) -> Non
     with pytest.raises(CheckpointError, match="leads to"):
         discover(run, tag="latest")
     assert name_rank("rank٩.pt") is None and name_rank("ep0-ba1-rank٣.pt") is None
+
+
+@pytest.mark.parametrize("writer, named", [("fsdp1", "step{}"), ("fsdp2", "checkpoint-{}")])
+def test_a_run_of_per_rank_files_in_step_folders(writer: str, named: str, checkpoints, fsdp2_files,
+                                                 tmp_path: Path) -> None:
+    """A plain FSDP run saving `torch.save(state_dict, f"{folder}/model_rank{r}.pt")` per rank into a step
+    folder per save (FSDP1 ShardedTensors, FSDP2 DTensors): the newest is taken and named, --step, --tag,
+    latest_checkpointed_iteration.txt and a `latest` link take another, and two steps are never one rank
+    set. The saves are the training scripts' (tests/fixtures/fsdp.py, fsdp2_files.py) at two settings, so
+    that files of one step read as the other's could not match what the processes gathered."""
+    from tests.conftest import expected as gathered
+    from tests.refusals import cli
+
+    if writer == "fsdp1":
+        saves = {2: checkpoints(3), 4: checkpoints(3, dtype="bfloat16")}
+        want = {step: gathered(folder)["model"] for step, folder in saves.items()}
+    else:
+        saves = {2: fsdp2_files("tp", 4), 4: fsdp2_files("hsdp", 4)}
+        want = {step: torch.load(f"{folder}.expected.pt.ref", weights_only=True) for step, folder in saves.items()}
+    run = tmp_path / "run"
+    for step, folder in saves.items():
+        (run / named.format(step)).mkdir(parents=True)
+        for f in folder.glob("*rank*.pt"):
+            shutil.copy(f, run / named.format(step) / f"model_rank{name_rank(f)}.pt")
+
+    proc = cli("unshard", run, tmp_path / "newest", "-j", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines()[0] == f"unshard: the checkpoint in {run / named.format(4)}"
+    assert_bitwise_equal(load_file(tmp_path / "newest" / "model.safetensors"), want[4])
+    shardstore.unshard(run, tmp_path / "two", step=2, jobs=1)
+    assert_bitwise_equal(load_file(tmp_path / "two" / "model.safetensors"), want[2])
+
+    def taken(**how: object) -> str:
+        units = open_source(run, **how).units  # type: ignore[arg-type]
+        assert len({Path(u).parent for u in units}) == 1
+        return Path(units[0]).parent.name
+
+    assert taken(tag=named.format(2)) == taken(tag="model", step=2) == named.format(2)
+    (run / "latest_checkpointed_iteration.txt").write_text("2\n")
+    assert taken() == named.format(2)
+    (run / "latest_checkpointed_iteration.txt").unlink()
+    (run / "latest").symlink_to(named.format(2))  # OLMo's pointer to its newest step folder
+    assert taken() == taken(tag="latest") == named.format(2)
+    (run / "latest").unlink()
+    (run / named.format(4) / "model_rank1.pt").unlink()  # the newest save, one rank short: never filled from step 2
+    with pytest.raises(CheckpointError, match="rank files are missing for ranks 1$"):
+        shardstore.unshard(run, tmp_path / "short", jobs=1)
+
+
+def test_what_is_not_a_sharded_checkpoint_is_named(checkpoints, tmp_path: Path) -> None:
+    """What users give in place of a sharded checkpoint is refused in one line saying what it is, nothing
+    left: a GGUF file, weights already saved whole (the Trainer's pytorch_model.bin, torch's own
+    dcp_to_torch_save file: the file, or the folder it is in), an empty folder; a rank file of 0 bytes (a
+    copy still being written) is named as empty, wherever it is in the rank order."""
+    import struct
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests.refusals import assert_refused, cli
+
+    def refused(src: Path, *needles: str) -> None:
+        assert_refused(cli("unshard", src, tmp_path / "out", "-q"), f"{src}: ", *needles)
+        assert not (tmp_path / "out").exists()
+
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))  # version 3, no tensors, no metadata
+    refused(gguf, "a GGUF file")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    torch.save(torch.nn.Linear(4, 3).state_dict(), hf / "pytorch_model.bin")  # as the Trainer saves a model whole
+    refused(hf, "holds pytorch_model.bin and no shards", "already unsharded: nothing to do")
+    with pytest.raises(CheckpointError, match="model.bin: one file, not a folder of shards: .* already unsharded"):
+        discover(hf / "pytorch_model.bin")
+    dcp.save({"w": torch.arange(6.0)}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    (tmp_path / "whole").mkdir()
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "whole" / "model.pt")
+    with pytest.raises(CheckpointError, match="whole: holds model.pt and no shards: .* already unsharded"):
+        discover(tmp_path / "whole")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="empty: an empty folder: no checkpoint in it$"):
+        discover(tmp_path / "empty")
+
+    run = tmp_path / "run"
+    shutil.copytree(checkpoints(3), run, ignore=shutil.ignore_patterns("*.ref"))
+    (run / "rank0.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"rank0.pt: an empty file \(0 bytes\): truncated, or still being"):
+        shardstore.unshard(run, tmp_path / "out", jobs=1)
+    shutil.copy(checkpoints(3) / "rank0.pt", run / "rank0.pt")
+    (run / "rank2.pt").write_bytes(b"")
+    assert_refused(cli("unshard", run, tmp_path / "out", "-q"), f"{run / 'rank2.pt'}: an empty file (0 bytes)")
+    assert not (tmp_path / "out" / "model.safetensors").exists()

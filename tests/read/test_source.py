@@ -84,3 +84,20 @@ def test_deepspeeds_latest_naming_a_tag_folder_out_of_the_run_is_refused(tmp_pat
     assert_refused(cli("unshard", run, tmp_path / "out", "-q"), f"{run / tag}: leads to {other / tag}, outside {run}")
     assert not (tmp_path / "out").exists()
     assert cli("unshard", other, tmp_path / "ok", "-q").returncode == 0
+
+
+def test_a_runs_latest_link_names_its_checkpoint(tmp_path: Path) -> None:
+    """A run folder's `latest` link to one of its step folders (OLMo's pointer) is taken without --step,
+    or with --tag latest, as latest_checkpointed_iteration.txt is; --step still picks. A pointer naming a
+    step that is not there is refused saying so."""
+    run = tmp_path / "checkpoint"
+    shutil.copytree(TORCHTITAN, run)
+    (run / "latest").symlink_to("step-2")
+    for how in ({}, {"tag": "latest"}):
+        assert open_source(run, **how).units[0].startswith(str(run / "step-2"))  # type: ignore[arg-type]
+    assert open_source(run, step=4).units[0].startswith(str(run / "step-4"))
+    (run / "latest").unlink()
+    (run / "latest_checkpointed_iteration.txt").write_text("6")
+    with pytest.raises(CheckpointError, match=r"matches the step latest_checkpointed_iteration.txt names \(6\); it "
+                                              r"holds step-2, step-4$"):
+        open_source(run)

@@ -313,6 +313,8 @@ class TorchZip:
         self.start = start
         self._size = self.file.size - start if length is None else length
         try:
+            if not self.file.size:
+                raise CheckpointError(f"{self.path}: an empty file (0 bytes): truncated, or still being written")
             if start < 0 or self._size < 0 or start + self._size > self.file.size:
                 raise CheckpointError(f"{self.path}: item at {start} (+{self._size}) lies outside the file")
             # The central directory; a small zip file whole (an ingest reads all of it: one request, not
