@@ -143,7 +143,7 @@ def _what_file(name: str, folder: str) -> str:
 def _what_is_there(src: str, storage_options: StorageOptions | None) -> str:
     """What a folder holding no checkpoint holds instead (nothing; weights saved whole; GGUF files; other
     files), and what shardstore reads: the one line refusing it."""
-    names = [n for n in map(name_of, listing(src, storage_options)) if not n.startswith(".")]
+    names = [name_of(p) for p in listing(src, storage_options)]
     if not names:
         return "an empty folder: no checkpoint in it"
     some = f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
