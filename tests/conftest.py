@@ -64,30 +64,37 @@ def layout_checkpoints(tmp_path_factory: pytest.TempPathFactory):
 def dcp_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     """dcp_checkpoints(kind, world_size=4) -> a DCP folder (tests/fixtures/dcp.py); torch's own unsharded
     copy is `<folder>.expected.pt.ref` beside it."""
-    from tests.fixtures.dcp import make_dcp_checkpoint
+    from tests.fixtures import dcp
 
-    base = CACHE or tmp_path_factory.mktemp("dcp")
-    made: dict[tuple[str, int], Path] = {}
-
-    def get(kind: str, world_size: int = 4) -> Path:
-        if (kind, world_size) not in made:
-            out = base / f"dcp-{kind}-w{world_size}"
-            if not Path(f"{out}.expected.pt.ref").exists():
-                make_dcp_checkpoint(out, world_size, kind)
-            made[(kind, world_size)] = out
-        return made[(kind, world_size)]
-
-    return get
+    get = kinds_by_world(CACHE or tmp_path_factory.mktemp("dcp"), "dcp-", dcp.save,
+                         {4: ["fsdp1", "fsdp2", "hsdp", "tp"]}, dcp.unsharded_beside)
+    return lambda kind, world_size=4: get(kind, world_size)
 
 
-def kinds_by_world(base: Path, prefix: str, make: Callable[[Path, int, str], object]) -> Callable[[str, int], Path]:
-    """get(kind, world_size) -> folder `base/<prefix><kind>-w<world_size>`, made by `make(out, world, kind)`
-    unless finished before (its `<folder>.expected.pt.ref`, written last, is there)."""
-    def get(kind: str, world_size: int) -> Path:
-        out = base / f"{prefix}{kind}-w{world_size}"
-        if not Path(f"{out}.expected.pt.ref").exists():
-            make(out, world_size, kind)
-        return out
+def kinds_by_world(base: Path, prefix: str, save: Callable[..., None], together: dict[int, list[Any]],
+                   finish: Callable[[Path], object] = lambda out: None,
+                   done: Callable[[Path], bool] = lambda out: Path(f"{out}.expected.pt.ref").exists(),
+                   ) -> Callable[..., Path]:
+    """get(*kind, world_size) -> folder `base/<prefix><kind, "-"-joined>-w<world_size>`, unless finished
+    before (`done(folder)`: its expected.pt.ref, written last, is there) made by `save(rank, world, str(folder),
+    *kind)` in a gloo world of that size, then `finish(folder)`. That world also makes every kind
+    `together[world_size]` lists not made yet (gloo_jobs: its processes start once for them all; the suite
+    uses them all)."""
+    from tests.fixtures.fsdp import gloo_jobs
+
+    def folder(kind: tuple[str, ...], world: int) -> Path:
+        return base / f"{prefix}{'-'.join(kind)}-w{world}"
+
+    def get(*args: Any) -> Path:
+        *parts, world = args
+        kind = tuple(parts)
+        if not done(folder(kind, world)):
+            others = [k if isinstance(k, tuple) else (k,) for k in together.get(world, [])]
+            kinds = [kind] + [k for k in others if k != kind and not done(folder(k, world))]
+            gloo_jobs(save, world, [(str(folder(k, world)), *k) for k in kinds])
+            for k in kinds:
+                finish(folder(k, world))
+        return folder(kind, world)
 
     return get
 
@@ -106,18 +113,19 @@ def cluster(s3):
 def verl_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     """verl_checkpoints(kind, world_size) -> a veRL run folder (tests/fixtures/verl.py); what the processes
     gathered is `<folder>.expected.pt.ref` beside it."""
-    from tests.fixtures.verl import make_verl_checkpoint
+    from tests.fixtures import verl
 
-    return kinds_by_world(CACHE or tmp_path_factory.mktemp("verl"), "verl-", make_verl_checkpoint)
+    return kinds_by_world(CACHE or tmp_path_factory.mktemp("verl"), "verl-", verl.save,
+                          {4: ["fsdp1-hsdp", "fsdp2", "fsdp2-hsdp", "fsdp1-hsdp-orig"], 3: ["fsdp1", "fsdp1-orig"]})
 
 
 @pytest.fixture(scope="session")
 def fsdp2_files(tmp_path_factory: pytest.TempPathFactory):
     """fsdp2_files(kind, world_size) -> a folder of per-rank `torch.save`d FSDP2 state dicts
     (tests/fixtures/fsdp2_files.py), the processes' gather in `<folder>.expected.pt.ref`."""
-    from tests.fixtures.fsdp2_files import make_fsdp2_files
+    from tests.fixtures import fsdp2_files
 
-    return kinds_by_world(CACHE or tmp_path_factory.mktemp("fsdp2-files"), "", make_fsdp2_files)
+    return kinds_by_world(CACHE or tmp_path_factory.mktemp("fsdp2-files"), "", fsdp2_files.save, {4: ["hsdp", "tp"]})
 
 
 @pytest.fixture(scope="session")
@@ -133,15 +141,13 @@ def dcp_hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def olmo_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     """olmo_checkpoints(kind, variant, world_size) -> a checkpoint folder as OLMo wrote it
     (tests/fixtures/olmo.py: "local" 2.2/2.0, "olmo_core" flat/dtensor), torch's gather in expected.pt.ref."""
-    from tests.fixtures.olmo import make_olmo_checkpoint
+    from tests.fixtures import olmo
 
-    base = CACHE or tmp_path_factory.mktemp("olmo")
-
-    def get(kind: str, variant: str, world_size: int) -> Path:
-        return cached(base, f"{kind}-{variant}-w{world_size}",
-                      lambda out: make_olmo_checkpoint(out, world_size, kind, variant))
-
-    return get
+    return kinds_by_world(CACHE or tmp_path_factory.mktemp("olmo"), "", olmo.save,
+                          {3: [("local", "2.2"), ("olmo_core", "flat"), ("olmo_core", "dtensor")],
+                           4: [("local", "2.0"), ("local", "hsdp"), ("olmo_core", "dtensor"),
+                               ("olmo_core", "dtensor-hsdp")]},
+                          done=lambda out: (out / "expected.pt.ref").exists())
 
 
 @pytest.fixture(scope="session")
