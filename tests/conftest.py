@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import shardstore
-from tests.fixtures.fsdp import make_checkpoint
 from tests.fixtures.layouts import make_layout_checkpoint
 
 CACHE = Path(os.environ.get("SHARDSTORE_TEST_CACHE", "")) if os.environ.get("SHARDSTORE_TEST_CACHE") else None
@@ -34,12 +33,13 @@ def cached(base: Path, name: str, make: Callable[[Path], object]) -> Path:
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     """checkpoints(world_size, kind="tiny", dtype="float32") -> folder of rank files + expected.pt.ref."""
-    base = CACHE or tmp_path_factory.mktemp("checkpoints")
+    from tests.fixtures import fsdp
 
-    def get(world_size: int, kind: str = "tiny", dtype: str = "float32") -> Path:
-        return cached(base, f"{kind}-{dtype}-w{world_size}", lambda out: make_checkpoint(out, world_size, kind, dtype))
-
-    return get
+    tiny, hf = ("tiny", "float32"), ("hf", "float32")
+    get = kinds_by_world(CACHE or tmp_path_factory.mktemp("checkpoints"), "", fsdp.save,
+                         {2: [tiny, hf], 3: [tiny, ("tiny", "bfloat16")], 4: [tiny, hf]},
+                         done=lambda out: (out / "expected.pt.ref").exists())
+    return lambda world_size, kind="tiny", dtype="float32": get(kind, dtype, world_size)
 
 
 @pytest.fixture(scope="session")
