@@ -104,7 +104,7 @@ def test_a_dcp_folder_is_taken_once_its_metadata_is_there(dcp_checkpoints, tmp_p
         proc.kill()
     shardstore.export(store, tmp_path / "out", format="torch")
     want = torch.load(f"{ckpt}.expected.pt.ref", weights_only=False)
-    assert_bitwise_equal(torch.load(tmp_path / "out" / "model.pt", weights_only=True), want["model"])
+    assert_bitwise_equal(torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=False), want)  # dcp_to_torch_save's
 
 
 def test_an_olmo_local_folder_is_refused_by_name(olmo_checkpoints, tmp_path: Path) -> None:

@@ -107,6 +107,7 @@ class DataFile:
         `opened`: a local file already open that `path` only names (an anonymous temporary file holding a
         DCP item's decompressed bytes: read/primitives/transforms.py); closed with this."""
         self.path: str | Path = os.fspath(path) if is_url(path) else Path(local(path))
+        self.named = opened is None  # the bytes are the file `path` names (else a temporary file it describes)
         self.stamp: str | None  # what says the file changed (local_stamp, remote_stamp)
         self._map: mmap.mmap | None = None
         self._remote: tuple[Any, str] | None = None
@@ -313,7 +314,7 @@ class TorchZip:
         self.start = start
         self._size = self.file.size - start if length is None else length
         try:
-            if not self.file.size:
+            if not self.file.size and self.file.named:  # (a value that decompressed to nothing: not a zip, below)
                 raise CheckpointError(f"{self.path}: an empty file (0 bytes): truncated, or still being written")
             if start < 0 or self._size < 0 or start + self._size > self.file.size:
                 raise CheckpointError(f"{self.path}: item at {start} (+{self._size}) lies outside the file")
