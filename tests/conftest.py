@@ -290,11 +290,8 @@ def sigkill_mid_way(cmd: list[str], store: Path, units: int, commits: int, reset
 @pytest.fixture(scope="session")
 def olmo_models(tmp_path_factory: pytest.TempPathFactory):
     """olmo_models(arch, fmt, world_size) -> a checkpoint folder (tests/fixtures/olmo_model.py)."""
-    from tests.fixtures.olmo_model import make_olmo_model_checkpoint
+    from tests.fixtures import olmo_model
 
-    base = CACHE or tmp_path_factory.mktemp("olmo-models")
-
-    def get(arch: str, fmt: str, world_size: int) -> Path:
-        return cached(base, f"{arch}-{fmt}-w{world_size}", lambda out: make_olmo_model_checkpoint(out, world_size, arch, fmt))
-
-    return get
+    return kinds_by_world(CACHE or tmp_path_factory.mktemp("olmo-models"), "", olmo_model.save,
+                          {3: [("olmo2", "legacy"), ("olmo2", "olmo_core")], 2: [("olmo1", "local"), ("olmo1", "torch_new")]},
+                          done=lambda out: (out / "expected.pt.ref").exists())
