@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointError
+from ..hf_files import hf_model_file
 from ..locations import StorageOptions, is_url, join, listing, local, name_of
 
 MAX_SIDE_FILE = 64 << 20  # a tokenizer.json of a large vocabulary is several MB
@@ -141,6 +142,13 @@ def _linked_latest(run: str) -> str | None:
         return None
     target = inside_run(run, link)
     return os.path.basename(target) if os.path.dirname(target) == os.path.realpath(local(run)) else None
+
+
+def hf_files(folder: str, storage_options: StorageOptions | None) -> list[str]:
+    """A model's Hugging Face files in `folder` (config.json, generation_config.json, the tokenizer's), if
+    its config.json is there."""
+    there = [p for p in listing(folder, storage_options) if hf_model_file(name_of(p))]
+    return there if JSON_CONFIG in map(name_of, there) else []
 
 
 def config_files(folder: str, storage_options: StorageOptions | None, *names: str) -> list[str]:

@@ -135,7 +135,7 @@ def test_olmo_names_are_normalised() -> None:
 def test_without_a_config_the_export_says_what_is_missing(checkpoints, tmp_path: Path) -> None:
     src = checkpoints(2)
     line = error_line("unshard", str(src), str(tmp_path / "hf"), "--format", "hf", "-q")
-    assert line.endswith("no config.yaml (OLMo) and no Hugging Face config (Composer); give --hf-config PATH")
+    assert line.endswith("none inside (Composer); give --hf-config PATH")
     assert not (tmp_path / "hf" / ".shardstore-scratch").exists()  # refused before the ingest: nothing kept
 
 

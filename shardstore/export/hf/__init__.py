@@ -41,8 +41,9 @@ MAX_CONFIG_FILE = 64 << 20  # tokenizer.json of large vocabularies is tens of MB
 DTYPE_KEYS = ("dtype", "torch_dtype")  # a config's dtype, as transformers >= 4.56 and before spell it
 
 
-NO_HF_DESCRIPTION = ("cannot tell which Hugging Face model this is: the checkpoint has no config.yaml (OLMo) and no "
-                     "Hugging Face config (Composer); give --hf-config PATH")
+NO_HF_DESCRIPTION = ("cannot tell which Hugging Face model this is: the checkpoint has no config.yaml (OLMo), no "
+                     "Hugging Face config.json beside it (or in its run folder) and none inside (Composer); give "
+                     "--hf-config PATH")
 
 
 def in_values(store: Store) -> bool:

@@ -38,7 +38,8 @@ from ..primitives import transforms as stream_transforms
 from ..primitives.tensors import check_view
 from ..primitives.unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, load
 from ...patterns import digits
-from ..source import COMPOSER_BATCH, COMPOSER_EPOCH, JSON_CONFIG, Source, check_step, config_files, inside_run, pick
+from ..source import (COMPOSER_BATCH, COMPOSER_EPOCH, JSON_CONFIG, Source, check_step, config_files, hf_files, inside_run,
+                      pick)
 from ..unit import check_leaves
 from . import lightning, megatron_torch, trainer
 from .resume import resume_files
@@ -847,11 +848,11 @@ def _beside(folder: str, storage_options: StorageOptions | None) -> list[str]:
         # the HF Trainer writes no config.json into a sharded checkpoint-N/; its final save_model writes
         # the model's Hugging Face files into the run's output_dir, the folder above, and a save of a
         # full state dict (another checkpoint-M/ of the run) writes them into its folder
-        found = _hf_files(parent, storage_options)
+        found = hf_files(parent, storage_options)
         steps = sorted((n for n in subfolders(parent, storage_options) if TRAINER_STEP.fullmatch(n) and n != name),
                        key=lambda n: -int(n.split("-")[1]))
         for step in steps if not found else []:
-            found = _hf_files(join(parent, step), storage_options)
+            found = hf_files(join(parent, step), storage_options)
             if found:
                 break
     if config_files(folder, storage_options, lightning.META):
@@ -863,12 +864,6 @@ def _beside(folder: str, storage_options: StorageOptions | None) -> list[str]:
     elif name == VERL_DIST:
         found += [p for p in listing(join(parent, VERL_HF), storage_options) if hf_model_file(name_of(p))]
     return found
-
-
-def _hf_files(folder: str, storage_options: StorageOptions | None) -> list[str]:
-    """A model's Hugging Face files in `folder`, if its config.json is there."""
-    there = [p for p in listing(folder, storage_options) if hf_model_file(name_of(p))]
-    return there if JSON_CONFIG in map(name_of, there) else []
 
 
 def dcp_folder(src: str, tag: str | None, step: int | None, storage_options: StorageOptions | None) -> str | None:

@@ -21,7 +21,7 @@ from ..primitives.flatten import flatten
 from ..primitives.identity import container_identity
 from ..primitives.skim import Skimmed, skim
 from ..primitives.unpickle import DTensor, ShardedTensor, load
-from ..source import COMPOSER_BATCH, COMPOSER_EPOCH, Source, check_step, config_files
+from ..source import COMPOSER_BATCH, COMPOSER_EPOCH, Source, check_step, config_files, hf_files
 from . import dtensor
 
 MAX_WORLD_SIZE = 1 << 20
@@ -391,7 +391,7 @@ class RankFiles:
         """The rank files of the one checkpoint in `src` or one level down, picked by `tag` or `step`."""
         files = [os.fspath(f) for f in discover(src, tag, step, storage_options)]
         return Source(self._format_of(files, storage_options), files, storage_options,
-                      config_files(folder_of(files[0]), storage_options))
+                      _described_by(src, folder_of(files[0]), storage_options))
 
     def of_files(self, files: list[str], storage_options: StorageOptions | None) -> Any:
         return Source(self._format_of(files, storage_options), files, storage_options)
@@ -445,3 +445,14 @@ def _whole_zip(path: str) -> bool:
 
 
 FORMAT = RankFiles()
+
+
+def _described_by(src: str, folder: str, storage_options: StorageOptions | None) -> list[str]:
+    """The files beside rank files that describe their model: OLMo's config.yaml, and a Hugging Face model's
+    files (a run of an HF model saving per-rank state dicts keeps its config.json beside them, or once in
+    the run folder the user named, above its step folders)."""
+    found = config_files(folder, storage_options)
+    beside = hf_files(folder, storage_options)
+    if not beside and os.path.normpath(folder_of(folder)) == os.path.normpath(src):
+        beside = hf_files(src, storage_options)
+    return found + beside

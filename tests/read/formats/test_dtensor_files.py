@@ -60,6 +60,32 @@ def test_hf_export_with_the_models_config(kind: str, world: int, fsdp2_files, tm
         assert torch.equal(got, reference.eval()(input_ids=IDS).logits)
 
 
+def test_a_runs_own_config_json_describes_its_model_in_the_dtype_exported(fsdp2_files, tmp_path: Path) -> None:
+    """A user's FSDP2 run of a Hugging Face model: `model.config.save_pretrained(run)` once, then per-rank
+    state dicts in run/step<N>/. `unshard run out --format hf --dtype bf16` takes the run's config.json (no
+    --hf-config), and every dtype field of the config written says bfloat16, so transformers loads the
+    model in the dtype its files hold."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.fixtures.verl import _model
+
+    run = tmp_path / "run"
+    shutil.copytree(fsdp2_files("fsdp2", 3), run / "step4")
+    _model(None).config.save_pretrained(run)
+    assert json.loads((run / "config.json").read_text()).get("dtype", "float32") == "float32"
+    shardstore.unshard(run, tmp_path / "hf", format="hf", dtype="bfloat16", jobs=2)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert [config[k] for k in ("dtype", "torch_dtype") if k in config] in (["bfloat16"], ["bfloat16", "bfloat16"])
+    want = torch.load(f"{fsdp2_files('fsdp2', 3)}.expected.pt.ref", weights_only=True)
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto").state_dict()
+    assert {v.dtype for v in got.values()} == {torch.bfloat16}
+    assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in want.items() if k in got)
+    assert set(want) - set(got) <= {"lm_head.weight"}  # tied to the embedding: transformers loads it as one
+
+
 def test_a_missing_rank_file_is_named_before_anything_is_read(fsdp2_files, tmp_path: Path) -> None:
     src = shutil.copytree(fsdp2_files("fsdp2", 3), tmp_path / "src")
     (src / "model_rank1.pt").unlink()
