@@ -83,13 +83,21 @@ def test_dtype_and_shards_apply(olmo_models, tmp_path: Path) -> None:
     assert (logits - _reference_logits("olmo2", src)).abs().max().item() < 0.05  # bf16 rounding only
 
 
+@pytest.fixture(scope="module")
+def composer_hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Both Composer formats of one model, saved by one gloo world of 2."""
+    from tests.fixtures.composer_hf import make_composer_hf_checkpoints
+
+    base = tmp_path_factory.mktemp("composer-hf")
+    return make_composer_hf_checkpoints({fmt: base / fmt for fmt in ("rank-files", "dcp")}, 2)
+
+
 @pytest.mark.parametrize("fmt", ["rank-files", "dcp"])
-def test_a_composer_hf_model_round_trips_with_its_tokenizer(fmt: str, tmp_path: Path) -> None:
+def test_a_composer_hf_model_round_trips_with_its_tokenizer(fmt: str, composer_hf: dict[str, Path],
+                                                            tmp_path: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from tests.fixtures.composer_hf import make_composer_hf_checkpoint
-
-    src = make_composer_hf_checkpoint(tmp_path / "ckpt", 2, fmt)
+    src = composer_hf[fmt]
     result = shardstore.unshard(src, tmp_path / "hf", format="hf", jobs=2)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src / "hf-config")).eval()
