@@ -21,12 +21,33 @@ from tests.fixtures.layouts import make_layout_checkpoint
 CACHE = Path(os.environ.get("SHARDSTORE_TEST_CACHE", "")) if os.environ.get("SHARDSTORE_TEST_CACHE") else None
 
 
+def session_base(factory: pytest.TempPathFactory, name: str) -> Path:
+    """Where a session fixture keeps its checkpoints: SHARDSTORE_TEST_CACHE if set, else a folder of this
+    run's, which every pytest-xdist worker of the run shares (under a lock, `one_at_a_time`, the first worker
+    that needs a checkpoint makes it, the others wait and read it)."""
+    if CACHE:
+        return CACHE
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = factory.getbasetemp().parent / name
+        base.mkdir(exist_ok=True)
+        return base
+    return factory.mktemp(name)
+
+
+def one_at_a_time(path: Path) -> Any:
+    """A lock on `path` (`<path>.lock`) across processes: held while a checkpoint is looked for and made."""
+    from filelock import FileLock
+
+    return FileLock(f"{path}.lock")
+
+
 def cached(base: Path, name: str, make: Callable[[Path], object]) -> Path:
     """Checkpoint `name` under `base`, made by `make(folder)` unless a finished one (its expected.pt.ref,
     written last) is already there."""
     out = base / name
-    if not (out / "expected.pt.ref").exists():
-        make(out)
+    with one_at_a_time(out):
+        if not (out / "expected.pt.ref").exists():
+            make(out)
     return out
 
 
@@ -36,7 +57,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
     from tests.fixtures import fsdp
 
     tiny, hf = ("tiny", "float32"), ("hf", "float32")
-    get = kinds_by_world(CACHE or tmp_path_factory.mktemp("checkpoints"), "", fsdp.save,
+    get = kinds_by_world(session_base(tmp_path_factory, "checkpoints"), "", fsdp.save,
                          {2: [tiny, hf], 3: [tiny, ("tiny", "bfloat16")], 4: [tiny, hf]},
                          done=lambda out: (out / "expected.pt.ref").exists())
     return lambda world_size, kind="tiny", dtype="float32": get(kind, dtype, world_size)
@@ -45,15 +66,16 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def layout_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     """layout_checkpoints(name, world_size, layout, **options) -> folder (see tests/fixtures/layouts.py)."""
-    base = CACHE or tmp_path_factory.mktemp("layouts")
+    base = session_base(tmp_path_factory, "layouts")
     made: dict[str, Path] = {}
 
     def get(name: str, world_size: int, layout: str, steps: tuple[int, ...] = (10,), **options: Any) -> Path:
         if name not in made:
             out = base / f"layout-{name}"
-            if not (out / ".done").exists():
-                make_layout_checkpoint(out, world_size, layout, steps=steps, **options)
-                (out / ".done").touch()
+            with one_at_a_time(out):
+                if not (out / ".done").exists():
+                    make_layout_checkpoint(out, world_size, layout, steps=steps, **options)
+                    (out / ".done").touch()
             made[name] = out
         return made[name]
 
@@ -66,7 +88,7 @@ def dcp_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     copy is `<folder>.expected.pt.ref` beside it."""
     from tests.fixtures import dcp
 
-    get = kinds_by_world(CACHE or tmp_path_factory.mktemp("dcp"), "dcp-", dcp.save,
+    get = kinds_by_world(session_base(tmp_path_factory, "dcp"), "dcp-", dcp.save,
                          {4: ["fsdp1", "fsdp2", "hsdp", "tp"]}, dcp.unsharded_beside)
     return lambda kind, world_size=4: get(kind, world_size)
 
@@ -88,12 +110,13 @@ def kinds_by_world(base: Path, prefix: str, save: Callable[..., None], together:
     def get(*args: Any) -> Path:
         *parts, world = args
         kind = tuple(parts)
-        if not done(folder(kind, world)):
-            others = [k if isinstance(k, tuple) else (k,) for k in together.get(world, [])]
-            kinds = [kind] + [k for k in others if k != kind and not done(folder(k, world))]
-            gloo_jobs(save, world, [(str(folder(k, world)), *k) for k in kinds])
-            for k in kinds:
-                finish(folder(k, world))
+        with one_at_a_time(base / f"{prefix}w{world}"):
+            if not done(folder(kind, world)):
+                others = [k if isinstance(k, tuple) else (k,) for k in together.get(world, [])]
+                kinds = [kind] + [k for k in others if k != kind and not done(folder(k, world))]
+                gloo_jobs(save, world, [(str(folder(k, world)), *k) for k in kinds])
+                for k in kinds:
+                    finish(folder(k, world))
         return folder(kind, world)
 
     return get
@@ -115,7 +138,7 @@ def verl_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     gathered is `<folder>.expected.pt.ref` beside it."""
     from tests.fixtures import verl
 
-    return kinds_by_world(CACHE or tmp_path_factory.mktemp("verl"), "verl-", verl.save,
+    return kinds_by_world(session_base(tmp_path_factory, "verl"), "verl-", verl.save,
                           {4: ["fsdp1-hsdp", "fsdp2", "fsdp2-hsdp", "fsdp1-hsdp-orig"], 3: ["fsdp1", "fsdp1-orig"]})
 
 
@@ -125,7 +148,7 @@ def fsdp2_files(tmp_path_factory: pytest.TempPathFactory):
     (tests/fixtures/fsdp2_files.py), the processes' gather in `<folder>.expected.pt.ref`."""
     from tests.fixtures import fsdp2_files
 
-    return kinds_by_world(CACHE or tmp_path_factory.mktemp("fsdp2-files"), "", fsdp2_files.save, {4: ["hsdp", "tp"]})
+    return kinds_by_world(session_base(tmp_path_factory, "fsdp2-files"), "", fsdp2_files.save, {4: ["hsdp", "tp"]})
 
 
 @pytest.fixture(scope="session")
@@ -134,7 +157,7 @@ def dcp_hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     what the processes gathered in its expected.pt.ref."""
     from tests.fixtures.dcp_hf import make_dcp_hf_checkpoint
 
-    return cached(CACHE or tmp_path_factory.mktemp("dcp-hf"), "dcp-hf-w3", make_dcp_hf_checkpoint)
+    return cached(session_base(tmp_path_factory, "dcp-hf"), "dcp-hf-w3", make_dcp_hf_checkpoint)
 
 
 @pytest.fixture(scope="session")
@@ -143,7 +166,7 @@ def olmo_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     (tests/fixtures/olmo.py: "local" 2.2/2.0, "olmo_core" flat/dtensor), torch's gather in expected.pt.ref."""
     from tests.fixtures import olmo
 
-    return kinds_by_world(CACHE or tmp_path_factory.mktemp("olmo"), "", olmo.save,
+    return kinds_by_world(session_base(tmp_path_factory, "olmo"), "", olmo.save,
                           {3: [("local", "2.2"), ("olmo_core", "flat"), ("olmo_core", "dtensor")],
                            4: [("local", "2.0"), ("local", "hsdp"), ("olmo_core", "dtensor"),
                                ("olmo_core", "dtensor-hsdp")]},
@@ -292,6 +315,6 @@ def olmo_models(tmp_path_factory: pytest.TempPathFactory):
     """olmo_models(arch, fmt, world_size) -> a checkpoint folder (tests/fixtures/olmo_model.py)."""
     from tests.fixtures import olmo_model
 
-    return kinds_by_world(CACHE or tmp_path_factory.mktemp("olmo-models"), "", olmo_model.save,
+    return kinds_by_world(session_base(tmp_path_factory, "olmo-models"), "", olmo_model.save,
                           {3: [("olmo2", "legacy"), ("olmo2", "olmo_core")], 2: [("olmo1", "local"), ("olmo1", "torch_new")]},
                           done=lambda out: (out / "expected.pt.ref").exists())
