@@ -164,8 +164,9 @@ def detect_layout(tree: Node, trainer: str | None = None, format: str | None = N
     top = {c.path for _, c in tree.children}
     if LIGHTNING_KEY in top:
         return "lightning"
-    # a `dcp.save` of any script nests them so too: OLMo's DCP folder, model_and_optim/, is named by its reader
-    if {"model", "optim"} <= top and format != "dcp":
+    # a `dcp.save` or per-rank DTensor `torch.save` of any script nests them so too (OLMo's DCP folder,
+    # model_and_optim/, is named by its reader; OLMo's rank files hold ShardedTensors)
+    if {"model", "optim"} <= top and format not in ("dcp", "dtensor-files"):
         return "olmo"
     state = next((c for _, c in tree.children if c.path == "state"), None)
     if state is not None and any(c.path == "state/model" for _, c in state.children):

@@ -12,8 +12,9 @@ import torch
 import shardstore
 from shardstore.errors import CheckpointError
 from shardstore.read.discover import open_source
-from tests.conftest import assert_bitwise_equal
+from tests.conftest import assert_bitwise_equal, exported
 from tests.read.conformance import FormatTests
+from tests.refusals import cli as run
 
 T26_TP = Path(__file__).parents[2] / "fixtures" / "data" / "fsdp2-tp" / "t2.6"
 
@@ -84,6 +85,40 @@ def test_a_runs_own_config_json_describes_its_model_in_the_dtype_exported(fsdp2_
     assert {v.dtype for v in got.values()} == {torch.bfloat16}
     assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in want.items() if k in got)
     assert set(want) - set(got) <= {"lm_head.weight"}  # tied to the embedding: transformers loads it as one
+
+
+def test_a_scripts_model_and_optim_files_export_in_their_own_nesting(tmp_path: Path) -> None:
+    """A plain script's per-rank `torch.save({"model": ..., "optim": ...})` of DTensors is no OLMo run:
+    `--format torch` writes one checkpoint.pt in the files' nesting (what the README promises for rank
+    files of any other trainer), not OLMo's model.pt, optim.pt and an empty train.pt. The files are torch's
+    own DTensor pickles, each rank's made in a fake process group of two with its piece of known tensors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.manual_seed(0)
+    full = {"w": torch.randn(6, 4), "b": torch.randn(5)}
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    for rank in range(2):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+        try:
+            mesh = init_device_mesh("cpu", (2,))
+            model = {k: DTensor.from_local(v.tensor_split(2)[rank].clone(), mesh, [Shard(0)], run_check=False,
+                                           shape=v.shape, stride=v.stride()) for k, v in full.items()}
+            optim = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": model["w"]}},
+                     "param_groups": [{"lr": 0.1, "params": [0]}]}
+            torch.save({"model": model, "optim": optim}, src / f"model_rank{rank}.pt")
+        finally:
+            dist.destroy_process_group()
+    listing = run("ls", src)
+    assert listing.returncode == 0 and "layout: generic" in listing.stdout, listing.stdout + listing.stderr
+    shardstore.unshard(src, tmp_path / "pt", format="torch", jobs=1)
+    assert exported(tmp_path / "pt") == ["checkpoint.pt"]
+    want = {"model": full, "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": full["w"]}},
+                                     "param_groups": [{"lr": 0.1, "params": [0]}]}}
+    assert_bitwise_equal(torch.load(tmp_path / "pt" / "checkpoint.pt", weights_only=True), want)
 
 
 def test_a_missing_rank_file_is_named_before_anything_is_read(fsdp2_files, tmp_path: Path) -> None:
