@@ -25,6 +25,10 @@ NORMS = {"input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight
          "post_attention_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")}
 MOE = "MixtralForCausalLM"  # Megatron's top-k router (softmax over the k chosen) is Mixtral's routing
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", MOE)
+# a config naming only its model type (what `LlamaConfig(...).save_pretrained()` writes): the class transformers'
+# Auto classes load for it
+BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                 "mixtral": MOE}
 
 
 def is_megatron(names: list[str]) -> bool:
@@ -43,9 +47,12 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
          files: dict[str, bytes]) -> HFModel:
     """The HF model a Megatron GPT checkpoint is, under `config` (a config.json's contents)."""
     arch = (config.get("architectures") or [None])[0]
+    if arch is None and isinstance(config.get("model_type"), str):
+        arch = BY_MODEL_TYPE.get(config["model_type"], f"model_type {config['model_type']}")
     if arch not in ARCHITECTURES:
         raise ExportError(f"{where}: architecture {arch!r:.60}; a Megatron checkpoint is exported as one of "
-                          f"{', '.join(ARCHITECTURES)}")
+                          f"{', '.join(ARCHITECTURES)} (or a config of model_type "
+                          f"{', '.join(BY_MODEL_TYPE)})")
     hidden, heads = _config(config, "hidden_size", where), _config(config, "num_attention_heads", where)
     groups = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads

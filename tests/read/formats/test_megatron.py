@@ -10,6 +10,7 @@ with what the live ranks held.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -166,8 +167,6 @@ def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_p
     """q, k and v taken per query group, fc1 split into gate and up, norms renamed: transformers' Llama
     reproduces the logits Megatron's own forward gave (float32; the two order their sums differently).
     The model is described by Megatron-LM's own args in the checkpoint, or by a config.json given."""
-    import json
-
     from transformers import AutoModelForCausalLM
 
     config = dict(LLAMA, tie_word_embeddings=layout.endswith("tied"))
@@ -196,12 +195,29 @@ def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_p
         shardstore.unshard(src, tmp_path / "hf2", format="hf", hf_config=tmp_path / "wrong.json", jobs=1)
 
 
+def test_a_config_naming_only_its_model_type_is_taken_as_transformers_takes_it(tmp_path: Path) -> None:
+    """`LlamaConfig(...).save_pretrained()` writes model_type and no architectures; transformers' Auto
+    classes load such a folder as Llama, and so does the export (it used to refuse "architecture None")."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    LlamaConfig(**{k: v for k, v in LLAMA.items() if k not in ("architectures", "model_type")}).save_pretrained(
+        tmp_path / "config")
+    assert "architectures" not in json.loads((tmp_path / "config" / "config.json").read_text())
+    src = DATA / LAYOUTS[0]
+    shardstore.unshard(src, tmp_path / "hf", format="hf", hf_config=tmp_path / "config" / "config.json", jobs=1)
+    want = torch.load(f"{src}.expected.pt.ref", weights_only=True)
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()(input_ids=want["ids"])
+    torch.testing.assert_close(got.logits, want["logits"], rtol=1e-4, atol=1e-4)
+    (tmp_path / "gpt2.json").write_text(json.dumps({**LLAMA, "architectures": None, "model_type": "gpt2"}))
+    with pytest.raises(shardstore.ExportError, match="architecture 'model_type gpt2'"):
+        shardstore.unshard(src, tmp_path / "hf2", format="hf", hf_config=tmp_path / "gpt2.json", jobs=1)
+
+
 def test_a_common_state_the_metadata_names_must_be_there(tmp_path: Path) -> None:
     """megatron-core <= 0.18: metadata.json names common.pt; without it the args, the iteration and the
     optimizer's param_groups would be lost, so the folder is refused, as is a backend shardstore does not
     read."""
-    import json
-
     src = tmp_path / "ckpt"
     shutil.copytree(MEGATRON / "core0.16.1" / "tp2-pp1" / "iter_0000010", src)
     (src / "common.pt").unlink()
