@@ -1,5 +1,5 @@
 """Megatron-Core GPT models as transformers' Llama-family classes (LlamaForCausalLM, Qwen2ForCausalLM,
-MistralForCausalLM), named by the Hugging Face config.json the user gives.
+MistralForCausalLM, Qwen3ForCausalLM), named by the Hugging Face config.json the user gives.
 
 Megatron keeps attention's q, k and v in one `linear_qkv` whose rows are grouped by query group: for
 each of the `num_key_value_heads` groups, its heads' q rows, then its k rows, then its v rows (a plain
@@ -24,11 +24,12 @@ EMBEDDING, OUTPUT, FINAL_NORM = "embedding.word_embeddings.weight", "output_laye
 NORMS = {"input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
          "post_attention_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")}
 MOE = "MixtralForCausalLM"  # Megatron's top-k router (softmax over the k chosen) is Mixtral's routing
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", MOE)
+QWEN3 = "Qwen3ForCausalLM"  # a Llama with a norm over each head's q and k: Megatron's qk_layernorm
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", QWEN3, MOE)
 # a config naming only its model type (what `LlamaConfig(...).save_pretrained()` writes): the class transformers'
 # Auto classes load for it
 BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "mixtral": MOE}
+                 "qwen3": QWEN3, "mixtral": MOE}
 
 
 def is_megatron(names: list[str]) -> bool:
@@ -96,6 +97,9 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
             if f"{layer}self_attention.linear_qkv.bias" in shapes:  # Qwen2's
                 take(f"{hf}self_attn.{proj}.bias", f"{layer}self_attention.linear_qkv.bias", rows)
         take(f"{hf}self_attn.o_proj.weight", f"{layer}self_attention.linear_proj.weight", None, (hidden, heads * head_dim))
+        if arch == QWEN3:  # one norm over each head's features, shared by the heads, as Megatron's qk_layernorm
+            take(f"{hf}self_attn.q_norm.weight", f"{layer}self_attention.q_layernorm.weight", None, (head_dim,))
+            take(f"{hf}self_attn.k_norm.weight", f"{layer}self_attention.k_layernorm.weight", None, (head_dim,))
         if arch == MOE:  # Mixtral's hub names (what transformers and every engine load)
             experts, moe = _config(config, "num_local_experts", where), f"{hf}block_sparse_moe."
             take(f"{moe}gate.weight", f"{layer}mlp.router.weight", None, (experts, hidden))
@@ -139,7 +143,8 @@ MOE_REFUSED = {"moe_router_pre_softmax": (lambda v: not v, "a softmax over every
                "moe_router_enable_expert_bias": (lambda v: not v, "expert biases in the router"),
                "moe_router_num_groups": (lambda v: not v, "group-limited routing"),
                "moe_router_topk_scaling_factor": (lambda v: v in (None, 1, 1.0), "scaled routing weights"),
-               "add_qkv_bias": (lambda v: not v, "q, k and v biases")}
+               "add_qkv_bias": (lambda v: not v, "q, k and v biases"),
+               "qk_layernorm": (lambda v: not v, "a norm over q and k (Qwen3-MoE's)")}
 
 
 def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
@@ -156,6 +161,10 @@ def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], 
     groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
     vocab = args.get("padded_vocab_size")
     bias = bool(args.get("add_qkv_bias"))
+    qk_norm = bool(args.get("qk_layernorm"))
+    if qk_norm and bias:
+        raise ExportError(f"{where}: qk_layernorm with add_qkv_bias: q, k and v biases beside a norm over q and k, "
+                          f"which neither Qwen2 nor Qwen3 in transformers express")
     dtype = str(args.get("params_dtype") or "float32").removeprefix("torch.")
     config = {"architectures": ["Qwen2ForCausalLM" if bias else "LlamaForCausalLM"],
               "model_type": "qwen2" if bias else "llama", "hidden_size": args.get("hidden_size"),
@@ -170,6 +179,9 @@ def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], 
         config.update(architectures=[MOE], model_type="mixtral", num_local_experts=experts,
                       num_experts_per_tok=args.get("moe_router_topk", 2),
                       intermediate_size=args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size"))
+    elif qk_norm:
+        config.update(architectures=[QWEN3], model_type="qwen3", attention_bias=False,
+                      head_dim=args.get("kv_channels") or args.get("hidden_size", 0) // (heads or 1))
     elif not bias:
         config.update(attention_bias=False, mlp_bias=False)
     notes = [f"the vocabulary is Megatron's padded one ({vocab} rows; the checkpoint does not say the tokenizer's "
@@ -184,7 +196,8 @@ NEMO_ARGS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidd
              "kv_channels": "kv_channels", "normalization": "normalization", "layernorm_epsilon": "norm_epsilon",
              "add_bias_linear": "add_bias_linear", "add_qkv_bias": "add_qkv_bias",
              "position_embedding_type": "position_embedding_type", "rotary_base": "rotary_base",
-             "rotary_percent": "rotary_percent", "seq_length": "max_position_embeddings"}
+             "rotary_percent": "rotary_percent", "seq_length": "max_position_embeddings",
+             "qk_layernorm": "qk_layernorm"}
 
 
 def args_from_nemo(raw: bytes, vocab: int | None, where: str) -> dict[str, Any]:

@@ -39,8 +39,8 @@ def _saved_names(want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-LAYOUTS = ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2", "tp2-pp1-qwen2", "tp2-pp1-tied", "tp2-pp1-layers",
-           "tp2-pp1-dp2-optim", "tp2-pp1-dp2-optim-full", "tp2-pp2-optim", "tp1-pp1-dp2-moe",
+LAYOUTS = ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2", "tp2-pp1-qwen2", "tp2-pp1-qwen3", "tp2-pp1-tied",
+           "tp2-pp1-layers", "tp2-pp1-dp2-optim", "tp2-pp1-dp2-optim-full", "tp2-pp2-optim", "tp1-pp1-dp2-moe",
            "tp2-pp1-dp2-bf16-optim",  # Megatron-LM's --bf16: bf16 weights, the optimizer's fp32 main params
            # megatron-core <= 0.18: the common state in common.pt beside the .distcp files
            "../core0.16.1/tp2-pp1", "../core0.16.1/tp2-pp2-optim", "../core0.16.1/tp2-pp1-dp2-optim-full",
@@ -173,6 +173,8 @@ def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_p
     if layout.endswith("qwen2"):  # q, k and v with biases, split per query group like their weights
         config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
         del config["attention_bias"], config["mlp_bias"], config["head_dim"]
+    if layout.endswith("qwen3"):  # a norm over each head's q and k (qk_layernorm), heads of 8 in a width of 16
+        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=8)
     if layout.endswith("moe"):  # 4 experts, top 2: each expert's fc1 split into w1 and w3
         config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
                       num_experts_per_tok=2)
@@ -354,7 +356,7 @@ class TestMegatronTorchDistConformance(FormatTests):
 
 @pytest.mark.parametrize("key, value", [("moe_shared_expert_intermediate_size", 64), ("moe_router_pre_softmax", True),
                                         ("moe_router_score_function", "sigmoid"),
-                                        ("moe_router_enable_expert_bias", True)])
+                                        ("moe_router_enable_expert_bias", True), ("qk_layernorm", True)])
 def test_moe_routing_mixtral_cannot_follow_is_refused_by_name(key: str, value: object) -> None:
     """Megatron's MoE variants a Mixtral folder would load and then route differently: refused, naming the
     argument, rather than exported with silently different logits."""
