@@ -13,7 +13,7 @@ not place is refused by name, never dropped silently; `_extra_state` values are 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ...errors import ExportError
 from ...patterns import digits
@@ -25,11 +25,20 @@ NORMS = {"input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight
          "post_attention_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")}
 MOE = "MixtralForCausalLM"  # Megatron's top-k router (softmax over the k chosen) is Mixtral's routing
 QWEN3 = "Qwen3ForCausalLM"  # a Llama with a norm over each head's q and k: Megatron's qk_layernorm
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", QWEN3, MOE)
+# Qwen3-MoE routes as Mixtral (a softmax over all experts, the top k renormalised: a softmax over the k
+# chosen), with Qwen3's q and k norms; Qwen2-MoE takes a softmax over every expert and keeps the top k's
+# probabilities as they are (Megatron's moe_router_pre_softmax), and adds a shared expert behind a sigmoid gate
+QWEN3_MOE, QWEN2_MOE = "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", QWEN3, MOE, QWEN3_MOE, QWEN2_MOE)
+# each MoE class's hub names: (the block, its experts' count in the config, the experts' width in the config,
+# the names of an expert's gate, up and down projections)
+MOE_BLOCKS = {MOE: ("block_sparse_moe.", "num_local_experts", "intermediate_size", ("w1", "w3", "w2")),
+              QWEN3_MOE: ("mlp.", "num_experts", "moe_intermediate_size", ("gate_proj", "up_proj", "down_proj")),
+              QWEN2_MOE: ("mlp.", "num_experts", "moe_intermediate_size", ("gate_proj", "up_proj", "down_proj"))}
 # a config naming only its model type (what `LlamaConfig(...).save_pretrained()` writes): the class transformers'
 # Auto classes load for it
 BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen3": QWEN3, "mixtral": MOE}
+                 "qwen3": QWEN3, "mixtral": MOE, "qwen3_moe": QWEN3_MOE, "qwen2_moe": QWEN2_MOE}
 
 
 def is_megatron(names: list[str]) -> bool:
@@ -97,21 +106,23 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
             if f"{layer}self_attention.linear_qkv.bias" in shapes:  # Qwen2's
                 take(f"{hf}self_attn.{proj}.bias", f"{layer}self_attention.linear_qkv.bias", rows)
         take(f"{hf}self_attn.o_proj.weight", f"{layer}self_attention.linear_proj.weight", None, (hidden, heads * head_dim))
-        if arch == QWEN3:  # one norm over each head's features, shared by the heads, as Megatron's qk_layernorm
+        if arch in (QWEN3, QWEN3_MOE):  # one norm over each head's features, shared by the heads (qk_layernorm)
             take(f"{hf}self_attn.q_norm.weight", f"{layer}self_attention.q_layernorm.weight", None, (head_dim,))
             take(f"{hf}self_attn.k_norm.weight", f"{layer}self_attention.k_layernorm.weight", None, (head_dim,))
-        if arch == MOE:  # Mixtral's hub names (what transformers and every engine load)
-            experts, moe = _config(config, "num_local_experts", where), f"{hf}block_sparse_moe."
+        if arch in MOE_BLOCKS:  # the hub's names (what transformers and every engine load)
+            block, count, width, projections = MOE_BLOCKS[arch]
+            experts, moe, expert_ffn = _config(config, count, where), f"{hf}{block}", _config(config, width, where)
             take(f"{moe}gate.weight", f"{layer}mlp.router.weight", None, (experts, hidden))
             for e in range(experts):
-                expert = f"{layer}mlp.experts.local_experts.{e}."
-                take(f"{moe}experts.{e}.w1.weight", f"{expert}linear_fc1.weight", ((0, ffn),), (2 * ffn, hidden))
-                take(f"{moe}experts.{e}.w3.weight", f"{expert}linear_fc1.weight", ((ffn, 2 * ffn),))
-                take(f"{moe}experts.{e}.w2.weight", f"{expert}linear_fc2.weight", None, (hidden, ffn))
+                _glu(take, f"{moe}experts.{e}.", f"{layer}mlp.experts.local_experts.{e}.", projections, expert_ffn,
+                     hidden)
+            if arch == QWEN2_MOE:
+                shared = _config(config, "shared_expert_intermediate_size", where)
+                _glu(take, f"{moe}shared_expert.", f"{layer}mlp.shared_experts.", ("gate_proj", "up_proj", "down_proj"),
+                     shared, hidden)
+                take(f"{moe}shared_expert_gate.weight", f"{layer}mlp.shared_experts.gate_weight", None, (1, hidden))
         else:
-            take(f"{hf}mlp.gate_proj.weight", f"{layer}mlp.linear_fc1.weight", ((0, ffn),), (2 * ffn, hidden))
-            take(f"{hf}mlp.up_proj.weight", f"{layer}mlp.linear_fc1.weight", ((ffn, 2 * ffn),))
-            take(f"{hf}mlp.down_proj.weight", f"{layer}mlp.linear_fc2.weight", None, (hidden, ffn))
+            _glu(take, f"{hf}mlp.", f"{layer}mlp.", ("gate_proj", "up_proj", "down_proj"), ffn, hidden)
         for key, candidates in NORMS.items():
             source = next((f"{layer}{c}" for c in candidates if f"{layer}{c}" in shapes), f"{layer}{candidates[0]}")
             take(f"{hf}{key}", source, None, (hidden,))
@@ -127,6 +138,15 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
         raise ExportError(f"{stray[0]}: a tensor {arch} has no place for (a Megatron feature transformers cannot "
                           f"express, or a config of another model)")
     return HFModel(config, None, tensors, files)
+
+
+def _glu(take: Callable[..., None], hf: str, megatron: str, names: tuple[str, str, str], width: int,
+         hidden: int) -> None:
+    """A SwiGLU MLP's three projections from Megatron's two: `linear_fc1` is [gate; up], `linear_fc2` down."""
+    gate, up, down = names
+    take(f"{hf}{gate}.weight", f"{megatron}linear_fc1.weight", ((0, width),), (2 * width, hidden))
+    take(f"{hf}{up}.weight", f"{megatron}linear_fc1.weight", ((width, 2 * width),))
+    take(f"{hf}{down}.weight", f"{megatron}linear_fc2.weight", None, (hidden, width))
 
 
 # Megatron-LM's arguments -> what transformers' config calls them
@@ -145,6 +165,24 @@ MOE_REFUSED = {"moe_router_pre_softmax": (lambda v: not v, "a softmax over every
                "moe_router_topk_scaling_factor": (lambda v: v in (None, 1, 1.0), "scaled routing weights"),
                "add_qkv_bias": (lambda v: not v, "q, k and v biases"),
                "qk_layernorm": (lambda v: not v, "a norm over q and k (Qwen3-MoE's)")}
+# ... and what each other MoE class asks instead
+MOE_TARGETS = {QWEN3_MOE: {"qk_layernorm": (bool, "no norm over q and k")},
+               QWEN2_MOE: {"moe_shared_expert_intermediate_size": (bool, "no shared expert"),
+                           "moe_shared_expert_gate": (bool, "a shared expert without its gate"),
+                           "moe_router_pre_softmax": (bool, "a softmax over the k chosen experts only"),
+                           "add_qkv_bias": (bool, "no q, k and v biases")}}
+
+
+def _moe_class(args: dict[str, Any], where: str) -> str:
+    """The transformers class a Megatron MoE model is, by the blocks it has (a shared expert: Qwen2-MoE's;
+    q and k norms: Qwen3-MoE's; else Mixtral), its routing refused by name where that class routes otherwise."""
+    target = QWEN2_MOE if args.get("moe_shared_expert_intermediate_size") else \
+        QWEN3_MOE if args.get("qk_layernorm") else MOE
+    for key, (ok, what) in {**MOE_REFUSED, **MOE_TARGETS.get(target, {})}.items():
+        if not ok(args.get(key)):
+            raise ExportError(f"{where}: {key} is {args.get(key)!r:.40}: {what}, which "
+                              f"{target.removesuffix('ForCausalLM')} cannot express")
+    return target
 
 
 def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
@@ -154,18 +192,17 @@ def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], 
             raise ExportError(f"{where}: {key} is {args[key]!r:.40}: {what}, which the Llama-family classes of "
                               f"transformers cannot express")
     experts = args.get("num_experts")
-    for key, (ok, what) in MOE_REFUSED.items():
-        if experts and not ok(args.get(key)):
-            raise ExportError(f"{where}: {key} is {args.get(key)!r:.40}: {what}, which Mixtral cannot express")
+    moe = _moe_class(args, where) if experts else None
     heads = args.get("num_attention_heads")
     groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
     vocab = args.get("padded_vocab_size")
     bias = bool(args.get("add_qkv_bias"))
     qk_norm = bool(args.get("qk_layernorm"))
-    if qk_norm and bias:
+    if qk_norm and bias and not moe:
         raise ExportError(f"{where}: qk_layernorm with add_qkv_bias: q, k and v biases beside a norm over q and k, "
                           f"which neither Qwen2 nor Qwen3 in transformers express")
     dtype = str(args.get("params_dtype") or "float32").removeprefix("torch.")
+    head_dim = args.get("kv_channels") or args.get("hidden_size", 0) // (heads or 1)  # Qwen3's default is not that
     config = {"architectures": ["Qwen2ForCausalLM" if bias else "LlamaForCausalLM"],
               "model_type": "qwen2" if bias else "llama", "hidden_size": args.get("hidden_size"),
               "intermediate_size": args.get("ffn_hidden_size"), "num_attention_heads": heads,
@@ -175,13 +212,21 @@ def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], 
               "max_position_embeddings": args.get("max_position_embeddings"),
               "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
               "hidden_act": "silu", "torch_dtype": dtype}
-    if experts:
+    expert_ffn = args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size")
+    if moe == MOE:
         config.update(architectures=[MOE], model_type="mixtral", num_local_experts=experts,
-                      num_experts_per_tok=args.get("moe_router_topk", 2),
-                      intermediate_size=args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size"))
+                      num_experts_per_tok=args.get("moe_router_topk", 2), intermediate_size=expert_ffn)
+    elif moe is not None:  # Qwen3-MoE's and Qwen2-MoE's: every layer sparse
+        config.update(architectures=[moe], model_type="qwen3_moe" if moe == QWEN3_MOE else "qwen2_moe",
+                      num_experts=experts, num_experts_per_tok=args.get("moe_router_topk", 2),
+                      moe_intermediate_size=expert_ffn, decoder_sparse_step=1, mlp_only_layers=[],
+                      norm_topk_prob=moe == QWEN3_MOE)
+        if moe == QWEN3_MOE:
+            config.update(attention_bias=False, head_dim=head_dim)
+        else:
+            config.update(shared_expert_intermediate_size=args.get("moe_shared_expert_intermediate_size"))
     elif qk_norm:
-        config.update(architectures=[QWEN3], model_type="qwen3", attention_bias=False,
-                      head_dim=args.get("kv_channels") or args.get("hidden_size", 0) // (heads or 1))
+        config.update(architectures=[QWEN3], model_type="qwen3", attention_bias=False, head_dim=head_dim)
     elif not bias:
         config.update(attention_bias=False, mlp_bias=False)
     notes = [f"the vocabulary is Megatron's padded one ({vocab} rows; the checkpoint does not say the tokenizer's "

@@ -354,9 +354,8 @@ class TestMegatronTorchDistConformance(FormatTests):
         return DATA / "tp2-pp1-dp2-optim" / "iter_0000010" / "__1_0.distcp"
 
 
-@pytest.mark.parametrize("key, value", [("moe_shared_expert_intermediate_size", 64), ("moe_router_pre_softmax", True),
-                                        ("moe_router_score_function", "sigmoid"),
-                                        ("moe_router_enable_expert_bias", True), ("qk_layernorm", True)])
+@pytest.mark.parametrize("key, value", [("moe_router_pre_softmax", True), ("moe_router_score_function", "sigmoid"),
+                                        ("moe_router_enable_expert_bias", True)])
 def test_moe_routing_mixtral_cannot_follow_is_refused_by_name(key: str, value: object) -> None:
     """Megatron's MoE variants a Mixtral folder would load and then route differently: refused, naming the
     argument, rather than exported with silently different logits."""
@@ -366,6 +365,28 @@ def test_moe_routing_mixtral_cannot_follow_is_refused_by_name(key: str, value: o
     assert megatron.config_from_args(args, "args")[0]["architectures"] == ["MixtralForCausalLM"]
     with pytest.raises(shardstore.ExportError, match=f"args: {key} is"):
         megatron.config_from_args({**args, key: value}, "args")
+
+
+def test_a_moe_model_is_the_class_its_blocks_and_routing_are() -> None:
+    """q and k norms make a MoE model Qwen3-MoE's; a shared expert Qwen2-MoE's, which holds only with its
+    sigmoid gate, a softmax over every expert and q, k and v biases: what is missing is named."""
+    from shardstore.export.hf import megatron
+
+    args = {"num_experts": 4, "moe_router_topk": 2, "num_attention_heads": 4, "hidden_size": 16, "num_layers": 2,
+            "kv_channels": 8}
+    qwen3 = megatron.config_from_args({**args, "qk_layernorm": True}, "args")[0]
+    assert (qwen3["architectures"], qwen3["model_type"], qwen3["head_dim"], qwen3["norm_topk_prob"]) == \
+        (["Qwen3MoeForCausalLM"], "qwen3_moe", 8, True)
+    qwen2 = {**args, "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True,
+             "moe_router_pre_softmax": True, "add_qkv_bias": True}
+    config = megatron.config_from_args(qwen2, "args")[0]
+    assert (config["architectures"], config["shared_expert_intermediate_size"], config["norm_topk_prob"]) == \
+        (["Qwen2MoeForCausalLM"], 32, False)
+    for key in ("moe_shared_expert_gate", "moe_router_pre_softmax", "add_qkv_bias"):
+        with pytest.raises(shardstore.ExportError, match=f"args: {key} is .*which Qwen2Moe cannot express"):
+            megatron.config_from_args({**qwen2, key: False}, "args")
+    with pytest.raises(shardstore.ExportError, match="args: qk_layernorm is True.*Qwen2Moe"):
+        megatron.config_from_args({**qwen2, "qk_layernorm": True}, "args")
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 5), (4, 3, 6), (2, 1, 3, 4)])
