@@ -42,6 +42,8 @@ def _saved_names(want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 LAYOUTS = ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2", "tp2-pp1-qwen2", "tp2-pp1-qwen3", "tp2-pp1-tied",
            "tp2-pp1-layers", "tp2-pp1-dp2-optim", "tp2-pp1-dp2-optim-full", "tp2-pp2-optim", "tp1-pp1-dp2-moe",
            "tp2-pp1-dp2-bf16-optim",  # Megatron-LM's --bf16: bf16 weights, the optimizer's fp32 main params
+           # MoE at expert parallel 2: Qwen3-MoE's q and k norms; Qwen2-MoE's gated shared expert, softmax first
+           "tp1-pp1-dp2-qwen3moe", "tp1-pp1-dp2-qwen2moe",
            # megatron-core <= 0.18: the common state in common.pt beside the .distcp files
            "../core0.16.1/tp2-pp1", "../core0.16.1/tp2-pp2-optim", "../core0.16.1/tp2-pp1-dp2-optim-full",
            # megatron-core <= 0.15's default optimizer form, written with torch 2.6
@@ -78,7 +80,8 @@ def test_every_parallel_layout_reads_per_layer_as_megatron_core_loads_it(layout:
     assert common["iteration"] == 10 and common["args"].num_query_groups == 2 and common["checkpoint_version"] == 3.0
     assert ("output_layer.weight" in model) == (not layout.endswith("tied"))  # tied: the embedding is the output
     extra = {k: v for k, v in model.items() if k.endswith("._extra_state")}
-    per_layer = 2 + (8 if layout.endswith("moe") else 2)  # attention's two, the MLP's two (or each expert's)
+    # attention's two, the MLP's two (or each expert's, and the shared expert's)
+    per_layer = 2 + (8 + 2 * layout.endswith("qwen2moe") if layout.endswith("moe") else 2)
     assert len(extra) == 2 * per_layer and all(v in ([None], None) for v in extra.values())  # the local spec's
     assert set(got) - {"model", "common_state/shard_0_1", "common_state"} == ({"optimizer"} if "optim" in layout else set())
     shardstore.unshard(src, tmp_path / "st", jobs=2)
@@ -175,7 +178,16 @@ def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_p
         del config["attention_bias"], config["mlp_bias"], config["head_dim"]
     if layout.endswith("qwen3"):  # a norm over each head's q and k (qk_layernorm), heads of 8 in a width of 16
         config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=8)
-    if layout.endswith("moe"):  # 4 experts, top 2: each expert's fc1 split into w1 and w3
+    sparse = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+              "mlp_only_layers": []}
+    if layout.endswith("qwen3moe"):  # Mixtral's routing, Qwen3's q and k norms, the hub's Qwen names
+        config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=8, norm_topk_prob=True,
+                      **sparse)
+    elif layout.endswith("qwen2moe"):  # softmax over every expert, a shared expert behind its sigmoid gate
+        config.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", norm_topk_prob=False,
+                      shared_expert_intermediate_size=32, **sparse)
+        del config["attention_bias"], config["mlp_bias"], config["head_dim"]
+    elif layout.endswith("moe"):  # 4 experts, top 2: each expert's fc1 split into w1 and w3
         config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
                       num_experts_per_tok=2)
     (tmp_path / "config.json").write_text(json.dumps(config))
