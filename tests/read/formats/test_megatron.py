@@ -207,6 +207,12 @@ def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_p
     (tmp_path / "wrong.json").write_text(json.dumps(wrong))
     with pytest.raises(Exception, match="shape"):
         shardstore.unshard(src, tmp_path / "hf2", format="hf", hf_config=tmp_path / "wrong.json", jobs=1)
+    count = next((k for k in ("num_local_experts", "num_experts") if k in config), None)
+    if count is not None:  # a config of another expert count: the router's rows say so, before a byte is written
+        (tmp_path / "experts.json").write_text(json.dumps({**config, count: 3}))
+        with pytest.raises(shardstore.ExportError, match=r"mlp\.router\.weight: shape \[4, 16\], the config makes it"):
+            shardstore.unshard(src, tmp_path / "hf3", format="hf", hf_config=tmp_path / "experts.json", jobs=1)
+        assert not (tmp_path / "hf3" / "model.safetensors").exists()
 
 
 def test_a_config_naming_only_its_model_type_is_taken_as_transformers_takes_it(tmp_path: Path) -> None:
