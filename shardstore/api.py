@@ -18,7 +18,7 @@ from .locations import StorageOptions, is_url, name_of, nearest_existing
 from .progress import Progress, size_text
 from .progress import resolve as _progress
 from .read.discover import open_source, source_of_files
-from .read.layouts import missing_ranks
+from .read.layouts import missing_ranks, taken_among
 from .read.primitives.identity import content, file_identity
 from .read.registry import get
 from .read.source import Source
@@ -155,6 +155,11 @@ def _missing_folders(out_dir: PathLike) -> list[Path]:
     return made
 
 
+# the formats of a plain script's per-rank saves, several of which may share a folder (Composer's ep0-ba10-rank0.pt
+# beside ep0-ba20-rank0.pt); the other formats' files of one save have several names (veRL's model_/optim_...)
+PER_RANK_SAVES = ("torch-save", "dtensor-files")
+
+
 def _outside_checkpoint(src_dir: PathLike, source: Source, out_dir: PathLike, store: PathLike | None) -> None:
     """Refuse an OUT or a store inside the folder the user named (a run of checkpoints, or the checkpoint)
     or the checkpoint's own folder: what is written there would be read as (part of) a checkpoint by the
@@ -193,6 +198,10 @@ def unshard(src_dir: PathLike, out_dir: PathLike, store: PathLike | None = None,
     _outside_checkpoint(src_dir, source, out_dir, store)
     if os.path.normpath(source.folder) != os.path.normpath(src_dir):
         progress.note(f"unshard: the checkpoint in {source.folder}")
+    elif tag is None and step is None and source.format in PER_RANK_SAVES \
+            and (among := taken_among(source.units, storage_options)) is not None:
+        progress.note(f"unshard: the checkpoint {among[0]!r} of {', '.join(map(repr, among[1]))} in {source.folder}; "
+                      f"--tag or --step picks another")
     scratch = scratch_location(out_dir)
     if store is None and scratch.is_symlink():
         raise ExportError(f"{scratch}: is a symbolic link; shardstore keeps its scratch store only inside OUT")

@@ -97,11 +97,13 @@ def test_two_checkpoints_in_one_folder_are_never_mixed(checkpoints, tmp_path: Pa
             shutil.copy(f, src / f"{step}-{f.name}")
     # a run of two saves in one folder, as Composer names them: the newest is taken, or the one --tag names
     for tag, out, w in ((None, "newest", 3), ("ep0-ba10", "older", 2), ("ep0-ba20", "named", 3)):
-        proc = run("unshard", src, tmp_path / out, "-q", *(("--tag", tag) if tag else ()))
+        proc = run("unshard", src, tmp_path / out, *(("--tag", tag) if tag else ()))
         assert proc.returncode == 0, proc.stderr
+        said = f"unshard: the checkpoint 'ep0-ba20' of 'ep0-ba10', 'ep0-ba20' in {src}; --tag or --step picks another"
+        assert (said in proc.stderr.splitlines()) == (tag is None), proc.stderr
         assert_bitwise_equal(load_file(tmp_path / out / "model.safetensors"), expected(checkpoints(w))["model"])
     (src / "ep0-ba20-rank2.pt").unlink()  # the newest save missing a rank is never completed from the other
-    assert_one_line_error(run("unshard", src, tmp_path / "out"), "rank", "missing")
+    assert_one_line_error(run("unshard", src, tmp_path / "out", "-q"), "rank", "missing")
 
 
 def test_corrupt_and_truncated_files(checkpoints, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import CheckpointError
-from ..locations import StorageOptions, filesystem, is_url, listing, local, name_of
+from ..locations import StorageOptions, filesystem, folder_of, is_url, listing, local, name_of
 from .source import inside_run, names_step, pick
 
 RANK_FILE = re.compile(r"^(?P<tag>.*?)[-_.]?rank(?P<rank>[0-9]+)\.pt$")
@@ -152,6 +152,18 @@ def _what_is_there(src: str, storage_options: StorageOptions | None) -> str:
     if any(n.endswith(WHOLE) for n in names) and not any(_a_shard(n) for n in names):
         return f"holds {some} and no shards: weights saved whole, {DONE}"
     return f"no checkpoint in it (it holds {some}); {READS}"
+
+
+def taken_among(units: list[str], storage_options: StorageOptions | None = None) -> tuple[str, list[str]] | None:
+    """Where rank files of several saves share one folder (Composer's ep0-ba10-rank0.pt beside
+    ep0-ba20-rank0.pt): the tag of the save `units` are of and every tag there, for saying which was taken;
+    None where the folder holds one save."""
+    if not units or name_rank(units[0]) is None:
+        return None
+    folder = folder_of(units[0])
+    groups = scan(folder, None, None, storage_options)
+    taken = RANK_FILE.match(name_of(units[0])).group("tag")  # type: ignore[union-attr]
+    return (taken, sorted(groups)) if len(groups) > 1 and taken in groups else None
 
 
 def refuse_mixed(src: str | os.PathLike[str], groups: dict[str, dict[int, Path]], how: str = "--tag or --step") -> None:
