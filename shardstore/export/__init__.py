@@ -203,7 +203,7 @@ def check_origin(out_dir: str | os.PathLike[str], identities: origin.Identities,
     """Refuse an export into an OUT holding files of an export of another checkpoint (export/origin.py),
     unless `overwrite`; `identities` gives this checkpoint's unit files' content identities by name."""
     if not overwrite and previous_outputs(Path(out_dir), []):
-        origin.check(Path(out_dir), identities, overwrite)
+        origin.check(Path(out_dir), identities)
 
 
 def _stale_message(out: Path, stale: list[Path]) -> str:
@@ -251,8 +251,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     planned = fmt.plan(store, request, node, _subtree(store, select) if fmt.subtree else "", jobs)
     side_files = _beside(store, fmt)
     stale = _earlier_export(out, planned.files + list(side_files), overwrite)
-    check_origin(out, lambda names: origin.of_store(store), overwrite)
-    with _writing_into(out, stale, store):
+    with _writing_into(out, stale, store, overwrite):
         if on_start:
             on_start(planned.nbytes)
         files, skipped, notes = planned.write(out, progress, partial, scheduler, jobs)
@@ -270,15 +269,17 @@ def planned(store: Store, request: ExportRequest) -> Planned:
 
 
 @contextmanager
-def _writing_into(out: Path, stale: list[Path], store: Store) -> Iterator[None]:
-    """OUT made, swept of what a killed export left behind, and recording which checkpoint it is getting
-    the export of (export/origin.py) until a failure leaves none of an export's files there; an earlier
-    export's files removed only once the new one is whole; an OSError the folder causes (a full disk)
-    turned into one line."""
+def _writing_into(out: Path, stale: list[Path], store: Store, overwrite: bool) -> Iterator[None]:
+    """OUT, unless it holds an export of another checkpoint (export/origin.py; `overwrite` replaces it),
+    made, swept of what a killed export left behind, and recording which checkpoint it is getting the
+    export of until a failure leaves none of an export's files there; an earlier export's files removed
+    only once the new one is whole; an OSError the folder causes (a full disk) turned into one line."""
+    units = origin.of_store(store)
+    check_origin(out, lambda names: units, overwrite)
     try:
         out.mkdir(parents=True, exist_ok=True)
         tempfiles.sweep(out, recursive=False)
-        origin.write(out, origin.of_store(store))
+        origin.write(out, units)
         try:
             yield
         except BaseException:
@@ -318,8 +319,7 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
     fmt = output_format(format)
     side_files = _beside(store, fmt)
     stale = _earlier_export(out, planned.files + list(side_files), overwrite)
-    check_origin(out, lambda names: origin.of_store(store), overwrite)
-    with _writing_into(out, stale, store):
+    with _writing_into(out, stale, store, overwrite):
         files = []
         folder = Path(planned.layout.folder)
         moving = folder / MOVING  # a rerun after a crash mid-way knows which files moved already

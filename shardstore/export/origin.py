@@ -37,11 +37,11 @@ def of_store(store: Store) -> dict[str, str]:
             if rec.identity is not None}
 
 
-def check(out: Path, identities: Identities, overwrite: bool) -> None:
-    """Refuse to export into `out` when it holds the export of another checkpoint, unless `overwrite`.
-    `identities` is asked only for names the record holds, so one unit's identity decides up front."""
+def check(out: Path, identities: Identities) -> None:
+    """Refuse to export into `out` when it holds the export of another checkpoint. `identities` is asked
+    only for names the record holds, so one unit's identity decides up front."""
     recorded = _recorded(out)
-    if overwrite or not recorded:
+    if not recorded:
         return
     ours = identities(sorted(recorded))
     shared = sorted(set(recorded) & set(ours))

@@ -27,8 +27,8 @@ from ...patterns import digits
 from ..primitives.container import read_small
 from ..source import JSON_CONFIG, check_step
 
-META = "meta.pt"
-OPTIMIZER = re.compile(r"optimizer_[0-9]+")  # the Trainer's key for its i-th optimizer's state  # rank 0's torch.save of every value but the modules and optimizers
+META = "meta.pt"  # rank 0's torch.save of every value but the modules and optimizers
+OPTIMIZER = re.compile(r"optimizer_[0-9]+")  # the Trainer's key for its i-th optimizer's state
 HPARAMS = "hparams.yaml"
 MAX_HPARAMS = 1 << 20
 # the keys a LightningModule's hyper-parameters name a transformers model by, as fine-tuning scripts spell them
