@@ -32,7 +32,12 @@ GROUPED = re.compile(r"(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|bias|_extra_
 
 def _per_expert(model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """megatron-core's TEGroupedMLP state dict under the names of its experts one by one (SequentialMLP's):
-    GEMM i is local expert i, a grouped weight's row i too, the extra state every expert's."""
+    GEMM i is local expert i, a grouped weight's row i too, the extra state every expert's; the norms under
+    the names torch_dist gives them."""
+    return _saved_names(_one_by_one(model))
+
+
+def _one_by_one(model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in model.items():
         m = GROUPED.fullmatch(key)
@@ -46,7 +51,7 @@ def _per_expert(model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             parts = [value] * EXPERTS if kind == "_extra_state" else list(value.unbind(0))
             assert len(parts) == EXPERTS, key
             out.update({f"{head}local_experts.{e}.{linear}.{kind}": t for e, t in enumerate(parts)})
-    return _saved_names(out)
+    return out
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -74,6 +79,33 @@ def test_te_grouped_experts_read_expert_by_expert_as_megatron_core_loads_them(la
     shardstore.unshard(src, tmp_path / "st", jobs=2)
     st = load_file(tmp_path / "st" / "model.safetensors")
     assert set(st) == set(want) and all(torch.equal(st[k], v) for k, v in want.items())
+
+
+def test_torch_format_rank_files_hold_each_expert_as_megatron_partitions_it() -> None:
+    """Megatron-LM's `--ckpt-format torch` of the per-GEMM model (the same live ranks as the torch_dist save):
+    mp_rank_{tp:02d}_{ep:03d}/model_optim_rng.pt holds TE's `linear_fc1.weight{i}` for global expert
+    ep * 2 + i: its expert-TP rank's gate rows over its up rows (SwiGLU's [gate_t; up_t]), and fc2's
+    column block; the router whole. This is the merge a torch-format reader must undo (the reader is
+    megatron_torch.py's, taught EP and TP names separately: extend this test with its unshard)."""
+    src = DATA / f"{LAYOUTS[0]}-legacy" / "iter_0000010"
+    want = _one_by_one(torch.load(DATA / f"{LAYOUTS[0]}.expected.pt.ref", weights_only=True)["model"])
+    local = EXPERTS // 2
+    for tp in range(2):
+        for ep in range(2):
+            saved = torch.load(src / f"mp_rank_{tp:02d}_{ep:03d}" / "model_optim_rng.pt", weights_only=False)
+            model = saved["model"]
+            assert saved["args"].ckpt_format == "torch" and saved["args"].expert_model_parallel_size == 2
+            for layer in range(2):
+                head = f"decoder.layers.{layer}.mlp."
+                assert torch.equal(model[f"{head}router.weight"], want[f"{head}router.weight"])
+                assert f"{head}experts.linear_fc1.weight{local}" not in model  # local GEMM numbers only
+                for i in range(local):
+                    expert = f"{head}experts.local_experts.{ep * local + i}."
+                    gate, up = want[f"{expert}linear_fc1.weight"].chunk(2)
+                    rows = torch.cat([gate.chunk(2)[tp], up.chunk(2)[tp]])
+                    assert torch.equal(model[f"{head}experts.linear_fc1.weight{i}"], rows)
+                    fc2 = want[f"{expert}linear_fc2.weight"].chunk(2, dim=1)[tp]
+                    assert torch.equal(model[f"{head}experts.linear_fc2.weight{i}"], fc2)
 
 
 def test_a_rank_file_of_the_other_layouts_save_is_refused_in_one_line(tmp_path: Path) -> None:
