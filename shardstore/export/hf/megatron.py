@@ -1,5 +1,6 @@
 """Megatron-Core GPT models as transformers' Llama-family classes (LlamaForCausalLM, Qwen2ForCausalLM,
-MistralForCausalLM, Qwen3ForCausalLM), named by the Hugging Face config.json the user gives.
+MistralForCausalLM, Qwen3ForCausalLM, their MoE forms), or as DeepseekV3ForCausalLM (multi-latent attention:
+`deepseek.py`), named by the Hugging Face config.json the user gives.
 
 Megatron keeps attention's q, k and v in one `linear_qkv` whose rows are grouped by query group: for
 each of the `num_key_value_heads` groups, its heads' q rows, then its k rows, then its v rows (a plain
@@ -29,7 +30,9 @@ QWEN3 = "Qwen3ForCausalLM"  # a Llama with a norm over each head's q and k: Mega
 # chosen), with Qwen3's q and k norms; Qwen2-MoE takes a softmax over every expert and keeps the top k's
 # probabilities as they are (Megatron's moe_router_pre_softmax), and adds a shared expert behind a sigmoid gate
 QWEN3_MOE, QWEN2_MOE = "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", QWEN3, MOE, QWEN3_MOE, QWEN2_MOE)
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"  # Megatron's multi_latent_attention
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", QWEN3, MOE, QWEN3_MOE, QWEN2_MOE,
+                 DEEPSEEK_V3)
 # each MoE class's hub names: (the block, its experts' count in the config, the experts' width in the config,
 # the names of an expert's gate, up and down projections)
 MOE_BLOCKS = {MOE: ("block_sparse_moe.", "num_local_experts", "intermediate_size", ("w1", "w3", "w2")),
@@ -38,7 +41,8 @@ MOE_BLOCKS = {MOE: ("block_sparse_moe.", "num_local_experts", "intermediate_size
 # a config naming only its model type (what `LlamaConfig(...).save_pretrained()` writes): the class transformers'
 # Auto classes load for it
 BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen3": QWEN3, "mixtral": MOE, "qwen3_moe": QWEN3_MOE, "qwen2_moe": QWEN2_MOE}
+                 "qwen3": QWEN3, "mixtral": MOE, "qwen3_moe": QWEN3_MOE, "qwen2_moe": QWEN2_MOE,
+                 "deepseek_v3": DEEPSEEK_V3}
 
 
 def is_megatron(names: list[str]) -> bool:
@@ -56,6 +60,8 @@ def _config(config: dict[str, Any], key: str, where: str) -> int:
 def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, ...]], where: str,
          files: dict[str, bytes]) -> HFModel:
     """The HF model a Megatron GPT checkpoint is, under `config` (a config.json's contents)."""
+    from . import deepseek
+
     arch = (config.get("architectures") or [None])[0]
     if arch is None and isinstance(config.get("model_type"), str):
         arch = BY_MODEL_TYPE.get(config["model_type"], f"model_type {config['model_type']}")
@@ -97,21 +103,24 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
             raise ExportError(f"{source}: {padded} rows, fewer than vocab_size {vocab}")
         return None if padded == vocab else ((0, vocab),)
 
-    take("model.embed_tokens.weight", EMBEDDING, vocab_rows(EMBEDDING), (shapes.get(EMBEDDING, (0,))[0], hidden))
-    for i in range(layers):
-        layer, hf = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for proj, rows in splits.items():
-            take(f"{hf}self_attn.{proj}.weight", f"{layer}self_attention.linear_qkv.weight", rows,
-                 (groups * per_group, hidden))
-            if f"{layer}self_attention.linear_qkv.bias" in shapes:  # Qwen2's
-                take(f"{hf}self_attn.{proj}.bias", f"{layer}self_attention.linear_qkv.bias", rows)
-        take(f"{hf}self_attn.o_proj.weight", f"{layer}self_attention.linear_proj.weight", None, (hidden, heads * head_dim))
+    def block(i: int, layer: str, hf: str) -> None:  # layer i's tensors, under Megatron's `layer` and HF's `hf`
+        if arch == DEEPSEEK_V3:
+            deepseek.attention(take, shapes, config, layer, hf, hidden, where)
+            deepseek.mlp(take, config, i, layer, hf, hidden, where)
+        else:
+            for proj, rows in splits.items():
+                take(f"{hf}self_attn.{proj}.weight", f"{layer}self_attention.linear_qkv.weight", rows,
+                     (groups * per_group, hidden))
+                if f"{layer}self_attention.linear_qkv.bias" in shapes:  # Qwen2's
+                    take(f"{hf}self_attn.{proj}.bias", f"{layer}self_attention.linear_qkv.bias", rows)
+            take(f"{hf}self_attn.o_proj.weight", f"{layer}self_attention.linear_proj.weight", None,
+                 (hidden, heads * head_dim))
         if arch in (QWEN3, QWEN3_MOE):  # one norm over each head's features, shared by the heads (qk_layernorm)
             take(f"{hf}self_attn.q_norm.weight", f"{layer}self_attention.q_layernorm.weight", None, (head_dim,))
             take(f"{hf}self_attn.k_norm.weight", f"{layer}self_attention.k_layernorm.weight", None, (head_dim,))
         if arch in MOE_BLOCKS:  # the hub's names (what transformers and every engine load)
-            block, count, width, projections = MOE_BLOCKS[arch]
-            experts, moe, expert_ffn = _config(config, count, where), f"{hf}{block}", _config(config, width, where)
+            prefix, count, width, projections = MOE_BLOCKS[arch]
+            experts, moe, expert_ffn = _config(config, count, where), f"{hf}{prefix}", _config(config, width, where)
             take(f"{moe}gate.weight", f"{layer}mlp.router.weight", None, (experts, hidden))
             for e in range(experts):
                 _glu(take, f"{moe}experts.{e}.", f"{layer}mlp.experts.local_experts.{e}.", projections, expert_ffn,
@@ -121,11 +130,17 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
                 _glu(take, f"{moe}shared_expert.", f"{layer}mlp.shared_experts.", ("gate_proj", "up_proj", "down_proj"),
                      shared, hidden)
                 take(f"{moe}shared_expert_gate.weight", f"{layer}mlp.shared_experts.gate_weight", None, (1, hidden))
-        else:
+        elif arch != DEEPSEEK_V3:
             _glu(take, f"{hf}mlp.", f"{layer}mlp.", ("gate_proj", "up_proj", "down_proj"), ffn, hidden)
         for key, candidates in NORMS.items():
             source = next((f"{layer}{c}" for c in candidates if f"{layer}{c}" in shapes), f"{layer}{candidates[0]}")
             take(f"{hf}{key}", source, None, (hidden,))
+
+    take("model.embed_tokens.weight", EMBEDDING, vocab_rows(EMBEDDING), (shapes.get(EMBEDDING, (0,))[0], hidden))
+    for i in range(layers):
+        block(i, f"decoder.layers.{i}.", f"model.layers.{i}.")
+    if arch == DEEPSEEK_V3:
+        deepseek.mtp(take, shapes, config, layers, hidden, where, block)
     take("model.norm.weight", FINAL_NORM, None, (hidden,))
     tied = bool(config.get("tie_word_embeddings", False))
     if OUTPUT in shapes and not tied:
@@ -191,8 +206,8 @@ def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], 
         if key in args and args[key] != want and not (key == "rotary_percent" and args[key] in (1, None)):
             raise ExportError(f"{where}: {key} is {args[key]!r:.40}: {what}, which the Llama-family classes of "
                               f"transformers cannot express")
-    experts = args.get("num_experts")
-    moe = _moe_class(args, where) if experts else None
+    experts, mla = args.get("num_experts"), bool(args.get("multi_latent_attention"))
+    moe = _moe_class(args, where) if experts and not mla else None
     heads = args.get("num_attention_heads")
     groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
     vocab = args.get("padded_vocab_size")
@@ -212,6 +227,13 @@ def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], 
               "max_position_embeddings": args.get("max_position_embeddings"),
               "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
               "hidden_act": "silu", "torch_dtype": dtype}
+    notes = [f"the vocabulary is Megatron's padded one ({vocab} rows; the checkpoint does not say the tokenizer's "
+             f"size): give --hf-config with the tokenizer's vocab_size to drop the padding rows"]
+    if mla:  # DeepSeek's multi-latent attention
+        from .deepseek import config_from_args as deepseek
+
+        config.pop("head_dim")
+        return {**config, **deepseek(args, where)}, notes
     expert_ffn = args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size")
     if moe == MOE:
         config.update(architectures=[MOE], model_type="mixtral", num_local_experts=experts,
@@ -229,8 +251,6 @@ def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], 
         config.update(architectures=[QWEN3], model_type="qwen3", attention_bias=False, head_dim=head_dim)
     elif not bias:
         config.update(attention_bias=False, mlp_bias=False)
-    notes = [f"the vocabulary is Megatron's padded one ({vocab} rows; the checkpoint does not say the tokenizer's "
-             f"size): give --hf-config with the tokenizer's vocab_size to drop the padding rows"]
     return config, notes
 
 
@@ -242,7 +262,17 @@ NEMO_ARGS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidd
              "add_bias_linear": "add_bias_linear", "add_qkv_bias": "add_qkv_bias",
              "position_embedding_type": "position_embedding_type", "rotary_base": "rotary_base",
              "rotary_percent": "rotary_percent", "seq_length": "max_position_embeddings",
-             "qk_layernorm": "qk_layernorm"}
+             "qk_layernorm": "qk_layernorm",
+             # the MoE's fields and DeepSeek's (multi-latent attention, its YaRN, multi-token prediction)
+             **{k: k for k in ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_score_function",
+                               "moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_router_num_groups",
+                               "moe_router_group_topk", "moe_router_topk_scaling_factor",
+                               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                               "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                               "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale",
+                               "mscale_all_dim", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                               "mtp_num_layers", "mtp_use_repeated_layer")},
+             "num_moe_experts": "num_experts"}
 
 
 def args_from_nemo(raw: bytes, vocab: int | None, where: str) -> dict[str, Any]:

@@ -538,7 +538,9 @@ def _megatron_args(ckpt: DcpCheckpoint, trainer_state: list[str], storage_option
     args = getattr(state.get("args") if isinstance(state, dict) else None, "state", None)
     if not isinstance(args, dict):
         return None
-    return {k: v for k, v in args.items() if isinstance(k, str) and isinstance(v, (str, int, float, bool, type(None)))}
+    plain = (str, int, float, bool, type(None))  # and lists of them: a per-layer pattern (moe_layer_freq)
+    return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in args.items() if isinstance(k, str) and (
+        isinstance(v, plain) or isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))}
 
 
 def _array(size: tuple[int, ...]) -> bool:

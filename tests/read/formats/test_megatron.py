@@ -31,11 +31,14 @@ SAVED_AS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weig
 
 
 def _saved_names(want: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Megatron's per-layer state dict under the names its sharded state dict gives the norms."""
+    """Megatron's per-layer state dict under the names its sharded state dict gives the norms (the local
+    MLA spec keeps its own), and a multi-token-prediction layer's inner layer (`transformer_layer`)."""
     out = {}
     for key, value in want.items():
         m = re.fullmatch(r"(decoder\.layers\.\d+\.)(.*)", key)
-        out[m.group(1) + SAVED_AS.get(m.group(2), m.group(2)) if m else key] = value
+        mla = m is not None and f"{m.group(1)}self_attention.linear_kv_up_proj.weight" in want
+        key = re.sub(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.", r"\1transformer_layer.", key)
+        out[m.group(1) + SAVED_AS.get(m.group(2), m.group(2)) if m and not mla else key] = value
     return out
 
 
@@ -44,6 +47,8 @@ LAYOUTS = ["tp1-pp1", "tp2-pp1", "tp1-pp2", "tp2-pp2", "tp2-pp1-qwen2", "tp2-pp1
            "tp2-pp1-dp2-bf16-optim",  # Megatron-LM's --bf16: bf16 weights, the optimizer's fp32 main params
            # MoE at expert parallel 2: Qwen3-MoE's q and k norms; Qwen2-MoE's gated shared expert, softmax first
            "tp1-pp1-dp2-qwen3moe", "tp1-pp1-dp2-qwen2moe",
+           # DeepSeek-V3's blocks: a dense first layer, MLA, a shared expert, an expert bias, one MTP layer
+           "tp1-pp1-dp2-dsv3",
            # megatron-core <= 0.18: the common state in common.pt beside the .distcp files
            "../core0.16.1/tp2-pp1", "../core0.16.1/tp2-pp2-optim", "../core0.16.1/tp2-pp1-dp2-optim-full",
            # megatron-core <= 0.15's default optimizer form, written with torch 2.6
@@ -77,12 +82,15 @@ def test_every_parallel_layout_reads_per_layer_as_megatron_core_loads_it(layout:
     layers = [int(k.split(".")[2]) for k in model if k.startswith("decoder.layers.")]
     assert layers == sorted(layers)  # layer by layer, as Megatron's own state dict is
     common = _common(got)
-    assert common["iteration"] == 10 and common["args"].num_query_groups == 2 and common["checkpoint_version"] == 3.0
+    assert common["iteration"] == 10 and common["args"].num_attention_heads == 4 and common["checkpoint_version"] == 3.0
     assert ("output_layer.weight" in model) == (not layout.endswith("tied"))  # tied: the embedding is the output
     extra = {k: v for k, v in model.items() if k.endswith("._extra_state")}
     # attention's two, the MLP's two (or each expert's, and the shared expert's)
     per_layer = 2 + (8 + 2 * layout.endswith("qwen2moe") if layout.endswith("moe") else 2)
-    assert len(extra) == 2 * per_layer and all(v in ([None], None) for v in extra.values())  # the local spec's
+    # DeepSeek-V3's: MLA's five linear layers, a dense MLP's two, then two MoE layers' experts and shared
+    # expert; the MTP layer's eh_proj and its inner MoE layer
+    count = 5 + 2 + 2 * (5 + 8 + 2) + 1 + (5 + 8 + 2) if layout.endswith("dsv3") else 2 * per_layer
+    assert len(extra) == count and all(v in ([None], None) for v in extra.values())  # the local spec's
     assert set(got) - {"model", "common_state/shard_0_1", "common_state"} == ({"optimizer"} if "optim" in layout else set())
     shardstore.unshard(src, tmp_path / "st", jobs=2)
     st = load_file(tmp_path / "st" / "model.safetensors")
@@ -190,6 +198,8 @@ def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_p
     elif layout.endswith("moe"):  # 4 experts, top 2: each expert's fc1 split into w1 and w3
         config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
                       num_experts_per_tok=2)
+    elif layout.endswith("dsv3"):  # the hub's DeepSeek-V3 config.json, at the fixture's sizes
+        config = DEEPSEEK_V3
     (tmp_path / "config.json").write_text(json.dumps(config))
     src = DATA / layout
     given = tmp_path / "config.json" if described == "hf-config" else None
@@ -203,16 +213,49 @@ def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_p
     # wrong split is off by whole units
     torch.testing.assert_close(got, want["logits"], rtol=1e-4, atol=1e-4)
     assert type(model).__name__ == config["architectures"][0]
-    wrong = dict(config, num_key_value_heads=4)  # a plain q|k|v split would be the same rows read wrongly
+    if layout.endswith("dsv3"):  # the MTP layer, which transformers does not build: the hub's layer N's names
+        _mtp_is_the_hubs_layer_after_the_last(tmp_path / "hf", want["model"])
+    # a plain q|k|v split would be the same rows read wrongly; DeepSeek's q heads of v's width, v's of q's
+    wrong = dict(config, **({"qk_nope_head_dim": 6, "v_head_dim": 4} if layout.endswith("dsv3") else
+                            {"num_key_value_heads": 4}))
     (tmp_path / "wrong.json").write_text(json.dumps(wrong))
     with pytest.raises(Exception, match="shape"):
         shardstore.unshard(src, tmp_path / "hf2", format="hf", hf_config=tmp_path / "wrong.json", jobs=1)
-    count = next((k for k in ("num_local_experts", "num_experts") if k in config), None)
+    count = next((k for k in ("num_local_experts", "num_experts", "n_routed_experts") if k in config), None)
     if count is not None:  # a config of another expert count: the router's rows say so, before a byte is written
         (tmp_path / "experts.json").write_text(json.dumps({**config, count: 3}))
         with pytest.raises(shardstore.ExportError, match=r"mlp\.router\.weight: shape \[4, 16\], the config makes it"):
             shardstore.unshard(src, tmp_path / "hf3", format="hf", hf_config=tmp_path / "experts.json", jobs=1)
         assert not (tmp_path / "hf3" / "model.safetensors").exists()
+
+
+# DeepSeek-V3's config.json as the hub writes it (rope_theta and rope_scaling, the fields transformers 4 and 5
+# read), at tests/fixtures/data/megatron/core0.19.2/tp1-pp1-dp2-dsv3's sizes
+DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 16,
+               "intermediate_size": 32, "moe_intermediate_size": 8, "num_hidden_layers": 3, "num_attention_heads": 4,
+               "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 2, "num_experts_per_tok": 2,
+               "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+               "scoring_func": "sigmoid", "topk_method": "noaux_tc", "first_k_dense_replace": 1, "q_lora_rank": 12,
+               "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 6,
+               "num_nextn_predict_layers": 1, "vocab_size": 100, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+               "rope_scaling": {"type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1},
+               "max_position_embeddings": 16384, "tie_word_embeddings": False, "hidden_act": "silu",
+               "attention_bias": False, "rope_interleave": True, "dtype": "float32"}
+
+
+def _mtp_is_the_hubs_layer_after_the_last(hf: Path, want: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import load_file
+
+    got = {k: v for f in hf.glob("*.safetensors") for k, v in load_file(f).items()}
+    mtp, layer = "mtp.layers.0.", "mtp.layers.0.mtp_model_layer."
+    pairs = {"enorm.weight": f"{mtp}enorm.weight", "hnorm.weight": f"{mtp}hnorm.weight",
+             "eh_proj.weight": f"{mtp}eh_proj.weight", "shared_head.norm.weight": f"{mtp}final_layernorm.weight",
+             "self_attn.kv_b_proj.weight": f"{layer}self_attention.linear_kv_up_proj.weight",
+             "mlp.gate.e_score_correction_bias": f"{layer}mlp.router.expert_bias",
+             "mlp.experts.3.down_proj.weight": f"{layer}mlp.experts.local_experts.3.linear_fc2.weight"}
+    assert all(torch.equal(got[f"model.layers.3.{k}"], want[v]) for k, v in pairs.items())
+    assert not any(k.startswith("model.layers.4.") for k in got)
 
 
 def test_a_config_naming_only_its_model_type_is_taken_as_transformers_takes_it(tmp_path: Path) -> None:
@@ -480,3 +523,77 @@ def test_torch_dist_common_state_of_another_iteration_is_refused(layout: Path, t
     assert_refused(cli("unshard", src, tmp_path / "out", "-q"), str(src), "Megatron's common state: records "
                    "iteration 10, but its folder is iter_0000020")
     assert not (tmp_path / "out").exists()
+
+
+# Megatron-LM's args of a DeepSeek-V3 model (tp1-pp1-dp2-dsv3's, as its scripts set them)
+DEEPSEEK_ARGS = {"num_layers": 3, "hidden_size": 16, "ffn_hidden_size": 32, "num_attention_heads": 4,
+                 "multi_latent_attention": True, "q_lora_rank": 12, "kv_lora_rank": 8, "qk_head_dim": 4,
+                 "qk_pos_emb_head_dim": 4, "v_head_dim": 6, "qk_layernorm": True, "rotary_scaling_factor": 4.0,
+                 "mscale": 1.0, "mscale_all_dim": 1.0, "num_experts": 4, "moe_layer_freq": [0, 1, 1],
+                 "moe_ffn_hidden_size": 8, "moe_router_topk": 2, "moe_router_num_groups": 2, "moe_router_group_topk": 1,
+                 "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                 "moe_router_pre_softmax": True, "moe_router_topk_scaling_factor": 2.5,
+                 "moe_shared_expert_intermediate_size": 16, "mtp_num_layers": 1}
+
+
+@pytest.mark.parametrize("key, change", [
+    ("moe_router_score_function", {"moe_router_score_function": "softmax"}),
+    ("moe_router_enable_expert_bias", {"moe_router_enable_expert_bias": False}),  # HF adds a bias of its own
+    ("moe_router_group_topk", {"moe_router_group_topk": 2}),  # groups scored by their top 1, HF's by their top 2
+    ("moe_shared_expert_gate", {"moe_shared_expert_gate": True}),
+    ("moe_shared_expert_intermediate_size", {"moe_shared_expert_intermediate_size": None}),
+    ("moe_shared_expert_intermediate_size", {"moe_shared_expert_intermediate_size": 12}),  # 1.5 experts wide
+    ("qk_layernorm", {"qk_layernorm": False}),  # MLA without its latents' norms
+    ("moe_layer_freq", {"moe_layer_freq": [1, 0, 1]}), ("moe_layer_freq", {"moe_layer_freq": 2}),
+    ("mtp_use_repeated_layer", {"mtp_use_repeated_layer": True}),
+    ("rotary_scaling_factor", {"rope_type": "rope"})])  # YaRN's softmax scale beside plain rotary embeddings
+def test_what_deepseek_v3_cannot_express_is_refused_by_name(key: str, change: dict) -> None:
+    """Megatron's MLA models are DeepseekV3's; what its blocks or routing cannot follow is refused naming
+    the argument, rather than exported with other logits."""
+    from shardstore.export.hf import megatron
+
+    config = megatron.config_from_args(DEEPSEEK_ARGS, "args")[0]
+    assert (config["architectures"], config["first_k_dense_replace"], config["n_shared_experts"], config["n_group"],
+            config["topk_group"], config["num_nextn_predict_layers"], config["rope_scaling"]["factor"]) == \
+        (["DeepseekV3ForCausalLM"], 1, 2, 2, 1, 1, 4.0)
+    with pytest.raises(shardstore.ExportError, match=f"^args: {key} is .*which DeepseekV3 cannot express$"):
+        megatron.config_from_args({**DEEPSEEK_ARGS, **change}, "args")
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"first_k_dense_replace": 0}, "decoder.layers.0.mlp.router.weight: not in the checkpoint, but "
+                                   "model.layers.0.mlp.gate.weight needs it"),
+    ({"num_nextn_predict_layers": 0}, "mtp.layers.0.eh_proj.weight: a tensor DeepseekV3ForCausalLM has no place for")])
+def test_a_deepseek_v3_config_of_other_blocks_is_refused_naming_the_tensor(change: dict, named: str,
+                                                                           tmp_path: Path) -> None:
+    """A config whose first layer is MoE, or which has no MTP layer, for a checkpoint with a dense first
+    layer and an MTP layer: refused in one line naming the tensor, nothing written."""
+    from tests.refusals import assert_refused, cli
+
+    (tmp_path / "config.json").write_text(json.dumps({**DEEPSEEK_V3, **change}))
+    assert_refused(cli("unshard", DATA / "tp1-pp1-dp2-dsv3", tmp_path / "out", "--format", "hf", "--hf-config",
+                       tmp_path / "config.json", "-q"), named)
+    assert not (tmp_path / "out").exists()
+
+
+def test_mla_under_transformer_engines_names_and_without_q_lora_rank() -> None:
+    """The latents' norms fused into the up-projections (Transformer Engine's spec), q in one projection
+    (no q_lora_rank), the MTP layer under its in-memory name (mtp_model_layer, as --ckpt-format torch
+    keeps it): each placed where the hub's DeepseekV3 has it."""
+    from shardstore.export.hf import megatron
+
+    shapes = {k: tuple(v.shape) for k, v in torch.load(DATA / "tp1-pp1-dp2-dsv3.expected.pt.ref",
+                                                        weights_only=True)["model"].items()}
+    te = {re.sub(r"self_attention\.(q|kv)_layernorm\.", r"self_attention.linear_\1_up_proj.layer_norm_", k): v
+          for k, v in shapes.items()}
+    sources = {t.key: t.source for t in megatron.plan(DEEPSEEK_V3, list(te), te, "ckpt", {}).tensors}
+    assert sources["model.layers.2.self_attn.kv_a_layernorm.weight"] == \
+        "decoder.layers.2.self_attention.linear_kv_up_proj.layer_norm_weight"
+    assert sources["model.layers.3.self_attn.q_a_layernorm.weight"] == \
+        "mtp.layers.0.mtp_model_layer.self_attention.linear_q_up_proj.layer_norm_weight"
+    whole = {k: v for k, v in shapes.items() if not re.search(r"linear_q_(down|up)_proj|q_layernorm", k)}
+    whole.update({f"{p}self_attention.linear_q_proj.weight": (32, 16) for p in
+                  [f"decoder.layers.{i}." for i in range(3)] + ["mtp.layers.0.mtp_model_layer."]})
+    model = megatron.plan({**DEEPSEEK_V3, "q_lora_rank": None}, list(whole), whole, "ckpt", {})
+    assert {t.key: t.source for t in model.tensors}["model.layers.1.self_attn.q_proj.weight"] == \
+        "decoder.layers.1.self_attention.linear_q_proj.weight"
