@@ -74,10 +74,11 @@ def _dense(config: dict[str, Any], where: str) -> int:
 
 
 def mtp(take: Callable[..., None], shapes: dict[str, Any], config: dict[str, Any], layers: int, hidden: int,
-        where: str, layer: Callable[[int, str, str], None]) -> None:
+        where: str, layer: Callable[[int, str, str], None]) -> list[str]:
     """The multi-token-prediction layers as the hub's `model.layers.{layers + i}`: their norms of the
     embedding and of the hidden state, the projection of both, the inner layer (`layer(index, source, hf)`),
-    and the final norm (the hub's shared_head.norm; the embedding and output layer are the model's own)."""
+    and the final norm (the hub's shared_head.norm; the embedding and output layer are the model's own);
+    what the user should know of them."""
     count = config.get("num_nextn_predict_layers", 0)
     if type(count) is not int or count < 0:
         raise ExportError(f"{where}: num_nextn_predict_layers is {count!r:.40}; a count of layers")
@@ -90,6 +91,9 @@ def mtp(take: Callable[..., None], shapes: dict[str, Any], config: dict[str, Any
                       if any(n.startswith(f"{source}{name}.") for n in shapes)), f"{source}transformer_layer.")
         layer(layers + i, inner, hf)
         take(f"{hf}shared_head.norm.weight", f"{source}final_layernorm.weight", None, (hidden,))
+    return [f"the {count} multi-token-prediction layer(s) are model.layers.{layers}... as the hub names them; "
+            f"transformers does not build them (it reports their tensors unexpected), engines use them to "
+            f"speculate"] if count else []
 
 
 def _moe_pattern(args: dict[str, Any], layers: int, where: str) -> int:

@@ -140,7 +140,7 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
     for i in range(layers):
         block(i, f"decoder.layers.{i}.", f"model.layers.{i}.")
     if arch == DEEPSEEK_V3:
-        deepseek.mtp(take, shapes, config, layers, hidden, where, block)
+        notes = deepseek.mtp(take, shapes, config, layers, hidden, where, block)
     take("model.norm.weight", FINAL_NORM, None, (hidden,))
     tied = bool(config.get("tie_word_embeddings", False))
     if OUTPUT in shapes and not tied:
@@ -152,7 +152,7 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
     if stray:
         raise ExportError(f"{stray[0]}: a tensor {arch} has no place for (a Megatron feature transformers cannot "
                           f"express, or a config of another model)")
-    return HFModel(config, None, tensors, files)
+    return HFModel(config, None, tensors, files, notes if arch == DEEPSEEK_V3 else [])
 
 
 def _glu(take: Callable[..., None], hf: str, megatron: str, names: tuple[str, str, str], width: int,

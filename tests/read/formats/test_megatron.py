@@ -215,6 +215,7 @@ def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_p
     assert type(model).__name__ == config["architectures"][0]
     if layout.endswith("dsv3"):  # the MTP layer, which transformers does not build: the hub's layer N's names
         _mtp_is_the_hubs_layer_after_the_last(tmp_path / "hf", want["model"])
+        assert any("multi-token-prediction layer(s) are model.layers.3" in n for n in result.notes)
     # a plain q|k|v split would be the same rows read wrongly; DeepSeek's q heads of v's width, v's of q's
     wrong = dict(config, **({"qk_nope_head_dim": 6, "v_head_dim": 4} if layout.endswith("dsv3") else
                             {"num_key_value_heads": 4}))
@@ -558,6 +559,25 @@ def test_what_deepseek_v3_cannot_express_is_refused_by_name(key: str, change: di
         (["DeepseekV3ForCausalLM"], 1, 2, 2, 1, 1, 4.0)
     with pytest.raises(shardstore.ExportError, match=f"^args: {key} is .*which DeepseekV3 cannot express$"):
         megatron.config_from_args({**DEEPSEEK_ARGS, **change}, "args")
+
+
+def test_nemos_model_yaml_of_a_deepseek_v3_describes_it_as_megatron_lms_args_do() -> None:
+    """NeMo 2's context/model.yaml holds Megatron-Core's TransformerConfig fields, a DeepSeek-V3's among
+    them (MLA, its YaRN, the MoE's routing, MTP): the same DeepseekV3 config as Megatron-LM's args give."""
+    import yaml
+
+    from shardstore.export.hf import megatron
+
+    fields = {**{k: v for k, v in DEEPSEEK_ARGS.items() if k != "num_experts"}, "num_moe_experts": 4,
+              "normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
+              "activation_func": {"_target_": "torch.nn.functional.silu", "_call_": False},
+              "position_embedding_type": "rope", "share_embeddings_and_output_weights": False}
+    args = megatron.args_from_nemo(yaml.safe_dump({"config": fields}).encode(), 100, "model.yaml")
+    nemo = megatron.config_from_args(args, "model.yaml")[0]
+    direct = megatron.config_from_args({**DEEPSEEK_ARGS, "swiglu": True, "normalization": "RMSNorm",
+                                        "padded_vocab_size": 100, "untie_embeddings_and_output_weights": True,
+                                        "params_dtype": "float32"}, "args")[0]
+    assert nemo == direct and nemo["architectures"] == ["DeepseekV3ForCausalLM"]
 
 
 @pytest.mark.parametrize("change, named", [
