@@ -3,7 +3,7 @@ both of megatron-core's key layouts (TE's per-GEMM `linear_fc1.weight{i}` and th
 `linear_fc1.weight`, `moe_single_grouped_weight`), saved by megatron-core 0.19.2's own
 `dist_checkpointing.save` (tests/fixtures/megatron_te.py, with its documented CPU stand-in of TE's
 GroupedLinear) and read against megatron-core's own load of each into one TP 1, EP 1 process of the
-other layout.
+other layout, and Megatron's own forward of it.
 
 torch_dist keeps no trace of the layout: megatron-core splits a grouped weight per GEMM before saving,
 under the keys SequentialMLP would use, so the experts come out one by one
@@ -12,6 +12,7 @@ under the keys SequentialMLP would use, so the experts come out one by one
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import sys
@@ -79,6 +80,28 @@ def test_te_grouped_experts_read_expert_by_expert_as_megatron_core_loads_them(la
     shardstore.unshard(src, tmp_path / "st", jobs=2)
     st = load_file(tmp_path / "st" / "model.safetensors")
     assert set(st) == set(want) and all(torch.equal(st[k], v) for k, v in want.items())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_hf_export_of_te_grouped_experts_gives_megatrons_own_logits(layout: str, tmp_path: Path) -> None:
+    """--format hf, described by Megatron-LM's args: transformers' Mixtral reproduces Megatron's own forward
+    through TEGroupedMLP (float32, sums in another order); a config of another expert count is refused
+    naming the router's shape before anything is written."""
+    from transformers import AutoModelForCausalLM
+
+    src = DATA / layout
+    want = torch.load(f"{src}.expected.pt.ref", weights_only=True)
+    shardstore.unshard(src, tmp_path / "hf", format="hf", jobs=2)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert model.config.num_local_experts == EXPERTS
+    with torch.no_grad():
+        logits = model(input_ids=want["ids"]).logits
+    torch.testing.assert_close(logits, want["logits"], rtol=1e-4, atol=1e-4)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "three.json").write_text(json.dumps({**config, "num_local_experts": 3}))
+    with pytest.raises(shardstore.ExportError, match=r"mlp\.router\.weight: shape \[4, 16\], the config makes it"):
+        shardstore.unshard(src, tmp_path / "hf3", format="hf", hf_config=tmp_path / "three.json", jobs=1)
+    assert not (tmp_path / "hf3" / "model.safetensors").exists()
 
 
 def test_torch_format_rank_files_hold_each_expert_as_megatron_partitions_it() -> None:
