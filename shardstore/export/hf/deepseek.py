@@ -110,16 +110,18 @@ def _moe_pattern(args: dict[str, Any], layers: int, where: str) -> int:
 def _routing(args: dict[str, Any], where: str) -> dict[str, Any]:
     """DeepSeek-V3's router from Megatron's: sigmoid scores, an expert bias choosing, the chosen weights
     renormalised (Megatron does for top k > 1), scaled; groups scored by their top two (Megatron by their top
-    topk // group_topk); a shared expert without a gate, as wide as a whole number of experts."""
+    topk // group_topk; alike where every group is chosen, which is no limit: one group); a shared expert
+    without a gate, as wide as a whole number of experts."""
     topk, ffn = args.get("moe_router_topk", 2), args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size") or 0
-    groups, chosen = args.get("moe_router_num_groups"), args.get("moe_router_group_topk")
+    groups, chosen = args.get("moe_router_num_groups") or 1, args.get("moe_router_group_topk") or 0
     shared = args.get("moe_shared_expert_intermediate_size") or 0
+    limited = 0 < chosen < groups  # some groups left out
     refused = {"moe_router_score_function": (args.get("moe_router_score_function") == "sigmoid",
                                              "a router scoring other than sigmoid"),
                "moe_router_enable_expert_bias": (bool(args.get("moe_router_enable_expert_bias")),
                                                  "no expert bias (DeepseekV3 adds e_score_correction_bias, which "
                                                  "the checkpoint does not hold)"),
-               "moe_router_group_topk": (not chosen or topk // chosen == 2,
+               "moe_router_group_topk": (not limited or topk // chosen == 2,
                                          f"groups scored by their top {topk // (chosen or 1)} experts, not two"),
                "moe_shared_expert_intermediate_size": (shared > 0 and ffn > 0 and shared % ffn == 0,
                                                        "no shared expert, or one not a whole number of experts wide"),
@@ -131,7 +133,8 @@ def _routing(args: dict[str, Any], where: str) -> dict[str, Any]:
             raise ExportError(f"{where}: {key} is {args.get(key)!r:.40}: {what}, which DeepseekV3 cannot express")
     scaling = args.get("moe_router_topk_scaling_factor")
     return {"n_routed_experts": args.get("num_experts"), "num_experts_per_tok": topk, "moe_intermediate_size": ffn,
-            "n_shared_experts": shared // ffn, "n_group": groups if chosen else 1, "topk_group": chosen or 1,
+            "n_shared_experts": shared // ffn, "n_group": groups if limited else 1,
+            "topk_group": chosen if limited else 1,
             "routed_scaling_factor": float(scaling) if scaling else 1.0, "norm_topk_prob": topk > 1,
             "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 

@@ -540,7 +540,8 @@ DEEPSEEK_ARGS = {"num_layers": 3, "hidden_size": 16, "ffn_hidden_size": 32, "num
 @pytest.mark.parametrize("key, change", [
     ("moe_router_score_function", {"moe_router_score_function": "softmax"}),
     ("moe_router_enable_expert_bias", {"moe_router_enable_expert_bias": False}),  # HF adds a bias of its own
-    ("moe_router_group_topk", {"moe_router_group_topk": 2}),  # groups scored by their top 1, HF's by their top 2
+    # 2 of 4 groups scored by their top 1, HF's by their top 2
+    ("moe_router_group_topk", {"moe_router_num_groups": 4, "moe_router_group_topk": 2}),
     ("moe_shared_expert_gate", {"moe_shared_expert_gate": True}),
     ("moe_shared_expert_intermediate_size", {"moe_shared_expert_intermediate_size": None}),
     ("moe_shared_expert_intermediate_size", {"moe_shared_expert_intermediate_size": 12}),  # 1.5 experts wide
@@ -559,6 +560,8 @@ def test_what_deepseek_v3_cannot_express_is_refused_by_name(key: str, change: di
         (["DeepseekV3ForCausalLM"], 1, 2, 2, 1, 1, 4.0)
     with pytest.raises(shardstore.ExportError, match=f"^args: {key} is .*which DeepseekV3 cannot express$"):
         megatron.config_from_args({**DEEPSEEK_ARGS, **change}, "args")
+    every = megatron.config_from_args({**DEEPSEEK_ARGS, "moe_router_group_topk": 2}, "args")[0]  # both groups: no limit
+    assert (every["n_group"], every["topk_group"]) == (1, 1)
 
 
 def test_nemos_model_yaml_of_a_deepseek_v3_describes_it_as_megatron_lms_args_do() -> None:
