@@ -562,6 +562,8 @@ def test_what_deepseek_v3_cannot_express_is_refused_by_name(key: str, change: di
         megatron.config_from_args({**DEEPSEEK_ARGS, **change}, "args")
     every = megatron.config_from_args({**DEEPSEEK_ARGS, "moe_router_group_topk": 2}, "args")[0]  # both groups: no limit
     assert (every["n_group"], every["topk_group"]) == (1, 1)
+    dense = megatron.config_from_args({**DEEPSEEK_ARGS, "num_experts": None}, "args")[0]  # MLA without experts
+    assert dense["first_k_dense_replace"] == 3 and "n_routed_experts" not in dense
 
 
 def test_nemos_model_yaml_of_a_deepseek_v3_describes_it_as_megatron_lms_args_do() -> None:
