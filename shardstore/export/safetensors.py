@@ -17,9 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from .. import dtypes
 from ..errors import ExportError
 from ..patterns import matcher, nearest
+from ..ranges import blocks
 from ..runner import Pool
 from ..sink.layout import Layout, Target, new_layout, prepare
 from ..sink.output import OutputFile
@@ -100,6 +103,60 @@ def tensor_item(store: Store, key: str, path: str, cast: str | None,
     return Item(key, source, cast if cast and dtype in CASTABLE else dtype, shape)
 
 
+@dataclass(frozen=True)
+class Stacked:
+    """An output tensor the checkpoint holds as several of one shape and dtype (GPT-OSS's experts, one Hugging
+    Face tensor per layer): stacked on a new leading axis, each one's rows first dealt out `interleave` ways
+    (row i of its block b becomes row i * interleave + b: [gate; up] as gate, up, gate, up...) and then its
+    last two axes swapped (`transpose`). Streamed one at a time: memory holds one of them, twice (as read and
+    as moved), never the stack; each output byte is written once, in order."""
+
+    items: tuple[Item, ...]
+    interleave: int = 1
+    transpose: bool = False
+
+    @property
+    def dtype(self) -> str:
+        return self.items[0].dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        one = self.items[0].shape
+        return (len(self.items),) + (one[:-2] + (one[-1], one[-2]) if self.transpose else one)
+
+    def parts(self, store: Store, allow_partial: bool = False) -> Iterator[memoryview]:
+        raw = dtypes.info(self.dtype).raw  # the bits as they are: the move is exact for every dtype
+        for it in self.items:
+            values = np.frombuffer(b"".join(blocks(tensor_bytes(store, it, allow_partial))), raw).reshape(it.shape)
+            rows = values.shape[0]
+            moved = values.reshape(self.interleave, rows // self.interleave, *values.shape[1:]).swapaxes(0, 1)
+            moved = moved.reshape(values.shape)
+            moved = np.ascontiguousarray(moved.swapaxes(-1, -2) if self.transpose else moved)
+            yield moved.reshape(-1).view(np.uint8).data
+
+
+def stacked_item(store: Store, key: str, paths: list[str], cast: str | None, interleave: int = 1,
+                 transpose: bool = False) -> Item:
+    """Output tensor `key` from the store's leaves `paths` (see `Stacked`), floating ones cast to `cast`; each
+    must be a tensor of the first one's shape and dtype, whose rows `interleave` divides."""
+    items: list[Item] = []
+    for path in paths:
+        it = tensor_item(store, key, path, None)
+        if it is None:
+            raise ExportError(f"{path}: not a tensor, but {key} is stacked from it")
+        first = items[0] if items else it
+        if (it.shape, it.dtype) != (first.shape, first.dtype):
+            raise ExportError(f"{path}: {it.dtype} {list(it.shape)}, but {paths[0]} is {first.dtype} "
+                              f"{list(first.shape)}; {key} stacks them")
+        items.append(it)
+    one = items[0].shape if items else ()
+    if not items or not one or one[0] % interleave or transpose and len(one) < 2:
+        raise ExportError(f"{paths[0] if paths else key}: shape {list(one)} cannot be stacked into {key} "
+                          f"({interleave}-way rows{', transposed' if transpose else ''})")
+    source = Stacked(tuple(items), interleave, transpose)
+    return Item(key, source, cast if cast and source.dtype in CASTABLE else source.dtype, source.shape)
+
+
 def header(items: list[Item], metadata: dict[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": {"format": "pt", **metadata}}
     offset = 0
@@ -114,7 +171,7 @@ def header(items: list[Item], metadata: dict[str, str]) -> bytes:
 
 def tensor_bytes(store: Store, it: Item, allow_partial: bool = False) -> Iterator[Any]:
     """The bytes an export writes for `it`: streamed from the store, cast where its dtype is another."""
-    if not isinstance(it.source, ArrayRef):  # a plain tensor decoded from the store (so torch is loaded)
+    if not isinstance(it.source, (ArrayRef, Stacked)):  # a plain tensor decoded from the store (so torch is loaded)
         import torch
 
         t = it.source.to(getattr(torch, it.dtype)).contiguous()

@@ -29,8 +29,8 @@ from ...store.store import Store
 from ...tree import Node
 from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from ..resolve import build, leaves, model_node, node_at, tensors_only
-from ..safetensors import (CASTABLE, FILE_NAMES, Item, SafetensorsDirect, SafetensorsPlan, direct_layout,
-                           export_safetensors, plan_items, tensor_item)
+from ..safetensors import (CASTABLE, FILE_NAMES, Item, SafetensorsDirect, SafetensorsPlan, Stacked, direct_layout,
+                           export_safetensors, plan_items, stacked_item, tensor_item)
 from . import megatron, olmo, olmo_core
 from .spec import HFModel, HFTensor
 
@@ -325,7 +325,9 @@ def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel
                           f"adapters with peft, or export them as they are with --format safetensors or torch")
     items = []
     for t in model.tensors:
-        item = tensor_item(store, t.key, names[t.source], request.cast_of(t.key), t.rows)
+        item = stacked_item(store, t.key, [names[s] for s in t.stack], request.cast_of(t.key), t.interleave,
+                            t.transpose) if t.stack else \
+            tensor_item(store, t.key, names[t.source], request.cast_of(t.key), t.rows)
         if item is None:
             raise ExportError(f"{t.source}: not a tensor")
         items.append(item)
@@ -416,6 +418,8 @@ def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs
     if not tensors_only(store, node) or (request.hf_config is None and in_values(store)):
         return None
     model, plan = plan_hf(store, subtree, request)
+    if any(isinstance(it.source, Stacked) for group in plan.groups for it in group):
+        return None  # one pass places boxes of each array; a stack's moved rows are not: written from the store
     return HFDirect(direct_layout(store, plan), plan, model)
 
 

@@ -1,6 +1,7 @@
 """Megatron-Core GPT models as transformers' Llama-family classes (LlamaForCausalLM, Qwen2ForCausalLM,
 MistralForCausalLM, Qwen3ForCausalLM, their MoE forms), or as DeepseekV3ForCausalLM (multi-latent attention:
-`deepseek.py`), named by the Hugging Face config.json the user gives.
+`deepseek.py`) or GptOssForCausalLM (learnable attention sinks, every layer's experts stacked: `gpt_oss.py`),
+named by the Hugging Face config.json the user gives.
 
 Megatron keeps attention's q, k and v in one `linear_qkv` whose rows are grouped by query group: for
 each of the `num_key_value_heads` groups, its heads' q rows, then its k rows, then its v rows (a plain
@@ -31,8 +32,9 @@ QWEN3 = "Qwen3ForCausalLM"  # a Llama with a norm over each head's q and k: Mega
 # probabilities as they are (Megatron's moe_router_pre_softmax), and adds a shared expert behind a sigmoid gate
 QWEN3_MOE, QWEN2_MOE = "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"  # Megatron's multi_latent_attention
+GPT_OSS = "GptOssForCausalLM"  # learnable attention sinks, biases, clamped quick-GeGLU experts (gpt_oss.py)
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", QWEN3, MOE, QWEN3_MOE, QWEN2_MOE,
-                 DEEPSEEK_V3)
+                 DEEPSEEK_V3, GPT_OSS)
 # each MoE class's hub names: (the block, its experts' count in the config, the experts' width in the config,
 # the names of an expert's gate, up and down projections)
 MOE_BLOCKS = {MOE: ("block_sparse_moe.", "num_local_experts", "intermediate_size", ("w1", "w3", "w2")),
@@ -42,7 +44,7 @@ MOE_BLOCKS = {MOE: ("block_sparse_moe.", "num_local_experts", "intermediate_size
 # Auto classes load for it
 BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen3": QWEN3, "mixtral": MOE, "qwen3_moe": QWEN3_MOE, "qwen2_moe": QWEN2_MOE,
-                 "deepseek_v3": DEEPSEEK_V3}
+                 "deepseek_v3": DEEPSEEK_V3, "gpt_oss": GPT_OSS}
 
 
 def is_megatron(names: list[str]) -> bool:
@@ -60,7 +62,7 @@ def _config(config: dict[str, Any], key: str, where: str) -> int:
 def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, ...]], where: str,
          files: dict[str, bytes]) -> HFModel:
     """The HF model a Megatron GPT checkpoint is, under `config` (a config.json's contents)."""
-    from . import deepseek
+    from . import deepseek, gpt_oss
 
     arch = (config.get("architectures") or [None])[0]
     if arch is None and isinstance(config.get("model_type"), str):
@@ -87,15 +89,18 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
     placed: set[str] = set()
     tensors: list[HFTensor] = []
 
-    def take(key: str, source: str, rows: tuple[tuple[int, int], ...] | None = None,
-             shape: tuple[int, ...] | None = None) -> None:
-        if source not in shapes:
-            raise ExportError(f"{source}: not in the checkpoint, but {key} needs it")
-        if shape is not None and tuple(shapes[source][:len(shape)]) != shape:
-            raise ExportError(f"{source}: shape {list(shapes[source])}, the config makes it {list(shape)} "
-                              f"(a config of another model?)")
-        placed.add(source)
-        tensors.append(HFTensor(key, source, rows))
+    def take(key: str, source: str | tuple[str, ...], rows: tuple[tuple[int, int], ...] | None = None,
+             shape: tuple[int, ...] | None = None, interleave: int = 1, transpose: bool = False) -> None:
+        """`key` from `source`, or from several stacked (HFTensor.stacked), each of `shape`."""
+        for one in (source,) if isinstance(source, str) else source:
+            if one not in shapes:
+                raise ExportError(f"{one}: not in the checkpoint, but {key} needs it")
+            if shape is not None and tuple(shapes[one][:len(shape)]) != shape:
+                raise ExportError(f"{one}: shape {list(shapes[one])}, the config makes it {list(shape)} "
+                                  f"(a config of another model?)")
+            placed.add(one)
+        tensors.append(HFTensor(key, source, rows) if isinstance(source, str) else
+                       HFTensor.stacked(key, source, interleave, transpose))
 
     def vocab_rows(source: str) -> tuple[tuple[int, int], ...] | None:
         padded = shapes[source][0] if source in shapes else vocab
@@ -118,7 +123,9 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
         if arch in (QWEN3, QWEN3_MOE):  # one norm over each head's features, shared by the heads (qk_layernorm)
             take(f"{hf}self_attn.q_norm.weight", f"{layer}self_attention.q_layernorm.weight", None, (head_dim,))
             take(f"{hf}self_attn.k_norm.weight", f"{layer}self_attention.k_layernorm.weight", None, (head_dim,))
-        if arch in MOE_BLOCKS:  # the hub's names (what transformers and every engine load)
+        if arch == GPT_OSS:  # its sinks, biases and experts (each of its four tensors stacked from every expert's)
+            gpt_oss.layer(take, shapes, config, layer, hf, hidden, where)
+        elif arch in MOE_BLOCKS:  # the hub's names (what transformers and every engine load)
             prefix, count, width, projections = MOE_BLOCKS[arch]
             experts, moe, expert_ffn = _config(config, count, where), f"{hf}{prefix}", _config(config, width, where)
             take(f"{moe}gate.weight", f"{layer}mlp.router.weight", None, (experts, hidden))
@@ -168,7 +175,10 @@ def _glu(take: Callable[..., None], hf: str, megatron: str, names: tuple[str, st
 REFUSED = {"normalization": ("RMSNorm", "LayerNorm norms"), "swiglu": (True, "a non-SwiGLU MLP"),
            "position_embedding_type": ("rope", "position embeddings other than rotary"),
            "rotary_percent": (1.0, "rotary embeddings on part of each head"),
-           "add_bias_linear": (False, "biases on the linear layers")}
+           "add_bias_linear": (False, "biases on the linear layers"),
+           # GPT-OSS's blocks (gpt_oss.py takes a model with learnable sinks), elsewhere silently lost
+           "softmax_type": ("vanilla", "a softmax with a sink in every head"),
+           "window_size": (None, "sliding-window attention")}
 
 
 # Megatron-LM's MoE arguments Mixtral's routing cannot follow
@@ -202,6 +212,10 @@ def _moe_class(args: dict[str, Any], where: str) -> str:
 
 def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
     """A Hugging Face config from Megatron-LM's `args` (its common state), and what the user should know."""
+    if args.get("softmax_type") == "learnable":  # attention sinks: GPT-OSS's (gpt_oss.py)
+        from .gpt_oss import config_from_args as gpt_oss
+
+        return gpt_oss(args, where)
     for key, (want, what) in REFUSED.items():
         if key in args and args[key] != want and not (key == "rotary_percent" and args[key] in (1, None)):
             raise ExportError(f"{where}: {key} is {args[key]!r:.40}: {what}, which the Llama-family classes of "

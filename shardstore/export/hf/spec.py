@@ -13,6 +13,16 @@ class HFTensor:
     # blocks of its rows [first, stop), one after another (a split fused weight; Megatron's q of every
     # query group)
     rows: tuple[tuple[int, int], ...] | None = None
+    # a tensor the checkpoint holds as several arrays of one shape (GPT-OSS's experts, one HF tensor per
+    # layer): these sources (`source` the first) stacked on a new leading axis, each with its rows first
+    # dealt out `interleave` ways (its [gate; up] as gate, up, gate, up... rows) and then `transpose`d
+    stack: tuple[str, ...] = ()
+    interleave: int = 1
+    transpose: bool = False
+
+    @classmethod
+    def stacked(cls, key: str, sources: tuple[str, ...], interleave: int = 1, transpose: bool = False) -> HFTensor:
+        return cls(key, sources[0], None, sources, interleave, transpose)
 
 
 @dataclass

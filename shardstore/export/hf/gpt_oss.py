@@ -1,0 +1,120 @@
+"""Megatron-Core GPT-OSS models (Megatron-Bridge's GPT-OSS provider: biases on every linear layer and the
+router, learnable attention sinks, clamped quick-GeGLU experts, sliding-window attention on some layers,
+YaRN) as transformers' GptOssForCausalLM.
+
+Attention is the Llama family's (q, k and v per query group, with biases) plus o_proj's bias and the sinks
+(`core_attention.softmax_offset`, one logit per head that takes part in the softmax and is dropped). The
+experts are what Megatron-Bridge's GPTOSSMLPGateUpProjMapping and GPTOSSMLPDownProjMapping export: one
+tensor per layer for all experts, each expert's `linear_fc1` ([gate; up], 2I x H) with its gate and up rows
+interleaved (gate j -> 2j, up j -> 2j + 1) and transposed into `gate_up_proj` (E, H, 2I), its bias interleaved
+into `gate_up_proj_bias` (E, 2I), `linear_fc2` (H x I) transposed into `down_proj` (E, I, H), its bias into
+`down_proj_bias` (E, H): transformers 5 loads only these stacked names for GPT-OSS. Megatron's activation
+`quick_gelu(min(gate, c)) * (clamp(up, -c, c) + 1)` is GptOss's with `swiglu_limit` c and `swiglu_alpha`
+1.702; its router (top k of the biased logits, softmax over those k) is GptOss's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from ...errors import ExportError
+from .megatron import GPT_OSS, MOE_REFUSED, _config, config_from_args as llama_config
+
+QUICK_GELU_ALPHA = 1.702  # megatron-core's quick_gelu: x * sigmoid(1.702 x)
+
+
+def layer(take: Callable[..., None], shapes: dict[str, Any], config: dict[str, Any], source: str, hf: str,
+          hidden: int, where: str) -> None:
+    """One layer's tensors beyond the Llama family's: o_proj's bias, the sinks, the router with its bias,
+    and the experts, each of the four stacked from every expert's."""
+    heads = _config(config, "num_attention_heads", where)
+    experts, width = _config(config, "num_local_experts", where), _config(config, "intermediate_size", where)
+    if config.get("attention_bias") is False:
+        raise ExportError(f"{where}: attention_bias is false: GptOss without attention biases, but Megatron's "
+                          f"add_bias_linear gives q, k, v and its output projection theirs")
+    if f"{source}self_attention.linear_qkv.bias" not in shapes:
+        raise ExportError(f"{source}self_attention.linear_qkv.bias: not in the checkpoint, but GptOss's q, k and v "
+                          f"have biases (add_bias_linear gives them)")
+    take(f"{hf}self_attn.o_proj.bias", f"{source}self_attention.linear_proj.bias", None, (hidden,))
+    take(f"{hf}self_attn.sinks", f"{source}self_attention.core_attention.softmax_offset", None, (heads,))
+    take(f"{hf}mlp.router.weight", f"{source}mlp.router.weight", None, (experts, hidden))
+    take(f"{hf}mlp.router.bias", f"{source}mlp.router.bias", None, (experts,))
+    each = [f"{source}mlp.experts.local_experts.{e}." for e in range(experts)]
+    stacks = (("gate_up_proj", "linear_fc1.weight", (2 * width, hidden), 2, True),  # [gate; up] -> gate, up, ...
+              ("gate_up_proj_bias", "linear_fc1.bias", (2 * width,), 2, False),
+              ("down_proj", "linear_fc2.weight", (hidden, width), 1, True),
+              ("down_proj_bias", "linear_fc2.bias", (hidden,), 1, False))
+    for name, megatron, shape, interleave, transpose in stacks:
+        take(f"{hf}mlp.experts.{name}", tuple(f"{e}{megatron}" for e in each), None, shape, interleave=interleave,
+             transpose=transpose)
+
+
+# Megatron-LM's arguments GptOss needs as they are, and what any other value would be
+REQUIRED = {"num_experts": (bool, "a dense MLP"),
+            "add_bias_linear": (bool, "linear layers without biases (GptOss's experts and router have them)"),
+            "quick_geglu": (bool, "an activation other than quick-GeGLU"),
+            "glu_linear_offset": (lambda v: v == 1.0, "an offset other than 1 on the GLU's linear half"),
+            "activation_func_clamp_value": (lambda v: isinstance(v, (int, float)) and v > 0,
+                                            "no clamp on the GLU's halves"),
+            "rotary_interleaved": (lambda v: not v, "interleaved rotary embeddings"),
+            "position_embedding_type": (lambda v: v in ("rope", "yarn"), "position embeddings other than rotary"),
+            "window_size": (lambda v: v is None or isinstance(v, (list, tuple)) and len(v) == 2 and v[1] == 0
+                            and type(v[0]) is int and v[0] >= 0, "a window that looks ahead, or not a window"),
+            **{k: v for k, v in MOE_REFUSED.items() if k != "add_qkv_bias"}}
+
+
+def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
+    """A GptOss config.json from Megatron-LM's args (a model with learnable attention sinks): the Llama
+    family's fields, then GptOss's experts, windows and rotary embeddings; what GptOss cannot express refused
+    naming the argument."""
+    for key, (ok, what) in REQUIRED.items():
+        if not ok(args.get(key)):
+            raise ExportError(f"{where}: {key} is {args.get(key)!r:.40}: {what}, which GptOss cannot express")
+    layers, window, skip = args.get("num_layers") or 0, args.get("window_size"), args.get("window_attn_skip_freq")
+    if not (skip is None or type(skip) is int and skip > 0 or isinstance(skip, list) and len(skip) == layers):
+        raise ExportError(f"{where}: window_attn_skip_freq is {skip!r:.40}: not a frequency nor one flag per layer "
+                          f"of {layers}")
+    config, notes = llama_config({**args, "swiglu": True, "add_bias_linear": False, "add_qkv_bias": False,  # the
+                                  "num_experts": None, "position_embedding_type": "rope",  # Llama family's fields
+                                  "softmax_type": "vanilla", "window_size": None}, where)
+    for key in ("mlp_bias", "rope_theta", "hidden_act"):
+        config.pop(key, None)
+    config.update(architectures=[GPT_OSS], model_type="gpt_oss", attention_bias=True,
+                  num_local_experts=args["num_experts"], num_experts_per_tok=args.get("moe_router_topk", 2),
+                  intermediate_size=args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size"),
+                  swiglu_limit=float(args["activation_func_clamp_value"]), swiglu_alpha=QUICK_GELU_ALPHA,
+                  sliding_window=window[0] + 1 if window else None,
+                  layer_types=[_layer_type(args, i) for i in range(layers)], rope_parameters=_rope(args))
+    return config, notes
+
+
+def _layer_type(args: dict[str, Any], i: int) -> str:
+    """Megatron's is_layer_window_attention for 0-based layer i: every layer windowed without a skip
+    frequency, all but each N-th with an int N, the ones a list marks."""
+    skip = args.get("window_attn_skip_freq")
+    windowed = bool(args.get("window_size")) and (skip is None or
+                                                  (skip[i] if isinstance(skip, list) else (i + 1) % skip))
+    return "sliding_attention" if windowed else "full_attention"
+
+
+def _rope(args: dict[str, Any]) -> dict[str, Any]:
+    """GptOss's rope_parameters: Megatron's plain rotary embeddings, or its YaRN (as Megatron-LM's
+    _apply_yarn_config_from_args fills it in, with the concentration factor megatron-core applies)."""
+    base = float(args.get("rotary_base", 10000))
+    if args.get("position_embedding_type") != "yarn":
+        return {"rope_type": "default", "rope_theta": base}
+    factor = float(args.get("rotary_scaling_factor") or 1.0)
+    mscale, mscale_all_dim = args.get("mscale"), args.get("mscale_all_dim")  # None: as Megatron-LM fills them in
+    mscale, mscale_all_dim = 1.0 if mscale is None else mscale, 0.0 if mscale_all_dim is None else mscale_all_dim
+
+    def get_mscale(m: float) -> float:  # megatron-core's _yarn_get_mscale
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    round_to_int = args.get("yarn_correction_range_round_to_int")
+    return {"rope_type": "yarn", "rope_theta": base, "factor": factor,
+            "original_max_position_embeddings": args.get("yarn_original_max_position_embeddings") or 4096,
+            "beta_fast": float(args.get("yarn_beta_fast") or 32.0),
+            "beta_slow": float(args.get("yarn_beta_slow") or 1.0),
+            "truncate": True if round_to_int is None else bool(round_to_int),
+            "attention_factor": get_mscale(mscale) / get_mscale(mscale_all_dim)}
