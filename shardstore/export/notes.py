@@ -6,7 +6,9 @@ import re
 from typing import Iterable
 
 # Megatron's DistributedOptimizer state in its default `dp_reshardable` form: one flat tensor per bucket
-FLAT_BUCKET = re.compile(r"(?:.*/)?(optimizer\.distributed\.dp_group_idx_[0-9]+)\..*\.bucket_idx_[0-9]+\.[^./]+")
+# (an MoE model's ChainedOptimizer: the dense and the expert optimizer's, under chained_0. and chained_1.)
+FLAT_BUCKET = re.compile(r"(?:.*/)?((?:chained_[0-9]+\.)?optimizer\.distributed\.dp_group_idx_[0-9]+)\..*"
+                         r"\.bucket_idx_[0-9]+\.[^./]+")
 
 
 def flat_buckets(names: Iterable[str]) -> list[str]:
