@@ -199,13 +199,23 @@ def _grid(args: Any, where: str) -> dict[str, Any]:
             "glu": bool(state.get("swiglu") or state.get("gated_linear_unit"))}
 
 
-def _places(grid: dict[str, Any]) -> dict[str, tuple[int, int, int]]:
-    """Every rank folder the args' grid has, by name: its (tensor, pipeline, expert) ranks, as
-    get_checkpoint_name names it."""
-    out = {}
-    for t, p, e in itertools.product(range(grid["tp"]), range(grid["pp"]), range(grid["ep"])):
-        out[_folder_name((t, *([p] if grid["pp"] > 1 else []), *([e] if grid["ep"] > 1 else [])))] = (t, p, e)
-    return out
+def _names(grid: dict[str, Any]) -> list[str]:
+    """Every rank folder the args' grid has, as get_checkpoint_name names it."""
+    return [_folder_name((t, *([p] if grid["pp"] > 1 else []), *([e] if grid["ep"] > 1 else [])))
+            for t, p, e in itertools.product(range(grid["tp"]), range(grid["pp"]), range(grid["ep"]))]
+
+
+def _place_of(name: str, path: str, grid: dict[str, Any]) -> tuple[int, int, int]:
+    """A rank folder's (tensor, pipeline, expert) ranks: `mp_rank_TT_NNN` is a pipeline rank or an expert
+    rank as the args' grid has PP > 1 or EP > 1."""
+    numbers = list(_numbers(name))
+    sizes = [grid["tp"]] + [grid[k] for k in ("pp", "ep") if grid[k] > 1]
+    if len(numbers) != len(sizes) or any(n >= size for n, size in zip(numbers, sizes)):
+        raise CheckpointError(f"{path}: {name} is not a rank folder of the args' TP={grid['tp']} x PP={grid['pp']} x "
+                              f"EP={grid['ep']} grid")
+    t = numbers.pop(0)
+    p = numbers.pop(0) if grid["pp"] > 1 else 0
+    return t, p, numbers.pop(0) if grid["ep"] > 1 else 0
 
 
 class _Name(NamedTuple):
@@ -353,11 +363,7 @@ class _Read:
         self.digest = _digest((self.model_digest, self.shape_of_rest))
 
     def _place_model(self, grid: dict[str, Any]) -> None:
-        places = _places(grid)
-        if self.name not in places:
-            raise CheckpointError(f"{self.path}: {self.name} is not a rank folder of the args' TP={grid['tp']} x "
-                                  f"PP={grid['pp']} x EP={grid['ep']} grid")
-        self.t, self.p, self.e = places[self.name]
+        self.t, self.p, self.e = _place_of(self.name, self.path, grid)
         if len(self.chunks) != grid["vp"]:
             raise CheckpointError(f"{self.path}: holds {len(self.chunks)} model chunks, its args "
                                   f"virtual_pipeline_model_parallel_size {grid['vp']}")
@@ -450,7 +456,8 @@ def _big(value: Any) -> bool:
 # ---------------------------------------------------------------------------------------------- spec
 def _whole_grid(folder: str, files: list[_Read], grid: dict[str, Any]) -> None:
     """Every rank folder of the args' grid is there (a missing expert rank's too), refused up front."""
-    missing = sorted(set(_places(grid)) - {f.name for f in files})
+    have = {f.name for f in files}
+    missing = [n for n in _names(grid) if n not in have]
     if missing:
         raise CheckpointError(f"{folder}: rank folders missing for the args' TP={grid['tp']} x PP={grid['pp']} x "
                               f"EP={grid['ep']} grid: {', '.join(missing[:8])}")

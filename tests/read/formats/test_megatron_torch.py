@@ -203,6 +203,30 @@ def test_layouts_not_merged_are_refused_by_their_argument(key: str, value: objec
     _refused(src, tmp_path, f"{path}: args set {key}=")
 
 
+def _gate(state: dict) -> None:
+    key = "decoder.layers.0.mlp.shared_experts.gate_weight"
+    state["model"][key] = torch.cat([state["model"][key]] * 2)
+
+
+def _one_chunk(state: dict) -> None:
+    del state["model1"]
+
+
+@pytest.mark.parametrize("layout, rank, change, needles", [
+    # what is not an expert, of another shape in an expert rank's file than in expert rank 0's (a mixed folder)
+    (EP, "mp_rank_00_000_001", _gate, ["what is not a routed expert differs in its keys or shapes from",
+                                       "mp_rank_00_000_000/model_optim_rng.pt's"]),
+    (VP, "mp_rank_00_001", _one_chunk, ["holds 1 model chunks, its args virtual_pipeline_model_parallel_size 2"])])
+def test_a_file_that_does_not_fit_its_place_is_refused(layout: Path, rank: str, change: Any, needles: list[str],
+                                                       tmp_path: Path) -> None:
+    """An expert rank's copy of the dense model of another shape, a file with fewer virtual pipeline chunks
+    than the args: refused naming the file, nothing written."""
+    src = _copy(tmp_path, layout)
+    path = src / rank / "model_optim_rng.pt"
+    _forge(path, change)
+    _refused(src, tmp_path, f"{path}: ", *needles)
+
+
 def test_the_last_stages_copy_of_the_embedding_and_mtp_layers_are_placed(tmp_path: Path) -> None:
     """Multi-token prediction's layers live on the last stage beside its copy of the embedding (here
     added to the genuine files as Megatron-LM's MTP stage holds them): the copy is taken from stage 0
