@@ -17,7 +17,8 @@ import shardstore
 from shardstore.export.hf.gpt_oss import config_from_args
 from shardstore.export.safetensors import Stacked
 
-SRC = Path(__file__).parents[1] / "fixtures" / "data" / "megatron" / "core0.19.2" / "tp1-pp1-dp2-gptoss"
+DATA = Path(__file__).parents[1] / "fixtures" / "data" / "megatron" / "core0.19.2"
+SRC = DATA / "tp1-pp1-dp2-gptoss"  # at TP 2 (attention, its sinks and biases split too): tp2-pp1-dp2-gptoss
 # the Hugging Face config of the fixture's model (what a user gives with --hf-config)
 CONFIG = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_hidden_layers": 2,
           "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 100, "hidden_size": 16,
@@ -28,27 +29,24 @@ CONFIG = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_
                               "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0}}
 
 
-@pytest.fixture(scope="module")
-def want() -> dict[str, Any]:
-    return torch.load(f"{SRC}.expected.pt.ref", weights_only=True)
-
-
 def _gate_up(fc1: torch.Tensor) -> torch.Tensor:
     """Megatron-Bridge's GPTOSSMLPGateUpProjMapping._uninterleave: gate rows to the even places, up to the odd."""
     gate, up = fc1.chunk(2)
     return torch.stack([gate, up], 1).flatten(0, 1)
 
 
-@pytest.mark.parametrize("described", ["args", "hf-config"])
-def test_hf_export_gives_megatrons_own_logits(described: str, want: dict[str, Any], tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout, described", [("tp1-pp1-dp2-gptoss", "args"), ("tp1-pp1-dp2-gptoss", "hf-config"),
+                                               ("tp2-pp1-dp2-gptoss", "args")])
+def test_hf_export_gives_megatrons_own_logits(layout: str, described: str, tmp_path: Path) -> None:
     """Sinks, biases, the clamped quick-GeGLU experts stacked as GptOss keeps them, a window on every other
     layer, YaRN: transformers' GptOss reproduces Megatron's logits (float32, summed in another order), from
     Megatron-LM's args in the checkpoint or a config.json given."""
     from transformers import AutoModelForCausalLM
 
+    src, want = DATA / layout, torch.load(DATA / f"{layout}.expected.pt.ref", weights_only=True)
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     given = tmp_path / "config.json" if described == "hf-config" else None
-    shardstore.unshard(SRC, tmp_path / "hf", format="hf", hf_config=given, jobs=2)
+    shardstore.unshard(src, tmp_path / "hf", format="hf", hf_config=given, jobs=2)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert type(model).__name__ == "GptOssForCausalLM"
     with torch.no_grad():
@@ -65,6 +63,18 @@ def test_hf_export_gives_megatrons_own_logits(described: str, want: dict[str, An
             assert torch.equal(written[f"model.layers.{i}.mlp.experts.{name}"], torch.stack(parts)), name
         assert torch.equal(written[f"model.layers.{i}.self_attn.sinks"],
                            megatron[f"decoder.layers.{i}.self_attention.core_attention.softmax_offset"])
+    assert not shardstore.verify(src, tmp_path / "hf", hf_config=given, jobs=1).differences  # it reads stacks too
+
+
+@pytest.mark.parametrize("layout", ["tp1-pp1-dp2-gptoss", "tp2-pp1-dp2-gptoss"])
+def test_every_tensor_reads_as_megatron_core_loads_it(layout: str, tmp_path: Path) -> None:
+    """The sinks, the biases and each expert (from its expert-parallel rank) bit for bit, under Megatron's names."""
+    from tests.read.formats.test_megatron import _saved_names
+
+    want = _saved_names(torch.load(DATA / f"{layout}.expected.pt.ref", weights_only=True)["model"])
+    shardstore.unshard(DATA / layout, tmp_path / "st", jobs=2)
+    got = load_file(tmp_path / "st" / "model.safetensors")
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
 
 
 def test_a_stacked_tensor_streams_one_expert_at_a_time(tmp_path: Path) -> None:
