@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import shardstore
+from tests.read.conformance import FormatTests
 from tests.read.formats.test_megatron import DATA, _bits, _common, _iteration, _per_layer, _same, _saved_names
 
 EP = DATA / "tp2-pp2-dp2-legacy-qwen2moe-optim"  # Qwen2-MoE's blocks: 4 experts over 2 expert ranks, shared expert
@@ -290,3 +291,23 @@ def test_an_mla_down_projection_the_args_cannot_place_is_refused() -> None:
         _boxes("decoder.layers.0.self_attention.linear_kv_down_proj.weight", (5, 16), 0, MLA, "f")
     with pytest.raises(shardstore.CheckpointError, match="the args name no multi_latent_attention"):
         _boxes("decoder.layers.0.self_attention.linear_q_down_proj.weight", (4, 16), 0, {**MLA, "mla": None}, "f")
+
+
+class TestExpertParallelConformance(FormatTests):
+    @pytest.fixture
+    def checkpoint(self, tmp_path: Path) -> Path:
+        return EP / "iter_0000010"
+
+    @pytest.fixture
+    def foreign(self, tmp_path: Path) -> Path:
+        return TE / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt"  # EP's name without its stage
+
+
+class TestVirtualPipelineConformance(FormatTests):
+    @pytest.fixture
+    def checkpoint(self, tmp_path: Path) -> Path:
+        return VP / "iter_0000010"
+
+    @pytest.fixture
+    def foreign(self, tmp_path: Path) -> Path:
+        return DATA / "tp2-pp2-legacy" / "iter_0000010" / "mp_rank_01_001" / "model_optim_rng.pt"
