@@ -155,7 +155,9 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
     elif OUTPUT not in shapes and not tied:
         raise ExportError(f"{where}: tie_word_embeddings is false, but the checkpoint has no {OUTPUT} (its "
                           f"embeddings are tied)")
-    stray = sorted(n for n in shapes if n not in placed)
+    # a module's extra state is Megatron's own, not a weight (Transformer Engine's FP8 metadata: in
+    # --ckpt-format torch an empty uint8 tensor without FP8)
+    stray = sorted(n for n in shapes if n not in placed and not n.endswith("._extra_state"))
     if stray:
         raise ExportError(f"{stray[0]}: a tensor {arch} has no place for (a Megatron feature transformers cannot "
                           f"express, or a config of another model)")

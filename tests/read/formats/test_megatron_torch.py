@@ -181,7 +181,10 @@ def test_transformer_engine_grouped_experts_merge_under_sequential_names(tmp_pat
     """TEGroupedMLP's per-GEMM `linear_fc1.weight{l}` of each expert rank (megatron-core's own torch-format
     save, mp_rank_TT_EEE): GEMM l of expert rank e is expert e * 2 + l, split by tensor rank as
     SequentialMLP's is, under SequentialMLP's names as the torch_dist reading gives them: bit for bit
-    megatron-core's own load of the same model's torch_dist save (TE's extra state kept as saved)."""
+    megatron-core's own load of the same model's torch_dist save (TE's extra state kept as saved); the
+    Hugging Face export gives Megatron's own logits."""
+    from transformers import AutoModelForCausalLM
+
     from tests.read.formats.test_megatron_te import _one_by_one
 
     want = torch.load(DATA / "tp2-pp1-ep2-etp2-te-gemm.expected.pt.ref", weights_only=True)
@@ -191,6 +194,11 @@ def test_transformer_engine_grouped_experts_merge_under_sequential_names(tmp_pat
     model = {k: v for k, v in _one_by_one(want["model"]).items() if not k.endswith("_extra_state")}
     extra = {k: v for k, v in want["model"].items() if k.endswith("_extra_state")}  # TE's, kept as saved
     assert set(got) == set(model) | set(extra) and all(torch.equal(got[k], v) for k, v in (model | extra).items())
+    shardstore.unshard(TE, tmp_path / "hf", format="hf", jobs=2)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        logits = hf(input_ids=want["ids"]).logits
+    torch.testing.assert_close(logits, want["logits"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("key, value", [("expert_tensor_parallel_size", 1), ("decoder_first_pipeline_num_layers", 1),
