@@ -41,7 +41,7 @@ from ...patterns import digits
 from ..source import (COMPOSER_BATCH, COMPOSER_EPOCH, JSON_CONFIG, Source, check_step, config_files, hf_files, inside_run,
                       pick)
 from ..unit import check_leaves
-from . import lightning, megatron_torch, trainer
+from . import lightning, megatron_fsdp, megatron_torch, trainer
 from .resume import resume_files
 from .trainer import TRAIN, TrainerUnit, join_trainer_state, open_trainer
 
@@ -112,6 +112,7 @@ class DcpCheckpoint:
     paths: dict[str, tuple[Any, ...]]  # fqn -> its path in the nested state dict
     items: list[Item]
     files: list[str] = field(default_factory=list)  # unit order
+    megatron_fsdp: bool = False  # Megatron-FSDP's save, under torch_dist's names (megatron_fsdp.py)
 
     def store_path(self, fqn: str) -> str:
         return paths.join(*(paths.escape(k) for k in self.paths[fqn]))
@@ -148,7 +149,7 @@ def read_checkpoint(folder: str | os.PathLike[str], storage_options: StorageOpti
         if _torch_dist(folder, storage_options):
             return _model_space(_per_layer(ckpt))
         _without_megatron_metadata(ckpt, folder, storage_options)
-        return ckpt
+        return replace(megatron_fsdp.named(ckpt), megatron_fsdp=True) if megatron_fsdp.detect(ckpt) else ckpt
     except CheckpointError as exc:
         raise named(exc, where) from None
     except (AttributeError, TypeError, ValueError) as exc:
@@ -483,9 +484,12 @@ def spec(ckpt: DcpCheckpoint, encode_key: KeyEncoder, trainer_state: list[str] |
         extra["trainer"] = "olmo"
     _check_named_steps(ckpt, storage_options, strict)
     args = _megatron_args(ckpt, trainer_state or [], storage_options, strict)
+    if ckpt.megatron_fsdp:
+        megatron_fsdp.check_args(args, ckpt, join(ckpt.folder, METADATA))
     if args is not None:
         extra[MEGATRON_ARGS] = args
-    extra["megatron_common"] = next((c.path for _, c in tree.children if c.path.startswith(COMMON_STATE)), None)
+    extra["megatron_common"] = next((c.path for _, c in tree.children if c.path.startswith(COMMON_STATE)
+                                     or (ckpt.megatron_fsdp and c.path == megatron_fsdp.ARGS)), None)
     return CheckpointSpec("dcp", len(units), len(units), tree, arrays, {}, objects, extra,
                           {join(ckpt.folder, f): end for f, end in ckpt.ends().items()})
 
@@ -518,21 +522,32 @@ def _item_value(ckpt: DcpCheckpoint, item: Item, storage_options: StorageOptions
         data.close()
 
 
+def _common_state(ckpt: DcpCheckpoint, trainer_state: list[str], storage_options: StorageOptions | None,
+                  strict: bool) -> tuple[str, Any] | None:
+    """(where, what) Megatron-LM's common state is: a bytes item of a .distcp file (megatron-core >= 0.19),
+    common.pt (before), the top-level `args` and `iteration` values of Megatron-FSDP's save."""
+    if ckpt.megatron_fsdp:
+        return ckpt.folder, {i.fqn: _item_value(ckpt, i, storage_options, strict, f"{join(ckpt.folder, i.file)}: {i.fqn}")
+                             for i in ckpt.items if i.offsets is None and i.fqn in megatron_fsdp.COMMON}
+    item = next((i for i in ckpt.items if i.offsets is None and i.fqn.startswith(COMMON_STATE)), None)
+    if item is not None:
+        where = join(ckpt.folder, item.file)
+        return where, _item_value(ckpt, item, storage_options, strict, f"{where}: Megatron's common state")
+    common = next((p for p in trainer_state if _is_common(p)), None)
+    if common is None:
+        return None
+    with TorchZip(common, storage_options) as zf:
+        return common, load(zf.record("data.pkl"), f"{common}: Megatron's common state", strict)
+
+
 def _megatron_args(ckpt: DcpCheckpoint, trainer_state: list[str], storage_options: StorageOptions | None,
                    strict: bool) -> dict[str, Any] | None:
     """Megatron-LM's `args` (their plain values), read with the plan from the common state (a small
     bytes item, or common.pt): what describes the model for --format hf, known before any unit is read."""
-    item = next((i for i in ckpt.items if i.offsets is None and i.fqn.startswith(COMMON_STATE)), None)
-    common = next((p for p in trainer_state if _is_common(p)), None)
-    if item is None and common is None:
+    found = _common_state(ckpt, trainer_state, storage_options, strict)
+    if found is None:
         return None
-    where = join(ckpt.folder, item.file) if item is not None else common
-    if item is not None:  # a bytes item of a .distcp file
-        state = _item_value(ckpt, item, storage_options, strict, f"{where}: Megatron's common state")
-    else:
-        assert common is not None  # (one of the two, above)
-        with TorchZip(common, storage_options) as zf:
-            state = load(zf.record("data.pkl"), f"{where}: Megatron's common state", strict)
+    where, state = found
     state = state[0] if isinstance(state, list) and len(state) == 1 else state
     megatron_torch.check_iteration(f"{where}: Megatron's common state", state, ckpt.folder)
     args = getattr(state.get("args") if isinstance(state, dict) else None, "state", None)
