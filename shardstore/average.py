@@ -36,7 +36,7 @@ from .export import ExportRequest, model_subtree, output_format, planned
 from .export.resolve import ArrayRef, leaves
 from .export.dcp import export_dcp, plan_dcp
 from .export.torch import export_torch
-from .export.safetensors import CASTABLE
+from .export.safetensors import CASTABLE, Stacked
 from .ingest import ingest, under
 from .locations import nearest_existing
 from .ranges import BLOCK, Part, blocks
@@ -155,14 +155,16 @@ def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.Pat
         plan = planned(stores[-1], request)
         kept = []
         for it in plan.tensors:
-            source = it.source
-            if not isinstance(source, ArrayRef):
+            each = it.source.items if isinstance(it.source, Stacked) else (it,)  # GPT-OSS's experts: each averaged
+            if not all(isinstance(one.source, ArrayRef) for one in each):
                 raise ExportError(f"{it.key}: a small plain tensor; average reads sharded tensors only")
-            if source.dtype in CASTABLE:
-                it.source = MeanRef(source.path, it.dtype, source.shape, source.rows, tuple(stores), weights,
-                                    source.dtype)
-            else:
+            if it.source.dtype not in CASTABLE:
                 kept.append(it.key)
+                continue
+            for one in each:  # rounded once, into the output's dtype
+                source = one.source
+                one.dtype, one.source = it.dtype, MeanRef(source.path, it.dtype, source.shape, source.rows,
+                                                          tuple(stores), weights, source.dtype)
         files, _, _ = plan.write(out, None, None, None, 1)
         return AverageResult(files, len(plan.tensors) - len(kept), kept)
     finally:

@@ -150,3 +150,21 @@ def test_gpt_oss_blocks_beside_others_are_refused_by_name(key: str, value: Any) 
     assert megatron_config(llama, "args")[0]["architectures"] == ["LlamaForCausalLM"]
     with pytest.raises(shardstore.ExportError, match=f"args: {key} is "):
         megatron_config({**llama, key: value}, "args")
+
+
+def test_average_takes_the_mean_of_each_stacked_expert(tmp_path: Path) -> None:
+    """`average --format hf` of two GPT-OSS saves: each expert's mean (an ArrayRef's, rounded once into the
+    output's dtype), stacked as the export stacks it (it used to refuse the stack as "a small plain tensor")."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    layouts = ["tp1-pp1-dp2-gptoss", "tp2-pp1-dp2-gptoss"]  # attention drawn apart at TP 1 and 2, the experts alike
+    result = shardstore.average([DATA / layout for layout in layouts], tmp_path / "mean", weights=[1, 3], format="hf",
+                                hf_config=tmp_path / "config.json", jobs=1)
+    assert result.averaged == 37 and not result.kept
+    ones = []
+    for layout in layouts:
+        shardstore.unshard(DATA / layout, tmp_path / layout, format="hf", hf_config=tmp_path / "config.json", jobs=1)
+        ones.append(load_file(tmp_path / layout / "model.safetensors"))
+    mean = load_file(tmp_path / "mean" / "model.safetensors")
+    for key, got in mean.items():  # in float64, rounded once, as average computes it
+        assert torch.equal(got, (ones[0][key].double() * 0.25 + ones[1][key].double() * 0.75).float()), key
+    assert not torch.equal(ones[0]["model.layers.0.self_attn.sinks"], ones[1]["model.layers.0.self_attn.sinks"])
