@@ -149,7 +149,7 @@ def read_checkpoint(folder: str | os.PathLike[str], storage_options: StorageOpti
         if _torch_dist(folder, storage_options):
             return _model_space(_per_layer(ckpt))
         _without_megatron_metadata(ckpt, folder, storage_options)
-        return replace(megatron_fsdp.named(ckpt), megatron_fsdp=True) if megatron_fsdp.detect(ckpt) else ckpt
+        return _megatron_fsdp(ckpt) if megatron_fsdp.detect(ckpt) else ckpt
     except CheckpointError as exc:
         raise named(exc, where) from None
     except (AttributeError, TypeError, ValueError) as exc:
@@ -195,10 +195,10 @@ def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
     for fqn, path in nested.items():
         if not path or not all(isinstance(k, (str, int)) and type(k) is not bool for k in path):
             raise CheckpointError(f"{fqn}: planner_data gives it the path {path!r:.80}")
-    items = []
+    items, known = [], set(values)
     for index, info in md.storage_data.items():
         fqn = index.fqn
-        if fqn not in tensors and fqn not in values:
+        if fqn not in tensors and fqn not in known:
             raise CheckpointError(f"storage_data names {fqn!r:.80}, which the metadata does not describe")
         steps = stream_transforms.checked(getattr(info, "transform_descriptors", None), fqn)
         name = info.relative_path
@@ -231,6 +231,14 @@ def _without_megatron_metadata(ckpt: DcpCheckpoint, folder: str, storage_options
     raise CheckpointError(f"holds Megatron-Core's torch_dist keys ({key!r:.80}), but {MEGATRON_METADATA} "
                           f"{'does not name its sharded_backend torch_dist' if there else 'is missing from its folder'} "
                           f"(Megatron does not load it so either): restore it from the save")
+
+
+def _megatron_fsdp(ckpt: DcpCheckpoint) -> DcpCheckpoint:
+    """Megatron-FSDP's save under the torch_dist reading's names (megatron_fsdp.py), layer by layer as
+    those are (its own order is Megatron-FSDP's buffers')."""
+    ckpt = megatron_fsdp.named(ckpt)
+    order = _layer_order({n: at for at, n in enumerate(ckpt.paths)})
+    return replace(ckpt, paths={n: ckpt.paths[n] for n in order}, megatron_fsdp=True)
 
 
 def _torch_dist(folder: str, storage_options: StorageOptions | None) -> bool:
@@ -273,8 +281,11 @@ def _per_layer(ckpt: DcpCheckpoint) -> DcpCheckpoint:
                 or {o[:k] for o, _ in chunks} != set(itertools.product(*map(range, size[:k]))):
             tensors[fqn] = (dtype, size, chunks)
             continue
+        per_index: dict[tuple[int, ...], list[Any]] = {}  # each index's chunks, in order (one pass: 256 experts)
+        for o, s in chunks:
+            per_index.setdefault(o[:k], []).append((o[k:], s[k:]))
         for index in itertools.product(*map(range, size[:k])):
-            tensors[name_of_index(index)] = (dtype, size[k:], [(o[k:], s[k:]) for o, s in chunks if o[:k] == index])
+            tensors[name_of_index(index)] = (dtype, size[k:], per_index[index])
         for o, _ in chunks:
             renamed[(fqn, o)] = (name_of_index(o[:k]), o[k:], k)
     values = []
@@ -290,6 +301,13 @@ def _per_layer(ckpt: DcpCheckpoint) -> DcpCheckpoint:
     first = {fqn: at for at, fqn in enumerate(ckpt.paths)}
     was = {new: first[old] for (old, _), (new, _, _) in renamed.items()}  # a key's place before the split
     was.update((n, first[n]) for n in [*tensors, *values] if n not in was)
+    order = _layer_order(was)
+    return DcpCheckpoint(ckpt.folder, ckpt.digest, tensors, values, {n: _part(n) for n in order}, items, ckpt.files)
+
+
+def _layer_order(was: dict[str, int]) -> list[str]:
+    """Megatron's names (`was`: each one's place in the saved order) layer by layer, each layer's keys in the
+    saved order, where the first key of its stack was; the rest where they were."""
     layer = {n: LAYER_KEY.match(n) for n in was}
     # (stack,), (stack, module) and (stack, experts): the earliest place of any layer's; a module of the
     # experts counts as one, whichever expert, so each expert's modules come together, expert by expert
@@ -314,8 +332,7 @@ def _per_layer(ckpt: DcpCheckpoint) -> DcpCheckpoint:
         stack, block, module, expert = keys(name, m)
         return (stacks[stack], int(m.group(2)), stacks[block], expert, stacks[module])
 
-    order = sorted([*tensors, *values], key=place)
-    return DcpCheckpoint(ckpt.folder, ckpt.digest, tensors, values, {n: _part(n) for n in order}, items, ckpt.files)
+    return sorted(was, key=place)
 
 
 def _model_space(ckpt: DcpCheckpoint) -> DcpCheckpoint:
@@ -460,8 +477,8 @@ def spec(ckpt: DcpCheckpoint, encode_key: KeyEncoder, trainer_state: list[str] |
     """The planner's view: arrays for tensors (`_array`), values for the rest; every chunk's holder is the
     index of the file that stores it. OLMo's per-rank trainer
     state files (`trainer`), if any, are units too: their values join the state dict's top level."""
-    holder = {(i.fqn, o): ckpt.files.index(i.file) for i in ckpt.items
-              for o in ([b[1] for b in i.boxes] if i.boxes else [i.offsets])}
+    number = {f: n for n, f in enumerate(ckpt.files)}
+    holder = {(i.fqn, o): number[i.file] for i in ckpt.items for o in ([b[1] for b in i.boxes] if i.boxes else [i.offsets])}
     arrays, objects = {}, []
     for fqn, (dtype, size, chunks) in ckpt.tensors.items():
         if not _array(size):

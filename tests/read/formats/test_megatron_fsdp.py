@@ -59,6 +59,8 @@ def test_found_without_flags_and_every_output_is_what_the_live_ranks_held(layout
         optimizer = {k: v for k, v in got["optimizer"].items() if k in state}
         assert set(optimizer) == set(state) and all(torch.equal(optimizer[k], v) for k, v in state.items())
         assert got["iteration"] == 10 and got["args"].ckpt_format == "fsdp_dtensor"
+        layers = [int(k.split(".")[2]) for k in got["model"] if k.startswith("decoder.layers.")]
+        assert layers == sorted(layers)  # layer by layer, as the torch_dist reading gives them
 
 
 @pytest.mark.parametrize("layout, architecture", [(DENSE, "LlamaForCausalLM"), (MOE, "Qwen2MoeForCausalLM")])
@@ -169,3 +171,22 @@ def test_what_the_args_say_these_names_cannot_place_is_refused_by_the_arguments_
     megatron_fsdp.check_args(genuine, ckpt, "the save")
     with pytest.raises(shardstore.CheckpointError, match=needle):
         megatron_fsdp.check_args({**genuine, **args}, ckpt, "the save")
+
+
+@pytest.mark.parametrize("saved, name, half", [
+    ("module.module.decoder.layers.2.mlp.linear_fc1.weight_w", "decoder.layers.2.mlp.linear_fc1.weight", "w"),
+    ("module.decoder.layers.2.mlp.linear_fc1.bias_v", "decoder.layers.2.mlp.linear_fc1.bias", "v"),
+    # Transformer Engine's grouped experts (TEGroupedMLP), by their global index: SequentialMLP's names
+    ("module.decoder.layers.1.mlp.experts.linear_fc1.weight5_w", "decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight", "w"),
+    ("module.decoder.layers.1.mlp.experts.linear_fc1.bias12_v", "decoder.layers.1.mlp.experts.local_experts.12.linear_fc1.bias", "v"),
+    ("module.decoder.layers.1.mlp.experts.linear_fc2.weight7", "decoder.layers.1.mlp.experts.local_experts.7.linear_fc2.weight", None),
+    ("module.decoder.layers.1.mlp.shared_experts.linear_fc1.weight_v", "decoder.layers.1.mlp.shared_experts.linear_fc1.weight", "v"),
+    ("module.mtp.layers.0.transformer_layer.mlp.linear_fc1.weight_w", "mtp.layers.0.transformer_layer.mlp.linear_fc1.weight", "w"),
+    # not SwiGLU's: kept as saved
+    ("module.decoder.layers.1.mlp.linear_fc2.weight_w", "decoder.layers.1.mlp.linear_fc2.weight_w", None)])
+def test_megatron_fsdp_names_are_the_torch_dist_readings(saved: str, name: str, half: str | None) -> None:
+    """Megatron-LM's handle_swiglu_in_state_dict's keys (dense, shared and routed experts' fc1 weight and bias)
+    and handle_experts_in_state_dict's (SequentialMLP's and TEGroupedMLP's), wrappers off."""
+    from shardstore.read.formats.megatron_fsdp import _megatron_name, unwrapped
+
+    assert _megatron_name(unwrapped(saved)) == (name, half)
