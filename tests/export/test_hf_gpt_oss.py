@@ -101,7 +101,7 @@ def _args(**change: Any) -> dict[str, Any]:
             "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "add_bias_linear": True, "add_qkv_bias": True,
             "swiglu": False, "quick_geglu": True, "softmax_type": "learnable", "activation_func_clamp_value": 7.0,
             "glu_linear_offset": 1.0, "window_size": WINDOW, "window_attn_skip_freq": 2,
-            "position_embedding_type": "yarn", "rotary_base": 150000, **YARN, **change}
+            "position_embedding_type": "yarn", "rotary_base": 150000, "max_position_embeddings": 16, **YARN, **change}
 
 
 @pytest.mark.parametrize("key, value", [
@@ -126,6 +126,16 @@ def test_windows_follow_megatrons_skip_frequency() -> None:
     assert types() == ["s", "f", "s", "f"] and types(window_attn_skip_freq=4) == ["s", "s", "s", "f"]
     assert types(window_attn_skip_freq=[0, 1, 1, 0]) == ["f", "s", "s", "f"]
     assert types(window_attn_skip_freq=None) == ["s"] * 4 and types(window_size=None) == ["f"] * 4
+
+
+def test_plain_rotary_embeddings_are_said_so() -> None:
+    """GptOss takes YaRN when the config names no rope scaling: Megatron's plain rope is written as "default"."""
+    from transformers import GptOssConfig
+
+    config = config_from_args(_args(position_embedding_type="rope", rotary_base=10000), "args")[0]
+    assert GptOssConfig(**config).rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+    yarn = GptOssConfig(**config_from_args(_args(), "args")[0]).rope_parameters
+    assert yarn["rope_type"] == "yarn" and yarn["truncate"] is False and yarn["rope_theta"] == 150000.0
 
 
 @pytest.mark.parametrize("change, message", [

@@ -78,14 +78,14 @@ def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], 
     config, notes = llama_config({**args, "swiglu": True, "add_bias_linear": False, "add_qkv_bias": False,  # the
                                   "num_experts": None, "position_embedding_type": "rope",  # Llama family's fields
                                   "softmax_type": "vanilla", "window_size": None}, where)
-    for key in ("mlp_bias", "rope_theta", "hidden_act"):
+    for key in ("mlp_bias", "hidden_act"):
         config.pop(key, None)
     config.update(architectures=[GPT_OSS], model_type="gpt_oss", attention_bias=True,
                   num_local_experts=args["num_experts"], num_experts_per_tok=args.get("moe_router_topk", 2),
                   intermediate_size=args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size"),
                   swiglu_limit=float(args["activation_func_clamp_value"]), swiglu_alpha=QUICK_GELU_ALPHA,
                   sliding_window=window[0] + 1 if window else None,
-                  layer_types=[_layer_type(args, i) for i in range(layers)], rope_parameters=_rope(args))
+                  layer_types=[_layer_type(args, i) for i in range(layers)], rope_scaling=_rope(args))
     return config, notes
 
 
@@ -99,11 +99,12 @@ def _layer_type(args: dict[str, Any], i: int) -> str:
 
 
 def _rope(args: dict[str, Any]) -> dict[str, Any]:
-    """GptOss's rope_parameters: Megatron's plain rotary embeddings, or its YaRN (as Megatron-LM's
-    _apply_yarn_config_from_args fills it in, with the concentration factor megatron-core applies)."""
-    base = float(args.get("rotary_base", 10000))
+    """GptOss's rope_scaling as the hub's config.json writes it (beside rope_theta; transformers 5 reads it into
+    rope_parameters): Megatron's plain rotary embeddings said so (GptOss takes YaRN when it says nothing), or
+    its YaRN as Megatron-LM's _apply_yarn_config_from_args fills it in, with the concentration factor
+    megatron-core applies."""
     if args.get("position_embedding_type") != "yarn":
-        return {"rope_type": "default", "rope_theta": base}
+        return {"rope_type": "default"}
     factor = float(args.get("rotary_scaling_factor") or 1.0)
     mscale, mscale_all_dim = args.get("mscale"), args.get("mscale_all_dim")  # None: as Megatron-LM fills them in
     mscale, mscale_all_dim = 1.0 if mscale is None else mscale, 0.0 if mscale_all_dim is None else mscale_all_dim
@@ -112,7 +113,7 @@ def _rope(args: dict[str, Any]) -> dict[str, Any]:
         return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
     round_to_int = args.get("yarn_correction_range_round_to_int")
-    return {"rope_type": "yarn", "rope_theta": base, "factor": factor,
+    return {"rope_type": "yarn", "factor": factor,
             "original_max_position_embeddings": args.get("yarn_original_max_position_embeddings") or 4096,
             "beta_fast": float(args.get("yarn_beta_fast") or 32.0),
             "beta_slow": float(args.get("yarn_beta_slow") or 1.0),
