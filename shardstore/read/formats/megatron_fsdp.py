@@ -19,7 +19,9 @@ global fc1), experts are `mlp.experts.local_experts.{e}.…`, a parameter's stat
 `optimizer.state.{kind}.{its name}`. Only names and chunk offsets change; every byte is read where it is.
 A state of no elements (Adam's `step`) of a split parameter keeps its `_w`/`_v` name: two values cannot be
 one. The args refuse by name what these names cannot place: layers of several pipeline stages (each
-stage numbers its own from 0), virtual pipeline chunks, Megatron-FSDP v2's optimizer state.
+stage numbers its own from 0), virtual pipeline chunks, Megatron-FSDP v2's optimizer state (a
+checkpoint Megatron's checkpoint_inspector converted from torch_dist carries that run's args and torch_dist's
+global layer numbers: read whatever its pipeline was).
 """
 
 from __future__ import annotations
@@ -137,18 +139,18 @@ def _joined(name: str, pair: dict[str, tuple[str, Any]]) -> tuple[str, tuple[int
 
 def check_args(args: dict[str, Any] | None, ckpt: DcpCheckpoint, where: str) -> None:
     """What the args say that these names cannot place, refused by the argument's name; and every routed
-    expert of every MoE layer there (a missing one would be a model that still loads)."""
+    expert of every MoE layer there (a missing one would be a model that still loads). Megatron-FSDP's own
+    save says `ckpt_format` fsdp_dtensor; Megatron's checkpoint_inspector (convert-torch-dist-to-fsdp-
+    dtensor) writes the torch_dist run's args, and its layers by torch_dist's global numbers."""
     if args is None:
         raise CheckpointError(f"{where}: Megatron-FSDP's keys without Megatron-LM's args (its {ARGS} value)")
-    if args.get("ckpt_format") != "fsdp_dtensor" or not args.get("use_megatron_fsdp"):
-        raise CheckpointError(f"{where}: holds Megatron-FSDP's keys, but its args say ckpt_format "
-                              f"{args.get('ckpt_format')!r:.30}, use_megatron_fsdp {args.get('use_megatron_fsdp')!r:.10}")
+    native = args.get("ckpt_format") == "fsdp_dtensor"
     for key, why in UNPLACEABLE.items():
-        if args.get(key) not in (None, 1):
+        if native and args.get(key) not in (None, 1):
             raise CheckpointError(f"{where}: {key} {args[key]!r:.20}: {why}, which Megatron-FSDP's keys do not say; "
                                   f"shardstore reads fsdp_dtensor checkpoints of one pipeline stage")
     state = [f for f in ckpt.tensors if f.startswith(OPTIMIZER_STATE)]
-    if args.get("megatron_fsdp_version") == 2 and state:
+    if native and args.get("megatron_fsdp_version") == 2 and state:
         raise CheckpointError(f"{where}: megatron_fsdp_version 2: its optimizer state ({state[0]!r:.80}) has no "
                               f"layout Megatron-LM documents; save without it (--no-save-optim)")
     _all_experts(ckpt, args.get("num_experts"), where)
