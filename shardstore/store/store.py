@@ -431,14 +431,14 @@ class Store:
                         todo[entry.path] = set()
                 elif entry.flat and (cells := self._staged_cells(entry) - self.cells_present(entry.path)):
                     todo[entry.path] = cells
-            self._fetch_staging(sorted({rank for path in todo for rank, rec in self._records.items()
-                                        if path in rec.staged}))
+            holders = self._staged_by_path()
+            self._fetch_staging(sorted({rank for path in todo for rank, _ in holders.get(path, ())}))
             for path, cells in todo.items():
                 entry = self.manifest.arrays[path]
                 if not entry.staged:
                     self._assemble_flat_cells(entry, cells, verify, write)
                     continue
-                pieces = self._staged_pieces(entry, verify)
+                pieces = self._staged_pieces(entry, verify, holders.get(entry.path, []))
                 if sum(math.prod(s) for _, s in pieces) < math.prod(entry.shape):
                     continue
                 if entry.shape:
@@ -465,10 +465,21 @@ class Store:
             write(entry, self._row_cell(entry, cell), data.tobytes(), (hi - lo) * entry.cell[0] // span,
                   f"{entry.path}[{cell}]")
 
-    def _staged_pieces(self, entry: ArrayEntry, verify: bool = False) -> dict[tuple, tuple[int, int, int]]:
-        """(offsets, sizes) -> (rank, start, nbytes) of every committed piece of a staged array."""
-        pieces: dict[tuple, tuple[int, int, int]] = {}
+    def _staged_by_path(self) -> dict[str, list[tuple[int, CommitRecord]]]:
+        """Each staged array's committed records, in rank order: found once for an assembly, not once per
+        array (DeepSeek-V3's 31,000 arrays x 1,922 records took 25 s)."""
+        holders: dict[str, list[tuple[int, CommitRecord]]] = {}
         for rank, rec in self.records(refresh=False).items():
+            for path in rec.staged:
+                holders.setdefault(path, []).append((rank, rec))
+        return holders
+
+    def _staged_pieces(self, entry: ArrayEntry, verify: bool = False,
+                       holders: list[tuple[int, CommitRecord]] | None = None) -> dict[tuple, tuple[int, int, int]]:
+        """(offsets, sizes) -> (rank, start, nbytes) of every committed piece of a staged array (`holders`:
+        the records holding its pieces, `_staged_by_path`; else every record)."""
+        pieces: dict[tuple, tuple[int, int, int]] = {}
+        for rank, rec in self.records(refresh=False).items() if holders is None else holders:
             for offsets, sizes, start, nbytes in rec.staged.get(entry.path, ()):
                 key = (tuple(offsets), tuple(sizes))
                 if key not in pieces:
