@@ -2,6 +2,7 @@
 of a torch_dist checkpoint with thousands of .distcp files and well over 100,000 shards (issue 54).
 
     python benchmarks/megatron_moe_bench.py --megatron-python PY [--out benchmarks/out] [--repeat 3]
+    python benchmarks/megatron_moe_bench.py --megatron-python PY --real-size [--repeat 3]
     PY benchmarks/megatron_moe_bench.py --check [--out DIR]
 
 The checkpoint (made once, cached under --out/ckpt) has DeepSeek-V3's tensors: 61 layers, the first 3
@@ -65,6 +66,11 @@ WIDTH = {"hidden": 64, "heads": 4, "q_lora": 48, "kv_lora": 32, "qk_head": 16, "
          "ffn": 144, "moe_ffn": 16, "vocab": 1024}
 DSV3 = {"name": "dsv3-tp2-pp16-ep64", "layers": 61, "dense": 3, "experts": 256, "topk": 8, "groups": 8,
         "group_topk": 4, "tp": 2, "pp": 16, "ep": 64, "first": 3, "last": 2, **WIDTH}
+# the real-size comparison (--real-size): DeepSeek-V3's blocks at a width that makes a 5.3 GB checkpoint
+# (2.6 B parameters, bf16), 1 dense + 5 MoE layers + the MTP layer, 64 experts, saved at TP 2 x EP 4
+MOE_5G = {"name": "moe5g-tp2-ep4", "layers": 6, "dense": 1, "experts": 64, "topk": 8, "groups": 8, "group_topk": 4,
+          "tp": 2, "pp": 1, "ep": 4, "first": None, "last": None, "hidden": 2048, "heads": 16, "q_lora": 512,
+          "kv_lora": 256, "qk_head": 64, "rope": 32, "v_head": 64, "ffn": 5632, "moe_ffn": 1024, "vocab": 32768}
 SMALL = {"name": "small-tp2-pp2-ep2", "layers": 4, "dense": 1, "experts": 8, "topk": 4, "groups": 4,
          "group_topk": 2, "tp": 2, "pp": 2, "ep": 2, "first": 1, "last": 3, **WIDTH}
 
@@ -515,26 +521,93 @@ def check(out: Path) -> None:
     shutil.rmtree(made)
 
 
+def bench_real(run: Path, out: Path, repeat: int) -> None:
+    """--real-size: MOE_5G against torch's DCP loading + the same Hugging Face mapping in one process
+    (benchmarks/megatron_moe_dcp_to_hf.py), and against a copy + `sync` of the model's bytes (their byte
+    ranges in the .distcp files, by .metadata: megatron_bench.py's floor); each round runs every contender
+    once, page cache dropped, the rounds `repeat` times; the tool's output is checked equal to shardstore's,
+    tensor by tensor, bit for bit, once. Prints a markdown table; writes megatron_moe_5g.json to `out`."""
+    from bench import compare, compile_shardstore
+    from megatron_bench import COPY_MODEL
+
+    compile_shardstore()
+    folder = run / f"iter_{ITERATION:07d}"
+    shape = _shape(folder)
+    work = out / "moe5g-work"
+    runs = {"copy + `sync` of the model's bytes (the floor)": [sys.executable, "-c", COPY_MODEL, str(folder),
+                                                               str(work / "model.bin")],
+            "torch DCP load + HF DeepseekV3 mapping, one process": [
+                sys.executable, str(HERE / "megatron_moe_dcp_to_hf.py"), str(folder), str(work / "tool"),
+                str(MOE_5G["layers"])],
+            "shardstore `unshard --format hf`": [*SHARDSTORE, "unshard", str(run), str(work / "hf"), "--format", "hf",
+                                                 "-q"]}
+    rounds = []
+    for _ in range(repeat):
+        print(f"round (load {os.getloadavg()[0]:.1f})", flush=True)
+        rounds.append(compare(runs, work))
+    _same_output(run, folder, work)
+    names = list(runs)
+    best = {n: min((r for rnd in rounds for r in rnd if r["contender"] == n), key=lambda r: r["wall"]) for n in names}
+    print(f"\n{MOE_5G['name']}: {shape['bytes'] / 1e9:.2f} GB in {shape['files']} .distcp files, {shape['shards']} "
+          f"shards\n\n| contender | wall (best of {repeat}) | each round | vs the model's copy | peak RSS, all processes |")
+    print("|---|---:|---|---:|---:|")
+    for n in names:
+        walls = [r["wall"] for rnd in rounds for r in rnd if r["contender"] == n]
+        print(f"| {n} | {best[n]['wall']:.2f} s | {', '.join(f'{w:.1f}' for w in walls)} | "
+              f"{best[n]['wall'] / best[names[0]]['wall']:.2f}x | {best[n]['peak_rss'] / 2**20:.0f} MB |")
+    for i, rnd in enumerate(rounds):
+        wall = {r["contender"]: r["wall"] for r in rnd}
+        print(f"round {i + 1}: shardstore {wall[names[1]] / wall[names[2]]:.2f}x faster than the tool, "
+              f"{wall[names[2]] / wall[names[0]]:.2f}x the model's copy")
+    (out / "megatron_moe_5g.json").write_text(json.dumps({"shape": shape, "spec": MOE_5G, "rounds": rounds}, indent=1))
+
+
+def _same_output(run: Path, folder: Path, work: Path) -> None:
+    """The tool's safetensors and shardstore's --format hf hold the same tensors, bit for bit."""
+    import torch
+    from safetensors import safe_open
+
+    for name, cmd in {"tool": [sys.executable, str(HERE / "megatron_moe_dcp_to_hf.py"), str(folder),
+                               str(work / "tool"), str(MOE_5G["layers"])],
+                      "hf": [*SHARDSTORE, "unshard", str(run), str(work / "hf"), "--format", "hf", "-q"]}.items():
+        subprocess.run(cmd, check=True)
+    ours = {}
+    for path in sorted((work / "hf").glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            ours.update({k: (path, k) for k in f.keys()})
+    with safe_open(str(work / "tool" / "model.safetensors"), "pt") as tool:
+        assert set(tool.keys()) == set(ours), sorted(set(tool.keys()) ^ set(ours))[:4]
+        for key, (path, k) in ours.items():
+            with safe_open(str(path), "pt") as f:
+                a, b = f.get_tensor(k), tool.get_tensor(key)
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), key
+    shutil.rmtree(work)
+    print(f"the tool's output and shardstore's --format hf: the same {len(ours)} tensors, bit for bit")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=HERE / "out")
     ap.add_argument("--megatron-python", default=sys.executable)
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--generate", action="store_true", help="(internal) write the DeepSeek-V3 checkpoint")
+    ap.add_argument("--real-size", action="store_true", help="the 5.3 GB MoE against torch's tools and the disk")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     if args.check:
         return check(args.out)
-    run = args.out / "ckpt" / DSV3["name"]
+    spec = MOE_5G if args.real_size else DSV3
+    run = args.out / "ckpt" / spec["name"]
     if args.generate:
         start = time.perf_counter()
-        generate(DSV3, run)
+        generate(spec, run)
         print(f"generated in {time.perf_counter() - start:.0f} s")
         return
     if not (run / "latest_checkpointed_iteration.txt").exists():
-        subprocess.run([args.megatron_python, __file__, "--generate", "--out", str(args.out)], check=True)
+        subprocess.run([args.megatron_python, __file__, "--generate", "--out", str(args.out),
+                        *(["--real-size"] if args.real_size else [])], check=True)
     sys.path.insert(0, str(HERE))
-    bench(run, args.out, args.repeat)
+    (bench_real if args.real_size else bench)(run, args.out, args.repeat)
 
 
 # ---------------------------------------------------------------------------------------------------------
