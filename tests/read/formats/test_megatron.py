@@ -245,7 +245,7 @@ DEEPSEEK_V3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepse
                "attention_bias": False, "rope_interleave": True, "dtype": "float32"}
 
 
-def _mtp_is_the_hubs_layer_after_the_last(hf: Path, want: dict[str, torch.Tensor]) -> None:
+def _mtp_is_the_hubs_layer_after_the_last(hf: Path, want: dict[str, torch.Tensor], layers: int = 3) -> None:
     from safetensors.torch import load_file
 
     got = {k: v for f in hf.glob("*.safetensors") for k, v in load_file(f).items()}
@@ -255,8 +255,8 @@ def _mtp_is_the_hubs_layer_after_the_last(hf: Path, want: dict[str, torch.Tensor
              "self_attn.kv_b_proj.weight": f"{layer}self_attention.linear_kv_up_proj.weight",
              "mlp.gate.e_score_correction_bias": f"{layer}mlp.router.expert_bias",
              "mlp.experts.3.down_proj.weight": f"{layer}mlp.experts.local_experts.3.linear_fc2.weight"}
-    assert all(torch.equal(got[f"model.layers.3.{k}"], want[v]) for k, v in pairs.items())
-    assert not any(k.startswith("model.layers.4.") for k in got)
+    assert all(torch.equal(got[f"model.layers.{layers}.{k}"], want[v]) for k, v in pairs.items())
+    assert not any(k.startswith(f"model.layers.{layers + 1}.") for k in got)
 
 
 def test_a_config_naming_only_its_model_type_is_taken_as_transformers_takes_it(tmp_path: Path) -> None:

@@ -16,11 +16,15 @@ import torch
 
 import shardstore
 from tests.read.conformance import FormatTests
-from tests.read.formats.test_megatron import DATA, _bits, _common, _iteration, _per_layer, _same, _saved_names
+from tests.read.formats.test_megatron import (DATA, _bits, _common, _iteration, _mtp_is_the_hubs_layer_after_the_last,
+                                               _per_layer, _same, _saved_names)
 
 EP = DATA / "tp2-pp2-dp2-legacy-qwen2moe-optim"  # Qwen2-MoE's blocks: 4 experts over 2 expert ranks, shared expert
 VP = DATA / "tp2-pp2-legacy-vp"  # 4 layers, 2 stages of 2 virtual chunks each
-LAYOUTS = [EP.name, VP.name]
+# DeepSeek-V3's blocks (4 layers, the first dense; MLA; a shared expert; an expert bias), its MTP layer on the
+# last stage beside that stage's copy of the embedding
+DSV3 = DATA / "tp2-pp2-dp2-legacy-dsv3"
+LAYOUTS = [EP.name, VP.name, DSV3.name]
 
 
 def _model(out: Path) -> dict[str, Any]:
@@ -34,7 +38,8 @@ def test_expert_parallel_and_virtual_pipeline_merge_as_megatron_core_loads_them(
     routed and shared experts' SwiGLU fc1 [gate; up] per tensor rank, the router whole: bit for bit the
     model megatron-core's own load gives one TP=1, EP=1 process, in its order; each rank's other values
     (its distributed optimizer's distrib_optim.pt too: the dense and the expert optimizer's parameter
-    state, as saved) kept under ranks/; the Hugging Face export gives Megatron's own logits."""
+    state, as saved) kept under ranks/; the Hugging Face export gives Megatron's own logits (DeepSeek-V3's
+    MTP layer, of the last stage, the hub's layer after the last)."""
     from transformers import AutoModelForCausalLM
 
     src = DATA / layout
@@ -56,6 +61,8 @@ def test_expert_parallel_and_virtual_pipeline_merge_as_megatron_core_loads_them(
     with torch.no_grad():
         logits = model(input_ids=want["ids"]).logits
     torch.testing.assert_close(logits, want["logits"], rtol=1e-4, atol=1e-4)
+    if layout == DSV3.name:
+        _mtp_is_the_hubs_layer_after_the_last(tmp_path / "hf", want["model"], layers=4)
 
 
 def _per_expert(saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
