@@ -48,6 +48,9 @@ FOLDERS = {
     "lightning": Folder(FIXTURES / "lightning" / "trainer-w3", "checkpoints"),
     "megatron-dist": Folder(FIXTURES / "megatron" / "core0.19.2" / "tp2-pp1"),
     "megatron-torch": Folder(FIXTURES / "megatron" / "core0.19.2" / "tp2-pp1-legacy"),
+    "megatron-torch-ep": Folder(FIXTURES / "megatron" / "core0.19.2" / "tp2-pp2-dp2-legacy-qwen2moe-optim"),
+    "megatron-dist-ep": Folder(FIXTURES / "megatron" / "core0.19.2" / "tp1-pp1-dp2-dsv3"),
+    "megatron-fsdp": Folder(FIXTURES / "megatron" / "fsdp_dtensor" / "fsdp-dp2-qwen2moe"),
     "deepspeed-z2": Folder(FIXTURES / "deepspeed" / "z2-w3"),
     "deepspeed-z3": Folder(FIXTURES / "deepspeed" / "z3-w3"),
     "accelerate": Folder(FIXTURES / "accelerate" / "fsdp2-w2"),
@@ -246,6 +249,23 @@ CASES: dict[str, list[tuple[str, Mutation]]] = {
         (f"{MEG}/mp_rank_01/model_optim_rng.pt:removed", remove(f"{MEG}/mp_rank_01/model_optim_rng.pt")),
         (f"{MEG}/mp_rank_01/model_optim_rng.pt:dir", as_dir(f"{MEG}/mp_rank_01/model_optim_rng.pt")),
         *pointer_cases("latest_checkpointed_iteration.txt", "1", "arabic", "link-nowhere"),
+        (f"{MEG}:renamed-step", renamed_step(MEG, "iter_0000020", "latest_checkpointed_iteration.txt", "20")),
+    ],
+    "megatron-torch-ep": [  # EP 2 x TP 2 x PP 2: mp_rank_TT_PPP_EEE
+        *damaged(f"{MEG}/mp_rank_01_001_001/model_optim_rng.pt", f"{MEG}/mp_rank_00_000_001/distrib_optim.pt"),
+        (f"{MEG}/mp_rank_00_001_001:removed", remove(f"{MEG}/mp_rank_00_001_001")),
+        (f"{MEG}/mp_rank_01_000_001/model_optim_rng.pt:removed", remove(f"{MEG}/mp_rank_01_000_001/model_optim_rng.pt")),
+        (f"{MEG}/mp_rank_00_000_001:renamed-ep", rename(f"{MEG}/mp_rank_00_000_001", f"{MEG}/mp_rank_00_000_002")),
+    ],
+    "megatron-dist-ep": [  # DeepSeek-V3's blocks at EP 2: every expert in the other rank's file
+        *damaged(f"{MEG}/__1_0.distcp", f"{MEG}/.metadata"),
+        (f"{MEG}/__1_0.distcp:removed", remove(f"{MEG}/__1_0.distcp")),
+        (f"{MEG}/metadata.json:removed", remove(f"{MEG}/metadata.json")),
+    ],
+    "megatron-fsdp": [  # Megatron-FSDP's fsdp_dtensor: no metadata.json, the args in the .distcp files
+        *damaged(f"{MEG}/__0_0.distcp", f"{MEG}/__1_0.distcp", f"{MEG}/.metadata"),
+        (f"{MEG}/__1_0.distcp:removed", remove(f"{MEG}/__1_0.distcp")),
+        *pointer_cases("latest_checkpointed_iteration.txt", "", "arabic", "huge", "link-out-file"),
         (f"{MEG}:renamed-step", renamed_step(MEG, "iter_0000020", "latest_checkpointed_iteration.txt", "20")),
     ],
     "deepspeed-z2": [
