@@ -16,7 +16,7 @@ import math
 from typing import Any, Callable
 
 from ...errors import ExportError
-from .megatron import _config, _glu
+from .megatron_llama import glu, need
 
 GLU = ("gate_proj", "up_proj", "down_proj")
 
@@ -25,9 +25,9 @@ def attention(take: Callable[..., None], shapes: dict[str, Any], config: dict[st
               hidden: int, where: str) -> None:
     """One layer's MLA: q through its low-rank latent (or one projection without q_lora_rank), k and v
     through theirs, the latents' norms under either spec's names."""
-    heads, q_lora = _config(config, "num_attention_heads", where), config.get("q_lora_rank")
-    kv_lora, v = _config(config, "kv_lora_rank", where), _config(config, "v_head_dim", where)
-    nope, rope = _config(config, "qk_nope_head_dim", where), _config(config, "qk_rope_head_dim", where)
+    heads, q_lora = need(config, "num_attention_heads", where), config.get("q_lora_rank")
+    kv_lora, v = need(config, "kv_lora_rank", where), need(config, "v_head_dim", where)
+    nope, rope = need(config, "qk_nope_head_dim", where), need(config, "qk_rope_head_dim", where)
     attn, out = f"{source}self_attention.", f"{hf}self_attn."
     if q_lora:
         take(f"{out}q_a_proj.weight", f"{attn}linear_q_down_proj.weight", None, (q_lora, hidden))
@@ -52,16 +52,16 @@ def mlp(take: Callable[..., None], config: dict[str, Any], index: int, source: s
     """Layer `index`'s MLP: dense below first_k_dense_replace, else the router (its weight and expert
     bias), the routed experts and the shared ones (one MLP n_shared_experts experts wide)."""
     if index < _dense(config, where):
-        _glu(take, f"{hf}mlp.", f"{source}mlp.", GLU, _config(config, "intermediate_size", where), hidden)
+        glu(take, f"{hf}mlp.", f"{source}mlp.", GLU, need(config, "intermediate_size", where), hidden)
         return
-    experts, width = _config(config, "n_routed_experts", where), _config(config, "moe_intermediate_size", where)
+    experts, width = need(config, "n_routed_experts", where), need(config, "moe_intermediate_size", where)
     router = f"{source}mlp.router."
     take(f"{hf}mlp.gate.weight", f"{router}weight", None, (experts, hidden))
     take(f"{hf}mlp.gate.e_score_correction_bias", f"{router}expert_bias", None, (experts,))
     for e in range(experts):
-        _glu(take, f"{hf}mlp.experts.{e}.", f"{source}mlp.experts.local_experts.{e}.", GLU, width, hidden)
-    shared = width * _config(config, "n_shared_experts", where)
-    _glu(take, f"{hf}mlp.shared_experts.", f"{source}mlp.shared_experts.", GLU, shared, hidden)
+        glu(take, f"{hf}mlp.experts.{e}.", f"{source}mlp.experts.local_experts.{e}.", GLU, width, hidden)
+    shared = width * need(config, "n_shared_experts", where)
+    glu(take, f"{hf}mlp.shared_experts.", f"{source}mlp.shared_experts.", GLU, shared, hidden)
 
 
 def _dense(config: dict[str, Any], where: str) -> int:

@@ -19,7 +19,7 @@ import math
 from typing import Any, Callable
 
 from ...errors import ExportError
-from .megatron import GPT_OSS, MOE_REFUSED, _config, config_from_args as llama_config
+from .megatron_llama import GPT_OSS, MOE_REFUSED, llama_config, need
 
 QUICK_GELU_ALPHA = 1.702  # megatron-core's quick_gelu: x * sigmoid(1.702 x)
 
@@ -28,8 +28,8 @@ def layer(take: Callable[..., None], shapes: dict[str, Any], config: dict[str, A
           hidden: int, where: str) -> None:
     """One layer's tensors beyond the Llama family's: o_proj's bias, the sinks, the router with its bias,
     and the experts, each of the four stacked from every expert's."""
-    heads = _config(config, "num_attention_heads", where)
-    experts, width = _config(config, "num_local_experts", where), _config(config, "intermediate_size", where)
+    heads = need(config, "num_attention_heads", where)
+    experts, width = need(config, "num_local_experts", where), need(config, "intermediate_size", where)
     if config.get("attention_bias") is False:
         raise ExportError(f"{where}: attention_bias is false: GptOss without attention biases, but Megatron's "
                           f"add_bias_linear gives q, k, v and its output projection theirs")

@@ -15,24 +15,15 @@ not place is refused by name, never dropped silently; `_extra_state` values are 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from ...errors import ExportError
 from ...patterns import digits
+from . import deepseek, gpt_oss
+from .megatron_llama import (DEEPSEEK_V3, EMBEDDING, FINAL_NORM, GPT_OSS, MOE, NORMS, OUTPUT, QWEN2_MOE, QWEN3,
+                             QWEN3_MOE, glu, llama_config, need)
 from .spec import HFModel, HFTensor
 
-EMBEDDING, OUTPUT, FINAL_NORM = "embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"
-# transformers' per-layer name -> Megatron's names for it (Transformer Engine's first, then the local spec's)
-NORMS = {"input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
-         "post_attention_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")}
-MOE = "MixtralForCausalLM"  # Megatron's top-k router (softmax over the k chosen) is Mixtral's routing
-QWEN3 = "Qwen3ForCausalLM"  # a Llama with a norm over each head's q and k: Megatron's qk_layernorm
-# Qwen3-MoE routes as Mixtral (a softmax over all experts, the top k renormalised: a softmax over the k
-# chosen), with Qwen3's q and k norms; Qwen2-MoE takes a softmax over every expert and keeps the top k's
-# probabilities as they are (Megatron's moe_router_pre_softmax), and adds a shared expert behind a sigmoid gate
-QWEN3_MOE, QWEN2_MOE = "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"
-DEEPSEEK_V3 = "DeepseekV3ForCausalLM"  # Megatron's multi_latent_attention
-GPT_OSS = "GptOssForCausalLM"  # learnable attention sinks, biases, clamped quick-GeGLU experts (gpt_oss.py)
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", QWEN3, MOE, QWEN3_MOE, QWEN2_MOE,
                  DEEPSEEK_V3, GPT_OSS)
 # each MoE class's hub names: (the block, its experts' count in the config, the experts' width in the config,
@@ -52,18 +43,9 @@ def is_megatron(names: list[str]) -> bool:
     return EMBEDDING in names and any(n.startswith("decoder.layers.") for n in names)
 
 
-def _config(config: dict[str, Any], key: str, where: str) -> int:
-    value = config.get(key)
-    if type(value) is not int or value <= 0:
-        raise ExportError(f"{where}: {key} is {value!r:.40}; a Megatron checkpoint's mapping needs it")
-    return value
-
-
 def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, ...]], where: str,
          files: dict[str, bytes]) -> HFModel:
     """The HF model a Megatron GPT checkpoint is, under `config` (a config.json's contents)."""
-    from . import deepseek, gpt_oss
-
     arch = (config.get("architectures") or [None])[0]
     if arch is None and isinstance(config.get("model_type"), str):
         arch = BY_MODEL_TYPE.get(config["model_type"], f"model_type {config['model_type']}")
@@ -71,11 +53,11 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
         raise ExportError(f"{where}: architecture {arch!r:.60}; a Megatron checkpoint is exported as one of "
                           f"{', '.join(ARCHITECTURES)} (or a config of model_type "
                           f"{', '.join(BY_MODEL_TYPE)})")
-    hidden, heads = _config(config, "hidden_size", where), _config(config, "num_attention_heads", where)
+    hidden, heads = need(config, "hidden_size", where), need(config, "num_attention_heads", where)
     groups = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
-    layers, vocab = _config(config, "num_hidden_layers", where), _config(config, "vocab_size", where)
-    ffn = _config(config, "intermediate_size", where)
+    layers, vocab = need(config, "num_hidden_layers", where), need(config, "vocab_size", where)
+    ffn = need(config, "intermediate_size", where)
     if type(groups) is not int or heads % groups or type(head_dim) is not int or head_dim <= 0:
         raise ExportError(f"{where}: {heads} heads in {groups!r:.20} key-value groups of {head_dim!r:.20}")
     have = sorted({int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.") and digits(n.split(".")[2])})
@@ -127,18 +109,18 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
             gpt_oss.layer(take, shapes, config, layer, hf, hidden, where)
         elif arch in MOE_BLOCKS:  # the hub's names (what transformers and every engine load)
             prefix, count, width, projections = MOE_BLOCKS[arch]
-            experts, moe, expert_ffn = _config(config, count, where), f"{hf}{prefix}", _config(config, width, where)
+            experts, moe, expert_ffn = need(config, count, where), f"{hf}{prefix}", need(config, width, where)
             take(f"{moe}gate.weight", f"{layer}mlp.router.weight", None, (experts, hidden))
             for e in range(experts):
-                _glu(take, f"{moe}experts.{e}.", f"{layer}mlp.experts.local_experts.{e}.", projections, expert_ffn,
+                glu(take, f"{moe}experts.{e}.", f"{layer}mlp.experts.local_experts.{e}.", projections, expert_ffn,
                      hidden)
             if arch == QWEN2_MOE:
-                shared = _config(config, "shared_expert_intermediate_size", where)
-                _glu(take, f"{moe}shared_expert.", f"{layer}mlp.shared_experts.", ("gate_proj", "up_proj", "down_proj"),
+                shared = need(config, "shared_expert_intermediate_size", where)
+                glu(take, f"{moe}shared_expert.", f"{layer}mlp.shared_experts.", ("gate_proj", "up_proj", "down_proj"),
                      shared, hidden)
                 take(f"{moe}shared_expert_gate.weight", f"{layer}mlp.shared_experts.gate_weight", None, (1, hidden))
         elif arch != DEEPSEEK_V3:
-            _glu(take, f"{hf}mlp.", f"{layer}mlp.", ("gate_proj", "up_proj", "down_proj"), ffn, hidden)
+            glu(take, f"{hf}mlp.", f"{layer}mlp.", ("gate_proj", "up_proj", "down_proj"), ffn, hidden)
         for key, candidates in NORMS.items():
             source = next((f"{layer}{c}" for c in candidates if f"{layer}{c}" in shapes), f"{layer}{candidates[0]}")
             take(f"{hf}{key}", source, None, (hidden,))
@@ -164,109 +146,15 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
     return HFModel(config, None, tensors, files, notes if arch == DEEPSEEK_V3 else [])
 
 
-def _glu(take: Callable[..., None], hf: str, megatron: str, names: tuple[str, str, str], width: int,
-         hidden: int) -> None:
-    """A SwiGLU MLP's three projections from Megatron's two: `linear_fc1` is [gate; up], `linear_fc2` down."""
-    gate, up, down = names
-    take(f"{hf}{gate}.weight", f"{megatron}linear_fc1.weight", ((0, width),), (2 * width, hidden))
-    take(f"{hf}{up}.weight", f"{megatron}linear_fc1.weight", ((width, 2 * width),))
-    take(f"{hf}{down}.weight", f"{megatron}linear_fc2.weight", None, (hidden, width))
-
-
-# Megatron-LM's arguments -> what transformers' config calls them
-REFUSED = {"normalization": ("RMSNorm", "LayerNorm norms"), "swiglu": (True, "a non-SwiGLU MLP"),
-           "position_embedding_type": ("rope", "position embeddings other than rotary"),
-           "rotary_percent": (1.0, "rotary embeddings on part of each head"),
-           "add_bias_linear": (False, "biases on the linear layers"),
-           # GPT-OSS's blocks (gpt_oss.py takes a model with learnable sinks), elsewhere silently lost
-           "softmax_type": ("vanilla", "a softmax with a sink in every head"),
-           "window_size": (None, "sliding-window attention")}
-
-
-# Megatron-LM's MoE arguments Mixtral's routing cannot follow
-MOE_REFUSED = {"moe_router_pre_softmax": (lambda v: not v, "a softmax over every expert before the top k"),
-               "moe_router_score_function": (lambda v: v in (None, "softmax"), "a router scoring other than softmax"),
-               "moe_shared_expert_intermediate_size": (lambda v: not v, "shared experts"),
-               "moe_router_enable_expert_bias": (lambda v: not v, "expert biases in the router"),
-               "moe_router_num_groups": (lambda v: not v, "group-limited routing"),
-               "moe_router_topk_scaling_factor": (lambda v: v in (None, 1, 1.0), "scaled routing weights"),
-               "add_qkv_bias": (lambda v: not v, "q, k and v biases"),
-               "qk_layernorm": (lambda v: not v, "a norm over q and k (Qwen3-MoE's)")}
-# ... and what each other MoE class asks instead
-MOE_TARGETS = {QWEN3_MOE: {"qk_layernorm": (bool, "no norm over q and k")},
-               QWEN2_MOE: {"moe_shared_expert_intermediate_size": (bool, "no shared expert"),
-                           "moe_shared_expert_gate": (bool, "a shared expert without its gate"),
-                           "moe_router_pre_softmax": (bool, "a softmax over the k chosen experts only"),
-                           "add_qkv_bias": (bool, "no q, k and v biases")}}
-
-
-def _moe_class(args: dict[str, Any], where: str) -> str:
-    """The transformers class a Megatron MoE model is, by the blocks it has (a shared expert: Qwen2-MoE's;
-    q and k norms: Qwen3-MoE's; else Mixtral), its routing refused by name where that class routes otherwise."""
-    target = QWEN2_MOE if args.get("moe_shared_expert_intermediate_size") else \
-        QWEN3_MOE if args.get("qk_layernorm") else MOE
-    for key, (ok, what) in {**MOE_REFUSED, **MOE_TARGETS.get(target, {})}.items():
-        if not ok(args.get(key)):
-            raise ExportError(f"{where}: {key} is {args.get(key)!r:.40}: {what}, which "
-                              f"{target.removesuffix('ForCausalLM')} cannot express")
-    return target
-
-
 def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
-    """A Hugging Face config from Megatron-LM's `args` (its common state), and what the user should know."""
-    if args.get("softmax_type") == "learnable":  # attention sinks: GPT-OSS's (gpt_oss.py)
-        from .gpt_oss import config_from_args as gpt_oss
-
-        return gpt_oss(args, where)
-    for key, (want, what) in REFUSED.items():
-        if key in args and args[key] != want and not (key == "rotary_percent" and args[key] in (1, None)):
-            raise ExportError(f"{where}: {key} is {args[key]!r:.40}: {what}, which the Llama-family classes of "
-                              f"transformers cannot express")
-    experts, mla = args.get("num_experts"), bool(args.get("multi_latent_attention"))
-    moe = _moe_class(args, where) if experts and not mla else None
-    heads = args.get("num_attention_heads")
-    groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
-    vocab = args.get("padded_vocab_size")
-    bias = bool(args.get("add_qkv_bias"))
-    qk_norm = bool(args.get("qk_layernorm"))
-    if qk_norm and bias and not moe:
-        raise ExportError(f"{where}: qk_layernorm with add_qkv_bias: q, k and v biases beside a norm over q and k, "
-                          f"which neither Qwen2 nor Qwen3 in transformers express")
-    dtype = str(args.get("params_dtype") or "float32").removeprefix("torch.")
-    head_dim = args.get("kv_channels") or args.get("hidden_size", 0) // (heads or 1)  # Qwen3's default is not that
-    config = {"architectures": ["Qwen2ForCausalLM" if bias else "LlamaForCausalLM"],
-              "model_type": "qwen2" if bias else "llama", "hidden_size": args.get("hidden_size"),
-              "intermediate_size": args.get("ffn_hidden_size"), "num_attention_heads": heads,
-              "num_key_value_heads": groups, "head_dim": args.get("kv_channels"),
-              "num_hidden_layers": args.get("num_layers"), "vocab_size": vocab,
-              "rms_norm_eps": args.get("norm_epsilon", 1e-5), "rope_theta": float(args.get("rotary_base", 10000)),
-              "max_position_embeddings": args.get("max_position_embeddings"),
-              "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
-              "hidden_act": "silu", "torch_dtype": dtype}
-    notes = [f"the vocabulary is Megatron's padded one ({vocab} rows; the checkpoint does not say the tokenizer's "
-             f"size): give --hf-config with the tokenizer's vocab_size to drop the padding rows"]
-    if mla:  # DeepSeek's multi-latent attention
-        from .deepseek import config_from_args as deepseek
-
-        config.pop("head_dim")
-        return {**config, **deepseek(args, where)}, notes
-    expert_ffn = args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size")
-    if moe == MOE:
-        config.update(architectures=[MOE], model_type="mixtral", num_local_experts=experts,
-                      num_experts_per_tok=args.get("moe_router_topk", 2), intermediate_size=expert_ffn)
-    elif moe is not None:  # Qwen3-MoE's and Qwen2-MoE's: every layer sparse
-        config.update(architectures=[moe], model_type="qwen3_moe" if moe == QWEN3_MOE else "qwen2_moe",
-                      num_experts=experts, num_experts_per_tok=args.get("moe_router_topk", 2),
-                      moe_intermediate_size=expert_ffn, decoder_sparse_step=1, mlp_only_layers=[],
-                      norm_topk_prob=moe == QWEN3_MOE)
-        if moe == QWEN3_MOE:
-            config.update(attention_bias=False, head_dim=head_dim)
-        else:
-            config.update(shared_expert_intermediate_size=args.get("moe_shared_expert_intermediate_size"))
-    elif qk_norm:
-        config.update(architectures=[QWEN3], model_type="qwen3", attention_bias=False, head_dim=head_dim)
-    elif not bias:
-        config.update(attention_bias=False, mlp_bias=False)
+    """A Hugging Face config from Megatron-LM's `args` (its common state), and what the user should know:
+    GptOss's for a model with learnable attention sinks, DeepseekV3's for multi-latent attention, else the
+    Llama family's."""
+    if args.get("softmax_type") == "learnable":
+        return gpt_oss.config_from_args(args, where)
+    config, notes = llama_config(args, where)
+    if args.get("multi_latent_attention"):
+        return {**config, **deepseek.config_from_args(args, where)}, notes
     return config, notes
 
 

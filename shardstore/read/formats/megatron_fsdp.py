@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...errors import CheckpointError
+from .dcp_checkpoint import DcpCheckpoint
 from .megatron_torch import GROUPED
-
-if TYPE_CHECKING:
-    from .dcp import DcpCheckpoint
 
 ARGS = "args"
 COMMON = (ARGS, "iteration")  # generate_state_dict's top-level values that Megatron's common state holds
