@@ -89,6 +89,20 @@ def _edit_metadata(folder: Path, change) -> None:
         pickle.dump(metadata, f)
 
 
+def _without(tmp_path: Path, fixture: str, gone: str) -> Path:
+    """A copy of `fixture`'s run whose .metadata has lost the key `gone` (its file's items stay)."""
+    run = tmp_path / "run"
+    shutil.copytree(DATA / fixture, run)
+
+    def drop(metadata) -> None:
+        del metadata.state_dict_metadata[gone]
+        for index in [i for i in metadata.storage_data if i.fqn == gone]:
+            del metadata.storage_data[index]
+
+    _edit_metadata(run / ITER, drop)
+    return run
+
+
 def _refused(src: Path, out: Path, *needles: str) -> None:
     assert_refused(cli("unshard", src, out, "-q"), *needles)
     assert not (out / "model.safetensors").exists()
@@ -97,30 +111,12 @@ def _refused(src: Path, out: Path, *needles: str) -> None:
 def test_a_missing_expert_is_refused_naming_it(tmp_path: Path) -> None:
     """An expert's key gone from the metadata (a lost file of expert rank 1): the args' num_experts say
     which, before a byte is written."""
-    run = tmp_path / "run"
-    shutil.copytree(DATA / MOE, run)
-    gone = "model.module.decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight"
-
-    def drop(metadata) -> None:
-        del metadata.state_dict_metadata[gone]
-        for index in [i for i in metadata.storage_data if i.fqn == gone]:
-            del metadata.storage_data[index]
-
-    _edit_metadata(run / ITER, drop)
+    run = _without(tmp_path, MOE, "model.module.decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight")
     _refused(run, tmp_path / "out", "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight is missing")
 
 
 def test_a_gate_half_without_its_up_half_is_refused(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    shutil.copytree(DATA / DENSE, run)
-    gone = "model.module.decoder.layers.1.mlp.linear_fc1.weight_v"
-
-    def drop(metadata) -> None:
-        del metadata.state_dict_metadata[gone]
-        for index in [i for i in metadata.storage_data if i.fqn == gone]:
-            del metadata.storage_data[index]
-
-    _edit_metadata(run / ITER, drop)
+    run = _without(tmp_path, DENSE, "model.module.decoder.layers.1.mlp.linear_fc1.weight_v")
     _refused(run, tmp_path / "out", "model.module.decoder.layers.1.mlp.linear_fc1.weight_w",
              "without its up half (…_v)")
 
