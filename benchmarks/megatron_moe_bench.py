@@ -38,9 +38,11 @@ sizes.
 
 The benchmark times (page cache dropped, peak RSS summed over all processes, best of --repeat, the load
 average noted): `shardstore unshard SRC OUT` (safetensors) and `--format hf` (when shardstore's Megatron
-mapping knows DeepseekV3ForCausalLM), and shardstore's own phases (plan, ingest, export) from its
---verbose log. Requests per file as S3 would count them: each `open`, `read`, `seek`+`read` shardstore
-makes of the checkpoint's files, counted by a wrapper around the local filesystem (`COUNT_IO`).
+mapping knows DeepseekV3ForCausalLM), shardstore's own phases (plan alone as `--dry-run`, the one-pass
+ingest and export from the phase line it prints, `ingest` and `export` through a store), and requests
+per file as S3 would count them: the GETs and HEADs shardstore
+makes of the checkpoint's files, as a local S3 API server (moto, bench.py's) answers them to
+`unshard s3://...`, counted from its access log.
 """
 
 from __future__ import annotations
@@ -616,24 +618,41 @@ def main() -> None:
 SHARDSTORE = [sys.executable, "-m", "shardstore"]
 
 
-def _timed(cmd: list[str]) -> tuple[float, int, str, float]:
-    """(wall s, peak RSS of all its processes, stderr, the 1-minute load average when it started) of `cmd`,
-    page cache dropped first (bench.py's timed_tree, keeping the phase lines shardstore prints)."""
+def _tree_pss(root: int) -> int:
+    """Proportional set size of `root` and its children (/proc/PID/smaps_rollup): a page shared by a forked
+    worker and its parent counted once, where RSS summed counts it in each."""
+    total = 0
+    for pid in [root, *map(int, Path(f"/proc/{root}/task/{root}/children").read_text().split())]:
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        total += next(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:")) * 1024
+    return total
+
+
+def _timed(cmd: list[str]) -> tuple[float, int, str, float, int]:
+    """(wall s, peak RSS of all its processes, stderr, the 1-minute load average when it started, peak PSS)
+    of `cmd`, page cache dropped first (bench.py's timed_tree, keeping the phase lines shardstore prints)."""
     from bench import _tree_rss, drop_caches
 
     drop_caches()
     load = os.getloadavg()[0]
     start = time.perf_counter()
     with open(os.devnull, "w") as null, subprocess.Popen(cmd, stdout=null, stderr=subprocess.PIPE, text=True) as proc:
-        peak = 0
+        peak = pss = 0
         while proc.poll() is None:
             peak = max(peak, _tree_rss(proc.pid))
+            try:
+                pss = max(pss, _tree_pss(proc.pid))
+            except OSError:  # it ended between the two looks
+                pass
             time.sleep(0.02)
         wall = time.perf_counter() - start
         err = proc.stderr.read() if proc.stderr else ""
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd[2:5])} failed: {err[-400:]}")
-    return wall, peak, err, load
+    return wall, peak, err, load, pss
 
 
 def _phases(err: str) -> dict[str, float]:
@@ -650,10 +669,10 @@ def _best(name: str, cmd: list[str], work: Path, repeat: int) -> dict[str, Any]:
     for _ in range(repeat):
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        wall, rss, err, load = _timed(cmd)
-        runs.append({"wall": wall, "peak_rss": rss, "phases": _phases(err), "load": load})
-        print(f"  {name}: {wall:.2f} s, {rss / 2**20:.0f} MB, phases {runs[-1]['phases']}, load {load:.1f}",
-              flush=True)
+        wall, rss, err, load, pss = _timed(cmd)
+        runs.append({"wall": wall, "peak_rss": rss, "peak_pss": pss, "phases": _phases(err), "load": load})
+        print(f"  {name}: {wall:.2f} s, {rss / 2**20:.0f} MB (PSS {pss / 2**20:.0f} MB), phases {runs[-1]['phases']}, "
+              f"load {load:.1f}", flush=True)
     best = min(runs, key=lambda r: r["wall"])
     return {"contender": name, **best, "walls": [r["wall"] for r in runs], "loads": [r["load"] for r in runs]}
 
@@ -732,15 +751,17 @@ def bench(run: Path, out: Path, repeat: int) -> None:
     subprocess.run(ingest, check=True)
     wall, rss = timed_tree(export)
     results.append({"contender": "export safetensors (from that store)", "wall": wall, "peak_rss": rss,
-                    "phases": {}, "walls": [wall], "loads": [os.getloadavg()[0]]})
+                    "peak_pss": 0, "phases": {}, "walls": [wall], "loads": [os.getloadavg()[0]]})
     shutil.rmtree(work, ignore_errors=True)
-    s3 = [s3_requests(run, work / "s3", fmt) for fmt in ("safetensors", "hf")]
+    s3 = [s3_requests(run, work / "s3", "safetensors")]  # --format hf reads the same items (14 min a run on moto)
     shutil.rmtree(work, ignore_errors=True)
-    print("\n| contender | wall (best of runs) | runs | peak RSS, all processes | load average at its start | phases |")
-    print("|---|---:|---|---:|---|---|")
+    print("\n| contender | wall (best of runs) | runs | peak RSS, all processes | peak PSS | load average at its "
+          "start | phases |")
+    print("|---|---:|---|---:|---:|---|---|")
     for r in results:
         print(f"| {r['contender']} | {r['wall']:.2f} s | {', '.join(f'{w:.1f}' for w in r['walls'])} | "
-              f"{r['peak_rss'] / 2**20:.0f} MB | {', '.join(f'{x:.1f}' for x in r['loads'])} | "
+              f"{r['peak_rss'] / 2**20:.0f} MB | {r['peak_pss'] / 2**20:.0f} MB | "
+              f"{', '.join(f'{x:.1f}' for x in r['loads'])} | "
               f"{', '.join(f'{k} {v:.1f} s' for k, v in r['phases'].items())} |")
     for r in s3:
         print(f"S3 (moto), unshard --format {r['format']}: {r['per_file']:.2f} requests per .distcp file "
