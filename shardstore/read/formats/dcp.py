@@ -36,7 +36,7 @@ from ..primitives.container import DataFile, TorchZip, parsed_once, read_small
 from ..primitives.identity import identity_of
 from ..primitives import transforms as stream_transforms
 from ..primitives.tensors import check_view
-from ..primitives.unpickle import DcpBytesStorage, DcpMetadata, DcpTensorStorage, load
+from ..primitives.unpickle import DCP_PLACEHOLDERS, DcpBytesStorage, DcpMetadata, DcpTensorStorage, load
 from ...patterns import digits
 from ..source import (COMPOSER_BATCH, COMPOSER_EPOCH, JSON_CONFIG, Source, check_step, config_files, hf_files, inside_run,
                       pick)
@@ -112,12 +112,16 @@ def read_checkpoint(folder: str | os.PathLike[str], storage_options: StorageOpti
             return _LAST_TORCH_DIST[(folder, digest)]
     except CheckpointError as exc:
         raise named(exc, where) from None
-    md = load(raw, where)  # the same safe unpickler; torch itself would run any pickle here
+    # the same safe unpickler (torch itself would run any pickle here); Megatron's copy of the local plans,
+    # which nothing reads, built as placeholders; the pickle and the unpickled objects freed once parsed
+    md = load(raw, where, placeholders=DCP_PLACEHOLDERS)
+    del raw
     if not isinstance(md, DcpMetadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict) \
             or not isinstance(getattr(md, "storage_data", None), dict):
         raise CheckpointError(f"{where}: not a torch.distributed.checkpoint metadata file")
     try:
         ckpt = _parse(folder, md, digest)
+        del md
         if not ckpt.items:
             ckpt.files = _empty_save(folder, storage_options)
         if _torch_dist(folder, storage_options):

@@ -197,6 +197,31 @@ class DcpStorageMeta(_Record):
     """StorageMeta: checkpoint_id, save_id, load_id, modules."""
 
 
+class Unread:
+    """What a value shardstore never reads is built as: one shared object, whatever its arguments, its state
+    dropped. Megatron-Core keeps every rank's local save plan in its .metadata (`all_local_plans`, as many
+    write items again as `storage_data` holds); as opaque records those were 136 MB of DeepSeek-V3's 233.
+    The unpickler still resolves (and refuses) every global inside them."""
+
+    __slots__ = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Unread":
+        return UNREAD
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # REDUCE (an enum's value) calls the class
+        pass
+
+    def __setstate__(self, state: Any) -> None:  # BUILD
+        pass
+
+
+UNREAD = object.__new__(Unread)
+# torch's save-plan classes, which only a .metadata's copy of the local plans holds (`DCP_PLACEHOLDERS`)
+DCP_PLACEHOLDERS: dict[tuple[str, str], Any] = {
+    ("torch.distributed.checkpoint.planner", name): Unread
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")}
+
+
 class ShardParamInfo(NamedTuple):
     """FSDP1's `_ShardParamInfo` (torch 2.1+): where an original parameter's piece lies in a rank's flat
     slice. A NamedTuple, pickled as its five fields; OLMo's `local` model files hold one per parameter."""
@@ -436,7 +461,8 @@ class _Unpickler(pickle.Unpickler):
 def load(data: bytes | memoryview, source: str, strict: bool = False,
          placeholders: dict[tuple[str, str], Any] | None = None) -> Any:
     """Unpickle `data` by the policy above (`strict`: allowlist only). `source` names the file in errors.
-    `placeholders` are globals of the caller's own making (read/primitives/skim.py), which no file can name.
+    `placeholders` are globals of the caller's own making (read/primitives/skim.py), which no file can name,
+    or globals whose values the caller never reads (`DCP_PLACEHOLDERS`), checked after `ALLOWED`.
 
     The opcode stream is bounds-checked first (`pickle_scan`), so what the unpickler allocates stays within
     a small multiple of the data's own size whatever numbers the pickle holds."""

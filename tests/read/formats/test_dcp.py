@@ -236,6 +236,18 @@ def test_a_megatron_folder_without_its_metadata_json_is_refused_naming_it(save: 
                                    rf"\('.*_extra_state/shard_0_2'\), but metadata\.json {what}")
 
 
+def test_a_refused_global_in_megatrons_local_plans_is_still_refused(tmp_path: Path) -> None:
+    """The local plans megatron-core keeps in .metadata are built as placeholders (nothing reads them), but
+    every global in them still goes through the allowlist: one that runs code is refused, naming the file."""
+    class Runs:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return os.system, ("true",)
+
+    src = _metadata_with(MEGATRON / "core0.19.2/tp2-pp1/iter_0000010", tmp_path / "src",
+                         lambda md: md.all_local_plans[1].items.append(Runs()))
+    refused(src, tmp_path / "out", r"src/\.metadata: refusing to load global posix\.system .*nothing was run")
+
+
 class TestDcpConformance(FormatTests):
     @pytest.fixture
     def checkpoint(self, dcp_checkpoints) -> Path:

@@ -293,6 +293,35 @@ def test_a_common_state_the_metadata_names_must_be_there(tmp_path: Path) -> None
     assert not (tmp_path / "out").exists()
 
 
+def test_the_local_plans_megatron_keeps_in_its_metadata_are_not_built(monkeypatch, tmp_path: Path) -> None:
+    """megatron-core keeps every rank's local save plan in .metadata (`all_local_plans`: the checkpoint's
+    write items once more). Nothing reads them, so each is built as one shared placeholder (DeepSeek-V3's
+    at EP 64 were 136 MB of objects in every process); the model still reads as megatron-core loads it."""
+    from safetensors.torch import load_file
+
+    from shardstore.read.formats import dcp
+    from shardstore.read.primitives.unpickle import UNREAD, DcpMetadata
+
+    built: list[DcpMetadata] = []
+    real = dcp.load
+
+    def load(*args, **kwargs):  # type: ignore[no-untyped-def]
+        value = real(*args, **kwargs)
+        if isinstance(value, DcpMetadata):
+            built.append(value)
+        return value
+
+    monkeypatch.setattr(dcp, "load", load)
+    monkeypatch.setattr(dcp, "_LAST_TORCH_DIST", {})  # read afresh, not the parse an earlier test kept
+    src = DATA / "tp2-pp1"
+    shardstore.unshard(src, tmp_path / "st", jobs=1)
+    plans = built[0].all_local_plans
+    assert len(plans) == 2 and all(plan is UNREAD for plan in plans)
+    want = _saved_names(torch.load(f"{src}.expected.pt.ref", weights_only=True)["model"])
+    st = load_file(tmp_path / "st" / "model.safetensors")
+    assert set(st) == set(want) and all(torch.equal(st[k], v) for k, v in want.items())
+
+
 # Where each trainer keeps megatron-core's torch_dist folder, and what a user may point shardstore at
 TRAINERS = {"tp2-pp1-nemo": ["", "weights"],  # NeMo 2: weights/ beside context/
             "tp2-pp1-verl": ["", "global_step_10", "global_step_10/actor"],  # veRL: actor/dist_ckpt/
