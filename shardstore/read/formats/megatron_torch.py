@@ -126,7 +126,7 @@ def units(folder: str, storage_options: StorageOptions | None = None) -> list[st
         raise CheckpointError(f"{folder}: mixes mp_rank_TT, mp_rank_TT_NNN and mp_rank_TT_NNN_NNN folders "
                               f"(two saves?)")
     sizes = [max(p[i] for p in places) + 1 for i in range(len(next(iter(places))))]
-    order = sorted(_grid_places(sizes), key=lambda p: p[1:] + p[:1])
+    order = sorted(itertools.product(*(range(s) for s in sizes)), key=lambda p: p[1:] + p[:1])
     missing = [_folder_name(p) for p in order if p not in places]
     if missing:
         raise CheckpointError(f"{folder}: rank folders missing for a {' x '.join(map(str, sizes))} grid: "
@@ -142,10 +142,6 @@ def units(folder: str, storage_options: StorageOptions | None = None) -> list[st
     if optimizer and len(optimizer) != len(out):
         raise CheckpointError(f"{folder}: {DISTRIB} in {len(optimizer)} of {len(out)} rank folders")
     return out + optimizer  # the model's files first
-
-
-def _grid_places(sizes: list[int]) -> list[tuple[int, ...]]:
-    return list(itertools.product(*(range(s) for s in sizes)))
 
 
 def unit_kind(name: str) -> str:
