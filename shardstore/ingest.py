@@ -21,7 +21,7 @@ from .errors import CheckpointError, StoreError, closed_on_error, named
 from .locations import StorageOptions, filesystem, is_url, local
 from .plan import plan_checkpoint
 from .read.contract import LocalPiece, PlannedCheckpoint, Unit
-from .read.discover import open_unit
+from .read.discover import open_unit, unit_shares
 from .read.discover import plan as plan_source
 from .read.primitives import tensors
 from .read.primitives.container import Container
@@ -35,7 +35,7 @@ from .sink import Sink
 from .sink.cells import UnitWriter
 from .sink.files import DirectWriter
 from .sink.layout import Layout
-from .store.manifest import CommitRecord
+from .store.manifest import CommitRecord, Manifest
 from .store.onesave import OneSave
 from .store.store import Store
 
@@ -114,14 +114,14 @@ def ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptio
 
 
 def ingest_files(store: Store, paths: Sequence[str | os.PathLike[str]], options: IngestOptions = IngestOptions(),
-                 unit: Unit | None = None) -> list[Ingested]:
+                 unit: Unit | None = None, shares: dict[str, Any] | None = None) -> list[Ingested]:
     """Ingest several units as one batch, the whole job of one worker task (`ingest_file` for each).
 
     Each unit is written in turn; then everything they wrote is made durable at once and their commit
     records are written together (Store.commit_ranks). At world size 256 a rank file is a few milliseconds
     of work and a sync of the disk costs as much again, so a batch pays it once. A unit that fails ends
     the batch: the units before it are committed first, then its error is raised. `unit` is the first
-    file already open.
+    file already open; `shares`, the units' shares of what planning parsed (`Format.unit_share`).
     """
     _prefetch(paths[1:])
     with gc_paused():
@@ -132,7 +132,8 @@ def ingest_files(store: Store, paths: Sequence[str | os.PathLike[str]], options:
         try:
             for i, path in enumerate(paths):
                 done.append(_write_unit(store, path, options, unit if i == 0 else None, direct,
-                                        {ingested.rank: ingested.path for ingested, _ in done}, replicas))
+                                        {ingested.rank: ingested.path for ingested, _ in done}, replicas,
+                                        (shares or {}).get(os.fspath(path))))
         finally:
             try:
                 if done:
@@ -168,13 +169,14 @@ def _prefetch(paths: Sequence[str | os.PathLike[str]]) -> None:
 
 def _write_unit(store: Store, path: str | os.PathLike[str], options: IngestOptions, unit: Unit | None,
                 direct: DirectWriter | None, batch: dict[int, str],
-                replicas: dict[str, set[int]]) -> tuple[Ingested, list[str]]:
+                replicas: dict[str, set[int]], share: Any = None) -> tuple[Ingested, list[str]]:
     """One unit's pieces and values written, not yet durable: what it ingested, the record that will
     commit it, and the store keys it wrote. `batch` holds the ranks of the batch's units before it, and
     `replicas` the replica cells they wrote (hybrid sharding: a later copy is skipped, or verified)."""
     verify_replicas, only = options.verify_replicas, options.only
     unit = unit if unit is not None else open_unit(options.format, os.fspath(path), store.storage_options,
-                                                   options.strict, values.encode, store.manifest.facts.reader_view())
+                                                   options.strict, values.encode, store.manifest.facts.reader_view(),
+                                                   share)
     try:
         if options.format != store.manifest.facts.format:
             raise CheckpointError(f"{unit.path}: the store holds a {store.manifest.facts.format} checkpoint, this "
@@ -248,14 +250,17 @@ _WORKER_STORES: dict[str, Store] = {}
 _SAVES: "weakref.WeakKeyDictionary[Store, OneSave]" = weakref.WeakKeyDictionary()
 
 
-def _worker(location: str, paths: list[str], options: IngestOptions,
-            storage_options: StorageOptions | None = None) -> list[Ingested]:
-    """One task: a worker process (or a Dask worker) ingests a batch of units."""
+def _worker(location: str, paths: list[str], options: IngestOptions, storage_options: StorageOptions | None = None,
+            shares: dict[str, Any] | None = None, part: Manifest | None = None) -> list[Ingested]:
+    """One task: a worker process (or a Dask worker) ingests a batch of units, from their `shares` of what
+    planning parsed, and its `part` of the manifest where the shares say what the units hold."""
+    if part is not None:
+        return ingest_files(Store.with_part(location, storage_options, part), paths, options, shares=shares)
     key = f"{location} {sorted((storage_options or {}).items())}"
     store = _WORKER_STORES.get(key)
     if store is None:
         store = _WORKER_STORES[key] = Store.open(location, storage_options)
-    return ingest_files(store, paths, options)
+    return ingest_files(store, paths, options, shares=shares)
 
 
 def create_store(location: str | os.PathLike[str], source: Source, strict: bool = False) -> Store:
@@ -433,7 +438,20 @@ def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options:
     if pool.inline:  # this process: the store just opened, not one cached by an earlier run
         pool.run(lambda b: ingest_files(store, b, options), [(b,) for b in batches], names, done, here)
     else:
-        pool.run(_worker, [(store.location, b, options, store.storage_options) for b in batches], names, done, here)
+        pool.run(_worker, [_task(store, b, options) for b in batches], names, done, here)
+
+
+def _task(store: Store, batch: list[str], options: IngestOptions) -> tuple:
+    """A worker's task: its units, each with its share of what planning parsed where its format has one;
+    where every unit has one, only the part of the manifest, and the places in the output, of what they
+    can hold."""
+    shares = unit_shares(options.format, batch, store.storage_options, store.manifest.facts.reader_view())
+    if len(shares) < len(batch):
+        return store.location, batch, options, store.storage_options, shares
+    held = {p for s in shares.values() for p in s.store_paths()}
+    if options.direct is not None:
+        options = replace(options, direct=options.direct.part(held))
+    return store.location, batch, options, store.storage_options, shares, store.manifest.part(held)
 
 
 def _batches(paths: list[str], jobs: int) -> list[list[str]]:

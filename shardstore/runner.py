@@ -6,6 +6,8 @@ first task (planning the store). On Linux, from a process running a single Pytho
 loaded torch, they are forked: ready in milliseconds, where a spawned worker spends 0.3 s or more
 importing numpy and shardstore (a third of a one-pass unshard of a 0.5 GB model, on a cold cache).
 Otherwise they are spawned:
+- once this process holds a large parse (`FORK_MOST`), which a forked worker would start with and copy
+  page by page as it touches it;
 - beside other threads (a notebook kernel, Zarr's event loop, a Dask client, a progress bar's monitor),
   a fork copies those threads' locks but not the threads that would release them;
 - once torch is loaded, its OpenMP thread pool may have run, and GNU OpenMP hangs in a forked child
@@ -62,11 +64,25 @@ else:  # Windows spawns through its own Popen; there the usual main guard applie
     SPAWN = multiprocessing.get_context("spawn")
 
 
+# Fork only while this process holds less than this: beyond it, planning parsed a large checkpoint (the
+# workers are sent their units' shares of it), which a forked worker would start with. DeepSeek-V3's
+# structure (a 35 MB .metadata, parsed to 250 MB resident): each forked worker copied 210 MB of its
+# parent's pages as it touched them, where a spawned one holds 60 MB.
+FORK_MOST = 192 << 20
+
+
 def start_method() -> str:
     """How local workers would start now: "fork" or "spawn" (see the module's docstring)."""
-    if sys.platform == "linux" and threading.active_count() == 1 and "torch" not in sys.modules:
+    if sys.platform == "linux" and threading.active_count() == 1 and "torch" not in sys.modules \
+            and _resident() < FORK_MOST:
         return "fork"
     return "spawn"
+
+
+def _resident() -> int:
+    """This process's resident bytes (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def default_jobs() -> int:

@@ -62,6 +62,30 @@ def test_forked_and_spawned_workers_write_the_same_bytes(checkpoints, tmp_path: 
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_spawned_workers_read_dcp_files_from_their_shares(dcp_checkpoints, tmp_path: Path) -> None:
+    """A spawned worker holds none of the .metadata its coordinator parsed: it reads each .distcp file from
+    the share its task brought, and writes into the store through its task's part of the manifest. The
+    output is the same, byte for byte, as forked workers' and torch's own load."""
+    src = dcp_checkpoints("hsdp")
+    forked = _unshard(src, tmp_path / "forked", "none")
+    spawned = _unshard(src, tmp_path / "spawned", "thread")
+    assert forked["methods"] == ["fork"] and spawned["methods"] == ["spawn"]
+    assert forked["digests"] and forked["digests"] == spawned["digests"]
+    want = {k: v.to(torch.bfloat16) for k, v in torch.load(f"{src}.expected.pt.ref", weights_only=False)["model"].items()}
+    assert_bitwise_equal(load_file(tmp_path / "spawned" / "model.safetensors"), want, "bf16")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
+def test_a_process_holding_a_large_parse_spawns() -> None:
+    """A forked worker would start with the coordinator's parse of a large checkpoint, and copy it page by
+    page as it touched it."""
+    probe = "from shardstore import runner; held = b'x' * {}; print(runner.start_method())"
+    methods = [subprocess.run([sys.executable, "-c", probe.format(size)], capture_output=True, text=True,
+                              check=True).stdout.strip() for size in (1, runner.FORK_MOST)]
+    assert methods == ["fork", "spawn"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
 def test_a_process_that_loaded_torch_spawns() -> None:
     """A forked worker casting with torch could hang in the OpenMP pool the parent's torch ran."""
     probe = "import sys; {}from shardstore import runner; print(runner.start_method())"

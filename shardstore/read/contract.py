@@ -23,7 +23,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Mapping, Protocol
+from typing import Any, Iterable, Mapping, Protocol
 
 from .. import dtypes
 from ..errors import CheckpointError
@@ -225,6 +225,13 @@ class PlannedCheckpoint:
 
 
 # ---------------------------------------------------------------------------------------------- formats
+class UnitShare(Protocol):
+    """A unit's share of what planning parsed (`Format.unit_share`)."""
+
+    def store_paths(self) -> Iterable[str]:
+        """Every store path the unit can hold: its task is told where those go in the output, not all."""
+
+
 class Format(Protocol):
     """One checkpoint format: how it is found, planned, and opened unit by unit. Finding is shared
     (source.open_source): a folder is asked `detect`, then each of its sub-folders (a run folder of step
@@ -253,9 +260,14 @@ class Format(Protocol):
         """The spec, and any unit that planning had to open whole (left open: the caller ingests it from
         there and closes it)."""
 
+    def unit_share(self, path: str, storage_options: StorageOptions | None, facts: dict[str, Any]) -> "UnitShare | None":
+        """What opening the unit `path` needs of what planning parsed, small enough to send with a worker's
+        task (so no worker parses it again), or None where a unit reads what it needs itself."""
+
     def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
-                  facts: dict[str, Any]) -> Unit:
-        """One unit, checked against `facts` (the spec's extra, as the store kept it)."""
+                  facts: dict[str, Any], share: Any = None) -> Unit:
+        """One unit, checked against `facts` (the spec's extra, as the store kept it), from its `share`
+        when planning gave one."""
 
     def arrivals(self, folder: str, tag: str | None, looks: "Looks") -> "Arrived | None":
         """For `watch`: the checkpoint of this format arriving in `folder` (a local folder), and which of its

@@ -15,7 +15,7 @@ from ..errors import CheckpointError
 from ..locations import StorageOptions, is_url, join, listing, name_of, subfolders
 from ..tree import KeyEncoder
 from .arrival import Arrived, Looks
-from .contract import CheckpointSpec, Format, Unit
+from .contract import CheckpointSpec, Format, Unit, UnitShare
 from .layouts import name_rank
 from .primitives.container import read_small
 from .registry import fallback, folder_formats, formats, get
@@ -109,11 +109,18 @@ def source_of_files(files: list[str | os.PathLike[str]], storage_options: Storag
 
 
 def open_unit(format: str, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
-              facts: dict[str, Any] | None = None) -> Unit:
+              facts: dict[str, Any] | None = None, share: Any = None) -> Unit:
     """Open one unit of work of a checkpoint of `format` (in a worker). `facts` are what the store kept
-    of the checkpoint when it was planned (the manifest's extra)."""
+    of the checkpoint when it was planned (the manifest's extra); `share`, its `unit_share`."""
+    return get(format).open_unit(path, storage_options, strict, encode_key, facts or {}, share)
 
-    return get(format).open_unit(path, storage_options, strict, encode_key, facts or {})
+
+def unit_shares(format: str, paths: list[str], storage_options: StorageOptions | None,
+                facts: dict[str, Any]) -> dict[str, UnitShare]:
+    """Each unit's share of what planning parsed (`Format.unit_share`), where its format has one."""
+    fmt = get(format)
+    shares = {path: fmt.unit_share(path, storage_options, facts) for path in paths}
+    return {path: share for path, share in shares.items() if share is not None}
 
 
 def arriving(folder: str, tag: str | None, looks: Looks) -> Arrived:

@@ -65,8 +65,11 @@ class FolderFormat:
         units = self.module.units(run, source.storage_options)  # every unit, whichever were given
         return self.module.spec(run, units, encode_key, strict, source.storage_options), None
 
+    def unit_share(self, path: str, storage_options: StorageOptions | None, facts: dict[str, Any]) -> None:
+        """Each unit reads what it needs itself."""
+
     def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
-                  facts: dict[str, Any]) -> Unit:
+                  facts: dict[str, Any], share: Any = None) -> Unit:
         return self.module.open_unit(path, storage_options, strict, encode_key, facts)
 
     def arrivals(self, folder: str, tag: str | None, looks: Any) -> None:

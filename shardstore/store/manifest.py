@@ -11,7 +11,7 @@ import base64
 import builtins
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Iterable
 
 from .. import dtypes
 from ..errors import StoreError
@@ -241,6 +241,15 @@ class Manifest:
     def separator(self) -> str:
         """Zarr's chunk key separator in this store's cell names."""
         return "." if self.version >= 2 else "/"
+
+    def part(self, paths: Iterable[str]) -> "Manifest":
+        """What a task needs of the manifest: the entries of the store paths its units can hold, sent with
+        it so its worker reads no manifest (`ingest._task`). Each worker read it whole, and DeepSeek-V3's
+        structure (31,015 arrays, 30,644 values: 23 MB of JSON) took 1 s and held 165 MB in each."""
+        wanted = frozenset(paths)
+        return replace(self, tree=self.tree.only(wanted), arrays={p: e for p, e in self.arrays.items() if p in wanted},
+                       objects=[p for p in self.objects if p in wanted],
+                       facts=replace(self.facts, not_tensors=self.facts.not_tensors & wanted))
 
     def to_json(self) -> dict[str, Any]:
         return {

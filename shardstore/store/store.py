@@ -146,6 +146,13 @@ class Store:
         return cls(backend, Manifest.from_json(data, str(location)))
 
     @classmethod
+    def with_part(cls, location: str | os.PathLike[str], storage_options: StorageOptions | None,
+                  part: Manifest) -> "Store":
+        """The store at `location` as a task sees it: through its part of the manifest (`Manifest.part`),
+        which came with the task, rather than the whole, read from the store."""
+        return cls(open_backend(location, storage_options), part)
+
+    @classmethod
     def exists(cls, location: str | os.PathLike[str], storage_options: StorageOptions | None = None) -> bool:
         return open_backend(location, storage_options).exists(MANIFEST_KEY)
 

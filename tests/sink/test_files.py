@@ -77,6 +77,17 @@ def test_whole_array_targets_and_scalars_are_always_near() -> None:
     assert _Bands(scalar, (whole,)).near(scalar, _Piece((), ())) == [whole]
 
 
+def test_a_part_of_a_layout_places_its_paths_alone_under_the_whole_ones_digest() -> None:
+    """A task is sent the places of what its units hold (`Layout.part`); the journal records it writes
+    name the whole layout, as a task sent all of it would."""
+    targets = {p: (Target(i % 2, 64 * i, None, "float32"),) for i, p in enumerate("abcdef")}
+    layout = Layout("/out", ("x", "y"), (512, 512), targets)
+    part = layout.part(["e", "b", "z"])
+    assert part.targets == {"e": targets["e"], "b": targets["b"]}
+    assert (part.names, part.sizes, part.folder) == (layout.names, layout.sizes, layout.folder)
+    assert part.digest == layout.digest != Layout("/out", ("x", "y"), (512, 512), part.targets).digest
+
+
 # ------------------------------------------------------------------ one output file at a time
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from ..source import (COMPOSER_BATCH, COMPOSER_EPOCH, JSON_CONFIG, Source, check
                       pick)
 from ..unit import check_leaves
 from . import lightning, megatron_fsdp, megatron_torch, trainer
-from .dcp_checkpoint import DcpCheckpoint, Item
+from .dcp_checkpoint import DcpCheckpoint, FileShare, Item
 from .resume import resume_files
 from .trainer import TRAIN, TrainerUnit, join_trainer_state, open_trainer
 
@@ -635,10 +635,16 @@ def _is_common(path: str) -> bool:
     return path.replace("\\", "/").rsplit("/", 1)[-1] == MEGATRON_COMMON
 
 
-def open_trainer_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder) -> TrainerUnit:
-    if _is_common(path) or name_of(path) == lightning.META:  # one file after the .distcp files
-        ckpt = _checkpoint(folder_of(path), storage_options)
-        return open_trainer(path, len(ckpt.files), len(ckpt.files) + 1, ckpt.digest, storage_options, strict,
+def _beside_files(path: str) -> bool:
+    """Megatron's common.pt or Lightning's meta.pt: one unit after a folder's .distcp files."""
+    return _is_common(path) or name_of(path) == lightning.META
+
+
+def open_trainer_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
+                      share: FileShare | None = None) -> TrainerUnit:
+    if _beside_files(path):
+        share = share or _checkpoint(folder_of(path), storage_options).share(name_of(path))
+        return open_trainer(path, share.count, share.count + 1, share.ckpt.digest, storage_options, strict,
                             encode_key, COMMON_STATE if _is_common(path) else "", named=True)
     train = _join_parent(path)
     ckpt = _checkpoint(join(train, MODEL_AND_OPTIM), storage_options)
@@ -654,20 +660,36 @@ def _join_parent(path: str) -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(path)))
 
 
+def _folder_name(path: str, parts: bool) -> tuple[str, str]:
+    """The checkpoint folder a .distcp file is of, and its name there (`parts`: "part/file")."""
+    if parts:
+        return _unit_folder(path)
+    folder, name = path.rsplit("/", 1) if is_url(path) else os.path.split(path)
+    return folder, name
+
+
+def share_of(path: str, storage_options: StorageOptions | None, parts: bool) -> FileShare:
+    """What reading the unit `path` needs of its checkpoint's .metadata (read once per process)."""
+    if path.endswith(".pt"):
+        return _checkpoint(folder_of(path), storage_options).share(name_of(path))
+    folder, name = _folder_name(path, parts)
+    return _checkpoint(folder, storage_options, parts).share(name)
+
+
 def open_unit(path: str | os.PathLike[str], storage_options: StorageOptions | None = None,
-              strict: bool = False, parts: bool = False) -> DcpUnit:
-    """Open one .distcp file of a checkpoint (its folder's .metadata is read once per process); `parts`:
-    a file of one of a trainer's DCP folders saved side by side (`trainer_parts`)."""
+              strict: bool = False, parts: bool = False, share: FileShare | None = None) -> DcpUnit:
+    """Open one .distcp file of a checkpoint: from its `share` of the .metadata, as planning gave it, or
+    else from the .metadata, read once per process; `parts`: a file of one of a trainer's DCP folders
+    saved side by side (`trainer_parts`)."""
     path = os.fspath(path)
-    folder, name = _unit_folder(path) if parts else (path.rsplit("/", 1) if is_url(path) else os.path.split(path))
-    ckpt = _checkpoint(folder, storage_options, parts)
-    if name not in ckpt.files:
+    folder, name = _folder_name(path, parts)
+    share = share or share_of(path, storage_options, parts)
+    if share.rank < 0:
         raise CheckpointError(f"{path}: not a file of the checkpoint in {folder} (its .metadata names no item in it)")
     data = DataFile(path, storage_options)
-    unit = DcpUnit(path, ckpt.files.index(name), len(ckpt.files), ckpt.files.index(name), len(ckpt.files),
-                   ckpt.digest, {}, {}, data)
+    unit = DcpUnit(path, share.rank, share.count, share.rank, share.count, share.ckpt.digest, {}, {}, data)
     with closed_on_error(unit.close, path):
-        _read_items(ckpt, unit, name, strict)
+        _read_items(share.ckpt, unit, name, strict)
     return unit
 
 
@@ -891,6 +913,11 @@ def dcp_folder(src: str, tag: str | None, step: int | None, storage_options: Sto
     return _resolved(join(src, pick(src, below, tag, step)), storage_options) if below else None
 
 
+def _parts(facts: dict[str, Any]) -> bool:
+    """Whether the store's units are files of a trainer's DCP folders side by side ("part/file")."""
+    return any("/" in u for u in facts.get("units", ()) if u.endswith(".distcp"))
+
+
 class DcpFormat:
     name, title, ranked = "dcp", "DCP", False
     group_claims, keeps_empty_values = False, False  # DCP stores nested values key by key
@@ -941,12 +968,18 @@ class DcpFormat:
             ckpt = read_checkpoint(folder_of(source.units[0]), source.storage_options)
         return spec(ckpt, encode_key, trainer_state, strict, source.storage_options), None
 
+    def unit_share(self, path: str, storage_options: StorageOptions | None, facts: dict[str, Any]) -> FileShare | None:
+        """A .distcp file's share of the .metadata (`DcpCheckpoint.share`), and the unit count and digest
+        for the file of values beside them; None for OLMo's train/rank<N>.pt."""
+        if path.endswith(".pt") and not _beside_files(path):
+            return None
+        return share_of(path, storage_options, _parts(facts))
+
     def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
-                  facts: dict[str, Any]) -> Any:
-        if path.endswith(".pt"):  # OLMo's train/rank<N>.pt beside model_and_optim/
-            return open_trainer_unit(path, storage_options, strict, encode_key)
-        parts = any("/" in u for u in facts.get("units", ()) if u.endswith(".distcp"))  # part/file: read_parts
-        return open_unit(path, storage_options, strict, parts)
+                  facts: dict[str, Any], share: Any = None) -> Any:
+        if path.endswith(".pt"):  # Megatron's common.pt, Lightning's meta.pt, OLMo's train/rank<N>.pt
+            return open_trainer_unit(path, storage_options, strict, encode_key, share)
+        return open_unit(path, storage_options, strict, _parts(facts), share)
 
     def arrivals(self, folder: str, tag: str | None, looks: Any) -> Any:
         """A DCP folder counts once its .metadata reads (torch writes it last; a copy may bring it first),

@@ -548,8 +548,11 @@ class DTensorFiles:
         finally:
             f.zip.close()
 
+    def unit_share(self, path: str, storage_options: StorageOptions | None, facts: dict[str, Any]) -> None:
+        """Each unit reads what it needs itself."""
+
     def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
-                  facts: dict[str, Any]) -> FileUnit:
+                  facts: dict[str, Any], share: Any = None) -> FileUnit:
         f = self._file(path, facts["dtensor_files"]["world"], storage_options, strict, encode_key)
         unit = FileUnit(path, f.rank, f.world, f.rank, f.world, facts["metadata"], {}, f.zip)
         with closed_on_error(unit.close, path):

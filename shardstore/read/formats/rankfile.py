@@ -408,8 +408,11 @@ class RankFiles:
             _check_named_step(rf)
             return spec_of(rf), rf
 
+    def unit_share(self, path: str, storage_options: StorageOptions | None, facts: dict[str, Any]) -> None:
+        """Each unit reads what it needs itself."""
+
     def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
-                  facts: dict[str, Any]) -> RankFile:
+                  facts: dict[str, Any], share: Any = None) -> RankFile:
         return read_rank_file(path, encode_key=encode_key, storage_options=storage_options, strict=strict,
                               planned=facts.get("skim"))
 

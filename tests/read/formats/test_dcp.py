@@ -256,3 +256,37 @@ class TestDcpConformance(FormatTests):
     @pytest.fixture
     def foreign(self, dcp_checkpoints) -> Path:
         return dcp_checkpoints("fsdp2") / "__1_0.distcp"
+
+
+def _leaves(unit) -> dict:
+    """A unit's leaves as plain data: each array's pieces (offsets, sizes, and where their bytes lie)."""
+    from shardstore.read.contract import ArrayLeaf
+
+    return {path: (leaf.dtype, leaf.shape, sorted((p.offsets, p.sizes, p.tensor.offset) for p in leaf.pieces))
+            if isinstance(leaf, ArrayLeaf) else repr(leaf) for path, leaf in unit.leaves.items()}
+
+
+def test_a_worker_reads_its_file_from_its_share_without_the_metadata(dcp_checkpoints, tmp_path: Path) -> None:
+    """A worker is sent its file's share of the .metadata (`unit_share`), and reads nothing else of it: the
+    same file beside a .metadata that no longer parses opens from its share exactly as from the whole
+    parse, and fails without it."""
+    from shardstore.read.formats.dcp import FORMAT, open_unit
+
+    src = shutil.copytree(dcp_checkpoints("hsdp"), tmp_path / "whole")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in src.glob("*.distcp"):
+        shutil.copy(f, bare / f.name)
+    (bare / ".metadata").write_bytes(b"not a pickle")
+    for f in sorted(src.glob("*.distcp")):
+        share = FORMAT.unit_share(str(f), None, {})
+        assert share is not None and {i.file for i in share.ckpt.items} == {f.name}
+        whole, shared = open_unit(f), open_unit(bare / f.name, share=share)
+        try:
+            assert (shared.rank, shared.world_size, shared.digest) == (whole.rank, whole.world_size, whole.digest)
+            assert _leaves(shared) == _leaves(whole) and shared.leaves
+        finally:
+            whole.close()
+            shared.close()
+        with pytest.raises(shardstore.CheckpointError, match="metadata"):
+            open_unit(bare / f.name)
