@@ -449,9 +449,10 @@ def _task(store: Store, batch: list[str], options: IngestOptions) -> tuple:
     if len(shares) < len(batch):
         return store.location, batch, options, store.storage_options, shares
     held = {p for s in shares.values() for p in s.store_paths()}
+    below = frozenset(p for s in shares.values() for p in s.subtrees())
     if options.direct is not None:
-        options = replace(options, direct=options.direct.part(held))
-    return store.location, batch, options, store.storage_options, shares, store.manifest.part(held)
+        options = replace(options, direct=options.direct.part(held, below))
+    return store.location, batch, options, store.storage_options, shares, store.manifest.part(held, below)
 
 
 def _batches(paths: list[str], jobs: int) -> list[list[str]]:

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import re
+from typing import Iterable, Mapping, TypeVar
+
+T = TypeVar("T")
 
 _SAFE = re.compile(r"[A-Za-z0-9._-]*")
 # Each UTF-8 byte's text in a component: itself if it is one of _SAFE's, else percent-encoded.
@@ -44,3 +47,24 @@ def escape(key: object) -> str:
 
 def join(*parts: str) -> str:
     return "/".join(p for p in parts if p)
+
+
+def within(path: str, subtrees: frozenset[str]) -> bool:
+    """Whether the store path `path` is one of `subtrees` or lies below one ("" is the root: every path)."""
+    if "" in subtrees or path in subtrees:
+        return True
+    cut = path.find("/")
+    while cut != -1:
+        if path[:cut] in subtrees:
+            return True
+        cut = path.find("/", cut + 1)
+    return False
+
+
+def pick(mapping: Mapping[str, T], exact: Iterable[str], subtrees: frozenset[str]) -> dict[str, T]:
+    """The entries of `mapping` (by store path) at the paths `exact` or `within` `subtrees`: looked up,
+    and scanned for only where there are subtrees (rare: a file of values beside sharded ones)."""
+    got = {p: mapping[p] for p in exact if p in mapping}
+    if subtrees:
+        got.update((p, v) for p, v in mapping.items() if within(p, subtrees))
+    return got

@@ -229,7 +229,11 @@ class UnitShare(Protocol):
     """A unit's share of what planning parsed (`Format.unit_share`)."""
 
     def store_paths(self) -> Iterable[str]:
-        """Every store path the unit can hold: its task is told where those go in the output, not all."""
+        """Every store path the unit can hold (besides its `subtrees`): its task is sent their entries of the
+        manifest and their places in the output, not all."""
+
+    def subtrees(self) -> Iterable[str]:
+        """Store subtrees the unit can hold any path of."""
 
 
 class Format(Protocol):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..crc import crc32_combine
+from ..paths import pick
 from ..ranges import BLOCK, Part
 from ..store.store import Store
 from .output import output_error
@@ -62,12 +63,12 @@ class Layout:
                                                           for p, ts in self.targets.items())])
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
-    def part(self, paths: Iterable[str]) -> "Layout":
-        """The places of `paths` alone, for a task whose units hold nothing else. The whole layout went
-        with every task: DeepSeek-V3's structure (46,181 tensors) pickled to 4.3 MB, sent with each of 61
-        tasks and unpickled in 0.22 s each time. A part keeps the whole one's digest, which the journal
-        records name."""
-        return replace(self, targets={p: self.targets[p] for p in paths if p in self.targets}, whole=self.digest)
+    def part(self, exact: Iterable[str], subtrees: frozenset[str] = frozenset()) -> "Layout":
+        """The places of the store paths `exact` and `within` `subtrees` alone, for a task whose units
+        hold nothing else. The whole layout went with every task: DeepSeek-V3's structure (46,181 tensors)
+        pickled to 4.3 MB, sent with each of 61 tasks and unpickled in 0.22 s each time. A part keeps the
+        whole one's digest, which the journal records name."""
+        return replace(self, targets=pick(self.targets, exact, subtrees), whole=self.digest)
 
 
 def new_layout(store: Store, names: Iterable[str], sizes: Iterable[int],

@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 from .. import dtypes
 from ..errors import StoreError
+from ..paths import pick
 from ..tree import Node
 
 FORMAT_VERSION = 3  # 3: a commit record may hold its rank's staged bytes; 2: cell files named with Zarr's "."
@@ -242,14 +243,17 @@ class Manifest:
         """Zarr's chunk key separator in this store's cell names."""
         return "." if self.version >= 2 else "/"
 
-    def part(self, paths: Iterable[str]) -> "Manifest":
-        """What a task needs of the manifest: the entries of the store paths its units can hold, sent with
-        it so its worker reads no manifest (`ingest._task`). Each worker read it whole, and DeepSeek-V3's
-        structure (31,015 arrays, 30,644 values: 23 MB of JSON) took 1 s and held 165 MB in each."""
-        wanted = frozenset(paths)
-        return replace(self, tree=self.tree.only(wanted), arrays={p: e for p, e in self.arrays.items() if p in wanted},
-                       objects=[p for p in self.objects if p in wanted],
-                       facts=replace(self.facts, not_tensors=self.facts.not_tensors & wanted))
+    def part(self, exact: Iterable[str], subtrees: frozenset[str] = frozenset()) -> "Manifest":
+        """What a task needs of the manifest: the entries of the store paths its units can hold (`exact`,
+        and all `within` `subtrees`), sent with it so its worker reads no manifest (`ingest._task`). Each
+        worker read it whole, and DeepSeek-V3's structure (31,015 arrays, 30,644 values: 23 MB of JSON)
+        took 1 s and held 165 MB in each. A part has no tree: only units that are checked path by path
+        against arrays and values (those with shares: DCP files) are sent one."""
+        exact = list(exact)
+        return replace(self, tree=Node("dict", ""), arrays=pick(self.arrays, exact, subtrees),
+                       objects=list(pick(dict.fromkeys(self.objects), exact, subtrees)),
+                       facts=replace(self.facts, not_tensors=frozenset(
+                           pick(dict.fromkeys(self.facts.not_tensors), exact, subtrees))))
 
     def to_json(self) -> dict[str, Any]:
         return {

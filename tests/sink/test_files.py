@@ -84,6 +84,8 @@ def test_a_part_of_a_layout_places_its_paths_alone_under_the_whole_ones_digest()
     layout = Layout("/out", ("x", "y"), (512, 512), targets)
     part = layout.part(["e", "b", "z"])
     assert part.targets == {"e": targets["e"], "b": targets["b"]}
+    nested = Layout("/out", ("x",), (64,), {"m/a": targets["a"], "m/b/c": targets["b"], "mm": targets["c"]})
+    assert set(nested.part([], frozenset(["m"])).targets) == {"m/a", "m/b/c"}
     assert (part.names, part.sizes, part.folder) == (layout.names, layout.sizes, layout.folder)
     assert part.digest == layout.digest != Layout("/out", ("x", "y"), (512, 512), part.targets).digest
 

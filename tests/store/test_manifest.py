@@ -124,19 +124,22 @@ def test_version_1_facts_read_as_the_flags_their_format_had(format: str, flags: 
 
 
 def test_a_tasks_part_of_the_manifest_holds_its_paths_alone(dcp_checkpoints, tmp_path: Path) -> None:
-    """What a worker's task is sent instead of reading the manifest (`Manifest.part`): the arrays, values,
-    non-tensors and tree leaves of its paths, in the manifest's order, everything else as it was."""
+    """What a worker's task is sent instead of reading the manifest (`Manifest.part`): the arrays, values
+    and non-tensors at its paths and below its subtrees, everything else as it was, and no tree."""
     src = dcp_checkpoints("fsdp1")
     shardstore.ingest(tmp_path / "store", sorted(str(p) for p in src.glob("*.distcp")), jobs=1)
     m = shardstore.open(tmp_path / "store").manifest
     leaves = m.tree.leaf_paths()
     arrays, values = [p for p in leaves if p in m.arrays], [p for p in leaves if p not in m.arrays]
     assert len(arrays) > 2 and len(values) > 2
-    wanted = arrays[1::2] + values[::2] + ["model/no.such.path"]
-    part = m.part(reversed(wanted))
-    assert list(part.arrays) == [p for p in m.arrays if p in wanted]
-    assert part.objects == [p for p in m.objects if p in wanted]
-    assert part.tree.leaf_paths() == [p for p in leaves if p in wanted]
-    assert part.facts.not_tensors == m.facts.not_tensors & set(wanted) and part.facts.not_tensors
+    exact = arrays[1::2] + values[::2] + ["model/no.such.path"]
+    part = m.part(reversed(exact))
+    assert set(part.arrays) == set(arrays[1::2]) and set(part.objects) == set(values[::2])
+    assert part.facts.not_tensors == m.facts.not_tensors & set(exact) and part.facts.not_tensors
     assert (part.world_size, part.layout, part.version) == (m.world_size, m.layout, m.version)
     assert part.facts.metadata == m.facts.metadata and part.facts.units == m.facts.units
+    assert part.tree.leaf_paths() == [] and m.tree.leaf_paths() == leaves
+    top = arrays[0].split("/")[0]
+    below = m.part([], frozenset([top]))
+    assert set(below.arrays) == {p for p in m.arrays if p.startswith(top + "/")} and below.arrays
+    assert m.part([], frozenset([""])).arrays == m.arrays

@@ -671,7 +671,8 @@ def _folder_name(path: str, parts: bool) -> tuple[str, str]:
 def share_of(path: str, storage_options: StorageOptions | None, parts: bool) -> FileShare:
     """What reading the unit `path` needs of its checkpoint's .metadata (read once per process)."""
     if path.endswith(".pt"):
-        return _checkpoint(folder_of(path), storage_options).share(name_of(path))
+        share = _checkpoint(folder_of(path), storage_options).share(name_of(path))
+        return replace(share, beside=COMMON_STATE if _is_common(path) else "")  # (Lightning's: the top level)
     folder, name = _folder_name(path, parts)
     return _checkpoint(folder, storage_options, parts).share(name)
 

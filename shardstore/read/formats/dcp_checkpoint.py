@@ -90,6 +90,10 @@ class FileShare:
     rank: int  # in the checkpoint's file order; -1: not a file of it
     count: int  # files in the checkpoint
     ckpt: DcpCheckpoint
+    beside: str | None = None  # a file of values beside the .distcp files: the store subtree it fills
 
     def store_paths(self) -> list[str]:
         return [self.ckpt.store_path(fqn) for fqn in self.ckpt.paths]
+
+    def subtrees(self) -> list[str]:
+        return [] if self.beside is None else [self.beside]
