@@ -1,7 +1,7 @@
 """DeepSeek-V3's structure as Megatron-Core saves it, at a tiny width: shardstore's plan, ingest and export
 of a torch_dist checkpoint with thousands of .distcp files and well over 100,000 shards (issue 54).
 
-    python benchmarks/megatron_moe_bench.py --megatron-python PY [--out benchmarks/out] [--repeat 3]
+    python benchmarks/megatron_moe_bench.py --megatron-python PY [--out benchmarks/out] [--repeat 3] [--s3]
     python benchmarks/megatron_moe_bench.py --megatron-python PY --real-size [--repeat 3]
     PY benchmarks/megatron_moe_bench.py --check [--out DIR]
 
@@ -39,8 +39,8 @@ sizes.
 The benchmark times (page cache dropped, peak RSS summed over all processes, best of --repeat, the load
 average noted): `shardstore unshard SRC OUT` (safetensors) and `--format hf` (when shardstore's Megatron
 mapping knows DeepseekV3ForCausalLM), shardstore's own phases (plan alone as `--dry-run`, the one-pass
-ingest and export from the phase line it prints, `ingest` and `export` through a store), and requests
-per file as S3 would count them: the GETs and HEADs shardstore
+ingest and export from the phase line it prints, `ingest` and `export` through a store), and with `--s3`
+(10 to 15 minutes more) requests per file as S3 would count them: the GETs and HEADs shardstore
 makes of the checkpoint's files, as a local S3 API server (moto, bench.py's) answers them to
 `unshard s3://...`, counted from its access log.
 """
@@ -595,6 +595,7 @@ def main() -> None:
     ap.add_argument("--generate", action="store_true", help="(internal) write the DeepSeek-V3 checkpoint")
     ap.add_argument("--real-size", action="store_true", help="the 5.3 GB MoE against torch's tools and the disk")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--s3", action="store_true", help="count requests per file on S3 (moto) too")
     args = ap.parse_args()
     if args.check:
         return check(args.out)
@@ -609,7 +610,10 @@ def main() -> None:
         subprocess.run([args.megatron_python, __file__, "--generate", "--out", str(args.out),
                         *(["--real-size"] if args.real_size else [])], check=True)
     sys.path.insert(0, str(HERE))
-    (bench_real if args.real_size else bench)(run, args.out, args.repeat)
+    if args.real_size:
+        bench_real(run, args.out, args.repeat)
+    else:
+        bench(run, args.out, args.repeat, args.s3)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -726,7 +730,7 @@ def s3_requests(run: Path, work: Path, fmt: str) -> dict[str, Any]:
     return {"format": fmt, "wall": wall, "requests": dict(counts), "per_file": sum(counts.values()) / files}
 
 
-def bench(run: Path, out: Path, repeat: int) -> None:
+def bench(run: Path, out: Path, repeat: int, s3_too: bool) -> None:
     """Times shardstore on the DeepSeek-V3-structure checkpoint (module docstring); prints a markdown table
     and writes megatron_moe.json to `out`."""
     from bench import compile_shardstore
@@ -753,7 +757,8 @@ def bench(run: Path, out: Path, repeat: int) -> None:
     results.append({"contender": "export safetensors (from that store)", "wall": wall, "peak_rss": rss,
                     "peak_pss": 0, "phases": {}, "walls": [wall], "loads": [os.getloadavg()[0]]})
     shutil.rmtree(work, ignore_errors=True)
-    s3 = [s3_requests(run, work / "s3", "safetensors")]  # --format hf reads the same items (14 min a run on moto)
+    # --format hf reads the same items (14 min a run on moto)
+    s3 = [s3_requests(run, work / "s3", "safetensors")] if s3_too else []
     shutil.rmtree(work, ignore_errors=True)
     print("\n| contender | wall (best of runs) | runs | peak RSS, all processes | peak PSS | load average at its "
           "start | phases |")
