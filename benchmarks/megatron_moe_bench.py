@@ -42,7 +42,9 @@ mapping knows DeepseekV3ForCausalLM), shardstore's own phases (plan alone as `--
 ingest and export from the phase line it prints, `ingest` and `export` through a store), and with `--s3`
 (10 to 15 minutes more) requests per file as S3 would count them: the GETs and HEADs shardstore
 makes of the checkpoint's files, as a local S3 API server (moto, bench.py's) answers them to
-`unshard s3://...`, counted from its access log.
+`unshard s3://...`, counted from its access log. Last, its `--format hf` output is compared, tensor by
+tensor and bit for bit, with what torch's DCP loading of the whole checkpoint plus the same Hugging Face
+mapping writes (megatron_moe_dcp_to_hf.py).
 """
 
 from __future__ import annotations
@@ -547,7 +549,7 @@ def bench_real(run: Path, out: Path, repeat: int) -> None:
     for _ in range(repeat):
         print(f"round (load {os.getloadavg()[0]:.1f})", flush=True)
         rounds.append(compare(runs, work))
-    _same_output(run, folder, work)
+    _same_output(run, folder, work, MOE_5G)
     names = list(runs)
     best = {n: min((r for rnd in rounds for r in rnd if r["contender"] == n), key=lambda r: r["wall"]) for n in names}
     print(f"\n{MOE_5G['name']}: {shape['bytes'] / 1e9:.2f} GB in {shape['files']} .distcp files, {shape['shards']} "
@@ -564,13 +566,13 @@ def bench_real(run: Path, out: Path, repeat: int) -> None:
     (out / "megatron_moe_5g.json").write_text(json.dumps({"shape": shape, "spec": MOE_5G, "rounds": rounds}, indent=1))
 
 
-def _same_output(run: Path, folder: Path, work: Path) -> None:
+def _same_output(run: Path, folder: Path, work: Path, spec: dict[str, Any]) -> None:
     """The tool's safetensors and shardstore's --format hf hold the same tensors, bit for bit."""
     import torch
     from safetensors import safe_open
 
     for name, cmd in {"tool": [sys.executable, str(HERE / "megatron_moe_dcp_to_hf.py"), str(folder),
-                               str(work / "tool"), str(MOE_5G["layers"])],
+                               str(work / "tool"), str(spec["layers"])],
                       "hf": [*SHARDSTORE, "unshard", str(run), str(work / "hf"), "--format", "hf", "-q"]}.items():
         subprocess.run(cmd, check=True)
     ours = {}
@@ -760,6 +762,7 @@ def bench(run: Path, out: Path, repeat: int, s3_too: bool) -> None:
     # --format hf reads the same items (14 min a run on moto)
     s3 = [s3_requests(run, work / "s3", "safetensors")] if s3_too else []
     shutil.rmtree(work, ignore_errors=True)
+    _same_output(run, folder, work, DSV3)
     print("\n| contender | wall (best of runs) | runs | peak RSS, all processes | peak PSS | load average at its "
           "start | phases |")
     print("|---|---:|---|---:|---:|---|---|")

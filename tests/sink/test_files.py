@@ -5,11 +5,13 @@ from __future__ import annotations
 import errno
 import fcntl
 import itertools
+import math
 import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shardstore.sink.files import DirectWriter, _Bands, _runs
@@ -52,6 +54,36 @@ def test_a_box_meets_the_same_targets(seed: int) -> None:
         assert _met(entry, piece, near) == _met(entry, piece, targets)
         if len(shape) == 1 and len(targets) > 8 and piece.sizes[0] <= cell[0]:
             assert len(near) <= 3  # the point of it: a small piece is not compared with every cell
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_boxs_runs_are_its_elements_in_the_target_element_by_element(seed: int) -> None:
+    """Each run `_runs` gives, spelt out element by element, is where numpy puts the piece's elements in
+    the target's box: every element of the overlap once, in C order, at its place in both."""
+    rng = random.Random(seed)
+    shape = tuple(rng.randint(1, 9) for _ in range(rng.randint(1, 4)))
+    entry = ArrayEntry("w", "float32", shape, shape, shape, staged=False)
+    whole = np.arange(math.prod(shape)).reshape(shape)
+    for _ in range(10):
+        boxes = []
+        for _ in range(2):
+            offsets = tuple(rng.randrange(n) for n in shape)
+            boxes.append((offsets, tuple(rng.randint(1, n - o) for n, o in zip(shape, offsets))))
+        (p_off, p_size), (t_off, t_size) = boxes
+        piece, target = _Piece(p_off, p_size), Target(0, 0, (t_off, t_size), "float32")
+        held = whole[tuple(slice(o, o + n) for o, n in zip(p_off, p_size))].reshape(-1)
+        got = {}
+        for first, count, out_at in _runs(entry, piece, target):
+            for i in range(count):
+                got[out_at + i] = held[first + i]
+        lo = [max(a, b) for a, b in zip(p_off, t_off)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(p_off, p_size, t_off, t_size)]
+        want = {}
+        if all(a < b for a, b in zip(lo, hi)):
+            for index in np.ndindex(*(b - a for a, b in zip(lo, hi))):
+                at = tuple(a + i for a, i in zip(lo, index))
+                want[int(np.ravel_multi_index(tuple(a - o for a, o in zip(at, t_off)), t_size))] = whole[at]
+        assert got == want
 
 
 @pytest.mark.parametrize("seed", range(40))
