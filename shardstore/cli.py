@@ -344,7 +344,7 @@ VERIFY_LINES = 50  # difference lines `verify` prints; --json gives every one
 @main.command()
 @click.argument("src", type=click.Path())
 @click.argument("output", type=click.Path(exists=True))
-@click.option("--format", "fmt", type=click.Choice(["safetensors", "hf", "torch", "dcp"]), default=None,
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
               help="Check OUTPUT as this export [default: hf for a folder with a config.json, dcp for one with a "
                    ".metadata, torch for torch files (.pt, .bin, .pth: one whole state, a state dict, or the "
                    "split files of --format torch), else safetensors].")
@@ -379,7 +379,7 @@ def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--weights", default=None, metavar="W1,W2,...", help="One weight per checkpoint [default: equal].")
-@click.option("--format", "fmt", type=click.Choice(["safetensors", "hf", "torch", "dcp"]), default="safetensors",
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="safetensors",
               show_default=True, help="What to write, as unshard writes it (torch, dcp: the whole last checkpoint, "
               "its model averaged).")
 @click.option("--include-optimizer", is_flag=True,
@@ -392,8 +392,9 @@ def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select
 @click.option("--dtype", type=click.Choice(CAST_DTYPES + tuple(DTYPE_ALIASES), case_sensitive=False), default=None,
               help="Write the mean in this floating dtype [default: each tensor's own].")
 @_jobs
+@_quiet
 def average(paths: tuple[str, ...], weights: str | None, fmt: str, include_optimizer: bool, hf_config: str | None,
-            select: str | None, strip_prefix: str | None, dtype: str | None, jobs: int | None) -> None:
+            select: str | None, strip_prefix: str | None, dtype: str | None, jobs: int | None, quiet: bool) -> None:
     """Average CHECKPOINTS... (two or more of one run, each a folder as unshard takes it, any format and world
     size each) into OUT, the last of PATHS: the weighted mean of every floating tensor of the model, written
     once as safetensors, a Hugging Face folder, or the last checkpoint's torch files or DCP folder with its
@@ -407,6 +408,8 @@ def average(paths: tuple[str, ...], weights: str | None, fmt: str, include_optim
         raise click.BadParameter(f"not numbers: {weights!r}", param_hint="--weights") from None
     result = api.average(paths[:-1], paths[-1], weights=parsed, format=fmt, select=select, strip_prefix=strip_prefix,
                          dtype=dtype, hf_config=hf_config, jobs=jobs, include_optimizer=include_optimizer)
+    if quiet:
+        return
     for path in result.files:
         click.echo(f"wrote {path}")
     if result.kept:

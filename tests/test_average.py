@@ -113,6 +113,10 @@ def test_a_torch_output_is_the_last_checkpoint_with_its_means(checkpoints, tmp_p
     assert run.returncode == 0, run.stderr
     assert "tensor(s) not averaged (not floating, or outside the model), taken from the last checkpoint" in run.stderr
     assert "other value(s) (counters, RNG states, ...) taken from the last checkpoint" in run.stderr
+    quiet = subprocess.run([sys.executable, "-m", "shardstore.cli", "average", str(a), str(b), str(tmp_path / "q"),
+                            "--format", "torch", "-q"], capture_output=True, text=True)
+    assert quiet.returncode == 0 and not quiet.stdout and not quiet.stderr, quiet.stderr
+    assert sorted(p.name for p in (tmp_path / "q").iterdir()) == sorted(p.name for p in (tmp_path / "cli").iterdir())
 
 
 def _dcp_state(folder: Path, tmp_path: Path) -> dict[str, Any]:

@@ -3,12 +3,14 @@
 The call sequence, for `export` (two steps: the store holds the data) and for `unshard`'s one pass (the
 ingest writes straight into the output):
 
-    format.check(request)                      before the store exists: options that do not apply
+    check_request(out, format, ...)            before the store exists: options that do not apply
+                                                (export/__init__.py, from the formats' flags)
     planned = format.plan(store, request, ...)  once the data is in: the exact files, the bytes to write
     planned.write(out, progress, partial, ...)  the files, each atomically
 or
     direct = format.direct(store, request, ...) once the store is planned, before any unit is read: the
                                                 files laid out for the workers (None: two steps instead)
+    direct.seal(store); direct.finish(store, out)  once every unit is in (`DirectExport`)
 
 Both are described by frozen data (`ExportRequest`, `OutputFormat`); the formats are listed in
 export/registry.py, from which the command line takes its choices.
