@@ -36,7 +36,7 @@ from .export import ExportRequest, model_subtree, output_format, planned
 from .export.resolve import ArrayRef, leaves
 from .export.dcp import export_dcp, plan_dcp
 from .export.torch import export_torch
-from .export.safetensors import CASTABLE, Stacked
+from .export.safetensors import Stacked
 from .ingest import ingest, under
 from .locations import nearest_existing
 from .ranges import BLOCK, Part, blocks
@@ -76,19 +76,7 @@ def mean(raw: Sequence[bytes | bytearray | memoryview], weights: Sequence[float]
         term = np.multiply(np.asarray(np.float64(w) / total, dtype=acc_type), x)
         acc = term if acc is None else np.add(acc, term)
     assert acc is not None
-    return rounded(acc, out)
-
-
-def rounded(values: np.ndarray, dtype: str) -> bytes:
-    """`values` rounded to nearest even into `dtype` (bfloat16 as torch rounds it: NaN stays NaN)."""
-    if dtype != "bfloat16":
-        return values.astype(dtypes.info(dtype).raw).tobytes()
-    bits = values.astype(np.float32).view(np.uint32)
-    out = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
-    nan = np.isnan(values)
-    if nan.any():
-        out[nan] = np.uint16(0x7FC0)
-    return out.tobytes()
+    return dtypes.rounded(acc, out)
 
 
 def _exact(parts: Iterator[Part], size: int) -> Iterator[bytes]:
@@ -158,7 +146,7 @@ def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.Pat
             each = it.source.items if isinstance(it.source, Stacked) else (it,)  # GPT-OSS's experts: each averaged
             if not all(isinstance(one.source, ArrayRef) for one in each):
                 raise ExportError(f"{it.key}: a small plain tensor; average reads sharded tensors only")
-            if it.source.dtype not in CASTABLE:
+            if it.source.dtype not in dtypes.CASTABLE:
                 kept.append(it.key)
                 continue
             for one in each:  # rounded once, into the output's dtype
@@ -181,7 +169,7 @@ def _average_whole(stores: list[Store], weights: tuple[float, ...], averaged: st
 
     def mean_of(ref: ArrayRef) -> ArrayRef:
         if ref not in means:
-            if ref.dtype in CASTABLE and under(ref.path, averaged):
+            if ref.dtype in dtypes.CASTABLE and under(ref.path, averaged):
                 means[ref] = MeanRef(ref.path, ref.dtype, ref.shape, ref.rows, tuple(stores), weights, ref.dtype)
             else:
                 means[ref] = ref

@@ -17,7 +17,7 @@ import numpy as np
 from . import api, values
 from .errors import ShardstoreError, StoreError
 from .export import FORMATS
-from .export.contract import CAST_DTYPES, DTYPE_ALIASES
+from .dtypes import CAST_DTYPES, DTYPE_ALIASES
 from .inspect import inspect
 from .patterns import matcher
 from .plan import LAYOUTS

@@ -4,6 +4,10 @@ The store keeps raw bits: dtypes numpy cannot represent (bfloat16, float8) are h
 of the same width, and the torch dtype name is recorded beside them so export can reproduce the bits.
 Keeping this in one table is what lets read/ stay free of torch: a worker process ingesting a rank file
 never imports it.
+
+The output's dtype policy lives here too: which dtypes `--dtype` names and casts (`CAST_DTYPES`,
+`CASTABLE`), how a cast rounds (`cast`, as torch's `Tensor.to`), and how a mean computed in a wider type
+is rounded into its output (`rounded`, for `average`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ExportError
 from .ranges import Part, blocks
 
 
@@ -134,3 +138,33 @@ def cast(parts: Iterable[Part], src: DTypeInfo, dst: str) -> Iterator[bytes]:
     for block in blocks(parts, CAST_BLOCK_BYTES - CAST_BLOCK_BYTES % src.itemsize):
         t = torch.from_numpy(np.frombuffer(block, dtype=src.raw).copy()).view(getattr(torch, src.name))
         yield t.to(getattr(torch, dst)).view(torch.uint8).numpy().tobytes()
+
+
+CAST_DTYPES = ("bfloat16", "float16", "float32")  # what `--dtype` may name
+# The short names users type for them (as transformers' and the trainers' configs spell them).
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+CASTABLE = ("float64", "float32", "float16", "bfloat16")  # what --dtype casts; other dtypes pass unchanged
+
+
+def cast_dtype(name: str | None) -> str | None:
+    """A `--dtype` as its torch name ("bf16" -> "bfloat16"), or one line naming the choices."""
+    if name is None:
+        return None
+    bare = name.lower().removeprefix("torch.")
+    found = DTYPE_ALIASES.get(bare, bare)
+    if found not in CAST_DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(CAST_DTYPES)} (or {', '.join(DTYPE_ALIASES)}), "
+                          f"not {name!r}")
+    return found
+
+
+def rounded(values: np.ndarray, dtype: str) -> bytes:
+    """`values` rounded to nearest even into `dtype` (bfloat16 as torch rounds it: NaN stays NaN)."""
+    if dtype != "bfloat16":
+        return values.astype(info(dtype).raw).tobytes()
+    bits = values.astype(np.float32).view(np.uint32)
+    out = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        out[nan] = np.uint16(0x7FC0)
+    return out.tobytes()

@@ -32,7 +32,7 @@ from .errors import ExportError
 from .export import ExportRequest, has_hf_description, model_subtree, planned
 from .export.dcp import dcp_state
 from .export.resolve import ArrayRef, build, leaves
-from .export.safetensors import CASTABLE, INDEX, Item, tensor_bytes
+from .export.safetensors import INDEX, Item, tensor_bytes
 from .export.hf import CONFIG
 from .export.torch import TorchFile, torch_layout, torch_object
 from .ingest import ingest
@@ -383,7 +383,7 @@ def _compare(store: Store, items: list[Item], outputs: dict[str, tuple[OutputFil
                                                            f"from the checkpoint"))
             continue
         if dtype != item.dtype:
-            if not (dtype in CASTABLE and item.dtype in CASTABLE):
+            if not (dtype in dtypes.CASTABLE and item.dtype in dtypes.CASTABLE):
                 result.differences.append(Difference(item.key, f"{dtype} in the output, {item.dtype} in the "
                                                                f"checkpoint (not a floating cast)"))
                 continue

@@ -18,13 +18,12 @@ from ..store.onesave import check_one_save
 from ..store.store import Status, Store
 from ..tree import Node
 from . import origin
-from .contract import DirectExport, ExportRequest, OutputFormat, Planned, cast_dtype
+from .contract import DirectExport, ExportRequest, OutputFormat, Planned
 from .hf import NO_HF_DESCRIPTION, has_hf_description
 from .notes import flat_buckets
 from .registry import FORMATS as _FORMATS
 from .registry import output_format
 from .resolve import NOT_A_MODEL, leaves, model_node, node_at
-from .safetensors import CASTABLE
 
 FORMATS = tuple(_FORMATS)  # the output formats' names (export/registry.py)
 
@@ -118,7 +117,7 @@ def check_request(out_dir: str | os.PathLike[str], format: str = "safetensors", 
     """Everything about an export that can be refused without the store: `unshard` asks this before it
     ingests anything, so a mistyped option costs nothing."""
     fmt = output_format(format)
-    cast_dtype(dtype)
+    dtypes.cast_dtype(dtype)
     if hf_config is not None and not fmt.describes_model:
         raise ExportError(f"--hf-config applies to --format {_those(lambda f: f.describes_model)} only")
     if hf_config is not None and not Path(hf_config).exists():
@@ -150,7 +149,7 @@ def output_bytes(store: Store, format: str = "safetensors", select: str | None =
     total = 0
     for path, entry in store.manifest.arrays.items():
         if path in inside:
-            cast = dtype if dtype and entry.dtype in CASTABLE else entry.dtype
+            cast = dtype if dtype and entry.dtype in dtypes.CASTABLE else entry.dtype
             total += entry.nbytes // dtypes.info(entry.dtype).itemsize * dtypes.info(cast).itemsize
     return total
 

@@ -24,28 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .. import dtypes
 from ..errors import ExportError
 from ..patterns import matcher
 from ..sink.layout import Layout
 from ..store.store import Store
 from ..tree import Node
-
-CAST_DTYPES = ("bfloat16", "float16", "float32")
-# The short names users type for them (as transformers' and the trainers' configs spell them).
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-
-
-def cast_dtype(name: str | None) -> str | None:
-    """A `--dtype` as its torch name ("bf16" -> "bfloat16"), or one line naming the choices."""
-    if name is None:
-        return None
-    bare = name.lower().removeprefix("torch.")
-    found = DTYPE_ALIASES.get(bare, bare)
-    if found not in CAST_DTYPES:
-        raise ExportError(f"--dtype must be one of {', '.join(CAST_DTYPES)} (or {', '.join(DTYPE_ALIASES)}), "
-                          f"not {name!r}")
-    return found
-
 
 @dataclass(frozen=True)
 class ExportRequest:
@@ -54,7 +38,7 @@ class ExportRequest:
     format: str = "safetensors"
     select: str | None = None  # a subtree (default: the model)
     strip_prefix: str | None = None
-    dtype: str | None = None  # one of CAST_DTYPES, for floating tensors
+    dtype: str | None = None  # one of dtypes.CAST_DTYPES, for floating tensors
     max_shard_size: int = 5_000_000_000
     hf_config: str | os.PathLike[str] | None = None
     overwrite: bool = False  # replace an earlier export's files in OUT
@@ -66,7 +50,7 @@ class ExportRequest:
     single_file: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", cast_dtype(self.dtype))
+        object.__setattr__(self, "dtype", dtypes.cast_dtype(self.dtype))
         object.__setattr__(self, "keep_dtype", tuple(self.keep_dtype))
         if self.keep_dtype and self.dtype is None:
             raise ExportError("--keep-dtype goes with --dtype: it names what the cast leaves in its own dtype")

@@ -32,7 +32,6 @@ from .contract import DirectExport, ExportRequest, OutputFormat, Planned, Progre
 from .notes import flat_buckets
 from .resolve import ArrayRef, Rows, build, leaves, tensors_only
 
-CASTABLE = ("float64", "float32", "float16", "bfloat16")  # what --dtype casts; other dtypes pass unchanged
 
 
 @dataclass
@@ -100,7 +99,7 @@ def tensor_item(store: Store, key: str, path: str, cast: str | None,
                           f"must be") from None
     if dtypes.info(dtype).safetensors is None:
         raise ExportError(f"{path}: torch.{dtype} has no safetensors dtype")
-    return Item(key, source, cast if cast and dtype in CASTABLE else dtype, shape)
+    return Item(key, source, cast if cast and dtype in dtypes.CASTABLE else dtype, shape)
 
 
 @dataclass(frozen=True)
@@ -154,7 +153,7 @@ def stacked_item(store: Store, key: str, paths: list[str], cast: str | None, int
         raise ExportError(f"{paths[0] if paths else key}: shape {list(one)} cannot be stacked into {key} "
                           f"({interleave}-way rows{', transposed' if transpose else ''})")
     source = Stacked(tuple(items), interleave, transpose)
-    return Item(key, source, cast if cast and source.dtype in CASTABLE else source.dtype, source.shape)
+    return Item(key, source, cast if cast and source.dtype in dtypes.CASTABLE else source.dtype, source.shape)
 
 
 def header(items: list[Item], metadata: dict[str, str]) -> bytes:

@@ -29,7 +29,7 @@ from ...store.store import Store
 from ...tree import Node
 from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from ..resolve import build, leaves, model_node, node_at, tensors_only
-from ..safetensors import (CASTABLE, FILE_NAMES, Item, SafetensorsDirect, SafetensorsPlan, Stacked, direct_layout,
+from ..safetensors import (FILE_NAMES, Item, SafetensorsDirect, SafetensorsPlan, Stacked, direct_layout,
                            export_safetensors, plan_items, stacked_item, tensor_item)
 from . import megatron, olmo, olmo_core
 from .spec import HFModel, HFTensor
@@ -345,7 +345,7 @@ def _loads_as(items: list[Item]) -> str | None:
     export whose norms --keep-dtype keeps in fp32 loads as bf16, not at twice its size."""
     sizes: dict[str, int] = {}
     for it in items:
-        if it.dtype in CASTABLE:
+        if it.dtype in dtypes.CASTABLE:
             sizes[it.dtype] = sizes.get(it.dtype, 0) + it.nbytes
     return max(sizes, key=lambda d: (sizes[d], dtypes.info(d).itemsize), default=None)
 
