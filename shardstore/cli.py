@@ -178,7 +178,16 @@ def _export_options(f: Any) -> Any:
     return f
 
 
-def _report(result: Any, quiet: bool, started: float, what: str) -> None:
+def _report(result: Any, quiet: bool, started: float, what: str, as_json: bool = False) -> None:
+    if as_json:
+        tensors = sum(n for n, _ in result.dtypes.values())
+        _echo_json({"files": [str(p) for p in result.files], "replaced": [str(p) for p in result.replaced],
+                    "tensors": tensors, "parameters": sum(e for _, e in result.dtypes.values()),
+                    "dtypes": {d: {"tensors": n, "parameters": e} for d, (n, e) in sorted(result.dtypes.items())},
+                    "read_bytes": result.read, "write_bytes": sum(p.stat().st_size for p in result.files if p.is_file()),
+                    "seconds": round(time.perf_counter() - started, 3), "skipped": result.skipped,
+                    "notes": result.notes, "partial": result.partial})
+        return
     if quiet:
         return
     for path in result.replaced:
@@ -246,16 +255,19 @@ def _count(n: int) -> str:
 @_scheduler
 @_jobs
 @_quiet
+@_json
 def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, strict: bool, scheduler: str | None,
-           jobs: int | None, quiet: bool) -> None:
+           jobs: int | None, quiet: bool, as_json: bool) -> None:
     """Ingest rank FILES into STORE (created if needed). Any subset, any order; ranks already in are skipped."""
     _leaves_a_store(store, f"the files ingested so far are kept in {store} (one cut short is not among them): "
                            f"rerun to ingest the rest")
-    with _progress(quiet) as progress:
+    with _progress(quiet or as_json) as progress:
         st = api.ingest(store, list(files), jobs=jobs, verify_replicas=verify_replicas, storage_options=_options(),
                         scheduler=scheduler, strict=strict, progress=progress)
     status = st.status()
-    if not quiet:
+    if as_json:
+        _echo_json(_store_json(st, _summary(st)[0]))
+    elif not quiet:
         click.echo(f"{store}: {len(status.ranks_done)}/{status.world_size} ranks ingested"
                    + ("" if status.ok else f"; missing {_ranks(status.ranks_missing)}"))
 
@@ -269,22 +281,23 @@ def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, strict: bo
 @_scheduler
 @_jobs
 @_quiet
+@_json
 def export(store: str, out: str, fmt: str, hf_config: str | None, select: str | None, strip_prefix: str | None,
            dtype: str | None, keep_dtype: tuple[str, ...], single_file: bool, max_shard_size: int, overwrite: bool,
-           allow_partial: bool, scheduler: str | None, jobs: int | None, quiet: bool) -> None:
+           allow_partial: bool, scheduler: str | None, jobs: int | None, quiet: bool, as_json: bool) -> None:
     """Export the unsharded checkpoint in STORE to the folder OUT."""
     _leaves_outputs("the export")
     started = time.perf_counter()
-    with _progress(quiet) as progress:
+    with _progress(quiet or as_json) as progress:
         result = api.export(store, out, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
                             max_shard_size=max_shard_size, progress=progress, allow_partial=allow_partial,
                             storage_options=_options(), scheduler=scheduler, jobs=jobs, overwrite=overwrite,
                             hf_config=hf_config, keep_dtype=keep_dtype, single_file=single_file)
-    if result.partial:
+    if result.partial and not as_json:
         click.echo(f"warning: partial export: ranks {result.partial['shardstore_missing_ranks'] or 'none'} missing, "
                    f"holes filled with NaN/zero in {len(result.partial['shardstore_incomplete_tensors'].split(','))} "
                    f"tensor(s); recorded in the output's metadata", err=True)
-    _report(result, quiet, started, "export")
+    _report(result, quiet, started, "export", as_json)
 
 
 @main.command()
@@ -316,8 +329,6 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
     so an interrupted or failed run resumes where it stopped when rerun.
     """
     started = time.perf_counter()
-    if as_json and not dry_run:
-        raise click.BadParameter("--json goes with --dry-run (the run's own output is its files)", param_hint="--json")
     run = functools.partial(api.unshard, src, out, store=store, tag=tag, step=step, jobs=jobs,
                             verify_replicas=verify_replicas, storage_options=_options(), scheduler=scheduler,
                             strict=strict, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
@@ -333,9 +344,9 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
         ctx.meta["shardstore.kept"] = lambda: scratch if scratch.is_dir() and not scratch.is_symlink() else None
     _leaves_a_store(store or str(scratch), f"the work so far is kept in {store or scratch}: a rerun "
                                            f"{'with the same --store' if store else 'into the same OUT'} resumes from it")
-    with _progress(quiet) as progress:
+    with _progress(quiet or as_json) as progress:
         result = run(progress=progress)
-    _report(result, quiet, started, "unshard")
+    _report(result, quiet, started, "unshard", as_json)
 
 
 VERIFY_LINES = 50  # difference lines `verify` prints; --json gives every one
@@ -356,9 +367,11 @@ VERIFY_LINES = 50  # difference lines `verify` prints; --json gives every one
 @click.option("--tag", default=None, help="Which checkpoint, when SRC holds several.")
 @click.option("--step", type=int, default=None, help="Which checkpoint, by step [default: the newest].")
 @_jobs
+@_quiet
 @_json
 def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select: str | None,
-           strip_prefix: str | None, tag: str | None, step: int | None, jobs: int | None, as_json: bool) -> None:
+           strip_prefix: str | None, tag: str | None, step: int | None, jobs: int | None, quiet: bool,
+           as_json: bool) -> None:
     """Check OUTPUT (safetensors files, a Hugging Face folder, torch files or a DCP folder, from any tool) against the sharded
     checkpoint in SRC: every tensor there, of its shape, and bit for bit (or, for a cast, as torch casts).
     One line per difference; exits 1 if there is any."""
@@ -367,6 +380,8 @@ def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select
     if as_json:
         _echo_json({"ok": result.ok, "format": result.format, "tensors": result.tensors, "bytes": result.nbytes,
                     "differences": [{"name": d.name, "what": d.what} for d in result.differences]})
+    elif quiet:  # the exit status alone
+        sys.exit(0 if result.ok else 1)
     else:  # the first lines: a wholly wrong output of thousands of tensors would bury the summary
         for difference in result.differences[:VERIFY_LINES]:
             click.echo(str(difference))
@@ -393,8 +408,10 @@ def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select
               help="Write the mean in this floating dtype [default: each tensor's own].")
 @_jobs
 @_quiet
+@_json
 def average(paths: tuple[str, ...], weights: str | None, fmt: str, include_optimizer: bool, hf_config: str | None,
-            select: str | None, strip_prefix: str | None, dtype: str | None, jobs: int | None, quiet: bool) -> None:
+            select: str | None, strip_prefix: str | None, dtype: str | None, jobs: int | None, quiet: bool,
+            as_json: bool) -> None:
     """Average CHECKPOINTS... (two or more of one run, each a folder as unshard takes it, any format and world
     size each) into OUT, the last of PATHS: the weighted mean of every floating tensor of the model, written
     once as safetensors, a Hugging Face folder, or the last checkpoint's torch files or DCP folder with its
@@ -408,6 +425,10 @@ def average(paths: tuple[str, ...], weights: str | None, fmt: str, include_optim
         raise click.BadParameter(f"not numbers: {weights!r}", param_hint="--weights") from None
     result = api.average(paths[:-1], paths[-1], weights=parsed, format=fmt, select=select, strip_prefix=strip_prefix,
                          dtype=dtype, hf_config=hf_config, jobs=jobs, include_optimizer=include_optimizer)
+    if as_json:
+        _echo_json({"files": [str(p) for p in result.files], "averaged": result.averaged, "checkpoints": len(paths) - 1,
+                    "kept": result.kept, "values": result.values})
+        return
     if quiet:
         return
     for path in result.files:
@@ -437,13 +458,16 @@ def _ranks(ranks: list[int]) -> str:
 @_strict
 @_jobs
 @_quiet
+@_json
 def watch(store: str, src: str, expect: int | None, timeout: float | None, tag: str | None, poll: float,
-          strict: bool, jobs: int | None, quiet: bool) -> None:
+          strict: bool, jobs: int | None, quiet: bool, as_json: bool) -> None:
     """Ingest rank files into STORE as they arrive in the local folder SRC; exit 0 once STORE is complete."""
     _leaves_a_store(store, f"the files ingested so far are kept in {store}: rerun to watch for the rest")
-    if quiet:
-        api.watch(store, src, expect=expect, timeout=timeout, jobs=jobs, poll=poll, tag=tag,
-                  storage_options=_options(), strict=strict)
+    if quiet or as_json:
+        st = api.watch(store, src, expect=expect, timeout=timeout, jobs=jobs, poll=poll, tag=tag,
+                       storage_options=_options(), strict=strict)
+        if as_json:
+            _echo_json(_store_json(st, _summary(st)[0]))
         return
     if not sys.stderr.isatty():  # a log: one plain line per rank, no bar frames
         count, total = [0], [expect]

@@ -373,6 +373,35 @@ def test_json_output_for_scripts(checkpoints, tmp_path: Path) -> None:
     assert report["tensors"] == len(want)
 
 
+def test_every_long_command_reports_in_json_or_says_nothing(checkpoints, tmp_path: Path) -> None:
+    """`ingest`, `unshard`, `export`, `average` and `watch` with --json print one JSON object on stdout and
+    nothing else there (the schema in docs/commands.md); `verify -q` and `average -q` print nothing."""
+    import json
+
+    src, other = checkpoints(2), checkpoints(4)
+    want = expected(src)["model"]
+    half = run("ingest", tmp_path / "s", src / "rank0.pt", "--json")
+    assert half.returncode == 0 and json.loads(half.stdout)["ranks_missing"] == [1]
+    for args in (("unshard", src, tmp_path / "u"), ("export", tmp_path / "w", tmp_path / "e")):
+        if args[0] == "export":
+            assert json.loads(run("watch", tmp_path / "w", src, "--json").stdout)["ready"] is True
+        proc = run(*args, "--json")
+        report = json.loads(proc.stdout)
+        files = sorted(str(p) for p in args[2].iterdir() if not p.name.startswith("."))
+        assert proc.returncode == 0 and sorted(report["files"]) == files, proc.stderr
+        assert report["tensors"] == len(want) and report["dtypes"]["float32"]["tensors"] == len(want)
+        assert report["parameters"] == sum(t.numel() for t in want.values())
+        assert report["write_bytes"] == sum(Path(f).stat().st_size for f in files) and report["seconds"] >= 0
+    assert json.loads(run("unshard", src, tmp_path / "u", "--json").stdout)["read_bytes"] > 0
+    averaged = run("average", src, other, tmp_path / "a", "--json")
+    report = json.loads(averaged.stdout)
+    assert averaged.returncode == 0 and report["averaged"] == len(want) and report["checkpoints"] == 2
+    assert report["files"] == [str(tmp_path / "a" / "model.safetensors")]
+    quiet = run("verify", src, tmp_path / "u", "-q")
+    assert quiet.returncode == 0 and not quiet.stdout and not quiet.stderr
+    assert run("verify", src, tmp_path / "a", "-q").returncode == 1  # the mean is not either checkpoint
+
+
 def test_dry_run_says_what_the_run_would_do_and_writes_nothing(checkpoints, tmp_path: Path) -> None:
     """`unshard --dry-run` plans from what planning reads: the files the real run then writes, with the
     sizes it gives them (safetensors: exact), the casts, the bytes to read; OUT is not made. A run that
