@@ -180,11 +180,11 @@ def _export_options(f: Any) -> Any:
 
 def _report(result: Any, quiet: bool, started: float, what: str, as_json: bool = False) -> None:
     if as_json:
-        tensors = sum(n for n, _ in result.dtypes.values())
+        tensors, parameters, written = _totals(result)
         _echo_json({"files": [str(p) for p in result.files], "replaced": [str(p) for p in result.replaced],
-                    "tensors": tensors, "parameters": sum(e for _, e in result.dtypes.values()),
+                    "tensors": tensors, "parameters": parameters,
                     "dtypes": {d: {"tensors": n, "parameters": e} for d, (n, e) in sorted(result.dtypes.items())},
-                    "read_bytes": result.read, "write_bytes": sum(p.stat().st_size for p in result.files if p.is_file()),
+                    "read_bytes": result.read, "write_bytes": written,
                     "seconds": round(time.perf_counter() - started, 3), "skipped": result.skipped,
                     "notes": result.notes, "partial": result.partial})
         return
@@ -228,13 +228,18 @@ def _echo_plan(plan: Any, out: str, as_json: bool) -> None:
     click.echo("a real run would start (nothing was written)")
 
 
+def _totals(result: Any) -> tuple[int, int, int]:
+    """An export's tensors, parameters and bytes written."""
+    return (sum(n for n, _ in result.dtypes.values()), sum(e for _, e in result.dtypes.values()),
+            sum(p.stat().st_size for p in result.files if p.is_file()))
+
+
 def summary_line(result: Any, seconds: float, what: str) -> str:
     """One line after a run: tensors and parameters by output dtype, bytes read and written, time, speed."""
-    tensors = sum(n for n, _ in result.dtypes.values())
+    tensors, parameters, written = _totals(result)
     by_dtype = ", ".join(f"{dtype} {n} ({_count(elements)})" for dtype, (n, elements) in sorted(result.dtypes.items()))
-    written = sum(p.stat().st_size for p in result.files if p.is_file())
     read = f"read {size_text(result.read)}, " if result.read is not None else ""
-    return (f"{what}: {tensors} tensors, {_count(sum(e for _, e in result.dtypes.values()))} parameters "
+    return (f"{what}: {tensors} tensors, {_count(parameters)} parameters "
             f"[{by_dtype}]; {read}wrote {size_text(written)} in {seconds:.1f} s "
             f"({size_text(written / max(seconds, 1e-9))}/s)")
 
