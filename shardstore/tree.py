@@ -34,14 +34,6 @@ class Node:
             return [self.path]
         return [p for _, child in self.children for p in child.leaf_paths()]
 
-    def only(self, paths: frozenset[str] | set[str]) -> "Node":
-        """The tree of the leaves in `paths` alone, their containers as here (a worker's part of a plan)."""
-        if self.kind == "leaf":
-            return self
-        kept = [(key, child.only(paths)) for key, child in self.children
-                if child.kind != "leaf" or child.path in paths]
-        return Node(self.kind, self.path, [(key, child) for key, child in kept if child.kind == "leaf" or child.children])
-
     def to_json(self) -> dict[str, Any]:
         if self.kind == "leaf":
             return {"t": "leaf", "p": self.path}
