@@ -15,6 +15,7 @@ from . import ingest as _ingest
 from .average import average
 from .errors import CheckpointError, ExportError, ShardstoreError
 from .locations import StorageOptions, is_url, name_of, nearest_existing
+from .paths import under
 from .progress import Progress, size_text
 from .progress import resolve as _progress
 from .read.discover import open_source, source_of_files
@@ -127,7 +128,7 @@ def check_space(store: Store, units: int, only: str | None, out_dir: PathLike, o
     less what committed units hold; nothing where they go straight into the output) and what the export
     will write. Small values are left out, so this errs towards letting a run start."""
     done = len(store.records()) / max(units, 1)
-    stored = sum(a.nbytes for p, a in store.manifest.arrays.items() if _ingest.under(p, only)) if in_store else 0
+    stored = sum(a.nbytes for p, a in store.manifest.arrays.items() if under(p, only)) if in_store else 0
     by_device: dict[int, list[tuple[str, str, int]]] = {}
     for what, where, nbytes in (("the store", store.location, int(stored * (1 - done))),
                                 ("the output", os.fspath(out_dir), output)):

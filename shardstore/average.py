@@ -37,7 +37,8 @@ from .export.resolve import ArrayRef, leaves
 from .export.dcp import export_dcp, plan_dcp
 from .export.torch import export_torch
 from .export.safetensors import Stacked
-from .ingest import ingest, under
+from .ingest import ingest
+from .paths import under
 from .locations import nearest_existing
 from .ranges import BLOCK, Part, blocks
 from .read.discover import open_source

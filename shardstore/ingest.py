@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import values
+from .paths import under
 from .errors import CheckpointError, StoreError, closed_on_error, named
 from .locations import StorageOptions, filesystem, is_url, local
 from .plan import plan_checkpoint
@@ -95,10 +96,6 @@ def _encoded(value: Any, encode_tensor: Callable[[TensorRef], Any], where: str) 
         raise CheckpointError(f"{where}: a value nested too deeply, or containing itself") from None
     except StoreError as exc:
         raise CheckpointError(f"{where}: {exc}") from None
-
-
-def under(path: str, subtree: str | None) -> bool:
-    return subtree is None or subtree == "" or path == subtree or path.startswith(subtree.rstrip("/") + "/")
 
 
 def ingest_file(store: Store, path: str | os.PathLike[str], options: IngestOptions = IngestOptions(),

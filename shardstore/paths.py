@@ -49,16 +49,14 @@ def join(*parts: str) -> str:
     return "/".join(p for p in parts if p)
 
 
+def under(path: str, subtree: str | None) -> bool:
+    """Whether the store path `path` is `subtree` or lies below it (None or "": every path)."""
+    return subtree is None or subtree == "" or path == subtree or path.startswith(subtree.rstrip("/") + "/")
+
+
 def within(path: str, subtrees: frozenset[str]) -> bool:
-    """Whether the store path `path` is one of `subtrees` or lies below one ("" is the root: every path)."""
-    if "" in subtrees or path in subtrees:
-        return True
-    cut = path.find("/")
-    while cut != -1:
-        if path[:cut] in subtrees:
-            return True
-        cut = path.find("/", cut + 1)
-    return False
+    """Whether the store path `path` is `under` one of `subtrees`."""
+    return any(under(path, s) for s in subtrees)
 
 
 def pick(mapping: Mapping[str, T], exact: Iterable[str], subtrees: frozenset[str]) -> dict[str, T]:

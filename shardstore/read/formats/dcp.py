@@ -643,7 +643,7 @@ def _beside_files(path: str) -> bool:
 def open_trainer_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
                       share: FileShare | None = None) -> TrainerUnit:
     if _beside_files(path):
-        share = share or _checkpoint(folder_of(path), storage_options).share(name_of(path))
+        share = share or share_of(path, storage_options, False)
         return open_trainer(path, share.count, share.count + 1, share.ckpt.digest, storage_options, strict,
                             encode_key, COMMON_STATE if _is_common(path) else "", named=True)
     train = _join_parent(path)
