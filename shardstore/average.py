@@ -32,12 +32,13 @@ import numpy as np
 
 from . import dtypes
 from .errors import ExportError
-from .export import ExportRequest, model_subtree, output_format, planned
+from .export import model_subtree, planned, registry
 from .export.resolve import ArrayRef, leaves
 from .export.dcp import export_dcp, plan_dcp
 from .export.torch import export_torch
 from .export.safetensors import Stacked
 from .ingest import ingest
+from .run import model_store
 from .paths import under
 from .locations import nearest_existing
 from .ranges import BLOCK, Part, blocks
@@ -114,9 +115,9 @@ def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.Pat
     weights = tuple(float(w) for w in (weights or [1.0] * len(checkpoints)))
     if len(weights) != len(checkpoints) or not all(w >= 0 for w in weights) or sum(weights) <= 0:
         raise ExportError(f"--weights: {len(checkpoints)} non-negative numbers, not all zero, one per checkpoint")
-    request = ExportRequest(format, select, strip_prefix, dtype, max_shard_size, hf_config)
+    request = registry.request(format, select=select, strip_prefix=strip_prefix, dtype=dtype,
+                               max_shard_size=max_shard_size, hf_config=hf_config)  # an unknown format refused here
     whole = format in ("torch", "dcp")
-    output_format(format)  # an unknown one refused here, before any reading
     if include_optimizer and not whole:
         raise ExportError(f"--include-optimizer: a {format} output holds the model only; use --format torch or dcp")
     if whole and (dtype or strip_prefix or hf_config):
@@ -128,15 +129,11 @@ def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.Pat
     sources = [open_source(c) for c in checkpoints]
     scratch = Path(tempfile.mkdtemp(prefix=".shardstore-average-", dir=nearest_existing(out.absolute())))
 
-    def model(st: Store) -> str:
-        return select if select is not None else model_subtree(st)
-
     try:
         # what is averaged, from every checkpoint; a torch output's everything else from the last one
-        stores = [ingest(scratch / str(i), source, jobs=jobs,
-                         only=None if include_optimizer or (whole and i == len(sources) - 1) else model)
-                  for i, source in enumerate(sources)]
-        averaged = "" if include_optimizer else model(stores[-1])
+        stores = [ingest(scratch / str(i), source, jobs) if include_optimizer or (whole and i == len(sources) - 1)
+                  else model_store(scratch / str(i), source, jobs, select) for i, source in enumerate(sources)]
+        averaged = "" if include_optimizer else select if select is not None else model_subtree(stores[-1])
         _same_tensors(stores, [str(c) for c in checkpoints], averaged)
         out.mkdir(parents=True, exist_ok=True)
         if whole:

@@ -341,7 +341,7 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
                             keep_dtype=keep_dtype, single_file=single_file)
     if dry_run:
         planned = run(plan=True)
-        assert isinstance(planned, api.Plan)
+        assert isinstance(planned, api.Plan)  # (what plan=True returns)
         _echo_plan(planned, out, as_json)
         return
     scratch = api.scratch_location(out)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import functools
 import os
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from .paths import under
 from .errors import CheckpointError, StoreError, closed_on_error, named
 from .locations import StorageOptions, filesystem, is_url, local
 from .plan import plan_checkpoint
+from .progress import Progress
 from .read.contract import LocalPiece, PlannedCheckpoint, Unit
 from .read.discover import open_unit, unit_shares
 from .read.discover import plan as plan_source
@@ -302,36 +304,54 @@ def planned_store(location: str | os.PathLike[str], source: Source, strict: bool
         return Store.create(location, manifest, source.storage_options, array_metadata=not scratch), unit
 
 
-def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = None,
-           on_done: Callable[[Ingested], None] | None = None, verify_replicas: bool = False,
-           on_created: Callable[[Store], None] | None = None,
-           scheduler: str | None = None, only: Callable[[Store], str | None] | None = None, strict: bool = False,
-           on_start: Callable[[int | None, int], None] | None = None,
-           direct: Callable[[Store], Layout | None] | None = None, scratch: bool = False) -> Store:
-    """Ingest a checkpoint's units of work (rank files, .distcp files) into the store at `location`
-    (created from the checkpoint's spec if it does not exist).
+@dataclass
+class Session:
+    """An ingest under way (`session`): its workers, the store planned for its checkpoint, and the unit
+    planning opened, which `ingest` takes from what planning read. Between planning and `ingest` the
+    caller decides, from the planned store, what to write (`only`) and where (`direct`): `unshard`'s run
+    plan, `inspect`'s one key, `verify`'s model."""
 
-    `jobs` worker processes (default: one per core) each take one file at a time, a batch of them per task
-    (synced and committed together: `ingest_files`); with jobs=1 everything runs in this process. Ingesting a rank that is already in the store simply rewrites the same bytes.
-    `on_created` sees the store before any rank is ingested (and may refuse it by raising). Ranks already
-    committed from a file of the same name and size are skipped, so a rerun does only what is missing.
-    With `scheduler` ("dask" for a local cluster, or a scheduler address) the ranks run as Dask tasks.
-    `only(store)` may name the one subtree whose tensors to write (see `ingest_file`), and `direct(store)` the
-    output layout whose arrays go straight into their output files (sink/files.py). `strict` refuses
-    every pickled global outside the allowlist. `on_start(total, done)` hears, once the store is open, the
-    bytes of all `files` and of those already in it (None for the total when any file is remote).
-    A `scratch` store (a one-pass export's) gets its arrays' Zarr metadata only if the export turns out
-    to write into the store after all (`direct` gives no layout).
-    """
-    files: list[str | os.PathLike[str]] = list(source.units)
-    jobs = max(1, min(jobs or default_jobs(), len(files)))
+    pool: Pool
+    store: Store
+    source: Source
+    strict: bool
+    held: Unit | None
+
+    def ingest(self, only: str | None = None, direct: Layout | None = None, verify_replicas: bool = False,
+               progress: Progress | None = None, on_done: Callable[[Ingested], None] | None = None) -> Store:
+        """Every unit not yet in, on the pool: with `only`, the tensors of that subtree alone (a scratch store
+        that feeds one export; values are always written); with `direct`, the arrays that layout places go
+        straight into its output files (sink/files.py), and only what it does not place into the store.
+        `verify_replicas` compares every replica's copy bit for bit. `progress` hears the bytes of the
+        unit files (and of those already in) and each unit's as it is done; so does `on_done`, per unit.
+        Ranks already committed from a file of the same name and size are skipped, so a rerun does only
+        what is missing."""
+        options = IngestOptions(verify_replicas, only, self.strict, self.source.format, direct)
+        _run(self.store, self.pool, list(self.source.units), options, progress, on_done, self.held)
+        if progress is not None:
+            progress.end()
+        self.store.assemble_ready(verify=verify_replicas)
+        return self.store
+
+
+@contextmanager
+def session(location: str | os.PathLike[str], source: Source, jobs: int | None = None, scheduler: str | None = None,
+            strict: bool = False, scratch: bool = False) -> Iterator[Session]:
+    """The store for the checkpoint `source` reads, created from its spec (or reopened, once checked to
+    match), with `jobs` workers (default: one per core; jobs=1 runs everything in this process) started
+    first, so their start-up overlaps planning. With `scheduler` ("dask" for a local cluster, or a
+    scheduler address) the units run as Dask tasks. `strict` refuses every pickled global outside the
+    allowlist. A `scratch` store (a one-pass export's) gets its arrays' Zarr metadata only if the export
+    turns out to write into the store after all.
+
+    A failure before any unit is accepted, planning's refusal included, leaves no store it created."""
+    jobs = max(1, min(jobs or default_jobs(), len(source.units)))
     created, store, held = not Store.exists(location, source.storage_options), None, None
     try:
         with Pool(jobs, scheduler) as pool:  # workers start now: their start-up overlaps creating the store
             store, held = planned_store(location, source, strict, scratch)
             same_format(store, source)  # before a unit is opened with another's facts
-            _run(store, pool, files, IngestOptions(verify_replicas, None, strict, source.format),
-                 on_created=on_created, only=only, on_start=on_start, on_done=on_done, direct=direct, held=held)
+            yield Session(pool, store, source, strict, held)
     except BaseException:
         # Nothing was accepted: leave no store planned from refused files. Only once the pool is shut down
         # (every task that was running has ended), and never on Dask, whose tasks may outlive this run.
@@ -341,8 +361,15 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
     finally:
         if held is not None:
             held.close()
-    store.assemble_ready(verify=verify_replicas)
-    return store
+
+
+def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = None, verify_replicas: bool = False,
+           scheduler: str | None = None, strict: bool = False, progress: Progress | None = None,
+           on_done: Callable[[Ingested], None] | None = None) -> Store:
+    """Ingest a checkpoint's units of work (rank files, .distcp files) into the store at `location`
+    (created from the checkpoint's spec if it does not exist): a `session`, all of it ingested."""
+    with session(location, source, jobs, scheduler, strict) as s:
+        return s.ingest(verify_replicas=verify_replicas, progress=progress, on_done=on_done)
 
 
 def same_format(store: Store, source: Source) -> None:
@@ -386,24 +413,18 @@ def _check_sizes(units: Sequence[str], least: dict[str, int]) -> None:
 
 
 def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options: IngestOptions,
-         on_created: Callable[[Store], None] | None, only: Callable[[Store], str | None] | None,
-         on_start: Callable[[int | None, int], None] | None, on_done: Callable[[Ingested], None] | None,
-         direct: Callable[[Store], Layout | None] | None = None, held: Any = None) -> None:
+         progress: Progress | None, on_done: Callable[[Ingested], None] | None, held: Unit | None) -> None:
     """The ingest itself, once the store is open: every file not yet in, on the pool. The unit planning
     opened (`held`), if still to do, is ingested here, beside the workers, from what planning read."""
-    if on_created:
-        on_created(store)
     store.sweep_temporaries()  # what writers killed mid-write left behind
-    subtree = only(store) if only else None
-    layout = direct(store) if direct else None
+    layout = options.direct
     if layout is None:  # pieces go into the store's own arrays: Zarr must be able to read them
         store.ensure_array_metadata()
-    todo = _not_yet_done(store, files, subtree, layout.digest if layout is not None else None)
-    if on_start:  # sizes of local files only: asking object storage would cost a request per file
+    todo = _not_yet_done(store, files, options.only, layout.digest if layout is not None else None)
+    if progress is not None:  # sizes of local files only: asking object storage would cost a request per file
         local = not any(is_url(os.fspath(f)) for f in files)
         total = sum(os.path.getsize(f) for f in files) if local else None
-        on_start(total, total - sum(os.path.getsize(f) for f in todo) if total is not None else 0)
-    options = replace(options, only=subtree, direct=layout)
+        progress.start("ingest", total, total - sum(os.path.getsize(f) for f in todo) if total is not None else 0)
     seen: dict[int, str] = {}
     # Every committed unit against the others: a worker compares its units with one committed unit only
     # (`_read_records`), so two saves whose units differ in a value that unit lacks are caught here, and
@@ -421,6 +442,8 @@ def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options:
             except CheckpointError as exc:
                 raise CheckpointError(f"{exc}; {store.location} now holds units of both: delete it, then ingest "
                                       f"the files of one save") from None
+            if progress is not None:
+                progress.advance(result.nbytes)
             if on_done:
                 on_done(result)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .errors import StoreError
-from .ingest import ingest
+from .ingest import session
 from .locations import StorageOptions, is_url
 from .read.discover import open_source
 from .store.handle import TensorHandle
@@ -58,9 +58,10 @@ def inspect(location: str | os.PathLike[str], key: str | None = None, selection:
     where = source.folder or os.fspath(location)
     tmp = Path(tempfile.mkdtemp(prefix="shardstore-inspect-"))
     try:
-        st = ingest(tmp / "store", source, jobs=jobs, strict=strict,
-                    on_created=lambda st: check_key(st, key, selection, where) if key is not None else None,
-                    only=lambda st: key if key in st.manifest.arrays else NO_TENSORS)
+        with session(tmp / "store", source, jobs, strict=strict) as planned:
+            if key is not None:
+                check_key(planned.store, key, selection, where)
+            st = planned.ingest(only=key if key in planned.store.manifest.arrays else NO_TENSORS)
         yield Inspected(st, where)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

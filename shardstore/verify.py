@@ -29,13 +29,14 @@ import numpy as np
 
 from . import dtypes
 from .errors import ExportError
-from .export import ExportRequest, has_hf_description, model_subtree, planned
+from .export import has_hf_description, planned, registry
 from .export.dcp import dcp_state
 from .export.resolve import ArrayRef, build, leaves
 from .export.safetensors import INDEX, Item, tensor_bytes
 from .export.hf import CONFIG
 from .export.torch import TorchFile, torch_layout, torch_object
 from .ingest import ingest
+from .run import model_store
 from .jsonin import loads
 from .locations import StorageOptions
 from .ranges import BLOCK, blocks
@@ -110,12 +111,12 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
             return _compare_torch(ingest(scratch / "store", source, jobs=jobs), out)
         if written is not None:
             return _compare_dcp(ingest(scratch / "store", source, jobs=jobs), ingest(scratch / "output", written, jobs=jobs))
-        store = ingest(scratch / "store", source, jobs=jobs,  # the model's tensors only
-                       only=lambda st: select if select is not None else model_subtree(st))
+        store = model_store(scratch / "store", source, jobs, select)
         if format == "hf" and hf_config is None and not has_hf_description(store):
             hf_config = out / CONFIG  # the folder's own config.json: what the export was given, as written
         # the tensors, and their names, a safetensors (or hf) export writes: a state dict's too
-        request = ExportRequest("hf" if format == "hf" else "safetensors", select, strip_prefix, hf_config=hf_config)
+        request = registry.request("hf" if format == "hf" else "safetensors", select=select, strip_prefix=strip_prefix,
+                                   hf_config=hf_config)
         return _compare(store, planned(store, request).tensors, outputs, format)
     finally:
         for f in files:

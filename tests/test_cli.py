@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import shutil
 import subprocess
@@ -326,7 +325,7 @@ def error_line_or_usage(*args: object) -> str:
 def test_dtype_takes_the_short_names_users_type(checkpoints, tmp_path: Path) -> None:
     """`--dtype bf16` (fp16, fp32, any case) is `--dtype bfloat16`: the same bytes, round to nearest even as
     torch casts; an unknown name is one line naming the choices, from the API as from the CLI."""
-    from shardstore.export.contract import ExportRequest
+    from shardstore.export.registry import request
 
     src = checkpoints(2)
     assert run("unshard", src, tmp_path / "short", "--dtype", "BF16", "-q").returncode == 0
@@ -335,7 +334,7 @@ def test_dtype_takes_the_short_names_users_type(checkpoints, tmp_path: Path) -> 
     want = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in expected(src)["model"].items()}
     assert_bitwise_equal(short, want, "--dtype BF16")
     assert_bitwise_equal(long, want, "--dtype bfloat16")
-    assert ExportRequest(dtype="fp16").dtype == "float16" and ExportRequest(dtype="torch.float32").dtype == "float32"
+    assert request(dtype="fp16").dtype == "float16" and request(dtype="torch.float32").dtype == "float32"
     with pytest.raises(shardstore.ExportError, match="--dtype must be one of bfloat16, float16, float32 .*'int8'"):
         shardstore.unshard(src, tmp_path / "api", dtype="int8")
     assert not (tmp_path / "api").exists()
@@ -534,7 +533,7 @@ def _ctrl_c_line(monkeypatch, *args: object) -> str:
 def test_the_ctrl_c_line_says_what_was_left_and_what_a_rerun_does(checkpoints, tmp_path: Path, monkeypatch) -> None:
     """unshard keeps its work for the rerun, ingest its files, and a command that reads leaves nothing: no
     line asks to put right what nothing needs putting right."""
-    inspect_module = importlib.import_module("shardstore.inspect")  # (shardstore.inspect is its function)
+    from shardstore.ingest import Session
 
     src = checkpoints(3)
     out = tmp_path / "out"
@@ -548,13 +547,13 @@ def test_the_ctrl_c_line_says_what_was_left_and_what_a_rerun_does(checkpoints, t
                          f"them): rerun to ingest the rest")
     assert shardstore.open(tmp_path / "s").status().ranks_done == [0]
 
-    real = inspect_module.ingest
+    real = Session.ingest
 
     def interrupted(*args: object, **kwargs: object) -> None:  # Ctrl-C once the scratch store is filled
-        real(*args, **kwargs)
+        real(*args, **kwargs)  # type: ignore[arg-type]
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(inspect_module, "ingest", interrupted)
+    monkeypatch.setattr(Session, "ingest", interrupted)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     assert _ctrl_c_line(monkeypatch, "show", src, "model/wte.weight") == "shardstore: interrupted; nothing was left behind"

@@ -8,10 +8,11 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 from .. import dtypes, paths, tempfiles
 from ..errors import ExportError, StoreError
+from ..progress import Progress
 from ..sink.layout import MOVING
 from ..sink.output import output_error, write_side_files
 from ..store.onesave import check_one_save
@@ -22,7 +23,7 @@ from .contract import DirectExport, ExportRequest, OutputFormat, Planned
 from .hf import NO_HF_DESCRIPTION, has_hf_description
 from .notes import flat_buckets
 from .registry import FORMATS as _FORMATS
-from .registry import output_format
+from .registry import output_format, request
 from .resolve import NOT_A_MODEL, leaves, model_node, node_at
 
 FORMATS = tuple(_FORMATS)  # the output formats' names (export/registry.py)
@@ -110,23 +111,19 @@ def _scoped(status: Status, node: Node) -> Status:
     return Status(status.world_size, status.ranks_done, missing, [p for p in status.complete if p in inside], partial)
 
 
-def check_request(out_dir: str | os.PathLike[str], format: str = "safetensors", select: str | None = None,
-                  strip_prefix: str | None = None, dtype: str | None = None,
-                  hf_config: str | os.PathLike[str] | None = None, scheduler: str | None = None,
-                  single_file: bool = False) -> Path:
+def check_request(out_dir: str | os.PathLike[str], request: ExportRequest, scheduler: str | None = None) -> Path:
     """Everything about an export that can be refused without the store: `unshard` asks this before it
     ingests anything, so a mistyped option costs nothing."""
-    fmt = output_format(format)
-    dtypes.cast_dtype(dtype)
-    if hf_config is not None and not fmt.describes_model:
+    fmt = request.output
+    if request.hf_config is not None and not fmt.describes_model:
         raise ExportError(f"--hf-config applies to --format {_those(lambda f: f.describes_model)} only")
-    if hf_config is not None and not Path(hf_config).exists():
-        raise ExportError(f"{hf_config}: no such config file or folder (--hf-config)")
-    if single_file and not fmt.single_file:
+    if request.hf_config is not None and not Path(request.hf_config).exists():
+        raise ExportError(f"{request.hf_config}: no such config file or folder (--hf-config)")
+    if request.single_file and not fmt.single_file:
         raise ExportError(f"--single-file applies to --format {_those(lambda f: f.single_file)} only")
     if scheduler and not fmt.takes_scheduler:
-        raise ExportError(f"--scheduler exports {_those(lambda f: f.takes_scheduler)} only, not {format}")
-    if not fmt.subtree and (select or strip_prefix or dtype):
+        raise ExportError(f"--scheduler exports {_those(lambda f: f.takes_scheduler)} only, not {fmt.name}")
+    if not fmt.subtree and (request.select or request.strip_prefix or request.dtype):
         raise ExportError(f"--select, --strip-prefix and --dtype apply to {_those(lambda f: f.subtree)} output only")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -141,11 +138,12 @@ def _those(which: Callable[[OutputFormat], bool]) -> str:
     return " and ".join(name for name, f in _FORMATS.items() if which(f))
 
 
-def output_bytes(store: Store, format: str = "safetensors", select: str | None = None, dtype: str | None = None) -> int:
+def output_bytes(store: Store, request: ExportRequest) -> int:
     """About how many bytes the export will write: its sharded tensors (small values aside)."""
-    if not output_format(format).subtree:
+    if not request.output.subtree:
         return sum(a.nbytes for a in store.manifest.arrays.values())
-    inside = {path for _, path in leaves(_model_or(store, select))}
+    inside = {path for _, path in leaves(_model_or(store, request.select))}
+    dtype = request.dtype
     total = 0
     for path, entry in store.manifest.arrays.items():
         if path in inside:
@@ -159,8 +157,7 @@ def preflight(store: Store, out_dir: str | os.PathLike[str], request: ExportRequ
     (`unshard` asks this once the store is planned, so a mistake costs no ingest): a subtree that is not
     there, a Hugging Face export with nothing to describe the model, and an earlier export of another
     format in OUT. `export` checks the rest, exactly, once the data is in."""
-    out, select, hf_config = Path(out_dir), request.select, request.hf_config
-    fmt = output_format(request.format)
+    out, select, hf_config, fmt = Path(out_dir), request.select, request.hf_config, request.output
     if fmt.subtree:
         _model_or(store, select)
     if fmt.describes_model and _selected(store, select) is None:
@@ -211,33 +208,26 @@ def _stale_message(out: Path, stale: list[Path]) -> str:
             f"use --overwrite to replace that export, or another folder")
 
 
-def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safetensors", select: str | None = None,
-           strip_prefix: str | None = None, dtype: str | None = None, max_shard_size: int = 5_000_000_000,
-           progress: Callable[[int], None] | None = None, allow_partial: bool = False,
-           scheduler: str | None = None, jobs: int = 1, overwrite: bool = False,
-           on_start: Callable[[int], None] | None = None,
-           hf_config: str | os.PathLike[str] | None = None, keep_dtype: Sequence[str] = (),
-           single_file: bool = False) -> ExportResult:
+def export(store: Store, out_dir: str | os.PathLike[str], request: ExportRequest, progress: Progress | None = None,
+           scheduler: str | None = None, jobs: int = 1) -> ExportResult:
     """Write the unsharded checkpoint from `store` into `out_dir` (see docs/commands.md for the formats).
 
-    An incomplete store is refused unless `allow_partial`: then missing pieces are holes (NaN, or zero for
-    integer dtypes) and the output's metadata says which ranks and tensors were missing. With `scheduler`,
-    each safetensors file is written by one Dask task. Files of an earlier export that this one would not
-    replace are refused (they would be mistaken for part of it) unless `overwrite`, which removes them once
-    this export is complete; files no export writes are never touched. `on_start` hears the number of
-    tensor bytes to write (what `progress` will count up to) once the export is planned.
+    An incomplete store is refused unless `request.allow_partial`: then missing pieces are holes (NaN, or
+    zero for integer dtypes) and the output's metadata says which ranks and tensors were missing. With
+    `scheduler`, each safetensors file is written by one Dask task. Files of an earlier export that this
+    one would not replace are refused (they would be mistaken for part of it) unless `request.overwrite`,
+    which removes them once this export is complete; files no export writes are never touched.
+    `progress` hears the tensor bytes to write once the export is planned, and each file's as it goes.
     """
-    out = check_request(out_dir, format, select, strip_prefix, dtype, hf_config, scheduler, single_file)
-    fmt = output_format(format)
-    request = ExportRequest(format, select, strip_prefix, dtype, max_shard_size, hf_config, overwrite, allow_partial,
-                            tuple(keep_dtype), single_file)
+    out = check_request(out_dir, request, scheduler)
+    fmt, select, overwrite = request.output, request.select, request.overwrite
     full = status = store.status()
     check_one_save(store.records(refresh=False))  # units that raced each other to commit
     node = _model_or(store, select) if fmt.subtree else store.manifest.tree
     if fmt.subtree:  # only the exported subtree has to be complete
         status = _scoped(full, node)
     partial = None
-    if not status.ok and allow_partial:
+    if not status.ok and request.allow_partial:
         if not status.ranks_done:
             raise StoreError(f"{store.location}: no rank has been ingested; nothing to export")
         partial = {"shardstore_partial": "true",
@@ -251,9 +241,12 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
     side_files = _beside(store, fmt)
     stale = _earlier_export(out, planned.files + list(side_files), overwrite)
     with _writing_into(out, stale, store, overwrite):
-        if on_start:
-            on_start(planned.nbytes)
-        files, skipped, notes = planned.write(out, progress, partial, scheduler, jobs)
+        if progress is not None:
+            progress.start("export", planned.nbytes)
+        files, skipped, notes = planned.write(out, progress.advance if progress is not None else None, partial,
+                                              scheduler, jobs)
+        if progress is not None:
+            progress.end()
         result = ExportResult(files + write_side_files(side_files, out), skipped, partial, notes=notes,
                               dtypes=_dtypes(store, planned.tensors))
     result.replaced = stale
@@ -262,7 +255,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], format: str = "safeten
 
 def planned(store: Store, request: ExportRequest) -> Planned:
     """What an export of `request` from `store` would write, planned and not written (see `verify`)."""
-    fmt = output_format(request.format)
+    fmt = request.output
     node = _model_or(store, request.select) if fmt.subtree else store.manifest.tree
     return fmt.plan(store, request, node, _subtree(store, request.select) if fmt.subtree else "", 1)
 
@@ -299,15 +292,15 @@ def plan_direct(store: Store, request: ExportRequest, jobs: int = 1) -> DirectEx
     into; None where it cannot be (each format's `plan_direct`), and the store then feeds the export as usual."""
     if store.manifest.facts.replicas > 1 and not store.manifest.facts.group_claims:
         return None
-    fmt = output_format(request.format)
+    fmt = request.output
     node = _model_or(store, request.select) if fmt.subtree else store.manifest.tree
     subtree = _subtree(store, request.select) if fmt.subtree else ""
     direct: DirectExport | None = fmt.direct(store, request, node, subtree, jobs)
     return direct
 
 
-def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: DirectExport, format: str = "safetensors",
-                  overwrite: bool = False) -> ExportResult:
+def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: DirectExport,
+                  request: ExportRequest) -> ExportResult:
     """Once every unit is in: the export sealed, its files renamed into OUT, the files beside them
     written, and an earlier export's files removed (`overwrite`)."""
     out = Path(out_dir)
@@ -315,7 +308,7 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
     if len(done) != store.manifest.world_size:
         raise StoreError(f"{store.location}: {len(done)} of {store.manifest.world_size} units are in; cannot finish")
     check_one_save(store.records(refresh=False))  # units that raced each other to commit
-    fmt = output_format(format)
+    fmt, overwrite = request.output, request.overwrite
     side_files = _beside(store, fmt)
     stale = _earlier_export(out, planned.files + list(side_files), overwrite)
     with _writing_into(out, stale, store, overwrite):

@@ -3,7 +3,7 @@
 The call sequence, for `export` (two steps: the store holds the data) and for `unshard`'s one pass (the
 ingest writes straight into the output):
 
-    check_request(out, format, ...)            before the store exists: options that do not apply
+    check_request(out, request)                before the store exists: options that do not apply
                                                 (export/__init__.py, from the formats' flags)
     planned = format.plan(store, request, ...)  once the data is in: the exact files, the bytes to write
     planned.write(out, progress, partial, ...)  the files, each atomically
@@ -33,9 +33,10 @@ from ..tree import Node
 
 @dataclass(frozen=True)
 class ExportRequest:
-    """What the user asked of one export, as the CLI and the API take it."""
+    """What the user asked of one export, as the CLI and the API take it: the only way export options
+    travel. It carries its output format resolved (export/registry.py `request` builds it from a name)."""
 
-    format: str = "safetensors"
+    output: OutputFormat
     select: str | None = None  # a subtree (default: the model)
     strip_prefix: str | None = None
     dtype: str | None = None  # one of dtypes.CAST_DTYPES, for floating tensors
@@ -56,6 +57,10 @@ class ExportRequest:
             raise ExportError("--keep-dtype goes with --dtype: it names what the cast leaves in its own dtype")
         for pattern in self.keep_dtype:
             matcher(pattern, "--keep-dtype", ExportError)  # one line for a pattern that cannot be matched
+
+    @property
+    def format(self) -> str:
+        return self.output.name
 
     def cast_of(self, key: str) -> str | None:
         """The dtype output tensor `key` is cast to (floating tensors only): `dtype`, unless a `keep_dtype`

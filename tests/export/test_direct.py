@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import shardstore
-from shardstore.export import ExportRequest, plan_direct
+from shardstore.export import plan_direct, request
 from shardstore.export.origin import RECORD
 from tests.conftest import Phases, assert_bitwise_equal, expected, exported, sigkill_mid_way
 
@@ -217,7 +217,7 @@ def test_a_claim_whose_unit_never_committed_is_void(tmp_path: Path) -> None:
         files.DirectWriter.claim = original
     claims = scratch / layout.FOLDER / layout.CLAIMS
     assert (claims / "1").read_text() == "1" and 1 not in shardstore.open(scratch).records()
-    assert plan_direct(shardstore.open(scratch), ExportRequest()) is not None  # what the rerun lays out first
+    assert plan_direct(shardstore.open(scratch), request()) is not None  # what the rerun lays out first
     assert sorted(p.name for p in claims.iterdir()) == ["0"]  # rank 0's claim holds: it was journalled
     shardstore.unshard(src, out, jobs=1)
     two = shardstore.unshard(src, tmp_path / "two", store=tmp_path / "store", jobs=1)
@@ -231,7 +231,7 @@ def test_plain_values_under_the_model_take_the_two_step_path(checkpoints, tmp_pa
     shardstore.unshard(single, tmp_path / "out", jobs=2, progress=phases)
     assert phases.phases == ["ingest", "export"]
     store = shardstore.ingest(tmp_path / "store", shardstore.rank_files(single), jobs=1)
-    assert plan_direct(store, ExportRequest()) is None
+    assert plan_direct(store, request()) is None
     assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), expected(single)["model"])
 
 

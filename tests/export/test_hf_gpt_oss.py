@@ -79,13 +79,13 @@ def test_every_tensor_reads_as_megatron_core_loads_it(layout: str, tmp_path: Pat
 
 def test_a_stacked_tensor_streams_one_expert_at_a_time(tmp_path: Path) -> None:
     """The stack is read and written expert by expert: one part per expert, each one expert's bytes."""
-    from shardstore.export import ExportRequest
+    from shardstore.export import request
     from shardstore.export.hf import plan_hf
     from shardstore.read.discover import open_source
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     store = shardstore.ingest(tmp_path / "store", open_source(SRC), jobs=1)
-    _, plan = plan_hf(store, "model", ExportRequest(format="hf", hf_config=tmp_path / "config.json"))
+    _, plan = plan_hf(store, "model", request("hf", hf_config=tmp_path / "config.json"))
     item = next(it for group in plan.groups for it in group if it.key == "model.layers.0.mlp.experts.gate_up_proj")
     assert isinstance(item.source, Stacked) and item.shape == (4, 16, 64)
     assert [len(part) for part in item.source.parts(store)] == [16 * 64 * 4] * 4

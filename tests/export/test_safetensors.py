@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import shardstore
-from shardstore.export import ExportRequest, model_subtree
+from shardstore.export import model_subtree, request
 from shardstore.export.resolve import node_at
 from shardstore.export.safetensors import plan_safetensors
 from tests.conftest import expected, exported
@@ -16,7 +16,7 @@ def test_the_plan_names_exactly_the_files_written(checkpoints, tmp_path: Path) -
     store = shardstore.ingest(tmp_path / "s", sorted(checkpoints(2).glob("rank*.pt")), jobs=1)
     node = node_at(store.manifest.tree, model_subtree(store))
     for limit in (600_000, 5_000_000_000):
-        plan = plan_safetensors(store, node, ExportRequest(max_shard_size=limit))
+        plan = plan_safetensors(store, node, request(max_shard_size=limit))
         result = shardstore.export(store, tmp_path / str(limit), max_shard_size=limit)
         assert [p.name for p in result.files] == plan.files
         assert exported(tmp_path / str(limit)) == sorted(plan.files)
