@@ -20,7 +20,7 @@ from .export import FORMATS
 from .dtypes import CAST_DTYPES, DTYPE_ALIASES
 from .inspect import inspect
 from .patterns import matcher
-from .plan import LAYOUTS
+from .trainers.registry import trainer
 from .progress import QUIET, ConsoleProgress, Progress, size_text
 from .read.registry import get
 from .store.store import Store
@@ -521,12 +521,12 @@ def _summary(st: Any, checkpoint: str | None = None) -> tuple[Any, list[str]]:
             counts[kind] = counts.get(kind, 0) + 1
         described = " + ".join(f"{n} {kind}" for kind, n in counts.items())
         replicas = m.facts.replicas
-        return s, found + [f"format: {fmt} ({described})", f"layout: {LAYOUTS.get(m.layout, m.layout)}"]\
+        return s, found + [f"format: {fmt} ({described})", f"layout: {trainer(m.layout).title}"]\
             + ([f"hybrid sharding: {replicas} replica groups"] if replicas > 1 else []) \
             + [f"files{' ingested' if checkpoint is None else ''}: {len(s.ranks_done)}/{len(files)}"
                + (f"; missing: {', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}" if missing else "")]
     replicas = m.facts.replicas
-    return s, found + [f"format: {get(fmt).title} rank files", f"layout: {LAYOUTS.get(m.layout, m.layout)}",
+    return s, found + [f"format: {get(fmt).title} rank files", f"layout: {trainer(m.layout).title}",
                        f"world size: {m.world_size}" + (f" ({replicas} replica groups of {m.facts.group_size})"
                                                         if replicas > 1 else ""),
                        f"{'ranks ingested' if checkpoint is None else 'rank files'}: {len(s.ranks_done)}/{m.world_size}"

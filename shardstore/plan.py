@@ -22,6 +22,7 @@ from .errors import CheckpointError
 from .read.contract import CheckpointSpec, ShardedSpec
 from .records import TensorRef
 from .store.manifest import ArrayEntry, CheckpointFacts, Manifest
+from .trainers.registry import detect
 from .tree import Node
 
 CHUNK_TARGET_BYTES = 1 << 20  # inner chunk: the unit a lazy read fetches
@@ -143,38 +144,7 @@ def plan_replicated(path: str, ref: TensorRef) -> ArrayEntry:
                       staged=False, replicated=True)
 
 
-# What each layout says about the checkpoint: which trainer's nesting it is, not which model (OLMo's
-# trainer trains Llamas too).
-LAYOUTS = {"olmo": "olmo (model, optim and trainer state at the top, as OLMo, veRL and DeepSpeed nest them)",
-           "dcp": "dcp (torch DCP's own nesting, as saved)",
-           "composer": "composer (Composer's nesting: state/model, state/optimizers)",
-           "hf-trainer": "hf-trainer (the HF Trainer's model, optimizer, scheduler, RNG and trainer state)",
-           "accelerate": "accelerate (Accelerate's save_state: models, optimizers, schedulers, RNG states)",
-           "lightning": "lightning (Lightning's state_dict, optimizer_N and loops, callbacks, schedulers)",
-           "generic": "generic (a state dict of the trainer's own nesting)"}
-LIGHTNING_KEY = "pytorch-lightning_version"  # in every checkpoint Lightning's Trainer saves
-
-
-def detect_layout(tree: Node, trainer: str | None = None, format: str | None = None) -> str:
-    """Which trainer wrote this: decides where the model weights are and how torch export splits files.
-    `trainer`: the one whose files the checkpoint's folder showed (read/formats/resume.py); `format`: the
-    reader's. A DCP save of no trainer recognised is `dcp`: written as saved, as dcp_to_torch_save does."""
-    if trainer in LAYOUTS:
-        return trainer
-    top = {c.path for _, c in tree.children}
-    if LIGHTNING_KEY in top:
-        return "lightning"
-    # a `dcp.save` or per-rank DTensor `torch.save` of any script nests them so too (OLMo's DCP folder,
-    # model_and_optim/, is named by its reader; OLMo's rank files hold ShardedTensors)
-    if {"model", "optim"} <= top and format not in ("dcp", "dtensor-files"):
-        return "olmo"
-    state = next((c for _, c in tree.children if c.path == "state"), None)
-    if state is not None and any(c.path == "state/model" for _, c in state.children):
-        return "composer"
-    return "dcp" if format == "dcp" else "generic"
-
-
-def plan_checkpoint(spec: CheckpointSpec, layout: str | None = None) -> Manifest:
+def plan_checkpoint(spec: CheckpointSpec) -> Manifest:
     """Plan the whole store from a checkpoint's spec (from any format: see read/source.py)."""
     arrays, objects = {}, list(spec.objects)
     alike: dict[tuple, ArrayEntry] = {}  # a layout planned once for all tensors sharing its shard list
@@ -190,6 +160,6 @@ def plan_checkpoint(spec: CheckpointSpec, layout: str | None = None) -> Manifest
     order = {p: i for i, p in enumerate(spec.tree.leaf_paths())}
     objects.sort(key=lambda p: order.get(p, len(order)))
     facts = CheckpointFacts.of(spec.format, spec.group_size, max(1, spec.world_size // spec.group_size), spec.extra)
-    return Manifest(layout or detect_layout(spec.tree, spec.extra.get("trainer"), spec.format), spec.world_size,
+    return Manifest(detect(spec.tree, spec.extra.get("trainer"), spec.format), spec.world_size,
                     spec.tree, arrays, objects, facts)
 

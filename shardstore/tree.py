@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .errors import ExportError
+
 # How deep a state dict's containers may nest (trainers' are a dozen levels at most), and how many more
 # visits than containers a walk may make (a container reached by two paths is walked twice): a pickle's
 # memo makes a DAG of a few objects and 2^40 paths, and the work must stay bounded by the file's size.
@@ -45,3 +47,14 @@ class Node:
 
 
 Skeleton = Node
+
+
+def node_at(tree: Node, select: str) -> Node:
+    """The tree node at a store path ("state/model"), or the root for ""."""
+    node, target = tree, select.strip("/")
+    while node.path != target:
+        prefix = [c for _, c in node.children if target == c.path or target.startswith(c.path + "/")]
+        if not prefix:
+            raise ExportError(f"no subtree {select!r} in the store")
+        node = prefix[0]
+    return node

@@ -34,7 +34,8 @@ from .export.dcp import dcp_state
 from .export.resolve import ArrayRef, build, leaves
 from .export.safetensors import INDEX, Item, tensor_bytes
 from .export.hf import CONFIG
-from .export.torch import TorchFile, torch_layout, torch_object
+from .export.torch import torch_layout, torch_object
+from .trainers.contract import ResumeFile
 from .ingest import ingest
 from .run import model_store
 from .jsonin import loads
@@ -179,7 +180,7 @@ def _compare_torch(store: Store, out: Path) -> VerifyResult:
     return result
 
 
-def _torch_outputs(store: Store, out: Path) -> list[tuple[TorchFile, Path]]:
+def _torch_outputs(store: Store, out: Path) -> list[tuple[ResumeFile, Path]]:
     """Each file of a torch OUTPUT and what it should hold. OUTPUT itself, or the one torch file of its
     folder, holds the whole state, whatever its name (torch's `dcp_to_torch_save`, `--single-file`); a
     folder of several holds the files `--format torch` writes for the checkpoint's layout, by their names."""

@@ -24,8 +24,14 @@ FORBIDDEN = {
     "shardstore.plan": ("shardstore.read.formats", "shardstore.read.primitives", "shardstore.sink",
                         "shardstore.export", "shardstore.ingest"),
     "shardstore.ingest": ("shardstore.export", "shardstore.read.formats"),
+    # a trainer's conventions: names and files, not bytes, nor where they are read from or written to
+    "shardstore.trainers": ("shardstore.read", "shardstore.store", "shardstore.sink", "shardstore.export",
+                            "shardstore.ingest", "shardstore.plan", "shardstore.run"),
     # a checkpoint read into a scratch store for `ls` and `show`: below the API and the command line
-    "shardstore.inspect": ("shardstore.export", "shardstore.api", "shardstore.cli", "shardstore.verify"),
+    "shardstore.inspect": ("shardstore.export", "shardstore.api", "shardstore.cli", "shardstore.verify",
+                           "shardstore.run"),
+    # a run: below the API and the command line
+    "shardstore.run": ("shardstore.api", "shardstore.cli"),
 }
 BOTTOM = ("tree", "records", "errors", "dtypes", "ranges", "locations", "paths", "crc", "tempfiles", "jsonin",
           "hf_files", "values", "patterns")

@@ -17,6 +17,7 @@ from ..sink.layout import MOVING
 from ..sink.output import output_error, write_side_files
 from ..store.onesave import check_one_save
 from ..store.store import Status, Store
+from ..trainers import registry as trainers
 from ..tree import Node
 from . import origin
 from .contract import DirectExport, ExportRequest, OutputFormat, Planned
@@ -51,14 +52,11 @@ def _dtypes(store: Store, tensors: list[Any]) -> dict[str, tuple[int, int]]:
     return counts
 
 
-# Every file name an export of any format writes: what a previous export may have left in OUT.
+# Every file name an export of any format writes: what a previous export may have left in OUT (the
+# formats' own, and the torch files a trainer resumes from with its own files beside them: trainers/).
 _OUTPUT_NAME = re.compile(r"(model(-[0-9]{5}-of-[0-9]{5})?\.safetensors|model\.safetensors\.index\.json"
-                          r"|(model|optim|train|checkpoint)\.pt|__[0-9]+_0\.distcp|\.metadata|config\.yaml"
-                          r"|config\.json|generation_config\.json"
-                          # the torch files a trainer resumes from, and its own files beside them (export/resume.py)
-                          r"|pytorch_model(_[0-9]+)?\.bin|optimizer(_[0-9]+)?\.(pt|bin)|checkpoint\.ckpt"
-                          r"|(scheduler|sampler|dl_state_dict)(_[0-9]+)?\.(pt|bin)|scaler\.pt|rng_state\.pth"
-                          r"|trainer_state\.json|training_args\.bin|random_states_0\.pkl|custom_checkpoint_[0-9]+\.pkl)\Z")
+                          r"|checkpoint\.pt|__[0-9]+_0\.distcp|\.metadata|config\.yaml|config\.json"
+                          rf"|generation_config\.json|{trainers.writes()})\Z")
 
 
 
@@ -70,15 +68,8 @@ def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
 
 
 def model_subtree(store: Store) -> str:
-    """Where the model weights are, by layout: `model` (OLMo, the HF Trainer, Lightning's FSDPStrategy),
-    `state/model` (Composer), `state_dict` (Lightning's ModelParallelStrategy), else the root."""
-    for candidate in ("model", "state/model", "state_dict"):
-        try:
-            node_at(store.manifest.tree, candidate)
-            return candidate
-        except ExportError:
-            continue
-    return ""
+    """Where the model weights are, as the store's trainer places them (trainers/), else the root."""
+    return trainers.model_subtree(store.manifest.tree, store.manifest.layout)
 
 
 def _selected(store: Store, select: str | None) -> str | None:

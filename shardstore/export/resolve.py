@@ -18,7 +18,7 @@ from ..errors import ExportError
 from ..ranges import Part
 from ..store.handle import decode_value
 from ..store.store import Store
-from ..tree import Node
+from ..tree import Node, node_at
 
 Rows = tuple[tuple[int, int], ...]  # blocks of rows [first, stop), in the order they are written
 
@@ -54,17 +54,6 @@ def object_value(store: Store, path: str, rank: int | None = None, lean: bool = 
     if rank is not None and rank not in by_rank:
         raise ExportError(f"{path}: rank {rank} has not been ingested")
     return decode_value(store, by_rank[min(by_rank) if rank is None else rank], lean)
-
-
-def node_at(tree: Node, select: str) -> Node:
-    """The tree node at a store path ("state/model"), or the root for ""."""
-    node, target = tree, select.strip("/")
-    while node.path != target:
-        prefix = [c for _, c in node.children if target == c.path or target.startswith(c.path + "/")]
-        if not prefix:
-            raise ExportError(f"no subtree {select!r} in the store")
-        node = prefix[0]
-    return node
 
 
 # The top-level parts of a checkpoint that are never a model's weights: an optimizer's state (the HF

@@ -1,11 +1,10 @@
 """`--format torch`: state dicts `torch.load` reads, written without ever holding a whole tensor set.
 
-For an OLMo-style checkpoint (top-level `model` and `optim`) this writes model.pt, optim.pt and
-train.pt exactly as OLMo's own unsharder does (plain dicts, `rng` left out of train.pt), so they are
-drop-in; the HF Trainer's, Accelerate's and Lightning's checkpoints get the files those trainers resume
-from without FSDP (export/resume.py); any other layout gets one checkpoint.pt in the input's own nesting. For Composer, whose rank
-files each hold a one-element `rng` list, the monolithic file's `rng` lists every rank's state in rank
-order, as Composer's own monolithic checkpoints do.
+A checkpoint of a trainer with files of its own to resume from gets those (its `Trainer.resume_files`:
+OLMo's model.pt, optim.pt and train.pt as its own unsharder writes them; the HF Trainer's, Accelerate's
+and Lightning's files without FSDP); any other gets one checkpoint.pt in the input's own nesting. Where
+the trainer's `rng` list holds each rank file's own state (Composer's), the whole file's lists every
+rank's in rank order, as the trainer's own monolithic checkpoints do.
 
 In one pass (`plan_direct`) each file is a torch zip whose arrays' entries are laid out first.
 
@@ -39,8 +38,9 @@ from ..store.store import Store
 from ..tree import Node
 from .contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from .notes import flat_buckets
+from ..trainers.contract import ResumeFile
+from ..trainers.registry import trainer
 from .resolve import ArrayRef, build, leaves, node_at
-from .resume import resume_layout
 from .torchzip import Sink, TorchZipWriter
 
 # torch.save's own pickle protocol; also what the OLMo files are.
@@ -208,38 +208,14 @@ def write_entries(zw: TorchZipWriter, obj: Any, store: Store, partial: dict[str,
         zw.add_bytes("shardstore_partial.json", json.dumps(partial).encode())
 
 
-@dataclass(frozen=True)
-class TorchFile:
-    """One file `--format torch` writes: what of the tree it holds."""
-
-    name: str
-    node: Node
-    dropped: tuple[str, ...] = ()  # top-level keys left out
-    plain_dicts: bool = False  # OrderedDicts written as dicts (what OLMo's unsharder returns)
-    form: Callable[[Any], Any] | None = None  # the trainer's own shape of what it holds (export/resume.py)
-
-    def arrays(self, store: Store) -> list[str]:
-        """The store paths of its sharded arrays, in state-dict order: known before any value is."""
-        return [path for keys, path in leaves(self.node) if path in store.manifest.arrays
-                and not (keys and keys[0] in self.dropped)]
-
-
-def torch_layout(store: Store, single: bool = False) -> list[TorchFile]:
+def torch_layout(store: Store, single: bool = False) -> list[ResumeFile]:
     """The files `export_torch` writes for this store's layout, and what each holds; `single`: the whole
     state in one checkpoint.pt, whatever the layout (ExportRequest.single_file)."""
     tree = store.manifest.tree
     if single:
-        return [TorchFile("checkpoint.pt", tree)]
-    if store.manifest.layout == "olmo":
-        # OLMo's legacy unsharder leaves the per-rank RNG states out of train.pt; for the formats with
-        # train/rank{r}.pt files its unsharders write rank 0's file whole.
-        dropped = ("model", "optim", "rng") if store.manifest.facts.ranked else ("model", "optim")
-        return [TorchFile("model.pt", node_at(tree, "model"), plain_dicts=True),
-                TorchFile("optim.pt", node_at(tree, "optim"), plain_dicts=True),
-                TorchFile("train.pt", tree, dropped, plain_dicts=True)]
-    resumed = resume_layout(store.manifest.layout, tree)
-    return [TorchFile(name, node, form=form) for name, node, form in resumed] if resumed \
-        else [TorchFile("checkpoint.pt", tree)]
+        return [ResumeFile("checkpoint.pt", tree)]
+    resumed = trainer(store.manifest.layout).resume_files(tree, store.manifest.facts.ranked)
+    return resumed or [ResumeFile("checkpoint.pt", tree)]
 
 
 def torch_files(store: Store, single: bool = False) -> list[str]:
@@ -247,14 +223,14 @@ def torch_files(store: Store, single: bool = False) -> list[str]:
     return [f.name for f in torch_layout(store, single)]
 
 
-def torch_object(store: Store, file: TorchFile) -> Any:
+def torch_object(store: Store, file: ResumeFile) -> Any:
     """What one of the files holds, its arrays as ArrayRefs."""
     state = _tied(store, file.node, build(store, file.node, plain_dicts=file.plain_dicts, lean=True))
     if file.dropped:
         return {k: v for k, v in state.items() if k not in file.dropped}
     if file.form is not None:
         return file.form(state)
-    if store.manifest.layout != "composer" or not isinstance(state.get("rng"), list):
+    if not trainer(store.manifest.layout).rng_per_rank or not isinstance(state.get("rng"), list):
         return state
     rng_node = node_at(file.node, "rng")
     holders = _holders(store, rng_node)
@@ -344,7 +320,7 @@ class TorchDirect(DirectExport):
                 zw.close()
 
 
-def _sketch(store: Store, file: TorchFile) -> tuple[TorchZipWriter, dict[str, str]]:
+def _sketch(store: Store, file: ResumeFile) -> tuple[TorchZipWriter, dict[str, str]]:
     """The file's array entries, sketched; and each array's storage key. The same every time it is asked,
     so the seal finds the entries where the workers wrote them."""
     zw = TorchZipWriter(Sketch(), Path(file.name).stem)
@@ -354,10 +330,12 @@ def _sketch(store: Store, file: TorchFile) -> tuple[TorchZipWriter, dict[str, st
     return zw, placed
 
 
-def storage_keys(store: Store, file: TorchFile) -> dict[str, str]:
+def storage_keys(store: Store, file: ResumeFile) -> dict[str, str]:
     """Each array's storage key in `file`: numbered in state-dict order before any other tensor's, in
     one pass (whose workers fill the arrays' entries before the pickle is known) and in two steps alike."""
-    return {path: str(i) for i, path in enumerate(dict.fromkeys(file.arrays(store)))}
+    arrays = [path for keys, path in leaves(file.node) if path in store.manifest.arrays
+              and not (keys and keys[0] in file.dropped)]  # known before any value is
+    return {path: str(i) for i, path in enumerate(dict.fromkeys(arrays))}
 
 
 def plan_direct(store: Store, single: bool = False) -> TorchDirect:

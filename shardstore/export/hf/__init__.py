@@ -26,6 +26,7 @@ from ...errors import ExportError, ShardstoreError
 from ...hf_files import hf_model_file
 from ...sink.output import OutputFile
 from ...store.store import Store
+from ...trainers.registry import trainer
 from ...tree import Node
 from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from ..resolve import build, leaves, model_node, node_at, tensors_only
@@ -278,11 +279,11 @@ def _from_side_files(store: Store, subtree: str, strip_prefix: str | None) -> tu
 def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | None, strip_prefix: str | None
              ) -> tuple[HFModel, dict[str, str]]:
     """The Hugging Face model for the store, and its source names -> store paths."""
-    if strip_prefix is None and store.manifest.layout == "lightning":
+    if strip_prefix is None and trainer(store.manifest.layout).module_prefix:
         strip_prefix = _module_attribute(store, subtree)
         if strip_prefix:
             model, names = describe(store, subtree, hf_config, strip_prefix)
-            model.notes.append(f"the LightningModule's attribute {strip_prefix[:-1]!r} taken off every name (the "
+            model.notes.append(f"the module's attribute {strip_prefix[:-1]!r} taken off every name (the "
                                f"transformers model it holds); --strip-prefix chooses another")
             return model, names
     if hf_config is not None:
@@ -305,8 +306,8 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
 
 
 def _module_attribute(store: Store, subtree: str) -> str | None:
-    """`model.` when every name of a Lightning checkpoint's model starts so: the LightningModule's
-    attribute holding the transformers model (`self.model = AutoModelForCausalLM...`)."""
+    """`model.` when every name of the model starts so, in a checkpoint of a trainer whose module holds
+    the transformers model as an attribute (a LightningModule's `self.model = AutoModelForCausalLM...`)."""
     names = list(_model_leaves(store, subtree, None))
     firsts = {name.split(".", 1)[0] for name in names}
     return f"{firsts.pop()}." if len(firsts) == 1 and all("." in n for n in names) else None

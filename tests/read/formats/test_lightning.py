@@ -144,24 +144,6 @@ def _module() -> Any:
     return Module(CONFIG)
 
 
-def test_lightnings_trainer_resumes_from_the_torch_export_on_one_cpu(tmp_path: Path) -> None:
-    """`Trainer.fit(model, ckpt_path=OUT/checkpoint.ckpt)` with no distributed strategy: it starts at the
-    saved step and epoch with the gathered weights and the optimizer's moments, and trains on."""
-    import lightning as L
-
-    from tests.fixtures.lightning_fsdp import _batches
-
-    want = _want("trainer-w3")
-    shardstore.unshard(DATA / "trainer-w3" / "checkpoints", tmp_path / "pt", format="torch")
-    module = _module()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
-    trainer.fit(module, _batches(), ckpt_path=str(tmp_path / "pt" / "checkpoint.ckpt"))
-    assert module.seen["step"] == 4 and module.seen["epoch"] == 1 and trainer.global_step == 6
-    assert all(torch.equal(module.seen["model"][k], v) for k, v in want["model"].items())
-    same_optimizer(module.seen["optimizer"], want["optimizer"])
-
-
 def test_fabric_loads_its_state_from_the_torch_export_on_one_cpu(tmp_path: Path) -> None:
     """Fabric's folder keeps the user's own keys: checkpoint.pt holds them as `fabric.save` was given them,
     and `fabric.load` on one CPU restores the model, the optimizer (keyed by name) and the plain values."""

@@ -257,51 +257,6 @@ def _tiny_llama(layout: str):
     return LlamaForCausalLM(LlamaConfig(**_want(layout)["config"]))
 
 
-def test_the_trainer_resumes_from_the_torch_export_without_fsdp(tmp_path: Path) -> None:
-    """transformers' Trainer, one CPU process, `train(resume_from_checkpoint=OUT)`: it starts at step 4 with
-    the gathered weights, the optimizer's moments and the schedule's position, and trains on."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    want = _want("fsdp2-w2")
-    shardstore.unshard(DATA / "fsdp2-w2", tmp_path / "out", format="torch")
-    seen: dict = {}
-
-    class Look(TrainerCallback):
-        def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):  # type: ignore[no-untyped-def]
-            seen.update(step=state.global_step, model={k: v.clone() for k, v in model.state_dict().items()},
-                        optimizer=copy.deepcopy(optimizer.state_dict()), epoch=lr_scheduler.last_epoch)
-
-    data = [{"input_ids": torch.arange(8) % 100, "labels": torch.arange(8) % 100} for _ in range(16)]
-    args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=6, per_device_train_batch_size=2,
-                             report_to="none", use_cpu=True, save_strategy="no", learning_rate=1e-2)
-    trainer = Trainer(model=_tiny_llama("fsdp2-w2"), args=args, train_dataset=data, callbacks=[Look()])
-    trainer.train(resume_from_checkpoint=str(tmp_path / "out"))
-    assert seen["step"] == 4 and seen["epoch"] == 4 and trainer.state.global_step == 6
-    assert all(torch.equal(seen["model"][k], v) for k, v in want["model"].items())
-    same_optimizer(seen["optimizer"], want["optimizer"])
-
-
-def test_accelerate_loads_the_state_from_the_torch_export_without_fsdp(tmp_path: Path) -> None:
-    """Accelerate's `load_state(OUT)` in one CPU process: the gathered weights, the optimizer's moments and
-    the scheduler's position."""
-    from accelerate import Accelerator
-    from transformers import get_linear_schedule_with_warmup
-
-    want = torch.load(f"{BIN}.expected.pt.ref", weights_only=True)
-    shardstore.unshard(BIN, tmp_path / "out", format="torch")
-    accelerator = Accelerator(cpu=True)
-    model = _tiny_llama("fsdp2-w3-bin")
-    named = dict(model.named_parameters())  # the run's groups (the Trainer's: decay, no decay)
-    optimizer = torch.optim.AdamW([{"params": [named[n] for n in g["params"]], "weight_decay": g["weight_decay"]}
-                                   for g in want["optimizer"]["param_groups"]], lr=1e-2)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer,
-                                                      get_linear_schedule_with_warmup(optimizer, 2, 10))
-    accelerator.load_state(str(tmp_path / "out"))
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in want["model"].items())
-    same_optimizer(optimizer.state_dict(), want["optimizer"])
-    assert scheduler.scheduler.last_epoch == 4
-
-
 def test_the_trainers_files_of_an_earlier_export_are_refused_or_replaced(tmp_path: Path) -> None:
     """The torch export's files for the Trainer, left in OUT, are an earlier export's: a safetensors export
     into OUT refuses them by name before any ingest, and --overwrite removes them once it is whole."""

@@ -1,0 +1,66 @@
+"""A trainer's conventions: the third axis, beside the input formats (read/) and the output formats (export/).
+
+A checkpoint's format says how its bytes are laid out; its trainer (OLMo, Composer, the HF Trainer,
+Accelerate, Lightning, torch DCP's own nesting) says what its tree means: where the model sits, which
+torch files `--format torch` must write for the trainer to resume without FSDP, what the model's names
+carry. The store records which trainer's nesting a checkpoint has (`Manifest.layout`, decided at
+planning by `registry.detect`); every later question about it is asked of that `Trainer`.
+
+A trainer knows names and files, not bytes: its `resume_files` name subtrees of the store's tree, and
+its `form`s reshape a state dict's keys (an optimizer's, keyed by parameter number), never a tensor.
+
+A new trainer is one module defining its `TRAINER`, one line in registry.py, and a conformance subclass
+(tests/trainers/conformance.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..tree import Node
+
+Form = Callable[[Any], Any]  # what a torch file holds, shaped as its trainer saves it
+
+
+@dataclass(frozen=True)
+class ResumeFile:
+    """One torch file a trainer resumes from, and what of the tree it holds."""
+
+    name: str
+    node: Node
+    dropped: tuple[str, ...] = ()  # top-level keys left out
+    plain_dicts: bool = False  # OrderedDicts written as dicts (what OLMo's unsharder returns)
+    form: Form | None = None  # the trainer's own shape of it
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """One trainer's conventions, as frozen data (the registry lists them)."""
+
+    name: str  # as the store's manifest records it (`Manifest.layout`)
+    title: str  # what `status` says of its nesting
+    # where its model may sit in the tree (store paths, the first there wins; none there: the root)
+    model: tuple[str, ...]
+    # whether a tree of a checkpoint of no known trainer's folder is this trainer's: (tree, reader's format)
+    recognises: Callable[[Node, str | None], bool]
+    # the torch files `--format torch` writes for it to resume from: (tree, one file per rank); None: one
+    # checkpoint.pt of the whole state in the input's nesting
+    resume_files: Callable[[Node, bool], list[ResumeFile] | None]
+    writes: str = ""  # a regex of every name its `resume_files` may give (an earlier export's files in OUT)
+    rng_per_rank: bool = False  # its `rng` list holds this rank file's state: the ranks' lists joined, in order
+    module_prefix: bool = False  # its model's names start with the attribute of the module holding the model
+
+
+def never(tree: Node, format: str | None) -> bool:
+    """For a trainer known only from the files beside its checkpoint (read/formats/resume.py)."""
+    return False
+
+
+def one_file(tree: Node, ranked: bool) -> list[ResumeFile] | None:
+    """For a trainer with no files of its own: one checkpoint.pt of the whole state."""
+    return None
+
+
+def top_keys(tree: Node) -> set[str]:
+    return {child.path for _, child in tree.children}
