@@ -34,8 +34,7 @@ from . import dtypes
 from .errors import ExportError
 from .export import model_subtree, planned, registry
 from .export.resolve import ArrayRef, leaves
-from .export.dcp import export_dcp, plan_dcp
-from .export.torch import export_torch
+from .export.contract import OutputFormat
 from .export.safetensors import Stacked
 from .ingest import ingest
 from .run import model_store
@@ -117,7 +116,7 @@ def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.Pat
         raise ExportError(f"--weights: {len(checkpoints)} non-negative numbers, not all zero, one per checkpoint")
     request = registry.request(format, select=select, strip_prefix=strip_prefix, dtype=dtype,
                                max_shard_size=max_shard_size, hf_config=hf_config)  # an unknown format refused here
-    whole = format in ("torch", "dcp")
+    whole = not request.output.subtree
     if include_optimizer and not whole:
         raise ExportError(f"--include-optimizer: a {format} output holds the model only; use --format torch or dcp")
     if whole and (dtype or strip_prefix or hf_config):
@@ -137,7 +136,7 @@ def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.Pat
         _same_tensors(stores, [str(c) for c in checkpoints], averaged)
         out.mkdir(parents=True, exist_ok=True)
         if whole:
-            return _average_whole(stores, weights, averaged, out, format)
+            return _average_whole(stores, weights, averaged, out, request.output)
         plan = planned(stores[-1], request)
         kept = []
         for it in plan.tensors:
@@ -158,9 +157,9 @@ def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.Pat
 
 
 def _average_whole(stores: list[Store], weights: tuple[float, ...], averaged: str, out: Path,
-                   format: str) -> AverageResult:
-    """The last store's torch files or DCP folder, its floating arrays under `averaged` ("" for all) the
-    stores' mean (written here, in one process: the means read every store)."""
+                   fmt: OutputFormat) -> AverageResult:
+    """The last store's whole state as `fmt` writes it (torch files, a DCP folder), its floating arrays under
+    `averaged` ("" for all) the stores' mean (written here, in one process: the means read every store)."""
     last = stores[-1]
     means: dict[ArrayRef, ArrayRef] = {}  # one per array: a tied tensor stays one storage
     kept: list[str] = []
@@ -174,10 +173,8 @@ def _average_whole(stores: list[Store], weights: tuple[float, ...], averaged: st
                 kept.append(ref.path)
         return means[ref]
 
-    if format == "torch":
-        files = export_torch(last, out, arrays=mean_of)
-    else:
-        files = export_dcp(last, out, plan_dcp(last, arrays=mean_of))
+    assert fmt.rewrite is not None  # (every whole-state format has one)
+    files = fmt.rewrite(last, out, mean_of)
     averaged_paths = {r.path for r, m in means.items() if m is not r}
     values = sum(1 for _, path in leaves(last.manifest.tree) if path not in last.manifest.arrays)
     return AverageResult(files, len(averaged_paths), sorted(set(kept)), values)

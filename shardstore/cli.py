@@ -16,7 +16,7 @@ import numpy as np
 
 from . import api, values
 from .errors import ShardstoreError, StoreError
-from .export import FORMATS
+from .export import FORMATS, output_format
 from .dtypes import CAST_DTYPES, DTYPE_ALIASES
 from .inspect import inspect
 from .patterns import matcher
@@ -439,7 +439,7 @@ def average(paths: tuple[str, ...], weights: str | None, fmt: str, include_optim
     for path in result.files:
         click.echo(f"wrote {path}")
     if result.kept:
-        why = "not averaged (not floating, or outside the model)" if fmt in ("torch", "dcp") else "not floating"
+        why = "not averaged (not floating, or outside the model)" if not output_format(fmt).subtree else "not floating"
         click.echo(f"note: {len(result.kept)} tensor(s) {why}, taken from the last checkpoint: "
                    f"{', '.join(result.kept[:5])}{' ...' if len(result.kept) > 5 else ''}", err=True)
     if result.values:

@@ -20,6 +20,7 @@ import numpy as np
 from . import dtypes
 from .errors import CheckpointError
 from .read.contract import CheckpointSpec, ShardedSpec
+from .read.registry import get
 from .records import TensorRef
 from .store.manifest import ArrayEntry, CheckpointFacts, Manifest
 from .trainers.registry import detect
@@ -160,6 +161,6 @@ def plan_checkpoint(spec: CheckpointSpec) -> Manifest:
     order = {p: i for i, p in enumerate(spec.tree.leaf_paths())}
     objects.sort(key=lambda p: order.get(p, len(order)))
     facts = CheckpointFacts.of(spec.format, spec.group_size, max(1, spec.world_size // spec.group_size), spec.extra)
-    return Manifest(detect(spec.tree, spec.extra.get("trainer"), spec.format), spec.world_size,
+    return Manifest(detect(spec.tree, spec.extra.get("trainer"), get(spec.format)), spec.world_size,
                     spec.tree, arrays, objects, facts)
 

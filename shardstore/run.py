@@ -45,10 +45,6 @@ from .store.store import Store
 
 SCRATCH = ".shardstore-scratch"
 
-# the formats of a plain script's per-rank saves, several of which may share a folder (Composer's ep0-ba10-rank0.pt
-# beside ep0-ba20-rank0.pt); the other formats' files of one save have several names (veRL's model_/optim_...)
-PER_RANK_SAVES = ("torch-save", "dtensor-files")
-
 
 def scratch_location(out_dir: str | os.PathLike[str]) -> Path:
     """Where `unshard` keeps its store when not given one: inside OUT (same file system, so copies stay
@@ -191,7 +187,7 @@ def _opened(request: RunRequest, progress: Progress, dry: bool) -> Source:
     _outside_checkpoint(request, source)
     if os.path.normpath(source.folder) != os.path.normpath(request.src):
         progress.note(f"unshard: the checkpoint in {source.folder}")
-    elif request.tag is None and request.step is None and source.format in PER_RANK_SAVES \
+    elif request.tag is None and request.step is None and get(source.format).shares_folder \
             and (among := taken_among(source.units, request.storage_options)) is not None:
         progress.note(f"unshard: the checkpoint {among[0]!r} of {', '.join(map(repr, among[1]))} in {source.folder}; "
                       f"--tag or --step picks another")

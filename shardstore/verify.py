@@ -34,7 +34,8 @@ from .export.dcp import dcp_state
 from .export.resolve import ArrayRef, build, leaves
 from .export.safetensors import INDEX, Item, tensor_bytes
 from .export.hf import CONFIG
-from .export.torch import torch_layout, torch_object
+from .export.contract import ExportRequest
+from .export.torch import torch_files_in, torch_layout, torch_object
 from .trainers.contract import ResumeFile
 from .ingest import ingest
 from .run import model_store
@@ -67,7 +68,7 @@ class Difference:
 
 @dataclass
 class VerifyResult:
-    format: str  # the export the output was checked as: "safetensors" or "hf"
+    format: str  # the output format the output was checked as
     tensors: int = 0  # compared
     nbytes: int = 0  # of the output's tensors compared
     differences: list[Difference] = field(default_factory=list)
@@ -93,13 +94,11 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
     "dcp") says which export to check it as [default: from the folder];
     `select`, `strip_prefix` and `hf_config` as the export took them."""
     out = Path(output)
-    format = format or _format_of(out)
-    if format not in ("safetensors", "hf", "torch", "dcp"):
-        raise ExportError(f"verify checks safetensors, hf, torch and dcp outputs, not {format}")
+    fmt = registry.output_format(format) if format is not None else registry.recognised(out)
     # the whole checkpoint, the optimizer's state too; or a model's state dict in torch files
-    whole = format == "dcp" or format == "torch" and not state_dict_files(out)
+    whole = not fmt.subtree and (fmt.reads_as_checkpoint or not state_dict_files(out))
     files, outputs = _output_tensors(out) if not whole else ([], {})
-    written = open_source(out) if format == "dcp" else None  # refused up front if it is no DCP folder
+    written = open_source(out) if fmt.reads_as_checkpoint else None  # refused up front if it is none
     try:
         source = open_source(src, tag, step, storage_options)
         scratch = _scratch(out)
@@ -108,17 +107,18 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
             f.close()
         raise
     try:
-        if whole and format == "torch":
-            return _compare_torch(ingest(scratch / "store", source, jobs=jobs), out)
         if written is not None:
-            return _compare_dcp(ingest(scratch / "store", source, jobs=jobs), ingest(scratch / "output", written, jobs=jobs))
+            return _compare_dcp(ingest(scratch / "store", source, jobs=jobs), ingest(scratch / "output", written, jobs=jobs),
+                                fmt.name)
+        if whole:
+            return _compare_torch(ingest(scratch / "store", source, jobs=jobs), out, fmt.name)
         store = model_store(scratch / "store", source, jobs, select)
-        if format == "hf" and hf_config is None and not has_hf_description(store):
+        if fmt.describes_model and hf_config is None and not has_hf_description(store):
             hf_config = out / CONFIG  # the folder's own config.json: what the export was given, as written
         # the tensors, and their names, a safetensors (or hf) export writes: a state dict's too
-        request = registry.request("hf" if format == "hf" else "safetensors", select=select, strip_prefix=strip_prefix,
-                                   hf_config=hf_config)
-        return _compare(store, planned(store, request).tensors, outputs, format)
+        tensors = fmt if fmt.subtree else registry.TENSORS
+        request = ExportRequest(tensors, select=select, strip_prefix=strip_prefix, hf_config=hf_config)
+        return _compare(store, planned(store, request).tensors, outputs, fmt.name)
     finally:
         for f in files:
             f.close()
@@ -134,36 +134,15 @@ def _scratch(out: Path) -> Path:
         return Path(tempfile.mkdtemp(prefix="shardstore-verify-"))
 
 
-def _format_of(out: Path) -> str:
-    """Which export OUTPUT looks like: a Hugging Face folder, a DCP folder, safetensors, or torch files."""
-    if (out / CONFIG).is_file():
-        return "hf"
-    if (out / ".metadata").is_file():
-        return "dcp"
-    if out.suffix in TORCH_SUFFIXES or out.is_dir() and not any(out.glob("*.safetensors")) and _torch_files_in(out):
-        return "torch"
-    return "safetensors"
-
-
-TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-
-
-def _torch_files_in(out: Path) -> list[Path]:
-    """The torch files of an output folder: the HF Trainer's pytorch_model*.bin where it has them (not the
-    training_args.bin it writes beside them), else every .pt, .pth, .bin and .ckpt file."""
-    return sorted(out.glob("pytorch_model*.bin")) or sorted(p for p in out.iterdir()
-                                                           if p.suffix in TORCH_SUFFIXES and p.is_file())
-
-
 # An output's tensor as `_walk` compares it: (dtype, shape, its bytes: a view, or blocks streamed in order)
 Found = tuple[str, tuple[int, ...], Callable[[], "memoryview | Iterator[Any]"]]
 
 
-def _compare_torch(store: Store, out: Path) -> VerifyResult:
+def _compare_torch(store: Store, out: Path, format: str) -> VerifyResult:
     """Every file the torch export of `store` writes, read back with the safe unpickler (nothing of it is
     called), walked beside what the export would write: every tensor of the same dtype, shape and bytes,
     every plain number and string equal; keys missing or extra named."""
-    result = VerifyResult("torch")
+    result = VerifyResult(format)
     for file, path in _torch_outputs(store, out):
         if not path.is_file():
             result.differences.append(Difference(path.name, "missing from the output"))
@@ -184,7 +163,7 @@ def _torch_outputs(store: Store, out: Path) -> list[tuple[ResumeFile, Path]]:
     """Each file of a torch OUTPUT and what it should hold. OUTPUT itself, or the one torch file of its
     folder, holds the whole state, whatever its name (torch's `dcp_to_torch_save`, `--single-file`); a
     folder of several holds the files `--format torch` writes for the checkpoint's layout, by their names."""
-    held = [out] if out.is_file() else _torch_files_in(out)
+    held = [out] if out.is_file() else torch_files_in(out)
     if len(held) == 1:
         return [(torch_layout(store, single=True)[0], held[0])]
     split = torch_layout(store)
@@ -195,9 +174,9 @@ def _torch_outputs(store: Store, out: Path) -> list[tuple[ResumeFile, Path]]:
     return [(f, out / f.name) for f in split]
 
 
-def _compare_dcp(store: Store, output: Store) -> VerifyResult:
+def _compare_dcp(store: Store, output: Store, format: str) -> VerifyResult:
     """The DCP output, read into `output`, walked beside the checkpoint's state as the DCP export writes it."""
-    result = VerifyResult("dcp")
+    result = VerifyResult(format)
 
     def found(leaf: Any) -> Found | None:
         if isinstance(leaf, ArrayRef):
@@ -306,7 +285,7 @@ def state_dict_files(out: Path) -> bool:
     a whole checkpoint's state (torch's `dcp_to_torch_save`, shardstore's torch export: walked whole)."""
     if out.is_dir() and (out / BIN_INDEX).is_file():
         return True
-    paths = [out] if out.is_file() else _torch_files_in(out)
+    paths = [out] if out.is_file() else torch_files_in(out)
     return bool(paths) and all(_holds_state_dict(p) for p in paths)
 
 
@@ -332,7 +311,7 @@ def _output_tensors(out: Path) -> tuple[list[OutputFile], dict[str, tuple[Output
             raise ExportError(f"{at}: has no weight_map")
         paths = [out / name for name in sorted({str(v) for v in weight_map.values()})]
     else:
-        paths = sorted(out.glob("*.safetensors")) or _torch_files_in(out)
+        paths = sorted(out.glob("*.safetensors")) or torch_files_in(out)
     if not paths:
         raise ExportError(f"{out}: no safetensors or torch file of a state dict to verify")
     files: list[OutputFile] = []

@@ -15,18 +15,10 @@ from shardstore.trainers.registry import TRAINERS
 PACKAGE = Path(__file__).parents[1] / "shardstore"
 NAMES = {f.name for f in formats()} | set(OUTPUTS) | set(TRAINERS)
 ASKED = ("format", "fmt", "layout", "trainer")  # what a branch on a name compares it with
-REGISTRIES = ("read/formats/", "read/registry.py", "read/discover.py", "export/registry.py", "trainers/")
+REGISTRIES = ("read/formats/", "read/registry.py", "read/discover.py", "export/registry.py", "trainers/registry.py")
 STILL = {  # file -> the names it still branches on, and why
     # version-1 manifests name their format, not its flags: the flags as that format had them then
     "store/manifest.py": {"megatron-torch"},
-    # which output a folder is, and each output read back and averaged: to be the output formats' own
-    # `read back` and `average` (issue 55)
-    "verify.py": {"safetensors", "hf", "torch", "dcp"},
-    "average.py": {"torch", "dcp"},
-    "cli.py": {"torch", "dcp"},
-    # the formats of a plain script's per-rank saves, several of which may share a folder: to be a flag
-    # of the input format
-    "run.py": {"torch-save", "dtensor-files"},
 }
 
 

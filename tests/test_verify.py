@@ -137,7 +137,7 @@ def test_an_output_of_other_names_says_so_and_an_unknown_format_is_refused(expor
 
     result = shardstore.verify(src, _damaged(out, tmp_path, rename))
     assert result.differences[-1].name == "(all)" and "no tensor name in common" in result.differences[-1].what
-    with pytest.raises(ExportError, match="verify checks safetensors, hf, torch and dcp outputs, not zarr"):
+    with pytest.raises(ExportError, match="unknown format 'zarr'; choose one of safetensors, torch, dcp, hf"):
         shardstore.verify(src, out, format="zarr")
     run = _cli(src, tmp_path / "nothing-here")
     assert run.returncode == 2 and "does not exist" in run.stderr

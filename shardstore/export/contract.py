@@ -30,6 +30,7 @@ from ..patterns import matcher
 from ..sink.layout import Layout
 from ..store.store import Store
 from ..tree import Node
+from .resolve import ArrayRef
 
 @dataclass(frozen=True)
 class ExportRequest:
@@ -112,6 +113,14 @@ class OutputFormat:
     takes_scheduler: bool  # one Dask task per output file
     plan: Callable[[Store, ExportRequest, Node, str, int], Planned]
     direct: Callable[[Store, ExportRequest, Node, str, int], DirectExport | None]
+    # whether a folder (or file) looks like an export of this format (`verify` without --format asks the
+    # formats in the registry's `RECOGNISED` order); it looks at names only
+    recognises: Callable[[Path], bool]
+    # `verify` reads it back as a checkpoint (through the readers, into a store) rather than file by file
+    reads_as_checkpoint: bool = False
+    # a whole-state format (not `subtree`): the store's state written with each sharded array read through
+    # `arrays` (`average` puts the checkpoints' mean in its place); the files written
+    rewrite: Callable[[Store, Path, Callable[[ArrayRef], ArrayRef]], list[Path]] | None = None
 
 
 class DirectExport(ABC):

@@ -503,4 +503,6 @@ def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: 
 
 FORMAT = OutputFormat("dcp", subtree=False, may_write=r"__[0-9]+_0\.distcp|\.metadata", config_beside=True,
                       resume_beside=False, describes_model=False, single_file=False, takes_scheduler=False, plan=_plan,
-                      direct=lambda store, request, node, subtree, jobs: plan_direct(store, jobs))
+                      direct=lambda store, request, node, subtree, jobs: plan_direct(store, jobs),
+                      recognises=lambda out: (out / METADATA).is_file(), reads_as_checkpoint=True,
+                      rewrite=lambda store, out, arrays: export_dcp(store, out, plan_dcp(store, arrays=arrays)))

@@ -7,6 +7,7 @@ defines its `FORMAT`; one entry below; and a conformance subclass (tests/export/
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from ..errors import ExportError
@@ -14,6 +15,16 @@ from . import dcp, hf, safetensors, torch
 from .contract import ExportRequest, OutputFormat
 
 FORMATS: dict[str, OutputFormat] = {f.name: f for f in (safetensors.FORMAT, torch.FORMAT, dcp.FORMAT, hf.FORMAT)}
+# the order `recognised` asks them in: a folder with config.json is a Hugging Face folder (of safetensors
+# files), one with .metadata a DCP folder, torch files and no safetensors a torch export; else safetensors
+RECOGNISED = (hf.FORMAT, dcp.FORMAT, torch.FORMAT, safetensors.FORMAT)
+# the format writing a model's tensors under their own names: what a model's state dict in torch files holds
+TENSORS = safetensors.FORMAT
+
+
+def recognised(out: Path) -> OutputFormat:
+    """Which export OUTPUT looks like, by its names."""
+    return next(f for f in RECOGNISED if f.recognises(out))
 
 
 def output_format(name: str) -> OutputFormat:

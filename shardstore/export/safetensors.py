@@ -374,4 +374,5 @@ def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs
 
 FILE_NAMES = r"model(-[0-9]{5}-of-[0-9]{5})?\.safetensors|model\.safetensors\.index\.json"
 FORMAT = OutputFormat("safetensors", subtree=True, may_write=FILE_NAMES, config_beside=True, resume_beside=False,
-                      describes_model=False, single_file=False, takes_scheduler=True, plan=_plan, direct=_direct)
+                      describes_model=False, single_file=False, takes_scheduler=True, plan=_plan, direct=_direct,
+                      recognises=lambda out: True)  # what any other output is checked as

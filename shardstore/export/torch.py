@@ -364,6 +364,22 @@ def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: 
                    write)
 
 
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def torch_files_in(out: Path) -> list[Path]:
+    """The torch files of an output folder: the HF Trainer's pytorch_model*.bin where it has them (not the
+    training_args.bin it writes beside them), else every .pt, .pth, .bin and .ckpt file."""
+    return sorted(out.glob("pytorch_model*.bin")) or sorted(p for p in out.iterdir()
+                                                           if p.suffix in TORCH_SUFFIXES and p.is_file())
+
+
+def _recognises(out: Path) -> bool:
+    return out.suffix in TORCH_SUFFIXES or out.is_dir() and not any(out.glob("*.safetensors")) \
+        and bool(torch_files_in(out))
+
+
 FORMAT = OutputFormat("torch", subtree=False, may_write=None, config_beside=True, resume_beside=True,
                       describes_model=False, single_file=True, takes_scheduler=False, plan=_plan,
-                      direct=lambda store, request, node, subtree, jobs: plan_direct(store, request.single_file))
+                      direct=lambda store, request, node, subtree, jobs: plan_direct(store, request.single_file),
+                      recognises=_recognises, rewrite=lambda store, out, arrays: export_torch(store, out, arrays=arrays))

@@ -246,6 +246,10 @@ class Format(Protocol):
     ranked: bool  # units are found by the ranks their names carry: a missing one shows only against the world size
     group_claims: bool  # a unit's group_rank numbers its share within its replica group (one writer per group rank)
     keeps_empty_values: bool  # an empty dict or list among the values survives (DCP drops them)
+    # any script's own save (`dcp.save`, per-rank DTensor `torch.save`): its nesting is the script's, and
+    # says nothing of a trainer (trainers/ asks this)
+    any_script: bool
+    shares_folder: bool  # several saves may share one folder, told apart by their files' names (tags)
 
     def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
         """Whether `folder` itself is a checkpoint in this format: a cheap look that never raises."""

@@ -27,6 +27,7 @@ from .source import Source, config_files
 class FolderFormat:
     ranked = False  # every unit is listed by the checkpoint's own metadata or layout
     group_claims, keeps_empty_values = False, True
+    any_script, shares_folder = False, False  # a trainer's own files
 
     def __init__(self, module: ModuleType, title: str):
         self.module, self.name, self.title = module, module.FORMAT, title

@@ -8,10 +8,10 @@ every rank's state in global rank 0's list already.
 from __future__ import annotations
 
 from ..tree import Node
-from .contract import Trainer, one_file
+from .contract import Reader, Trainer, one_file
 
 
-def _recognises(tree: Node, format: str | None) -> bool:
+def _recognises(tree: Node, reader: Reader | None) -> bool:
     state = next((c for _, c in tree.children if c.path == "state"), None)
     return state is not None and any(c.path == "state/model" for _, c in state.children)
 

@@ -16,11 +16,18 @@ A new trainer is one module defining its `TRAINER`, one line in registry.py, and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from ..tree import Node
 
 Form = Callable[[Any], Any]  # what a torch file holds, shaped as its trainer saves it
+
+
+class Reader(Protocol):
+    """What a trainer may ask of the checkpoint's input format (read/contract.py `Format` has these)."""
+
+    any_script: bool  # any script's own save: its nesting is the script's
+    shares_folder: bool  # several saves may share one folder (per-rank files), rather than a folder each
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,8 @@ class Trainer:
     title: str  # what `status` says of its nesting
     # where its model may sit in the tree (store paths, the first there wins; none there: the root)
     model: tuple[str, ...]
-    # whether a tree of a checkpoint of no known trainer's folder is this trainer's: (tree, reader's format)
-    recognises: Callable[[Node, str | None], bool]
+    # whether a tree of a checkpoint of no known trainer's folder is this trainer's, read by `Reader`
+    recognises: Callable[[Node, Reader | None], bool]
     # the torch files `--format torch` writes for it to resume from: (tree, one file per rank); None: one
     # checkpoint.pt of the whole state in the input's nesting
     resume_files: Callable[[Node, bool], list[ResumeFile] | None]
@@ -52,7 +59,7 @@ class Trainer:
     module_prefix: bool = False  # its model's names start with the attribute of the module holding the model
 
 
-def never(tree: Node, format: str | None) -> bool:
+def never(tree: Node, reader: Reader | None) -> bool:
     """For a trainer known only from the files beside its checkpoint (read/formats/resume.py)."""
     return False
 

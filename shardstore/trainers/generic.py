@@ -7,6 +7,8 @@ from .contract import Trainer, one_file
 
 MODEL = ("model", "state/model", "state_dict")
 
-DCP = Trainer("dcp", "dcp (torch DCP's own nesting, as saved)", MODEL, lambda tree, format: format == "dcp", one_file)
+# any script's save of a folder of its own (`dcp.save`: per-rank files share folders)
+DCP = Trainer("dcp", "dcp (torch DCP's own nesting, as saved)", MODEL,
+              lambda tree, reader: reader is not None and reader.any_script and not reader.shares_folder, one_file)
 GENERIC = Trainer("generic", "generic (a state dict of the trainer's own nesting)", MODEL,
-                  lambda tree, format: True, one_file)
+                  lambda tree, reader: True, one_file)

@@ -47,6 +47,6 @@ def lightning_checkpoint(state: dict[str, Any]) -> dict[str, Any]:
 
 TRAINER = Trainer(
     "lightning", "lightning (Lightning's state_dict, optimizer_N and loops, callbacks, schedulers)", MODEL,
-    lambda tree, format: VERSION_KEY in top_keys(tree),
+    lambda tree, reader: VERSION_KEY in top_keys(tree),
     lambda tree, ranked: [ResumeFile("checkpoint.ckpt", tree, form=lightning_checkpoint)],
     writes=r"checkpoint\.ckpt", module_prefix=True)

@@ -23,5 +23,5 @@ TRAINER = Trainer(
     "olmo", "olmo (model, optim and trainer state at the top, as OLMo, veRL and DeepSpeed nest them)", ("model",),
     # a `dcp.save` or per-rank DTensor `torch.save` of any script nests them so too (OLMo's DCP folder,
     # model_and_optim/, is named by its reader; OLMo's rank files hold ShardedTensors)
-    lambda tree, format: {"model", "optim"} <= top_keys(tree) and format not in ("dcp", "dtensor-files"),
+    lambda tree, reader: {"model", "optim"} <= top_keys(tree) and not (reader is not None and reader.any_script),
     _files, writes=r"(model|optim|train)\.pt")

@@ -6,18 +6,18 @@ from __future__ import annotations
 from ..tree import Node, node_at
 from ..errors import ExportError
 from . import accelerate, composer, generic, hf_trainer, lightning, olmo
-from .contract import Trainer
+from .contract import Reader, Trainer
 
 TRAINERS: dict[str, Trainer] = {t.name: t for t in (hf_trainer.TRAINER, accelerate.TRAINER, lightning.TRAINER,
                                                     olmo.TRAINER, composer.TRAINER, generic.DCP, generic.GENERIC)}
 
 
-def detect(tree: Node, known: str | None = None, format: str | None = None) -> str:
+def detect(tree: Node, known: str | None = None, reader: Reader | None = None) -> str:
     """Which trainer's nesting `tree` has: `known`, the one whose files the checkpoint's folder showed
-    (read/formats/resume.py), else the first that recognises it; `format` is the reader's."""
+    (read/formats/resume.py), else the first that recognises it, read by `reader`."""
     if known in TRAINERS:
         return known
-    return next(t.name for t in TRAINERS.values() if t.recognises(tree, format))
+    return next(t.name for t in TRAINERS.values() if t.recognises(tree, reader))
 
 
 def trainer(name: str) -> Trainer:

@@ -922,6 +922,7 @@ def _parts(facts: dict[str, Any]) -> bool:
 class DcpFormat:
     name, title, ranked = "dcp", "DCP", False
     group_claims, keeps_empty_values = False, False  # DCP stores nested values key by key
+    any_script, shares_folder = True, False
 
     def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
         return _inside(folder, storage_options) is not None

@@ -507,6 +507,7 @@ class DTensorFiles:
 
     name, title, ranked = FORMAT, "DTensor", True
     group_claims, keeps_empty_values = False, True  # every unit is its own group rank: replicas are deduplicated
+    any_script, shares_folder = True, True  # Composer's ep0-ba10-rank0.pt beside ep0-ba20-rank0.pt
 
     def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
         return False  # found through rank-file discovery (RankFiles.find), which routes them here

@@ -374,6 +374,8 @@ class RankFiles:
 
     name, title, ranked = "torch-save", "ShardedTensor", True
     group_claims, keeps_empty_values = True, True
+    # OLMo's trainer saves ShardedTensors so (its nesting then is OLMo's); tagged saves share a folder
+    any_script, shares_folder = False, True
 
     def detect(self, folder: str, storage_options: StorageOptions | None) -> bool:
         try:
