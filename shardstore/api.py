@@ -20,9 +20,11 @@ from .run import Plan, scratch_location
 from .runner import default_jobs
 from .store.store import Store
 from .verify import verify
+from .watcher import Watching
 from .watcher import watch as _watch
 
 PathLike = str | os.PathLike[str]
+INGEST_OPTIONS = frozenset({"verify_replicas", "scheduler", "strict"})
 
 
 def open(location: PathLike, storage_options: StorageOptions | None = None) -> Store:  # noqa: A001
@@ -30,11 +32,11 @@ def open(location: PathLike, storage_options: StorageOptions | None = None) -> S
     return Store.open(location, storage_options)
 
 
-def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None = None, verify_replicas: bool = False,
-           storage_options: StorageOptions | None = None, scheduler: str | None = None, strict: bool = False,
-           progress: Progress | bool = False, on_done: Callable[[_ingest.Ingested], None] | None = None) -> Store:
+def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None = None,
+           progress: Progress | bool = False, on_done: Callable[[_ingest.Ingested], None] | None = None,
+           storage_options: StorageOptions | None = None, **options: Any) -> Store:
     """Ingest rank files (or a DCP checkpoint's .distcp files, or a `Source`) into `store` (created on first
-    use); any subset, in any order, any number of times.
+    use); any subset, in any order, any number of times. `options`: `verify_replicas`, `scheduler`, `strict`.
 
     With hybrid sharding (HSDP) each shard is written once; `verify_replicas` checks the other copies match.
     `store` and `files` may be URLs (s3://...); `scheduler` ("dask", or a Dask scheduler address) runs one
@@ -46,7 +48,9 @@ def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None
     if isinstance(files, (str, os.PathLike)):  # one folder (or file), not the characters of its name
         files = [files]
     source = files if isinstance(files, Source) else source_of_files(list(files), storage_options)
-    return _ingest.ingest(store, source, jobs, verify_replicas, scheduler, strict, _progress(progress), on_done)
+    registry.known(options, INGEST_OPTIONS)
+    return _ingest.ingest(store, source, jobs, options.get("verify_replicas", False), options.get("scheduler"),
+                          options.get("strict", False), _progress(progress), on_done)
 
 
 def export(store: Store | PathLike, out_dir: PathLike, progress: Progress | bool = False,
@@ -67,14 +71,12 @@ def export(store: Store | PathLike, out_dir: PathLike, progress: Progress | bool
     return _export.export(st, out_dir, request, _progress(progress), scheduler, jobs or default_jobs())
 
 
-def watch(store: PathLike, src_dir: PathLike, expect: int | None = None, timeout: float | None = None,
-          jobs: int | None = None, poll: float = 0.5, tag: str | None = None,
-          on_done: Callable[[_ingest.Ingested], None] | None = None,
-          on_world_size: Callable[[int], None] | None = None, storage_options: StorageOptions | None = None,
-          strict: bool = False) -> Store:
-    """Ingest rank files as they arrive in `src_dir` until the store is complete (or `timeout` passes)."""
-    return _watch(store, src_dir, expect=expect, timeout=timeout, jobs=jobs, poll=poll, tag=tag, on_done=on_done,
-                  on_world_size=on_world_size, storage_options=storage_options, strict=strict)
+def watch(store: PathLike, src_dir: PathLike, on_done: Callable[[_ingest.Ingested], None] | None = None,
+          on_world_size: Callable[[int], None] | None = None, **options: Any) -> Store:
+    """Ingest rank files as they arrive in `src_dir` until the store is complete (or `timeout` passes):
+    `options` are `watcher.Watching`'s (`expect`, `timeout`, `poll`, `tag`, `jobs`, `storage_options`,
+    `strict`)."""
+    return _watch(store, src_dir, Watching(**options), on_done, on_world_size)
 
 
 def rank_files(src_dir: PathLike, tag: str | None = None, step: int | None = None,

@@ -101,25 +101,27 @@ class AverageResult:
     values: int = 0  # other leaves taken from the last checkpoint (torch output: counters, RNG states, ...)
 
 
+# the export's options `average` takes (the others do not apply to a new folder of averaged tensors)
+OPTIONS = frozenset({"format", "select", "strip_prefix", "dtype", "hf_config", "max_shard_size"})
+
+
 def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str],
-            weights: Sequence[float] | None = None, format: str = "safetensors", select: str | None = None,
-            strip_prefix: str | None = None, dtype: str | None = None, hf_config: str | os.PathLike[str] | None = None,
-            max_shard_size: int = 5_000_000_000, jobs: int | None = None,
-            include_optimizer: bool = False) -> AverageResult:
+            weights: Sequence[float] | None = None, include_optimizer: bool = False, jobs: int | None = None,
+            **options: Any) -> AverageResult:
     """The weighted mean of `checkpoints` (folders, each as `unshard` takes them) into `out_dir`, as a
-    safetensors or Hugging Face export (its options as `unshard`'s), or as the torch files of the whole last
-    checkpoint with the model's tensors (all floating tensors, `include_optimizer`) averaged."""
+    safetensors or Hugging Face export (`options`, `OPTIONS`, as `unshard`'s), or as the torch files of the
+    whole last checkpoint with the model's tensors (all floating tensors, `include_optimizer`) averaged."""
+    registry.known(options, OPTIONS)
     if len(checkpoints) < 2:
         raise ExportError("average takes two checkpoints or more")
     weights = tuple(float(w) for w in (weights or [1.0] * len(checkpoints)))
     if len(weights) != len(checkpoints) or not all(w >= 0 for w in weights) or sum(weights) <= 0:
         raise ExportError(f"--weights: {len(checkpoints)} non-negative numbers, not all zero, one per checkpoint")
-    request = registry.request(format, select=select, strip_prefix=strip_prefix, dtype=dtype,
-                               max_shard_size=max_shard_size, hf_config=hf_config)  # an unknown format refused here
-    whole = not request.output.subtree
+    request = registry.request(**options)  # an unknown format refused here
+    format, select, whole = request.format, request.select, not request.output.subtree
     if include_optimizer and not whole:
         raise ExportError(f"--include-optimizer: a {format} output holds the model only; use --format torch or dcp")
-    if whole and (dtype or strip_prefix or hf_config):
+    if whole and (request.dtype or request.strip_prefix or request.hf_config):
         raise ExportError(f"--format {format} writes the last checkpoint as it is: --dtype, --strip-prefix and "
                           "--hf-config are for safetensors and hf outputs")
     out = Path(out_dir)

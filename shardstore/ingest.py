@@ -209,8 +209,7 @@ def _write_unit(store: Store, path: str | os.PathLike[str], options: IngestOptio
                 sink.piece(entry, piece)
         if direct is not None:
             direct.flush()
-        record = writer.record(unit.rank, unit.path, unit.size, only, unit.world_size, unit.group_rank,
-                               unit.group_size, identity, options.direct.digest if options.direct is not None else None,
+        record = writer.record(unit, only, identity, options.direct.digest if options.direct is not None else None,
                                direct.take_runs() if direct is not None else None)
         saves.add(name, writer.objects)  # the batch's later units are checked against it too
         return Ingested(unit.rank, unit.path, unit.size, record, writer.staging), writer.written

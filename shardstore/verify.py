@@ -34,13 +34,12 @@ from .export.dcp import dcp_state
 from .export.resolve import ArrayRef, build, leaves
 from .export.safetensors import INDEX, Item, tensor_bytes
 from .export.hf import CONFIG
-from .export.contract import ExportRequest
 from .export.torch import torch_files_in, torch_layout, torch_object
 from .trainers.contract import ResumeFile
 from .ingest import ingest
+from . import run
 from .run import model_store
 from .jsonin import loads
-from .locations import StorageOptions
 from .ranges import BLOCK, blocks
 from .read.discover import open_source
 from .read.primitives import tensors
@@ -84,23 +83,30 @@ class VerifyResult:
         return f"{len(self.differences)} difference(s) in the output; compared {size}"
 
 
+# what `verify` takes besides the two folders and the format: the export's options as it took them, and
+# which checkpoint and how to read it, as for `unshard`
+OPTIONS = frozenset({"select", "strip_prefix", "hf_config", "tag", "step", "jobs", "storage_options"})
+
+
 def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: str | None = None,
-           select: str | None = None, strip_prefix: str | None = None,
-           hf_config: str | os.PathLike[str] | None = None, tag: str | None = None, step: int | None = None,
-           jobs: int | None = None, storage_options: StorageOptions | None = None) -> VerifyResult:
+           **options: Any) -> VerifyResult:
     """Check OUTPUT (a safetensors file, or a folder of them: a Hugging Face folder when it has a
     config.json; a model's state dict in torch files, one or pytorch_model*.bin; the torch files `--format
-    torch` writes; a DCP folder) against the checkpoint in SRC. `format` ("safetensors", "hf", "torch" or
-    "dcp") says which export to check it as [default: from the folder];
-    `select`, `strip_prefix` and `hf_config` as the export took them."""
+    torch` writes; a DCP folder) against the checkpoint in SRC. `format` (an output format's name) says
+    which export to check it as [default: from the folder]; `options` are `OPTIONS`: `select`,
+    `strip_prefix` and `hf_config` as the export took them, `tag`, `step`, `jobs` and `storage_options`
+    as for `unshard`."""
+    registry.known(options, OPTIONS)
     out = Path(output)
     fmt = registry.output_format(format) if format is not None else registry.recognised(out)
+    request = run.request(src, output, format=fmt.name, **options)
+    jobs, select = request.jobs, request.export.select
     # the whole checkpoint, the optimizer's state too; or a model's state dict in torch files
     whole = not fmt.subtree and (fmt.reads_as_checkpoint or not state_dict_files(out))
     files, outputs = _output_tensors(out) if not whole else ([], {})
     written = open_source(out) if fmt.reads_as_checkpoint else None  # refused up front if it is none
     try:
-        source = open_source(src, tag, step, storage_options)
+        source = open_source(src, request.tag, request.step, request.storage_options)
         scratch = _scratch(out)
     except BaseException:
         for f in files:
@@ -113,12 +119,13 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
         if whole:
             return _compare_torch(ingest(scratch / "store", source, jobs=jobs), out, fmt.name)
         store = model_store(scratch / "store", source, jobs, select)
-        if fmt.describes_model and hf_config is None and not has_hf_description(store):
-            hf_config = out / CONFIG  # the folder's own config.json: what the export was given, as written
+        export = request.export
+        if fmt.describes_model and export.hf_config is None and not has_hf_description(store):
+            # the folder's own config.json: what the export was given, as written
+            export = replace(export, hf_config=out / CONFIG)
         # the tensors, and their names, a safetensors (or hf) export writes: a state dict's too
-        tensors = fmt if fmt.subtree else registry.TENSORS
-        request = ExportRequest(tensors, select=select, strip_prefix=strip_prefix, hf_config=hf_config)
-        return _compare(store, planned(store, request).tensors, outputs, fmt.name)
+        export = replace(export, output=fmt if fmt.subtree else registry.TENSORS)
+        return _compare(store, planned(store, export).tensors, outputs, fmt.name)
     finally:
         for f in files:
             f.close()

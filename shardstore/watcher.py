@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -22,17 +23,30 @@ from .runner import Pool, default_jobs
 from .store.store import Store
 
 
-def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], expect: int | None = None,
-          timeout: float | None = None, jobs: int | None = None, poll: float = 0.5, tag: str | None = None,
-          on_done: Callable[[Ingested], None] | None = None,
-          on_world_size: Callable[[int], None] | None = None, storage_options: StorageOptions | None = None,
-          strict: bool = False) -> Store:
-    """Ingest rank files from `src_dir` as they appear until the store is complete; returns the store.
+@dataclass(frozen=True)
+class Watching:
+    """How `watch` waits: `expect` is the world size to wait for (default: the world size the first file
+    declares); after `timeout` seconds a CheckpointError names the ranks still missing; the folder is
+    looked at every `poll` seconds. `tag`, `jobs`, `storage_options` (the store's) and `strict` as for
+    `ingest`."""
 
-    `expect` is the world size to wait for (default: the world size the first file declares); after
-    `timeout` seconds a CheckpointError names the ranks still missing. `src_dir` is a local folder; the
-    store may be anywhere (`storage_options` as for `ingest`).
-    """
+    expect: int | None = None
+    timeout: float | None = None
+    poll: float = 0.5
+    tag: str | None = None
+    jobs: int | None = None
+    storage_options: StorageOptions | None = None
+    strict: bool = False
+
+
+def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], how: Watching = Watching(),
+          on_done: Callable[[Ingested], None] | None = None,
+          on_world_size: Callable[[int], None] | None = None) -> Store:
+    """Ingest rank files from `src_dir` (a local folder) as they appear until the store is complete;
+    returns the store. `on_done` hears each unit as it is committed, `on_world_size` the world size once
+    the first file says it."""
+    expect, timeout, poll, tag = how.expect, how.timeout, how.poll, how.tag
+    storage_options, strict = how.storage_options, how.strict
     deadline = None if timeout is None else time.monotonic() + timeout
     looks = Looks()
     submitted: dict[str, Future[list[Ingested]]] = {}
@@ -42,7 +56,7 @@ def watch(location: str | os.PathLike[str], src_dir: str | os.PathLike[str], exp
         done_ranks = set(store.records())
     except ShardstoreError:
         done_ranks = set()
-    pool = Pool(jobs or default_jobs(), processes=True)  # files are taken while the next ones still arrive
+    pool = Pool(how.jobs or default_jobs(), processes=True)  # files are taken while the next ones still arrive
     try:
         while True:
             for path, fut in list(submitted.items()):

@@ -109,3 +109,21 @@ def test_the_checks_see_a_circle_and_an_upward_import(tmp_path: Path) -> None:
     up = {"shardstore.store.x": [("shardstore.read.contract", True)]}
     with pytest.raises(AssertionError, match="shardstore.store.x imports shardstore.read.contract"):
         test_no_module_imports_a_stage_above_it(up)
+
+
+MOST_PARAMETERS = 8  # a function taking more takes a request (a frozen dataclass) instead
+
+
+def test_no_function_takes_more_than_eight_parameters() -> None:
+    """Options travel as one request value (`RunRequest`, `ExportRequest`, `Watching`): a function over
+    eight parameters is a request not yet made. The command line's click commands take one per option."""
+    over = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs if a.arg not in ("self", "cls")]
+                clicked = name == "shardstore.cli" and any("command" in ast.unparse(d) for d in node.decorator_list)
+                if len(names) > MOST_PARAMETERS and not clicked:
+                    over.append(f"{name}.{node.name}: {len(names)}")
+    assert over == []

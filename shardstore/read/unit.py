@@ -32,6 +32,16 @@ def planned_place(name: str, path: str, facts: dict[str, Any], key: str, what: s
     return listed.index(name), len(listed)
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where a unit belongs: its number among the `count` units of its checkpoint, and the metadata digest
+    of the save it is a unit of (what it is checked against)."""
+
+    index: int
+    count: int
+    digest: str
+
+
 @dataclass
 class FileUnit:
     """One file of a checkpoint, opened and checked: its pieces (ArrayLeafs) and values, still on disk.

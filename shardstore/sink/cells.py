@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,6 +26,19 @@ from . import Piece
 INLINE_BYTES = 1 << 20  # a unit's staged bytes up to this size (and its share of STAGING_CACHE_BYTES) go in
 # its commit record (store format 3) ...
 HANDBACK_BYTES = 1 << 20  # ... else into a staging file, which up to this size is also handed back to the coordinator
+
+
+class Committed(Protocol):
+    """What a commit record says of the unit it commits (read/contract.py's `Unit` has these)."""
+
+    rank: int
+    path: str
+    world_size: int
+    group_rank: int
+    group_size: int
+
+    @property
+    def size(self) -> int: ...
 
 
 class UnitWriter:
@@ -106,11 +119,11 @@ class UnitWriter:
         self.staged.setdefault(entry.path, []).append([list(offsets), list(sizes), self._staged_bytes, nbytes])
         self._staged_bytes += nbytes
 
-    def record(self, rank: int, path: str, nbytes: int, only: str | None, world_size: int, group_rank: int,
-               group_size: int, identity: str | None = None, direct: str | None = None,
+    def record(self, unit: Committed, only: str | None, identity: str | None = None, direct: str | None = None,
                runs: list[list[int]] | None = None) -> CommitRecord:
         """The unit's staged pieces written (while its file is still open), and the record that commits
         everything it wrote (`written`) once that is durable: `Store.commit_ranks`."""
+        rank, world_size = unit.rank, unit.world_size
         inline = None
         share = min(INLINE_BYTES, STAGING_CACHE_BYTES // max(world_size, 1))  # what the coordinator can hold
         if self._staging and self._staged_bytes <= share and self.store.manifest.version >= INLINE_STAGING:
@@ -124,8 +137,9 @@ class UnitWriter:
                 parts = [self.staging]
             self.written.append(self.store.write_staging(rank, parts))
             self._staging = []
-        return CommitRecord(rank, os.path.basename(path), nbytes, self.cells, self.staged, self.objects, only,
-                            world_size, group_rank, group_size, self.crcs, identity, direct, runs or [], inline)
+        return CommitRecord(rank, os.path.basename(unit.path), unit.size, self.cells, self.staged, self.objects, only,
+                            world_size, unit.group_rank, unit.group_size, self.crcs, identity, direct, runs or [],
+                            inline)
 
     def _verify(self, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part]) -> None:
         """Compare this unit's copy of a cell with the committed one; name the first difference."""

@@ -40,7 +40,7 @@ from ..primitives.unpickle import DCP_PLACEHOLDERS, DcpBytesStorage, DcpMetadata
 from ...patterns import digits
 from ..source import (COMPOSER_BATCH, COMPOSER_EPOCH, JSON_CONFIG, Source, check_step, config_files, hf_files, inside_run,
                       pick)
-from ..unit import check_leaves
+from ..unit import Place, check_leaves
 from . import lightning, megatron_fsdp, megatron_torch, trainer
 from .dcp_checkpoint import DcpCheckpoint, FileShare, Item
 from .resume import resume_files
@@ -644,12 +644,12 @@ def open_trainer_unit(path: str, storage_options: StorageOptions | None, strict:
                       share: FileShare | None = None) -> TrainerUnit:
     if _beside_files(path):
         share = share or share_of(path, storage_options, False)
-        return open_trainer(path, share.count, share.count + 1, share.ckpt.digest, storage_options, strict,
+        return open_trainer(path, Place(share.count, share.count + 1, share.ckpt.digest), storage_options, strict,
                             encode_key, COMMON_STATE if _is_common(path) else "", named=True)
     train = _join_parent(path)
     ckpt = _checkpoint(join(train, MODEL_AND_OPTIM), storage_options)
     count = len(ckpt.files) + len(trainer_files(join(train, MODEL_AND_OPTIM), storage_options))
-    return open_trainer(path, len(ckpt.files) + (name_rank(path) or 0), count, ckpt.digest, storage_options,
+    return open_trainer(path, Place(len(ckpt.files) + (name_rank(path) or 0), count, ckpt.digest), storage_options,
                         strict, encode_key)
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from ... import paths
 from ...tree import KeyEncoder, Node
-from ..unit import planned_place, relative
+from ..unit import Place, planned_place, relative
 from .trainer import TRAIN, open_trainer
 
 MODEL, OPTIM = "model", "optim"
@@ -49,11 +49,10 @@ def optim_tree(state: list[tuple[Any, list[Any]]], encode_key: KeyEncoder) -> No
 def open_olmo_unit(path: str, storage_options: Any, strict: bool, encode_key: KeyEncoder, facts: dict[str, Any], key: str,
                    what: str, open_file: Callable[..., Any]) -> Any:
     """One unit of an OLMo folder checkpoint, placed by the store's facts about it (`facts[key]`, its
-    `units` list and digest): a trainer-state file, or what `open_file(path, kind, file name, index, count,
-    digest, facts, storage_options, strict)` makes of a model/ or optim/ file."""
-    index, count = planned_place(relative(path), path, facts, key, what)
-    digest = facts["metadata"]
+    `units` list and digest): a trainer-state file, or what `open_file(path, kind, file name, place, facts,
+    storage_options, strict)` makes of a model/ or optim/ file."""
+    place = Place(*planned_place(relative(path), path, facts, key, what), facts["metadata"])
     kind, name = relative(path).split("/")
     if kind == TRAIN:
-        return open_trainer(path, index, count, digest, storage_options, strict, encode_key)
-    return open_file(path, kind, name, index, count, digest, facts, storage_options, strict)
+        return open_trainer(path, place, storage_options, strict, encode_key)
+    return open_file(path, kind, name, place, facts, storage_options, strict)

@@ -36,7 +36,7 @@ from ..primitives.container import parsed_once, read_small
 from ..primitives.safetensors_file import SafetensorsFile
 from ..primitives.tensors import check_view
 from ..primitives.unpickle import load
-from ..unit import FileUnit, flat_spec, relative
+from ..unit import FileUnit, Place, flat_spec, relative
 from .olmo import MODEL, OPTIM, PARAM_GROUPS, model_path, model_tree, open_olmo_unit, optim_tree, state_path
 from .trainer import join_trainer_state, trainer_files
 
@@ -303,7 +303,7 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
     return open_olmo_unit(path, storage_options, strict, encode_key, facts, "olmo_core", "OLMo-core", _open_file)
 
 
-def _open_file(path: str, kind: str, file: str, index: int, count: int, digest: str, facts: dict[str, Any],
+def _open_file(path: str, kind: str, file: str, place: Place, facts: dict[str, Any],
                storage_options: StorageOptions | None, strict: bool) -> FileUnit:
     folder = path[: -len(file)].rstrip("/\\")
     part = _part(folder, storage_options)
@@ -313,7 +313,7 @@ def _open_file(path: str, kind: str, file: str, index: int, count: int, digest: 
                               f"(a file of another checkpoint)")
     ids = dict((name, pid) for name, pid in facts["olmo_core"]["ids"])
     st = SafetensorsFile(path, storage_options)
-    unit = FileUnit(path, index, count, index, count, digest, {}, st)
+    unit = FileUnit(path, place.index, place.count, place.index, place.count, place.digest, {}, st)
     with closed_on_error(unit.close, path):
         if kind == OPTIM:
             decoded = _pickled_values(st, part, file, strict)

@@ -33,7 +33,7 @@ from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, whole_numbers
 from ..primitives.container import TorchZip, read_small
 from ..primitives.tensors import check_view
 from ..primitives.unpickle import load
-from ..unit import FileUnit, flat_spec, relative
+from ..unit import FileUnit, Place, flat_spec, relative
 from .olmo import MODEL, OPTIM, PARAM_GROUPS, clean, model_path, model_tree, open_olmo_unit, optim_tree, state_path
 from .rankfile import MAX_WORLD_SIZE
 from .trainer import join_trainer_state, trainer_files
@@ -396,7 +396,7 @@ def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, e
     return open_olmo_unit(path, storage_options, strict, encode_key, facts, "olmo_local", "`local`", _open_file)
 
 
-def _open_file(path: str, kind: str, name: str, index: int, count: int, digest: str, facts: dict[str, Any],
+def _open_file(path: str, kind: str, name: str, place: Place, facts: dict[str, Any],
                storage_options: StorageOptions | None, strict: bool) -> FileUnit:
     layout = facts["olmo_local"]
     handles = [Handle.from_json(h) for h in layout["handles"]]
@@ -405,7 +405,7 @@ def _open_file(path: str, kind: str, name: str, index: int, count: int, digest: 
         raise CheckpointError(f"{path}: not a rank<N>.pt file")
     group_rank, group = int(m.group(1)) % layout["group"], layout["group"]
     zf = TorchZip(path, storage_options)
-    unit = FileUnit(path, index, count, index, count, digest, {}, zf)
+    unit = FileUnit(path, place.index, place.count, place.index, place.count, place.digest, {}, zf)
     with closed_on_error(unit.close, path):
         zf.verify("data.pkl")
         obj = load(zf.record("data.pkl"), path, strict)

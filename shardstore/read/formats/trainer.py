@@ -19,7 +19,7 @@ from ..contract import PlannedCheckpoint
 from ..layouts import name_rank
 from ..primitives.container import TorchZip
 from ..source import OLMO_STEP, check_step
-from ..unit import check_leaves
+from ..unit import Place, check_leaves
 from . import lightning
 from .rankfile import RankFile, ShardedLeaf, read_rank_file
 
@@ -72,9 +72,9 @@ class TrainerUnit:
         self.rf.close()
 
 
-def open_trainer(path: str, index: int, count: int, digest: str, storage_options: StorageOptions | None,
-                 strict: bool, encode_key: KeyEncoder, under: str = "", named: bool = False) -> TrainerUnit:
-    """Open `path` as unit `index` of `count`; it must hold plain values only (kept under `under`, or at
+def open_trainer(path: str, place: Place, storage_options: StorageOptions | None, strict: bool,
+                 encode_key: KeyEncoder, under: str = "", named: bool = False) -> TrainerUnit:
+    """Open `path` as the unit at `place`; it must hold plain values only (kept under `under`, or at
     the top level: then it is a train/rank<N>.pt, or a file its format `named`, as Lightning's meta.pt)."""
     rf = read_rank_file(path, encode_key=encode_key, storage_options=storage_options, strict=strict)
     if (name_rank(path) is None and not under and not named) \
@@ -82,7 +82,7 @@ def open_trainer(path: str, index: int, count: int, digest: str, storage_options
         rf.close()
         what = "a file of plain values" if under else "a trainer-state file (train/rank<N>.pt of plain values)"
         raise CheckpointError(f"{path}: not {what}")
-    return TrainerUnit(path, index, count, index, count, digest, rf, under)
+    return TrainerUnit(path, place.index, place.count, place.index, place.count, place.digest, rf, under)
 
 
 def join_trainer_state(tree: Node, objects: list[str], first: str, encode_key: KeyEncoder,
