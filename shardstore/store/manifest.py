@@ -10,8 +10,8 @@ from __future__ import annotations
 import base64
 import builtins
 import math
-from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Iterable
 
 from .. import dtypes
 from ..errors import StoreError
@@ -114,55 +114,86 @@ _V1_FLAGS = {"torch-save": (True, True, True), "dtensor-files": (True, False, Tr
 
 
 @dataclass(frozen=True)
+class _Codec:
+    """How one fact is written into the manifest (`dump`), read back (`load`, given what the manifest holds,
+    None where it holds nothing), and checked once read (`valid`)."""
+
+    dump: Callable[[Any], Any] = lambda v: v
+    load: Callable[[Any], Any] = lambda v: v
+    valid: Callable[[Any], bool] = lambda v: True
+
+
+def _of(*types: type) -> _Codec:
+    return _Codec(valid=lambda v: type(v) in types)
+
+
+_TEXT, _MAYBE_TEXT, _NUMBER, _FLAG = _of(str), _of(str, type(None)), _of(int), _of(bool)
+_MAPPING = _Codec(load=lambda v: v or {}, valid=lambda v: isinstance(v, dict))
+
+
+def _fact(default: Any, codec: _Codec) -> Any:
+    """A typed fact: its default (a callable for a fresh container) and its codec; spelled once, in the
+    dataclass, from which `of`, `to_json`, `from_json` and the checks all follow."""
+    if callable(default):
+        return field(default_factory=default, metadata={"codec": codec})
+    return field(default=default, metadata={"codec": codec})
+
+
+@dataclass(frozen=True)
 class CheckpointFacts:
     """What a store keeps of the checkpoint it was planned from, besides its tree and arrays: typed and
     versioned (`FACTS_VERSION`). Everything but `reader` is read across shardstore; `reader` holds the
     format's own facts for its workers (read/contract.py: `CheckpointSpec.extra`), which only that
     format reads, and which `open_unit` gets back as they were (`reader_view`)."""
 
-    format: str = "torch-save"  # the registry name of the format that planned the store
-    group_size: int = 1  # units per replica group (hybrid sharding)
-    replicas: int = 1  # the most units holding any one box
-    side_files: dict[str, str] = field(default_factory=dict)  # name -> base64: the run's config, written back
-    units: tuple[str, ...] | None = None  # the unit files by name, for formats whose checkpoint lists them
-    metadata: str | None = None  # a digest of what the plan was read from (a unit of another is refused)
-    reader: dict[str, Any] = field(default_factory=dict)
-    version: int = FACTS_VERSION
+    format: str = _fact("torch-save", _TEXT)  # the registry name of the format that planned the store
+    group_size: int = _fact(1, _NUMBER)  # units per replica group (hybrid sharding)
+    replicas: int = _fact(1, _NUMBER)  # the most units holding any one box
+    # name -> base64: the run's config, written back
+    side_files: dict[str, str] = _fact(dict, _MAPPING)
+    # the unit files by name, for formats whose checkpoint lists them
+    units: tuple[str, ...] | None = _fact(None, _Codec(lambda v: None if v is None else list(v),
+                                                       lambda v: None if v is None else tuple(v)))
+    metadata: str | None = _fact(None, _MAYBE_TEXT)  # a digest of what the plan was read from (a unit of another is refused)
+    reader: dict[str, Any] = _fact(dict, _MAPPING)
+    version: int = _fact(FACTS_VERSION, _NUMBER)
     # tied names: (the keys of a name that is another's tensor, the store path of that tensor), written as
     # the same tensor where the output can share one (torch) and left out where it cannot
-    tied: tuple[tuple[tuple[str, ...], str], ...] = ()
+    tied: tuple[tuple[tuple[str, ...], str], ...] = _fact((), _Codec(
+        lambda v: [[list(keys), path] for keys, path in v], lambda v: tuple((tuple(keys), path) for keys, path in v or ())))
     # store paths of values the plan knows are not tensors (DCP's bytes items): an export of tensors alone
     # leaves them out without their data, so it can be laid out before any unit is read
-    not_tensors: frozenset[str] = frozenset()
+    not_tensors: frozenset[str] = _fact(frozenset(), _Codec(sorted, lambda v: frozenset(v or ()),
+                                                            lambda v: all(isinstance(p, str) for p in v)))
     # the trainer whose resume files `--format torch` writes (read/formats/resume.py), and those files: output
     # name -> base64 of the trainer's own file (its scheduler, RNG and trainer state), written back unchanged
-    trainer: str | None = None
-    resume_files: dict[str, str] = field(default_factory=dict)
+    trainer: str | None = _fact(None, _MAYBE_TEXT)
+    resume_files: dict[str, str] = _fact(dict, _MAPPING)
     # what exports need to know of the format that planned the store (read/contract.py: Format), so that
-    # export/ never asks the input format's registry
-    ranked: bool = True
-    group_claims: bool = True
-    keeps_empty_values: bool = True
+    # export/ never asks the input format's registry; version-1 facts lack them (`_flags`)
+    ranked: bool = _fact(True, _FLAG)
+    group_claims: bool = _fact(True, _FLAG)
+    keeps_empty_values: bool = _fact(True, _FLAG)
     # Megatron-LM's model description, read with the plan: its args (plain values), and the store path of
     # the subtree holding its common state (read from the data when the plan could not read the args)
-    megatron_args: dict[str, Any] | None = None
-    megatron_common: str | None = None
+    megatron_args: dict[str, Any] | None = _fact(None, _of(dict, type(None)))
+    megatron_common: str | None = _fact(None, _MAYBE_TEXT)
 
-    TYPED = ("format", "group_size", "replicas", "side_files", "units", "metadata", "tied", "not_tensors",
-             "trainer", "resume_files", "ranked", "group_claims", "keeps_empty_values", "megatron_args",
-             "megatron_common")
+    @classmethod
+    def typed(cls) -> tuple[str, ...]:
+        """The facts a format's spec gives by name (`extra`); the rest of it is the reader's own."""
+        return tuple(f.name for f in fields(cls) if f.name not in ("reader", "version"))
+
+    @classmethod
+    def _loaded(cls, d: dict[str, Any], names: Iterable[str]) -> dict[str, Any]:
+        return {f.name: f.metadata["codec"].load(d[f.name]) for f in fields(cls) if f.name in names and f.name in d}
 
     @classmethod
     def of(cls, format: str, group_size: int, replicas: int, extra: dict[str, Any]) -> "CheckpointFacts":
         """From a format's spec: its typed facts taken out of `extra`, the rest kept for its reader."""
-        units = extra.get("units")
-        return cls(format, group_size, extra.get("replicas", replicas), dict(extra.get("side_files", {})),
-                   None if units is None else tuple(units), extra.get("metadata"),
-                   {k: v for k, v in extra.items() if k not in cls.TYPED},
-                   tied=tuple((tuple(keys), path) for keys, path in extra.get("tied", ())),
-                   not_tensors=frozenset(extra.get("not_tensors", ())), trainer=extra.get("trainer"),
-                   resume_files=dict(extra.get("resume_files", {})), **cls._flags(format, extra),
-                   megatron_args=extra.get("megatron_args"), megatron_common=extra.get("megatron_common"))
+        typed = cls.typed()
+        return cls(**{"replicas": replicas, **cls._loaded(extra, typed), "format": format, "group_size": group_size,
+                      **cls._flags(format, extra), "reader": {k: v for k, v in extra.items() if k not in typed}})
 
     @staticmethod
     def _flags(format: str, d: dict[str, Any]) -> dict[str, bool]:
@@ -175,14 +206,7 @@ class CheckpointFacts:
         return {**self.reader, "units": list(self.units or ()), "metadata": self.metadata}
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": self.version, "format": self.format, "group_size": self.group_size,
-                "replicas": self.replicas, "side_files": self.side_files,
-                "units": None if self.units is None else list(self.units), "metadata": self.metadata,
-                "reader": self.reader, "tied": [[list(keys), path] for keys, path in self.tied],
-                "not_tensors": sorted(self.not_tensors), "trainer": self.trainer,
-                "resume_files": self.resume_files, "ranked": self.ranked, "group_claims": self.group_claims,
-                "keeps_empty_values": self.keeps_empty_values, "megatron_args": self.megatron_args,
-                "megatron_common": self.megatron_common}
+        return {f.name: f.metadata["codec"].dump(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str) -> "CheckpointFacts":
@@ -191,22 +215,13 @@ class CheckpointFacts:
         if d.get("version", 0) > FACTS_VERSION:
             raise StoreError(f"{where}: checkpoint facts of version {d.get('version')}, written by a newer "
                              f"shardstore; upgrade shardstore")
-        units = d.get("units")
-        format, reader = d.get("format", "torch-save"), d.get("reader") or {}
-        facts = cls(format, d.get("group_size", 1), d.get("replicas", 1),
-                    d.get("side_files") or {}, None if units is None else tuple(units), d.get("metadata"),
-                    {k: v for k, v in reader.items() if k != "megatron_args"}, d.get("version", FACTS_VERSION),
-                    tuple((tuple(keys), path) for keys, path in d.get("tied") or ()),
-                    frozenset(d.get("not_tensors") or ()), d.get("trainer"), d.get("resume_files") or {},
-                    **cls._flags(format, d), megatron_args=d.get("megatron_args", reader.get("megatron_args")),
-                    megatron_common=d.get("megatron_common"))
-        if not (isinstance(facts.format, str) and type(facts.group_size) is int and type(facts.replicas) is int
-                and isinstance(facts.side_files, dict) and isinstance(facts.reader, dict)
-                and isinstance(facts.resume_files, dict) and isinstance(facts.trainer, (str, type(None)))
-                and all(isinstance(p, str) for p in facts.not_tensors)
-                and all(type(getattr(facts, k)) is bool for k in ("ranked", "group_claims", "keeps_empty_values"))
-                and isinstance(facts.megatron_args, (dict, type(None)))
-                and isinstance(facts.megatron_common, (str, type(None)))):
+        values = cls._loaded(d, [f.name for f in fields(cls)])
+        reader = values.get("reader", {})
+        if isinstance(reader, dict) and "megatron_args" in reader:  # version 1 kept them with the reader's
+            values.setdefault("megatron_args", reader["megatron_args"])
+            values["reader"] = {k: v for k, v in reader.items() if k != "megatron_args"}
+        facts = cls(**{**values, **cls._flags(values.get("format", "torch-save"), d)})
+        if not all(f.metadata["codec"].valid(getattr(facts, f.name)) for f in fields(facts)):
             raise StoreError(f"{where}: corrupt manifest (checkpoint facts)")
         return facts
 
