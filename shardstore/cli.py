@@ -16,7 +16,8 @@ import numpy as np
 
 from . import api, values
 from .errors import ShardstoreError, StoreError
-from .export import FORMATS, output_format
+from .export import FORMATS
+from .export.registry import output_format
 from .dtypes import CAST_DTYPES, DTYPE_ALIASES
 from .inspect import inspect
 from .patterns import matcher

@@ -29,7 +29,8 @@ import numpy as np
 
 from . import dtypes
 from .errors import ExportError
-from .export import has_hf_description, planned, registry
+from .export import planned, registry
+from .export.hf import has_hf_description
 from .export.dcp import dcp_state
 from .export.resolve import ArrayRef, build, leaves
 from .export.safetensors import INDEX, Item, tensor_bytes

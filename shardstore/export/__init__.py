@@ -18,14 +18,13 @@ from ..sink.output import output_error, write_side_files
 from ..store.onesave import check_one_save
 from ..store.store import Status, Store
 from ..trainers import registry as trainers
-from ..tree import Node
+from ..tree import Node, node_at
 from . import origin
 from .contract import DirectExport, ExportRequest, OutputFormat, Planned
 from .hf import NO_HF_DESCRIPTION, has_hf_description
 from .notes import flat_buckets
 from .registry import FORMATS as _FORMATS
-from .registry import output_format, request
-from .resolve import NOT_A_MODEL, leaves, model_node, node_at
+from .resolve import NOT_A_MODEL, leaves, model_node
 
 FORMATS = tuple(_FORMATS)  # the output formats' names (export/registry.py)
 

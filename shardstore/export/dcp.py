@@ -76,7 +76,7 @@ def dcp_state(store: Store) -> Any:
 
 
 def describe(store: Store, arrays: Callable[[ArrayRef], ArrayRef] | None = None
-             ) -> tuple[dict[str, Any], dict[str, tuple], list[Item], Aliases]:
+             ) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]], list[Item], Aliases]:
     """(what each flattened key is, planner_data, items, aliases) for the whole store. Keys are flattened
     as torch's `flatten_state_dict` does (`flatten`), into containers the store keeps as one value
     (param_groups). An array `arrays` replaces (`average`'s mean of several stores) is one chunk, the whole
@@ -219,7 +219,7 @@ INLINE_BYTES = 64 << 20  # below this, starting workers costs more than they sav
 @dataclass(frozen=True)
 class DcpPlan:
     described: dict[str, Any]
-    mappings: dict[str, tuple]
+    mappings: dict[str, tuple[Any, ...]]
     files: list[list[Item]]  # the items of each .distcp file
     aliases: Aliases  # the tied names, written as their tensors' items
 
@@ -285,7 +285,7 @@ def export_dcp(store: Store, out_dir: Path, plan: DcpPlan, jobs: int = 1, progre
     return [out_dir / n for n in names] + [out_dir / METADATA]
 
 
-def metadata(described: dict[str, Any], mappings: dict[str, tuple], results: list[ItemsWritten]) -> bytes:
+def metadata(described: dict[str, Any], mappings: dict[str, tuple[Any, ...]], results: list[ItemsWritten]) -> bytes:
     """`.metadata` as torch writes it, without torch: torch's own classes (Metadata, TensorStorageMetadata,
     ...) named in a pickle of pickle's protocol 4, each written as pickle writes that class's instances
     (a dataclass: NEWOBJ of its class, BUILD of its fields; torch.Size, a layout and an enum: a call).
@@ -364,7 +364,7 @@ _STRIDED = _Call(_global("torch.serialization", "_get_layout"), ("torch.strided"
 _CONTIGUOUS = _Call(_metadata_class("_MEM_FORMAT_ENCODING"), (0,))  # TORCH_CONTIGUOUS_FORMAT
 
 
-class _MetadataPickler(PythonPickler):
+class _MetadataPickler(PythonPickler):  # type: ignore[misc]  # (typeshed: torch.py)
     """pickle's own writer at protocol 4 (as torch's `.metadata` is), with torch's objects as `_New`,
     `_Call` and `GlobalRef` stand-ins, and every equal string one object."""
 
@@ -433,7 +433,7 @@ class DcpDirect(DirectExport):
 
     def finish(self, store: Store, out: Path) -> list[Path]:
         described, mappings, items, aliases = describe(store)
-        results: dict[str, list] = {name: [] for name in self.layout.names}
+        results: dict[str, list[Any]] = {name: [] for name in self.layout.names}
         rest = []
         for item in items:
             where = self.laid.get((item.source.path, item.source.index)) if isinstance(item.source, CellRef) else None

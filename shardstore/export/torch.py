@@ -35,12 +35,12 @@ from ..sink.layout import Layout, Sketch, Target, entry_crc, journalled_runs, ne
 from ..sink.output import OutputFile
 from ..store.handle import TensorValue, tensor_value
 from ..store.store import Store
-from ..tree import Node
+from ..tree import Node, node_at
 from .contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from .notes import flat_buckets
 from ..trainers.contract import ResumeFile
 from ..trainers.registry import trainer
-from .resolve import ArrayRef, build, leaves, node_at
+from .resolve import ArrayRef, build, leaves
 from .torchzip import Sink, TorchZipWriter
 
 # torch.save's own pickle protocol; also what the OLMo files are.
@@ -52,7 +52,7 @@ PROTOCOL = 2
 PythonPickler: Any = pickle._Pickler
 
 
-class _Pickler(PythonPickler):
+class _Pickler(PythonPickler):  # type: ignore[misc]  # (typeshed: above)
     """Pickles tensors and ArrayRefs the way torch.save does, collecting their storages for later.
 
     Opaque records are written back as the opcodes that built them (the same global, arguments and
@@ -126,7 +126,7 @@ class _Pickler(PythonPickler):
         for d in reversed(shape):
             stride.append(acc)
             acc *= max(d, 1)
-        args: tuple = (self._storage(tensor), 0, shape, tuple(reversed(stride)), False,
+        args: tuple[Any, ...] = (self._storage(tensor), 0, shape, tuple(reversed(stride)), False,
                        Opaque("collections", "OrderedDict"))
         name = "_rebuild_tensor_v2"
         if not dtypes.info(dtype).storage_class:

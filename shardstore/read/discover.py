@@ -78,7 +78,7 @@ def open_source(src: str | os.PathLike[str], tag: str | None = None, step: int |
     if below:
         name = pick(src, list(below), tag, step)
         return below[name].source(join(src, name), storage_options)
-    return fallback().find(src, tag, step, storage_options)  # type: ignore[attr-defined]
+    return fallback().find(src, tag, step, storage_options)
 
 
 def _one_checkpoint(src: str, title: str, storage_options: StorageOptions | None) -> None:

@@ -71,7 +71,8 @@ class FolderFormat:
 
     def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
                   facts: dict[str, Any], share: Any = None) -> Unit:
-        return self.module.open_unit(path, storage_options, strict, encode_key, facts)
+        unit: Unit = self.module.open_unit(path, storage_options, strict, encode_key, facts)
+        return unit
 
     def arrivals(self, folder: str, tag: str | None, looks: Any) -> None:
         """Their units are only known whole against the checkpoint's own metadata or layout, written with
@@ -88,6 +89,7 @@ class FolderFormat:
     def unit_kind(self, name: str) -> str:
         own = getattr(self.module, "unit_kind", None)
         if own is not None:
-            return own(name)
+            kind: str = own(name)
+            return kind
         folder = name.split("/")[0] if "/" in name else ""
         return {"train": "trainer-state files", "model": "model files", "optim": "optimizer files"}.get(folder, "files")

@@ -26,7 +26,7 @@ def folder_formats() -> tuple[Format, ...]:
     )
 
 
-def fallback() -> Format:
+def fallback() -> rankfile.RankFiles:
     """Per-rank ShardedTensor files: what any other folder of `*rank<N>.pt` files is read as (they may be
     tagged within one folder, so this format finds its own checkpoint: `RankFiles.find`)."""
     return rankfile.FORMAT

@@ -58,7 +58,8 @@ class FileUnit:
 
     @property
     def size(self) -> int:
-        return self.container.size
+        size: int = self.container.size
+        return size
 
     def value_zip(self, path: str) -> Any:
         return self.container

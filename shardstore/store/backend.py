@@ -14,7 +14,7 @@ import errno
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 if TYPE_CHECKING:
     import zarr.abc.store
@@ -262,8 +262,9 @@ class FsspecBackend:
                           f"{str(exc)[:200]}); nothing half-written was kept, rerun to continue")
 
     def read(self, key: str, start: int = 0, length: int | None = None) -> bytes:
-        return self._call(key, self.fs.cat_file, self._path(key), start=start or None,  # (no range: an empty
+        data: bytes = self._call(key, self.fs.cat_file, self._path(key), start=start or None,  # (no range: an empty
                           end=None if length is None else start + length)  # object has no byte 0 to ask for)
+        return data
 
     def read_many(self, keys: Sequence[str], length: int | None = None) -> list[bytes | None]:
         """Several small objects (the first `length` bytes of each), None for each one that is missing: the
@@ -346,7 +347,7 @@ class FsspecBackend:
                                                  read_only=read_only)
 
 
-def _or_none(read: Any, key: str, start: int, length: int | None) -> bytes | None:
+def _or_none(read: Callable[[str, int, int | None], bytes], key: str, start: int, length: int | None) -> bytes | None:
     try:
         return read(key, start, length)
     except KeyError:

@@ -52,7 +52,8 @@ class TensorHandle:
     def dtype(self) -> "torch.dtype":
         import torch
 
-        return getattr(torch, self.entry.dtype)
+        dtype: torch.dtype = getattr(torch, self.entry.dtype)
+        return dtype
 
     @property
     def nbytes(self) -> int:

@@ -92,7 +92,7 @@ class ArrayEntry:
         return [(i, max(i * span, start), min((i + 1) * span, stop, total))
                 for i in range(start // span, -(-stop // span))]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         out = {"dtype": self.dtype, "shape": list(self.shape), "cell": list(self.cell),
                "chunk": list(self.chunk), "staged": self.staged, "replicated": self.replicated}
         if self.layout is not None:
@@ -102,7 +102,7 @@ class ArrayEntry:
         return out
 
     @classmethod
-    def from_json(cls, path: str, d: dict) -> "ArrayEntry":
+    def from_json(cls, path: str, d: dict[str, Any]) -> "ArrayEntry":
         return cls(path, d["dtype"], tuple(d["shape"]), tuple(d["cell"]), tuple(d["chunk"]), d["staged"],
                    d.get("replicated", False), d.get("layout"), d.get("flat", False))
 

@@ -95,6 +95,10 @@ def cell_key(path: str, index: tuple[int, ...], separator: str = ".") -> str:
     return f"{path}/c{separator}" + separator.join(str(i) for i in index) if index else f"{path}/c"
 
 
+# a staged array's pieces: (offsets, sizes) -> (the rank whose staging holds it, where, how many bytes)
+Pieces = dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[int, int, int]]
+
+
 @dataclass
 class Status:
     """What an export needs, and what is still missing."""
@@ -460,7 +464,7 @@ class Store:
     def _assemble_flat_cells(self, entry: ArrayEntry, todo: set[int], verify: bool, write: Any) -> None:
         """Write (`write`) each cell in `todo` of a flat entry that units share, once all its parts are committed."""
         span, total = entry.cell_elements, math.prod(entry.shape)
-        by_cell: dict[int, dict[tuple, tuple[int, int, int]]] = {}
+        by_cell: dict[int, Pieces] = {}
         for key, where in self._staged_pieces(entry, verify).items():
             by_cell.setdefault(key[0][0] // span, {})[key] = where
         for cell in sorted(todo):
@@ -482,10 +486,10 @@ class Store:
         return holders
 
     def _staged_pieces(self, entry: ArrayEntry, verify: bool = False,
-                       holders: list[tuple[int, CommitRecord]] | None = None) -> dict[tuple, tuple[int, int, int]]:
+                       holders: list[tuple[int, CommitRecord]] | None = None) -> Pieces:
         """(offsets, sizes) -> (rank, start, nbytes) of every committed piece of a staged array (`holders`:
         the records holding its pieces, `_staged_by_path`; else every record)."""
-        pieces: dict[tuple, tuple[int, int, int]] = {}
+        pieces: Pieces = {}
         for rank, rec in self.records(refresh=False).items() if holders is None else holders:
             for offsets, sizes, start, nbytes in rec.staged.get(entry.path, ()):
                 key = (tuple(offsets), tuple(sizes))
@@ -499,7 +503,7 @@ class Store:
                                               f"{pieces[key][0]}'s copy, first at element {at}")
         return pieces
 
-    def _assemble(self, entry: ArrayEntry, pieces: dict[tuple, tuple[int, int, int]], whole: bool = True,
+    def _assemble(self, entry: ArrayEntry, pieces: Pieces, whole: bool = True,
                   shape: tuple[int, ...] | None = None, origin: int = 0) -> np.ndarray:
         """A staged array (or, for a flat entry, the element range of `shape` from `origin`) from its pieces;
         anything no piece covers is a hole (NaN, or zero for integers).
@@ -524,7 +528,7 @@ class Store:
         full, covered = self._fill(entry, self._staged_pieces(entry), shape, 0)
         return full.reshape(entry.shape), covered.reshape(entry.shape).astype(bool)
 
-    def _fill(self, entry: ArrayEntry, pieces: dict[tuple, tuple[int, int, int]], shape: tuple[int, ...],
+    def _fill(self, entry: ArrayEntry, pieces: Pieces, shape: tuple[int, ...],
               origin: int) -> tuple[np.ndarray, np.ndarray]:
         """`shape` from `origin` filled with the pieces that fall in it, and where they did; refused where
         two overlap or one lies outside."""

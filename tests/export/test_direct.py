@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 import shardstore
-from shardstore.export import plan_direct, request
+from shardstore.export import plan_direct
+from shardstore.export.registry import request
 from shardstore.export.origin import RECORD
 from tests.conftest import Phases, assert_bitwise_equal, expected, exported, sigkill_mid_way
 

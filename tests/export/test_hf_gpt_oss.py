@@ -79,7 +79,7 @@ def test_every_tensor_reads_as_megatron_core_loads_it(layout: str, tmp_path: Pat
 
 def test_a_stacked_tensor_streams_one_expert_at_a_time(tmp_path: Path) -> None:
     """The stack is read and written expert by expert: one part per expert, each one expert's bytes."""
-    from shardstore.export import request
+    from shardstore.export.registry import request
     from shardstore.export.hf import plan_hf
     from shardstore.read.discover import open_source
 

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 import shardstore
-from shardstore.export import model_subtree, request
+from shardstore.export import model_subtree
+from shardstore.export.registry import request
 from shardstore.export.resolve import node_at
 from shardstore.export.safetensors import plan_safetensors
 from tests.conftest import expected, exported

@@ -27,12 +27,13 @@ from ...hf_files import hf_model_file
 from ...sink.output import OutputFile
 from ...store.store import Store
 from ...trainers.registry import trainer
-from ...tree import Node
+from ...tree import Node, node_at
 from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
-from ..resolve import build, leaves, model_node, node_at, tensors_only
+from ..resolve import build, leaves, model_node, tensors_only
 from ..safetensors import (FILE_NAMES, Item, SafetensorsDirect, SafetensorsPlan, Stacked, direct_layout,
                            export_safetensors, plan_items, stacked_item, tensor_item)
 from . import megatron, olmo, olmo_core
+from .megatron_llama import EMBEDDING
 from .spec import HFModel, HFTensor
 
 CONFIG, GENERATION = "config.json", "generation_config.json"
@@ -78,7 +79,7 @@ def _from_megatron_args(store: Store, subtree: str, node: Node) -> tuple[HFModel
 
 def _from_nemo(store: Store, subtree: str, raw: bytes) -> tuple[HFModel, dict[str, str]]:
     names = _model_leaves(store, subtree, None)
-    rows = _shape(store, names[megatron.EMBEDDING]) if megatron.EMBEDDING in names else None
+    rows = _shape(store, names[EMBEDDING]) if EMBEDDING in names else None
     where = f"NeMo's context/{NEMO_MODEL}"
     return _megatron_from(store, subtree, megatron.args_from_nemo(raw, rows[0] if rows else None, where), where)
 

@@ -19,7 +19,7 @@ import math
 from typing import Any, Callable
 
 from ...errors import ExportError
-from .megatron_llama import GPT_OSS, MOE_REFUSED, llama_config, need
+from .megatron_llama import GPT_OSS, MOE_REFUSED, Check, llama_config, need
 
 QUICK_GELU_ALPHA = 1.702  # megatron-core's quick_gelu: x * sigmoid(1.702 x)
 
@@ -51,7 +51,7 @@ def layer(take: Callable[..., None], shapes: dict[str, Any], config: dict[str, A
 
 
 # Megatron-LM's arguments GptOss needs as they are, and what any other value would be
-REQUIRED = {"num_experts": (bool, "a dense MLP"),
+REQUIRED: dict[str, Check] = {"num_experts": (bool, "a dense MLP"),
             "add_bias_linear": (bool, "linear layers without biases (GptOss's experts and router have them)"),
             "quick_geglu": (bool, "an activation other than quick-GeGLU"),
             "glu_linear_offset": (lambda v: v == 1.0, "an offset other than 1 on the GLU's linear half"),

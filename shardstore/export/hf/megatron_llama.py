@@ -50,8 +50,10 @@ REFUSED = {"normalization": ("RMSNorm", "LayerNorm norms"), "swiglu": (True, "a 
            "window_size": (None, "sliding-window attention")}
 
 
+# an argument's check: (whether its value can be expressed, what it is when it cannot)
+Check = tuple[Callable[[Any], bool], str]
 # Megatron-LM's MoE arguments Mixtral's routing cannot follow
-MOE_REFUSED = {"moe_router_pre_softmax": (lambda v: not v, "a softmax over every expert before the top k"),
+MOE_REFUSED: dict[str, Check] = {"moe_router_pre_softmax": (lambda v: not v, "a softmax over every expert before the top k"),
                "moe_router_score_function": (lambda v: v in (None, "softmax"), "a router scoring other than softmax"),
                "moe_shared_expert_intermediate_size": (lambda v: not v, "shared experts"),
                "moe_router_enable_expert_bias": (lambda v: not v, "expert biases in the router"),
@@ -60,7 +62,7 @@ MOE_REFUSED = {"moe_router_pre_softmax": (lambda v: not v, "a softmax over every
                "add_qkv_bias": (lambda v: not v, "q, k and v biases"),
                "qk_layernorm": (lambda v: not v, "a norm over q and k (Qwen3-MoE's)")}
 # ... and what each other MoE class asks instead
-MOE_TARGETS = {QWEN3_MOE: {"qk_layernorm": (bool, "no norm over q and k")},
+MOE_TARGETS: dict[str, dict[str, Check]] = {QWEN3_MOE: {"qk_layernorm": (bool, "no norm over q and k")},
                QWEN2_MOE: {"moe_shared_expert_intermediate_size": (bool, "no shared expert"),
                            "moe_shared_expert_gate": (bool, "a shared expert without its gate"),
                            "moe_router_pre_softmax": (bool, "a softmax over the k chosen experts only"),

@@ -20,7 +20,7 @@ import os
 import posixpath
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from ... import dtypes, jsonin, paths
 from ...errors import CheckpointError, closed_on_error, named
@@ -405,7 +405,7 @@ def _experts_split(fqn: str) -> tuple[str, str | None]:
     return (m.group(1), fqn[m.end():]) if m else (fqn, None)
 
 
-def _stacked(fqn: str) -> tuple[Any, int]:
+def _stacked(fqn: str) -> tuple[Callable[[tuple[int, ...]], str], int]:
     """How many leading axes of a Megatron key index its layers and experts (0, 1 or 2), and the per-layer,
     per-expert name of each index: layers stacked under `layers.` (`decoder.layers.{i}.…`), experts stacked
     under `experts.experts.` as Megatron's own modules name them one by one (`experts.local_experts.{e}.…`)."""
@@ -417,7 +417,7 @@ def _stacked(fqn: str) -> tuple[Any, int]:
         return (lambda i: f"{head}{i[0]}.{tail}"), 1
     if rest is not None:
         return (lambda i: f"{inner}{LOCAL_EXPERTS}{i[0]}.{rest}"), 1
-    return None, 0
+    return (lambda i: fqn), 0  # (no stack: its own name)
 
 
 def _extra_state(fqn: str) -> str:
@@ -433,7 +433,7 @@ def _extra_state(fqn: str) -> str:
     return m.group(1) if k == 0 and index == (0,) and LAYER_KEY.match(fqn) else fqn
 
 
-def _file_order(name: str) -> tuple:
+def _file_order(name: str) -> tuple[Any, ...]:
     """__2_0.distcp before __10_0.distcp."""
     parts = name.removeprefix("__").removesuffix(".distcp").split("_")
     return (0, *map(int, parts)) if all(digits(p) for p in parts) else (1, name)

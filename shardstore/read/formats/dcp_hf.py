@@ -102,7 +102,7 @@ def _pieces(st: SafetensorsFile) -> dict[str, tuple[tuple[int, ...], tuple[int, 
     return out
 
 
-def _header_digest(st: SafetensorsFile, pieces: dict[str, tuple]) -> str:
+def _header_digest(st: SafetensorsFile, pieces: dict[str, tuple[Any, ...]]) -> str:
     described = sorted((n, st.tensors[n].dtype, o, s) for n, (o, s) in pieces.items())
     return hashlib.blake2b(repr(described).encode(), digest_size=16).hexdigest()
 
@@ -127,7 +127,7 @@ def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: boo
     if not sharded:
         _check_index(folder, unit_paths, boxes, storage_options)
     for name, held in boxes.items():
-        first: dict[tuple, int] = {}
+        first: dict[tuple[Any, ...], int] = {}
         for o, s, index in held:
             twin = first.setdefault((o, s), index)
             if twin != index and sharded:  # DCP's planner saves every replicated piece once
@@ -155,7 +155,7 @@ def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: boo
     return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
 
 
-def _check_index(folder: str, unit_paths: list[str], boxes: dict[str, list], storage_options: StorageOptions | None) -> None:
+def _check_index(folder: str, unit_paths: list[str], boxes: dict[str, list[Any]], storage_options: StorageOptions | None) -> None:
     """A folder's model.safetensors.index.json, where it has one, names the file of every tensor: each
     file must hold exactly the tensors it maps to it (a shard copied over another, or missing tensors,
     would otherwise export as if the folder were whole)."""

@@ -264,13 +264,13 @@ def _shapes(value: Any, where: str) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _bf16_optimizer(optim: dict) -> bool:
+def _bf16_optimizer(optim: dict[str, Any]) -> bool:
     """BF16_Optimizer's state (ZeRO-1, bf16 with fp32 gradient accumulation): ZeRO-1's keys but no stage."""
     return "zero_stage" not in optim and all(k in optim for k in ("single_partition_of_fp32_groups",
                                                                       "base_optimizer_state", "group_paddings"))
 
 
-def _stage(optim: dict, where: str) -> int:
+def _stage(optim: dict[str, Any], where: str) -> int:
     if _bf16_optimizer(optim):
         return 1
     stage = _get(optim, "zero_stage", where)
@@ -280,7 +280,7 @@ def _stage(optim: dict, where: str) -> int:
     return value
 
 
-def _world(optim: dict, where: str) -> int:
+def _world(optim: dict[str, Any], where: str) -> int:
     count = _get(optim, "partition_count", where)
     counts = count if isinstance(count, list) else [count]
     if not counts or len(set(counts)) != 1:
@@ -314,7 +314,7 @@ def _layout(model: _File, optim: _File) -> Layout:
     return Layout(stage, world, groups, frozen, shared, paddings, parts, padded, _elastic(od))
 
 
-def _flat_order(layout: Layout, module: dict, mappings_of: Callable[[int], Any]) -> Layout:
+def _flat_order(layout: Layout, module: dict[str, Any], mappings_of: Callable[[int], Any]) -> Layout:
     """ZeRO-1/2's groups in the order their parameters lie in the flat vectors. That is param_shapes' order,
     but under `round_robin_gradients` DeepSpeed (0.19 at least) saves param_shapes in its round-robin order
     while the flat vectors keep the module's; its own zero_to_fp32 trusts param_shapes and rebuilds such a
@@ -357,7 +357,7 @@ def _train_tree(model: _File, encode_key: KeyEncoder) -> tuple[Node, dict[str, A
     return flatten(rest, encode_key)
 
 
-def _model_names(layout: Layout, ms: dict, where: str) -> list[str]:
+def _model_names(layout: Layout, ms: dict[str, Any], where: str) -> list[str]:
     """Every tensor of the model, in the module's order (its state dict's), tied names left out: trainable
     and frozen parameters, buffers, and under ZeRO-1 frozen weights `module` alone keeps."""
     module = _get(ms, "module", where, dict)
@@ -365,7 +365,7 @@ def _model_names(layout: Layout, ms: dict, where: str) -> list[str]:
     return [n for n in module if n not in layout.shared] + [n for n in known if n not in module]
 
 
-def _whole(layout: Layout, name: str, ms: dict, where: str) -> Any:
+def _whole(layout: Layout, name: str, ms: dict[str, Any], where: str) -> Any:
     """What the model-states file holds whole for a name no optimizer part holds (a buffer, a frozen
     parameter but ZeRO-3's): a tensor, or a value kept as it is."""
     fragments = ms.get("frozen_param_fragments") or {}
@@ -383,12 +383,12 @@ def _whole(layout: Layout, name: str, ms: dict, where: str) -> Any:
     return ref
 
 
-def _elastic(od: dict) -> bool:
+def _elastic(od: dict[str, Any]) -> bool:
     """ZeRO-1/2 saved with `elastic_checkpoint`: the base optimizer's state is a list, one dict a group."""
     return isinstance(od.get("base_optimizer_state"), list)
 
 
-def _optim_state(od: dict, stage: int, where: str) -> dict:
+def _optim_state(od: dict[str, Any], stage: int, where: str) -> dict[str, Any]:
     """The base optimizer's state over the flat parts as torch's state dict has it: `state` by group,
     `param_groups`. An elastic save (`_elastic`) keeps each group's state alone, its moments cut as the
     fp32 parts are; the step DeepSpeed's own optimizers keep in their groups is `base_optimizer_state_step`,
@@ -489,7 +489,7 @@ def _unpartitioned(f: _File, encode_key: KeyEncoder) -> tuple[Node, dict[str, An
     if ms.get("param_shapes") is not None:
         raise CheckpointError(f"{f.path}: a ZeRO checkpoint, but its optimizer files (*zero_pp_rank_*_optim_"
                               f"states.pt) are missing")
-    first: dict[tuple, str] = {}
+    first: dict[tuple[Any, ...], str] = {}
     tied: dict[str, str] = {}
     model: dict[str, Any] = {}
     for name, value in _get(ms, "module", f.path, dict).items():
@@ -531,7 +531,7 @@ def _mappings(opened: _File | None, path: str, storage_options: StorageOptions |
             f.zip.close()
 
 
-def _fp32_dtype(od: dict, stage: int, where: str) -> str:
+def _fp32_dtype(od: dict[str, Any], stage: int, where: str) -> str:
     groups = _get(od, "single_partition_of_fp32_groups" if stage < 3 else "fp32_flat_groups", where, list)
     kinds = {t.dtype for t in groups if isinstance(t, TensorRef)}
     if len(kinds) != 1:
@@ -704,7 +704,7 @@ def _check_mapping(where: str, saved: Any, layout: Layout, g: int, rank: int) ->
                               f"(a file of another rank or run)")
 
 
-def _expected_part(layout: Layout, g: int, rank: int, od: dict, where: str) -> tuple[int, int]:
+def _expected_part(layout: Layout, g: int, rank: int, od: dict[str, Any], where: str) -> tuple[int, int]:
     """(the fp32 part's length, the moments' length) this rank's file must hold of group g: the moments
     padded as the optimizer holds them, but in an elastic save cut as the fp32 part is."""
     if layout.stage == 3:

@@ -276,7 +276,7 @@ class Layout:
     # "sharded": (the rank it places it on, offsets, sizes) of every shard its metadata lists
     shards: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...] = ()
 
-    def describe(self) -> tuple:
+    def describe(self) -> tuple[Any, ...]:
         return (self.kind, self.dtype, self.shape, self.placements,
                 None if self.mesh is None else (self.mesh.shape, self.mesh.ranks, self.mesh.groups), self.shards)
 

@@ -51,7 +51,7 @@ class Tensor:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    files: dict[str, tuple]  # file -> (("flat", ((start, stop), ...)) | ("box", offsets, sizes))
+    files: dict[str, tuple[Any, ...]]  # file -> (("flat", ((start, stop), ...)) | ("box", offsets, sizes))
 
     def numel_in(self, file: str) -> int:
         spec = self.files[file]
@@ -77,12 +77,12 @@ def _read_json(path: str, storage_options: StorageOptions | None) -> tuple[Any, 
     return jsonin.loads(raw, path, "JSON", CheckpointError), hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
-def _file_order(name: str) -> tuple:
+def _file_order(name: str) -> tuple[Any, ...]:
     stem = name.removeprefix("rank_").removesuffix(".safetensors")
     return (0, int(stem)) if digits(stem) else (1, name)
 
 
-def _shard(name: str, file: str, spec: Any, shape: tuple[int, ...]) -> tuple:
+def _shard(name: str, file: str, spec: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
     where = f"{name} in {file}"
     if not isinstance(spec, dict):
         raise CheckpointError(f"{where}: malformed shard spec")
@@ -175,7 +175,7 @@ def _array_or_value(t: Tensor, holder: dict[str, int]) -> ShardedSpec | None:
                                               if all(spec[2])))
 
 
-def _param_groups(optim: Part, storage_options: StorageOptions | None, strict: bool) -> tuple[list[dict], list[Any], str]:
+def _param_groups(optim: Part, storage_options: StorageOptions | None, strict: bool) -> tuple[list[dict[str, Any]], list[Any], str]:
     """(the groups with their `_param_names`, the state keys, the file holding them), read from that file."""
     count = optim.tensors.get("num_param_groups")
     if count is None or "state_keys" not in optim.tensors:

@@ -41,7 +41,7 @@ class ShardedLeaf(ArrayLeaf):
         super().__init__(dtype, shape, pieces)
         self._metadata, self._where, self.planned = metadata, where, planned
         # Parsed lists by list object: a skimmed file's tensors of one layout share one decoded list.
-        self._shared = {} if shared is None else shared
+        self._shared: dict[Any, Any] = {} if shared is None else shared
         self._spec: ShardedSpec | None = None
 
     def _global(self) -> list[tuple[Any, Any, Any]]:
@@ -52,7 +52,8 @@ class ShardedLeaf(ArrayLeaf):
             if key not in self._shared:
                 self._shared[key] = [(tuple(m.shard_offsets), tuple(m.shard_sizes),
                                       -1 if m.placement is None else m.placement.rank()) for m in shards]
-            return self._shared[key]
+            listed: list[tuple[Any, Any, Any]] = self._shared[key]
+            return listed
         except (AttributeError, TypeError) as exc:
             raise CheckpointError(f"{self._where}: malformed ShardedTensor metadata ({exc})") from None
 
@@ -80,7 +81,8 @@ class ShardedLeaf(ArrayLeaf):
                                                         ((o, s, -1 if r is None else r) for o, s, r in shards))
             except TypeError:  # ranks that do not even sort
                 raise CheckpointError(f"{self._where}: malformed ShardedTensor metadata (placement ranks)") from None
-        return self._shared[key]
+        digest: str = self._shared[key]
+        return digest
 
     def check_own_pieces(self, rank: int, world: int, group_rank: int, group_size: int) -> None:
         """Every local shard must be exactly one of the global list's entries for this rank (offsets, sizes
@@ -383,19 +385,19 @@ class RankFiles:
         except CheckpointError:
             return False
 
-    def source(self, folder: str, storage_options: StorageOptions | None) -> Any:
+    def source(self, folder: str, storage_options: StorageOptions | None) -> Source:
         return self.find(folder, None, None, storage_options)
 
     def latest(self, folder: str, storage_options: StorageOptions | None) -> str | None:
         return None  # Composer's latest-rank{r}.pt links are resolved by `find` (layouts.py)
 
-    def find(self, src: str, tag: str | None, step: int | None, storage_options: StorageOptions | None) -> Any:
+    def find(self, src: str, tag: str | None, step: int | None, storage_options: StorageOptions | None) -> Source:
         """The rank files of the one checkpoint in `src` or one level down, picked by `tag` or `step`."""
         files = [os.fspath(f) for f in discover(src, tag, step, storage_options)]
         return Source(self._format_of(files, storage_options), files, storage_options,
                       _described_by(src, folder_of(files[0]), storage_options))
 
-    def of_files(self, files: list[str], storage_options: StorageOptions | None) -> Any:
+    def of_files(self, files: list[str], storage_options: StorageOptions | None) -> Source:
         return Source(self._format_of(files, storage_options), files, storage_options)
 
     def _format_of(self, files: list[str], storage_options: StorageOptions | None) -> str:

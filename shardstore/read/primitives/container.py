@@ -17,7 +17,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 from ...errors import CheckpointError
 from ...locations import StorageOptions, filesystem, is_url, local, service_errors
@@ -148,7 +148,8 @@ class DataFile:
             if held is not None:
                 return held
             fs, fspath = self._remote
-            return fs.cat_file(fspath, start=offset, end=offset + length)
+            data: bytes = fs.cat_file(fspath, start=offset, end=offset + length)
+            return data
         except (OverflowError, ValueError) as exc:
             raise CheckpointError(f"{self.path}: corrupt (an offset no file can have: {exc})") from None
         except service_errors() as exc:
@@ -263,13 +264,18 @@ def read_small(path: str | os.PathLike[str], storage_options: StorageOptions | N
 _PARSED: dict[tuple[str, str, str], Any] = {}
 
 
-def parsed_once(kind: str, folder: str, storage_options: StorageOptions | None, parse: Any) -> Any:
+Parsed = TypeVar("Parsed")
+
+
+def parsed_once(kind: str, folder: str, storage_options: StorageOptions | None,
+                parse: Callable[[str, StorageOptions | None], Parsed]) -> Parsed:
     """`parse(folder, storage_options)`, once per process: a checkpoint's metadata, which every unit a worker
     opens needs and which grows with the world size."""
     key = (kind, folder, repr(sorted((storage_options or {}).items())))
     if key not in _PARSED:
         _PARSED[key] = parse(folder, storage_options)
-    return _PARSED[key]
+    parsed: Parsed = _PARSED[key]
+    return parsed
 
 
 class _Window(io.RawIOBase):

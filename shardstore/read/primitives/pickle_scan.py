@@ -30,7 +30,7 @@ _STOP = ord(".")
 
 
 try:
-    from ._pickle_scan import ScanError  # type: ignore[import-not-found, unused-ignore]  # (absent where no compiler built it)
+    from ._pickle_scan import ScanError as ScanError  # type: ignore[import-not-found, unused-ignore]  # (absent where no compiler built it)
     from ._pickle_scan import scan as _scan_c
 except ImportError:  # not built (no compiler at install time): the Python version, same results
     _scan_c = None

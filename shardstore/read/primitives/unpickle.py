@@ -243,7 +243,7 @@ def _wrapper_subclass(cls: Any, dtype: Any, size: Any, *rest: Any) -> Any:
     raise UnsafePickleError(f"tensor subclass {getattr(cls, '__name__', cls)!r} is not supported")
 
 
-def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: tuple, state: Any) -> Any:
+def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: tuple[Any, ...], state: Any) -> Any:
     ret = func(*args)
     if isinstance(ret, (ShardedTensor, DTensor)):
         ret.__setstate__(state)
