@@ -203,7 +203,7 @@ def _report(result: Any, quiet: bool, started: float, what: str, as_json: bool =
         click.echo(f"note: {note}", err=True)
 
 
-def _echo_plan(plan: Any, out: str, as_json: bool) -> None:
+def _echo_plan(plan: api.Plan, out: str, as_json: bool) -> None:
     """`unshard --dry-run`'s answer: text, or one JSON object (docs/commands.md)."""
     if as_json:
         _echo_json({"checkpoint": plan.checkpoint, "reader": plan.reader, "trainer": plan.trainer, "units": plan.units,
@@ -224,7 +224,7 @@ def _echo_plan(plan: Any, out: str, as_json: bool) -> None:
         click.echo(f"cast: {cast}: {n} tensors")
     for where, free in plan.free.items():
         click.echo(f"free: {size_text(free)} on {where}")
-    if plan.seconds is not None:
+    if plan.seconds is not None and plan.speed is not None:
         click.echo(f"estimate: {plan.seconds:.1f} s at {size_text(plan.speed)}/s (this disk's read speed, measured)")
     click.echo("a real run would start (nothing was written)")
 
