@@ -27,6 +27,31 @@ class TrainerTests:
         the state the checkpoint's ranks gathered."""
         raise NotImplementedError
 
+    def described(self, request: pytest.FixtureRequest, tmp_path: Path,
+                  monkeypatch: pytest.MonkeyPatch) -> tuple[Path, str] | None:
+        """A checkpoint of the trainer with its model described where the trainer keeps the description
+        (its own save, or a copy with the description put there, the environment set where it is read
+        from), and the `model_type` it describes; None for a trainer that keeps none."""
+        raise NotImplementedError
+
+    def test_hf_finds_the_model_description_where_the_trainer_keeps_it(self, checkpoint: Path, tmp_path: Path,
+                                                                        request: pytest.FixtureRequest,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+        """`--format hf` with no --hf-config: the trainer's own description of the model, found where it
+        keeps it, is the output's config.json; a trainer that keeps none is refused in one line, before
+        anything is written."""
+        from transformers import AutoConfig
+
+        described = self.described(request, tmp_path, monkeypatch)
+        if described is None:
+            with pytest.raises(shardstore.ExportError, match="cannot tell which Hugging Face model this is"):
+                shardstore.unshard(checkpoint, tmp_path / "hf", format="hf", jobs=2)
+            assert not (tmp_path / "hf").exists()
+            return
+        folder, model_type = described
+        shardstore.unshard(folder, tmp_path / "hf", format="hf", jobs=2)
+        assert AutoConfig.from_pretrained(tmp_path / "hf").model_type == model_type
+
     def test_its_checkpoint_is_known_as_its_own_and_its_model_found(self, checkpoint: Path) -> None:
         with shardstore.inspect(checkpoint) as found:
             assert found.store.manifest.layout == self.trainer

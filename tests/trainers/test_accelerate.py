@@ -20,6 +20,10 @@ class TestAccelerate(TrainerTests):
     def checkpoint(self) -> Path:
         return BIN
 
+    def described(self, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """`save_state` keeps no description of the model."""
+        return None
+
     def resume(self, out: Path, checkpoint: Path, tmp_path: Path) -> None:
         """`load_state(OUT)` without FSDP: the gathered weights, the optimizer's moments and the
         scheduler's position."""

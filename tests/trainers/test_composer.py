@@ -25,6 +25,13 @@ class TestComposer(TrainerTests):
     def checkpoint(self) -> Path:
         return DATA / NAME
 
+    def described(self, request: pytest.FixtureRequest, tmp_path: Path,
+                  monkeypatch: pytest.MonkeyPatch) -> tuple[Path, str]:
+        """HuggingFaceModel's metadata, inside the checkpoint's state (a gloo world of 2 saves it)."""
+        from tests.fixtures.composer_hf import make_composer_hf_checkpoints
+
+        return make_composer_hf_checkpoints({"rank-files": tmp_path / "composer"}, 2)["rank-files"], "llama"
+
     def resume(self, out: Path, checkpoint: Path, tmp_path: Path) -> None:
         """The model and the optimizer's state bit for bit as the ranks gathered them, and `rng` one entry
         per rank, each that rank's own, in rank order."""

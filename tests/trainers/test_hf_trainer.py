@@ -4,6 +4,8 @@ code), resumed by transformers' Trainer in one CPU process from the torch export
 from __future__ import annotations
 
 import copy
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,14 @@ class TestHFTrainer(TrainerTests):
     @pytest.fixture
     def checkpoint(self) -> Path:
         return DATA / "fsdp2-w2"
+
+    def described(self, request: pytest.FixtureRequest, tmp_path: Path,
+                  monkeypatch: pytest.MonkeyPatch) -> tuple[Path, str]:
+        """The config.json its final `save_model` leaves in output_dir, above the checkpoint-N/ folders."""
+        run = tmp_path / "output_dir"
+        shutil.copytree(DATA / "fsdp2-w2" / "checkpoint-4", run / "checkpoint-4")
+        (run / "config.json").write_text(json.dumps(_want("fsdp2-w2")["config"]))
+        return run / "checkpoint-4", "llama"
 
     def resume(self, out: Path, checkpoint: Path, tmp_path: Path) -> None:
         """`train(resume_from_checkpoint=OUT)` without FSDP: it starts at step 4 with the gathered weights,

@@ -21,6 +21,20 @@ class TestLightning(TrainerTests):
     def checkpoint(self) -> Path:
         return DATA / "trainer-w3" / "checkpoints"
 
+    def described(self, request: pytest.FixtureRequest, tmp_path: Path,
+                  monkeypatch: pytest.MonkeyPatch) -> tuple[Path, str]:
+        """hparams.yaml's `model_name_or_path`, its config.json in the local Hugging Face cache."""
+        from transformers import LlamaConfig
+
+        from tests.fixtures.lightning_fsdp import CONFIG, MODEL_NAME
+
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+        repo = tmp_path / "hub" / f"models--{MODEL_NAME.replace('/', '--')}"
+        LlamaConfig(**CONFIG).save_pretrained(repo / "snapshots" / "0123abcd")
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("0123abcd")
+        return DATA / "trainer-w3" / "checkpoints", "llama"
+
     def resume(self, out: Path, checkpoint: Path, tmp_path: Path) -> None:
         """`Trainer.fit(model, ckpt_path=OUT/checkpoint.ckpt)` with no distributed strategy: it starts at the
         saved step and epoch with the gathered weights and the optimizer's moments, and trains on."""

@@ -22,6 +22,11 @@ class TestOLMo(TrainerTests):
     def checkpoint(self, checkpoints) -> Path:  # type: ignore[no-untyped-def]
         return checkpoints(3)
 
+    def described(self, request: pytest.FixtureRequest, tmp_path: Path,
+                  monkeypatch: pytest.MonkeyPatch) -> tuple[Path, str]:
+        """The run's config.yaml beside the checkpoint (an OLMo 2 model's, saved by the legacy checkpointer)."""
+        return request.getfixturevalue("olmo_models")("olmo2", "legacy", 3), "olmo2"
+
     def resume(self, out: Path, checkpoint: Path, tmp_path: Path) -> None:
         """What `FullCheckpointer.restore_checkpoint` loads: the model and the optimizer bit for bit as the
         ranks gathered them (torch's safe loader reads them), and rank 0's trainer state without the
