@@ -8,7 +8,7 @@ run refuses, and the other way round. The call sequence:
     with plan_run(request) as plan:       the source opened, the store planned (for a dry run, in a
                                           temporary folder), every up-front check made, the output laid
                                           out where the workers can write it (one pass)
-        plan.summary                      what the run would do: files, sizes, casts, free space
+        plan.summary()                    what the run would do: files, sizes, casts, free space
         result = execute(plan, progress)  the units ingested (straight into the output, or into the
                                           store), then the export finished, or made from the store
 
@@ -122,8 +122,12 @@ class RunPlan:
     store: Store  # planned (for a dry run, in a temporary folder removed after)
     subtree: str | None  # the one subtree whose tensors the store takes (a scratch store's export), or all
     direct: DirectExport | None  # the output laid out for the workers to write (one pass), or None: two steps
-    summary: Plan
+    output: int  # the tensor bytes the export writes
     session: _ingest.Session | None  # the workers and the unit planning opened; a dry run has none
+
+    def summary(self) -> Plan:
+        """What the run would do, as `--dry-run` shows it (a two-step export planned on the empty store)."""
+        return _summary(self.request, self.source, self.store, self.direct, self.output)
 
 
 @contextmanager
@@ -168,7 +172,7 @@ def execute(plan: RunPlan, progress: Progress = QUIET) -> _export.ExportResult:
                                 request.jobs or default_jobs())
     if request.store is None:  # done: the scratch store has served its purpose
         shutil.rmtree(request.location, ignore_errors=True)
-    result.read = plan.summary.read
+    result.read = _read_bytes(plan.source)
     return result
 
 
@@ -273,8 +277,7 @@ def _planned(request: RunRequest, source: Source, store: Store, session: _ingest
     direct = _export.plan_direct(store, export, jobs=request.jobs or default_jobs()) if request.one_pass else None
     if request.one_pass and direct is None:  # the store holds the data after all
         check_space(store, len(source.units), subtree, request.out, output)
-    summary = _summary(request, source, store, direct, output)
-    return RunPlan(request, source, store, subtree, direct, summary, session)
+    return RunPlan(request, source, store, subtree, direct, output, session)
 
 
 def _summary(request: RunRequest, source: Source, store: Store, direct: DirectExport | None, output: int) -> Plan:
@@ -294,18 +297,25 @@ def _summary(request: RunRequest, source: Source, store: Store, direct: DirectEx
         if it.dtype != getattr(it.source, "dtype", it.dtype):
             key = f"{it.source.dtype} -> {it.dtype}"
             casts[key] = casts.get(key, 0) + 1
-    local = not any(is_url(os.fspath(u)) for u in source.units)
     near = nearest_existing(Path(request.out).absolute())
     return Plan(source.folder, get(source.format).title, source.trainer, len(source.units), store.manifest.world_size,
-                sum(os.path.getsize(u) for u in source.units) if local else None, direct is not None, files,
-                output, casts, {str(near): shutil.disk_usage(near).free}, None)
+                _read_bytes(source), direct is not None, files, output, casts, {str(near): shutil.disk_usage(near).free},
+                None)
+
+
+def _read_bytes(source: Source) -> int | None:
+    """The bytes of the checkpoint's unit files, where they are local (asking object storage would cost
+    a request per file)."""
+    if any(is_url(os.fspath(u)) for u in source.units):
+        return None
+    return sum(os.path.getsize(u) for u in source.units)
 
 
 def dry_run(request: RunRequest) -> Plan:
     """What `request`'s run would do (nothing written), with this disk's read speed measured for the
     estimate; or its refusal, as the real run would refuse it."""
     with plan_run(request, dry=True) as plan:
-        summary = plan.summary
+        summary = plan.summary()
     local = summary.read is not None
     return replace(summary, speed=_read_speed(max(plan.source.units, key=os.path.getsize)) if local else None)
 
