@@ -22,9 +22,8 @@ from .errors import CheckpointError
 from .read.contract import CheckpointSpec, ShardedSpec
 from .read.registry import get
 from .records import TensorRef
-from .store.manifest import ArrayEntry, CheckpointFacts, Manifest
+from .store.manifest import ArrayEntry, Manifest
 from .trainers.registry import detect
-from .tree import Node
 
 CHUNK_TARGET_BYTES = 1 << 20  # inner chunk: the unit a lazy read fetches
 MIN_CHUNK_BYTES = 64 << 10
@@ -160,7 +159,8 @@ def plan_checkpoint(spec: CheckpointSpec) -> Manifest:
             objects.append(path)
     order = {p: i for i, p in enumerate(spec.tree.leaf_paths())}
     objects.sort(key=lambda p: order.get(p, len(order)))
-    facts = CheckpointFacts.of(spec.format, spec.group_size, max(1, spec.world_size // spec.group_size), spec.extra)
-    return Manifest(detect(spec.tree, spec.extra.get("trainer"), get(spec.format)), spec.world_size,
+    facts = replace(spec.facts, format=spec.format, group_size=spec.group_size,
+                    replicas=max(spec.facts.replicas, spec.world_size // spec.group_size))
+    return Manifest(detect(spec.tree, spec.facts.trainer, get(spec.format)), spec.world_size,
                     spec.tree, arrays, objects, facts)
 

@@ -33,7 +33,7 @@ FORBIDDEN = {
     # a run: below the API and the command line
     "shardstore.run": ("shardstore.api", "shardstore.cli"),
 }
-BOTTOM = ("tree", "records", "errors", "dtypes", "ranges", "locations", "paths", "crc", "tempfiles", "jsonin",
+BOTTOM = ("tree", "records", "errors", "dtypes", "facts", "ranges", "locations", "paths", "crc", "tempfiles", "jsonin",
           "hf_files", "values", "patterns")
 
 

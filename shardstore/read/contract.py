@@ -6,7 +6,8 @@ A checkpoint is read in two halves, and a format is whatever makes both:
   files (a run's config).
   `plan` reads what it must and gives the `CheckpointSpec`: the key tree, every array's dtype, global
   shape and boxes with the unit holding each (`ShardedSpec`), and which leaves are plain values. The
-  store is laid out from the spec alone. `spec.extra` holds the format's own facts for its workers.
+  store is laid out from the spec alone. `spec.facts` holds what the store keeps of it, typed (facts.py),
+  the format's own facts for its workers among them (`reader`).
 - **Ingesting** (a worker per unit, in any order, any number of times). `open_unit` opens one unit with
   those facts and checks it against them before anything is written: a `Unit` whose `leaves` are
   `ArrayLeaf`s (the `LocalPiece`s it holds: a box of the array, and where its bytes are in a `Container`)
@@ -26,6 +27,7 @@ from functools import cached_property
 from typing import Any, Iterable, Mapping, Protocol
 
 from .. import dtypes
+from ..facts import CheckpointFacts
 from ..errors import CheckpointError
 from ..locations import StorageOptions
 from ..ranges import FileRange, RemoteRange
@@ -96,7 +98,9 @@ class CheckpointSpec:
     arrays: dict[str, ShardedSpec]
     replicated: dict[str, TensorRef]  # a plain tensor every unit holds whole (world size 1)
     objects: list[str]  # store paths of every other leaf
-    extra: dict[str, Any] = field(default_factory=dict)  # the format's facts for its workers, kept in the store
+    # what the store keeps of it (units, digest, tied names, the format's own facts for its workers, ...);
+    # its format and group size are the fields above, its replicas at least the replica groups (plan.py)
+    facts: CheckpointFacts = field(default_factory=CheckpointFacts)
     # A unit file's least size, where the metadata planning read places bytes in it (DCP's items): a
     # truncated file is then refused up front, by the dry run too, not by the worker that reaches its end.
     least_sizes: dict[str, int] = field(default_factory=dict)

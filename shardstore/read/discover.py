@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import os
+from dataclasses import replace
 from typing import Any
 
 from ..errors import CheckpointError
@@ -27,13 +28,15 @@ def plan(source: Source, encode_key: KeyEncoder, strict: bool = False) -> tuple[
     open for the caller, who owns it: ingesting it from there reads that file once, not twice."""
     fmt = get(source.format)
     spec, unit = fmt.plan(source, encode_key, strict)
-    spec.extra.update(ranked=fmt.ranked, group_claims=fmt.group_claims, keeps_empty_values=fmt.keeps_empty_values)
+    spec.facts = replace(spec.facts, ranked=fmt.ranked, group_claims=fmt.group_claims,
+                         keeps_empty_values=fmt.keeps_empty_values)
     if source.side_files:
-        spec.extra["side_files"] = {name_of(f): _side_file(f, source.storage_options) for f in source.side_files}
+        spec.facts = replace(spec.facts, side_files={name_of(f): _side_file(f, source.storage_options)
+                                                     for f in source.side_files})
     if source.trainer is not None:
-        spec.extra["trainer"] = source.trainer
-        spec.extra["resume_files"] = {name: _side_file(f, source.storage_options)
-                                      for name, f in source.resume_files.items()}
+        spec.facts = replace(spec.facts, trainer=source.trainer,
+                             resume_files={name: _side_file(f, source.storage_options)
+                                           for name, f in source.resume_files.items()})
     return spec, unit
 
 

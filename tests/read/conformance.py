@@ -68,7 +68,7 @@ class FormatTests:
         spec = spec_of(source, values.encode)
         unheld = {(p, s.offsets, s.sizes) for p, a in spec.arrays.items() for s in a.shards}
         for path in source.units:
-            unit = open_unit(source.format, path, None, False, values.encode, spec.extra)
+            unit = open_unit(source.format, path, None, False, values.encode, spec.facts.reader_view())
             try:
                 for leaf_path, leaf in unit.leaves.items():
                     if not isinstance(leaf, ArrayLeaf) or leaf_path in spec.replicated:

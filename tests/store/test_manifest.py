@@ -68,7 +68,7 @@ def test_an_older_store_is_still_read_and_completed(checkpoints, tmp_path: Path,
 def test_the_checkpoint_facts_are_typed_and_versioned(checkpoints, tmp_path: Path) -> None:
     """A store written before the facts were typed (an untyped `extra`) reads as the same facts and is
     completed; facts of a newer version are refused, naming the store."""
-    from shardstore.store.manifest import FACTS_VERSION, CheckpointFacts
+    from shardstore.facts import FACTS_VERSION, CheckpointFacts
 
     src = checkpoints(2)
     shardstore.ingest(tmp_path / "s", [src / "rank0.pt"], jobs=1)
@@ -93,7 +93,7 @@ def test_the_checkpoint_facts_are_typed_and_versioned(checkpoints, tmp_path: Pat
 def test_tied_names_round_trip_and_older_facts_have_none() -> None:
     """DeepSpeed's shared_params are a typed fact: (the tied name's keys, the store path of its tensor);
     facts written before it existed read as none."""
-    from shardstore.store.manifest import CheckpointFacts
+    from shardstore.facts import CheckpointFacts
 
     facts = CheckpointFacts.of("deepspeed", 1, 1, {"tied": [[["model", "lm_head.weight"], "model/wte"]], "x": 1})
     assert facts.tied == ((("model", "lm_head.weight"), "model/wte"),) and facts.reader == {"x": 1}
@@ -109,7 +109,7 @@ def test_version_1_facts_read_as_the_flags_their_format_had(format: str, flags: 
     """Exports read the input format's flags from the manifest, never from the read registry: a store
     planned before they were recorded gets the flags its format had then, and recorded ones win."""
     from shardstore.read.registry import get
-    from shardstore.store.manifest import CheckpointFacts
+    from shardstore.facts import CheckpointFacts
 
     old = {"version": 1, "format": format, "reader": {"megatron_args": {"num_layers": 2}}}
     facts = CheckpointFacts.from_json(old, "m")

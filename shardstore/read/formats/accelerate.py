@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ...facts import CheckpointFacts
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, folder_of, listing, name_of
 from ...tree import KeyEncoder, Node
@@ -103,9 +104,9 @@ def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: boo
         for f in files:
             f.zip.close()
     names = [name_of(u) for u in unit_paths]
-    extra = {"units": names, "metadata": repr(sorted(digests.items())),
-             "accelerate": {"world": world, "digests": digests}, "replicas": replica_count(arrays)}
-    return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
+    facts = CheckpointFacts(units=tuple(names), metadata=repr(sorted(digests.items())), replicas=replica_count(arrays),
+                            reader={"accelerate": {"world": world, "digests": digests}})
+    return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, facts)
 
 
 def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,

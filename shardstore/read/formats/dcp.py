@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from ...facts import CheckpointFacts
 from ... import dtypes, jsonin, paths
 from ...errors import CheckpointError, closed_on_error, named
 from ...hf_files import hf_model_file
@@ -475,19 +476,17 @@ def spec(ckpt: DcpCheckpoint, encode_key: KeyEncoder, trainer_state: list[str] |
                            COMMON_STATE if common else "")
         units += [MEGATRON_COMMON] if common else [lightning.META] if name_of(trainer_state[0]) == lightning.META \
             else [f"{TRAIN}/{os.path.basename(f.rstrip('/'))}" for f in trainer_state]
-    extra: dict[str, Any] = {"units": units, "metadata": ckpt.digest,
-                             "not_tensors": [ckpt.store_path(fqn) for fqn in ckpt.values]}
-    if name_of(ckpt.folder) == MODEL_AND_OPTIM:  # OLMo's (torch_new) and OLMo-core's: their layout (plan.py)
-        extra["trainer"] = "olmo"
     _check_named_steps(ckpt, storage_options, strict)
     args = _megatron_args(ckpt, trainer_state or [], storage_options, strict)
     if ckpt.megatron_fsdp:
         megatron_fsdp.check_args(args, ckpt, join(ckpt.folder, METADATA))
-    if args is not None:
-        extra[MEGATRON_ARGS] = args
-    extra["megatron_common"] = next((c.path for _, c in tree.children if c.path.startswith(COMMON_STATE)
-                                     or (ckpt.megatron_fsdp and c.path == megatron_fsdp.ARGS)), None)
-    return CheckpointSpec("dcp", len(units), len(units), tree, arrays, {}, objects, extra,
+    facts = CheckpointFacts(
+        units=tuple(units), metadata=ckpt.digest, not_tensors=frozenset(ckpt.store_path(fqn) for fqn in ckpt.values),
+        # OLMo's (torch_new) and OLMo-core's folder: their nesting (trainers/)
+        trainer="olmo" if name_of(ckpt.folder) == MODEL_AND_OPTIM else None, megatron_args=args,
+        megatron_common=next((c.path for _, c in tree.children if c.path.startswith(COMMON_STATE)
+                              or (ckpt.megatron_fsdp and c.path == megatron_fsdp.ARGS)), None))
+    return CheckpointSpec("dcp", len(units), len(units), tree, arrays, {}, objects, facts,
                           {join(ckpt.folder, f): end for f, end in ckpt.ends().items()})
 
 

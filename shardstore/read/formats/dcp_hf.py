@@ -21,6 +21,7 @@ import hashlib
 import re
 from typing import Any
 
+from ...facts import CheckpointFacts
 from ... import jsonin, paths
 from ...errors import CheckpointError, closed_on_error
 from ...hf_files import hf_model_file
@@ -151,8 +152,8 @@ def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: boo
     tree = Node("dict", "", [(encode_key(name), Node("leaf", paths.escape(name))) for name in boxes])
     digest = hashlib.blake2b("".join(headers).encode(), digest_size=16).hexdigest()
     shapes = {p: list(a.shape) for p, a in arrays.items()}  # a worker sees only its pieces
-    extra = {"units": names, "metadata": digest, "dcp_hf": {"headers": headers, "shapes": shapes}}
-    return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
+    facts = CheckpointFacts(units=tuple(names), metadata=digest, reader={"dcp_hf": {"headers": headers, "shapes": shapes}})
+    return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, facts)
 
 
 def _check_index(folder: str, unit_paths: list[str], boxes: dict[str, list[Any]], storage_options: StorageOptions | None) -> None:

@@ -48,6 +48,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from ...facts import CheckpointFacts
 from ... import paths
 from ...errors import CheckpointError, closed_on_error
 from ...hf_files import hf_model_file
@@ -476,9 +477,10 @@ def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: boo
         if optim is not None:
             optim.zip.close()
     listed = [relative(u) for u in unit_paths]
-    extra = {"units": listed, "metadata": layout.digest(), "deepspeed": layout.facts(), "replicas": replica_count(arrays),
-             "tied": [[["model", a], f"model/{encode_key(b)}"] for a, b in layout.shared.items() if b in names]}
-    return CheckpointSpec(FORMAT, len(listed), len(listed), tree, arrays, {}, objects, extra)
+    facts = CheckpointFacts(units=tuple(listed), metadata=layout.digest(), replicas=replica_count(arrays),
+                            tied=tuple((("model", a), f"model/{encode_key(b)}") for a, b in layout.shared.items()
+                                       if b in names), reader={"deepspeed": layout.facts()})
+    return CheckpointSpec(FORMAT, len(listed), len(listed), tree, arrays, {}, objects, facts)
 
 
 def _unpartitioned(f: _File, encode_key: KeyEncoder) -> tuple[Node, dict[str, Any], dict[str, str]]:
@@ -514,11 +516,11 @@ def _unpartitioned_spec(model: _File, unit_paths: list[str], encode_key: KeyEnco
         model.zip.close()
     arrays = {path: whole for path, ref in leaves.items() if (whole := _whole_spec(ref, 0)) is not None}
     layout = Layout(0, 1, [], {}, tied, [], [])
-    extra = {"units": [relative(u) for u in unit_paths], "metadata": layout.digest(), "deepspeed": layout.facts(),
-             "replicas": replica_count(arrays),
-             "tied": [[["model", a], paths.join("model", paths.escape(b))] for a, b in tied.items()]}
+    facts = CheckpointFacts(units=tuple(relative(u) for u in unit_paths), metadata=layout.digest(),
+                            replicas=replica_count(arrays), reader={"deepspeed": layout.facts()},
+                            tied=tuple((("model", a), paths.join("model", paths.escape(b))) for a, b in tied.items()))
     objects = [p for p in leaves if p not in arrays]
-    return CheckpointSpec(FORMAT, 1, 1, tree, arrays, {}, objects, extra)
+    return CheckpointSpec(FORMAT, 1, 1, tree, arrays, {}, objects, facts)
 
 
 def _mappings(opened: _File | None, path: str, storage_options: StorageOptions | None, strict: bool) -> Any:

@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ...facts import CheckpointFacts
 from ... import dtypes
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions
@@ -543,9 +544,9 @@ class DTensorFiles:
             mesh = model_mesh(layouts)
             arrays = {p: array_spec(layout, world, mesh, 0) for p, (layout, _) in layouts.items()}
             objects = [p for p in f.leaves if p not in layouts]
-            extra = {"metadata": digest_of(f, layouts),
-                     "dtensor_files": {"world": world}, "replicas": replica_count(arrays)}
-            return CheckpointSpec(self.name, world, world, f.tree, arrays, {}, objects, extra), None
+            facts = CheckpointFacts(metadata=digest_of(f, layouts), replicas=replica_count(arrays),
+                                    reader={"dtensor_files": {"world": world}})
+            return CheckpointSpec(self.name, world, world, f.tree, arrays, {}, objects, facts), None
         finally:
             f.zip.close()
 

@@ -30,6 +30,7 @@ import math
 import re
 from typing import Any, NamedTuple
 
+from ...facts import CheckpointFacts
 from ... import dtypes, paths
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, folder_of, join, listing, name_of, subfolders
@@ -531,10 +532,11 @@ def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: boo
         for f in files:
             f.zip.close()
     names = [relative(u) for u in unit_paths]
-    extra = {"units": names, "metadata": _digest(digests),
-             "megatron": {"grid": grid, "digests": digests, "moment": files[0].moment, "first": names[0]},
-             "megatron_common": ranks.children[0][1].path if ranks.children else None}  # the first rank's values
-    return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
+    facts = CheckpointFacts(units=tuple(names), metadata=_digest(digests),
+                            reader={"megatron": {"grid": grid, "digests": digests, "moment": files[0].moment,
+                                                 "first": names[0]}},
+                            megatron_common=ranks.children[0][1].path if ranks.children else None)  # the first rank's
+    return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, facts)
 
 
 def _same_copy(f: _Read, x: _Entry, kept: ShardedSpec | None) -> None:

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ...facts import CheckpointFacts
 from ... import dtypes, jsonin
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, join, listing
@@ -291,10 +292,10 @@ def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: boo
     if train:
         join_trainer_state(tree, objects, train[0], encode_key, storage_options, strict)
     digest = hashlib.blake2b("".join(p.digest for p in parts.values()).encode(), digest_size=16).hexdigest()
-    extra = {"units": names, "metadata": digest,
-             "olmo_core": {"ids": list(ids.items()), "parts": {k: p.digest for k, p in parts.items()}},
-             "replicas": replica_count(arrays)}
-    return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
+    facts = CheckpointFacts(units=tuple(names), metadata=digest, replicas=replica_count(arrays),
+                            reader={"olmo_core": {"ids": list(ids.items()),
+                                                  "parts": {k: p.digest for k, p in parts.items()}}})
+    return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, facts)
 
 
 # ---------------------------------------------------------------------------------------------- units

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ...facts import CheckpointFacts
 from ... import dtypes
 from ...errors import CheckpointError, closed_on_error
 from ...locations import StorageOptions, join, listing
@@ -344,9 +345,9 @@ def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: boo
         join_trainer_state(tree, objects, train[0], encode_key, storage_options, strict)
     names = [relative(u) for u in unit_paths]
     layout = json.dumps(facts, sort_keys=True)
-    extra = {"units": names, "metadata": hashlib.blake2b(layout.encode(), digest_size=16).hexdigest(),
-             "olmo_local": facts, "replicas": world // group}
-    return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
+    kept = CheckpointFacts(units=tuple(names), metadata=hashlib.blake2b(layout.encode(), digest_size=16).hexdigest(),
+                           replicas=world // group, reader={"olmo_local": facts})
+    return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, kept)
 
 
 def _optim_spec(folder: str, optims: dict[int, str], holders: dict[str, list[tuple[int, int, int]]],

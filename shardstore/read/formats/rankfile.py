@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ... import dtypes
@@ -355,7 +355,7 @@ def _rank_file(name: str, zf: TorchZip, skeleton: Skeleton, raw: dict[str, Any],
 
 def spec_of(rf: RankFile) -> CheckpointSpec:
     """A rank file describes the whole checkpoint: every rank's shards of every tensor are in its metadata.
-    Where the lists can be skimmed, the spec says so (`extra["skim"]`, read/primitives/skim.py): with each list's
+    Where the lists can be skimmed, the spec says so (`facts.reader["skim"]`, read/primitives/skim.py): with each list's
     digest where that is FSDP's chunk layout over the world (workers whose lists match then never build
     them), else empty (workers decode one list per distinct digest of their own)."""
     arrays = {p: leaf.spec for p, leaf in rf.leaves.items() if isinstance(leaf, ShardedLeaf)}
@@ -365,7 +365,7 @@ def spec_of(rf: RankFile) -> CheckpointSpec:
     layouts = {(id(a.shards), a.shape): a for a in arrays.values()}  # tensors sharing a list share its check
     if rf.digests and set(rf.digests) == set(arrays):
         chunked = rf.group_size == rf.world_size and all(is_chunk_layout(a, rf.world_size) for a in layouts.values())
-        spec.extra["skim"] = rf.digests if chunked else {}
+        spec.facts = replace(spec.facts, reader={"skim": rf.digests if chunked else {}})
     return spec
 
 

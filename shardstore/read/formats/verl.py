@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ...facts import CheckpointFacts
 from ...errors import CheckpointError, closed_on_error
 from ...hf_files import hf_model_file
 from ...locations import StorageOptions, join, listing
@@ -323,8 +324,8 @@ def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: boo
     if ragged is not None:
         facts["ragged"] = {"digests": ragged.digests,
                            "parts": {str(i): [list(p) for p in ps] for i, ps in ragged.parts.items()}}
-    extra = {"units": names, "metadata": digest, "verl": facts, "replicas": replica_count(arrays)}
-    return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, extra)
+    kept = CheckpointFacts(units=tuple(names), metadata=digest, replicas=replica_count(arrays), reader={"verl": facts})
+    return CheckpointSpec(FORMAT, len(names), len(names), tree, arrays, {}, objects, kept)
 
 
 # ---------------------------------------------------------------------------------------------- units

@@ -38,7 +38,7 @@ def _same(a: RankFile, b: RankFile) -> None:
 def _planned(first: Path) -> dict[str, str]:
     rf = read_rank_file(first, values.encode, digests=True)
     try:
-        return spec_of(rf).extra["skim"]
+        return spec_of(rf).facts.reader["skim"]
     finally:
         rf.close()
 
@@ -99,7 +99,7 @@ def test_trainer_values_named_like_the_lists_are_kept(forged: Path):
     """A trainer's own "shards_metadata" and "placements" entries would be cut with the lists: such a file
     is read whole, its values intact, and its checkpoint gets no skim facts."""
     rf = read_rank_file(forged / "keys" / "rank0.pt", values.encode, digests=True)
-    assert rf.digests == {} and "skim" not in spec_of(rf).extra
+    assert rf.digests == {} and "skim" not in spec_of(rf).facts.reader
     assert rf.leaves["trainer"] == {"shards_metadata": [1, 2, 3], "placements": ["a", "b"]}
     rf.close()
 
@@ -212,7 +212,7 @@ def test_hybrid_sharded_files_are_skimmed_and_read_as_the_whole_file(member: str
     distinct list) instead of built with the whole file, and the worker gets what the whole file gives."""
     files = sorted((Path(__file__).parents[2] / "corpus" / "data" / member / "ep0-ba1").glob("*rank*.pt"))
     first = read_rank_file(files[0], values.encode, digests=True)
-    planned = spec_of(first).extra["skim"]
+    planned = spec_of(first).facts.reader["skim"]
     first.close()
     assert planned == {}
     for f in files:
