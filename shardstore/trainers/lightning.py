@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ExportError
-from ..tree import Node
 from .contract import ResumeFile, Trainer, top_keys
 from .hf_trainer import OPTIMIZER
 from .optimizer import by_parameter_number

@@ -6,7 +6,6 @@ checkpoint without --tag, against what the live FSDP2 ranks gathered.
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 from pathlib import Path
