@@ -32,7 +32,7 @@ def open(location: PathLike, storage_options: StorageOptions | None = None) -> S
     return Store.open(location, storage_options)
 
 
-def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None = None,
+def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None = None, *,
            progress: Progress | bool = False, on_done: Callable[[_ingest.Ingested], None] | None = None,
            storage_options: StorageOptions | None = None, **options: Any) -> Store:
     """Ingest rank files (or a DCP checkpoint's .distcp files, or a `Source`) into `store` (created on first
@@ -53,9 +53,9 @@ def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None
                           options.get("strict", False), _progress(progress), on_done)
 
 
-def export(store: Store | PathLike, out_dir: PathLike, progress: Progress | bool = False,
-           storage_options: StorageOptions | None = None, scheduler: str | None = None, jobs: int | None = None,
-           **options: Any) -> _export.ExportResult:
+def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensors", *,
+           progress: Progress | bool = False, storage_options: StorageOptions | None = None,
+           scheduler: str | None = None, jobs: int | None = None, **options: Any) -> _export.ExportResult:
     """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style), `"torch"`, `"dcp"`,
     or `"hf"` (a folder transformers loads; `hf_config` for checkpoints that carry no config of their own).
     `options` are `ExportRequest`'s fields (export/contract.py): `format`, `select`, `strip_prefix`,
@@ -66,12 +66,12 @@ def export(store: Store | PathLike, out_dir: PathLike, progress: Progress | bool
     are refused unless `overwrite` (which removes them once the new export is complete). `progress` as
     for `ingest`. `single_file`: `format="torch"` as one checkpoint.pt of the whole state in the input's
     nesting (what torch's dcp_to_torch_save writes), not the files the checkpoint's trainer resumes from."""
-    request = registry.request(**options)
+    request = registry.request(format, **options)
     st = store if isinstance(store, Store) else Store.open(store, storage_options)
     return _export.export(st, out_dir, request, _progress(progress), scheduler, jobs or default_jobs())
 
 
-def watch(store: PathLike, src_dir: PathLike, on_done: Callable[[_ingest.Ingested], None] | None = None,
+def watch(store: PathLike, src_dir: PathLike, *, on_done: Callable[[_ingest.Ingested], None] | None = None,
           on_world_size: Callable[[int], None] | None = None, **options: Any) -> Store:
     """Ingest rank files as they arrive in `src_dir` until the store is complete (or `timeout` passes):
     `options` are `watcher.Watching`'s (`expect`, `timeout`, `poll`, `tag`, `jobs`, `storage_options`,
@@ -86,7 +86,7 @@ def rank_files(src_dir: PathLike, tag: str | None = None, step: int | None = Non
     return open_source(src_dir, tag, step, storage_options).units
 
 
-def unshard(src_dir: PathLike, out_dir: PathLike, progress: Progress | bool = False, plan: bool = False,
+def unshard(src_dir: PathLike, out_dir: PathLike, *, progress: Progress | bool = False, plan: bool = False,
             **options: Any) -> _export.ExportResult | Plan:
     """Ingest every rank file in `src_dir`, then export: `options` are `RunRequest`'s fields (run.py:
     `store`, `tag`, `step`, `jobs`, `verify_replicas`, `storage_options`, `scheduler`, `strict`) and the

@@ -106,7 +106,7 @@ OPTIONS = frozenset({"format", "select", "strip_prefix", "dtype", "hf_config", "
 
 
 def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str],
-            weights: Sequence[float] | None = None, include_optimizer: bool = False, jobs: int | None = None,
+            weights: Sequence[float] | None = None, *, include_optimizer: bool = False, jobs: int | None = None,
             **options: Any) -> AverageResult:
     """The weighted mean of `checkpoints` (folders, each as `unshard` takes them) into `out_dir`, as a
     safetensors or Hugging Face export (`options`, `OPTIONS`, as `unshard`'s), or as the torch files of the

@@ -181,3 +181,17 @@ def test_mistakes_are_refused_before_anything_is_ingested(checkpoints, tmp_path:
                          r"but .* has 40.0 KiB free", format="dcp", overwrite=True, verify_replicas=True)
     monkeypatch.undo()
     assert shardstore.unshard(src, out, jobs=1, format="torch", overwrite=True).replaced == [out / "model.safetensors"]
+
+
+def test_options_are_taken_by_name_only(tmp_path: Path) -> None:
+    """A call written for another signature (a store, a world size, a format given by place) is refused
+    as Python refuses it, before anything is read; an export's format alone may be given by place."""
+    with pytest.raises(TypeError, match="positional argument"):
+        shardstore.unshard(tmp_path / "src", tmp_path / "out", tmp_path / "store")  # type: ignore[misc]
+    with pytest.raises(TypeError, match="positional argument"):
+        shardstore.watch(tmp_path / "store", tmp_path / "src", 3)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="positional argument"):
+        shardstore.average([tmp_path / "a", tmp_path / "b"], tmp_path / "out", None, "torch")  # type: ignore[misc]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'fromat'"):
+        shardstore.export(tmp_path / "store", tmp_path / "out", fromat="hf")
+    assert not (tmp_path / "out").exists()
