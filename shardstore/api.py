@@ -49,8 +49,7 @@ def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None
         files = [files]
     source = files if isinstance(files, Source) else source_of_files(list(files), storage_options)
     registry.known(options, INGEST_OPTIONS)
-    return _ingest.ingest(store, source, jobs, options.get("verify_replicas", False), options.get("scheduler"),
-                          options.get("strict", False), _progress(progress), on_done)
+    return _ingest.ingest(store, source, jobs, progress=_progress(progress), on_done=on_done, **options)
 
 
 def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensors", *,

@@ -371,6 +371,13 @@ def ingest(location: str | os.PathLike[str], source: Source, jobs: int | None = 
         return s.ingest(verify_replicas=verify_replicas, progress=progress, on_done=on_done)
 
 
+def local_bytes(files: Sequence[str | os.PathLike[str]]) -> int | None:
+    """The bytes of `files`, where all are local (asking object storage would cost a request per file)."""
+    if any(is_url(os.fspath(f)) for f in files):
+        return None
+    return sum(os.path.getsize(f) for f in files)
+
+
 def same_format(store: Store, source: Source) -> None:
     """Refuse a store that holds a checkpoint of another format than `source`'s."""
     if store.manifest.facts.format != source.format:
@@ -420,9 +427,8 @@ def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options:
     if layout is None:  # pieces go into the store's own arrays: Zarr must be able to read them
         store.ensure_array_metadata()
     todo = _not_yet_done(store, files, options.only, layout.digest if layout is not None else None)
-    if progress is not None:  # sizes of local files only: asking object storage would cost a request per file
-        local = not any(is_url(os.fspath(f)) for f in files)
-        total = sum(os.path.getsize(f) for f in files) if local else None
+    if progress is not None:
+        total = local_bytes(files)
         progress.start("ingest", total, total - sum(os.path.getsize(f) for f in todo) if total is not None else 0)
     seen: dict[int, str] = {}
     # Every committed unit against the others: a worker compares its units with one committed unit only

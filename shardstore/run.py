@@ -172,7 +172,7 @@ def execute(plan: RunPlan, progress: Progress = QUIET) -> _export.ExportResult:
                                 request.jobs or default_jobs())
     if request.store is None:  # done: the scratch store has served its purpose
         shutil.rmtree(request.location, ignore_errors=True)
-    result.read = _read_bytes(plan.source)
+    result.read = _ingest.local_bytes(plan.source.units)
     return result
 
 
@@ -299,16 +299,8 @@ def _summary(request: RunRequest, source: Source, store: Store, direct: DirectEx
             casts[key] = casts.get(key, 0) + 1
     near = nearest_existing(Path(request.out).absolute())
     return Plan(source.folder, get(source.format).title, source.trainer, len(source.units), store.manifest.world_size,
-                _read_bytes(source), direct is not None, files, output, casts, {str(near): shutil.disk_usage(near).free},
-                None)
-
-
-def _read_bytes(source: Source) -> int | None:
-    """The bytes of the checkpoint's unit files, where they are local (asking object storage would cost
-    a request per file)."""
-    if any(is_url(os.fspath(u)) for u in source.units):
-        return None
-    return sum(os.path.getsize(u) for u in source.units)
+                _ingest.local_bytes(source.units), direct is not None, files, output, casts,
+                {str(near): shutil.disk_usage(near).free}, None)
 
 
 def dry_run(request: RunRequest) -> Plan:

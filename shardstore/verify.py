@@ -30,16 +30,14 @@ import numpy as np
 from . import dtypes
 from .errors import ExportError
 from .export import planned, registry
-from .export.hf import has_hf_description
 from .export.dcp import dcp_state
 from .export.resolve import ArrayRef, build, leaves
 from .export.safetensors import INDEX, Item, tensor_bytes
-from .export.hf import CONFIG
+from .export.hf import CONFIG, has_hf_description
 from .export.torch import torch_files_in, torch_layout, torch_object
 from .trainers.contract import ResumeFile
 from .ingest import ingest
-from . import run
-from .run import model_store
+from .run import model_store, request as run_request
 from .jsonin import loads
 from .ranges import BLOCK, blocks
 from .read.discover import open_source
@@ -100,7 +98,7 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
     registry.known(options, OPTIONS)
     out = Path(output)
     fmt = registry.output_format(format) if format is not None else registry.recognised(out)
-    request = run.request(src, output, format=fmt.name, **options)
+    request = run_request(src, output, format=fmt.name, **options)
     jobs, select = request.jobs, request.export.select
     # the whole checkpoint, the optimizer's state too; or a model's state dict in torch files
     whole = not fmt.subtree and (fmt.reads_as_checkpoint or not state_dict_files(out))

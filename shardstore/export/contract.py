@@ -32,6 +32,7 @@ from ..store.store import Store
 from ..tree import Node
 from .resolve import ArrayRef
 
+
 @dataclass(frozen=True)
 class ExportRequest:
     """What the user asked of one export, as the CLI and the API take it: the only way export options
