@@ -79,7 +79,7 @@ def open_source(src: str | os.PathLike[str], tag: str | None = None, step: int |
         if found is not None:
             below[name] = found
     if below:
-        name = pick(src, list(below), tag, step)
+        name = pick(src, list(below), tag, step, storage_options)
         return below[name].source(join(src, name), storage_options)
     return fallback().find(src, tag, step, storage_options)
 

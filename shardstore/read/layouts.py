@@ -113,7 +113,7 @@ def _taken(src: str | os.PathLike[str], groups: dict[str, dict[int, Path]], tag:
     steps = sorted({_step_of(g) for g in groups})
     if len(steps) == 1 or "" in steps:
         return groups
-    taken = pick(os.fspath(src), steps, None, None)
+    taken = pick(os.fspath(src), steps, None, None, storage_options)
     return {g: r for g, r in groups.items() if _step_of(g) == taken}
 
 

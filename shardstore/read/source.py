@@ -13,14 +13,14 @@ from dataclasses import dataclass, field
 
 from ..errors import CheckpointError
 from ..hf_files import hf_model_file
-from ..locations import StorageOptions, is_url, join, listing, local, name_of
+from ..locations import StorageOptions, is_url, join, listing, local, name_of, subfolders
+from ..trainers.megatron import RELEASE
+from ..trainers.registry import RUNS
+from .primitives.container import read_small
 
 MAX_SIDE_FILE = 64 << 20  # a tokenizer.json of a large vocabulary is several MB
 CONFIG = "config.yaml"  # OLMo's run config, copied beside every export as OLMo's unsharder does
 JSON_CONFIG = "config.json"  # OLMo-core's experiment config in each checkpoint; the HF Trainer's model config
-LATEST = "latest_checkpointed_iteration.txt"  # veRL's (and Megatron's) pointer to the newest step
-RELEASE = "release"  # what that pointer says of Megatron-LM's release/ folder
-LATEST_LINK = "latest"  # OLMo's link to the newest step folder of its save folder
 @dataclass
 class Source:
     """One checkpoint: its format (a registry name) and its units of work, in order."""
@@ -39,20 +39,17 @@ class Source:
 
 
 # ---------------------------------------------------------------------------------------------- shared
-def pick(src: str, candidates: list[str], tag: str | None, step: int | None) -> str:
+def pick(src: str, candidates: list[str], tag: str | None, step: int | None,
+         storage_options: StorageOptions | None = None) -> str:
     """The one of `candidates` (checkpoint folders found in `src`, by name) that `tag` or `step` names.
-    Without either (or with the tag "latest"), the one `src`'s latest_checkpointed_iteration.txt names, or
-    its `latest` link (OLMo's), else the newest when every one names its step (the HF Trainer's
-    get_last_checkpoint, torchtitan's, DeepSpeed's rule), or the only one (`--step`: `names_step`)."""
+    Without either (or with the tag "latest"), the one `src`'s pointer names (a trainer's, `pointed`), else
+    the newest when every one names its step (the HF Trainer's get_last_checkpoint, torchtitan's,
+    DeepSpeed's rule), or the only one (`--step`: `names_step`)."""
     there, named = candidates, f"--tag {tag}" if tag else f"--step {step}"
     if tag in (None, "latest") and step is None and len(candidates) > 1:
-        latest, linked = _latest_step(src), _linked_latest(src)
-        if latest == RELEASE:
-            tag, step = RELEASE, None
-        elif isinstance(latest, int):
-            step, named = latest, f"the step {LATEST} names ({latest})"
-        elif linked is not None:
-            tag, named = linked, f"its {LATEST_LINK} link ({linked})"
+        latest = pointed(src, candidates, storage_options)
+        if latest is not None:
+            (tag, step), named = latest[:2], latest[2]
         else:
             step = _newest(candidates)
     if tag not in (None, "latest"):
@@ -68,11 +65,10 @@ def pick(src: str, candidates: list[str], tag: str | None, step: int | None) -> 
     return candidates[0]
 
 
-STEP_NAME = re.compile(r"(?:^|[-_/])(?:step[-_=]?|ba|checkpoint-|iter_)([0-9]+)(?:\.ckpt)?$")
-OLMO_STEP = re.compile(r"\Astep([0-9]+)\Z")  # OLMo's and OLMo-core's f"step{global_step}" folder
-# Composer's f"ep{epoch}-ba{batch}" folder and f"ep{epoch}-ba{batch}-rank{rank}.pt" files, from its timestamp
-COMPOSER_EPOCH = re.compile(r"\Aep([0-9]+)-ba[0-9]+(?:-rank[0-9]+\.pt)?\Z")
-COMPOSER_BATCH = re.compile(r"\Aep[0-9]+-ba([0-9]+)(?:-rank[0-9]+\.pt)?\Z")
+# Any trainer's name of a checkpoint (trainers/registry.py RUNS) at the end of a name, after its start or a
+# separator: veRL's global_step_N, torchtitan's .../step-N, Composer's ep0-baN-rank0.pt tag
+STEP_NAME = re.compile(rf"(?:^|[-_/])(?:{'|'.join(f'(?:{steps.name})' for steps in RUNS)})$")
+MAX_TAG = 256  # a pointer file's text: a step or a checkpoint's name
 
 
 def inside_run(run: str, pointer: str) -> str:
@@ -99,49 +95,56 @@ def check_step(path: str, key: str, recorded: object, named_by: str, named: re.P
                               f" is {name_of(named_by)}: files of two saves?")
 
 
-def _newest(candidates: list[str]) -> int | None:
-    """The highest step the candidates' names say, when every one says its own."""
-    steps = [STEP_NAME.search(c) for c in candidates]
-    numbers = {int(m.group(1)) for m in steps if m is not None}
-    return max(numbers) if None not in steps and len(numbers) == len(candidates) else None
+def step_of(name: str) -> int | None:
+    """The step a checkpoint's name (a folder, or a rank file's tag) says by any trainer's convention: it
+    ends in `stepN` (OLMo's), `step_N` (veRL's global_step_N), `global_stepN` (DeepSpeed's), `step-N`
+    (torchtitan's), `step=N[.ckpt]` (Lightning's epoch=0-step=4.ckpt), `ep{E}-baN` (Composer's),
+    `checkpoint-N` (the HF Trainer's), `checkpoint_N` (Accelerate's) or `iter_N` (Megatron-LM's
+    iter_0000010), the number with or without zeros."""
+    m = STEP_NAME.search(name)
+    return None if m is None else int(next(g for g in m.groups() if g is not None))
 
 
 def names_step(name: str, step: int) -> bool:
-    """Whether a checkpoint's name (a folder, or a rank file's tag) is of step `step`: it ends in `stepN`,
-    `step_N` (veRL's global_step_N, DeepSpeed's global_stepN), `step-N` (torchtitan's), `step=N[.ckpt]`
-    (Lightning's epoch=0-step=4.ckpt), `baN` (Composer's ep0-baN), `checkpoint-N` (the HF Trainer's) or
-    `iter_N` (Megatron-LM's iter_0000010), the number with or without zeros."""
-    m = STEP_NAME.search(name)
-    return m is not None and int(m.group(1)) == step
+    """Whether a checkpoint's name is of step `step` (`step_of`)."""
+    return step_of(name) == step
 
 
-def _latest_step(run: str) -> int | str | None:
-    """The step a run folder's latest_checkpointed_iteration.txt names, if it has one (or "release": a
-    Megatron-LM checkpoint converted from elsewhere lives in release/, and its pointer says so)."""
-    if is_url(run):
-        return None
-    path = os.path.join(local(run), LATEST)
-    if not os.path.isfile(path):
-        return None
-    with open(path, "rb") as f:
-        text = f.read(64).strip()
-    if text == RELEASE.encode():
-        return RELEASE
-    if not text.isdigit():
-        raise CheckpointError(f"{path}: names no step ({text[:20]!r}); pick a checkpoint with --tag or --step")
-    return int(text)
+def _newest(candidates: list[str]) -> int | None:
+    """The highest step the candidates' names say, when every one says its own."""
+    steps = [step_of(c) for c in candidates]
+    numbers = {s for s in steps if s is not None}
+    return max(numbers) if None not in steps and len(numbers) == len(candidates) else None
 
 
-def _linked_latest(run: str) -> str | None:
-    """The name of the folder a run folder's `latest` link (OLMo's save_folder/latest -> stepN) leads to,
-    if it has one: a folder of the run itself (one elsewhere is refused: `inside_run`)."""
-    if is_url(run):
-        return None
-    link = os.path.join(local(run), LATEST_LINK)
-    if not (os.path.islink(link) and os.path.isdir(link)):
-        return None
-    target = inside_run(run, link)
-    return os.path.basename(target) if os.path.dirname(target) == os.path.realpath(local(run)) else None
+def pointed(run: str, candidates: list[str],
+            storage_options: StorageOptions | None = None) -> tuple[str | None, int | None, str] | None:
+    """The newest checkpoint a run folder's pointer names (the first of the trainers' `RUNS` that has one
+    there), as (tag, step, how it was named): Megatron-LM's and veRL's latest_checkpointed_iteration.txt
+    (a step, or "release": a Megatron-LM checkpoint converted from elsewhere lives in release/), a link
+    to a folder of the run (OLMo's `latest`, Lightning's `last.ckpt`), DeepSpeed's `latest` file naming
+    one of `candidates`. Object storage has no links."""
+    there = {name_of(p) for p in listing(run, storage_options)} - set(subfolders(run, storage_options))
+    for steps in RUNS:
+        path = join(run, steps.latest)
+        if steps.points == "link" and not is_url(run) and os.path.islink(path) and os.path.isdir(path):
+            target = inside_run(run, path)
+            if os.path.dirname(target) == os.path.realpath(local(run)):
+                return os.path.basename(target), None, f"its {steps.latest} link ({os.path.basename(target)})"
+        if steps.points not in ("step", "tag") or steps.latest not in there:
+            continue
+        text = read_small(path, storage_options, MAX_TAG, "a pointer to the newest checkpoint").strip()
+        if steps.points == "tag":
+            tag = text.decode("utf-8", "replace")
+            if tag in candidates:
+                return tag, None, f"its {steps.latest} ({tag})"
+        elif text == RELEASE.encode():
+            return RELEASE, None, f"its {steps.latest} ({RELEASE})"
+        elif not text.isdigit():
+            raise CheckpointError(f"{path}: names no step ({text[:20]!r}); pick a checkpoint with --tag or --step")
+        else:
+            return None, int(text), f"the step {steps.latest} names ({int(text)})"
+    return None
 
 
 def hf_files(folder: str, storage_options: StorageOptions | None) -> list[str]:

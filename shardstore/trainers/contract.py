@@ -9,14 +9,19 @@ planning by `registry.detect`); every later question about it is asked of that `
 A trainer knows names and files, not bytes: its `resume_files` name subtrees of the store's tree, and
 its `form`s reshape a state dict's keys (an optimizer's, keyed by parameter number), never a tensor.
 
-A new trainer is one module defining its `TRAINER`, one line in registry.py, and a conformance subclass
-(tests/trainers/conformance.py).
+A trainer also names a run's checkpoints by step and points at the newest (`Steps`). Trainers whose
+checkpoints are read through a format of their own (Megatron-LM, DeepSpeed, veRL, torchtitan) have only
+that here: a module defining `STEPS`.
+
+A new trainer is one module defining its `TRAINER` (or only its `STEPS`), one line in registry.py, and a
+conformance subclass (tests/trainers/conformance.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Protocol
 
 from ..tree import Node
 
@@ -42,6 +47,33 @@ class ResumeFile:
 
 
 @dataclass(frozen=True)
+class Steps:
+    """How a trainer names a run's checkpoints by step, and what in the run folder points at the newest.
+
+    `name` is a regex of one checkpoint's name (its folder, or the file-name prefix of rank files sharing a
+    folder) whose one group is the step, in ASCII digits. `latest` is the name of the pointer in the run
+    folder, and `points` says how it points: "link" (a link to the newest checkpoint), "step" (a file whose
+    text is the newest step, or "release"), "tag" (a file whose text is the newest checkpoint's name).
+    """
+
+    name: str
+    latest: str = ""
+    points: Literal["", "link", "step", "tag"] = ""
+    exact: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        exact = re.compile(rf"\A(?:{self.name})\Z")
+        if exact.groups != 1 or bool(self.latest) != bool(self.points):
+            raise ValueError(f"{self.name!r}: a step name has one group; a pointer says how it points")
+        object.__setattr__(self, "exact", exact)
+
+    def step(self, name: str) -> int | None:
+        """The step `name` says, when it is exactly this trainer's name of a checkpoint."""
+        m = self.exact.match(name)
+        return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
 class Trainer:
     """One trainer's conventions, as frozen data (the registry lists them)."""
 
@@ -57,6 +89,7 @@ class Trainer:
     writes: str = ""  # a regex of every name its `resume_files` may give (an earlier export's files in OUT)
     rng_per_rank: bool = False  # its `rng` list holds this rank file's state: the ranks' lists joined, in order
     module_prefix: bool = False  # its model's names start with the attribute of the module holding the model
+    steps: Steps | None = None  # how its runs name their checkpoints (None: by the script, freely)
 
 
 def never(tree: Node, reader: Reader | None) -> bool:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import re
 
 from ..tree import Node
-from .contract import ResumeFile, Trainer, never
+from .contract import ResumeFile, Steps, Trainer, never
 from .optimizer import by_parameter_number
 
 MODEL = re.compile(r"model(?:_([0-9]+))?\Z")
 OPTIMIZER = re.compile(r"optimizer(?:_([0-9]+))?\Z")
+# f"{PREFIX_CHECKPOINT_DIR}-{global_step}" in its output_dir; the newest is the highest (get_last_checkpoint)
+STEPS = Steps(r"checkpoint-([0-9]+)")
 
 
 def models_and_optimizers(tree: Node, optimizer_name: str) -> list[ResumeFile] | None:
@@ -39,4 +41,4 @@ TRAINER = Trainer(
     "hf-trainer", "hf-trainer (the HF Trainer's model, optimizer, scheduler, RNG and trainer state)", ("model",),
     never, lambda tree, ranked: models_and_optimizers(tree, "optimizer.pt"),
     writes=r"pytorch_model\.bin|optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state\.pth|trainer_state\.json"
-           r"|training_args\.bin")
+           r"|training_args\.bin", steps=STEPS)

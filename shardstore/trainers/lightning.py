@@ -12,15 +12,24 @@ every name of its state dict starts with it (`module_prefix`).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..errors import ExportError
-from .contract import ResumeFile, Trainer, top_keys
+from .contract import ResumeFile, Steps, Trainer, top_keys
 from .hf_trainer import OPTIMIZER
 from .optimizer import by_parameter_number
 
 VERSION_KEY = "pytorch-lightning_version"  # in every checkpoint Lightning's Trainer saves
 MODEL = ("model", "state_dict")  # FSDPStrategy's key in the DCP folder; ModelParallelStrategy's
+# ModelCheckpoint's default filename f"epoch={epoch}-step={step}.ckpt", and save_last's last.ckpt: a link
+# to the newest, or a copy of it
+STEPS = Steps(r"(?:epoch=[0-9]+-)?step=([0-9]+)(?:\.ckpt)?", "last.ckpt", "link")
+# `{epoch}-{step}` (its default filename: `key=value` of trainer.current_epoch and trainer.global_step as it
+# saves, which dump_checkpoint records as `epoch` and `global_step`), wherever a user's template puts them;
+# the start or a separator (not `_`) before the key: a metric `train_step` is not it
+NAMED = {"global_step": re.compile(r"(?:^|[^A-Za-z0-9_])step=([0-9]+)(?![0-9])"),
+         "epoch": re.compile(r"(?:^|[^A-Za-z0-9_])epoch=([0-9]+)(?![0-9])")}
 
 
 def lightning_checkpoint(state: dict[str, Any]) -> dict[str, Any]:
@@ -48,4 +57,4 @@ TRAINER = Trainer(
     "lightning", "lightning (Lightning's state_dict, optimizer_N and loops, callbacks, schedulers)", MODEL,
     lambda tree, reader: VERSION_KEY in top_keys(tree),
     lambda tree, ranked: [ResumeFile("checkpoint.ckpt", tree, form=lightning_checkpoint)],
-    writes=r"checkpoint\.ckpt", module_prefix=True)
+    writes=r"checkpoint\.ckpt", module_prefix=True, steps=STEPS)

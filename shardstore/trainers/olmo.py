@@ -9,7 +9,10 @@ the formats with train/rank{r}.pt files its unsharders write rank 0's file whole
 from __future__ import annotations
 
 from ..tree import Node, node_at
-from .contract import ResumeFile, Trainer, top_keys
+from .contract import ResumeFile, Steps, Trainer, top_keys
+
+# OLMo's and OLMo-core's f"step{global_step}" folders, and OLMo's save_folder/latest link to the newest
+STEPS = Steps(r"step([0-9]+)", "latest", "link")
 
 
 def _files(tree: Node, ranked: bool) -> list[ResumeFile]:
@@ -24,4 +27,4 @@ TRAINER = Trainer(
     # a `dcp.save` or per-rank DTensor `torch.save` of any script nests them so too (OLMo's DCP folder,
     # model_and_optim/, is named by its reader; OLMo's rank files hold ShardedTensors)
     lambda tree, reader: {"model", "optim"} <= top_keys(tree) and not (reader is not None and reader.any_script),
-    _files, writes=r"(model|optim|train)\.pt")
+    _files, writes=r"(model|optim|train)\.pt", steps=STEPS)

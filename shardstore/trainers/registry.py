@@ -1,15 +1,19 @@
 """The trainers (trainers/contract.py), in the order a tree is recognised: a trainer known from its
-folder's files first, then by its tree, the catch-alls last."""
+folder's files first, then by its tree, the catch-alls last; and how every trainer's runs name their
+checkpoints (`RUNS`), the pointers to the newest in the order they are believed."""
 
 from __future__ import annotations
 
 from ..tree import Node, node_at
 from ..errors import ExportError
-from . import accelerate, composer, generic, hf_trainer, lightning, olmo
-from .contract import Reader, Trainer
+from . import accelerate, composer, deepspeed, generic, hf_trainer, lightning, megatron, olmo, torchtitan, verl
+from .contract import Reader, Steps, Trainer
 
 TRAINERS: dict[str, Trainer] = {t.name: t for t in (hf_trainer.TRAINER, accelerate.TRAINER, lightning.TRAINER,
                                                     olmo.TRAINER, composer.TRAINER, generic.DCP, generic.GENERIC)}
+
+RUNS: tuple[Steps, ...] = (megatron.STEPS, verl.STEPS, *(t.steps for t in TRAINERS.values() if t.steps is not None),
+                           deepspeed.STEPS, torchtitan.STEPS)
 
 
 def detect(tree: Node, known: str | None = None, reader: Reader | None = None) -> str:

@@ -153,10 +153,11 @@ def test_file_name_and_content_must_agree(layout_checkpoints, tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("name", ["checkpoint-40", "epoch=1-step=40.ckpt", "step-40", "step40", "global_step40",
-                                  "global_step_40", "iter_0000040", "ep1-ba40", "step_40"])
+                                  "global_step_40", "iter_0000040", "ep1-ba40", "step_40", "checkpoint_40"])
 def test_a_step_is_found_by_every_trainers_own_name_for_it(name: str) -> None:
     """--step N: the HF Trainer's checkpoint-N, Lightning's epoch=E-step=N.ckpt, torchtitan's step-N,
-    DeepSpeed's global_stepN, veRL's global_step_N, Megatron-LM's iter_{N:07d}, Composer's ep{E}-ba{N}."""
+    DeepSpeed's global_stepN, veRL's global_step_N, Megatron-LM's iter_{N:07d}, Composer's ep{E}-ba{N},
+    Accelerate's checkpoint_N (trainers/ `Steps`)."""
     from shardstore.read.source import names_step
 
     assert names_step(name, 40)

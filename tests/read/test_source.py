@@ -101,3 +101,21 @@ def test_a_runs_latest_link_names_its_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"matches the step latest_checkpointed_iteration.txt names \(6\); it "
                                               r"holds step-2, step-4$"):
         open_source(run)
+
+
+def test_a_runs_pointer_file_on_object_storage_names_its_newest(s3, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A run folder on S3: its latest_checkpointed_iteration.txt (a file: object storage has no links) is
+    read there as on a local disk, and names the step taken over the newest by name."""
+    from tests.conftest import upload
+
+    url = "s3://runs/checkpoint"
+    for step in ("step-2", "step-4"):
+        upload(TORCHTITAN / step, f"{url}/{step}", "*")
+    assert open_source(url).units[0].startswith(f"{url}/step-4/")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2\n")
+    upload(tmp_path, url, "latest_checkpointed_iteration.txt")
+    assert open_source(url).units[0].startswith(f"{url}/step-2/")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("step-2")
+    upload(tmp_path, url, "latest_checkpointed_iteration.txt")
+    with pytest.raises(CheckpointError, match="latest_checkpointed_iteration.txt: names no step"):
+        open_source(url)

@@ -1,16 +1,22 @@
 """What every trainer's conventions must do (shardstore/trainers/): each trainer's tests subclass
 `TrainerTests`, giving a checkpoint its own code saved and how the trainer itself resumes from the files
-`--format torch` writes for it."""
+`--format torch` writes for it, and `StepsTests`, giving a run folder its own code left."""
 
 from __future__ import annotations
 
+import shutil
+from importlib import import_module
 from pathlib import Path
 
 import pytest
 
 import shardstore
 from shardstore.export import model_subtree
-from shardstore.trainers.registry import TRAINERS
+from shardstore.read.discover import open_source
+from shardstore.read.layouts import RANK_FILE
+from shardstore.read.source import step_of
+from shardstore.trainers.contract import Steps
+from shardstore.trainers.registry import RUNS, TRAINERS
 
 
 class TrainerTests:
@@ -72,3 +78,58 @@ class TrainerTests:
             shardstore.unshard(checkpoint, out, format="safetensors", jobs=2)
         result = shardstore.unshard(checkpoint, out, format="safetensors", jobs=2, overwrite=True)
         assert written and {p.name for p in out.iterdir() if not p.name.startswith(".")} == {p.name for p in result.files}
+
+
+class StepsTests:
+    """What every trainer's naming of a run's checkpoints must do (trainers/contract.py `Steps`): each
+    trainer's tests subclass it with a run folder as the trainer's own code left it."""
+
+    trainer: str  # its module in shardstore/trainers/
+
+    @pytest.fixture
+    def run(self) -> tuple[Path, str]:
+        """A run folder as the trainer's own code left it, and the name of the checkpoint in it the trainer
+        resumes from (its pointer's, else its newest)."""
+        raise NotImplementedError
+
+    def named(self, step: int) -> str:
+        """The trainer's own name of a checkpoint of step `step` (its code's format string)."""
+        raise NotImplementedError
+
+    def copy(self, run: Path, taken: str, step: int) -> None:
+        """A copy of checkpoint `taken` of `run` put beside it as the trainer names one of `step`."""
+        shutil.copytree(run / taken, run / self.named(step), symlinks=True)
+
+    @property
+    def steps(self) -> Steps:
+        steps: Steps = import_module(f"shardstore.trainers.{self.trainer}").STEPS
+        return steps
+
+    def _taken(self, run: Path, **pick: int) -> str:
+        """The checkpoint of `run` shardstore reads (by its first unit: its folder, or its rank files' tag)."""
+        unit = Path(open_source(run, **pick).units[0])
+        name = unit.resolve().relative_to(run.resolve()).parts[0]
+        rank_file = RANK_FILE.match(name)
+        return rank_file.group("tag") if rank_file and unit.parent.resolve() == run.resolve() else name
+
+    def test_its_checkpoints_are_named_by_their_step(self, run: tuple[Path, str]) -> None:
+        folder, taken = run
+        step = self.steps.step(taken)
+        assert step is not None and self.steps.step(self.named(step)) == step
+        assert self.steps in RUNS and step_of(self.named(12345)) == 12345
+        assert self._taken(folder) == taken
+
+    def test_the_checkpoint_it_would_resume_from_is_taken(self, run: tuple[Path, str], tmp_path: Path) -> None:
+        """Beside a copy of a later step's name: the one the trainer's pointer names, or (none) the newest;
+        `--step` takes an earlier one by its name."""
+        folder, taken = run
+        here = tmp_path / "run"
+        shutil.copytree(folder, here, symlinks=True)
+        step = self.steps.step(taken)
+        assert step is not None and step > 0
+        self.copy(here, taken, step + 1000)
+        self.copy(here, taken, step - 1)
+        newest = taken if self.steps.latest and (here / self.steps.latest).exists() else self.named(step + 1000)
+        assert self._taken(here) == newest
+        assert self._taken(here, step=step - 1) == self.named(step - 1)
+        assert self._taken(here, step=step) == taken

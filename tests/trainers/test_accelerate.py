@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.read.formats.test_trainer_parts import BIN, _tiny_llama, same_optimizer
-from tests.trainers.conformance import TrainerTests
+from tests.trainers.conformance import StepsTests, TrainerTests
+import shutil
 
 
 class TestAccelerate(TrainerTests):
@@ -42,3 +43,18 @@ class TestAccelerate(TrainerTests):
         assert all(torch.equal(model.state_dict()[k], v) for k, v in want["model"].items())
         same_optimizer(optimizer.state_dict(), want["optimizer"])
         assert scheduler.scheduler.last_epoch == 4
+
+
+class TestAccelerateSteps(StepsTests):
+    """ProjectConfiguration(automatic_checkpoint_naming=True) names each save_state folder
+    checkpoints/checkpoint_{iteration}: the real save_state folder put there, under that name."""
+
+    trainer = "accelerate"
+
+    @pytest.fixture
+    def run(self, tmp_path: Path) -> tuple[Path, str]:
+        shutil.copytree(BIN / "checkpoint-4", tmp_path / "checkpoints" / "checkpoint_2")
+        return tmp_path / "checkpoints", "checkpoint_2"
+
+    def named(self, step: int) -> str:
+        return f"checkpoint_{step}"

@@ -12,7 +12,8 @@ import torch
 
 import shardstore
 from tests.test_corpus import DATA, as_gathered, assert_matches
-from tests.trainers.conformance import TrainerTests
+from tests.trainers.conformance import StepsTests, TrainerTests
+import shutil
 
 NAME = "composer-t2.13-hsdp-w4"
 
@@ -41,3 +42,22 @@ class TestComposer(TrainerTests):
             own = found.store.values("rng/0/torch")  # each rank file's one-element list's torch state
         assert len(state["rng"]) == len(own) == 4
         assert all(torch.equal(rng["torch"], own[rank]) for rank, rng in enumerate(state["rng"]))
+
+
+class TestComposerSteps(StepsTests):
+    """Its ep{E}-ba{B}/ folder of ep{E}-ba{B}-rank{r}.pt files."""
+
+    trainer = "composer"
+
+    @pytest.fixture
+    def run(self) -> tuple[Path, str]:
+        return DATA / NAME, "ep0-ba1"
+
+    def named(self, step: int) -> str:
+        return f"ep0-ba{step}"
+
+    def copy(self, run: Path, taken: str, step: int) -> None:
+        """Its rank files are named by the step too."""
+        (run / self.named(step)).mkdir()
+        for f in (run / taken).iterdir():
+            shutil.copy(f, run / self.named(step) / f.name.replace(taken, self.named(step)))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.read.formats.test_trainer_parts import DATA, _tiny_llama, _want, same_optimizer
-from tests.trainers.conformance import TrainerTests
+from tests.trainers.conformance import StepsTests, TrainerTests
 
 
 class TestHFTrainer(TrainerTests):
@@ -52,3 +52,22 @@ class TestHFTrainer(TrainerTests):
         assert seen["step"] == 4 and seen["epoch"] == 4 and trainer.state.global_step == 6
         assert all(torch.equal(seen["model"][k], v) for k, v in want["model"].items())
         same_optimizer(seen["optimizer"], want["optimizer"])
+
+
+class TestHfTrainerSteps(StepsTests):
+    """Its output_dir of checkpoint-N/ folders; the newest is the highest N (get_last_checkpoint)."""
+
+    trainer = "hf_trainer"
+
+    @pytest.fixture
+    def run(self) -> tuple[Path, str]:
+        return DATA / "fsdp2-w2", "checkpoint-4"
+
+    def named(self, step: int) -> str:
+        return f"checkpoint-{step}"
+
+    def copy(self, run: Path, taken: str, step: int) -> None:
+        """Its trainer_state.json records the step its folder is named by."""
+        super().copy(run, taken, step)
+        state = run / self.named(step) / "trainer_state.json"
+        state.write_text(json.dumps({**json.loads(state.read_text()), "global_step": step}))

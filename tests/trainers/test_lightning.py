@@ -10,7 +10,7 @@ import torch
 
 from tests.read.formats.test_lightning import DATA, _module, _want
 from tests.read.formats.test_trainer_parts import same_optimizer
-from tests.trainers.conformance import TrainerTests
+from tests.trainers.conformance import StepsTests, TrainerTests
 
 
 class TestLightning(TrainerTests):
@@ -50,3 +50,16 @@ class TestLightning(TrainerTests):
         assert module.seen["step"] == 4 and module.seen["epoch"] == 1 and trainer.global_step == 6
         assert all(torch.equal(module.seen["model"][k], v) for k, v in want["model"].items())
         same_optimizer(module.seen["optimizer"], want["optimizer"])
+
+
+class TestLightningSteps(StepsTests):
+    """ModelCheckpoint's epoch=E-step=N.ckpt/ folders and save_last's last.ckpt link to the newest."""
+
+    trainer = "lightning"
+
+    @pytest.fixture
+    def run(self) -> tuple[Path, str]:
+        return DATA / "trainer-w3" / "checkpoints", "epoch=1-step=4.ckpt"
+
+    def named(self, step: int) -> str:
+        return f"epoch=1-step={step}.ckpt"

@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import assert_bitwise_equal, expected
 from tests.fixtures.fsdp import trainer_state
-from tests.trainers.conformance import TrainerTests
+from tests.trainers.conformance import StepsTests, TrainerTests
 
 
 class TestOLMo(TrainerTests):
@@ -37,3 +37,17 @@ class TestOLMo(TrainerTests):
         rank0 = trainer_state(0, 3)
         del rank0["rng"]
         assert torch.load(out / "train.pt", weights_only=False) == rank0
+
+
+class TestOlmoSteps(StepsTests):
+    """OLMo-core's trainer's save folder (ai2-olmo-core's own Trainer: tests/fixtures/olmo_core_trainer.py):
+    its step{N}/ folders."""
+
+    trainer = "olmo"
+
+    @pytest.fixture
+    def run(self) -> tuple[Path, str]:
+        return Path(__file__).parents[1] / "fixtures" / "data" / "olmo-core-trainer", "step1"
+
+    def named(self, step: int) -> str:
+        return f"step{step}"

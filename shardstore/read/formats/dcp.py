@@ -29,6 +29,8 @@ from ...hf_files import hf_model_file
 from ...locations import StorageOptions, filesystem, folder_of, is_url, join, listing, local, name_of, subfolders
 from ...records import TensorRef
 from ...tree import KeyEncoder, Node, Skeleton
+from ...trainers import composer, hf_trainer, torchtitan
+from ...trainers.registry import RUNS
 from ..arrival import Arrived
 from ..contract import (ArrayLeaf, CheckpointSpec, LocalPiece, PlannedCheckpoint, ShardedSpec, ShardSpec,
                         whole_numbers)
@@ -39,7 +41,7 @@ from ..primitives import transforms as stream_transforms
 from ..primitives.tensors import check_view
 from ..primitives.unpickle import DCP_PLACEHOLDERS, DcpBytesStorage, DcpMetadata, DcpTensorStorage, load
 from ...patterns import digits
-from ..source import (COMPOSER_BATCH, COMPOSER_EPOCH, JSON_CONFIG, Source, check_step, config_files, hf_files, inside_run,
+from ..source import (JSON_CONFIG, Source, check_step, config_files, hf_files, inside_run,
                       pick)
 from ..unit import Place, check_leaves
 from . import lightning, megatron_fsdp, megatron_torch, trainer
@@ -63,7 +65,6 @@ INSIDE = (MODEL_AND_OPTIM, NEMO_WEIGHTS, VERL_DIST, f"model/{VERL_DIST}", f"acto
           f"actor/model/{VERL_DIST}")
 FSDP_MODEL = "pytorch_model_fsdp"  # the HF Trainer's and Accelerate's model folder (accelerate FSDP_MODEL_NAME)
 PART = re.compile(r"(pytorch_model_fsdp|optimizer)_[0-9]+")  # its folders: each model's, each optimizer's
-TRAINER_STEP = re.compile(r"checkpoint-[0-9]+")  # the HF Trainer's checkpoint folder in its output_dir
 MEGATRON_METADATA = "metadata.json"  # Megatron-Core's: {"sharded_backend": "torch_dist", ...}
 MEGATRON_COMMON = "common.pt"  # megatron-core <= 0.18's common state (>= 0.19: a bytes item in the files)
 COMMON_STATE = "common_state"  # where the store keeps it
@@ -81,9 +82,8 @@ CHAINED = re.compile(r"chained_[0-9]+\.optimizer\.")  # a ChainedOptimizer's (de
 MEGATRON_TOP = ("common_state", "rng_state", "rerun_state_machine_state")  # Megatron-LM's non-model keys
 # The steps trainers record as bytes items, by the name they give the folder from them: torchtitan's
 # f"step-{step}", Composer's f"ep{epoch}-ba{batch}"
-NAMED_STEPS = {"train_state.step": re.compile(r"\Astep-([0-9]+)\Z"), "state.timestamp.epoch": COMPOSER_EPOCH,
-               "state.timestamp.batch": COMPOSER_BATCH}
-LATEST = ("latest-rank0.pt", "last.ckpt")  # Composer's and Lightning's newest checkpoint
+NAMED_STEPS = {torchtitan.STEP_KEY: torchtitan.STEPS.exact, "state.timestamp.epoch": composer.EPOCH,
+               "state.timestamp.batch": composer.BATCH}
 MAX_METADATA = 1 << 30  # tens of MB at thousands of ranks; a gigabyte is not a .metadata
 ZIP_RECORDS = 1 << 20  # what a tensor's torch.save holds beside its bytes (data.pkl, version, alignment, directory)
 MAX_VALUE = 1 << 30  # a compressed value's torch.save decompressed (an optimizer's param_groups, a loader's state)
@@ -878,13 +878,13 @@ def _beside(folder: str, storage_options: StorageOptions | None) -> list[str]:
     if name == MODEL_AND_OPTIM:
         return config_files(parent, storage_options, "config.yaml", JSON_CONFIG)
     found = config_files(folder, storage_options, "config.yaml", JSON_CONFIG)
-    if not found and TRAINER_STEP.fullmatch(name) and trainer_parts(folder, storage_options):
+    if not found and hf_trainer.STEPS.step(name) is not None and trainer_parts(folder, storage_options):
         # the HF Trainer writes no config.json into a sharded checkpoint-N/; its final save_model writes
         # the model's Hugging Face files into the run's output_dir, the folder above, and a save of a
         # full state dict (another checkpoint-M/ of the run) writes them into its folder
         found = hf_files(parent, storage_options)
-        steps = sorted((n for n in subfolders(parent, storage_options) if TRAINER_STEP.fullmatch(n) and n != name),
-                       key=lambda n: -int(n.split("-")[1]))
+        steps = sorted((n for n in subfolders(parent, storage_options) if hf_trainer.STEPS.step(n) is not None
+                        and n != name), key=lambda n: -(hf_trainer.STEPS.step(n) or 0))
         for step in steps if not found else []:
             found = hf_files(join(parent, step), storage_options)
             if found:
@@ -910,7 +910,7 @@ def dcp_folder(src: str, tag: str | None, step: int | None, storage_options: Sto
     if newest is not None:
         return _resolved(newest, storage_options)
     below = [n for n in subfolders(src, storage_options) if FORMAT.detect(join(src, n), storage_options)]
-    return _resolved(join(src, pick(src, below, tag, step)), storage_options) if below else None
+    return _resolved(join(src, pick(src, below, tag, step, storage_options)), storage_options) if below else None
 
 
 def _parts(facts: dict[str, Any]) -> bool:
@@ -938,13 +938,14 @@ class DcpFormat:
                       _beside(folder, storage_options), *((found.trainer, found.files) if found is not None else ()))
 
     def latest(self, folder: str, storage_options: StorageOptions | None) -> str | None:
-        """Composer's `latest-rank0.pt`, a link to the newest checkpoint folder; Lightning's `last.ckpt`
-        (ModelCheckpoint's save_last: that link, or a copy of the newest save)."""
+        """A trainer's link to the newest checkpoint folder (trainers' `RUNS`): Composer's `latest-rank0.pt`,
+        Lightning's `last.ckpt` (ModelCheckpoint's save_last: that link, or a copy of the newest save),
+        OLMo's `latest`."""
         if is_url(folder):
             return None
-        for name in LATEST:
-            link = os.path.join(local(folder), name)
-            if os.path.isdir(link) and self.detect(link, storage_options):
+        for steps in RUNS:
+            link = os.path.join(local(folder), steps.latest)
+            if steps.points == "link" and os.path.isdir(link) and self.detect(link, storage_options):
                 return inside_run(folder, link)
         return None
 

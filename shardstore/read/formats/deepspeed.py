@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO checkpoints (`engine.save_checkpoint`, stages 1, 2 and 3), read without DeepSpeed.
 
-A save folder (the HF Trainer's `checkpoint-N/`) holds `latest` (the tag) and `<tag>/` (`global_stepN/`):
+A save folder (the HF Trainer's `checkpoint-N/`) holds `latest` (the newest tag) and `<tag>/`
+(`global_stepN/`, trainers/deepspeed.py):
 - ZeRO-1/2: `mp_rank_00_model_states.pt` (`module`: the model's 16-bit or fp32 weights and buffers;
   `param_shapes`: per optimizer group, `{name: shape}` in flattening order; `frozen_param_shapes` and
   `frozen_param_fragments` (whole); `shared_params`: `{tied name: name}`; the engine's counters, LR
@@ -57,16 +58,16 @@ from ...records import Building, TensorRef, building_class
 from ...tree import KeyEncoder, Node
 from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, replica_count
 from ..primitives import tensors
-from ..primitives.container import TorchZip, read_small
+from ..primitives.container import TorchZip
 from ..primitives.flatten import flatten
 from ..primitives.identity import refuse_copies
 from ..primitives.unpickle import load
-from ..source import check_step, inside_run
+from ...trainers.deepspeed import STEPS
+from ..source import check_step, inside_run, pointed
 from ..unit import FileUnit, flat_spec, planned_place, relative
 from . import fsdp_flat
 
 FORMAT = "deepspeed"
-LATEST = "latest"
 MODEL_STATES = re.compile(r"(?:zero_pp_rank_(?P<rank>[0-9]+)_)?mp_rank_(?P<mp>[0-9]+)_model_states\.pt\Z")
 LAYER_STATES = re.compile(r"layer_[0-9]+-model_[0-9]+-model_states\.pt\Z")  # pipeline parallelism's (PipelineModule)
 OPTIM_STATES = re.compile(r"(?P<bf16>bf16_)?zero_pp_rank_(?P<rank>[0-9]+)_mp_rank_(?P<mp>[0-9]+)_optim_states\.pt\Z")
@@ -80,26 +81,25 @@ PLACEHOLDERS = {key: building_class(*key) for key in (
 # What the model-states file holds besides the engine's own state (kept beside `model` and `optim`).
 LAYOUT_KEYS = ("module", "buffer_names", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
                "shared_params", "optimizer")
-MAX_TAG = 256
-GLOBAL_STEP = re.compile(r"\Aglobal_step([0-9]+)\Z")  # engine.save_checkpoint's tag (and the HF Trainer's)
 
 
 # ---------------------------------------------------------------------------------------------- finding
+def _zero_files(folder: str, storage_options: StorageOptions | None) -> bool:
+    """Whether `folder` is a tag folder (ZeRO-0's model-states file is alone: the rest is refused naming
+    what is missing)."""
+    return any(MODEL_STATES.match(p.rsplit("/", 1)[-1]) for p in listing(folder, storage_options))
+
+
 def _tag_folder(folder: str, storage_options: StorageOptions | None) -> str | None:
-    """The tag folder `folder` is, or the one its `latest` names; None if neither holds ZeRO files."""
-    names = [p.rsplit("/", 1)[-1] for p in listing(folder, storage_options)]
-    if any(MODEL_STATES.match(n) for n in names):  # ZeRO-0's is alone (else: refused naming what is missing)
+    """The tag folder `folder` is, or the save folder's one tag folder, which its `latest` names (the HF
+    Trainer's checkpoint-N/ holds global_stepN/); None otherwise. A save folder of several tags is a run:
+    its `latest` names the newest, `--tag` or `--step` another (read/source.py `pick`)."""
+    if _zero_files(folder, storage_options):
         return folder
-    if LATEST in names:
-        try:
-            tag = read_small(join(folder, LATEST), storage_options, MAX_TAG, "DeepSpeed's latest").decode().strip()
-        except (CheckpointError, UnicodeDecodeError):
-            return None
-        if tag and "/" not in tag and tag in subfolders(folder, storage_options):
-            inner = join(folder, tag)
-            inside_run(folder, inner)  # a tag folder linking to another run's is that run's checkpoint
-            return inner if _tag_folder(inner, storage_options) == inner else None
-    return None
+    tags = [n for n in subfolders(folder, storage_options) if _zero_files(join(folder, n), storage_options)]
+    if len(tags) != 1 or (pointed(folder, tags, storage_options) or (None,))[0] != tags[0]:
+        return None
+    return inside_run(folder, join(folder, tags[0]))  # a tag folder linking to another run's is that run's
 
 
 def detect(folder: str, storage_options: StorageOptions | None = None) -> bool:
@@ -178,7 +178,7 @@ def _read(path: str, storage_options: StorageOptions | None, strict: bool) -> _F
             raise CheckpointError(f"{path}: not a DeepSpeed checkpoint file (holds a {type(state).__name__})")
         # a model-states file records the engine's step: a file of another save copied into a tag folder
         # named by its step is refused (a tag named otherwise says nothing; optimizer files record none)
-        check_step(path, "global_steps", state.get("global_steps"), folder_of(path), GLOBAL_STEP)
+        check_step(path, "global_steps", state.get("global_steps"), folder_of(path), STEPS.exact)
         return _File(path, zf, state)
 
 

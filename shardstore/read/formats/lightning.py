@@ -24,6 +24,7 @@ from ...errors import CheckpointError
 from ...hf_files import hf_model_file
 from ...locations import StorageOptions, folder_of, is_url, join, listing, name_of, subfolders
 from ...patterns import digits
+from ...trainers import lightning as trainer
 from ..primitives.container import read_small
 from ..source import JSON_CONFIG, check_step
 
@@ -34,17 +35,12 @@ MAX_HPARAMS = 1 << 20
 # the keys a LightningModule's hyper-parameters name a transformers model by, as fine-tuning scripts spell them
 MODEL_KEYS = ("model_name_or_path", "pretrained_model_name_or_path", "model_name", "model_id", "base_model",
               "model_path", "model")
-# ModelCheckpoint's `{epoch}-{step}` (its default filename: `key=value` of trainer.current_epoch and
-# trainer.global_step as it saves, which dump_checkpoint records as `epoch` and `global_step`), wherever a
-# user's template puts them; the start or a separator (not `_`) before the key: a metric `train_step` is not it
-NAMED = {"global_step": re.compile(r"(?:^|[^A-Za-z0-9_])step=([0-9]+)(?![0-9])"),
-         "epoch": re.compile(r"(?:^|[^A-Za-z0-9_])epoch=([0-9]+)(?![0-9])")}
 
 
 def check_steps(meta: str, values: dict[str, Any]) -> None:
     """The epoch and global_step rank 0's meta.pt records against those its folder's name says: another
     save's meta.pt copied into the folder is refused. Fabric names its folders freely (they name nothing)."""
-    for key, named in NAMED.items():
+    for key, named in trainer.NAMED.items():
         check_step(meta, key, values.get(key), folder_of(meta), named)
 
 

@@ -42,6 +42,7 @@ from ..primitives.flatten import flatten
 from ..primitives.identity import refuse_copies
 from ..primitives.tensors import check_view
 from ..primitives.unpickle import load
+from ...trainers import megatron
 from ..source import check_step
 from ..unit import FileUnit, planned_place, relative
 from .trainer import moved
@@ -87,7 +88,6 @@ EXTRA = "._extra_state"
 # one); their rows tell which. The fused one is [q; kv].
 DOWN = {"self_attention.linear_q_down_proj.weight": ("q",), "self_attention.linear_kv_down_proj.weight": ("kv",),
         "self_attention.linear_qkv_down_proj.weight": ("q", "kv")}
-ITERATION = re.compile(r"\Aiter_([0-9]+)\Z")  # save_checkpoint's f"iter_{iteration:07d}" folder
 # What every rank's file of one save records alike: save_checkpoint writes them from one moment's globals
 MOMENT = ("iteration", "num_floating_point_operations_so_far")
 ARGS_MOMENT = ("iteration", "consumed_train_samples", "consumed_valid_samples", "skipped_train_samples")
@@ -429,7 +429,7 @@ def _moment(obj: dict[str, Any], args: Any) -> dict[str, Any]:
 def check_iteration(where: str, state: Any, folder: str) -> None:
     """The iteration a save records (in every rank's file here; in its common state under torch_dist,
     read/formats/dcp.py) against its folder's name, save_checkpoint's `iter_{iteration:07d}`."""
-    check_step(where, "iteration", state.get("iteration") if isinstance(state, dict) else None, folder, ITERATION)
+    check_step(where, "iteration", state.get("iteration") if isinstance(state, dict) else None, folder, megatron.STEPS.exact)
 
 
 def _same_moment(f: _Read, moment: dict[str, Any], first: str) -> None:

@@ -21,11 +21,12 @@ from ..primitives.flatten import flatten
 from ..primitives.identity import container_identity
 from ..primitives.skim import Skimmed, skim
 from ..primitives.unpickle import DTensor, ShardedTensor, load
-from ..source import COMPOSER_BATCH, COMPOSER_EPOCH, Source, check_step, config_files, hf_files
+from ...trainers import composer
+from ..source import Source, check_step, config_files, hf_files
 from . import dtensor
 
 MAX_WORLD_SIZE = 1 << 20
-COMPOSER_TIMESTAMP = "state/timestamp"  # what Composer names its files by (source.COMPOSER_EPOCH, _BATCH)
+COMPOSER_TIMESTAMP = "state/timestamp"  # what Composer names its files by (trainers/composer.py)
 
 
 class ShardedLeaf(ArrayLeaf):
@@ -439,7 +440,7 @@ def _check_named_step(rf: RankFile) -> None:
     another save renamed into this one is refused (the other ranks' are compared with it: store/onesave.py)."""
     timestamp = rf.leaves.get(COMPOSER_TIMESTAMP)
     if isinstance(timestamp, dict):
-        for key, named in (("epoch", COMPOSER_EPOCH), ("batch", COMPOSER_BATCH)):
+        for key, named in (("epoch", composer.EPOCH), ("batch", composer.BATCH)):
             check_step(rf.path, f"timestamp {key}", timestamp.get(key), rf.path, named)
 
 

@@ -17,6 +17,7 @@ from ... import jsonin
 from ...errors import CheckpointError
 from ...locations import StorageOptions, join, listing, name_of
 from ..primitives.container import TorchZip, read_small
+from ...trainers import hf_trainer
 from ..source import MAX_SIDE_FILE, check_step
 
 TRAINER_STATE = "trainer_state.json"
@@ -30,7 +31,6 @@ ACCELERATE_RNG = "random_states_0.pkl"
 NUMBERED_RNG = {"rng_state_0.pth": re.compile(r"rng_state_[0-9]+\.pth\Z"),
                 ACCELERATE_RNG: re.compile(r"random_states_[0-9]+\.pkl\Z")}
 TORCH_SAVED = (".pt", ".pth", ".bin")  # torch.save's zips (Accelerate's .pkl files are plain pickles)
-STEP_FOLDER = re.compile(r"\Acheckpoint-([0-9]+)\Z")  # the Trainer's f"{PREFIX_CHECKPOINT_DIR}-{global_step}"
 
 
 @dataclass(frozen=True)
@@ -90,4 +90,4 @@ def _check_step(folder: str, path: str, storage_options: StorageOptions | None) 
     step = state.get("global_step") if isinstance(state, dict) else None
     if type(step) is not int:
         raise CheckpointError(f"{path}: not the HF Trainer's trainer_state.json (no global_step)")
-    check_step(path, "global_step", step, folder, STEP_FOLDER)
+    check_step(path, "global_step", step, folder, hf_trainer.STEPS.exact)

@@ -18,7 +18,8 @@ from ...tree import KeyEncoder, Node
 from ..contract import PlannedCheckpoint
 from ..layouts import name_rank
 from ..primitives.container import TorchZip
-from ..source import OLMO_STEP, check_step
+from ...trainers import olmo
+from ..source import check_step
 from ..unit import Place, check_leaves
 from . import lightning
 from .rankfile import RankFile, ShardedLeaf, read_rank_file
@@ -109,7 +110,7 @@ def _check_named_step(first: str, values: dict[str, Any]) -> None:
     if name_of(first) == lightning.META:
         lightning.check_steps(first, values)
     elif name_of(folder_of(first)) == TRAIN:
-        check_step(first, "global_step", values.get("global_step"), folder_of(folder_of(first)), OLMO_STEP)
+        check_step(first, "global_step", values.get("global_step"), folder_of(folder_of(first)), olmo.STEPS.exact)
 
 
 def moved(node: Node, under: str) -> Node:

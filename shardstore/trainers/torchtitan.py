@@ -1,0 +1,13 @@
+"""torchtitan's CheckpointManager: a DCP folder per step (read/formats/dcp.py, in torch DCP's own
+nesting); here, how its runs name them.
+
+It saves f"step-{step}/" under its checkpoint folder and records the step as `train_state.step`; the
+newest is the highest step.
+"""
+
+from __future__ import annotations
+
+from .contract import Steps
+
+STEPS = Steps(r"step-([0-9]+)")
+STEP_KEY = "train_state.step"  # the bytes item its folder's step is recorded in

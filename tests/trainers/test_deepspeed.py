@@ -1,0 +1,22 @@
+"""DeepSpeed's engine: its save folder of global_step{N}/ tags and `latest` naming the newest
+(tests/fixtures/data/deepspeed/). The file names the newest whatever the tags' names say, and `--step`
+takes another tag of the save folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.trainers.conformance import StepsTests
+
+
+class TestDeepspeedSteps(StepsTests):
+    trainer = "deepspeed"
+
+    @pytest.fixture
+    def run(self) -> tuple[Path, str]:
+        return Path(__file__).parents[1] / "fixtures" / "data" / "deepspeed" / "z2-w3", "global_step2"
+
+    def named(self, step: int) -> str:
+        return f"global_step{step}"
