@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -34,7 +34,6 @@ from . import dtypes
 from .errors import ExportError
 from .export import model_subtree, planned, registry
 from .export.resolve import ArrayRef, leaves
-from .export.contract import OutputFormat
 from .export.safetensors import Stacked
 from .ingest import ingest
 from .run import model_store
@@ -136,50 +135,46 @@ def average(checkpoints: Sequence[str | os.PathLike[str]], out_dir: str | os.Pat
                   else model_store(scratch / str(i), source, jobs, select) for i, source in enumerate(sources)]
         averaged = "" if include_optimizer else select if select is not None else model_subtree(stores[-1])
         _same_tensors(stores, [str(c) for c in checkpoints], averaged)
-        out.mkdir(parents=True, exist_ok=True)
-        if whole:
-            return _average_whole(stores, weights, averaged, out, request.output)
-        plan = planned(stores[-1], request)
-        kept = []
+        means = _Means(tuple(stores), weights, averaged)
+        plan = planned(stores[-1], replace(request, arrays=means))
         for it in plan.tensors:
-            each = it.source.items if isinstance(it.source, Stacked) else (it,)  # GPT-OSS's experts: each averaged
-            if not all(isinstance(one.source, ArrayRef) for one in each):
+            if not all(isinstance(one.source, ArrayRef) for one in (it.source.items if isinstance(it.source, Stacked)
+                                                                    else (it,))):
                 raise ExportError(f"{it.key}: a small plain tensor; average reads sharded tensors only")
-            if it.source.dtype not in dtypes.CASTABLE:
-                kept.append(it.key)
-                continue
-            for one in each:  # rounded once, into the output's dtype
-                source = one.source
-                one.dtype, one.source = it.dtype, MeanRef(source.path, it.dtype, source.shape, source.rows,
-                                                          tuple(stores), weights, source.dtype)
+        out.mkdir(parents=True, exist_ok=True)
         files, _, _ = plan.write(out, None, None, None, 1)
-        return AverageResult(files, len(plan.tensors) - len(kept), kept)
+        if not whole:  # counted by the output's tensors
+            kept = [it.key for it in plan.tensors if it.source.dtype not in dtypes.CASTABLE]
+            return AverageResult(files, len(plan.tensors) - len(kept), kept)
+        last = stores[-1].manifest
+        values = sum(1 for _, path in leaves(last.tree) if path not in last.arrays)
+        return AverageResult(files, len(means.averaged), sorted(set(means.kept)), values)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _average_whole(stores: list[Store], weights: tuple[float, ...], averaged: str, out: Path,
-                   fmt: OutputFormat) -> AverageResult:
-    """The last store's whole state as `fmt` writes it (torch files, a DCP folder), its floating arrays under
-    `averaged` ("" for all) the stores' mean (written here, in one process: the means read every store)."""
-    last = stores[-1]
-    means: dict[ArrayRef, ArrayRef] = {}  # one per array: a tied tensor stays one storage
-    kept: list[str] = []
+class _Means:
+    """Where an export of the last store reads each sharded array's bytes (`ExportRequest.arrays`): the
+    stores' weighted mean, rounded once into the output's dtype, for a floating array under `averaged`
+    ("" for all); the last store's own bytes for the rest (`kept`). One reference per array and dtype: a
+    tied tensor stays one storage."""
 
-    def mean_of(ref: ArrayRef) -> ArrayRef:
-        if ref not in means:
-            if ref.dtype in dtypes.CASTABLE and under(ref.path, averaged):
-                means[ref] = MeanRef(ref.path, ref.dtype, ref.shape, ref.rows, tuple(stores), weights, ref.dtype)
+    def __init__(self, stores: tuple[Store, ...], weights: tuple[float, ...], averaged: str):
+        self.stores, self.weights, self.under = stores, weights, averaged
+        self.refs: dict[tuple[ArrayRef, str], ArrayRef] = {}
+        self.averaged: set[str] = set()
+        self.kept: list[str] = []
+
+    def __call__(self, ref: ArrayRef, dtype: str) -> ArrayRef:
+        if (ref, dtype) not in self.refs:
+            if ref.dtype in dtypes.CASTABLE and under(ref.path, self.under):
+                self.refs[ref, dtype] = MeanRef(ref.path, dtype, ref.shape, ref.rows, self.stores, self.weights,
+                                                ref.dtype)
+                self.averaged.add(ref.path)
             else:
-                means[ref] = ref
-                kept.append(ref.path)
-        return means[ref]
-
-    assert fmt.rewrite is not None  # (every whole-state format has one)
-    files = fmt.rewrite(last, out, mean_of)
-    averaged_paths = {r.path for r, m in means.items() if m is not r}
-    values = sum(1 for _, path in leaves(last.manifest.tree) if path not in last.manifest.arrays)
-    return AverageResult(files, len(averaged_paths), sorted(set(kept)), values)
+                self.refs[ref, dtype] = ref
+                self.kept.append(ref.path)
+        return self.refs[ref, dtype]
 
 
 def _same_tensors(stores: list[Store], names: list[str], subtree: str) -> None:

@@ -32,6 +32,8 @@ from ..store.store import Store
 from ..tree import Node
 from .resolve import ArrayRef
 
+Arrays = Callable[[ArrayRef, str], ArrayRef]  # an array's reference and its output dtype -> where its bytes come from
+
 
 @dataclass(frozen=True)
 class ExportRequest:
@@ -51,6 +53,9 @@ class ExportRequest:
     # `--format torch`: the whole state in one checkpoint.pt in the input's nesting (what torch's
     # dcp_to_torch_save writes), instead of the files the checkpoint's trainer resumes from
     single_file: bool = False
+    # where each sharded array's bytes come from instead of the store, given the dtype the output holds it
+    # in (`average` puts the checkpoints' mean there, rounded once into that dtype); no user option
+    arrays: Arrays | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtypes.cast_dtype(self.dtype))
@@ -119,9 +124,6 @@ class OutputFormat:
     recognises: Callable[[Path], bool]
     # `verify` reads it back as a checkpoint (through the readers, into a store) rather than file by file
     reads_as_checkpoint: bool = False
-    # a whole-state format (not `subtree`): the store's state written with each sharded array read through
-    # `arrays` (`average` puts the checkpoints' mean in its place); the files written
-    rewrite: Callable[[Store, Path, Callable[[ArrayRef], ArrayRef]], list[Path]] | None = None
 
 
 class DirectExport(ABC):

@@ -36,7 +36,7 @@ from ..sink.output import OutputFile
 from ..store.handle import TensorValue
 from ..store.store import Store
 from ..tree import MAX_DEPTH, Node
-from .contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
+from .contract import Arrays, DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from .notes import flat_buckets
 from .resolve import ArrayRef, build, leaves, object_value
 from .torch import PythonPickler, _tied, write_zip
@@ -75,7 +75,7 @@ def dcp_state(store: Store) -> Any:
     return _tied(store, store.manifest.tree, build(store, store.manifest.tree, lean=True))
 
 
-def describe(store: Store, arrays: Callable[[ArrayRef], ArrayRef] | None = None
+def describe(store: Store, arrays: Arrays | None = None
              ) -> tuple[dict[str, Any], dict[str, tuple[Any, ...]], list[Item], Aliases]:
     """(what each flattened key is, planner_data, items, aliases) for the whole store. Keys are flattened
     as torch's `flatten_state_dict` does (`flatten`), into containers the store keeps as one value
@@ -96,7 +96,7 @@ def describe(store: Store, arrays: Callable[[ArrayRef], ArrayRef] | None = None
         if isinstance(value, ArrayRef):
             entry = store.manifest.arrays[value.path]
             described[fqn] = ("tensor", entry.dtype, entry.shape)
-            replaced = arrays(value) if arrays else value
+            replaced = arrays(value, value.dtype) if arrays else value
             if replaced != value:
                 items.append(Item(fqn, ((0,) * len(entry.shape), tuple(entry.shape)), replaced, replaced.nbytes))
                 continue
@@ -232,7 +232,7 @@ class DcpPlan:
         return sum(item.nbytes for items in self.files for item in items)
 
 
-def plan_dcp(store: Store, jobs: int = 1, arrays: Callable[[ArrayRef], ArrayRef] | None = None) -> DcpPlan:
+def plan_dcp(store: Store, jobs: int = 1, arrays: Arrays | None = None) -> DcpPlan:
     """Which item goes into which .distcp file: the largest first, each to the lightest file, in files of
     about FILE_BYTES (at least one per worker), so the work spreads and progress moves file by file."""
     described, mappings, items, aliases = describe(store, arrays)
@@ -492,7 +492,7 @@ def plan_direct(store: Store, jobs: int) -> DcpDirect:
 
 
 def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> Planned:
-    plan = plan_dcp(store, jobs)
+    plan = plan_dcp(store, jobs, request.arrays)
 
     def write(out: Path, progress: Progress, partial: dict[str, str] | None, scheduler: str | None,
               jobs: int) -> Written:
@@ -504,5 +504,4 @@ def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: 
 FORMAT = OutputFormat("dcp", subtree=False, may_write=r"__[0-9]+_0\.distcp|\.metadata", config_beside=True,
                       resume_beside=False, describes_model=False, single_file=False, takes_scheduler=False, plan=_plan,
                       direct=lambda store, request, node, subtree, jobs: plan_direct(store, jobs),
-                      recognises=lambda out: (out / METADATA).is_file(), reads_as_checkpoint=True,
-                      rewrite=lambda store, out, arrays: export_dcp(store, out, plan_dcp(store, arrays=arrays)))
+                      recognises=lambda out: (out / METADATA).is_file(), reads_as_checkpoint=True)

@@ -28,7 +28,7 @@ from ..sink.layout import Layout, Target, new_layout, prepare
 from ..sink.output import OutputFile
 from ..store.store import Store
 from ..tree import Node
-from .contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
+from .contract import Arrays, DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from .notes import flat_buckets
 from .resolve import ArrayRef, Rows, build, leaves, tensors_only
 
@@ -46,15 +46,15 @@ class Item:
         return math.prod(self.shape) * dtypes.info(self.dtype).itemsize
 
 
-def collect(store: Store, node: Node, strip_prefix: str | None,
-            cast: Callable[[str], str | None]) -> tuple[list[Item], list[str]]:
+def collect(store: Store, node: Node, strip_prefix: str | None, cast: Callable[[str], str | None],
+            arrays: Arrays | None = None) -> tuple[list[Item], list[str]]:
     """The tensors below `node` with their output keys, and the non-tensor leaves that were left out."""
     items, skipped, seen = [], [], set()
     for keys, path in leaves(node):
         key = ".".join(str(k) for k in keys)
         if strip_prefix and key.startswith(strip_prefix):
             key = key[len(strip_prefix):]
-        item = tensor_item(store, key, path, cast(key))
+        item = tensor_item(store, key, path, cast(key), arrays=arrays)
         if item is None:
             skipped.append(path)
             continue
@@ -67,10 +67,11 @@ def collect(store: Store, node: Node, strip_prefix: str | None,
     return items, skipped
 
 
-def tensor_item(store: Store, key: str, path: str, cast: str | None,
-                rows: Rows | None = None) -> Item | None:
+def tensor_item(store: Store, key: str, path: str, cast: str | None, rows: Rows | None = None,
+                arrays: Arrays | None = None) -> Item | None:
     """Output tensor `key` from the store's leaf `path` (only those blocks of its `rows`, one after another,
-    if given), or None when the leaf is not a tensor. Floating tensors are cast to `cast`."""
+    if given), or None when the leaf is not a tensor. Floating tensors are cast to `cast`; a sharded one's
+    bytes come from `arrays` where it is given (`ExportRequest.arrays`)."""
     if path in store.manifest.facts.not_tensors:
         return None
     entry = store.manifest.arrays.get(path)
@@ -99,7 +100,8 @@ def tensor_item(store: Store, key: str, path: str, cast: str | None,
                           f"must be") from None
     if dtypes.info(dtype).safetensors is None:
         raise ExportError(f"{path}: torch.{dtype} has no safetensors dtype")
-    return Item(key, source, cast if cast and dtype in dtypes.CASTABLE else dtype, shape)
+    out = cast if cast and dtype in dtypes.CASTABLE else dtype
+    return Item(key, arrays(source, out) if arrays is not None and entry is not None else source, out, shape)
 
 
 @dataclass(frozen=True)
@@ -135,12 +137,13 @@ class Stacked:
 
 
 def stacked_item(store: Store, key: str, paths: list[str], cast: str | None, interleave: int = 1,
-                 transpose: bool = False) -> Item:
-    """Output tensor `key` from the store's leaves `paths` (see `Stacked`), floating ones cast to `cast`; each
-    must be a tensor of the first one's shape and dtype, whose rows `interleave` divides."""
+                 transpose: bool = False, arrays: Arrays | None = None) -> Item:
+    """Output tensor `key` from the store's leaves `paths` (see `Stacked`), floating ones cast to `cast` (each
+    as it is read: the stacking moves them exactly); each must be a tensor of the first one's shape and
+    dtype, whose rows `interleave` divides."""
     items: list[Item] = []
     for path in paths:
-        it = tensor_item(store, key, path, None)
+        it = tensor_item(store, key, path, cast, arrays=arrays)
         if it is None:
             raise ExportError(f"{path}: not a tensor, but {key} is stacked from it")
         first = items[0] if items else it
@@ -153,7 +156,7 @@ def stacked_item(store: Store, key: str, paths: list[str], cast: str | None, int
         raise ExportError(f"{paths[0] if paths else key}: shape {list(one)} cannot be stacked into {key} "
                           f"({interleave}-way rows{', transposed' if transpose else ''})")
     source = Stacked(tuple(items), interleave, transpose)
-    return Item(key, source, cast if cast and source.dtype in dtypes.CASTABLE else source.dtype, source.shape)
+    return Item(key, source, source.dtype, source.shape)
 
 
 def header(items: list[Item], metadata: dict[str, str]) -> bytes:
@@ -233,7 +236,7 @@ class SafetensorsPlan:
 
 
 def plan_safetensors(store: Store, node: Node, request: ExportRequest) -> SafetensorsPlan:
-    items, skipped = collect(store, node, request.strip_prefix, request.cast_of)
+    items, skipped = collect(store, node, request.strip_prefix, request.cast_of, request.arrays)
     return plan_items(items, skipped, request)
 
 

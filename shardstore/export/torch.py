@@ -36,7 +36,7 @@ from ..sink.output import OutputFile
 from ..store.handle import TensorValue, tensor_value
 from ..store.store import Store
 from ..tree import Node, node_at
-from .contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
+from .contract import Arrays, DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from .notes import flat_buckets
 from ..trainers.contract import ResumeFile
 from ..trainers.registry import trainer
@@ -242,7 +242,7 @@ def torch_object(store: Store, file: ResumeFile) -> Any:
 
 def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | None = None,
                  partial: dict[str, str] | None = None,
-                 arrays: Callable[[ArrayRef], ArrayRef] | None = None, single: bool = False) -> list[Path]:
+                 arrays: Arrays | None = None, single: bool = False) -> list[Path]:
     """The files `--format torch` writes (`single`: as one file); `arrays` replaces each array's reference
     (`average` streams a mean of several stores in its place)."""
     written = []
@@ -254,11 +254,11 @@ def export_torch(store: Store, out_dir: Path, progress: Callable[[int], None] | 
     return written
 
 
-def _replaced(obj: Any, arrays: Callable[[ArrayRef], ArrayRef]) -> Any:
-    """`obj` with every ArrayRef replaced by `arrays(ref)`; the containers `build` makes are rebuilt alike
-    (bounded: `obj` was built from the store's tree, MAX_DEPTH deep at most)."""
+def _replaced(obj: Any, arrays: Arrays) -> Any:
+    """`obj` with every ArrayRef replaced by `arrays(ref, its dtype)`; the containers `build` makes are rebuilt
+    alike (bounded: `obj` was built from the store's tree, MAX_DEPTH deep at most)."""
     if isinstance(obj, ArrayRef):
-        return arrays(obj)
+        return arrays(obj, obj.dtype)
     if isinstance(obj, dict):
         return type(obj)((k, _replaced(v, arrays)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
@@ -357,7 +357,7 @@ def plan_direct(store: Store, single: bool = False) -> TorchDirect:
 def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> Planned:
     def write(out: Path, progress: Progress, partial: dict[str, str] | None, scheduler: str | None,
               jobs: int) -> Written:
-        return export_torch(store, out, progress, partial, single=request.single_file), [], \
+        return export_torch(store, out, progress, partial, request.arrays, request.single_file), [], \
             flat_buckets(store.manifest.arrays)
 
     return Planned(torch_files(store, request.single_file), sum(a.nbytes for a in store.manifest.arrays.values()),
@@ -382,4 +382,4 @@ def _recognises(out: Path) -> bool:
 FORMAT = OutputFormat("torch", subtree=False, may_write=None, config_beside=True, resume_beside=True,
                       describes_model=False, single_file=True, takes_scheduler=False, plan=_plan,
                       direct=lambda store, request, node, subtree, jobs: plan_direct(store, request.single_file),
-                      recognises=_recognises, rewrite=lambda store, out, arrays: export_torch(store, out, arrays=arrays))
+                      recognises=_recognises)

@@ -328,8 +328,8 @@ def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel
     items = []
     for t in model.tensors:
         item = stacked_item(store, t.key, [names[s] for s in t.stack], request.cast_of(t.key), t.interleave,
-                            t.transpose) if t.stack else \
-            tensor_item(store, t.key, names[t.source], request.cast_of(t.key), t.rows)
+                            t.transpose, request.arrays) if t.stack else \
+            tensor_item(store, t.key, names[t.source], request.cast_of(t.key), t.rows, request.arrays)
         if item is None:
             raise ExportError(f"{t.source}: not a tensor")
         items.append(item)
