@@ -58,7 +58,9 @@ def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensor
     """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style), `"torch"`, `"dcp"`,
     or `"hf"` (a folder transformers loads; `hf_config` for checkpoints that carry no config of their own).
     `options` are `ExportRequest`'s fields (export/contract.py): `format`, `select`, `strip_prefix`,
-    `dtype`, `keep_dtype`, `max_shard_size`, `hf_config`, `overwrite`, `allow_partial`, `single_file`.
+    `dtype`, `keep_dtype`, `max_shard_size`, `hf_config`, `overwrite`, `allow_partial`, `single_file`, and for a
+    PEFT model's adapter `adapter` (the adapter folder peft saves), `merge_adapter` (merged), `lora_alpha`
+    and `rslora`.
 
     An incomplete store is refused unless `allow_partial` (holes become NaN, or zero for integers, and the
     output's metadata says so). Files an earlier export left in `out_dir` that this one would not replace

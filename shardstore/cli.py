@@ -148,8 +148,10 @@ _jobs = click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
 
 
 def _export_options(f: Any) -> Any:
+    """The export's options, each named as `api.export` and `api.unshard` take it: the commands pass them on
+    as they are (`**export`)."""
     for opt in reversed([
-        click.option("--format", "fmt", type=click.Choice(FORMATS), default="safetensors", show_default=True,
+        click.option("--format", "format", type=click.Choice(FORMATS), default="safetensors", show_default=True,
                      help="safetensors: model weights, HF-style. torch: model.pt/optim.pt/train.pt (OLMo) "
                           "or checkpoint.pt. dcp: a torch.distributed.checkpoint folder, loadable at any world "
                           "size. hf: a folder transformers' from_pretrained loads (OLMo 1/2 from the run's "
@@ -174,6 +176,17 @@ def _export_options(f: Any) -> Any:
         click.option("--overwrite", is_flag=True,
                      help="Replace an earlier export in OUT: its files that this export does not rewrite are "
                           "removed once this one is complete. Other files are never touched."),
+        click.option("--adapter", is_flag=True,
+                     help="With --format hf, of a PEFT model: its LoRA (DoRA) adapter alone, as peft saves it "
+                          "(adapter_model.safetensors, adapter_config.json): PeftModel.from_pretrained loads it."),
+        click.option("--merge-adapter", is_flag=True,
+                     help="With --format hf, of a PEFT model: the model with its LoRA (DoRA) adapter merged into the "
+                          "base weights (in float32, rounded once), under the model's own names."),
+        click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="With --adapter or --merge-adapter, of a checkpoint that keeps no adapter_config.json "
+                          "(the HF Trainer's under FSDP): the LoRA's alpha, as trained."),
+        click.option("--rslora/--no-rslora", default=None,
+                     help="With --lora-alpha: whether the LoRA was trained as rsLoRA (its scale alpha/sqrt(r))."),
     ]):
         f = opt(f)
     return f
@@ -288,17 +301,14 @@ def ingest(store: str, files: tuple[str, ...], verify_replicas: bool, strict: bo
 @_jobs
 @_quiet
 @_json
-def export(store: str, out: str, fmt: str, hf_config: str | None, select: str | None, strip_prefix: str | None,
-           dtype: str | None, keep_dtype: tuple[str, ...], single_file: bool, max_shard_size: int, overwrite: bool,
-           allow_partial: bool, scheduler: str | None, jobs: int | None, quiet: bool, as_json: bool) -> None:
+def export(store: str, out: str, allow_partial: bool, scheduler: str | None, jobs: int | None, quiet: bool,
+           as_json: bool, **export: Any) -> None:
     """Export the unsharded checkpoint in STORE to the folder OUT."""
     _leaves_outputs("the export")
     started = time.perf_counter()
     with _progress(quiet or as_json) as progress:
-        result = api.export(store, out, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
-                            max_shard_size=max_shard_size, progress=progress, allow_partial=allow_partial,
-                            storage_options=_options(), scheduler=scheduler, jobs=jobs, overwrite=overwrite,
-                            hf_config=hf_config, keep_dtype=keep_dtype, single_file=single_file)
+        result = api.export(store, out, progress=progress, allow_partial=allow_partial, storage_options=_options(),
+                            scheduler=scheduler, jobs=jobs, **export)
     if result.partial and not as_json:
         click.echo(f"warning: partial export: ranks {result.partial['shardstore_missing_ranks'] or 'none'} missing, "
                    f"holes filled with NaN/zero in {len(result.partial['shardstore_incomplete_tensors'].split(','))} "
@@ -325,10 +335,9 @@ def export(store: str, out: str, fmt: str, hf_config: str | None, select: str | 
                                              "(files, sizes, casts, bytes, free space, time); write nothing.")
 @_json
 @click.pass_context
-def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str | None, step: int | None, fmt: str,
-            hf_config: str | None, select: str | None, strip_prefix: str | None, dtype: str | None,
-            keep_dtype: tuple[str, ...], single_file: bool, max_shard_size: int, overwrite: bool, verify_replicas: bool,
-            strict: bool, scheduler: str | None, jobs: int | None, quiet: bool, dry_run: bool, as_json: bool) -> None:
+def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str | None, step: int | None,
+            verify_replicas: bool, strict: bool, scheduler: str | None, jobs: int | None, quiet: bool, dry_run: bool,
+            as_json: bool, **export: Any) -> None:
     """Unshard the checkpoint in folder SRC into folder OUT: ingest, then export.
 
     Without --store, the work in progress is kept in OUT/.shardstore-scratch until the export is complete,
@@ -337,9 +346,7 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
     started = time.perf_counter()
     run = functools.partial(api.unshard, src, out, store=store, tag=tag, step=step, jobs=jobs,
                             verify_replicas=verify_replicas, storage_options=_options(), scheduler=scheduler,
-                            strict=strict, format=fmt, select=select, strip_prefix=strip_prefix, dtype=dtype,
-                            max_shard_size=max_shard_size, overwrite=overwrite, hf_config=hf_config,
-                            keep_dtype=keep_dtype, single_file=single_file)
+                            strict=strict, **export)
     if dry_run:
         planned = run(plan=True)
         assert isinstance(planned, api.Plan)  # (what plan=True returns)

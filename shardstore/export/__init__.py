@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 
 from .. import dtypes, paths, tempfiles
 from ..errors import ExportError, StoreError
+from ..hf_files import ADAPTER_CONFIG
 from ..progress import Progress
 from ..sink.layout import MOVING
 from ..sink.output import output_error, write_side_files
@@ -21,7 +22,7 @@ from ..trainers import registry as trainers
 from ..tree import Node, node_at
 from . import origin
 from .contract import DirectExport, ExportRequest, OutputFormat, Planned
-from .hf import NO_HF_DESCRIPTION, has_hf_description
+from .hf import NO_HF_DESCRIPTION, check_adapter, has_hf_description
 from .notes import flat_buckets
 from .registry import FORMATS as _FORMATS
 from .resolve import NOT_A_MODEL, leaves, model_node
@@ -113,6 +114,8 @@ def check_request(out_dir: str | os.PathLike[str], request: ExportRequest, sched
         raise ExportError(f"--single-file applies to --format {_those(lambda f: f.single_file)} only")
     if scheduler and not fmt.takes_scheduler:
         raise ExportError(f"--scheduler exports {_those(lambda f: f.takes_scheduler)} only, not {fmt.name}")
+    if (request.adapter or request.merge_adapter) and not fmt.describes_model:
+        raise ExportError(f"--adapter and --merge-adapter apply to --format {_those(lambda f: f.describes_model)} only")
     if not fmt.subtree and (request.select or request.strip_prefix or request.dtype):
         raise ExportError(f"--select, --strip-prefix and --dtype apply to {_those(lambda f: f.subtree)} output only")
     out = Path(out_dir)
@@ -155,7 +158,9 @@ def preflight(store: Store, out_dir: str | os.PathLike[str], request: ExportRequ
         if parts and set(parts) <= {paths.escape(n) for n in NOT_A_MODEL}:  # an optimizer's checkpoint of its own (optimizer_0/)
             raise ExportError(f"the checkpoint holds no model weights, only {', '.join(parts)}; give the model's "
                               f"checkpoint (pytorch_model_fsdp_0/ beside it), or --format torch/safetensors")
-    if fmt.describes_model and hf_config is None and not has_hf_description(store):
+    if request.adapter or request.merge_adapter:
+        check_adapter(store, _subtree(store, select), request)
+    if fmt.describes_model and hf_config is None and not request.adapter and not has_hf_description(store):
         raise ExportError(NO_HF_DESCRIPTION)
     if request.overwrite:
         return
@@ -173,7 +178,8 @@ def _beside(store: Store, fmt: OutputFormat) -> dict[str, str]:
     """The files an export writes beside its output: the run's config (all but folders that write their
     own) and the trainer's files to resume from (where the format writes what the trainer resumes from)."""
     facts = store.manifest.facts
-    return {**(facts.side_files if fmt.config_beside else {}), **(facts.resume_files if fmt.resume_beside else {})}
+    config = {n: data for n, data in facts.side_files.items() if n != ADAPTER_CONFIG} if fmt.config_beside else {}
+    return {**config, **(facts.resume_files if fmt.resume_beside else {})}
 
 
 def _earlier_export(out: Path, planned: list[str], overwrite: bool) -> list[Path]:

@@ -18,6 +18,7 @@ export/registry.py, from which the command line takes its choices.
 
 from __future__ import annotations
 
+import math
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -53,6 +54,13 @@ class ExportRequest:
     # `--format torch`: the whole state in one checkpoint.pt in the input's nesting (what torch's
     # dcp_to_torch_save writes), instead of the files the checkpoint's trainer resumes from
     single_file: bool = False
+    # a PEFT model's LoRA (DoRA) adapter: written alone as the folder peft saves (`adapter`), or merged into
+    # its base weights (`merge_adapter`); `lora_alpha` and `rslora` where the checkpoint keeps no
+    # adapter_config.json
+    adapter: bool = False
+    merge_adapter: bool = False
+    lora_alpha: float | None = None
+    rslora: bool | None = None
     # where each sharded array's bytes come from instead of the store, given the dtype the output holds it
     # in (`average` puts the checkpoints' mean there, rounded once into that dtype); no user option
     arrays: Arrays | None = field(default=None, compare=False, repr=False)
@@ -64,6 +72,12 @@ class ExportRequest:
             raise ExportError("--keep-dtype goes with --dtype: it names what the cast leaves in its own dtype")
         for pattern in self.keep_dtype:
             matcher(pattern, "--keep-dtype", ExportError)  # one line for a pattern that cannot be matched
+        if self.adapter and self.merge_adapter:
+            raise ExportError("--adapter writes the adapter alone, --merge-adapter the model with it merged: one of them")
+        if (self.lora_alpha is not None or self.rslora is not None) and not (self.adapter or self.merge_adapter):
+            raise ExportError("--lora-alpha and --rslora go with --adapter or --merge-adapter")
+        if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ExportError(f"--lora-alpha: {self.lora_alpha} is no LoRA alpha (a positive number)")
 
     @property
     def format(self) -> str:

@@ -161,7 +161,8 @@ def test_olmo_features_transformers_cannot_express_are_refused(olmo_models, tmp_
 def test_a_peft_models_weights_are_refused_before_anything_is_written(tmp_path: Path) -> None:
     """A LoRA run's model holds the base weights under PEFT's names (`base_layer`) and the adapters:
     under the base model's config.json transformers would start those weights afresh, silently. Refused
-    in one line naming a weight, before any work; safetensors still exports them as they are."""
+    in one line naming a weight and the two ways out (tests/export/test_adapters.py), before any work;
+    safetensors still exports them as they are."""
     from safetensors.torch import save_file
 
     src = tmp_path / "src"
@@ -172,9 +173,9 @@ def test_a_peft_models_weights_are_refused_before_anything_is_written(tmp_path: 
     save_file({n: torch.ones(4, 4) for n in names}, src / "model.safetensors")
     (src / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     line = error_line("unshard", str(src), str(tmp_path / "hf"), "--format", "hf", "-q")
-    assert "holds a PEFT (LoRA) model: the base weights under PEFT's names, and its adapters (e.g. " \
-           "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight)" in line
-    assert "merge the adapters with peft" in line
+    assert "holds a PEFT (LoRA) model: the base weights under PEFT's names, and its adapter (e.g. " \
+           "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight)" in line
+    assert "--adapter writes the adapter as peft saves it, --merge-adapter the model with it merged" in line
     assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())
     shardstore.unshard(src, tmp_path / "st")
     assert sorted(load_file(tmp_path / "st" / "model.safetensors")) == sorted(names)

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from ... import dtypes, jsonin
 from ...errors import ExportError, ShardstoreError
-from ...hf_files import hf_model_file
+from ...hf_files import ADAPTER_CONFIG, describes_model
 from ...sink.output import OutputFile
 from ...store.store import Store
 from ...trainers.registry import trainer
@@ -32,6 +32,7 @@ from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progr
 from ..resolve import build, leaves, model_node, tensors_only
 from ..safetensors import (FILE_NAMES, Item, SafetensorsDirect, SafetensorsPlan, Stacked, direct_layout,
                            export_safetensors, plan_items, stacked_item, tensor_item)
+from .. import adapters
 from . import megatron, olmo, olmo_core
 from .megatron_llama import EMBEDDING
 from .spec import HFModel, HFTensor
@@ -223,16 +224,13 @@ def _from_user(store: Store, subtree: str, hf_config: str | os.PathLike[str], st
         raise ExportError(f"{config_path}: no such file (--hf-config takes a config.json or a folder holding one)") from None
     if folder is not None:  # tokenizer and generation files beside it, copied as they are
         for p in sorted(folder.iterdir()):
-            if p.is_file() and p.name != CONFIG and hf_model_file(p.name):
+            if p.is_file() and p.name != CONFIG and describes_model(p.name):
                 if p.stat().st_size > MAX_CONFIG_FILE:
                     raise ExportError(f"{p}: {p.stat().st_size} bytes; not a tokenizer or config file")
                 files[p.name] = p.read_bytes()
     return _from_files(store, subtree, strip_prefix, files, str(config_path))
 
 
-# What PEFT names its adapters' weights, and the layers it wraps.
-ADAPTER_MARKS = (".lora_A.", ".lora_B.", ".lora_embedding_A", ".lora_embedding_B", ".lora_magnitude_vector")
-WRAPPED_MARK = ".base_layer."
 # The trainers' own files beside a model's (kept beside other exports, not in a Hugging Face folder).
 NOT_HF_FILES = ("fsdp_config.json", "config.yaml")
 
@@ -273,7 +271,7 @@ def _from_side_files(store: Store, subtree: str, strip_prefix: str | None) -> tu
     import base64
 
     side = store.manifest.facts.side_files
-    files = {n: base64.b64decode(data) for n, data in side.items() if hf_model_file(n)}
+    files = {n: base64.b64decode(data) for n, data in side.items() if describes_model(n)}
     return _from_files(store, subtree, strip_prefix, files, f"the checkpoint's {CONFIG}")
 
 
@@ -315,16 +313,21 @@ def _module_attribute(store: Store, subtree: str) -> str | None:
 
 
 def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel, SafetensorsPlan]:
+    if request.adapter:
+        return _plan_adapter(store, subtree, request)
     model, names = describe(store, subtree, request.hf_config, request.strip_prefix)
-    adapters = [n for n in names if any(mark in n for mark in ADAPTER_MARKS)]
-    wrapped = [n for n in names if WRAPPED_MARK in n]
-    if adapters or wrapped:  # transformers would not load these names into the config's model: it would
-        what = (f"holds LoRA adapter weights only (every tensor is one, e.g. {adapters[0]})"  # start them afresh
-                if len(adapters) == len(names) else
-                f"holds a PEFT (LoRA) model: the base weights under PEFT's names, and its adapters (e.g. "
-                f"{(wrapped or adapters)[0]})")
-        raise ExportError(f"{subtree or 'the checkpoint'}: {what}, not a model from_pretrained can load; merge the "
-                          f"adapters with peft, or export them as they are with --format safetensors or torch")
+    peft = adapters.found(names)
+    if peft is None and request.merge_adapter:
+        raise ExportError(f"{subtree or 'the checkpoint'}: holds no PEFT (LoRA) adapter (--merge-adapter)")
+    if peft is not None:
+        if not request.merge_adapter:
+            example = peft.loras[0].a if peft.loras else peft.saved[0]
+            what = (f"holds LoRA adapter weights only (e.g. {example})" if peft.adapter_only else
+                    f"holds a PEFT (LoRA) model: the base weights under PEFT's names, and its adapter (e.g. {example})")
+            raise ExportError(f"{subtree or 'the checkpoint'}: {what}, not a model from_pretrained can load; "
+                              f"--adapter writes the adapter as peft saves it"
+                              f"{'' if peft.adapter_only else ', --merge-adapter the model with it merged'}")
+        model, names, request = _merged(store, model, names, peft, request)
     items = []
     for t in model.tensors:
         item = stacked_item(store, t.key, [names[s] for s in t.stack], request.cast_of(t.key), t.interleave,
@@ -336,9 +339,105 @@ def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel
     if not items:
         raise ExportError("no tensors to export")
     loads_as = _loads_as(items)
-    if loads_as is not None:
+    if loads_as is not None and model.config is not None:
         model.config = _saying_dtype(model.config, loads_as)
     return model, plan_items(items, [], request)
+
+
+def check_adapter(store: Store, subtree: str, request: ExportRequest) -> None:
+    """What `--adapter` and `--merge-adapter` are refused for from the store's plan alone (its names and
+    shapes), before any rank is ingested: no adapter, an adapter's pair or rank or base wrong, its config
+    not known, a merge of an adapter-only save."""
+    peft, _, _ = _found_adapter(store, subtree, request)
+    if request.merge_adapter and peft.adapter_only:
+        raise ExportError(ADAPTER_ONLY)
+    if request.merge_adapter:
+        peft.merged_names()
+
+
+ADAPTER_ONLY = ("the checkpoint holds the adapter only (its base was not saved): --adapter writes it, for peft to "
+                "load onto the base model")
+
+
+def _found_adapter(store: Store, subtree: str,
+                   request: ExportRequest) -> tuple[adapters.Peft, dict[str, str], adapters.LoraConfig]:
+    """The model's PEFT adapter, its names (the module attribute a Lightning module adds taken off), and
+    its config; refused where it has none."""
+    strip_prefix = request.strip_prefix
+    if strip_prefix is None and trainer(store.manifest.layout).module_prefix:
+        strip_prefix = _module_attribute(store, subtree)
+    names = _model_leaves(store, subtree, strip_prefix)
+    peft = adapters.found(names)
+    if peft is None:
+        raise ExportError(f"{subtree or 'the checkpoint'}: holds no PEFT (LoRA) adapter "
+                          f"({'--adapter' if request.adapter else '--merge-adapter'})")
+    return peft, names, _adapter_config(store, peft, names, request)
+
+
+def _plan_adapter(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel, SafetensorsPlan]:
+    """The adapter alone, as peft's `save_pretrained` writes it: adapter_model.safetensors under PEFT's saved
+    names, and adapter_config.json (the trainer's own, or one made from the tensors and --lora-alpha)."""
+    peft, names, config = _found_adapter(store, subtree, request)
+    items = []
+    for key, name in peft.adapter_tensors().items():
+        item = tensor_item(store, key, names[name], request.cast_of(key))
+        if item is None:
+            raise ExportError(f"{names[name]}: not a tensor")
+        items.append(item)
+    notes = [f"the {'DoRA' if config.dora else 'LoRA'} adapter of {len(peft.loras)} modules "
+             f"({', '.join(_kinds(peft))}), r={config.r}, alpha={config.alpha:g}"
+             f"{', rsLoRA' if config.rslora else ''}; its base: {config.fields.get('base_model_name_or_path')}"]
+    model = HFModel(None, None, [], {ADAPTER_CONFIG: adapters.config_bytes(config)}, notes)
+    return model, SafetensorsPlan([adapters.WEIGHTS], [items], [], request.metadata())
+
+
+def _kinds(peft: adapters.Peft) -> list[str]:
+    """The kinds of module adapted (q_proj, v_proj, ...), for saying what was exported or merged."""
+    return sorted({lora.module.rsplit(".", 1)[-1] for lora in peft.loras})
+
+
+def _adapter_config(store: Store, peft: adapters.Peft, names: dict[str, str],
+                    request: ExportRequest) -> adapters.LoraConfig:
+    """The adapter's config (`adapters.config_of`): the checkpoint's adapter_config.json where its trainer
+    kept one, else made from the tensors, --lora-alpha and the base model the checkpoint's config.json names."""
+    raw_bytes = _side_config(store, ADAPTER_CONFIG)
+    where = f"the checkpoint's {ADAPTER_CONFIG}"
+    raw = jsonin.loads(raw_bytes, where, "PEFT adapter config", ExportError) if raw_bytes is not None else None
+    if raw is not None and not isinstance(raw, dict):
+        raise ExportError(f"{where}: not a PEFT adapter config (a JSON object)")
+    if raw is not None and request.lora_alpha is not None and raw.get("lora_alpha") != request.lora_alpha:
+        raise ExportError(f"--lora-alpha {request.lora_alpha:g}, but {where} says {raw.get('lora_alpha')!r}")
+    if raw is not None and request.rslora is not None and bool(raw.get("use_rslora")) != request.rslora:
+        raise ExportError(f"--{'' if request.rslora else 'no-'}rslora, but {where} says use_rslora "
+                          f"{raw.get('use_rslora')!r}")
+    wanted = [n for lora in peft.loras for n in (lora.a, lora.b, lora.magnitude, lora.base) if n is not None]
+    shapes = {n: s for n in wanted if (s := _shape(store, names[n])) is not None}
+    missing = next((n for n in wanted if n not in shapes), None)
+    if missing is not None:
+        raise ExportError(f"{names[missing]}: not a tensor, but PEFT names it one")
+    model_config = _side_config(store, CONFIG)
+    described = jsonin.loads(model_config, CONFIG, "Hugging Face config", ExportError) if model_config else None
+    base = described.get("_name_or_path") if isinstance(described, dict) else None
+    return adapters.config_of(raw, peft, shapes, request.lora_alpha, request.rslora,
+                              base if isinstance(base, str) and base else None, where)
+
+
+def _merged(store: Store, model: HFModel, names: dict[str, str], peft: adapters.Peft,
+            request: ExportRequest) -> tuple[HFModel, dict[str, str], ExportRequest]:
+    """The model with its adapter merged: its plain names (`Peft.merged_names`), and the request reading each
+    adapted module's base weight merged (`adapters.merging`)."""
+    if any(t.key != t.source or t.rows or t.stack for t in model.tensors) or request.arrays is not None:
+        raise ExportError("this model's names are mapped onto Hugging Face's: merging its adapter is not read yet")
+    if peft.adapter_only:
+        raise ExportError(ADAPTER_ONLY)
+    config = _adapter_config(store, peft, names, request)
+    plain = peft.merged_names()
+    merged = HFModel(model.config, model.generation, [HFTensor(n, n) for n in plain], model.files, list(model.notes))
+    merged.notes.append(f"merged the {'DoRA' if config.dora else 'LoRA'} adapter (r={config.r}, alpha={config.alpha:g}"
+                        f"{', rsLoRA' if config.rslora else ''}) into {len(peft.loras)} modules ({', '.join(_kinds(peft))})"
+                        + (f"; {len(peft.saved)} trained modules taken whole" if peft.saved else ""))
+    paths = {n: names[w] for n, w in plain.items()}
+    return merged, paths, replace(request, arrays=adapters.merging(peft, config, names))
 
 
 def _loads_as(items: list[Item]) -> str | None:
@@ -367,7 +466,8 @@ def _sub_configs_saying(config: dict[str, Any], dtype: str) -> dict[str, Any]:
 
 
 def planned_files(model: HFModel, plan: SafetensorsPlan) -> list[str]:
-    return plan.files + [CONFIG] + ([GENERATION] if model.generation else []) + list(model.files)
+    return plan.files + ([CONFIG] if model.config is not None else []) + ([GENERATION] if model.generation else []) \
+        + list(model.files)
 
 
 def export_hf(store: Store, out_dir: Path, model: HFModel, plan: SafetensorsPlan,
@@ -378,7 +478,7 @@ def export_hf(store: Store, out_dir: Path, model: HFModel, plan: SafetensorsPlan
 def write_model_files(out_dir: Path, model: HFModel) -> list[Path]:
     """config.json, generation_config.json where known, and the tokenizer files: beside the weights."""
     written = []
-    texts = {CONFIG: json.dumps(model.config, indent=2).encode() + b"\n"}
+    texts = {CONFIG: json.dumps(model.config, indent=2).encode() + b"\n"} if model.config is not None else {}
     if model.generation:
         texts[GENERATION] = json.dumps(model.generation, indent=2).encode() + b"\n"
     for name, data in {**texts, **model.files}.items():
@@ -417,14 +517,15 @@ def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: 
 
 
 def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> DirectExport | None:
-    if not tensors_only(store, node) or (request.hf_config is None and in_values(store)):
-        return None
+    if not tensors_only(store, node) or (request.hf_config is None and in_values(store)) or request.merge_adapter:
+        return None  # (a merged weight is computed from the store)
     model, plan = plan_hf(store, subtree, request)
     if any(isinstance(it.source, Stacked) for group in plan.groups for it in group):
         return None  # one pass places boxes of each array; a stack's moved rows are not: written from the store
     return HFDirect(direct_layout(store, plan), plan, model)
 
 
-FORMAT = OutputFormat("hf", subtree=True, may_write=FILE_NAMES + r"|config\.json|generation_config\.json",
+FORMAT = OutputFormat("hf", subtree=True, may_write=FILE_NAMES + r"|config\.json|generation_config\.json"
+                      r"|adapter_model\.safetensors|adapter_config\.json",
                       config_beside=False, resume_beside=False, describes_model=True, single_file=False, takes_scheduler=False,
                       plan=_plan, direct=_direct, recognises=lambda out: (out / CONFIG).is_file())

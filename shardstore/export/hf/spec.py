@@ -27,7 +27,7 @@ class HFTensor:
 
 @dataclass
 class HFModel:
-    config: dict[str, Any]  # config.json
+    config: dict[str, Any] | None  # config.json (None: an adapter's folder, which describes no model)
     generation: dict[str, Any] | None  # generation_config.json, where known
     tensors: list[HFTensor]
     files: dict[str, bytes] = field(default_factory=dict)  # tokenizer files and the like, written as they are

@@ -1,0 +1,276 @@
+"""PEFT's LoRA and DoRA adapters in a checkpoint's model: found by their names, written as the adapter
+folder peft saves (`--adapter`), or merged into the base weights (`--merge-adapter`).
+
+A PEFT-wrapped model's state dict (what FSDP, DCP and the trainers save of it) names each adapted module's
+weight `<module>.base_layer.weight` and its adapter `<module>.lora_A.<adapter>.weight`,
+`<module>.lora_B.<adapter>.weight` (DoRA adds `<module>.lora_magnitude_vector.<adapter>.weight`); a module
+trained whole (`modules_to_save`) is kept twice, `<module>.original_module.*` and
+`<module>.modules_to_save.<adapter>.*`; the model itself is under `base_model.model.`. An adapter-only
+save (a frozen or quantized base not saved) holds the adapters alone.
+
+`peft.get_peft_model_state_dict` saves the adapter's tensors with the adapter's name taken out
+(`_remove_adapter_name_from_state_dict_key`), DoRA's magnitude as `lora_magnitude_vector` (no `.weight`),
+and a trained module's copy under the module's own name: `saved_name` is that mapping.
+
+A merge is peft's `merge_and_unload` computed in float32 row block by row block, rounded once into the
+output's dtype: W + s·(B·A), with s = alpha/r (rsLoRA: alpha/√r); DoRA scales each row of that by its
+magnitude over the row's norm.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from .. import dtypes
+from ..errors import ExportError
+from ..ranges import Part, blocks
+from ..store.store import Store
+from .resolve import ArrayRef
+
+PREFIX = "base_model.model."  # where PeftModel keeps the model it wraps
+BASE = ".base_layer."
+ORIGINAL = ".original_module."
+SAVED = ".modules_to_save."
+# <module>.lora_A.<adapter>.weight, <module>.lora_magnitude_vector.<adapter>.weight, and the embeddings'
+# parameters <module>.lora_embedding_A.<adapter>; or, saved by peft already, without the adapter's name
+LORA = re.compile(r"(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_magnitude_vector|lora_embedding_A|lora_embedding_B)"
+                  r"(?:\.(?P<adapter>[^.]+))?(?P<weight>\.weight)?\Z")
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+MERGE_BLOCK = 4 << 20  # bytes of a base weight's rows merged at a time
+MAX_RANK = 1 << 16
+
+
+@dataclass(frozen=True)
+class Lora:
+    """One adapted module: the names (in the model subtree) of its adapter's tensors and of its base weight."""
+
+    module: str
+    a: str
+    b: str
+    magnitude: str | None = None  # DoRA's
+    base: str | None = None  # None in an adapter-only save
+
+
+@dataclass(frozen=True)
+class Peft:
+    """What of a checkpoint's model is PEFT's: its one adapter's name, the adapted modules, the trained
+    copies of whole modules, and every name, as found."""
+
+    adapter: str | None  # None: named as peft saves an adapter, without its name
+    loras: tuple[Lora, ...]
+    saved: tuple[str, ...]  # modules_to_save copies' names
+    names: tuple[str, ...]
+
+    @property
+    def adapter_only(self) -> bool:
+        """Whether the checkpoint holds the adapter alone (its base not saved): peft's saved names (what
+        the HF Trainer saves of a PeftModel under FSDP), or adapter tensors only."""
+        return self.adapter is None or all(LORA.match(n) is not None or SAVED in n for n in self.names)
+
+    def adapter_tensors(self) -> dict[str, str]:
+        """PEFT's saved name -> the checkpoint's name, for every tensor of adapter_model.safetensors (under
+        PeftModel's `base_model.model.`, where the checkpoint's names are the wrapped model's own)."""
+        out = {}
+        for name in [n for lora in self.loras for n in (lora.a, lora.b, lora.magnitude) if n] + list(self.saved):
+            saved = saved_name(name, self.adapter)
+            out[saved if saved.startswith(PREFIX) else PREFIX + saved] = name
+        return out
+
+    def merged_names(self) -> dict[str, str]:
+        """The plain model's name -> the checkpoint's name, for every tensor of the merged model: a base
+        layer's weight under its module's name (its bytes merged: `merging`), a trained module's copy in
+        place of the original, the rest as they are; the adapters themselves are gone."""
+        out: dict[str, str] = {}
+        for name in self.names:
+            if LORA.match(name) or ORIGINAL in name:
+                continue
+            plain = name.replace(BASE, ".").replace(f"{SAVED}{self.adapter}.", ".").removeprefix(PREFIX)
+            if out.setdefault(plain, name) != name:
+                raise ExportError(f"{name}: would be {plain!r} in the merged model, as {out[plain]} would")
+        return out
+
+
+def saved_name(name: str, adapter: str | None) -> str:
+    """A tensor's name as `peft.get_peft_model_state_dict` saves it: the adapter's name taken out, DoRA's
+    magnitude without `.weight`, a trained copy under its module's name (`adapter` None: saved so already)."""
+    if adapter is None:
+        return name
+    if f"{SAVED}{adapter}." in name:
+        return name.replace(f"{SAVED}{adapter}.", ".")
+    if name.endswith(f".lora_magnitude_vector.{adapter}.weight"):
+        name = name.removesuffix(".weight")
+    if name.endswith(f".{adapter}"):
+        return name.removesuffix(f".{adapter}")
+    head, _, last = name.rpartition(".")
+    return f"{head.removesuffix(f'.{adapter}')}.{last}"
+
+
+def found(names: Iterable[str]) -> Peft | None:
+    """The PEFT adapter among a model's names, or None where it has none. Refused: several adapters, a
+    module with lora_A and no lora_B (or the other way), DoRA's magnitude without its pair."""
+    names = tuple(names)
+    parts: dict[str, dict[str, str]] = {}
+    adapters: set[str | None] = set()
+    for name in names:
+        m = LORA.match(name)
+        if m is not None:
+            saved = m["adapter"] == "weight" and m["weight"] is None  # <module>.lora_A.weight: peft's saved name
+            adapters.add(None if saved or m["adapter"] is None else m["adapter"])
+            if parts.setdefault(m["module"], {}).setdefault(m["part"], name) != name:
+                raise ExportError(f"{name}: a second {m['part']} of {m['module']}")
+        elif SAVED in name:
+            adapters.add(name.split(SAVED, 1)[1].split(".", 1)[0])
+    if not adapters:
+        return None
+    if len(adapters) > 1:
+        raise ExportError(f"the model holds the adapters {', '.join(sorted(map(str, adapters)))}; only a model of "
+                          f"one adapter is read")
+    adapter = adapters.pop()
+    loras = []
+    for module, have in sorted(parts.items()):
+        if "lora_embedding_A" in have or "lora_embedding_B" in have:
+            raise ExportError(f"{module}: a LoRA of an embedding; only linear layers' adapters are read yet")
+        missing = next((p for p in ("lora_A", "lora_B") if p not in have), None)
+        if missing is not None:
+            raise ExportError(f"{module}: its adapter has {', '.join(sorted(have))} but no {missing}")
+        base = f"{module}{BASE}weight"
+        loras.append(Lora(module, have["lora_A"], have["lora_B"], have.get("lora_magnitude_vector"),
+                          base if base in names else None))
+    # trained whole modules: under modules_to_save.<adapter>, or, in peft's saved names, every other tensor
+    saved = tuple(n for n in names if (f"{SAVED}{adapter}." in n if adapter is not None else LORA.match(n) is None))
+    return Peft(adapter, tuple(loras), saved, names)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """What adapter_config.json says of a LoRA, as peft's LoraConfig writes it."""
+
+    r: int
+    alpha: float
+    rslora: bool
+    dora: bool
+    fields: dict[str, Any]  # the whole config, as written
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / math.sqrt(self.r) if self.rslora else self.alpha / self.r
+
+
+def config_of(raw: dict[str, Any] | None, peft: Peft, shapes: dict[str, tuple[int, ...]],
+              alpha: float | None, rslora: bool | None, base_model: str | None, where: str) -> LoraConfig:
+    """The adapter's config: the trainer's own adapter_config.json (`raw`), checked against the tensors;
+    else one made from the tensors' shapes, `alpha` (`--lora-alpha`) and `rslora` (`--rslora` or
+    `--no-rslora`), refused where those are not given: the tensors do not say them. Every module's rank
+    must be the config's (or, made, one rank)."""
+    ranks = {shapes[lora.a][0] for lora in peft.loras}
+    for lora in peft.loras:
+        a, b = shapes[lora.a], shapes[lora.b]
+        if len(a) != 2 or len(b) != 2 or b[1] != a[0]:
+            raise ExportError(f"{lora.module}: lora_A {list(a)} and lora_B {list(b)} are no LoRA pair")
+        if lora.base is not None and shapes.get(lora.base) != (b[0], a[1]):
+            raise ExportError(f"{lora.module}: its base weight is {list(shapes.get(lora.base, ()))}, but its "
+                              f"adapter makes {[b[0], a[1]]}: an adapter of another model")
+        if lora.magnitude is not None and shapes[lora.magnitude] != (b[0],):
+            raise ExportError(f"{lora.magnitude}: {list(shapes[lora.magnitude])}, not DoRA's magnitude of {b[0]} rows")
+    dora = any(lora.magnitude is not None for lora in peft.loras)
+    if dora and not all(lora.magnitude is not None for lora in peft.loras):
+        raise ExportError("some adapted modules have DoRA's magnitude and others not: not one DoRA adapter")
+    if raw is not None:
+        return _checked(raw, peft, ranks, dora, where)
+    if alpha is None or rslora is None:
+        raise ExportError(f"the checkpoint keeps no {CONFIG}: its LoRA's alpha, and whether it is rsLoRA, cannot "
+                          f"be known; give them as trained: --lora-alpha A, and --rslora or --no-rslora")
+    if len(ranks) != 1:
+        raise ExportError(f"its adapted modules have ranks {sorted(ranks)} and no {CONFIG} says how")
+    r = ranks.pop()
+    targets = sorted({lora.module.rsplit(".", 1)[-1] for lora in peft.loras})
+    saved = sorted({saved_name(n, peft.adapter).removeprefix(PREFIX).rsplit(".", 1)[0].rsplit(".", 1)[-1]
+                    for n in peft.saved})
+    fields = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "target_modules": targets,
+              "lora_dropout": 0.0, "bias": "none", "use_dora": dora, "use_rslora": rslora, "fan_in_fan_out": False,
+              "modules_to_save": saved or None, "base_model_name_or_path": base_model, "inference_mode": True}
+    return LoraConfig(r, alpha, rslora, dora, fields)
+
+
+def _checked(raw: dict[str, Any], peft: Peft, ranks: set[int], dora: bool, where: str) -> LoraConfig:
+    """The trainer's adapter_config.json, refused where the tensors say otherwise or where it asks for what
+    is not merged here (a rank or alpha per module, bias, fan_in_fan_out)."""
+    if raw.get("peft_type") != "LORA":
+        raise ExportError(f"{where}: a {raw.get('peft_type')!r} adapter; only LoRA (and DoRA) are read")
+    r: Any = raw.get("r")
+    alpha: Any = raw.get("lora_alpha")
+    if type(r) is not int or not 0 < r <= MAX_RANK or type(alpha) not in (int, float) or not math.isfinite(alpha):
+        raise ExportError(f"{where}: r and lora_alpha are not a rank and a number")
+    if raw.get("rank_pattern") or raw.get("alpha_pattern"):
+        raise ExportError(f"{where}: a rank or alpha per module (rank_pattern, alpha_pattern) is not read yet")
+    if raw.get("fan_in_fan_out") or raw.get("bias", "none") != "none":
+        raise ExportError(f"{where}: fan_in_fan_out and a trained bias are not read yet")
+    if ranks != {r}:
+        raise ExportError(f"{where}: r is {r}, but the adapter's lora_A have {sorted(ranks)} rows")
+    if bool(raw.get("use_dora")) != dora:
+        raise ExportError(f"{where}: use_dora is {bool(raw.get('use_dora'))}, but the adapter "
+                          f"{'has' if dora else 'has no'} DoRA magnitudes")
+    return LoraConfig(r, float(alpha), bool(raw.get("use_rslora")), dora, raw)
+
+
+def config_bytes(config: LoraConfig) -> bytes:
+    return json.dumps(config.fields, indent=2, sort_keys=True).encode() + b"\n"
+
+
+def _float32(store: Store, path: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """An array (or its rows [first, stop)) as float32 numbers, exactly."""
+    entry = store.manifest.arrays[path]
+    info = dtypes.info(entry.dtype)
+    raw = np.frombuffer(b"".join(bytes(b) for b in blocks(store.stream(path, rows=rows))), info.raw)
+    shape = ((rows[1] - rows[0]) if rows else entry.shape[0],) + tuple(entry.shape[1:])
+    return dtypes.as_numbers(raw, entry.dtype).astype(np.float32).reshape(shape)
+
+
+@dataclass(frozen=True)
+class MergedRef(ArrayRef):
+    """A base weight with its adapter merged in, in the output's dtype (`dtype`): streamed row block by row
+    block, A (r × in) held whole, B and W a block of rows at a time."""
+
+    a: str = ""
+    b: str = ""
+    magnitude: str | None = None
+    scaling: float = 1.0
+
+    def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
+        rows, columns = self.shape[0], math.prod(self.shape[1:])
+        a = _float32(store, self.a)
+        step = max(1, MERGE_BLOCK // max(1, columns * 4))
+        for first in range(0, rows, step):
+            block = (first, min(rows, first + step))
+            w = _float32(store, self.path, block).reshape(block[1] - block[0], columns)
+            merged = w + np.matmul(_float32(store, self.b, block), a) * np.float32(self.scaling)
+            if self.magnitude is not None:
+                norm = np.linalg.norm(merged, axis=1).astype(np.float32)
+                merged = (_float32(store, self.magnitude, block) / norm).reshape(-1, 1) * merged
+            yield dtypes.rounded(merged, self.dtype)
+
+    def stored_crc(self, store: Store) -> int | None:
+        return None
+
+
+def merging(peft: Peft, config: LoraConfig, paths: dict[str, str]) -> Any:
+    """`ExportRequest.arrays` for the merged model: each adapted module's base weight (by its store path,
+    `paths` mapping the checkpoint's names to them) read merged with its adapter, into the output's dtype."""
+    by_path = {paths[lora.base]: lora for lora in peft.loras if lora.base is not None}
+
+    def arrays(ref: ArrayRef, dtype: str) -> ArrayRef:
+        lora = by_path.get(ref.path)
+        if lora is None:
+            return ref
+        if ref.rows is not None or dtype not in dtypes.CASTABLE:
+            raise ExportError(f"{lora.module}: its base weight is split or not floating; it is not merged here")
+        return MergedRef(ref.path, dtype, ref.shape, None, paths[lora.a], paths[lora.b],
+                         paths[lora.magnitude] if lora.magnitude else None, config.scaling)
+    return arrays

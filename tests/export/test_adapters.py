@@ -1,0 +1,174 @@
+"""PEFT adapters (shardstore/export/adapters.py) in checkpoints the trainers' own code saved
+(tests/fixtures/data/peft/, tests/fixtures/peft_fsdp.py: a PeftModel under FSDP2 in gloo processes):
+
+- the HF Trainer's checkpoint-N/ of a PeftModel (adapter only, peft's saved names, no adapter_config.json),
+  LoRA with a trained lm_head and DoRA with rsLoRA;
+- an adapter-only DCP save with its adapter_config.json;
+- Accelerator.save_state's whole wrapped model (base weights under `base_layer`).
+
+The oracle is peft itself, here: the live PeftModel rebuilt from what the ranks gathered, its logits and
+its `merge_and_unload()`, against `PeftModel.from_pretrained` of the `--adapter` folder and
+`from_pretrained` of the `--merge-adapter` folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardstore
+from tests.conftest import assert_bitwise_equal
+from tests.refusals import assert_refused, cli
+
+DATA = Path(__file__).parents[1] / "fixtures" / "data" / "peft"
+# name -> (the checkpoint, the options its trainer's folder needs: it keeps no adapter_config.json)
+ADAPTERS = {"lora-w3": (DATA / "lora-w3" / "checkpoint-4", ["--lora-alpha", "16", "--no-rslora"]),
+            "dora-w2": (DATA / "dora-w2" / "checkpoint-4", ["--lora-alpha", "8", "--rslora"]),
+            "adapter-only-w2": (DATA / "adapter-only-w2", [])}
+WHOLE = {"lora-w3-save-state": (DATA / "lora-w3-save-state" / "checkpoint-4", ["--lora-alpha", "16", "--no-rslora"]),
+         "dora-w2-save-state": (DATA / "dora-w2-save-state" / "checkpoint-4", ["--lora-alpha", "8", "--rslora"])}
+
+
+def _ref(name: str) -> dict[str, Any]:
+    ref: dict[str, Any] = torch.load(DATA / f"{name}.expected.pt.ref", weights_only=True)
+    return ref
+
+
+def _base(ref: dict[str, Any]) -> Any:
+    """The base model, its weights those the ranks gathered (the wrapped model's base layers and originals)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    plain = {k.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", "."): v
+             for k, v in ref["model"].items() if "lora_" not in k and ".modules_to_save." not in k}
+    model = LlamaForCausalLM(LlamaConfig(**ref["config"]))
+    model.load_state_dict(plain)
+    return model.eval()
+
+
+def _live(ref: dict[str, Any], tmp_path: Path) -> Any:
+    """The live PeftModel: the base wrapped by peft with the run's config, the gathered state loaded."""
+    from peft import LoraConfig, get_peft_model
+
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "adapter_config.json").write_text(json.dumps(ref["adapter_config"]))
+    model = get_peft_model(_base(ref), LoraConfig.from_pretrained(tmp_path / "config"))
+    model.load_state_dict(ref["model"])
+    return model.eval()
+
+
+def _logits(model: Any, ref: dict[str, Any]) -> torch.Tensor:
+    with torch.no_grad():
+        logits: torch.Tensor = model(ref["batch"]).logits
+    return logits
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_the_adapter_folder_is_what_peft_saves_and_loads_with_the_live_logits(name: str, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    src, options = ADAPTERS[name]
+    ref, out = _ref(name), tmp_path / "adapter"
+    proc = cli("unshard", src, out, "--format", "hf", "--adapter", *options, "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["adapter_config.json",
+                                                                                   "adapter_model.safetensors"]
+    assert_bitwise_equal(load_file(out / "adapter_model.safetensors"), ref["adapter"], "adapter")
+    written, trained = json.loads((out / "adapter_config.json").read_text()), ref["adapter_config"]
+    for key in ("r", "lora_alpha", "use_rslora", "use_dora", "peft_type"):
+        assert written[key] == trained[key], key
+    assert set(written["target_modules"]) == set(trained["target_modules"])
+    assert set(written["modules_to_save"] or ()) == set(trained["modules_to_save"] or ())
+    loaded = PeftModel.from_pretrained(_base(ref), out).eval()
+    torch.testing.assert_close(_logits(loaded, ref), _logits(_live(ref, tmp_path), ref), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(WHOLE))
+def test_the_merged_model_is_peft_merge_and_unload(name: str, tmp_path: Path) -> None:
+    """The whole wrapped model (Accelerator.save_state): merged in float32 row block by row block, under the
+    model's own names, the trained lm_head in place of the original; its logits those of the live model's
+    merge_and_unload()."""
+    from transformers import LlamaForCausalLM
+    from safetensors.torch import load_file
+
+    src, options = WHOLE[name]
+    ref, out = _ref(name), tmp_path / "merged"
+    (tmp_path / "config.json").write_text(json.dumps({**ref["config"], "architectures": ["LlamaForCausalLM"]}))
+    result = shardstore.unshard(src, out, format="hf", merge_adapter=True, hf_config=tmp_path / "config.json",
+                                lora_alpha=float(options[1]), rslora=options[2] == "--rslora", jobs=2)
+    assert any("merged the" in note for note in result.notes)
+    merged = _live(ref, tmp_path).merge_and_unload()
+    written = load_file(out / "model.safetensors")
+    assert sorted(written) == sorted(merged.state_dict())
+    for key, value in merged.state_dict().items():
+        torch.testing.assert_close(written[key], value, rtol=0, atol=1e-6, msg=key)
+    exported = LlamaForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(_logits(exported, ref), _logits(merged, ref), rtol=0, atol=1e-5)
+
+
+def test_an_adapter_only_checkpoint_is_not_merged_and_a_plain_export_says_why(tmp_path: Path) -> None:
+    src, options = ADAPTERS["lora-w3"]
+    (tmp_path / "config.json").write_text(json.dumps({**_ref("lora-w3")["config"], "architectures": ["LlamaForCausalLM"]}))
+    line = assert_refused(cli("unshard", src, tmp_path / "hf", "--format", "hf", "--hf-config", tmp_path / "config.json",
+                              "-q"), "holds LoRA adapter weights only", "--adapter writes the adapter")
+    assert "--merge-adapter" not in line
+    assert_refused(cli("unshard", src, tmp_path / "m", "--format", "hf", "--merge-adapter", *options, "-q"),
+                   "holds the adapter only (its base was not saved)")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "m").exists()
+
+
+def test_what_the_tensors_do_not_say_is_asked_for_and_checked_against_the_trainers_config(tmp_path: Path) -> None:
+    """The HF Trainer's folder keeps no adapter_config.json: alpha and rsLoRA are asked for; where the
+    checkpoint keeps one, an option saying otherwise, or a config whose rank is not the tensors', is refused."""
+    src, _ = ADAPTERS["lora-w3"]
+    assert_refused(cli("unshard", src, tmp_path / "a", "--format", "hf", "--adapter", "-q"),
+                   "keeps no adapter_config.json", "--lora-alpha A, and --rslora or --no-rslora")
+    only = shutil.copytree(DATA / "adapter-only-w2", tmp_path / "only")
+    assert_refused(cli("unshard", only, tmp_path / "b", "--format", "hf", "--adapter", "--lora-alpha", "32", "-q"),
+                   "--lora-alpha 32, but the checkpoint's adapter_config.json says 16")
+    config = json.loads((only / "adapter_config.json").read_text())
+    (only / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
+    assert_refused(cli("unshard", only, tmp_path / "c", "--format", "hf", "--adapter", "-q"),
+                   "r is 8, but the adapter's lora_A have [4] rows")
+    for out in "abc":
+        assert not (tmp_path / out).exists()
+
+
+def test_a_broken_adapter_is_refused_naming_the_module(tmp_path: Path) -> None:
+    """A lora_A without its lora_B, and an adapter whose product is not its base weight's shape (another
+    model's adapter), each refused in one line naming the module; nothing written."""
+    from safetensors.torch import save_file
+
+    ref = _ref("lora-w3-save-state")
+    module = "base_model.model.model.layers.0.self_attn.q_proj"
+    missing = {k: v for k, v in ref["model"].items() if k != f"{module}.lora_B.default.weight"}
+    (tmp_path / "missing").mkdir()
+    save_file(missing, tmp_path / "missing" / "model.safetensors")
+    assert_refused(cli("unshard", tmp_path / "missing", tmp_path / "a", "--format", "hf", "--adapter",
+                       "--lora-alpha", "16", "--no-rslora", "-q"), f"{module}: its adapter has lora_A but no lora_B")
+    other = {**ref["model"], f"{module}.base_layer.weight": torch.zeros(32, 64)}
+    (tmp_path / "other").mkdir()
+    save_file(other, tmp_path / "other" / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({**ref["config"], "architectures": ["LlamaForCausalLM"]}))
+    assert_refused(cli("unshard", tmp_path / "other", tmp_path / "b", "--format", "hf", "--merge-adapter",
+                       "--lora-alpha", "16", "--no-rslora", "--hf-config", tmp_path / "config.json", "-q"),
+                   f"{module}: its base weight is [32, 64], but its adapter makes [64, 64]: an adapter of another model")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_adapter_options_are_refused_where_they_do_not_apply(tmp_path: Path) -> None:
+    src, options = ADAPTERS["lora-w3"]
+    assert_refused(cli("unshard", src, tmp_path / "a", "--adapter", *options, "-q"),
+                   "--adapter and --merge-adapter apply to --format hf only")
+    assert_refused(cli("unshard", src, tmp_path / "b", "--format", "hf", "--adapter", "--merge-adapter", *options,
+                       "-q"), "one of them")
+    assert_refused(cli("unshard", src, tmp_path / "c", "--format", "hf", "--lora-alpha", "16", "-q"),
+                   "--lora-alpha and --rslora go with --adapter or --merge-adapter")
+    plain = DATA.parent / "accelerate" / "fsdp2-w2" / "checkpoint-4"
+    assert_refused(cli("unshard", plain, tmp_path / "d", "--format", "hf", "--adapter", "--lora-alpha", "16",
+                       "--no-rslora", "-q"), "holds no PEFT (LoRA) adapter")
