@@ -379,17 +379,24 @@ VERIFY_LINES = 50  # difference lines `verify` prints; --json gives every one
 @click.option("--strip-prefix", default=None, help="As given to the export: the prefix dropped from keys.")
 @click.option("--tag", default=None, help="Which checkpoint, when SRC holds several.")
 @click.option("--step", type=int, default=None, help="Which checkpoint, by step [default: the newest].")
+@click.option("--merge-adapter", is_flag=True, help="As given to the export: OUTPUT is the model with its PEFT "
+                                                    "adapter merged (an adapter folder is known by itself).")
+@click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="As given to the export (--merge-adapter of a checkpoint that keeps no adapter_config.json).")
+@click.option("--rslora/--no-rslora", default=None, help="As given to the export, with --lora-alpha.")
 @_jobs
 @_quiet
 @_json
 def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select: str | None,
-           strip_prefix: str | None, tag: str | None, step: int | None, jobs: int | None, quiet: bool,
-           as_json: bool) -> None:
+           strip_prefix: str | None, tag: str | None, step: int | None, merge_adapter: bool, lora_alpha: float | None,
+           rslora: bool | None, jobs: int | None, quiet: bool, as_json: bool) -> None:
     """Check OUTPUT (safetensors files, a Hugging Face folder, torch files or a DCP folder, from any tool) against the sharded
     checkpoint in SRC: every tensor there, of its shape, and bit for bit (or, for a cast, as torch casts).
     One line per difference; exits 1 if there is any."""
+    adapter = {k: v for k, v in (("lora_alpha", lora_alpha), ("rslora", rslora)) if v is not None}
+    adapter.update({"merge_adapter": True} if merge_adapter else {})
     result = api.verify(src, output, format=fmt, select=select, strip_prefix=strip_prefix, hf_config=hf_config,
-                        tag=tag, step=step, jobs=jobs, storage_options=_options())
+                        tag=tag, step=step, jobs=jobs, storage_options=_options(), **adapter)
     if as_json:
         _echo_json({"ok": result.ok, "format": result.format, "tensors": result.tensors, "bytes": result.nbytes,
                     "differences": [{"name": d.name, "what": d.what} for d in result.differences]})

@@ -34,6 +34,7 @@ from .export.dcp import dcp_state
 from .export.resolve import ArrayRef, build, leaves
 from .export.safetensors import INDEX, Item, tensor_bytes
 from .export.hf import CONFIG, has_hf_description
+from .hf_files import ADAPTER_CONFIG
 from .export.torch import torch_files_in, torch_layout, torch_object
 from .trainers.contract import ResumeFile
 from .ingest import ingest
@@ -84,7 +85,8 @@ class VerifyResult:
 
 # what `verify` takes besides the two folders and the format: the export's options as it took them, and
 # which checkpoint and how to read it, as for `unshard`
-OPTIONS = frozenset({"select", "strip_prefix", "hf_config", "tag", "step", "jobs", "storage_options"})
+OPTIONS = frozenset({"select", "strip_prefix", "hf_config", "tag", "step", "jobs", "storage_options", "adapter",
+                     "merge_adapter", "lora_alpha", "rslora"})
 
 
 def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: str | None = None,
@@ -94,10 +96,14 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
     torch` writes; a DCP folder) against the checkpoint in SRC. `format` (an output format's name) says
     which export to check it as [default: from the folder]; `options` are `OPTIONS`: `select`,
     `strip_prefix` and `hf_config` as the export took them, `tag`, `step`, `jobs` and `storage_options`
-    as for `unshard`."""
+    as for `unshard`, and a PEFT adapter's `adapter`, `merge_adapter`, `lora_alpha`, `rslora` (an adapter
+    folder, adapter_config.json and no config.json, is checked as `adapter`, its alpha and rsLoRA its
+    config's)."""
     registry.known(options, OPTIONS)
     out = Path(output)
     fmt = registry.output_format(format) if format is not None else registry.recognised(out)
+    if fmt.describes_model and (out / ADAPTER_CONFIG).is_file() and not (out / CONFIG).is_file():
+        options = {**_adapter_options(out / ADAPTER_CONFIG), **options, "adapter": True}  # peft's adapter folder
     request = run_request(src, output, format=fmt.name, **options)
     jobs, select = request.jobs, request.export.select
     # the whole checkpoint, the optimizer's state too; or a model's state dict in torch files
@@ -119,7 +125,7 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
             return _compare_torch(ingest(scratch / "store", source, jobs=jobs), out, fmt.name)
         store = model_store(scratch / "store", source, jobs, select)
         export = request.export
-        if fmt.describes_model and export.hf_config is None and not has_hf_description(store):
+        if fmt.describes_model and export.hf_config is None and not export.adapter and not has_hf_description(store):
             # the folder's own config.json: what the export was given, as written
             export = replace(export, hf_config=out / CONFIG)
         # the tensors, and their names, a safetensors (or hf) export writes: a state dict's too
@@ -129,6 +135,22 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
         for f in files:
             f.close()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _adapter_options(path: Path) -> dict[str, Any]:
+    """What an adapter folder's own adapter_config.json says that the checkpoint may not (the HF Trainer's
+    keeps none): its alpha and rsLoRA, as the export was given them."""
+    config = loads(read_small(path, None, MAX_ADAPTER_CONFIG, "a PEFT adapter config"), str(path),
+                   "PEFT adapter config", ExportError)
+    if not isinstance(config, dict):
+        raise ExportError(f"{path}: not a PEFT adapter config (a JSON object)")
+    alpha: Any = config.get("lora_alpha")
+    rslora: Any = config.get("use_rslora")
+    return {**({"lora_alpha": float(alpha)} if type(alpha) in (int, float) else {}),
+            **({"rslora": rslora} if type(rslora) is bool else {})}
+
+
+MAX_ADAPTER_CONFIG = 1 << 20
 
 
 def _scratch(out: Path) -> Path:

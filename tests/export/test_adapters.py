@@ -86,6 +86,9 @@ def test_the_adapter_folder_is_what_peft_saves_and_loads_with_the_live_logits(na
     assert set(written["modules_to_save"] or ()) == set(trained["modules_to_save"] or ())
     loaded = PeftModel.from_pretrained(_base(ref), out).eval()
     torch.testing.assert_close(_logits(loaded, ref), _logits(_live(ref, tmp_path), ref), rtol=0, atol=1e-6)
+    # `verify` knows an adapter folder by itself, and takes what the checkpoint does not say from its config
+    checked = shardstore.verify(src, out, jobs=2)
+    assert checked.ok and checked.tensors == len(ref["adapter"]), checked.differences
 
 
 @pytest.mark.parametrize("name", sorted(WHOLE))
@@ -109,6 +112,10 @@ def test_the_merged_model_is_peft_merge_and_unload(name: str, tmp_path: Path) ->
         torch.testing.assert_close(written[key], value, rtol=0, atol=1e-6, msg=key)
     exported = LlamaForCausalLM.from_pretrained(out).eval()
     torch.testing.assert_close(_logits(exported, ref), _logits(merged, ref), rtol=0, atol=1e-5)
+    alpha, rslora = float(options[1]), options[2] == "--rslora"
+    assert shardstore.verify(src, out, merge_adapter=True, lora_alpha=alpha, rslora=rslora, jobs=2).ok
+    wrong = shardstore.verify(src, out, merge_adapter=True, lora_alpha=alpha * 2, rslora=rslora, jobs=2)
+    assert not wrong.ok and all("elements differ" in d.what for d in wrong.differences)
 
 
 def test_an_adapter_only_checkpoint_is_not_merged_and_a_plain_export_says_why(tmp_path: Path) -> None:
