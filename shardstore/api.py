@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Sequence
 
+from . import base_folder
 from . import export as _export
 from . import ingest as _ingest
 from . import run as _run
@@ -69,7 +70,8 @@ def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensor
     nesting (what torch's dcp_to_torch_save writes), not the files the checkpoint's trainer resumes from."""
     request = registry.request(format, **options)
     st = store if isinstance(store, Store) else Store.open(store, storage_options)
-    return _export.export(st, out_dir, request, _progress(progress), scheduler, jobs or default_jobs())
+    with base_folder.opened(request) as request:
+        return _export.export(st, out_dir, request, _progress(progress), scheduler, jobs or default_jobs())
 
 
 def watch(store: PathLike, src_dir: PathLike, *, on_done: Callable[[_ingest.Ingested], None] | None = None,

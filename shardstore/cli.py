@@ -187,6 +187,10 @@ def _export_options(f: Any) -> Any:
                           "(the HF Trainer's under FSDP): the LoRA's alpha, as trained."),
         click.option("--rslora/--no-rslora", default=None,
                      help="With --lora-alpha: whether the LoRA was trained as rsLoRA (its scale alpha/sqrt(r))."),
+        click.option("--base", default=None, metavar="FOLDER|ORG/NAME",
+                     help="With --merge-adapter, of a checkpoint holding the adapter only (the HF Trainer's under "
+                          "FSDP): the base model's Hugging Face folder, or its id in the local Hugging Face cache "
+                          "(never downloaded), read in place."),
     ]):
         f = opt(f)
     return f
@@ -384,16 +388,17 @@ VERIFY_LINES = 50  # difference lines `verify` prints; --json gives every one
 @click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=None,
               help="As given to the export (--merge-adapter of a checkpoint that keeps no adapter_config.json).")
 @click.option("--rslora/--no-rslora", default=None, help="As given to the export, with --lora-alpha.")
+@click.option("--base", default=None, metavar="FOLDER|ORG/NAME", help="As given to the export (--merge-adapter).")
 @_jobs
 @_quiet
 @_json
 def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select: str | None,
            strip_prefix: str | None, tag: str | None, step: int | None, merge_adapter: bool, lora_alpha: float | None,
-           rslora: bool | None, jobs: int | None, quiet: bool, as_json: bool) -> None:
+           rslora: bool | None, base: str | None, jobs: int | None, quiet: bool, as_json: bool) -> None:
     """Check OUTPUT (safetensors files, a Hugging Face folder, torch files or a DCP folder, from any tool) against the sharded
     checkpoint in SRC: every tensor there, of its shape, and bit for bit (or, for a cast, as torch casts).
     One line per difference; exits 1 if there is any."""
-    adapter = {k: v for k, v in (("lora_alpha", lora_alpha), ("rslora", rslora)) if v is not None}
+    adapter = {k: v for k, v in (("lora_alpha", lora_alpha), ("rslora", rslora), ("base", base)) if v is not None}
     adapter.update({"merge_adapter": True} if merge_adapter else {})
     result = api.verify(src, output, format=fmt, select=select, strip_prefix=strip_prefix, hf_config=hf_config,
                         tag=tag, step=step, jobs=jobs, storage_options=_options(), **adapter)

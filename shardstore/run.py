@@ -27,6 +27,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from . import base_folder
 from . import export as _export
 from . import ingest as _ingest
 from .errors import CheckpointError, ExportError, ShardstoreError
@@ -134,8 +135,15 @@ class RunPlan:
 def plan_run(request: RunRequest, dry: bool = False, progress: Progress = QUIET) -> Iterator[RunPlan]:
     """The run planned: the checkpoint opened and placed, its store planned, and every check a run makes
     before its first unit is read, made. With `dry`, the store is planned in a temporary folder beside
-    OUT and nothing of the run is written. Leaving the block ends the run's workers; a failure leaves no
-    store that holds nothing, and no folder it made for OUT."""
+    OUT and nothing of the run is written. Leaving the block ends the run's workers (and closes a merge's
+    base model); a failure leaves no store that holds nothing, and no folder it made for OUT."""
+    with base_folder.opened(request.export) as export:
+        with _planned_run(replace(request, export=export), dry, progress) as plan:
+            yield plan
+
+
+@contextmanager
+def _planned_run(request: RunRequest, dry: bool, progress: Progress) -> Iterator[RunPlan]:
     source = _opened(request, progress, dry)
     if dry:
         with _dry_store(request, source) as store:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import dtypes
+from . import base_folder, dtypes
 from .errors import ExportError
 from .export import planned, registry
 from .export.dcp import dcp_state
@@ -86,7 +86,7 @@ class VerifyResult:
 # what `verify` takes besides the two folders and the format: the export's options as it took them, and
 # which checkpoint and how to read it, as for `unshard`
 OPTIONS = frozenset({"select", "strip_prefix", "hf_config", "tag", "step", "jobs", "storage_options", "adapter",
-                     "merge_adapter", "lora_alpha", "rslora"})
+                     "merge_adapter", "lora_alpha", "rslora", "base"})
 
 
 def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: str | None = None,
@@ -96,7 +96,7 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
     torch` writes; a DCP folder) against the checkpoint in SRC. `format` (an output format's name) says
     which export to check it as [default: from the folder]; `options` are `OPTIONS`: `select`,
     `strip_prefix` and `hf_config` as the export took them, `tag`, `step`, `jobs` and `storage_options`
-    as for `unshard`, and a PEFT adapter's `adapter`, `merge_adapter`, `lora_alpha`, `rslora` (an adapter
+    as for `unshard`, and a PEFT adapter's `adapter`, `merge_adapter`, `lora_alpha`, `rslora`, `base` (an adapter
     folder, adapter_config.json and no config.json, is checked as `adapter`, its alpha and rsLoRA its
     config's)."""
     registry.known(options, OPTIONS)
@@ -130,7 +130,8 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
             export = replace(export, hf_config=out / CONFIG)
         # the tensors, and their names, a safetensors (or hf) export writes: a state dict's too
         export = replace(export, output=fmt if fmt.subtree else registry.TENSORS)
-        return _compare(store, planned(store, export).tensors, outputs, fmt.name)
+        with base_folder.opened(export) as export:
+            return _compare(store, planned(store, export).tensors, outputs, fmt.name)
     finally:
         for f in files:
             f.close()

@@ -160,7 +160,8 @@ def preflight(store: Store, out_dir: str | os.PathLike[str], request: ExportRequ
                               f"checkpoint (pytorch_model_fsdp_0/ beside it), or --format torch/safetensors")
     if request.adapter or request.merge_adapter:
         check_adapter(store, _subtree(store, select), request)
-    if fmt.describes_model and hf_config is None and not request.adapter and not has_hf_description(store):
+    if fmt.describes_model and hf_config is None and not request.adapter and request.base is None \
+            and not has_hf_description(store):
         raise ExportError(NO_HF_DESCRIPTION)
     if request.overwrite:
         return

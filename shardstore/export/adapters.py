@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -224,32 +224,62 @@ def config_bytes(config: LoraConfig) -> bytes:
     return json.dumps(config.fields, indent=2, sort_keys=True).encode() + b"\n"
 
 
-def _float32(store: Store, path: str, rows: tuple[int, int] | None = None) -> np.ndarray:
-    """An array (or its rows [first, stop)) as float32 numbers, exactly."""
-    entry = store.manifest.arrays[path]
-    info = dtypes.info(entry.dtype)
-    raw = np.frombuffer(b"".join(bytes(b) for b in blocks(store.stream(path, rows=rows))), info.raw)
-    shape = ((rows[1] - rows[0]) if rows else entry.shape[0],) + tuple(entry.shape[1:])
-    return dtypes.as_numbers(raw, entry.dtype).astype(np.float32).reshape(shape)
+def _float32(store: Store, ref: ArrayRef, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """A tensor (or its rows [first, stop)) as float32 numbers, exactly."""
+    if rows is not None:
+        ref = replace(ref, rows=(rows,), shape=(rows[1] - rows[0],) + tuple(ref.shape[1:]))
+    raw = np.frombuffer(b"".join(bytes(b) for b in blocks(ref.parts(store))), dtypes.info(ref.dtype).raw)
+    return dtypes.as_numbers(raw, ref.dtype).astype(np.float32).reshape(ref.shape)
+
+
+@dataclass(frozen=True)
+class FileTensor(ArrayRef):
+    """A tensor of a Hugging Face model's safetensors file (a base an adapter merges onto), read in place:
+    `read(offset, length)` gives the file's bytes there, zero copy where the file is local."""
+
+    offset: int = 0  # of its first byte in the file
+    read: Callable[[int, int], Part] | None = field(default=None, compare=False, repr=False)
+
+    def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
+        assert self.read is not None
+        row = math.prod(self.shape[1:]) * dtypes.info(self.dtype).itemsize if self.shape else 0
+        for first, stop in self.rows or ((0, self.shape[0] if self.shape else 1),):
+            yield self.read(self.offset + first * row, (stop - first) * row if self.shape else self.nbytes)
+
+    def stored_crc(self, store: Store) -> int | None:
+        return None
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    """A Hugging Face model folder read in place: the base an adapter-only checkpoint is merged onto
+    (`--base`). Its tensors by name; its config and tokenizer files as they are."""
+
+    folder: str
+    tensors: dict[str, FileTensor]
+    files: dict[str, bytes]
 
 
 @dataclass(frozen=True)
 class MergedRef(ArrayRef):
     """A base weight with its adapter merged in, in the output's dtype (`dtype`): streamed row block by row
-    block, A (r × in) held whole, B and W a block of rows at a time."""
+    block, A (r × in) held whole, B and W a block of rows at a time. Each part is an array of the store,
+    or a base model's file (`FileTensor`)."""
 
-    a: str = ""
-    b: str = ""
-    magnitude: str | None = None
+    base: ArrayRef | None = None
+    a: ArrayRef | None = None
+    b: ArrayRef | None = None
+    magnitude: ArrayRef | None = None
     scaling: float = 1.0
 
     def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
+        assert self.base is not None and self.a is not None and self.b is not None
         rows, columns = self.shape[0], math.prod(self.shape[1:])
         a = _float32(store, self.a)
         step = max(1, MERGE_BLOCK // max(1, columns * 4))
         for first in range(0, rows, step):
             block = (first, min(rows, first + step))
-            w = _float32(store, self.path, block).reshape(block[1] - block[0], columns)
+            w = _float32(store, self.base, block).reshape(block[1] - block[0], columns)
             merged = w + np.matmul(_float32(store, self.b, block), a) * np.float32(self.scaling)
             if self.magnitude is not None:
                 norm = np.linalg.norm(merged, axis=1).astype(np.float32)
@@ -260,7 +290,7 @@ class MergedRef(ArrayRef):
         return None
 
 
-def merging(peft: Peft, config: LoraConfig, paths: dict[str, str]) -> Any:
+def merging(store: Store, peft: Peft, config: LoraConfig, paths: dict[str, str]) -> Any:
     """`ExportRequest.arrays` for the merged model: each adapted module's base weight (by its store path,
     `paths` mapping the checkpoint's names to them) read merged with its adapter, into the output's dtype."""
     by_path = {paths[lora.base]: lora for lora in peft.loras if lora.base is not None}
@@ -269,8 +299,18 @@ def merging(peft: Peft, config: LoraConfig, paths: dict[str, str]) -> Any:
         lora = by_path.get(ref.path)
         if lora is None:
             return ref
-        if ref.rows is not None or dtype not in dtypes.CASTABLE:
-            raise ExportError(f"{lora.module}: its base weight is split or not floating; it is not merged here")
-        return MergedRef(ref.path, dtype, ref.shape, None, paths[lora.a], paths[lora.b],
-                         paths[lora.magnitude] if lora.magnitude else None, config.scaling)
+        return merged(ref, dtype, lora, config, lambda name: stored(store, paths[name]))
     return arrays
+
+
+def stored(store: Store, path: str) -> ArrayRef:
+    entry = store.manifest.arrays[path]
+    return ArrayRef(path, entry.dtype, entry.shape)
+
+
+def merged(base: ArrayRef, dtype: str, lora: Lora, config: LoraConfig, ref: Callable[[str], ArrayRef]) -> MergedRef:
+    """`base` with `lora` merged in, into `dtype`; `ref` gives the adapter's tensors by their names."""
+    if base.rows is not None or dtype not in dtypes.CASTABLE or base.dtype not in dtypes.CASTABLE:
+        raise ExportError(f"{lora.module}: its base weight is split or not floating; it is not merged here")
+    return MergedRef(base.path, dtype, base.shape, None, base, ref(lora.a), ref(lora.b),
+                     ref(lora.magnitude) if lora.magnitude else None, config.scaling)

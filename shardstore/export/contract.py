@@ -23,7 +23,7 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import dtypes
 from ..errors import ExportError
@@ -32,6 +32,9 @@ from ..sink.layout import Layout
 from ..store.store import Store
 from ..tree import Node
 from .resolve import ArrayRef
+
+if TYPE_CHECKING:
+    from .adapters import BaseModel
 
 Arrays = Callable[[ArrayRef, str], ArrayRef]  # an array's reference and its output dtype -> where its bytes come from
 
@@ -61,6 +64,10 @@ class ExportRequest:
     merge_adapter: bool = False
     lora_alpha: float | None = None
     rslora: bool | None = None
+    # a merge's base model, where the checkpoint holds the adapter only: a Hugging Face folder, or a model
+    # in the local Hugging Face cache (`base`); opened by the run (`base_model`, base_folder.py), no option
+    base: str | os.PathLike[str] | None = None
+    base_model: BaseModel | None = field(default=None, compare=False, repr=False)
     # where each sharded array's bytes come from instead of the store, given the dtype the output holds it
     # in (`average` puts the checkpoints' mean there, rounded once into that dtype); no user option
     arrays: Arrays | None = field(default=None, compare=False, repr=False)
@@ -74,6 +81,8 @@ class ExportRequest:
             matcher(pattern, "--keep-dtype", ExportError)  # one line for a pattern that cannot be matched
         if self.adapter and self.merge_adapter:
             raise ExportError("--adapter writes the adapter alone, --merge-adapter the model with it merged: one of them")
+        if self.base is not None and not self.merge_adapter:
+            raise ExportError("--base goes with --merge-adapter: the model an adapter-only checkpoint is merged onto")
         if (self.lora_alpha is not None or self.rslora is not None) and not (self.adapter or self.merge_adapter):
             raise ExportError("--lora-alpha and --rslora go with --adapter or --merge-adapter")
         if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):

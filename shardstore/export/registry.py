@@ -42,7 +42,7 @@ def request(format: str = "safetensors", **options: Any) -> ExportRequest:
     return ExportRequest(output_format(format), **options)
 
 
-OPTIONS = frozenset(f.name for f in fields(ExportRequest)) - {"output", "arrays"} | {"format"}
+OPTIONS = frozenset(f.name for f in fields(ExportRequest)) - {"output", "arrays", "base_model"} | {"format"}
 
 
 def known(options: dict[str, Any], names: frozenset[str]) -> None:

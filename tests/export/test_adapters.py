@@ -179,3 +179,81 @@ def test_adapter_options_are_refused_where_they_do_not_apply(tmp_path: Path) -> 
     plain = DATA.parent / "accelerate" / "fsdp2-w2" / "checkpoint-4"
     assert_refused(cli("unshard", plain, tmp_path / "d", "--format", "hf", "--adapter", "--lora-alpha", "16",
                        "--no-rslora", "-q"), "holds no PEFT (LoRA) adapter")
+
+
+@pytest.fixture
+def base_folder(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """The base model of a fixture's run as `save_pretrained` writes it (the weights its ranks gathered)."""
+    def make(name: str) -> Path:
+        out = tmp_path / f"base-{name}"
+        _base(_ref(name)).save_pretrained(out)
+        return out
+    return make
+
+
+@pytest.mark.parametrize("name", ["lora-w3", "dora-w2"])
+def test_the_hf_trainers_adapter_is_merged_onto_the_base_folder(name: str, tmp_path: Path, base_folder) -> None:  # type: ignore[no-untyped-def]
+    """The HF Trainer's PEFT checkpoint-N holds the adapter only: merged onto --base (read in place), every
+    tensor of the base in the output, the trained lm_head the checkpoint's; peft's merge_and_unload of the
+    live model is the oracle; `verify` recomputes it."""
+    from transformers import LlamaForCausalLM
+    from safetensors.torch import load_file
+
+    src, options = ADAPTERS[name]
+    ref, out, base = _ref(name), tmp_path / "merged", base_folder(name)
+    alpha, rslora = float(options[1]), options[2] == "--rslora"
+    result = shardstore.unshard(src, out, format="hf", merge_adapter=True, base=base, lora_alpha=alpha,
+                                rslora=rslora, jobs=2)
+    assert any(f"of {base}" in note for note in result.notes)
+    merged = _live(ref, tmp_path).merge_and_unload()
+    written = load_file(out / "model.safetensors")
+    assert sorted(written) == sorted(merged.state_dict())
+    for key, value in merged.state_dict().items():
+        torch.testing.assert_close(written[key], value, rtol=0, atol=1e-6, msg=key)
+    exported = LlamaForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(_logits(exported, ref), _logits(merged, ref), rtol=0, atol=1e-5)
+    assert json.loads((out / "config.json").read_text())["hidden_size"] == ref["config"]["hidden_size"]
+    proc = cli("verify", src, out, "--merge-adapter", "--base", base, *options)
+    assert proc.returncode == 0 and f"verified {len(written)} tensors" in proc.stderr, proc.stdout + proc.stderr
+
+
+def test_the_base_is_found_in_the_local_hub_cache_and_never_fetched(tmp_path: Path, base_folder,  # type: ignore[no-untyped-def]
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    src, options = ADAPTERS["lora-w3"]
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    cached = tmp_path / "hub" / "models--tiny--llama"
+    shutil.copytree(base_folder("lora-w3"), cached / "snapshots" / revision)
+    (cached / "refs").mkdir()
+    (cached / "refs" / "main").write_text(revision)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    shardstore.unshard(src, tmp_path / "a", format="hf", merge_adapter=True, base="tiny/llama", lora_alpha=16.0,
+                       rslora=False, jobs=1)
+    assert (tmp_path / "a" / "model.safetensors").is_file()
+    with pytest.raises(shardstore.ExportError, match="not in the local Hugging Face cache .* never downloads"):
+        shardstore.unshard(src, tmp_path / "b", format="hf", merge_adapter=True, base="tiny/other", lora_alpha=16.0,
+                           rslora=False, jobs=1)
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_base_the_adapter_does_not_fit_is_refused_before_any_rank_is_read(tmp_path: Path, base_folder) -> None:  # type: ignore[no-untyped-def]
+    """A base of another model (a module the adapter adapts of another shape; a trained module missing), a
+    --base for a checkpoint holding its own base weights, and --base without --merge-adapter: one line each."""
+    from safetensors.torch import load_file, save_file
+
+    src, options = ADAPTERS["lora-w3"]
+    other = base_folder("lora-w3")
+    weights = load_file(other / "model.safetensors")
+    save_file({**weights, "model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 32)}, other / "model.safetensors")
+    assert_refused(cli("unshard", src, tmp_path / "a", "--format", "hf", "--merge-adapter", "--base", other, *options,
+                       "-q"), "model.layers.0.self_attn.q_proj.weight is [64, 32], but the adapter of "
+                              "base_model.model.model.layers.0.self_attn.q_proj makes [64, 64]: an adapter of another model")
+    save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, other / "model.safetensors")
+    assert_refused(cli("unshard", src, tmp_path / "b", "--format", "hf", "--merge-adapter", "--base", other, *options,
+                       "-q"), "lm_head.weight is missing, but the checkpoint's trained base_model.model.lm_head.weight")
+    whole, whole_options = WHOLE["lora-w3-save-state"]
+    assert_refused(cli("unshard", whole, tmp_path / "c", "--format", "hf", "--merge-adapter", "--base", other,
+                       *whole_options, "-q"), "--base: the checkpoint holds its own base weights")
+    assert_refused(cli("unshard", src, tmp_path / "d", "--format", "hf", "--adapter", "--base", other, *options, "-q"),
+                   "--base goes with --merge-adapter")
+    for out in "abcd":
+        assert not (tmp_path / out).exists()

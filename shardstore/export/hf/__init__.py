@@ -315,6 +315,9 @@ def _module_attribute(store: Store, subtree: str) -> str | None:
 def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel, SafetensorsPlan]:
     if request.adapter:
         return _plan_adapter(store, subtree, request)
+    if request.base_model is not None:
+        model, items = _onto_base(store, subtree, request)
+        return _described(model, items, request)
     model, names = describe(store, subtree, request.hf_config, request.strip_prefix)
     peft = adapters.found(names)
     if peft is None and request.merge_adapter:
@@ -336,6 +339,11 @@ def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel
         if item is None:
             raise ExportError(f"{t.source}: not a tensor")
         items.append(item)
+    return _described(model, items, request)
+
+
+def _described(model: HFModel, items: list[Item], request: ExportRequest) -> tuple[HFModel, SafetensorsPlan]:
+    """The model's tensors laid out in files, its config naming the dtype they load in."""
     if not items:
         raise ExportError("no tensors to export")
     loads_as = _loads_as(items)
@@ -348,6 +356,9 @@ def check_adapter(store: Store, subtree: str, request: ExportRequest) -> None:
     """What `--adapter` and `--merge-adapter` are refused for from the store's plan alone (its names and
     shapes), before any rank is ingested: no adapter, an adapter's pair or rank or base wrong, its config
     not known, a merge of an adapter-only save."""
+    if request.base_model is not None:
+        _onto_base(store, subtree, request)
+        return
     peft, _, _ = _found_adapter(store, subtree, request)
     if request.merge_adapter and peft.adapter_only:
         raise ExportError(ADAPTER_ONLY)
@@ -355,8 +366,57 @@ def check_adapter(store: Store, subtree: str, request: ExportRequest) -> None:
         peft.merged_names()
 
 
-ADAPTER_ONLY = ("the checkpoint holds the adapter only (its base was not saved): --adapter writes it, for peft to "
-                "load onto the base model")
+ADAPTER_ONLY = ("the checkpoint holds the adapter only (its base was not saved): --merge-adapter --base BASE merges "
+                "it onto the base model's Hugging Face folder; --adapter writes it, for peft to load onto the base")
+
+
+def _onto_base(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel, list[Item]]:
+    """An adapter-only checkpoint merged onto `--base` (a Hugging Face folder read in place): every tensor
+    of the base, in its order, the adapted modules' weights merged, the trained modules' the checkpoint's;
+    the base's config and tokenizer files. The adapter must fit the base: every module it adapts or trains
+    there, of the shapes it implies."""
+    base = request.base_model
+    assert base is not None
+    peft, names, config = _found_adapter(store, subtree, request)
+    if not peft.adapter_only:
+        raise ExportError(f"--base: the checkpoint holds its own base weights (e.g. "
+                          f"{next(lora.base for lora in peft.loras if lora.base)}); merge without --base")
+    adapted = {f"{lora.module.removeprefix(adapters.PREFIX)}.weight": lora for lora in peft.loras}
+    trained = {adapters.saved_name(n, peft.adapter).removeprefix(adapters.PREFIX): n for n in peft.saved}
+    for key, lora in adapted.items():
+        want = (_shape(store, names[lora.b]) or (0,))[0], (_shape(store, names[lora.a]) or (0, 0))[1]
+        have = base.tensors[key].shape if key in base.tensors else None
+        if have != want:
+            raise ExportError(f"{base.folder}: {key} is {'missing' if have is None else list(have)}, but the adapter "
+                              f"of {lora.module} makes {list(want)}: an adapter of another model")
+    for key, name in trained.items():
+        have = base.tensors[key].shape if key in base.tensors else None
+        if have != _shape(store, names[name]):
+            raise ExportError(f"{base.folder}: {key} is {'missing' if have is None else list(have)}, but the "
+                              f"checkpoint's trained {name} is {list(_shape(store, names[name]) or ())}")
+    items = []
+    for key, tensor in base.tensors.items():
+        cast = request.cast_of(key)
+        out = cast if cast and tensor.dtype in dtypes.CASTABLE else tensor.dtype
+        if key in trained:
+            item = tensor_item(store, key, names[trained[key]], cast)
+        elif key in adapted:
+            merged = adapters.merged(tensor, out, adapted[key], config,
+                                     lambda name: adapters.stored(store, names[name]))
+            item = Item(key, merged, out, tensor.shape)
+        else:
+            item = Item(key, tensor, out, tensor.shape)
+        if item is None:
+            raise ExportError(f"{names[trained[key]]}: not a tensor")
+        items.append(item)
+    files = dict(base.files)
+    description = jsonin.loads(files.pop(CONFIG), f"{base.folder}/{CONFIG}", "Hugging Face config", ExportError)
+    if not isinstance(description, dict):
+        raise ExportError(f"{base.folder}/{CONFIG}: not a Hugging Face config (a JSON object)")
+    note = (f"merged the {'DoRA' if config.dora else 'LoRA'} adapter (r={config.r}, alpha={config.alpha:g}"
+            f"{', rsLoRA' if config.rslora else ''}) into {len(adapted)} modules ({', '.join(_kinds(peft))}) of "
+            f"{base.folder}" + (f"; {len(trained)} trained modules the checkpoint's" if trained else ""))
+    return HFModel(description, None, [], {n: d for n, d in files.items() if n not in NOT_HF_FILES}, [note]), items
 
 
 def _found_adapter(store: Store, subtree: str,
@@ -437,7 +497,7 @@ def _merged(store: Store, model: HFModel, names: dict[str, str], peft: adapters.
                         f"{', rsLoRA' if config.rslora else ''}) into {len(peft.loras)} modules ({', '.join(_kinds(peft))})"
                         + (f"; {len(peft.saved)} trained modules taken whole" if peft.saved else ""))
     paths = {n: names[w] for n, w in plain.items()}
-    return merged, paths, replace(request, arrays=adapters.merging(peft, config, names))
+    return merged, paths, replace(request, arrays=adapters.merging(store, peft, config, names))
 
 
 def _loads_as(items: list[Item]) -> str | None:
