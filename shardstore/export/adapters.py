@@ -43,7 +43,7 @@ LORA = re.compile(r"(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_magnitude_vector
                   r"(?:\.(?P<adapter>[^.]+))?(?P<weight>\.weight)?\Z")
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
-MERGE_BLOCK = 4 << 20  # bytes of a base weight's rows merged at a time
+MERGE_BLOCK = 8 << 20  # bytes of a base weight's rows merged at a time (float32)
 MAX_RANK = 1 << 16
 
 
@@ -228,8 +228,8 @@ def _float32(store: Store, ref: ArrayRef, rows: tuple[int, int] | None = None) -
     """A tensor (or its rows [first, stop)) as float32 numbers, exactly."""
     if rows is not None:
         ref = replace(ref, rows=(rows,), shape=(rows[1] - rows[0],) + tuple(ref.shape[1:]))
-    raw = np.frombuffer(b"".join(bytes(b) for b in blocks(ref.parts(store))), dtypes.info(ref.dtype).raw)
-    return dtypes.as_numbers(raw, ref.dtype).astype(np.float32).reshape(ref.shape)
+    raw = np.frombuffer(b"".join(blocks(ref.parts(store))), dtypes.info(ref.dtype).raw)
+    return dtypes.as_numbers(raw, ref.dtype).astype(np.float32, copy=False).reshape(ref.shape)
 
 
 @dataclass(frozen=True)
@@ -279,12 +279,14 @@ class MergedRef(ArrayRef):
         step = max(1, MERGE_BLOCK // max(1, columns * 4))
         for first in range(0, rows, step):
             block = (first, min(rows, first + step))
-            w = _float32(store, self.base, block).reshape(block[1] - block[0], columns)
-            merged = w + np.matmul(_float32(store, self.b, block), a) * np.float32(self.scaling)
+            merged = np.matmul(_float32(store, self.b, block), a)  # W + (B·A)·s, as peft adds it
+            merged *= np.float32(self.scaling)
+            merged += _float32(store, self.base, block).reshape(block[1] - block[0], columns)
             if self.magnitude is not None:
                 norm = np.linalg.norm(merged, axis=1).astype(np.float32)
-                merged = (_float32(store, self.magnitude, block) / norm).reshape(-1, 1) * merged
-            yield dtypes.rounded(merged, self.dtype)
+                merged *= (_float32(store, self.magnitude, block) / norm).reshape(-1, 1)
+            yield merged.reshape(-1).view(np.uint8).data if self.dtype == "float32" else \
+                dtypes.rounded(merged, self.dtype)
 
     def stored_crc(self, store: Store) -> int | None:
         return None
