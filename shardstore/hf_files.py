@@ -3,6 +3,8 @@ reader keeps beside a checkpoint, and what `--format hf` copies into its folder.
 
 from __future__ import annotations
 
+from .trainers import verl
+
 # A model's Hugging Face files besides its weights (config, generation config, tokenizer), which trainers
 # keep beside their checkpoints: what `--format hf` takes with no flag...
 HF_MODEL_FILES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
@@ -10,8 +12,10 @@ HF_MODEL_FILES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
 # HF Trainer's own state and the metrics its train()/evaluate() leave in output_dir.
 NOT_HF_MODEL_FILES = ("trainer_state.json", "all_results.json", "train_results.json", "eval_results.json",
                       "test_results.json")
-# A PEFT adapter's config: kept beside the checkpoint for `--adapter` to write, never copied as the model's.
+# A PEFT adapter's config, and veRL's record of its LoRA: kept beside the checkpoint for the adapter's export,
+# never copied as the model's
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_FILES = (ADAPTER_CONFIG, verl.LORA_META)
 
 
 def hf_model_file(name: str) -> bool:
@@ -23,4 +27,4 @@ def hf_model_file(name: str) -> bool:
 def describes_model(name: str) -> bool:
     """Whether a kept file (`hf_model_file`) goes beside an export, or into a Hugging Face folder: not the
     adapter's config, which describes weights under other names."""
-    return hf_model_file(name) and name != ADAPTER_CONFIG
+    return hf_model_file(name) and name not in ADAPTER_FILES

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 from .. import dtypes, paths, tempfiles
 from ..errors import ExportError, StoreError
-from ..hf_files import ADAPTER_CONFIG
+from ..hf_files import ADAPTER_FILES
 from ..progress import Progress
 from ..sink.layout import MOVING
 from ..sink.output import output_error, write_side_files
@@ -179,7 +179,7 @@ def _beside(store: Store, fmt: OutputFormat) -> dict[str, str]:
     """The files an export writes beside its output: the run's config (all but folders that write their
     own) and the trainer's files to resume from (where the format writes what the trainer resumes from)."""
     facts = store.manifest.facts
-    config = {n: data for n, data in facts.side_files.items() if n != ADAPTER_CONFIG} if fmt.config_beside else {}
+    config = {n: data for n, data in facts.side_files.items() if n not in ADAPTER_FILES} if fmt.config_beside else {}
     return {**config, **(facts.resume_files if fmt.resume_beside else {})}
 
 

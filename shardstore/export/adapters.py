@@ -199,6 +199,14 @@ def config_of(raw: dict[str, Any] | None, peft: Peft, shapes: dict[str, tuple[in
     return LoraConfig(r, alpha, rslora, dora, fields)
 
 
+def from_verl(meta: Any, where: str) -> tuple[int, float]:
+    """The rank and alpha veRL's record of its LoRA says (veRL builds its LoraConfig from them alone: no
+    rsLoRA, no DoRA, no bias)."""
+    if not isinstance(meta, dict) or type(meta.get("r")) is not int or type(meta.get("lora_alpha")) not in (int, float):
+        raise ExportError(f"{where}: not veRL's record of a LoRA (r and lora_alpha)")
+    return meta["r"], float(meta["lora_alpha"])
+
+
 def _checked(raw: dict[str, Any], peft: Peft, ranks: set[int], dora: bool, where: str) -> LoraConfig:
     """The trainer's adapter_config.json, refused where the tensors say otherwise or where it asks for what
     is not merged here (a rank or alpha per module, bias, fan_in_fan_out)."""

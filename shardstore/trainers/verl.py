@@ -10,3 +10,5 @@ from __future__ import annotations
 from .contract import Steps
 
 STEPS = Steps(r"(?:global_)?step_([0-9]+)", "latest_checkpointed_iteration.txt", "step")
+# its actor's record of a LoRA run's adapter, beside the rank files: {"r", "lora_alpha", "task_type"}
+LORA_META = "lora_train_meta.json"

@@ -26,26 +26,53 @@ from tests.conftest import assert_bitwise_equal
 from tests.refusals import assert_refused, cli
 
 DATA = Path(__file__).parents[1] / "fixtures" / "data" / "peft"
-# name -> (the checkpoint, the options its trainer's folder needs: it keeps no adapter_config.json)
-ADAPTERS = {"lora-w3": (DATA / "lora-w3" / "checkpoint-4", ["--lora-alpha", "16", "--no-rslora"]),
-            "dora-w2": (DATA / "dora-w2" / "checkpoint-4", ["--lora-alpha", "8", "--rslora"]),
-            "adapter-only-w2": (DATA / "adapter-only-w2", [])}
-WHOLE = {"lora-w3-save-state": (DATA / "lora-w3-save-state" / "checkpoint-4", ["--lora-alpha", "16", "--no-rslora"]),
-         "dora-w2-save-state": (DATA / "dora-w2-save-state" / "checkpoint-4", ["--lora-alpha", "8", "--rslora"])}
+VERL = Path(__file__).parents[1] / "fixtures" / "data" / "verl" / "t2.13" / "fsdp2-lora-w3"
+HF_TRAINER = ["--lora-alpha", "16", "--no-rslora"]  # what the HF Trainer's FSDP folder does not say of lora-w3
+# name -> (the checkpoint, the options it needs where its trainer keeps no adapter config, its reference)
+ADAPTERS = {"lora-w3": (DATA / "lora-w3" / "checkpoint-4", HF_TRAINER, DATA / "lora-w3.expected.pt.ref"),
+            "dora-w2": (DATA / "dora-w2" / "checkpoint-4", ["--lora-alpha", "8", "--rslora"],
+                        DATA / "dora-w2.expected.pt.ref"),
+            "adapter-only-w2": (DATA / "adapter-only-w2", [], DATA / "adapter-only-w2.expected.pt.ref"),
+            "ds-z2-w3": (DATA / "ds-z2-w3" / "checkpoint-3", [], DATA / "ds-z2-w3.expected.pt.ref"),
+            "ds-z3-w3": (DATA / "ds-z3-w3" / "checkpoint-3", [], DATA / "ds-z3-w3.expected.pt.ref"),
+            "lightning-w2": (DATA / "lightning-w2" / "checkpoints", ["--lora-alpha", "16", "--no-rslora"],
+                             DATA / "lightning-w2.expected.pt.ref"),
+            "verl-fsdp2-w3": (VERL, [], VERL.parent / "fsdp2-lora-w3.expected.pt.ref")}
+# the whole wrapped model saved, base weights too
+WHOLE = {"lora-w3-save-state": (DATA / "lora-w3-save-state" / "checkpoint-4", HF_TRAINER,
+                                DATA / "lora-w3-save-state.expected.pt.ref"),
+         "dora-w2-save-state": (DATA / "dora-w2-save-state" / "checkpoint-4", ["--lora-alpha", "8", "--rslora"],
+                                DATA / "dora-w2-save-state.expected.pt.ref"),
+         "ds-z2-w3-save-state": (DATA / "ds-z2-w3-save-state" / "checkpoint-3", [],
+                                 DATA / "ds-z2-w3-save-state.expected.pt.ref"),
+         "ds-z3-w3-save-state": (DATA / "ds-z3-w3-save-state" / "checkpoint-3", [],
+                                 DATA / "ds-z3-w3-save-state.expected.pt.ref"),
+         "lightning-w2": ADAPTERS["lightning-w2"], "verl-fsdp2-w3": ADAPTERS["verl-fsdp2-w3"]}
 
 
 def _ref(name: str) -> dict[str, Any]:
-    ref: dict[str, Any] = torch.load(DATA / f"{name}.expected.pt.ref", weights_only=True)
+    """What the ranks gathered (peft's names), their model's config, and a batch to run it on."""
+    _, _, path = ADAPTERS.get(name) or WHOLE[name]
+    ref: dict[str, Any] = torch.load(path, weights_only=True)
+    if "config" not in ref:  # veRL's keeps the model's config in its huggingface/ folder
+        ref["config"] = json.loads(next(VERL.glob("global_step_*/actor/huggingface/config.json")).read_text())
+    ref.setdefault("batch", torch.arange(12).view(2, 6) % ref["config"]["vocab_size"])
     return ref
+
+
+def _config_file(ref: dict[str, Any], tmp_path: Path) -> Path:
+    """The model's config.json, for the merged model's description (--hf-config)."""
+    (tmp_path / "config.json").write_text(json.dumps(ref["config"]))
+    return tmp_path / "config.json"
 
 
 def _base(ref: dict[str, Any]) -> Any:
     """The base model, its weights those the ranks gathered (the wrapped model's base layers and originals)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     plain = {k.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", "."): v
              for k, v in ref["model"].items() if "lora_" not in k and ".modules_to_save." not in k}
-    model = LlamaForCausalLM(LlamaConfig(**ref["config"]))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**ref["config"]))
     model.load_state_dict(plain)
     return model.eval()
 
@@ -72,7 +99,7 @@ def test_the_adapter_folder_is_what_peft_saves_and_loads_with_the_live_logits(na
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    src, options = ADAPTERS[name]
+    src, options, _ = ADAPTERS[name]
     ref, out = _ref(name), tmp_path / "adapter"
     proc = cli("unshard", src, out, "--format", "hf", "--adapter", *options, "-q")
     assert proc.returncode == 0, proc.stderr
@@ -96,32 +123,35 @@ def test_the_merged_model_is_peft_merge_and_unload(name: str, tmp_path: Path) ->
     """The whole wrapped model (Accelerator.save_state): merged in float32 row block by row block, under the
     model's own names, the trained lm_head in place of the original; its logits those of the live model's
     merge_and_unload()."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     from safetensors.torch import load_file
 
-    src, options = WHOLE[name]
+    src, options, _ = WHOLE[name]
     ref, out = _ref(name), tmp_path / "merged"
-    (tmp_path / "config.json").write_text(json.dumps({**ref["config"], "architectures": ["LlamaForCausalLM"]}))
-    result = shardstore.unshard(src, out, format="hf", merge_adapter=True, hf_config=tmp_path / "config.json",
-                                lora_alpha=float(options[1]), rslora=options[2] == "--rslora", jobs=2)
+    alpha, rslora = (float(options[1]), options[2] == "--rslora") if options else (None, None)
+    result = shardstore.unshard(src, out, format="hf", merge_adapter=True, hf_config=_config_file(ref, tmp_path),
+                                lora_alpha=alpha, rslora=rslora, jobs=2)
     assert any("merged the" in note for note in result.notes)
     merged = _live(ref, tmp_path).merge_and_unload()
     written = load_file(out / "model.safetensors")
     assert sorted(written) == sorted(merged.state_dict())
     for key, value in merged.state_dict().items():
         torch.testing.assert_close(written[key], value, rtol=0, atol=1e-6, msg=key)
-    exported = LlamaForCausalLM.from_pretrained(out).eval()
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
     torch.testing.assert_close(_logits(exported, ref), _logits(merged, ref), rtol=0, atol=1e-5)
-    alpha, rslora = float(options[1]), options[2] == "--rslora"
     assert shardstore.verify(src, out, merge_adapter=True, lora_alpha=alpha, rslora=rslora, jobs=2).ok
+    if alpha is None:  # the checkpoint says its alpha: a wrong one is refused
+        with pytest.raises(shardstore.ExportError, match="says"):
+            shardstore.verify(src, out, merge_adapter=True, lora_alpha=1000.0, rslora=False, jobs=2)
+        return
     wrong = shardstore.verify(src, out, merge_adapter=True, lora_alpha=alpha * 2, rslora=rslora, jobs=2)
     assert not wrong.ok and all("elements differ" in d.what for d in wrong.differences)
 
 
 def test_an_adapter_only_checkpoint_is_not_merged_and_a_plain_export_says_why(tmp_path: Path) -> None:
-    src, options = ADAPTERS["lora-w3"]
-    (tmp_path / "config.json").write_text(json.dumps({**_ref("lora-w3")["config"], "architectures": ["LlamaForCausalLM"]}))
-    line = assert_refused(cli("unshard", src, tmp_path / "hf", "--format", "hf", "--hf-config", tmp_path / "config.json",
+    src, options, _ = ADAPTERS["lora-w3"]
+    line = assert_refused(cli("unshard", src, tmp_path / "hf", "--format", "hf", "--hf-config",
+                              _config_file(_ref("lora-w3"), tmp_path),
                               "-q"), "holds LoRA adapter weights only", "--adapter writes the adapter")
     assert "--merge-adapter" not in line
     assert_refused(cli("unshard", src, tmp_path / "m", "--format", "hf", "--merge-adapter", *options, "-q"),
@@ -132,7 +162,7 @@ def test_an_adapter_only_checkpoint_is_not_merged_and_a_plain_export_says_why(tm
 def test_what_the_tensors_do_not_say_is_asked_for_and_checked_against_the_trainers_config(tmp_path: Path) -> None:
     """The HF Trainer's folder keeps no adapter_config.json: alpha and rsLoRA are asked for; where the
     checkpoint keeps one, an option saying otherwise, or a config whose rank is not the tensors', is refused."""
-    src, _ = ADAPTERS["lora-w3"]
+    src, _, _ = ADAPTERS["lora-w3"]
     assert_refused(cli("unshard", src, tmp_path / "a", "--format", "hf", "--adapter", "-q"),
                    "keeps no adapter_config.json", "--lora-alpha A, and --rslora or --no-rslora")
     only = shutil.copytree(DATA / "adapter-only-w2", tmp_path / "only")
@@ -161,15 +191,14 @@ def test_a_broken_adapter_is_refused_naming_the_module(tmp_path: Path) -> None:
     other = {**ref["model"], f"{module}.base_layer.weight": torch.zeros(32, 64)}
     (tmp_path / "other").mkdir()
     save_file(other, tmp_path / "other" / "model.safetensors")
-    (tmp_path / "config.json").write_text(json.dumps({**ref["config"], "architectures": ["LlamaForCausalLM"]}))
     assert_refused(cli("unshard", tmp_path / "other", tmp_path / "b", "--format", "hf", "--merge-adapter",
-                       "--lora-alpha", "16", "--no-rslora", "--hf-config", tmp_path / "config.json", "-q"),
+                       "--lora-alpha", "16", "--no-rslora", "--hf-config", _config_file(ref, tmp_path), "-q"),
                    f"{module}: its base weight is [32, 64], but its adapter makes [64, 64]: an adapter of another model")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_adapter_options_are_refused_where_they_do_not_apply(tmp_path: Path) -> None:
-    src, options = ADAPTERS["lora-w3"]
+    src, options, _ = ADAPTERS["lora-w3"]
     assert_refused(cli("unshard", src, tmp_path / "a", "--adapter", *options, "-q"),
                    "--adapter and --merge-adapter apply to --format hf only")
     assert_refused(cli("unshard", src, tmp_path / "b", "--format", "hf", "--adapter", "--merge-adapter", *options,
@@ -191,17 +220,17 @@ def base_folder(tmp_path: Path):  # type: ignore[no-untyped-def]
     return make
 
 
-@pytest.mark.parametrize("name", ["lora-w3", "dora-w2"])
+@pytest.mark.parametrize("name", ["lora-w3", "dora-w2", "ds-z2-w3", "ds-z3-w3"])
 def test_the_hf_trainers_adapter_is_merged_onto_the_base_folder(name: str, tmp_path: Path, base_folder) -> None:  # type: ignore[no-untyped-def]
     """The HF Trainer's PEFT checkpoint-N holds the adapter only: merged onto --base (read in place), every
     tensor of the base in the output, the trained lm_head the checkpoint's; peft's merge_and_unload of the
     live model is the oracle; `verify` recomputes it."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     from safetensors.torch import load_file
 
-    src, options = ADAPTERS[name]
+    src, options, _ = ADAPTERS[name]
     ref, out, base = _ref(name), tmp_path / "merged", base_folder(name)
-    alpha, rslora = float(options[1]), options[2] == "--rslora"
+    alpha, rslora = (float(options[1]), options[2] == "--rslora") if options else (None, None)
     result = shardstore.unshard(src, out, format="hf", merge_adapter=True, base=base, lora_alpha=alpha,
                                 rslora=rslora, jobs=2)
     assert any(f"of {base}" in note for note in result.notes)
@@ -210,7 +239,7 @@ def test_the_hf_trainers_adapter_is_merged_onto_the_base_folder(name: str, tmp_p
     assert sorted(written) == sorted(merged.state_dict())
     for key, value in merged.state_dict().items():
         torch.testing.assert_close(written[key], value, rtol=0, atol=1e-6, msg=key)
-    exported = LlamaForCausalLM.from_pretrained(out).eval()
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
     torch.testing.assert_close(_logits(exported, ref), _logits(merged, ref), rtol=0, atol=1e-5)
     assert json.loads((out / "config.json").read_text())["hidden_size"] == ref["config"]["hidden_size"]
     proc = cli("verify", src, out, "--merge-adapter", "--base", base, *options)
@@ -219,7 +248,7 @@ def test_the_hf_trainers_adapter_is_merged_onto_the_base_folder(name: str, tmp_p
 
 def test_the_base_is_found_in_the_local_hub_cache_and_never_fetched(tmp_path: Path, base_folder,  # type: ignore[no-untyped-def]
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    src, options = ADAPTERS["lora-w3"]
+    src, options, _ = ADAPTERS["lora-w3"]
     revision = "0123456789abcdef0123456789abcdef01234567"
     cached = tmp_path / "hub" / "models--tiny--llama"
     shutil.copytree(base_folder("lora-w3"), cached / "snapshots" / revision)
@@ -240,7 +269,7 @@ def test_a_base_the_adapter_does_not_fit_is_refused_before_any_rank_is_read(tmp_
     --base for a checkpoint holding its own base weights, and --base without --merge-adapter: one line each."""
     from safetensors.torch import load_file, save_file
 
-    src, options = ADAPTERS["lora-w3"]
+    src, options, _ = ADAPTERS["lora-w3"]
     other = base_folder("lora-w3")
     weights = load_file(other / "model.safetensors")
     save_file({**weights, "model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 32)}, other / "model.safetensors")
@@ -250,7 +279,7 @@ def test_a_base_the_adapter_does_not_fit_is_refused_before_any_rank_is_read(tmp_
     save_file({k: v for k, v in weights.items() if k != "lm_head.weight"}, other / "model.safetensors")
     assert_refused(cli("unshard", src, tmp_path / "b", "--format", "hf", "--merge-adapter", "--base", other, *options,
                        "-q"), "lm_head.weight is missing, but the checkpoint's trained base_model.model.lm_head.weight")
-    whole, whole_options = WHOLE["lora-w3-save-state"]
+    whole, whole_options, _ = WHOLE["lora-w3-save-state"]
     assert_refused(cli("unshard", whole, tmp_path / "c", "--format", "hf", "--merge-adapter", "--base", other,
                        *whole_options, "-q"), "--base: the checkpoint holds its own base weights")
     assert_refused(cli("unshard", src, tmp_path / "d", "--format", "hf", "--adapter", "--base", other, *options, "-q"),

@@ -26,6 +26,7 @@ from ...errors import ExportError, ShardstoreError
 from ...hf_files import ADAPTER_CONFIG, describes_model
 from ...sink.output import OutputFile
 from ...store.store import Store
+from ...trainers import verl
 from ...trainers.registry import trainer
 from ...tree import Node, node_at
 from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
@@ -459,12 +460,25 @@ def _kinds(peft: adapters.Peft) -> list[str]:
 def _adapter_config(store: Store, peft: adapters.Peft, names: dict[str, str],
                     request: ExportRequest) -> adapters.LoraConfig:
     """The adapter's config (`adapters.config_of`): the checkpoint's adapter_config.json where its trainer
-    kept one, else made from the tensors, --lora-alpha and the base model the checkpoint's config.json names."""
+    kept one, else made from the tensors, its alpha veRL's lora_train_meta.json's or --lora-alpha's, and the
+    base model the checkpoint's config.json names."""
     raw_bytes = _side_config(store, ADAPTER_CONFIG)
     where = f"the checkpoint's {ADAPTER_CONFIG}"
     raw = jsonin.loads(raw_bytes, where, "PEFT adapter config", ExportError) if raw_bytes is not None else None
     if raw is not None and not isinstance(raw, dict):
         raise ExportError(f"{where}: not a PEFT adapter config (a JSON object)")
+    alpha, rslora = request.lora_alpha, request.rslora
+    meta = _side_config(store, verl.LORA_META)
+    if raw is None and meta is not None:  # veRL's LoRA: its rank and alpha, and never rsLoRA
+        where = f"the checkpoint's {verl.LORA_META}"
+        r, alpha = adapters.from_verl(jsonin.loads(meta, where, "veRL's LoRA record", ExportError), where)
+        if request.lora_alpha not in (None, alpha) or request.rslora:
+            raise ExportError(f"--lora-alpha or --rslora says otherwise than {where}: lora_alpha {alpha:g}, and veRL "
+                              f"trains no rsLoRA")
+        rslora = False
+        ranks = sorted({(_shape(store, names[lora.a]) or (0,))[0] for lora in peft.loras})
+        if ranks != [r]:
+            raise ExportError(f"{where}: r is {r}, but the adapter's lora_A have {ranks} rows")
     if raw is not None and request.lora_alpha is not None and raw.get("lora_alpha") != request.lora_alpha:
         raise ExportError(f"--lora-alpha {request.lora_alpha:g}, but {where} says {raw.get('lora_alpha')!r}")
     if raw is not None and request.rslora is not None and bool(raw.get("use_rslora")) != request.rslora:
@@ -478,8 +492,8 @@ def _adapter_config(store: Store, peft: adapters.Peft, names: dict[str, str],
     model_config = _side_config(store, CONFIG)
     described = jsonin.loads(model_config, CONFIG, "Hugging Face config", ExportError) if model_config else None
     base = described.get("_name_or_path") if isinstance(described, dict) else None
-    return adapters.config_of(raw, peft, shapes, request.lora_alpha, request.rslora,
-                              base if isinstance(base, str) and base else None, where)
+    return adapters.config_of(raw, peft, shapes, alpha, rslora, base if isinstance(base, str) and base else None,
+                              where)
 
 
 def _merged(store: Store, model: HFModel, names: dict[str, str], peft: adapters.Peft,

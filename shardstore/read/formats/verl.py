@@ -26,6 +26,7 @@ from ...hf_files import hf_model_file
 from ...locations import StorageOptions, join, listing
 from ...patterns import digits
 from ...records import TensorRef
+from ...trainers.verl import LORA_META
 from ...tree import KeyEncoder, Node
 from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, replica_count
 from ..primitives import tensors
@@ -42,7 +43,7 @@ KINDS = ("model", "optim", "extra_state")
 UNIT_FILE = re.compile(r"(?P<kind>model|optim|extra_state)_world_size_(?P<world>[0-9]+)_rank_(?P<rank>[0-9]+)\.pt\Z")
 PARAM_GROUPS = "optim/param_groups"
 HF_FOLDER = "huggingface"
-SIDE_FILES = ("fsdp_config.json",)
+SIDE_FILES = ("fsdp_config.json", LORA_META)
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -97,8 +98,9 @@ def unit_kind(name: str) -> str:
 
 
 def side_files(folder: str, storage_options: StorageOptions | None = None) -> list[str]:
-    """What veRL's rank 0 saves beside the rank files: `fsdp_config.json`, and `huggingface/` (the model's
-    config, generation config and tokenizer files), which `--format hf` uses without a flag."""
+    """What veRL's rank 0 saves beside the rank files: `fsdp_config.json`, a LoRA run's `lora_train_meta.json`,
+    and `huggingface/` (the model's config, generation config and tokenizer files), which `--format hf`
+    uses without a flag."""
     actor = join(folder, ACTOR)
     here = [p for p in listing(actor, storage_options) if p.rsplit("/", 1)[-1] in SIDE_FILES]
     return here + [p for p in listing(join(actor, HF_FOLDER), storage_options)
