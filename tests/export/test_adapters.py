@@ -88,6 +88,26 @@ def _live(ref: dict[str, Any], tmp_path: Path) -> Any:
     return model.eval()
 
 
+def _is_merge_and_unload(out: Path, ref: dict[str, Any], tmp_path: Path) -> dict[str, torch.Tensor]:
+    """`out` holds the live model's `merge_and_unload()`: its tensors and names, and its logits."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    merged = _live(ref, tmp_path).merge_and_unload()
+    written = load_file(out / "model.safetensors")
+    assert sorted(written) == sorted(merged.state_dict())
+    for key, value in merged.state_dict().items():
+        torch.testing.assert_close(written[key], value, rtol=0, atol=1e-6, msg=key)
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(_logits(exported, ref), _logits(merged, ref), rtol=0, atol=1e-5)
+    return written
+
+
+def _alpha(options: list[str]) -> tuple[float | None, bool | None]:
+    """The API's lora_alpha and rslora for a case's command-line options."""
+    return (float(options[1]), options[2] == "--rslora") if options else (None, None)
+
+
 def _logits(model: Any, ref: dict[str, Any]) -> torch.Tensor:
     with torch.no_grad():
         logits: torch.Tensor = model(ref["batch"]).logits
@@ -123,22 +143,13 @@ def test_the_merged_model_is_peft_merge_and_unload(name: str, tmp_path: Path) ->
     """The whole wrapped model (Accelerator.save_state): merged in float32 row block by row block, under the
     model's own names, the trained lm_head in place of the original; its logits those of the live model's
     merge_and_unload()."""
-    from transformers import AutoModelForCausalLM
-    from safetensors.torch import load_file
-
     src, options, _ = WHOLE[name]
     ref, out = _ref(name), tmp_path / "merged"
-    alpha, rslora = (float(options[1]), options[2] == "--rslora") if options else (None, None)
+    alpha, rslora = _alpha(options)
     result = shardstore.unshard(src, out, format="hf", merge_adapter=True, hf_config=_config_file(ref, tmp_path),
                                 lora_alpha=alpha, rslora=rslora, jobs=2)
     assert any("merged the" in note for note in result.notes)
-    merged = _live(ref, tmp_path).merge_and_unload()
-    written = load_file(out / "model.safetensors")
-    assert sorted(written) == sorted(merged.state_dict())
-    for key, value in merged.state_dict().items():
-        torch.testing.assert_close(written[key], value, rtol=0, atol=1e-6, msg=key)
-    exported = AutoModelForCausalLM.from_pretrained(out).eval()
-    torch.testing.assert_close(_logits(exported, ref), _logits(merged, ref), rtol=0, atol=1e-5)
+    _is_merge_and_unload(out, ref, tmp_path)
     assert shardstore.verify(src, out, merge_adapter=True, lora_alpha=alpha, rslora=rslora, jobs=2).ok
     if alpha is None:  # the checkpoint says its alpha: a wrong one is refused
         with pytest.raises(shardstore.ExportError, match="says"):
@@ -225,22 +236,13 @@ def test_the_hf_trainers_adapter_is_merged_onto_the_base_folder(name: str, tmp_p
     """The HF Trainer's PEFT checkpoint-N holds the adapter only: merged onto --base (read in place), every
     tensor of the base in the output, the trained lm_head the checkpoint's; peft's merge_and_unload of the
     live model is the oracle; `verify` recomputes it."""
-    from transformers import AutoModelForCausalLM
-    from safetensors.torch import load_file
-
     src, options, _ = ADAPTERS[name]
     ref, out, base = _ref(name), tmp_path / "merged", base_folder(name)
-    alpha, rslora = (float(options[1]), options[2] == "--rslora") if options else (None, None)
+    alpha, rslora = _alpha(options)
     result = shardstore.unshard(src, out, format="hf", merge_adapter=True, base=base, lora_alpha=alpha,
                                 rslora=rslora, jobs=2)
     assert any(f"of {base}" in note for note in result.notes)
-    merged = _live(ref, tmp_path).merge_and_unload()
-    written = load_file(out / "model.safetensors")
-    assert sorted(written) == sorted(merged.state_dict())
-    for key, value in merged.state_dict().items():
-        torch.testing.assert_close(written[key], value, rtol=0, atol=1e-6, msg=key)
-    exported = AutoModelForCausalLM.from_pretrained(out).eval()
-    torch.testing.assert_close(_logits(exported, ref), _logits(merged, ref), rtol=0, atol=1e-5)
+    written = _is_merge_and_unload(out, ref, tmp_path)
     assert json.loads((out / "config.json").read_text())["hidden_size"] == ref["config"]["hidden_size"]
     proc = cli("verify", src, out, "--merge-adapter", "--base", base, *options)
     assert proc.returncode == 0 and f"verified {len(written)} tensors" in proc.stderr, proc.stdout + proc.stderr

@@ -85,16 +85,16 @@ class StepsTests:
     trainer's tests subclass it with a run folder as the trainer's own code left it."""
 
     trainer: str  # its module in shardstore/trainers/
+    folder: Path  # a run folder as the trainer's own code left it
+    taken: str  # the checkpoint in it the trainer resumes from (its pointer's, else its newest)
+    name: str  # the trainer's own name of a checkpoint of `{step}` (its code's format string)
 
     @pytest.fixture
     def run(self) -> tuple[Path, str]:
-        """A run folder as the trainer's own code left it, and the name of the checkpoint in it the trainer
-        resumes from (its pointer's, else its newest)."""
-        raise NotImplementedError
+        return self.folder, self.taken
 
     def named(self, step: int) -> str:
-        """The trainer's own name of a checkpoint of step `step` (its code's format string)."""
-        raise NotImplementedError
+        return self.name.format(step=step)
 
     def copy(self, run: Path, taken: str, step: int) -> None:
         """A copy of checkpoint `taken` of `run` put beside it as the trainer names one of `step`."""

@@ -49,12 +49,9 @@ class TestAccelerateSteps(StepsTests):
     """ProjectConfiguration(automatic_checkpoint_naming=True) names each save_state folder
     checkpoints/checkpoint_{iteration}: the real save_state folder put there, under that name."""
 
-    trainer = "accelerate"
+    trainer, taken, name = "accelerate", "checkpoint_2", "checkpoint_{step}"
 
     @pytest.fixture
     def run(self, tmp_path: Path) -> tuple[Path, str]:
-        shutil.copytree(BIN / "checkpoint-4", tmp_path / "checkpoints" / "checkpoint_2")
-        return tmp_path / "checkpoints", "checkpoint_2"
-
-    def named(self, step: int) -> str:
-        return f"checkpoint_{step}"
+        shutil.copytree(BIN / "checkpoint-4", tmp_path / "checkpoints" / self.taken)
+        return tmp_path / "checkpoints", self.taken

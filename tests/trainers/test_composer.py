@@ -47,14 +47,7 @@ class TestComposer(TrainerTests):
 class TestComposerSteps(StepsTests):
     """Its ep{E}-ba{B}/ folder of ep{E}-ba{B}-rank{r}.pt files."""
 
-    trainer = "composer"
-
-    @pytest.fixture
-    def run(self) -> tuple[Path, str]:
-        return DATA / NAME, "ep0-ba1"
-
-    def named(self, step: int) -> str:
-        return f"ep0-ba{step}"
+    trainer, folder, taken, name = "composer", DATA / NAME, "ep0-ba1", "ep0-ba{step}"
 
     def copy(self, run: Path, taken: str, step: int) -> None:
         """Its rank files are named by the step too."""

@@ -6,17 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from tests.trainers.conformance import StepsTests
 
 
 class TestDeepspeedSteps(StepsTests):
-    trainer = "deepspeed"
-
-    @pytest.fixture
-    def run(self) -> tuple[Path, str]:
-        return Path(__file__).parents[1] / "fixtures" / "data" / "deepspeed" / "z2-w3", "global_step2"
-
-    def named(self, step: int) -> str:
-        return f"global_step{step}"
+    trainer, taken, name = "deepspeed", "global_step2", "global_step{step}"
+    folder = Path(__file__).parents[1] / "fixtures" / "data" / "deepspeed" / "z2-w3"

@@ -57,14 +57,7 @@ class TestHFTrainer(TrainerTests):
 class TestHfTrainerSteps(StepsTests):
     """Its output_dir of checkpoint-N/ folders; the newest is the highest N (get_last_checkpoint)."""
 
-    trainer = "hf_trainer"
-
-    @pytest.fixture
-    def run(self) -> tuple[Path, str]:
-        return DATA / "fsdp2-w2", "checkpoint-4"
-
-    def named(self, step: int) -> str:
-        return f"checkpoint-{step}"
+    trainer, folder, taken, name = "hf_trainer", DATA / "fsdp2-w2", "checkpoint-4", "checkpoint-{step}"
 
     def copy(self, run: Path, taken: str, step: int) -> None:
         """Its trainer_state.json records the step its folder is named by."""

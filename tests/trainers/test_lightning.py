@@ -55,11 +55,5 @@ class TestLightning(TrainerTests):
 class TestLightningSteps(StepsTests):
     """ModelCheckpoint's epoch=E-step=N.ckpt/ folders and save_last's last.ckpt link to the newest."""
 
-    trainer = "lightning"
-
-    @pytest.fixture
-    def run(self) -> tuple[Path, str]:
-        return DATA / "trainer-w3" / "checkpoints", "epoch=1-step=4.ckpt"
-
-    def named(self, step: int) -> str:
-        return f"epoch=1-step={step}.ckpt"
+    trainer, taken, name = "lightning", "epoch=1-step=4.ckpt", "epoch=1-step={step}.ckpt"
+    folder = DATA / "trainer-w3" / "checkpoints"

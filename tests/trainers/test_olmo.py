@@ -43,11 +43,5 @@ class TestOlmoSteps(StepsTests):
     """OLMo-core's trainer's save folder (ai2-olmo-core's own Trainer: tests/fixtures/olmo_core_trainer.py):
     its step{N}/ folders."""
 
-    trainer = "olmo"
-
-    @pytest.fixture
-    def run(self) -> tuple[Path, str]:
-        return Path(__file__).parents[1] / "fixtures" / "data" / "olmo-core-trainer", "step1"
-
-    def named(self, step: int) -> str:
-        return f"step{step}"
+    trainer, taken, name = "olmo", "step1", "step{step}"
+    folder = Path(__file__).parents[1] / "fixtures" / "data" / "olmo-core-trainer"

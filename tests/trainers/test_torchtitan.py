@@ -5,17 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from tests.trainers.conformance import StepsTests
 
 
 class TestTorchtitanSteps(StepsTests):
-    trainer = "torchtitan"
-
-    @pytest.fixture
-    def run(self) -> tuple[Path, str]:
-        return Path(__file__).parents[1] / "fixtures" / "data" / "torchtitan" / "tt-w4-tp2" / "checkpoint", "step-4"
-
-    def named(self, step: int) -> str:
-        return f"step-{step}"
+    trainer, taken, name = "torchtitan", "step-4", "step-{step}"
+    folder = Path(__file__).parents[1] / "fixtures" / "data" / "torchtitan" / "tt-w4-tp2" / "checkpoint"
