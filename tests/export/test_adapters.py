@@ -288,3 +288,15 @@ def test_a_base_the_adapter_does_not_fit_is_refused_before_any_rank_is_read(tmp_
                    "--base goes with --merge-adapter")
     for out in "abcd":
         assert not (tmp_path / out).exists()
+
+
+def test_a_rank_file_of_a_run_with_another_lora_rank_is_refused_naming_it(tmp_path: Path) -> None:
+    """veRL's rank files, one of them from the same run made with r=8 (tests/fixtures/data/verl/t2.13/
+    other-rank/): refused in one line naming that file, no adapter written."""
+    run = shutil.copytree(VERL, tmp_path / "run")
+    other = VERL.parent / "other-rank" / "model_world_size_3_rank_1.pt"
+    shutil.copy(other, next(run.glob("global_step_*/actor")) / other.name)
+    line = assert_refused(cli("unshard", run, tmp_path / "out", "--format", "hf", "--adapter", "-q"),
+                          "model_world_size_3_rank_1.pt: its keys or tensor layouts differ from rank 0's")
+    assert "adapter_model.safetensors" not in line
+    assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
