@@ -33,7 +33,8 @@ from .export import planned, registry
 from .export.dcp import dcp_state
 from .export.resolve import ArrayRef, build, leaves
 from .export.safetensors import INDEX, Item, tensor_bytes
-from .export.hf import CONFIG, has_hf_description
+from .export.hf import has_hf_description
+from .export.hf.leaves import CONFIG
 from .hf_files import ADAPTER_CONFIG
 from .export.torch import torch_files_in, torch_layout, torch_object
 from .trainers.contract import ResumeFile

@@ -162,6 +162,9 @@ class LoraConfig:
     def scaling(self) -> float:
         return self.alpha / math.sqrt(self.r) if self.rslora else self.alpha / self.r
 
+    def __str__(self) -> str:
+        return f"{'DoRA' if self.dora else 'LoRA'} adapter (r={self.r}, alpha={self.alpha:g}{', rsLoRA' if self.rslora else ''})"
+
 
 def config_of(raw: dict[str, Any] | None, peft: Peft, shapes: dict[str, tuple[int, ...]],
               alpha: float | None, rslora: bool | None, base_model: str | None, where: str) -> LoraConfig:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,19 +26,18 @@ from ...errors import ExportError, ShardstoreError
 from ...hf_files import ADAPTER_CONFIG, describes_model
 from ...sink.output import OutputFile
 from ...store.store import Store
-from ...trainers import verl
 from ...trainers.registry import trainer
 from ...tree import Node, node_at
 from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
-from ..resolve import build, leaves, model_node, tensors_only
+from ..resolve import build, tensors_only
 from ..safetensors import (FILE_NAMES, Item, SafetensorsDirect, SafetensorsPlan, Stacked, direct_layout,
                            export_safetensors, plan_items, stacked_item, tensor_item)
 from .. import adapters
-from . import megatron, olmo, olmo_core
+from . import lora, megatron, olmo, olmo_core
+from .leaves import CONFIG, GENERATION, NOT_HF_FILES, model_leaves, module_attribute, shape, side_config
 from .megatron_llama import EMBEDDING
 from .spec import HFModel, HFTensor
 
-CONFIG, GENERATION = "config.json", "generation_config.json"
 NEMO_MODEL = "model.yaml"  # NeMo's context/model.yaml, which its reader keeps as a side file
 COMPOSER_HF = "state/integrations/huggingface"
 MAX_CONFIG_FILE = 64 << 20  # tokenizer.json of large vocabularies is tens of MB
@@ -80,8 +79,8 @@ def _from_megatron_args(store: Store, subtree: str, node: Node) -> tuple[HFModel
 
 
 def _from_nemo(store: Store, subtree: str, raw: bytes) -> tuple[HFModel, dict[str, str]]:
-    names = _model_leaves(store, subtree, None)
-    rows = _shape(store, names[EMBEDDING]) if EMBEDDING in names else None
+    names = model_leaves(store, subtree, None)
+    rows = shape(store, names[EMBEDDING]) if EMBEDDING in names else None
     where = f"NeMo's context/{NEMO_MODEL}"
     return _megatron_from(store, subtree, megatron.args_from_nemo(raw, rows[0] if rows else None, where), where)
 
@@ -89,8 +88,8 @@ def _from_nemo(store: Store, subtree: str, raw: bytes) -> tuple[HFModel, dict[st
 def _megatron_from(store: Store, subtree: str, args: dict[str, Any], where: str) -> tuple[HFModel, dict[str, str]]:
     """A Megatron GPT model described by Megatron-LM's arguments."""
     config, notes = megatron.config_from_args(args, where)
-    names = _model_leaves(store, subtree, None)
-    shapes = {n: s for n, p in names.items() if (s := _shape(store, p)) is not None}
+    names = model_leaves(store, subtree, None)
+    shapes = {n: s for n, p in names.items() if (s := shape(store, p)) is not None}
     model = megatron.plan(config, list(names), shapes, where, {})
     model.notes += notes
     return model, names
@@ -104,46 +103,10 @@ def has_hf_description(store: Store) -> bool:
         or store.manifest.facts.megatron_args is not None
 
 
-def _side_config(store: Store, name: str) -> bytes | None:
-    import base64
-
-    data = store.manifest.facts.side_files.get(name)
-    return None if data is None else base64.b64decode(data)
-
-
-def _model_leaves(store: Store, subtree: str, strip_prefix: str | None,
-                  rename: Callable[[str], str] = lambda n: n) -> dict[str, str]:
-    """Output-ready name -> store path for every leaf of the model subtree."""
-    out: dict[str, str] = {}
-    for keys, path in leaves(model_node(store.manifest.tree, subtree)):
-        name = ".".join(str(k) for k in keys)
-        if strip_prefix and name.startswith(strip_prefix):
-            name = name[len(strip_prefix):]
-        name = rename(name)
-        if name in out:
-            raise ExportError(f"two tensors would both be named {name!r}")
-        out[name] = path
-    return out
-
-
-def _shape(store: Store, path: str) -> tuple[int, ...] | None:
-    entry = store.manifest.arrays.get(path)
-    if entry is not None:
-        return entry.shape
-    if path in store.manifest.facts.not_tensors:
-        return None
-    value = build(store, _leaf(path))
-    return tuple(value.shape) if hasattr(value, "shape") else None
-
-
-def _leaf(path: str) -> Node:
-    return Node("leaf", path)
-
-
 def _from_olmo(store: Store, subtree: str) -> tuple[HFModel, dict[str, str]]:
     import yaml
 
-    raw = _side_config(store, "config.yaml")
+    raw = side_config(store, "config.yaml")
     if raw is None:
         raise ExportError(NO_HF_DESCRIPTION)
     try:
@@ -153,8 +116,8 @@ def _from_olmo(store: Store, subtree: str) -> tuple[HFModel, dict[str, str]]:
     if not isinstance(cfg, dict):
         raise ExportError("config.yaml: no `model` section; not an OLMo training config")
     group = int(cfg.get("block_group_size") or 1)
-    names = _model_leaves(store, subtree, None, lambda n: olmo.normalise(n, group))
-    shapes = {n: s for n, p in names.items() if (s := _shape(store, p)) is not None}
+    names = model_leaves(store, subtree, None, lambda n: olmo.normalise(n, group))
+    shapes = {n: s for n, p in names.items() if (s := shape(store, p)) is not None}
     return olmo.plan(cfg, list(names), shapes), names
 
 
@@ -210,7 +173,7 @@ def _from_composer(store: Store, subtree: str, meta: Any) -> tuple[HFModel, dict
             files[f"{stem}.txt"] = "".join(f"{line}\n" for line in content).encode()
         else:
             raise ExportError(f"{COMPOSER_HF}: tokenizer file {stem!r:.40} of unknown kind {ext!r:.20}")
-    names = _model_leaves(store, subtree, "model.")
+    names = model_leaves(store, subtree, "model.")
     return HFModel(config, None, [HFTensor(n, n) for n in names], files, notes), names
 
 
@@ -233,9 +196,6 @@ def _from_user(store: Store, subtree: str, hf_config: str | os.PathLike[str], st
 
 
 # The trainers' own files beside a model's (kept beside other exports, not in a Hugging Face folder).
-NOT_HF_FILES = ("fsdp_config.json", "config.yaml")
-
-
 def _from_files(store: Store, subtree: str, strip_prefix: str | None, files: dict[str, bytes],
                 where: str) -> tuple[HFModel, dict[str, str]]:
     """A model described by its Hugging Face files (config.json first), weights named as they are."""
@@ -243,16 +203,16 @@ def _from_files(store: Store, subtree: str, strip_prefix: str | None, files: dic
     if not isinstance(config, dict):
         raise ExportError(f"{where}: not a Hugging Face config (a JSON object)")
     rest = {n: data for n, data in files.items() if n != CONFIG and n not in NOT_HF_FILES}
-    names = _model_leaves(store, subtree, strip_prefix)
+    names = model_leaves(store, subtree, strip_prefix)
     if megatron.is_megatron(list(names)):  # Megatron-Core's names: mapped onto the config's classes
-        shapes = {n: s for n, p in names.items() if (s := _shape(store, p)) is not None}
+        shapes = {n: s for n, p in names.items() if (s := shape(store, p)) is not None}
         return megatron.plan(config, list(names), shapes, where, rest), names
     return HFModel(config, None, [HFTensor(n, n) for n in names], rest), names
 
 
 def _experiment_config(store: Store) -> dict[str, Any] | None:
     """OLMo-core's experiment config, when that is what the checkpoint's config.json is."""
-    raw = _side_config(store, CONFIG)
+    raw = side_config(store, CONFIG)
     try:
         config = jsonin.loads(raw, CONFIG) if raw is not None else None
     except ShardstoreError:
@@ -261,8 +221,8 @@ def _experiment_config(store: Store) -> dict[str, Any] | None:
 
 
 def _from_olmo_core(store: Store, subtree: str, experiment: dict[str, Any]) -> tuple[HFModel, dict[str, str]]:
-    names = _model_leaves(store, subtree, None, lambda n: olmo.normalise(n, 1))
-    shapes = {n: s for n, p in names.items() if (s := _shape(store, p)) is not None}
+    names = model_leaves(store, subtree, None, lambda n: olmo.normalise(n, 1))
+    shapes = {n: s for n, p in names.items() if (s := shape(store, p)) is not None}
     return olmo_core.plan(experiment, list(names), shapes), names
 
 
@@ -280,7 +240,7 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
              ) -> tuple[HFModel, dict[str, str]]:
     """The Hugging Face model for the store, and its source names -> store paths."""
     if strip_prefix is None and trainer(store.manifest.layout).module_prefix:
-        strip_prefix = _module_attribute(store, subtree)
+        strip_prefix = module_attribute(store, subtree)
         if strip_prefix:
             model, names = describe(store, subtree, hf_config, strip_prefix)
             model.notes.append(f"the module's attribute {strip_prefix[:-1]!r} taken off every name (the "
@@ -296,7 +256,7 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
         if experiment is not None:
             return _from_olmo_core(store, subtree, experiment)
         return _from_side_files(store, subtree, strip_prefix)
-    nemo = _side_config(store, NEMO_MODEL)
+    nemo = side_config(store, NEMO_MODEL)
     if nemo is not None:  # after the Hugging Face files a trainer keeps beside it (veRL's)
         return _from_nemo(store, subtree, nemo)
     common = _megatron_common(store)
@@ -305,19 +265,11 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
     return _from_olmo(store, subtree)
 
 
-def _module_attribute(store: Store, subtree: str) -> str | None:
-    """`model.` when every name of the model starts so, in a checkpoint of a trainer whose module holds
-    the transformers model as an attribute (a LightningModule's `self.model = AutoModelForCausalLM...`)."""
-    names = list(_model_leaves(store, subtree, None))
-    firsts = {name.split(".", 1)[0] for name in names}
-    return f"{firsts.pop()}." if len(firsts) == 1 and all("." in n for n in names) else None
-
-
 def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel, SafetensorsPlan]:
     if request.adapter:
-        return _plan_adapter(store, subtree, request)
+        return lora.plan_adapter(store, subtree, request)
     if request.base_model is not None:
-        model, items = _onto_base(store, subtree, request)
+        model, items = lora.onto_base(store, subtree, request)
         return _described(model, items, request)
     model, names = describe(store, subtree, request.hf_config, request.strip_prefix)
     peft = adapters.found(names)
@@ -331,7 +283,7 @@ def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel
             raise ExportError(f"{subtree or 'the checkpoint'}: {what}, not a model from_pretrained can load; "
                               f"--adapter writes the adapter as peft saves it"
                               f"{'' if peft.adapter_only else ', --merge-adapter the model with it merged'}")
-        model, names, request = _merged(store, model, names, peft, request)
+        model, names, request = lora.merged_model(store, model, names, peft, request)
     items = []
     for t in model.tensors:
         item = stacked_item(store, t.key, [names[s] for s in t.stack], request.cast_of(t.key), t.interleave,
@@ -351,167 +303,6 @@ def _described(model: HFModel, items: list[Item], request: ExportRequest) -> tup
     if loads_as is not None and model.config is not None:
         model.config = _saying_dtype(model.config, loads_as)
     return model, plan_items(items, [], request)
-
-
-def check_adapter(store: Store, subtree: str, request: ExportRequest) -> None:
-    """What `--adapter` and `--merge-adapter` are refused for from the store's plan alone (its names and
-    shapes), before any rank is ingested: no adapter, an adapter's pair or rank or base wrong, its config
-    not known, a merge of an adapter-only save."""
-    if request.base_model is not None:
-        _onto_base(store, subtree, request)
-        return
-    peft, _, _ = _found_adapter(store, subtree, request)
-    if request.merge_adapter and peft.adapter_only:
-        raise ExportError(ADAPTER_ONLY)
-    if request.merge_adapter:
-        peft.merged_names()
-
-
-ADAPTER_ONLY = ("the checkpoint holds the adapter only (its base was not saved): --merge-adapter --base BASE merges "
-                "it onto the base model's Hugging Face folder; --adapter writes it, for peft to load onto the base")
-
-
-def _onto_base(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel, list[Item]]:
-    """An adapter-only checkpoint merged onto `--base` (a Hugging Face folder read in place): every tensor
-    of the base, in its order, the adapted modules' weights merged, the trained modules' the checkpoint's;
-    the base's config and tokenizer files. The adapter must fit the base: every module it adapts or trains
-    there, of the shapes it implies."""
-    base = request.base_model
-    assert base is not None
-    peft, names, config = _found_adapter(store, subtree, request)
-    if not peft.adapter_only:
-        raise ExportError(f"--base: the checkpoint holds its own base weights (e.g. "
-                          f"{next(lora.base for lora in peft.loras if lora.base)}); merge without --base")
-    adapted = {f"{lora.module.removeprefix(adapters.PREFIX)}.weight": lora for lora in peft.loras}
-    trained = {adapters.saved_name(n, peft.adapter).removeprefix(adapters.PREFIX): n for n in peft.saved}
-    for key, lora in adapted.items():
-        want = (_shape(store, names[lora.b]) or (0,))[0], (_shape(store, names[lora.a]) or (0, 0))[1]
-        have = base.tensors[key].shape if key in base.tensors else None
-        if have != want:
-            raise ExportError(f"{base.folder}: {key} is {'missing' if have is None else list(have)}, but the adapter "
-                              f"of {lora.module} makes {list(want)}: an adapter of another model")
-    for key, name in trained.items():
-        have = base.tensors[key].shape if key in base.tensors else None
-        if have != _shape(store, names[name]):
-            raise ExportError(f"{base.folder}: {key} is {'missing' if have is None else list(have)}, but the "
-                              f"checkpoint's trained {name} is {list(_shape(store, names[name]) or ())}")
-    items = []
-    for key, tensor in base.tensors.items():
-        cast = request.cast_of(key)
-        out = cast if cast and tensor.dtype in dtypes.CASTABLE else tensor.dtype
-        if key in trained:
-            item = tensor_item(store, key, names[trained[key]], cast)
-        elif key in adapted:
-            merged = adapters.merged(tensor, out, adapted[key], config,
-                                     lambda name: adapters.stored(store, names[name]))
-            item = Item(key, merged, out, tensor.shape)
-        else:
-            item = Item(key, tensor, out, tensor.shape)
-        if item is None:
-            raise ExportError(f"{names[trained[key]]}: not a tensor")
-        items.append(item)
-    files = dict(base.files)
-    description = jsonin.loads(files.pop(CONFIG), f"{base.folder}/{CONFIG}", "Hugging Face config", ExportError)
-    if not isinstance(description, dict):
-        raise ExportError(f"{base.folder}/{CONFIG}: not a Hugging Face config (a JSON object)")
-    note = (f"merged the {'DoRA' if config.dora else 'LoRA'} adapter (r={config.r}, alpha={config.alpha:g}"
-            f"{', rsLoRA' if config.rslora else ''}) into {len(adapted)} modules ({', '.join(_kinds(peft))}) of "
-            f"{base.folder}" + (f"; {len(trained)} trained modules the checkpoint's" if trained else ""))
-    return HFModel(description, None, [], {n: d for n, d in files.items() if n not in NOT_HF_FILES}, [note]), items
-
-
-def _found_adapter(store: Store, subtree: str,
-                   request: ExportRequest) -> tuple[adapters.Peft, dict[str, str], adapters.LoraConfig]:
-    """The model's PEFT adapter, its names (the module attribute a Lightning module adds taken off), and
-    its config; refused where it has none."""
-    strip_prefix = request.strip_prefix
-    if strip_prefix is None and trainer(store.manifest.layout).module_prefix:
-        strip_prefix = _module_attribute(store, subtree)
-    names = _model_leaves(store, subtree, strip_prefix)
-    peft = adapters.found(names)
-    if peft is None:
-        raise ExportError(f"{subtree or 'the checkpoint'}: holds no PEFT (LoRA) adapter "
-                          f"({'--adapter' if request.adapter else '--merge-adapter'})")
-    return peft, names, _adapter_config(store, peft, names, request)
-
-
-def _plan_adapter(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel, SafetensorsPlan]:
-    """The adapter alone, as peft's `save_pretrained` writes it: adapter_model.safetensors under PEFT's saved
-    names, and adapter_config.json (the trainer's own, or one made from the tensors and --lora-alpha)."""
-    peft, names, config = _found_adapter(store, subtree, request)
-    items = []
-    for key, name in peft.adapter_tensors().items():
-        item = tensor_item(store, key, names[name], request.cast_of(key))
-        if item is None:
-            raise ExportError(f"{names[name]}: not a tensor")
-        items.append(item)
-    notes = [f"the {'DoRA' if config.dora else 'LoRA'} adapter of {len(peft.loras)} modules "
-             f"({', '.join(_kinds(peft))}), r={config.r}, alpha={config.alpha:g}"
-             f"{', rsLoRA' if config.rslora else ''}; its base: {config.fields.get('base_model_name_or_path')}"]
-    model = HFModel(None, None, [], {ADAPTER_CONFIG: adapters.config_bytes(config)}, notes)
-    return model, SafetensorsPlan([adapters.WEIGHTS], [items], [], request.metadata())
-
-
-def _kinds(peft: adapters.Peft) -> list[str]:
-    """The kinds of module adapted (q_proj, v_proj, ...), for saying what was exported or merged."""
-    return sorted({lora.module.rsplit(".", 1)[-1] for lora in peft.loras})
-
-
-def _adapter_config(store: Store, peft: adapters.Peft, names: dict[str, str],
-                    request: ExportRequest) -> adapters.LoraConfig:
-    """The adapter's config (`adapters.config_of`): the checkpoint's adapter_config.json where its trainer
-    kept one, else made from the tensors, its alpha veRL's lora_train_meta.json's or --lora-alpha's, and the
-    base model the checkpoint's config.json names."""
-    raw_bytes = _side_config(store, ADAPTER_CONFIG)
-    where = f"the checkpoint's {ADAPTER_CONFIG}"
-    raw = jsonin.loads(raw_bytes, where, "PEFT adapter config", ExportError) if raw_bytes is not None else None
-    if raw is not None and not isinstance(raw, dict):
-        raise ExportError(f"{where}: not a PEFT adapter config (a JSON object)")
-    alpha, rslora = request.lora_alpha, request.rslora
-    meta = _side_config(store, verl.LORA_META)
-    if raw is None and meta is not None:  # veRL's LoRA: its rank and alpha, and never rsLoRA
-        where = f"the checkpoint's {verl.LORA_META}"
-        r, alpha = adapters.from_verl(jsonin.loads(meta, where, "veRL's LoRA record", ExportError), where)
-        if request.lora_alpha not in (None, alpha) or request.rslora:
-            raise ExportError(f"--lora-alpha or --rslora says otherwise than {where}: lora_alpha {alpha:g}, and veRL "
-                              f"trains no rsLoRA")
-        rslora = False
-        ranks = sorted({(_shape(store, names[lora.a]) or (0,))[0] for lora in peft.loras})
-        if ranks != [r]:
-            raise ExportError(f"{where}: r is {r}, but the adapter's lora_A have {ranks} rows")
-    if raw is not None and request.lora_alpha is not None and raw.get("lora_alpha") != request.lora_alpha:
-        raise ExportError(f"--lora-alpha {request.lora_alpha:g}, but {where} says {raw.get('lora_alpha')!r}")
-    if raw is not None and request.rslora is not None and bool(raw.get("use_rslora")) != request.rslora:
-        raise ExportError(f"--{'' if request.rslora else 'no-'}rslora, but {where} says use_rslora "
-                          f"{raw.get('use_rslora')!r}")
-    wanted = [n for lora in peft.loras for n in (lora.a, lora.b, lora.magnitude, lora.base) if n is not None]
-    shapes = {n: s for n in wanted if (s := _shape(store, names[n])) is not None}
-    missing = next((n for n in wanted if n not in shapes), None)
-    if missing is not None:
-        raise ExportError(f"{names[missing]}: not a tensor, but PEFT names it one")
-    model_config = _side_config(store, CONFIG)
-    described = jsonin.loads(model_config, CONFIG, "Hugging Face config", ExportError) if model_config else None
-    base = described.get("_name_or_path") if isinstance(described, dict) else None
-    return adapters.config_of(raw, peft, shapes, alpha, rslora, base if isinstance(base, str) and base else None,
-                              where)
-
-
-def _merged(store: Store, model: HFModel, names: dict[str, str], peft: adapters.Peft,
-            request: ExportRequest) -> tuple[HFModel, dict[str, str], ExportRequest]:
-    """The model with its adapter merged: its plain names (`Peft.merged_names`), and the request reading each
-    adapted module's base weight merged (`adapters.merging`)."""
-    if any(t.key != t.source or t.rows or t.stack for t in model.tensors) or request.arrays is not None:
-        raise ExportError("this model's names are mapped onto Hugging Face's: merging its adapter is not read yet")
-    if peft.adapter_only:
-        raise ExportError(ADAPTER_ONLY)
-    config = _adapter_config(store, peft, names, request)
-    plain = peft.merged_names()
-    merged = HFModel(model.config, model.generation, [HFTensor(n, n) for n in plain], model.files, list(model.notes))
-    merged.notes.append(f"merged the {'DoRA' if config.dora else 'LoRA'} adapter (r={config.r}, alpha={config.alpha:g}"
-                        f"{', rsLoRA' if config.rslora else ''}) into {len(peft.loras)} modules ({', '.join(_kinds(peft))})"
-                        + (f"; {len(peft.saved)} trained modules taken whole" if peft.saved else ""))
-    paths = {n: names[w] for n, w in plain.items()}
-    return merged, paths, replace(request, arrays=adapters.merging(store, peft, config, names))
 
 
 def _loads_as(items: list[Item]) -> str | None:
