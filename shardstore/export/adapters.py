@@ -29,6 +29,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import ExportError
+from ..patterns import matcher
 from ..ranges import Part, blocks
 from ..store.store import Store
 from .resolve import ArrayRef
@@ -228,7 +229,23 @@ def _checked(raw: dict[str, Any], peft: Peft, ranks: set[int], dora: bool, where
     if bool(raw.get("use_dora")) != dora:
         raise ExportError(f"{where}: use_dora is {bool(raw.get('use_dora'))}, but the adapter "
                           f"{'has' if dora else 'has no'} DoRA magnitudes")
+    untargeted = next((lora.module for lora in peft.loras if not _targets(raw.get("target_modules"), lora.module)), None)
+    if untargeted is not None:
+        raise ExportError(f"{where}: its target_modules ({str(raw.get('target_modules'))[:80]}) do not name "
+                          f"{untargeted}, which the checkpoint adapts: the config of another run")
     return LoraConfig(r, float(alpha), bool(raw.get("use_rslora")), dora, raw)
+
+
+def _targets(targets: Any, module: str) -> bool:
+    """Whether a LoraConfig's target_modules name `module` as peft matches them: a list by the module's
+    name or its last parts, a string as a regular expression of the whole name in the base model (RE2:
+    linear in the name), "all-linear" every linear layer."""
+    name = module.removeprefix(PREFIX)
+    if isinstance(targets, list):
+        return any(isinstance(t, str) and (name == t or name.endswith(f".{t}")) for t in targets)
+    if isinstance(targets, str):
+        return targets == "all-linear" or matcher(f"re:{targets}", "target_modules", ExportError)(name)
+    return targets is None
 
 
 def config_bytes(config: LoraConfig) -> bytes:

@@ -172,7 +172,8 @@ def test_an_adapter_only_checkpoint_is_not_merged_and_a_plain_export_says_why(tm
 
 def test_what_the_tensors_do_not_say_is_asked_for_and_checked_against_the_trainers_config(tmp_path: Path) -> None:
     """The HF Trainer's folder keeps no adapter_config.json: alpha and rsLoRA are asked for; where the
-    checkpoint keeps one, an option saying otherwise, or a config whose rank is not the tensors', is refused."""
+    checkpoint keeps one, an option saying otherwise, or a config whose rank or target modules are not the
+    tensors', is refused."""
     src, _, _ = ADAPTERS["lora-w3"]
     assert_refused(cli("unshard", src, tmp_path / "a", "--format", "hf", "--adapter", "-q"),
                    "keeps no adapter_config.json", "--lora-alpha A, and --rslora or --no-rslora")
@@ -183,7 +184,12 @@ def test_what_the_tensors_do_not_say_is_asked_for_and_checked_against_the_traine
     (only / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
     assert_refused(cli("unshard", only, tmp_path / "c", "--format", "hf", "--adapter", "-q"),
                    "r is 8, but the adapter's lora_A have [4] rows")
-    for out in "abc":
+    (only / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["k_proj", "v_proj"]}))
+    assert_refused(cli("unshard", only, tmp_path / "d", "--format", "hf", "--adapter", "-q"),
+                   "do not name base_model.model.model.layers.0.self_attn.q_proj, which the checkpoint adapts")
+    (only / "adapter_config.json").write_text(json.dumps({**config, "target_modules": r".*\.(q|v)_proj"}))
+    shardstore.unshard(only, tmp_path / "e", format="hf", adapter=True, jobs=1)  # peft's regex form, matched whole
+    for out in "abcd":
         assert not (tmp_path / out).exists()
 
 
