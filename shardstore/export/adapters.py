@@ -42,6 +42,8 @@ SAVED = ".modules_to_save."
 # parameters <module>.lora_embedding_A.<adapter>; or, saved by peft already, without the adapter's name
 LORA = re.compile(r"(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_magnitude_vector|lora_embedding_A|lora_embedding_B)"
                   r"(?:\.(?P<adapter>[^.]+))?(?P<weight>\.weight)?\Z")
+# Megatron-Core's (Megatron-Bridge's, NeMo's) adapters: <module>.adapter.linear_in.weight (A), linear_out (B)
+MEGATRON = re.compile(r".+\.adapter\.(?:adapter_[a-z]+\.)?linear_(?:in|out)\.weight\Z")
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 MERGE_BLOCK = 8 << 20  # bytes of a base weight's rows merged at a time (float32)
@@ -111,6 +113,15 @@ def saved_name(name: str, adapter: str | None) -> str:
         return name.removesuffix(f".{adapter}")
     head, _, last = name.rpartition(".")
     return f"{head.removesuffix(f'.{adapter}')}.{last}"
+
+
+def refuse_megatron(names: Iterable[str]) -> None:
+    """Megatron's adapters are not mapped onto Hugging Face's names yet: refused by name, rather than taken
+    for tensors of a model transformers cannot express."""
+    name = next((n for n in names if MEGATRON.match(n)), None)
+    if name is not None:
+        raise ExportError(f"{name}: a Megatron (Megatron-Bridge, NeMo) LoRA adapter, which is not mapped onto "
+                          f"Hugging Face's names yet; --format safetensors or torch writes it under Megatron's names")
 
 
 def found(names: Iterable[str]) -> Peft | None:

@@ -266,6 +266,7 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
 
 
 def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel, SafetensorsPlan]:
+    adapters.refuse_megatron(model_leaves(store, subtree, request.strip_prefix))
     if request.adapter:
         return lora.plan_adapter(store, subtree, request)
     if request.base_model is not None:

@@ -93,6 +93,7 @@ def _found_adapter(store: Store, subtree: str,
     if strip_prefix is None and trainer(store.manifest.layout).module_prefix:
         strip_prefix = module_attribute(store, subtree)
     names = model_leaves(store, subtree, strip_prefix)
+    adapters.refuse_megatron(names)
     peft = adapters.found(names)
     if peft is None:
         raise ExportError(f"{subtree or 'the checkpoint'}: holds no PEFT (LoRA) adapter "
