@@ -20,11 +20,10 @@ from . import jsonin
 from .errors import ExportError
 from .export.adapters import BaseModel, FileTensor
 from .export.contract import ExportRequest
-from .hf_files import describes_model
+from .export.hf.leaves import CONFIG, model_files, small_file
+from .export.safetensors import INDEX, SINGLE
 from .read.primitives.safetensors_file import SafetensorsFile
 
-CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
-MAX_FILE = 64 << 20  # a config, an index or a tokenizer file
 MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*\Z")  # "org/name" on the Hub
 
 
@@ -48,12 +47,6 @@ def folder(base: str | os.PathLike[str]) -> Path:
     raise ExportError(f"--base {text}: no such folder (a Hugging Face model's: config.json, model.safetensors)")
 
 
-def _small(path: Path) -> bytes:
-    if path.stat().st_size > MAX_FILE:
-        raise ExportError(f"{path}: {path.stat().st_size} bytes; not a config, index or tokenizer file")
-    return path.read_bytes()
-
-
 @contextmanager
 def opened(request: ExportRequest) -> Iterator[ExportRequest]:
     """`request` with its `--base` opened (`ExportRequest.base_model`), its files closed on leaving; the
@@ -65,7 +58,7 @@ def opened(request: ExportRequest) -> Iterator[ExportRequest]:
     if not (where / CONFIG).is_file():
         raise ExportError(f"{where}: no config.json; --base takes a Hugging Face model's folder")
     if (where / INDEX).is_file():
-        index = jsonin.loads(_small(where / INDEX), str(where / INDEX), "safetensors index", ExportError)
+        index = jsonin.loads(small_file(where / INDEX), str(where / INDEX), "safetensors index", ExportError)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) and "/" not in v and v != ".."
                                                        for v in weight_map.values()):
@@ -86,5 +79,4 @@ def opened(request: ExportRequest) -> Iterator[ExportRequest]:
         if weight_map is not None and set(weight_map) != set(tensors):
             missing = sorted(set(weight_map) - set(tensors))
             raise ExportError(f"{where / INDEX}: names {missing[0] if missing else '?'}, which no file of it holds")
-        beside = {p.name: _small(p) for p in sorted(where.iterdir()) if p.is_file() and describes_model(p.name)}
-        yield replace(request, base_model=BaseModel(str(where), tensors, beside))
+        yield replace(request, base_model=BaseModel(str(where), tensors, model_files(where)))

@@ -214,7 +214,7 @@ def _write_file_task(location: str, storage_options: dict[str, Any], path: str, 
     return write_file(Store.open(location, storage_options), Path(path), group, partial, metadata=metadata)
 
 
-INDEX = "model.safetensors.index.json"
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
 
 @dataclass
@@ -245,7 +245,7 @@ def plan_items(items: list[Item], skipped: list[str], request: ExportRequest) ->
     `max_shard_size`; a `--keep-dtype` pattern that keeps none of them refused (`check_keep_dtype`)."""
     check_keep_dtype(request, [it.key for it in items])
     groups = _split(items, request.max_shard_size)
-    names = (["model.safetensors"] if len(groups) == 1 else
+    names = ([SINGLE] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     return SafetensorsPlan(names, groups, skipped, request.metadata())
 

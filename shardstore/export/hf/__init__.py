@@ -26,7 +26,6 @@ from ...errors import ExportError, ShardstoreError
 from ...hf_files import ADAPTER_CONFIG, describes_model
 from ...sink.output import OutputFile
 from ...store.store import Store
-from ...trainers.registry import trainer
 from ...tree import Node, node_at
 from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from ..resolve import build, tensors_only
@@ -34,13 +33,12 @@ from ..safetensors import (FILE_NAMES, Item, SafetensorsDirect, SafetensorsPlan,
                            export_safetensors, plan_items, stacked_item, tensor_item)
 from .. import adapters
 from . import lora, megatron, olmo, olmo_core
-from .leaves import CONFIG, GENERATION, NOT_HF_FILES, model_leaves, module_attribute, shape, side_config
+from .leaves import CONFIG, GENERATION, NOT_HF_FILES, model_files, model_leaves, module_attribute, shape, side_config
 from .megatron_llama import EMBEDDING
 from .spec import HFModel, HFTensor
 
 NEMO_MODEL = "model.yaml"  # NeMo's context/model.yaml, which its reader keeps as a side file
 COMPOSER_HF = "state/integrations/huggingface"
-MAX_CONFIG_FILE = 64 << 20  # tokenizer.json of large vocabularies is tens of MB
 DTYPE_KEYS = ("dtype", "torch_dtype")  # a config's dtype, as transformers >= 4.56 and before spell it
 
 
@@ -187,15 +185,10 @@ def _from_user(store: Store, subtree: str, hf_config: str | os.PathLike[str], st
     except FileNotFoundError:
         raise ExportError(f"{config_path}: no such file (--hf-config takes a config.json or a folder holding one)") from None
     if folder is not None:  # tokenizer and generation files beside it, copied as they are
-        for p in sorted(folder.iterdir()):
-            if p.is_file() and p.name != CONFIG and describes_model(p.name):
-                if p.stat().st_size > MAX_CONFIG_FILE:
-                    raise ExportError(f"{p}: {p.stat().st_size} bytes; not a tokenizer or config file")
-                files[p.name] = p.read_bytes()
+        files.update(model_files(folder, but=CONFIG))
     return _from_files(store, subtree, strip_prefix, files, str(config_path))
 
 
-# The trainers' own files beside a model's (kept beside other exports, not in a Hugging Face folder).
 def _from_files(store: Store, subtree: str, strip_prefix: str | None, files: dict[str, bytes],
                 where: str) -> tuple[HFModel, dict[str, str]]:
     """A model described by its Hugging Face files (config.json first), weights named as they are."""
@@ -239,13 +232,11 @@ def _from_side_files(store: Store, subtree: str, strip_prefix: str | None) -> tu
 def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | None, strip_prefix: str | None
              ) -> tuple[HFModel, dict[str, str]]:
     """The Hugging Face model for the store, and its source names -> store paths."""
-    if strip_prefix is None and trainer(store.manifest.layout).module_prefix:
-        strip_prefix = module_attribute(store, subtree)
-        if strip_prefix:
-            model, names = describe(store, subtree, hf_config, strip_prefix)
-            model.notes.append(f"the module's attribute {strip_prefix[:-1]!r} taken off every name (the "
-                               f"transformers model it holds); --strip-prefix chooses another")
-            return model, names
+    if strip_prefix is None and (attribute := module_attribute(store, subtree)):
+        model, names = describe(store, subtree, hf_config, attribute)
+        model.notes.append(f"the module's attribute {attribute[:-1]!r} taken off every name (the "
+                           f"transformers model it holds); --strip-prefix chooses another")
+        return model, names
     if hf_config is not None:
         return _from_user(store, subtree, hf_config, strip_prefix)
     meta = _value_at(store, COMPOSER_HF)

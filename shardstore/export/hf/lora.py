@@ -11,7 +11,6 @@ from ...errors import ExportError
 from ...hf_files import ADAPTER_CONFIG
 from ...store.store import Store
 from ...trainers import verl
-from ...trainers.registry import trainer
 from .. import adapters
 from ..contract import ExportRequest
 from ..safetensors import Item, SafetensorsPlan, tensor_item
@@ -89,9 +88,7 @@ def _found_adapter(store: Store, subtree: str,
                    request: ExportRequest) -> tuple[adapters.Peft, dict[str, str], adapters.LoraConfig]:
     """The model's PEFT adapter, its names (the module attribute a Lightning module adds taken off), and
     its config; refused where it has none."""
-    strip_prefix = request.strip_prefix
-    if strip_prefix is None and trainer(store.manifest.layout).module_prefix:
-        strip_prefix = module_attribute(store, subtree)
+    strip_prefix = request.strip_prefix if request.strip_prefix is not None else module_attribute(store, subtree)
     names = model_leaves(store, subtree, strip_prefix)
     adapters.refuse_megatron(names)
     peft = adapters.found(names)
