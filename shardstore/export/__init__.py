@@ -22,8 +22,7 @@ from ..trainers import registry as trainers
 from ..tree import Node, node_at
 from . import origin
 from .contract import DirectExport, ExportRequest, OutputFormat, Planned
-from .hf import NO_HF_DESCRIPTION, has_hf_description
-from .hf.lora import check_adapter
+from .hf import NO_HF_DESCRIPTION, check_adapter, has_hf_description
 from .notes import flat_buckets
 from .registry import FORMATS as _FORMATS
 from .resolve import NOT_A_MODEL, leaves, model_node

@@ -42,8 +42,6 @@ SAVED = ".modules_to_save."
 # parameters <module>.lora_embedding_A.<adapter>; or, saved by peft already, without the adapter's name
 LORA = re.compile(r"(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_magnitude_vector|lora_embedding_A|lora_embedding_B)"
                   r"(?:\.(?P<adapter>[^.]+))?(?P<weight>\.weight)?\Z")
-# Megatron-Core's (Megatron-Bridge's, NeMo's) adapters: <module>.adapter.linear_in.weight (A), linear_out (B)
-MEGATRON = re.compile(r".+\.adapter\.(?:adapter_[a-z]+\.)?linear_(?:in|out)\.weight\Z")
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 MERGE_BLOCK = 8 << 20  # bytes of a base weight's rows merged at a time (float32)
@@ -113,15 +111,6 @@ def saved_name(name: str, adapter: str | None) -> str:
         return name.removesuffix(f".{adapter}")
     head, _, last = name.rpartition(".")
     return f"{head.removesuffix(f'.{adapter}')}.{last}"
-
-
-def refuse_megatron(names: Iterable[str]) -> None:
-    """Megatron's adapters are not mapped onto Hugging Face's names yet: refused by name, rather than taken
-    for tensors of a model transformers cannot express."""
-    name = next((n for n in names if MEGATRON.match(n)), None)
-    if name is not None:
-        raise ExportError(f"{name}: a Megatron (Megatron-Bridge, NeMo) LoRA adapter, which is not mapped onto "
-                          f"Hugging Face's names yet; --format safetensors or torch writes it under Megatron's names")
 
 
 def found(names: Iterable[str]) -> Peft | None:
@@ -266,9 +255,21 @@ def config_bytes(config: LoraConfig) -> bytes:
 def _float32(store: Store, ref: ArrayRef, rows: tuple[int, int] | None = None) -> np.ndarray:
     """A tensor (or its rows [first, stop)) as float32 numbers, exactly."""
     if rows is not None:
-        ref = replace(ref, rows=(rows,), shape=(rows[1] - rows[0],) + tuple(ref.shape[1:]))
+        ref = _rows_of(ref, *rows)
     raw = np.frombuffer(b"".join(blocks(ref.parts(store))), dtypes.info(ref.dtype).raw)
     return dtypes.as_numbers(raw, ref.dtype).astype(np.float32, copy=False).reshape(ref.shape)
+
+
+def _rows_of(ref: ArrayRef, first: int, stop: int) -> ArrayRef:
+    """Rows [first, stop) of `ref`, counted in its blocks of rows where it has them (a Megatron weight's
+    rows a Hugging Face module is)."""
+    picked, at = [], 0
+    for a, b in ref.rows or ((0, ref.shape[0]),):
+        lo, hi = max(a, a + first - at), min(b, a + stop - at)
+        if lo < hi:
+            picked.append((lo, hi))
+        at += b - a
+    return replace(ref, rows=tuple(picked), shape=(stop - first,) + tuple(ref.shape[1:]))
 
 
 @dataclass(frozen=True)
@@ -331,27 +332,31 @@ class MergedRef(ArrayRef):
         return None
 
 
-def merging(store: Store, peft: Peft, config: LoraConfig, paths: dict[str, str]) -> Any:
-    """`ExportRequest.arrays` for the merged model: each adapted module's base weight (by its store path,
-    `paths` mapping the checkpoint's names to them) read merged with its adapter, into the output's dtype."""
-    by_path = {paths[lora.base]: lora for lora in peft.loras if lora.base is not None}
+def merging(peft: Peft, config: LoraConfig, where: Callable[[str], tuple[str, Any]],
+            ref: Callable[[str], ArrayRef]) -> Any:
+    """`ExportRequest.arrays` for the merged model: each adapted module's base weight (by its store path
+    and rows: `where` of its name) read merged with its adapter (`ref` of their names), into the output's
+    dtype."""
+    by_place = {where(lora.base): lora for lora in peft.loras if lora.base is not None}
 
-    def arrays(ref: ArrayRef, dtype: str) -> ArrayRef:
-        lora = by_path.get(ref.path)
-        if lora is None:
-            return ref
-        return merged(ref, dtype, lora, config, lambda name: stored(store, paths[name]))
+    def arrays(array: ArrayRef, dtype: str) -> ArrayRef:
+        lora = by_place.get((array.path, array.rows))
+        return array if lora is None else merged(array, dtype, lora, config, ref)
     return arrays
 
 
-def stored(store: Store, path: str) -> ArrayRef:
+def stored(store: Store, path: str, rows: tuple[tuple[int, int], ...] | None = None) -> ArrayRef:
+    """The store's array at `path` (those blocks of its `rows`, one after another, where given)."""
     entry = store.manifest.arrays[path]
-    return ArrayRef(path, entry.dtype, entry.shape)
+    ref = ArrayRef(path, entry.dtype, entry.shape)
+    if rows is None:
+        return ref
+    return replace(ref, rows=rows, shape=(sum(b - a for a, b in rows),) + tuple(entry.shape[1:]))
 
 
 def merged(base: ArrayRef, dtype: str, lora: Lora, config: LoraConfig, ref: Callable[[str], ArrayRef]) -> MergedRef:
     """`base` with `lora` merged in, into `dtype`; `ref` gives the adapter's tensors by their names."""
-    if base.rows is not None or dtype not in dtypes.CASTABLE or base.dtype not in dtypes.CASTABLE:
-        raise ExportError(f"{lora.module}: its base weight is split or not floating; it is not merged here")
+    if dtype not in dtypes.CASTABLE or base.dtype not in dtypes.CASTABLE:
+        raise ExportError(f"{lora.module}: its base weight is not floating; it is not merged")
     return MergedRef(base.path, dtype, base.shape, None, base, ref(lora.a), ref(lora.b),
                      ref(lora.magnitude) if lora.magnitude else None, config.scaling)

@@ -11,3 +11,6 @@ from .contract import Steps
 
 STEPS = Steps(r"iter_([0-9]+)", "latest_checkpointed_iteration.txt", "step")
 RELEASE = "release"  # what that pointer says of the release/ folder
+# Megatron-Bridge's config of the run, in each iter_N/: its model (`model:`, a TransformerConfig) and its
+# PEFT (`peft:`, the LoRA's `dim`, `alpha`, `target_modules`), which its adapter-only saves record nowhere else
+RUN_CONFIG = "run_config.yaml"

@@ -306,13 +306,3 @@ def test_a_rank_file_of_a_run_with_another_lora_rank_is_refused_naming_it(tmp_pa
                           "model_world_size_3_rank_1.pt: its keys or tensor layouts differ from rank 0's")
     assert "adapter_model.safetensors" not in line
     assert not (tmp_path / "out" / "adapter_model.safetensors").exists()
-
-
-@pytest.mark.parametrize("flags", [[], ["--adapter", "--lora-alpha", "8", "--no-rslora"]])
-def test_a_megatron_bridge_lora_is_refused_by_name_not_taken_for_model_tensors(flags: list[str], tmp_path: Path) -> None:
-    """Megatron-Bridge's own LoRA (tests/fixtures/megatron_lora.py): its adapters are not mapped onto
-    Hugging Face's names yet, and say so, naming one, before any rank is read; safetensors writes them."""
-    src = DATA.parent / "megatron" / "core0.19.2" / "tp2-pp1-lora"
-    assert_refused(cli("unshard", src, tmp_path / "hf", "--format", "hf", *flags, "-q"),
-                   ".adapter.linear_in.weight: a Megatron (Megatron-Bridge, NeMo) LoRA adapter")
-    assert not (tmp_path / "hf").exists()

@@ -173,7 +173,7 @@ def test_a_peft_models_weights_are_refused_before_anything_is_written(tmp_path: 
     save_file({n: torch.ones(4, 4) for n in names}, src / "model.safetensors")
     (src / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     line = error_line("unshard", str(src), str(tmp_path / "hf"), "--format", "hf", "-q")
-    assert "holds a PEFT (LoRA) model: the base weights under PEFT's names, and its adapter (e.g. " \
+    assert "holds a LoRA model: its base weights and its adapter (e.g. " \
            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight)" in line
     assert "--adapter writes the adapter as peft saves it, --merge-adapter the model with it merged" in line
     assert not (tmp_path / "hf").exists() or not any((tmp_path / "hf").iterdir())

@@ -27,12 +27,13 @@ from ...hf_files import ADAPTER_CONFIG, describes_model
 from ...sink.output import OutputFile
 from ...store.store import Store
 from ...tree import Node, node_at
+from ...trainers.megatron import RUN_CONFIG
 from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from ..resolve import build, tensors_only
 from ..safetensors import (FILE_NAMES, Item, SafetensorsDirect, SafetensorsPlan, Stacked, direct_layout,
                            export_safetensors, plan_items, stacked_item, tensor_item)
 from .. import adapters
-from . import lora, megatron, olmo, olmo_core
+from . import lora, megatron, megatron_lora, olmo, olmo_core
 from .leaves import CONFIG, GENERATION, NOT_HF_FILES, model_files, model_leaves, module_attribute, shape, side_config
 from .megatron_llama import EMBEDDING
 from .spec import HFModel, HFTensor
@@ -76,11 +77,13 @@ def _from_megatron_args(store: Store, subtree: str, node: Node) -> tuple[HFModel
     return _megatron_from(store, subtree, state, "Megatron's common state: args")
 
 
-def _from_nemo(store: Store, subtree: str, raw: bytes) -> tuple[HFModel, dict[str, str]]:
+def _from_yaml(store: Store, subtree: str, raw: bytes, where: str, section: str) -> tuple[HFModel, dict[str, str]]:
+    """A Megatron GPT model described by the TransformerConfig a trainer's YAML file holds (NeMo 2's
+    context/model.yaml, Megatron-Bridge's run_config.yaml)."""
     names = model_leaves(store, subtree, None)
     rows = shape(store, names[EMBEDDING]) if EMBEDDING in names else None
-    where = f"NeMo's context/{NEMO_MODEL}"
-    return _megatron_from(store, subtree, megatron.args_from_nemo(raw, rows[0] if rows else None, where), where)
+    return _megatron_from(store, subtree, megatron.args_from_yaml(raw, rows[0] if rows else None, where, section),
+                          where)
 
 
 def _megatron_from(store: Store, subtree: str, args: dict[str, Any], where: str) -> tuple[HFModel, dict[str, str]]:
@@ -97,7 +100,7 @@ def has_hf_description(store: Store) -> bool:
     """Whether the checkpoint may describe its model itself, from its plan alone (no rank need be in):
     the run's config.yaml, Composer's Hugging Face metadata, or Megatron-LM's common state."""
     side = store.manifest.facts.side_files
-    return in_values(store) or "config.yaml" in side or CONFIG in side or NEMO_MODEL in side \
+    return in_values(store) or "config.yaml" in side or CONFIG in side or NEMO_MODEL in side or RUN_CONFIG in side \
         or store.manifest.facts.megatron_args is not None
 
 
@@ -249,33 +252,49 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
         return _from_side_files(store, subtree, strip_prefix)
     nemo = side_config(store, NEMO_MODEL)
     if nemo is not None:  # after the Hugging Face files a trainer keeps beside it (veRL's)
-        return _from_nemo(store, subtree, nemo)
-    common = _megatron_common(store)
+        return _from_yaml(store, subtree, nemo, f"NeMo's context/{NEMO_MODEL}", "config")
+    common, bridge = _megatron_common(store), side_config(store, RUN_CONFIG)
+    if bridge is not None and store.manifest.facts.megatron_args is None:  # Bridge writes no Megatron-LM args
+        return _from_yaml(store, subtree, bridge, f"Megatron-Bridge's {RUN_CONFIG}", "model")
     if common is not None:
         return _from_megatron_args(store, subtree, common)
     return _from_olmo(store, subtree)
 
 
+def peft_view(store: Store, subtree: str, request: ExportRequest) -> lora.Named:
+    """The model's tensors under the names peft gives them: the checkpoint's own (the module attribute a
+    Lightning module adds taken off), or a Megatron model's with adapters mapped onto Hugging Face's."""
+    strip = request.strip_prefix if request.strip_prefix is not None else module_attribute(store, subtree)
+    names = model_leaves(store, subtree, strip)
+    if megatron.is_megatron(list(names)) and megatron_lora.has_adapters(list(names)):
+        return lora.Named.of(*describe(store, subtree, request.hf_config, request.strip_prefix))
+    return lora.Named({n: HFTensor(n, n) for n in names}, names)
+
+
+def check_adapter(store: Store, subtree: str, request: ExportRequest) -> None:
+    lora.check_adapter(store, peft_view(store, subtree, request), request)
+
+
 def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel, SafetensorsPlan]:
-    adapters.refuse_megatron(model_leaves(store, subtree, request.strip_prefix))
     if request.adapter:
-        return lora.plan_adapter(store, subtree, request)
+        return lora.plan_adapter(store, peft_view(store, subtree, request), request)
     if request.base_model is not None:
-        model, items = lora.onto_base(store, subtree, request)
+        model, items = lora.onto_base(store, peft_view(store, subtree, request), request)
         return _described(model, items, request)
     model, names = describe(store, subtree, request.hf_config, request.strip_prefix)
-    peft = adapters.found(names)
+    view = lora.Named.of(model, names)
+    peft = adapters.found(view.tensors)
     if peft is None and request.merge_adapter:
         raise ExportError(f"{subtree or 'the checkpoint'}: holds no PEFT (LoRA) adapter (--merge-adapter)")
     if peft is not None:
         if not request.merge_adapter:
-            example = peft.loras[0].a if peft.loras else peft.saved[0]
+            example = view.tensors[peft.loras[0].a if peft.loras else peft.saved[0]].source
             what = (f"holds LoRA adapter weights only (e.g. {example})" if peft.adapter_only else
-                    f"holds a PEFT (LoRA) model: the base weights under PEFT's names, and its adapter (e.g. {example})")
+                    f"holds a LoRA model: its base weights and its adapter (e.g. {example})")
             raise ExportError(f"{subtree or 'the checkpoint'}: {what}, not a model from_pretrained can load; "
                               f"--adapter writes the adapter as peft saves it"
                               f"{'' if peft.adapter_only else ', --merge-adapter the model with it merged'}")
-        model, names, request = lora.merged_model(store, model, names, peft, request)
+        model, request = lora.merged_model(store, model, view, peft, request)
     items = []
     for t in model.tensors:
         item = stacked_item(store, t.key, [names[s] for s in t.stack], request.cast_of(t.key), t.interleave,

@@ -19,7 +19,7 @@ from typing import Any
 
 from ...errors import ExportError
 from ...patterns import digits
-from . import deepseek, gpt_oss
+from . import deepseek, gpt_oss, megatron_lora
 from .megatron_llama import (DEEPSEEK_V3, EMBEDDING, FINAL_NORM, GPT_OSS, MOE, NORMS, OUTPUT, QWEN2_MOE, QWEN3,
                              QWEN3_MOE, glu, llama_config, need)
 from .spec import HFModel, HFTensor
@@ -39,13 +39,18 @@ BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mist
 
 
 def is_megatron(names: list[str]) -> bool:
-    """Whether a model's names are Megatron-Core's GPT names."""
-    return EMBEDDING in names and any(n.startswith("decoder.layers.") for n in names)
+    """Whether a model's names are Megatron-Core's GPT names (an adapter-only save's: its adapters')."""
+    return (EMBEDDING in names or megatron_lora.has_adapters(names)) and any(n.startswith("decoder.layers.")
+                                                                           for n in names)
 
 
 def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, ...]], where: str,
          files: dict[str, bytes]) -> HFModel:
-    """The HF model a Megatron GPT checkpoint is, under `config` (a config.json's contents)."""
+    """The HF model a Megatron GPT checkpoint is, under `config` (a config.json's contents); with LoRA
+    adapters, under the names peft gives it (`megatron_lora`): of an adapter-only save, its adapted
+    modules alone."""
+    adapters, names, shapes = megatron_lora.split(names, shapes)
+    partial = adapters is not None and adapters.adapter_only
     arch = (config.get("architectures") or [None])[0]
     if arch is None and isinstance(config.get("model_type"), str):
         arch = BY_MODEL_TYPE.get(config["model_type"], f"model_type {config['model_type']}")
@@ -56,12 +61,15 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
     hidden, heads = need(config, "hidden_size", where), need(config, "num_attention_heads", where)
     groups = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
-    layers, vocab = need(config, "num_hidden_layers", where), need(config, "vocab_size", where)
+    layers = need(config, "num_hidden_layers", where)
+    # (an adapter-only save maps no embedding: the vocabulary is not needed)
+    vocab = config.get("vocab_size") if partial and type(config.get("vocab_size")) is int else \
+        None if partial else need(config, "vocab_size", where)
     ffn = need(config, "intermediate_size", where)
     if type(groups) is not int or heads % groups or type(head_dim) is not int or head_dim <= 0:
         raise ExportError(f"{where}: {heads} heads in {groups!r:.20} key-value groups of {head_dim!r:.20}")
     have = sorted({int(n.split(".")[2]) for n in names if n.startswith("decoder.layers.") and digits(n.split(".")[2])})
-    if have != list(range(layers)):
+    if have != list(range(layers)) and not (partial and set(have) <= set(range(layers))):
         raise ExportError(f"{where}: num_hidden_layers is {layers}, the checkpoint has layers {have[:8]}"
                           f"{' ...' if len(have) > 8 else ''}")
     q_rows, per_group = heads // groups * head_dim, (heads // groups + 2) * head_dim
@@ -73,7 +81,10 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
 
     def take(key: str, source: str | tuple[str, ...], rows: tuple[tuple[int, int], ...] | None = None,
              shape: tuple[int, ...] | None = None, interleave: int = 1, transpose: bool = False) -> None:
-        """`key` from `source`, or from several stacked (HFTensor.stacked), each of `shape`."""
+        """`key` from `source`, or from several stacked (HFTensor.stacked), each of `shape`; of an
+        adapter-only save, only what it adapts."""
+        if partial and not all(one in shapes for one in ((source,) if isinstance(source, str) else source)):
+            return
         for one in (source,) if isinstance(source, str) else source:
             if one not in shapes:
                 raise ExportError(f"{one}: not in the checkpoint, but {key} needs it")
@@ -86,6 +97,8 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
 
     def vocab_rows(source: str) -> tuple[tuple[int, int], ...] | None:
         padded = shapes[source][0] if source in shapes else vocab
+        if padded is None or vocab is None:
+            return None
         if padded < vocab:
             raise ExportError(f"{source}: {padded} rows, fewer than vocab_size {vocab}")
         return None if padded == vocab else ((0, vocab),)
@@ -134,7 +147,7 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
     tied = bool(config.get("tie_word_embeddings", False))
     if OUTPUT in shapes and not tied:
         take("lm_head.weight", OUTPUT, vocab_rows(OUTPUT), (shapes[OUTPUT][0], hidden))
-    elif OUTPUT not in shapes and not tied:
+    elif OUTPUT not in shapes and not tied and not partial:
         raise ExportError(f"{where}: tie_word_embeddings is false, but the checkpoint has no {OUTPUT} (its "
                           f"embeddings are tied)")
     # a module's extra state is Megatron's own, not a weight (Transformer Engine's FP8 metadata: in
@@ -143,7 +156,8 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
     if stray:
         raise ExportError(f"{stray[0]}: a tensor {arch} has no place for (a Megatron feature transformers cannot "
                           f"express, or a config of another model)")
-    return HFModel(config, None, tensors, files, notes if arch == DEEPSEEK_V3 else [])
+    model = HFModel(config, None, tensors, files, notes if arch == DEEPSEEK_V3 else [])
+    return model if adapters is None else megatron_lora.peft_named(model, adapters)
 
 
 def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
@@ -158,9 +172,9 @@ def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], 
     return config, notes
 
 
-# NeMo 2's model config (context/model.yaml: Megatron-Core's TransformerConfig fields) -> Megatron-LM's
-# argument names, which config_from_args reads
-NEMO_ARGS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
+# Megatron-Core's TransformerConfig fields (NeMo 2's context/model.yaml, Megatron-Bridge's run_config.yaml)
+# -> Megatron-LM's argument names, which config_from_args reads
+CONFIG_ARGS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
              "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",
              "kv_channels": "kv_channels", "normalization": "normalization", "layernorm_epsilon": "norm_epsilon",
              "add_bias_linear": "add_bias_linear", "add_qkv_bias": "add_qkv_bias",
@@ -179,19 +193,20 @@ NEMO_ARGS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidd
              "num_moe_experts": "num_experts"}
 
 
-def args_from_nemo(raw: bytes, vocab: int | None, where: str) -> dict[str, Any]:
-    """Megatron-LM's arguments for the model NeMo 2's context/model.yaml describes (read as plain YAML:
-    fiddle's callables are `{_target_: name}` mappings, never imported); `vocab` is the embedding's rows."""
+def args_from_yaml(raw: bytes, vocab: int | None, where: str, section: str = "config") -> dict[str, Any]:
+    """Megatron-LM's arguments for the model a YAML file's TransformerConfig `section` describes (NeMo 2's
+    context/model.yaml's `config`, Megatron-Bridge's run_config.yaml's `model`), read as plain YAML (fiddle's
+    and Bridge's callables are `{_target_: name}` mappings, never imported); `vocab` is the embedding's rows."""
     import yaml
 
     try:
         doc = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
         raise ExportError(f"{where}: not YAML ({str(exc).splitlines()[0][:80]}); give --hf-config") from None
-    config = doc.get("config") if isinstance(doc, dict) else None
+    config = doc.get(section) if isinstance(doc, dict) else None
     if not isinstance(config, dict):
-        raise ExportError(f"{where}: holds no model config (a `config:` mapping); give --hf-config")
-    args = {name: config[key] for key, name in NEMO_ARGS.items() if key in config}
+        raise ExportError(f"{where}: holds no model config (a `{section}:` mapping); give --hf-config")
+    args = {name: config[key] for key, name in CONFIG_ARGS.items() if key in config}
     activation = config.get("activation_func")
     target = activation.get("_target_") if isinstance(activation, dict) else activation
     args["swiglu"] = bool(config.get("gated_linear_unit")) and str(target).endswith(".silu")

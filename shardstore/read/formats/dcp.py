@@ -29,7 +29,7 @@ from ...hf_files import ADAPTER_CONFIG, hf_model_file
 from ...locations import StorageOptions, filesystem, folder_of, is_url, join, listing, local, name_of, subfolders
 from ...records import TensorRef
 from ...tree import KeyEncoder, Node, Skeleton
-from ...trainers import composer, hf_trainer, torchtitan
+from ...trainers import composer, hf_trainer, megatron, torchtitan
 from ...trainers.registry import RUNS
 from ..arrival import Arrived
 from ..contract import (ArrayLeaf, CheckpointSpec, LocalPiece, PlannedCheckpoint, ShardedSpec, ShardSpec,
@@ -877,7 +877,7 @@ def _beside(folder: str, storage_options: StorageOptions | None) -> list[str]:
     name, parent = name_of(folder), folder_of(folder)
     if name == MODEL_AND_OPTIM:
         return config_files(parent, storage_options, "config.yaml", JSON_CONFIG)
-    found = config_files(folder, storage_options, "config.yaml", JSON_CONFIG, ADAPTER_CONFIG)
+    found = config_files(folder, storage_options, "config.yaml", JSON_CONFIG, ADAPTER_CONFIG, megatron.RUN_CONFIG)
     if not found and hf_trainer.STEPS.step(name) is not None and trainer_parts(folder, storage_options):
         # the HF Trainer writes no config.json into a sharded checkpoint-N/; its final save_model writes
         # the model's Hugging Face files into the run's output_dir, the folder above, and a save of a

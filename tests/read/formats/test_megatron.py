@@ -606,7 +606,7 @@ def test_nemos_model_yaml_of_a_deepseek_v3_describes_it_as_megatron_lms_args_do(
               "normalization": "RMSNorm", "gated_linear_unit": True, "add_bias_linear": False,
               "activation_func": {"_target_": "torch.nn.functional.silu", "_call_": False},
               "position_embedding_type": "rope", "share_embeddings_and_output_weights": False}
-    args = megatron.args_from_nemo(yaml.safe_dump({"config": fields}).encode(), 100, "model.yaml")
+    args = megatron.args_from_yaml(yaml.safe_dump({"config": fields}).encode(), 100, "model.yaml")
     nemo = megatron.config_from_args(args, "model.yaml")[0]
     direct = megatron.config_from_args({**DEEPSEEK_ARGS, "swiglu": True, "normalization": "RMSNorm",
                                         "padded_vocab_size": 100, "untie_embeddings_and_output_weights": True,

@@ -1,0 +1,191 @@
+"""Megatron-Core LoRA adapters as peft's (shardstore/export/hf/megatron_lora.py), on Megatron-Bridge's own
+LoRA saved at TP=2 (tests/fixtures/megatron_lora.py): the whole model, and Bridge's adapter-only save
+beside its run_config.yaml. Its base is the dense model of tests/fixtures/data/megatron/core0.19.2/tp2-pp1
+(the same weights, bit for bit), whose Hugging Face export is the base the adapter loads onto.
+
+The oracles: the live TP=2 model's own logits with and without its adapters (megatron-core's forward,
+gathered over TP), and peft itself: `PeftModel.from_pretrained` of the `--adapter` folder onto the base,
+and its `merge_and_unload()` against the `--merge-adapter` export.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import shardstore
+from tests.conftest import assert_bitwise_equal
+from tests.refusals import assert_refused, cli
+
+DATA = Path(__file__).parents[1] / "fixtures" / "data" / "megatron" / "core0.19.2"
+WHOLE, ADAPTER_ONLY, BASE = DATA / "tp2-pp1-lora", DATA / "tp2-pp1-lora-adapter-only", DATA / "tp2-pp1"
+RUN_CONFIG = "iter_0000010/run_config.yaml"
+HF = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The base model's Hugging Face folder (the dense model's own export), checked against the live
+    model's logits with its adapters disabled."""
+    out = tmp_path_factory.mktemp("base") / "hf"
+    shardstore.unshard(BASE, out, format="hf", jobs=1)
+    torch.testing.assert_close(_logits(_hf(out)), _ref()["base_logits"], rtol=1e-4, atol=1e-4)
+    return out
+
+
+def _ref() -> dict[str, Any]:
+    ref: dict[str, Any] = torch.load(f"{WHOLE}.expected.pt.ref", weights_only=True)
+    return ref
+
+
+def _hf(folder: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _logits(model: Any) -> torch.Tensor:
+    with torch.no_grad():
+        logits: torch.Tensor = model(input_ids=_ref()["ids"]).logits
+    return logits
+
+
+@pytest.mark.parametrize("src", [WHOLE, ADAPTER_ONLY], ids=["whole", "adapter-only"])
+def test_the_adapter_folder_loads_onto_the_base_with_the_live_logits(src: Path, base: Path, tmp_path: Path) -> None:
+    """`--adapter`: peft's names for the Hugging Face modules (linear_qkv's A for each of q, k and v, its B
+    split per query group as the weight; linear_fc1's for gate and up), r and alpha from Bridge's
+    run_config.yaml; peft loads it onto the base with the live LoRA model's logits."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    out = tmp_path / "adapter"
+    proc = cli("unshard", src, out, "--format", "hf", "--adapter", "-q")
+    assert proc.returncode == 0, proc.stderr
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["use_rslora"], config["use_dora"]) == (4, 8, False, False)
+    assert sorted(config["target_modules"]) == sorted(HF)
+    written = load_file(out / "adapter_model.safetensors")
+    assert sorted(written) == sorted(f"base_model.model.model.layers.{i}.{part}.{proj}.lora_{ab}.weight"
+                                     for i in range(2) for proj in HF for ab in "AB"
+                                     for part in (["self_attn"] if proj in HF[:4] else ["mlp"]))
+    megatron = _ref()["model"]
+    for i in range(2):  # A whole for each projection of a fused linear
+        a = megatron[f"decoder.layers.{i}.self_attention.linear_qkv.adapter.linear_in.weight"]
+        for proj in HF[:3]:
+            assert torch.equal(written[f"base_model.model.model.layers.{i}.self_attn.{proj}.lora_A.weight"], a)
+    loaded = PeftModel.from_pretrained(_hf(base), out).eval()
+    torch.testing.assert_close(_logits(loaded), _ref()["logits"], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(_ref()["logits"], _ref()["base_logits"], atol=1e-2)  # (the adapter matters)
+    if src == ADAPTER_ONLY:  # the same adapter as the whole save's
+        whole = tmp_path / "whole"
+        shardstore.unshard(WHOLE, whole, format="hf", adapter=True, jobs=1)
+        assert_bitwise_equal(written, load_file(whole / "adapter_model.safetensors"), "adapter")
+    assert shardstore.verify(src, out, jobs=1).ok
+
+
+def test_the_merged_model_is_peft_merging_the_adapter_and_has_the_live_logits(base: Path, tmp_path: Path) -> None:
+    """`--merge-adapter` of the whole save: each Hugging Face module's rows of the fused weight merged with
+    the same rows of B, in float32; what peft's merge_and_unload() makes of the adapter on the base, and
+    the live model's logits."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    shardstore.unshard(WHOLE, tmp_path / "adapter", format="hf", adapter=True, jobs=1)
+    result = shardstore.unshard(WHOLE, tmp_path / "merged", format="hf", merge_adapter=True, jobs=1)
+    assert any("merged the LoRA adapter (r=4, alpha=8) into 14 modules" in note for note in result.notes)
+    merged = PeftModel.from_pretrained(_hf(base), tmp_path / "adapter").merge_and_unload().state_dict()
+    written = load_file(tmp_path / "merged" / "model.safetensors")
+    assert sorted(written) == sorted(merged)
+    for key, value in merged.items():
+        torch.testing.assert_close(written[key], value, rtol=0, atol=1e-6, msg=key)
+    assert not torch.equal(written["model.layers.0.self_attn.k_proj.weight"],
+                           load_file(base / "model.safetensors")["model.layers.0.self_attn.k_proj.weight"])
+    torch.testing.assert_close(_logits(_hf(tmp_path / "merged")), _ref()["logits"], rtol=1e-4, atol=1e-4)
+    assert shardstore.verify(WHOLE, tmp_path / "merged", merge_adapter=True, jobs=1).ok
+
+
+def test_the_adapter_only_save_is_merged_onto_the_base_folder(base: Path, tmp_path: Path) -> None:
+    """Bridge's adapter-only save with `--base` (the base's Hugging Face folder): the merged model is the
+    whole save's merged export, byte for byte."""
+    shardstore.unshard(ADAPTER_ONLY, tmp_path / "onto", format="hf", merge_adapter=True, base=str(base), jobs=1)
+    shardstore.unshard(WHOLE, tmp_path / "merged", format="hf", merge_adapter=True, jobs=1)
+    from safetensors.torch import load_file
+
+    assert_bitwise_equal(load_file(tmp_path / "onto" / "model.safetensors"),
+                         load_file(tmp_path / "merged" / "model.safetensors"), "merged")
+    torch.testing.assert_close(_logits(_hf(tmp_path / "onto")), _ref()["logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_a_plain_export_says_what_the_checkpoint_holds(tmp_path: Path) -> None:
+    assert_refused(cli("unshard", WHOLE, tmp_path / "hf", "--format", "hf", "-q"),
+                   "holds a LoRA model", ".adapter.linear_in.weight", "--adapter", "--merge-adapter")
+    assert not (tmp_path / "hf").exists()
+
+
+def _run(tmp_path: Path, src: Path, edit: Any) -> Path:
+    """A copy of `src` whose run_config.yaml `edit` rewrites."""
+    run = shutil.copytree(src, tmp_path / "run")
+    config = run / RUN_CONFIG
+    config.write_text(edit(config.read_text()))
+    return run
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda t: t.replace("  dim: 4\n", "  dim: 8\n"), "run_config.yaml: r is 8, but the adapter's lora_A have [4] rows"),
+    (lambda t: t.replace("  - linear_fc2\n", ""), "do not name decoder.layers.0.mlp.linear_fc2"),
+    (lambda t: t.replace("megatron.bridge.peft.lora.LoRA", "megatron.bridge.peft.dora.DoRA"),
+     "run_config.yaml: peft is 'megatron.bridge.peft.dora.DoRA'"),
+    (lambda t: t.replace("  normalize_moe_lora: false", "  normalize_moe_lora: true"), "normalize_moe_lora")],
+    ids=["rank", "targets", "dora", "moe-ranks"])
+def test_a_run_config_of_another_run_is_refused_before_any_rank_is_read(edit: Any, needle: str,
+                                                                        tmp_path: Path) -> None:
+    run = _run(tmp_path, ADAPTER_ONLY, edit)
+    assert_refused(cli("unshard", run, tmp_path / "out", "--format", "hf", "--adapter", "-q"), needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_what_the_save_does_not_say_is_asked_for(tmp_path: Path) -> None:
+    """Without Bridge's run_config.yaml (NeMo's and veRL's Megatron saves keep their LoRA's alpha
+    elsewhere), alpha is asked for; Megatron's LoRA has no rsLoRA."""
+    run = shutil.copytree(ADAPTER_ONLY, tmp_path / "run")
+    (run / RUN_CONFIG).unlink()
+    assert_refused(cli("unshard", run, tmp_path / "out", "--format", "hf", "--adapter", "--hf-config",
+                       _config(tmp_path), "-q"), "--lora-alpha A")
+    assert_refused(cli("unshard", run, tmp_path / "out", "--format", "hf", "--adapter", "--hf-config",
+                       _config(tmp_path), "--lora-alpha", "8", "--rslora", "-q"), "it has no rsLoRA")
+    proc = cli("unshard", run, tmp_path / "out", "--format", "hf", "--adapter", "--hf-config", _config(tmp_path),
+               "--lora-alpha", "8", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["lora_alpha"] == 8
+
+
+def _config(tmp_path: Path) -> Path:
+    """The base's Hugging Face config (what describes an adapter-only save without Bridge's run_config)."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=2, vocab_size=100, head_dim=4).save_pretrained(tmp_path / "config")
+    return tmp_path / "config" / "config.json"
+
+
+def test_an_adapter_without_its_pair_is_refused_naming_it(tmp_path: Path) -> None:
+    """A copy of the whole save whose .metadata lost linear_proj's linear_out: refused naming the module."""
+    import pickle
+
+    run = shutil.copytree(WHOLE, tmp_path / "run")
+    metadata = run / "iter_0000010" / ".metadata"
+    with metadata.open("rb") as f:
+        saved = pickle.load(f)  # (the test's own copy of the fixture: trusted)
+    gone = "decoder.layers.self_attention.linear_proj.adapter.linear_out.weight"
+    del saved.state_dict_metadata[gone]
+    saved.storage_data = {index: data for index, data in saved.storage_data.items() if index.fqn != gone}
+    with metadata.open("wb") as f:
+        pickle.dump(saved, f)
+    assert_refused(cli("unshard", run, tmp_path / "out", "--format", "hf", "--adapter", "-q"),
+                   "linear_proj.adapter.linear_in.weight: the adapter of decoder.layers.0.self_attention.linear_proj "
+                   "has no linear_out")
