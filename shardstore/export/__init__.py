@@ -114,8 +114,11 @@ def check_request(out_dir: str | os.PathLike[str], request: ExportRequest, sched
         raise ExportError(f"--single-file applies to --format {_those(lambda f: f.single_file)} only")
     if scheduler and not fmt.takes_scheduler:
         raise ExportError(f"--scheduler exports {_those(lambda f: f.takes_scheduler)} only, not {fmt.name}")
-    if (request.adapter or request.merge_adapter) and not fmt.describes_model:
-        raise ExportError(f"--adapter and --merge-adapter apply to --format {_those(lambda f: f.describes_model)} only")
+    if request.adapter and not fmt.describes_model:
+        raise ExportError(f"--adapter applies to --format {_those(lambda f: f.describes_model)} only")
+    if request.merge_adapter and fmt.merged is None:
+        raise ExportError(f"--merge-adapter writes a model: --format {_those(lambda f: f.merged is not None)} (--format "
+                          f"{fmt.name} writes the checkpoint as its trainer saved it)")
     if not fmt.subtree and (request.select or request.strip_prefix or request.dtype):
         raise ExportError(f"--select, --strip-prefix and --dtype apply to {_those(lambda f: f.subtree)} output only")
     out = Path(out_dir)
@@ -168,7 +171,7 @@ def preflight(store: Store, out_dir: str | os.PathLike[str], request: ExportRequ
     side = set(_beside(store, fmt))
     may_write = fmt.may_write
     # a format that may write any name knows its exact files from the plan alone
-    exact = fmt.plan(store, request, store.manifest.tree, "", 1).files if may_write is None else []
+    exact = fmt.planner(request)(store, request, store.manifest.tree, "", 1).files if may_write is None else []
     stale = [p for p in previous_outputs(out, exact + list(side))
              if may_write is None or not re.fullmatch(may_write, p.name)]
     if stale:
@@ -234,7 +237,7 @@ def export(store: Store, out_dir: str | os.PathLike[str], request: ExportRequest
         missing = ", ".join(map(str, full.ranks_missing[:20])) + (" ..." if len(full.ranks_missing) > 20 else "")
         raise StoreError(f"{store.location}: incomplete store, cannot export; ranks missing: {missing or 'none'}"
                          f"; tensors incomplete: {len(status.partial)}")
-    planned = fmt.plan(store, request, node, _subtree(store, select) if fmt.subtree else "", jobs)
+    planned = fmt.planner(request)(store, request, node, _subtree(store, select) if fmt.subtree else "", jobs)
     side_files = _beside(store, fmt)
     stale = _earlier_export(out, planned.files + list(side_files), overwrite)
     with _writing_into(out, stale, store, overwrite):
@@ -254,7 +257,7 @@ def planned(store: Store, request: ExportRequest) -> Planned:
     """What an export of `request` from `store` would write, planned and not written (see `verify`)."""
     fmt = request.output
     node = _model_or(store, request.select) if fmt.subtree else store.manifest.tree
-    return fmt.plan(store, request, node, _subtree(store, request.select) if fmt.subtree else "", 1)
+    return fmt.planner(request)(store, request, node, _subtree(store, request.select) if fmt.subtree else "", 1)
 
 
 @contextmanager
@@ -287,8 +290,8 @@ def _writing_into(out: Path, stale: list[Path], store: Store, overwrite: bool) -
 def plan_direct(store: Store, request: ExportRequest, jobs: int = 1) -> DirectExport | None:
     """The export laid out from the plan alone and its files prepared, for the ingest to write straight
     into; None where it cannot be (each format's `plan_direct`), and the store then feeds the export as usual."""
-    if store.manifest.facts.replicas > 1 and not store.manifest.facts.group_claims:
-        return None
+    if store.manifest.facts.replicas > 1 and not store.manifest.facts.group_claims or request.merge_adapter:
+        return None  # (a merged weight is computed from the store)
     fmt = request.output
     node = _model_or(store, request.select) if fmt.subtree else store.manifest.tree
     subtree = _subtree(store, request.select) if fmt.subtree else ""

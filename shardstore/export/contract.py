@@ -147,6 +147,16 @@ class OutputFormat:
     recognises: Callable[[Path], bool]
     # `verify` reads it back as a checkpoint (through the readers, into a store) rather than file by file
     reads_as_checkpoint: bool = False
+    # how it lays out a model with its PEFT adapter merged in (`ExportRequest.merge_adapter`), as `plan`
+    # does the checkpoint's tensors; None: it writes no merged model
+    merged: Callable[[Store, ExportRequest, Node, str, int], Planned] | None = None
+
+    def planner(self, request: ExportRequest) -> Callable[[Store, ExportRequest, Node, str, int], Planned]:
+        """`plan`, or `merged` for a request to merge an adapter (which it must have)."""
+        if request.merge_adapter:
+            assert self.merged is not None
+            return self.merged
+        return self.plan
 
 
 class DirectExport(ABC):

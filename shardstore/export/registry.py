@@ -6,7 +6,7 @@ defines its `FORMAT`; one entry below; and a conformance subclass (tests/export/
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +14,14 @@ from ..errors import ExportError
 from . import dcp, hf, safetensors, torch
 from .contract import ExportRequest, OutputFormat
 
-FORMATS: dict[str, OutputFormat] = {f.name: f for f in (safetensors.FORMAT, torch.FORMAT, dcp.FORMAT, hf.FORMAT)}
+# safetensors writes a model with its adapter merged as the Hugging Face folder's weights (hf/ plans the merge)
+SAFETENSORS = replace(safetensors.FORMAT, merged=hf.merged_weights)
+FORMATS: dict[str, OutputFormat] = {f.name: f for f in (SAFETENSORS, torch.FORMAT, dcp.FORMAT, hf.FORMAT)}
 # the order `recognised` asks them in: a folder with config.json is a Hugging Face folder (of safetensors
 # files), one with .metadata a DCP folder, torch files and no safetensors a torch export; else safetensors
-RECOGNISED = (hf.FORMAT, dcp.FORMAT, torch.FORMAT, safetensors.FORMAT)
+RECOGNISED = (hf.FORMAT, dcp.FORMAT, torch.FORMAT, SAFETENSORS)
 # the format writing a model's tensors under their own names: what a model's state dict in torch files holds
-TENSORS = safetensors.FORMAT
+TENSORS = SAFETENSORS
 
 
 def recognised(out: Path) -> OutputFormat:

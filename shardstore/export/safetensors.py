@@ -358,12 +358,15 @@ def plan_direct(store: Store, plan: SafetensorsPlan) -> SafetensorsDirect:
 
 
 def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> Planned:
-    plan = plan_safetensors(store, node, request)
+    return planned_safetensors(store, plan_safetensors(store, node, request))
 
+
+def planned_safetensors(store: Store, plan: SafetensorsPlan, notes: list[str] | None = None) -> Planned:
+    """The export of `plan`'s tensors; its notes `notes` and which tensors' names are spelt alike."""
     def write(out: Path, progress: Progress, partial: dict[str, str] | None, scheduler: str | None,
               jobs: int) -> Written:
         files = export_safetensors(store, out, plan, progress, partial, scheduler, jobs)
-        return files, plan.skipped, flat_buckets(it.key for group in plan.groups for it in group)
+        return files, plan.skipped, (notes or []) + flat_buckets(it.key for group in plan.groups for it in group)
 
     return Planned(plan.files, plan.nbytes, write, [it for group in plan.groups for it in group])
 

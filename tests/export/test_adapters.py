@@ -149,7 +149,11 @@ def test_the_merged_model_is_peft_merge_and_unload(name: str, tmp_path: Path) ->
     result = shardstore.unshard(src, out, format="hf", merge_adapter=True, hf_config=_config_file(ref, tmp_path),
                                 lora_alpha=alpha, rslora=rslora, jobs=2)
     assert any("merged the" in note for note in result.notes)
-    _is_merge_and_unload(out, ref, tmp_path)
+    written = _is_merge_and_unload(out, ref, tmp_path)
+    # the safetensors export of it is the Hugging Face folder's weights, its model undescribed
+    shardstore.unshard(src, tmp_path / "st", merge_adapter=True, lora_alpha=alpha, rslora=rslora, jobs=2)
+    from safetensors.torch import load_file
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), written, "safetensors", ordered=True)
     assert shardstore.verify(src, out, merge_adapter=True, lora_alpha=alpha, rslora=rslora, jobs=2).ok
     if alpha is None:  # the checkpoint says its alpha: a wrong one is refused
         with pytest.raises(shardstore.ExportError, match="says"):
@@ -217,7 +221,9 @@ def test_a_broken_adapter_is_refused_naming_the_module(tmp_path: Path) -> None:
 def test_adapter_options_are_refused_where_they_do_not_apply(tmp_path: Path) -> None:
     src, options, _ = ADAPTERS["lora-w3"]
     assert_refused(cli("unshard", src, tmp_path / "a", "--adapter", *options, "-q"),
-                   "--adapter and --merge-adapter apply to --format hf only")
+                   "--adapter applies to --format hf only")
+    assert_refused(cli("unshard", src, tmp_path / "a", "--format", "torch", "--merge-adapter", *options, "-q"),
+                   "--merge-adapter writes a model: --format safetensors and hf")
     assert_refused(cli("unshard", src, tmp_path / "b", "--format", "hf", "--adapter", "--merge-adapter", *options,
                        "-q"), "one of them")
     assert_refused(cli("unshard", src, tmp_path / "c", "--format", "hf", "--lora-alpha", "16", "-q"),

@@ -107,6 +107,10 @@ def test_the_merged_model_is_peft_merging_the_adapter_and_has_the_live_logits(ba
                            load_file(base / "model.safetensors")["model.layers.0.self_attn.k_proj.weight"])
     torch.testing.assert_close(_logits(_hf(tmp_path / "merged")), _ref()["logits"], rtol=1e-4, atol=1e-4)
     assert shardstore.verify(WHOLE, tmp_path / "merged", merge_adapter=True, jobs=1).ok
+    # --format safetensors: the same weights, under the Hugging Face names
+    shardstore.unshard(WHOLE, tmp_path / "st", merge_adapter=True, jobs=1)
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), written, "safetensors", ordered=True)
+    assert shardstore.verify(WHOLE, tmp_path / "st", merge_adapter=True, jobs=1).ok
 
 
 def test_the_adapter_only_save_is_merged_onto_the_base_folder(base: Path, tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from ...trainers.megatron import RUN_CONFIG
 from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from ..resolve import build, tensors_only
 from ..safetensors import (FILE_NAMES, Item, SafetensorsDirect, SafetensorsPlan, Stacked, direct_layout,
-                           export_safetensors, plan_items, stacked_item, tensor_item)
+                           export_safetensors, plan_items, planned_safetensors, stacked_item, tensor_item)
 from .. import adapters
 from . import lora, megatron, megatron_lora, olmo, olmo_core
 from .leaves import CONFIG, GENERATION, NOT_HF_FILES, model_files, model_leaves, module_attribute, shape, side_config
@@ -263,7 +263,7 @@ def describe(store: Store, subtree: str, hf_config: str | os.PathLike[str] | Non
 
 def peft_view(store: Store, subtree: str, request: ExportRequest) -> lora.Named:
     """The model's tensors under the names peft gives them: the checkpoint's own (the module attribute a
-    Lightning module adds taken off), or a Megatron model's with adapters mapped onto Hugging Face's."""
+    Lightning module adds taken off), or a Megatron model's with its adapters mapped onto Hugging Face's."""
     strip = request.strip_prefix if request.strip_prefix is not None else module_attribute(store, subtree)
     names = model_leaves(store, subtree, strip)
     if megatron.is_megatron(list(names)) and megatron_lora.has_adapters(list(names)):
@@ -295,6 +295,11 @@ def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel
                               f"--adapter writes the adapter as peft saves it"
                               f"{'' if peft.adapter_only else ', --merge-adapter the model with it merged'}")
         model, request = lora.merged_model(store, model, view, peft, request)
+    return _described(model, _items(store, model, names, request), request)
+
+
+def _items(store: Store, model: HFModel, names: dict[str, str], request: ExportRequest) -> list[Item]:
+    """The model's tensors as the safetensors writer takes them."""
     items = []
     for t in model.tensors:
         item = stacked_item(store, t.key, [names[s] for s in t.stack], request.cast_of(t.key), t.interleave,
@@ -303,7 +308,19 @@ def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel
         if item is None:
             raise ExportError(f"{t.source}: not a tensor")
         items.append(item)
-    return _described(model, items, request)
+    return items
+
+
+def merged_weights(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> Planned:
+    """`--format safetensors --merge-adapter`: the merged model's weights alone (what the Hugging Face
+    folder holds of it), under the model's own names, or a Megatron model's Hugging Face names; only a
+    Megatron model needs describing."""
+    view = peft_view(store, subtree, request)
+    peft = adapters.found(view.tensors)
+    if peft is None:
+        raise ExportError(f"{subtree or 'the checkpoint'}: holds no PEFT (LoRA) adapter (--merge-adapter)")
+    model, request = lora.merged_model(store, HFModel(None, None, list(view.tensors.values())), view, peft, request)
+    return planned_safetensors(store, plan_items(_items(store, model, view.paths, request), [], request), model.notes)
 
 
 def _described(model: HFModel, items: list[Item], request: ExportRequest) -> tuple[HFModel, SafetensorsPlan]:
@@ -393,8 +410,8 @@ def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: 
 
 
 def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> DirectExport | None:
-    if not tensors_only(store, node) or (request.hf_config is None and in_values(store)) or request.merge_adapter:
-        return None  # (a merged weight is computed from the store)
+    if not tensors_only(store, node) or (request.hf_config is None and in_values(store)):
+        return None
     model, plan = plan_hf(store, subtree, request)
     if any(isinstance(it.source, Stacked) for group in plan.groups for it in group):
         return None  # one pass places boxes of each array; a stack's moved rows are not: written from the store
@@ -404,5 +421,5 @@ def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs
 FORMAT = OutputFormat("hf", subtree=True, may_write=FILE_NAMES + r"|config\.json|generation_config\.json"
                       r"|adapter_model\.safetensors|adapter_config\.json",
                       config_beside=False, resume_beside=False, describes_model=True, single_file=False, takes_scheduler=False,
-                      plan=_plan, direct=_direct,
+                      plan=_plan, direct=_direct, merged=_plan,
                       recognises=lambda out: (out / CONFIG).is_file() or (out / ADAPTER_CONFIG).is_file())

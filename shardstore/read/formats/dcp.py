@@ -58,7 +58,7 @@ METADATA = ".metadata"
 # its layout v2, the optimizer then in a DCP folder of its own).
 NEMO_WEIGHTS, NEMO_CONTEXT, NEMO_MODEL, NEMO_TOKENIZER = "weights", "context", "model.yaml", "nemo_tokenizer"
 NEMO_PREFIX = "module."
-VERL_DIST, VERL_HF = "dist_ckpt", "huggingface"
+VERL_DIST, VERL_HF, VERL_ADAPTER = "dist_ckpt", "huggingface", "adapter"
 # Where trainers keep a DCP folder inside their checkpoint folder (OLMo's and OLMo-core's, NeMo's, veRL's
 # from its actor/ folder and from the step folder above it)
 INSIDE = (MODEL_AND_OPTIM, NEMO_WEIGHTS, VERL_DIST, f"model/{VERL_DIST}", f"actor/{VERL_DIST}",
@@ -871,8 +871,9 @@ def _resolved(folder: str, storage_options: StorageOptions | None) -> str:
 def _beside(folder: str, storage_options: StorageOptions | None) -> list[str]:
     """The files a trainer keeps next to its DCP folder that describe the model: OLMo's config.yaml, a
     config.json (the HF Trainer's: in its output_dir above checkpoint-N/, or in another checkpoint-M/ of
-    the run); NeMo 2's context/model.yaml and the tokenizer in context/nemo_tokenizer/; the Hugging Face
-    files in veRL's huggingface/ next to its Megatron actor's dist_ckpt/; those of the transformers model
+    the run); NeMo 2's context/model.yaml and the tokenizer in context/nemo_tokenizer/; Megatron-Bridge's
+    run_config.yaml; the Hugging Face files in veRL's huggingface/ next to its Megatron actor's dist_ckpt/
+    (and a LoRA run's adapter config in huggingface/adapter/); those of the transformers model
     Lightning's hparams.yaml names (read/formats/lightning.py)."""
     name, parent = name_of(folder), folder_of(folder)
     if name == MODEL_AND_OPTIM:
@@ -897,6 +898,8 @@ def _beside(folder: str, storage_options: StorageOptions | None) -> list[str]:
         found += [p for p in listing(join(context, NEMO_TOKENIZER), storage_options) if hf_model_file(name_of(p))]
     elif name == VERL_DIST:
         found += [p for p in listing(join(parent, VERL_HF), storage_options) if hf_model_file(name_of(p))]
+        # a LoRA run's adapter as Megatron-Bridge exports it for veRL (huggingface/adapter/): its config
+        found += config_files(join(join(parent, VERL_HF), VERL_ADAPTER), storage_options, ADAPTER_CONFIG)
     return found
 
 
