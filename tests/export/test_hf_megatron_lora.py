@@ -1,7 +1,8 @@
 """Megatron-Core LoRA adapters as peft's (shardstore/export/hf/megatron_lora.py), on Megatron-Bridge's own
-LoRA saved at TP=2 (tests/fixtures/megatron_lora.py): the whole model, and Bridge's adapter-only save
-beside its run_config.yaml. Its base is the dense model of tests/fixtures/data/megatron/core0.19.2/tp2-pp1
-(the same weights, bit for bit), whose Hugging Face export is the base the adapter loads onto.
+LoRA (tests/fixtures/megatron_lora.py): a dense model at TP=2, whole and as Bridge's adapter-only save
+beside its run_config.yaml, and an MoE model (SequentialMLP experts, each with its own adapter) over 2
+expert-parallel ranks. Their bases are the models of tests/fixtures/data/megatron/core0.19.2/tp2-pp1 and
+tp1-pp1-dp2-moe (the same weights, bit for bit), whose Hugging Face exports the adapters load onto.
 
 The oracles: the live TP=2 model's own logits with and without its adapters (megatron-core's forward,
 gathered over TP), and peft itself: `PeftModel.from_pretrained` of the `--adapter` folder onto the base,
@@ -23,23 +24,33 @@ from tests.conftest import assert_bitwise_equal
 from tests.refusals import assert_refused, cli
 
 DATA = Path(__file__).parents[1] / "fixtures" / "data" / "megatron" / "core0.19.2"
-WHOLE, ADAPTER_ONLY, BASE = DATA / "tp2-pp1-lora", DATA / "tp2-pp1-lora-adapter-only", DATA / "tp2-pp1"
+WHOLE, ADAPTER_ONLY = DATA / "tp2-pp1-lora", DATA / "tp2-pp1-lora-adapter-only"
+MOE = DATA / "tp1-pp1-ep2-moe-lora"
+# each whole save, and the checkpoint of its base model (the same weights, bit for bit)
+BASES = {WHOLE: DATA / "tp2-pp1", ADAPTER_ONLY: DATA / "tp2-pp1", MOE: DATA / "tp1-pp1-dp2-moe"}
 RUN_CONFIG = "iter_0000010/run_config.yaml"
 HF = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERTS = 4  # the MoE model's
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The base model's Hugging Face folder (the dense model's own export), checked against the live
-    model's logits with its adapters disabled."""
-    out = tmp_path_factory.mktemp("base") / "hf"
-    shardstore.unshard(BASE, out, format="hf", jobs=1)
-    torch.testing.assert_close(_logits(_hf(out)), _ref()["base_logits"], rtol=1e-4, atol=1e-4)
-    return out
+def bases(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The Hugging Face folder of a save's base model (the base checkpoint's own export), checked against
+    the live model's logits with its adapters disabled; made once per base."""
+    made: dict[Path, Path] = {}
+
+    def base(src: Path) -> Path:
+        if BASES[src] not in made:
+            out = tmp_path_factory.mktemp("base") / "hf"
+            shardstore.unshard(BASES[src], out, format="hf", jobs=1)
+            torch.testing.assert_close(_logits(_hf(out), src), _ref(src)["base_logits"], rtol=1e-4, atol=1e-4)
+            made[BASES[src]] = out
+        return made[BASES[src]]
+    return base
 
 
-def _ref() -> dict[str, Any]:
-    ref: dict[str, Any] = torch.load(f"{WHOLE}.expected.pt.ref", weights_only=True)
+def _ref(src: Path) -> dict[str, Any]:
+    ref: dict[str, Any] = torch.load(f"{WHOLE if src == ADAPTER_ONLY else src}.expected.pt.ref", weights_only=True)
     return ref
 
 
@@ -49,17 +60,24 @@ def _hf(folder: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def _logits(model: Any) -> torch.Tensor:
+def _logits(model: Any, src: Path) -> torch.Tensor:
     with torch.no_grad():
-        logits: torch.Tensor = model(input_ids=_ref()["ids"]).logits
+        logits: torch.Tensor = model(input_ids=_ref(src)["ids"]).logits
     return logits
 
 
-@pytest.mark.parametrize("src", [WHOLE, ADAPTER_ONLY], ids=["whole", "adapter-only"])
-def test_the_adapter_folder_loads_onto_the_base_with_the_live_logits(src: Path, base: Path, tmp_path: Path) -> None:
+def _adapted(src: Path) -> list[str]:
+    """The Hugging Face modules a save's adapter adapts: attention's, and the MLP's (each expert's)."""
+    mlps = [f"mlp.{p}" for p in HF[4:]] if src != MOE else \
+        [f"block_sparse_moe.experts.{e}.{p}" for e in range(EXPERTS) for p in ("w1", "w3", "w2")]
+    return [f"model.layers.{i}.{m}" for i in range(2) for m in [f"self_attn.{p}" for p in HF[:4]] + mlps]
+
+
+@pytest.mark.parametrize("src", [WHOLE, ADAPTER_ONLY, MOE], ids=["whole", "adapter-only", "moe"])
+def test_the_adapter_folder_loads_onto_the_base_with_the_live_logits(src: Path, bases: Any, tmp_path: Path) -> None:
     """`--adapter`: peft's names for the Hugging Face modules (linear_qkv's A for each of q, k and v, its B
-    split per query group as the weight; linear_fc1's for gate and up), r and alpha from Bridge's
-    run_config.yaml; peft loads it onto the base with the live LoRA model's logits."""
+    split per query group as the weight; linear_fc1's for gate and up; each expert's its own), r and alpha
+    from Bridge's run_config.yaml; peft loads it onto the base with the live LoRA model's logits."""
     from peft import PeftModel
     from safetensors.torch import load_file
 
@@ -68,19 +86,17 @@ def test_the_adapter_folder_loads_onto_the_base_with_the_live_logits(src: Path, 
     assert proc.returncode == 0, proc.stderr
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["use_rslora"], config["use_dora"]) == (4, 8, False, False)
-    assert sorted(config["target_modules"]) == sorted(HF)
+    assert sorted(config["target_modules"]) == sorted({m.rsplit(".", 1)[-1] for m in _adapted(src)})
     written = load_file(out / "adapter_model.safetensors")
-    assert sorted(written) == sorted(f"base_model.model.model.layers.{i}.{part}.{proj}.lora_{ab}.weight"
-                                     for i in range(2) for proj in HF for ab in "AB"
-                                     for part in (["self_attn"] if proj in HF[:4] else ["mlp"]))
-    megatron = _ref()["model"]
+    assert sorted(written) == sorted(f"base_model.model.{m}.lora_{ab}.weight" for m in _adapted(src) for ab in "AB")
+    megatron = _ref(src)["model"]
     for i in range(2):  # A whole for each projection of a fused linear
         a = megatron[f"decoder.layers.{i}.self_attention.linear_qkv.adapter.linear_in.weight"]
         for proj in HF[:3]:
             assert torch.equal(written[f"base_model.model.model.layers.{i}.self_attn.{proj}.lora_A.weight"], a)
-    loaded = PeftModel.from_pretrained(_hf(base), out).eval()
-    torch.testing.assert_close(_logits(loaded), _ref()["logits"], rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(_ref()["logits"], _ref()["base_logits"], atol=1e-2)  # (the adapter matters)
+    loaded = PeftModel.from_pretrained(_hf(bases(src)), out).eval()
+    torch.testing.assert_close(_logits(loaded, src), _ref(src)["logits"], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(_ref(src)["logits"], _ref(src)["base_logits"], atol=1e-2)  # (the adapter matters)
     if src == ADAPTER_ONLY:  # the same adapter as the whole save's
         whole = tmp_path / "whole"
         shardstore.unshard(WHOLE, whole, format="hf", adapter=True, jobs=1)
@@ -88,41 +104,47 @@ def test_the_adapter_folder_loads_onto_the_base_with_the_live_logits(src: Path, 
     assert shardstore.verify(src, out, jobs=1).ok
 
 
-def test_the_merged_model_is_peft_merging_the_adapter_and_has_the_live_logits(base: Path, tmp_path: Path) -> None:
-    """`--merge-adapter` of the whole save: each Hugging Face module's rows of the fused weight merged with
+@pytest.mark.parametrize("src", [WHOLE, MOE], ids=["dense", "moe"])
+def test_the_merged_model_is_peft_merging_the_adapter_and_has_the_live_logits(src: Path, bases: Any,
+                                                                               tmp_path: Path) -> None:
+    """`--merge-adapter` of a whole save: each Hugging Face module's rows of the fused weight merged with
     the same rows of B, in float32; what peft's merge_and_unload() makes of the adapter on the base, and
     the live model's logits."""
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    shardstore.unshard(WHOLE, tmp_path / "adapter", format="hf", adapter=True, jobs=1)
-    result = shardstore.unshard(WHOLE, tmp_path / "merged", format="hf", merge_adapter=True, jobs=1)
-    assert any("merged the LoRA adapter (r=4, alpha=8) into 14 modules" in note for note in result.notes)
+    shardstore.unshard(src, tmp_path / "adapter", format="hf", adapter=True, jobs=1)
+    result = shardstore.unshard(src, tmp_path / "merged", format="hf", merge_adapter=True, jobs=1)
+    assert any(f"merged the LoRA adapter (r=4, alpha=8) into {len(_adapted(src))} modules" in note
+               for note in result.notes)
+    base = bases(src)
     merged = PeftModel.from_pretrained(_hf(base), tmp_path / "adapter").merge_and_unload().state_dict()
-    written = load_file(tmp_path / "merged" / "model.safetensors")
-    assert sorted(written) == sorted(merged)
+    loaded = _hf(tmp_path / "merged").state_dict()  # (transformers >= 5 fuses an MoE's experts as it loads them)
+    assert sorted(loaded) == sorted(merged)
     for key, value in merged.items():
-        torch.testing.assert_close(written[key], value, rtol=0, atol=1e-6, msg=key)
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=1e-6, msg=key)
+    written = load_file(tmp_path / "merged" / "model.safetensors")
     assert not torch.equal(written["model.layers.0.self_attn.k_proj.weight"],
                            load_file(base / "model.safetensors")["model.layers.0.self_attn.k_proj.weight"])
-    torch.testing.assert_close(_logits(_hf(tmp_path / "merged")), _ref()["logits"], rtol=1e-4, atol=1e-4)
-    assert shardstore.verify(WHOLE, tmp_path / "merged", merge_adapter=True, jobs=1).ok
+    torch.testing.assert_close(_logits(_hf(tmp_path / "merged"), src), _ref(src)["logits"], rtol=1e-4, atol=1e-4)
+    assert shardstore.verify(src, tmp_path / "merged", merge_adapter=True, jobs=1).ok
     # --format safetensors: the same weights, under the Hugging Face names
-    shardstore.unshard(WHOLE, tmp_path / "st", merge_adapter=True, jobs=1)
+    shardstore.unshard(src, tmp_path / "st", merge_adapter=True, jobs=1)
     assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), written, "safetensors", ordered=True)
-    assert shardstore.verify(WHOLE, tmp_path / "st", merge_adapter=True, jobs=1).ok
+    assert shardstore.verify(src, tmp_path / "st", merge_adapter=True, jobs=1).ok
 
 
-def test_the_adapter_only_save_is_merged_onto_the_base_folder(base: Path, tmp_path: Path) -> None:
+def test_the_adapter_only_save_is_merged_onto_the_base_folder(bases: Any, tmp_path: Path) -> None:
     """Bridge's adapter-only save with `--base` (the base's Hugging Face folder): the merged model is the
     whole save's merged export, byte for byte."""
-    shardstore.unshard(ADAPTER_ONLY, tmp_path / "onto", format="hf", merge_adapter=True, base=str(base), jobs=1)
+    shardstore.unshard(ADAPTER_ONLY, tmp_path / "onto", format="hf", merge_adapter=True, base=str(bases(WHOLE)),
+                       jobs=1)
     shardstore.unshard(WHOLE, tmp_path / "merged", format="hf", merge_adapter=True, jobs=1)
     from safetensors.torch import load_file
 
     assert_bitwise_equal(load_file(tmp_path / "onto" / "model.safetensors"),
                          load_file(tmp_path / "merged" / "model.safetensors"), "merged")
-    torch.testing.assert_close(_logits(_hf(tmp_path / "onto")), _ref()["logits"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_logits(_hf(tmp_path / "onto"), WHOLE), _ref(WHOLE)["logits"], rtol=1e-4, atol=1e-4)
 
 
 def test_a_plain_export_says_what_the_checkpoint_holds(tmp_path: Path) -> None:
