@@ -215,3 +215,21 @@ def test_an_adapter_without_its_pair_is_refused_naming_it(tmp_path: Path) -> Non
     assert_refused(cli("unshard", run, tmp_path / "out", "--format", "hf", "--adapter", "-q"),
                    "linear_proj.adapter.linear_in.weight: the adapter of decoder.layers.0.self_attention.linear_proj "
                    "has no linear_out")
+
+
+def test_verls_megatron_lora_run_gives_bridges_own_adapter(bases: Any, tmp_path: Path) -> None:
+    """veRL's Megatron actor of a LoRA run (layout v2, tests/fixtures/verl_megatron_lora.py): the adapter-only
+    dist_ckpt beside the adapter Megatron-Bridge's own `save_hf_adapter` wrote into huggingface/adapter/.
+    `--adapter` of the dist_ckpt is that adapter, bit for bit, and its config veRL's; merged onto the base,
+    the live model's logits."""
+    from safetensors.torch import load_file
+
+    run = DATA / "tp2-pp1-lora-verl2"
+    bridge = run / "global_step_10" / "actor" / "model" / "huggingface" / "adapter"
+    shardstore.unshard(run, tmp_path / "adapter", format="hf", adapter=True, jobs=1)
+    assert_bitwise_equal(load_file(tmp_path / "adapter" / "adapter_model.safetensors"),
+                         load_file(bridge / "adapter_model.safetensors"), "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text()) == \
+        json.loads((bridge / "adapter_config.json").read_text())
+    shardstore.unshard(run, tmp_path / "merged", format="hf", merge_adapter=True, base=str(bases(WHOLE)), jobs=1)
+    torch.testing.assert_close(_logits(_hf(tmp_path / "merged"), WHOLE), _ref(WHOLE)["logits"], rtol=1e-4, atol=1e-4)
