@@ -177,11 +177,13 @@ def _export_options(f: Any) -> Any:
                      help="Replace an earlier export in OUT: its files that this export does not rewrite are "
                           "removed once this one is complete. Other files are never touched."),
         click.option("--adapter", is_flag=True,
-                     help="With --format hf, of a PEFT model: its LoRA (DoRA) adapter alone, as peft saves it "
-                          "(adapter_model.safetensors, adapter_config.json): PeftModel.from_pretrained loads it."),
+                     help="With --format hf, of a PEFT model or a Megatron LoRA: its LoRA (DoRA) adapter alone, as "
+                          "peft saves it (adapter_model.safetensors, adapter_config.json): PeftModel.from_pretrained "
+                          "loads it."),
         click.option("--merge-adapter", is_flag=True,
-                     help="With --format hf, of a PEFT model: the model with its LoRA (DoRA) adapter merged into the "
-                          "base weights (in float32, rounded once), under the model's own names."),
+                     help="With --format hf or safetensors, of a PEFT model or a Megatron LoRA: the model with its "
+                          "LoRA (DoRA) adapter merged into the base weights (in float32, rounded once), under the "
+                          "model's own names."),
         click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=None,
                      help="With --adapter or --merge-adapter, of a checkpoint that keeps no adapter_config.json "
                           "(the HF Trainer's under FSDP): the LoRA's alpha, as trained."),
