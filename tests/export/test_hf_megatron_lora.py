@@ -233,3 +233,13 @@ def test_verls_megatron_lora_run_gives_bridges_own_adapter(bases: Any, tmp_path:
         json.loads((bridge / "adapter_config.json").read_text())
     shardstore.unshard(run, tmp_path / "merged", format="hf", merge_adapter=True, base=str(bases(WHOLE)), jobs=1)
     torch.testing.assert_close(_logits(_hf(tmp_path / "merged"), WHOLE), _ref(WHOLE)["logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_a_base_of_another_model_is_refused_naming_the_module(bases: Any, tmp_path: Path) -> None:
+    """The dense adapter-only save onto the MoE model's folder (the same attention, experts for its MLP):
+    refused before any rank is read, naming the first module the base lacks."""
+    assert_refused(cli("unshard", ADAPTER_ONLY, tmp_path / "out", "--format", "hf", "--merge-adapter", "--base",
+                       bases(MOE), "-q"),
+                   "model.layers.0.mlp.down_proj.weight is missing, but the adapter of "
+                   "base_model.model.model.layers.0.mlp.down_proj makes [16, 32]: an adapter of another model")
+    assert not (tmp_path / "out").exists()
