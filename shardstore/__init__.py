@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from .api import average, export, ingest, open, rank_files, scratch_location, unshard, watch
+from .api import average, export, follow, ingest, open, rank_files, scratch_location, unshard, watch
 from .errors import CheckpointError, ExportError, ShardstoreError, StoreError, UnsafePickleError
 from .inspect import Inspected, inspect
 from .progress import Progress
@@ -19,6 +19,6 @@ from .store.store import Status, Store
 from .verify import Difference, VerifyResult, verify
 
 __version__ = "0.1.0"
-__all__ = ["open", "ingest", "watch", "export", "unshard", "verify", "average", "inspect", "Inspected", "VerifyResult", "Difference", "rank_files", "scratch_location", "Store", "Status",
+__all__ = ["open", "ingest", "watch", "export", "unshard", "verify", "average", "follow", "inspect", "Inspected", "VerifyResult", "Difference", "rank_files", "scratch_location", "Store", "Status",
            "TensorHandle", "Opaque", "GlobalRef", "Progress", "ShardstoreError", "CheckpointError",
            "UnsafePickleError", "StoreError", "ExportError", "__version__"]

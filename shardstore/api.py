@@ -11,7 +11,10 @@ from . import export as _export
 from . import ingest as _ingest
 from . import run as _run
 from .average import average
+from .errors import ExportError
 from .export import registry
+from .follow import Event, Following
+from .follow import follow as _follow
 from .locations import StorageOptions
 from .progress import Progress
 from .progress import resolve as _progress
@@ -104,5 +107,27 @@ def unshard(src_dir: PathLike, out_dir: PathLike, *, progress: Progress | bool =
         return _run.execute(planned, shown)
 
 
-__all__ = ["open", "ingest", "watch", "export", "unshard", "verify", "average", "Plan", "rank_files", "scratch_location",
-           "Progress"]
+def follow(run: PathLike, out: PathLike, *, every: int | None = None, keep: int | None = None, poll: float = 30.0,
+           once: bool = False, on_event: Callable[[Event], None] | None = None,
+           **options: Any) -> list[Event]:
+    """Follow a running job's RUN folder (local, or on object storage): each checkpoint that becomes complete
+    by its trainer's rule (follow.py) is unsharded into OUT/<its name>/, published by one rename, and
+    OUT/latest then names it. `every`: only steps that are multiples of it; `keep`: the newest published
+    folders kept; `poll`: seconds between looks; `once`: publish what is complete now and return. `options`
+    are `unshard`'s (`jobs`, `storage_options`, `strict`, the export's), checked before anything is read;
+    `on_event` hears each checkpoint published, skipped, removed. Runs until interrupted, unless `once`."""
+    if keep is not None and keep < 1 or every is not None and every < 1 or poll <= 0:
+        raise ExportError("keep and every are counts of at least 1, poll a number of seconds above 0")
+    for held in ("store", "tag", "step"):
+        if held in options:
+            raise TypeError(f"follow names each checkpoint itself: {held!r} is not an option of it")
+    _export.check_request(out, _run.request(run, out, **options).export)
+    how = Following(every, keep, poll, once, storage_options=options.get("storage_options"))
+
+    def one(src: str, folder: Any, step: int) -> Any:
+        return unshard(src, folder, step=step, **options)
+    return _follow(run, out, how, one, on_event or (lambda event: None))
+
+
+__all__ = ["open", "ingest", "watch", "export", "unshard", "verify", "average", "follow", "Plan", "rank_files",
+           "scratch_location", "Progress"]

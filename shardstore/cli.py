@@ -18,6 +18,7 @@ from . import api, values
 from .errors import ShardstoreError, StoreError
 from .export import FORMATS
 from .export.registry import output_format
+from .follow import Published, Skipped
 from .dtypes import CAST_DTYPES, DTYPE_ALIASES
 from .inspect import inspect
 from .patterns import matcher
@@ -366,6 +367,39 @@ def unshard(ctx: click.Context, src: str, out: str, store: str | None, tag: str 
     with _progress(quiet or as_json) as progress:
         result = run(progress=progress)
     _report(result, quiet, started, "unshard", as_json)
+
+
+@main.command()
+@click.argument("run", type=click.Path())
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--every", type=click.IntRange(min=1), default=None, help="Publish only steps that are multiples of N.")
+@click.option("--keep", type=click.IntRange(min=1), default=None,
+              help="Keep the newest K published folders; older ones are removed once a newer one is published.")
+@click.option("--poll", type=click.FloatRange(min=0.05), default=30.0, show_default=True, help="Seconds between looks at RUN.")
+@click.option("--once", is_flag=True, help="Publish the checkpoints complete now, then exit.")
+@_export_options
+@_strict
+@_jobs
+@_json
+def follow(run: str, out: str, every: int | None, keep: int | None, poll: float, once: bool, strict: bool,
+           jobs: int | None, as_json: bool, **export: Any) -> None:
+    """Follow a running job: each checkpoint of RUN (local, or on object storage) that becomes complete by its
+    trainer's rule is unsharded into OUT/<its name>/, published by one rename, and OUT/latest then names it.
+    One line per checkpoint published, skipped or removed (--json: one JSON object per line). Runs until
+    interrupted; killed, it resumes where it stopped when started again."""
+    def said(event: Any) -> None:
+        if as_json:
+            click.echo(json.dumps({"event": type(event).__name__.lower(), **{k: v for k, v in vars(event).items()}},
+                                  default=str))
+        elif isinstance(event, Published):
+            click.echo(f"published {event.folder} (step {event.step}; {event.lag:.1f} s after its last file, "
+                       f"unsharded in {event.seconds:.1f} s)")
+        elif isinstance(event, Skipped):
+            click.echo(f"skipped {event.name}: {event.why}", err=True)
+        else:
+            click.echo(f"removed {Path(out) / event.name} (--keep {keep})")
+    api.follow(run, out, every=every, keep=keep, poll=poll, once=once, on_event=said, jobs=jobs,
+               storage_options=_options(), strict=strict, **export)
 
 
 VERIFY_LINES = 50  # difference lines `verify` prints; --json gives every one

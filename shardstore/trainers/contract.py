@@ -54,11 +54,13 @@ class Steps:
     folder) whose one group is the step, in ASCII digits. `latest` is the name of the pointer in the run
     folder, and `points` says how it points: "link" (a link to the newest checkpoint), "step" (a file whose
     text is the newest step, or "release"), "tag" (a file whose text is the newest checkpoint's name).
+    `marker` is a file the trainer writes into a checkpoint after every other (`follow` waits for it).
     """
 
     name: str
     latest: str = ""
     points: Literal["", "link", "step", "tag"] = ""
+    marker: str = ""
     exact: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

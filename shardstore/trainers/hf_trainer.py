@@ -18,7 +18,8 @@ from .optimizer import by_parameter_number
 MODEL = re.compile(r"model(?:_([0-9]+))?\Z")
 OPTIMIZER = re.compile(r"optimizer(?:_([0-9]+))?\Z")
 # f"{PREFIX_CHECKPOINT_DIR}-{global_step}" in its output_dir; the newest is the highest (get_last_checkpoint)
-STEPS = Steps(r"checkpoint-([0-9]+)")
+# Trainer._save_checkpoint writes trainer_state.json after the model, optimizer, scheduler and RNG states
+STEPS = Steps(r"checkpoint-([0-9]+)", marker="trainer_state.json")
 
 
 def models_and_optimizers(tree: Node, optimizer_name: str) -> list[ResumeFile] | None:
