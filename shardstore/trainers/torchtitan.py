@@ -9,5 +9,6 @@ from __future__ import annotations
 
 from .contract import Steps
 
-STEPS = Steps(r"step-([0-9]+)")
+# dcp.save writes the folder's .metadata once every rank's files are written
+STEPS = Steps(r"step-([0-9]+)", marker=".metadata")
 STEP_KEY = "train_state.step"  # the bytes item its folder's step is recorded in
