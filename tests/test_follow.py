@@ -4,6 +4,7 @@ folders; what its ranks gathered at each save is the reference."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,75 @@ def test_follow_options_are_refused_before_anything_is_read(tmp_path: Path) -> N
         shardstore.follow(tmp_path, tmp_path / "out", step=3, once=True)
     with pytest.raises(shardstore.ExportError, match="--adapter applies"):
         shardstore.follow(tmp_path, tmp_path / "out", adapter=True, once=True)
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A finished run of two saves (step-2, step-4) and what its ranks gathered at each."""
+    from tests.fixtures.training_run import train
+
+    base = tmp_path_factory.mktemp("saved")
+    train(base / "run", base / "refs", 4, 2, 2, pause=0)
+    return base / "run", base / "refs"
+
+
+def _is_saved(out: Path, refs: Path, name: str) -> None:
+    from safetensors.torch import load_file
+
+    assert_bitwise_equal(load_file(out / name / "model.safetensors"), torch.load(refs / f"{name}.pt", weights_only=True),
+                         name)
+
+
+def test_a_follower_killed_mid_export_leaves_nothing_published_and_resumes(saved_run: tuple[Path, Path],
+                                                                          tmp_path: Path) -> None:
+    """SIGKILL while a step's first rank file is committed to its scratch store: OUT shows no folder and no
+    latest; started again, the follower publishes both steps, bit for bit, and nothing is left staged."""
+    from tests.conftest import sigkill_mid_way
+
+    run, refs = saved_run
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "shardstore", "follow", str(run), str(out), "--once", "--jobs", "1"]
+    scratch = out / STAGING / "step-2" / ".shardstore-scratch"
+    sigkill_mid_way(cmd, scratch, units=2, commits=1, reset=out)
+    assert _published(out) == [] and not (out / LATEST).exists()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert _published(out) == ["step-2", "step-4"] and (out / LATEST).read_text() == "step-4"
+    for name in ("step-2", "step-4"):
+        _is_saved(out, refs, name)
+    assert not list((out / STAGING).iterdir())
+
+
+def test_a_checkpoint_rotated_away_while_read_is_skipped_in_one_line(saved_run: tuple[Path, Path],
+                                                                     tmp_path: Path) -> None:
+    """The trainer deletes step-2 (its rotation) as the follower starts reading it: skipped, said so,
+    never tried again; step-4 is published."""
+    from shardstore.follow import Following, follow
+
+    run = shutil.copytree(saved_run[0], tmp_path / "run")
+    out = tmp_path / "out"
+
+    def rotated(src: str, folder: Path, step: int) -> object:
+        if step == 2:
+            shutil.rmtree(run / "step-2")
+        return shardstore.unshard(src, folder, step=step, jobs=1)
+    events = follow(run, out, Following(once=True, settle=0), rotated)
+    assert [(type(e).__name__, e.name) for e in events] == [("Skipped", "step-2"), ("Published", "step-4")]
+    assert isinstance(events[0], Skipped) and events[0].removed and "removed by its trainer" in events[0].why
+    assert _published(out) == ["step-4"] and not (out / STAGING / "step-2").exists()
+
+
+def test_a_run_on_object_storage_is_followed(saved_run: tuple[Path, Path], tmp_path: Path, s3) -> None:  # type: ignore[no-untyped-def]
+    import s3fs
+
+    run, refs = saved_run
+    fs = s3fs.S3FileSystem()
+    if not fs.exists("follow"):
+        fs.mkdir("follow")
+    fs.put(str(run) + "/", "follow/run/", recursive=True)
+    fs.invalidate_cache()
+    out = tmp_path / "out"
+    events = shardstore.follow("s3://follow/run", out, once=True, jobs=1)
+    assert [e.name for e in events if isinstance(e, Published)] == ["step-2", "step-4"]
+    for name in ("step-2", "step-4"):
+        _is_saved(out, refs, name)
