@@ -189,8 +189,9 @@ def config_of(raw: dict[str, Any] | None, peft: Peft, shapes: dict[str, tuple[in
     if raw is not None:
         return _checked(raw, peft, ranks, dora, where)
     if alpha is None or rslora is None:
-        raise ExportError(f"the checkpoint keeps no {CONFIG}: its LoRA's alpha, and whether it is rsLoRA, cannot "
-                          f"be known; give them as trained: --lora-alpha A, and --rslora or --no-rslora")
+        raise ExportError(f"the checkpoint keeps no {CONFIG}: its LoRA's alpha{', and whether it is rsLoRA,' if rslora is None else ''}"
+                          f" cannot be known; give {'them' if rslora is None else 'it'} as trained: --lora-alpha A"
+                          f"{', and --rslora or --no-rslora' if rslora is None else ''}")
     if len(ranks) != 1:
         raise ExportError(f"its adapted modules have ranks {sorted(ranks)} and no {CONFIG} says how")
     r = ranks.pop()

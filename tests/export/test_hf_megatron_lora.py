@@ -243,3 +243,25 @@ def test_a_base_of_another_model_is_refused_naming_the_module(bases: Any, tmp_pa
                    "model.layers.0.mlp.down_proj.weight is missing, but the adapter of "
                    "base_model.model.model.layers.0.mlp.down_proj makes [16, 32]: an adapter of another model")
     assert not (tmp_path / "out").exists()
+
+
+LEGACY = DATA / "tp2-pp2-lora-legacy"
+
+
+def test_a_torch_format_lora_is_merged_as_megatron_core_loads_it(tmp_path: Path) -> None:
+    """Megatron-LM's `--ckpt-format torch` files of the LoRA model at TP=2, PP=2 (tests/fixtures/
+    megatron_lora_legacy.py): each adapter's TP parts joined as its linear's input and output are split
+    (A on r for linear_qkv and linear_fc1, on its input for linear_proj and linear_fc2; every B on its rows,
+    fc1's [gate; up] on each rank), bit for bit megatron-core's own single-process load; merged with the
+    alpha the files do not say, the live model's logits."""
+    from safetensors.torch import load_file
+
+    ref: dict[str, Any] = torch.load(f"{LEGACY}.expected.pt.ref", weights_only=True)
+    shardstore.unshard(LEGACY, tmp_path / "st", jobs=1)
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), ref["model"], "torch format")
+    assert_refused(cli("unshard", LEGACY, tmp_path / "no-alpha", "--format", "hf", "--merge-adapter", "-q"),
+                   "give it as trained: --lora-alpha A")
+    shardstore.unshard(LEGACY, tmp_path / "merged", format="hf", merge_adapter=True, lora_alpha=8.0, jobs=1)
+    with torch.no_grad():
+        logits = _hf(tmp_path / "merged")(input_ids=ref["ids"]).logits
+    torch.testing.assert_close(logits, ref["logits"], rtol=1e-4, atol=1e-4)

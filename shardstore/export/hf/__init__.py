@@ -272,6 +272,12 @@ def peft_view(store: Store, subtree: str, request: ExportRequest) -> lora.Named:
 
 
 def check_adapter(store: Store, subtree: str, request: ExportRequest) -> None:
+    """`lora.check_adapter` from the plan, where the model's names can be known from it: a Megatron model
+    described by the values only its data brings (Megatron-LM's args in a torch-format file) is checked
+    by the export itself."""
+    names = list(model_leaves(store, subtree, request.strip_prefix))
+    if request.hf_config is None and in_values(store) and megatron_lora.has_adapters(names):
+        return
     lora.check_adapter(store, peft_view(store, subtree, request), request)
 
 

@@ -11,7 +11,8 @@ names (Megatron records them on the parameters, not in the file): column-paralle
 (q/k/v, fc1, the embedding and the output layer: the vocabulary; MLA's q and kv up projections, MTP's
 eh_proj) on dim 0, row-parallel weights (proj, fc2) on dim 1, norms, row-parallel biases and the router
 whole on every rank (taken from tensor rank 0). SwiGLU's fc1 (dense, shared expert, each routed expert)
-is [gate; up] on every rank, so each rank's two halves go to their own places. A chunk's layers are
+is [gate; up] on every rank, so each rank's two halves go to their own places. A LoRA adapter
+(Megatron-Bridge's, NeMo's `X.adapter.linear_in`/`linear_out`) is split as its linear's input and output. A chunk's layers are
 renumbered by the layers before it (uniform stages: `args` say how many); MTP's `mtp.layers.{i}` are not
 decoder layers and keep their numbers. Routed experts are numbered within their expert rank's file
 (`local_experts.{l}`, Transformer Engine's `linear_fc1.weight{l}`) and become
@@ -81,6 +82,10 @@ ROW = _tail(r"self_attention\.linear_proj\.weight", rf"{MLP}\.linear_fc2\.weight
 WHOLE = _tail(r"[a-z_]*norm\.(?:weight|bias)", r"layer_norm_(?:weight|bias)", r"linear_proj\.bias",
               r"linear_fc2\.bias", r"embedding\.position_embeddings\.weight",
               r"router\.(?:weight|bias|expert_bias)", r"shared_experts\.gate_weight")
+# A LoRA adapter of a linear (Megatron-Bridge's, NeMo's: its ParallelLinearAdapter), split as that linear's
+# input and output are: A (linear_in) a column-parallel linear's on its r rows (dim 0), a row-parallel
+# one's on its columns (dim 1); B (linear_out) on its rows (dim 0), SwiGLU fc1's [gate; up] on each rank
+ADAPTER = re.compile(r"(?P<base>.+)\.adapter\.linear_(?P<part>in|out)\.weight\Z")
 # A module's extra state (Transformer Engine's FP8 metadata, an empty uint8 tensor without FP8; the local
 # spec's None): a value, kept as tensor rank 0's, not an array to merge
 EXTRA = "._extra_state"
@@ -296,6 +301,9 @@ def _boxes(name: str, shape: tuple[int, ...], t: int, grid: dict[str, Any], wher
         return shape, [((0,) * len(shape), shape, 0, rows)] if t == 0 else []
     if any(name.endswith(k) for k in DOWN):
         return _down(name, shape, t, grid, where)
+    adapter = ADAPTER.match(name)
+    if adapter is not None and len(shape) == 2:
+        return _adapter_boxes(adapter, shape, t, grid, where)
     if GLU.search(name) and grid["glu"]:
         if rows % 2:
             raise CheckpointError(f"{where}: {name}: SwiGLU's fc1 of {rows} rows cannot be [gate; up]")
@@ -306,6 +314,23 @@ def _boxes(name: str, shape: tuple[int, ...], t: int, grid: dict[str, Any], wher
         return (rows, shape[1] * tp), [((0, t * shape[1]), shape, 0, rows)]
     raise CheckpointError(f"{where}: {name}: a tensor whose tensor-parallel split shardstore does not know; "
                           f"it cannot be merged exactly")
+
+
+def _adapter_boxes(adapter: re.Match[str], shape: tuple[int, ...], t: int, grid: dict[str, Any], where: str
+                   ) -> tuple[tuple[int, ...], list[Box]]:
+    """A LoRA adapter's A or B, split as its base linear's input and output are (`ADAPTER`)."""
+    base, rows = f"{adapter['base']}.weight", shape[0]
+    column = bool(COLUMN.search(base) or GLU.search(base))
+    if not column and not ROW.search(base):
+        raise CheckpointError(f"{where}: {adapter[0]}: the adapter of a linear whose tensor-parallel split "
+                              f"shardstore does not know; it cannot be merged exactly")
+    if adapter["part"] == "in" and not column:  # A of a row-parallel linear: its input's columns
+        return (rows, shape[1] * grid["tp"]), [((0, t * shape[1]), shape, 0, rows)]
+    if adapter["part"] == "out" and GLU.search(base) and grid["glu"]:
+        if rows % 2:
+            raise CheckpointError(f"{where}: {adapter[0]}: SwiGLU's fc1 adapter of {rows} rows cannot be [gate; up]")
+        return _split(shape, t, grid["tp"], [rows // 2 * grid["tp"]] * 2)
+    return _split(shape, t, grid["tp"], [rows * grid["tp"]])
 
 
 class _Entry(NamedTuple):
