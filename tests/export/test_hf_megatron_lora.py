@@ -265,3 +265,25 @@ def test_a_torch_format_lora_is_merged_as_megatron_core_loads_it(tmp_path: Path)
     with torch.no_grad():
         logits = _hf(tmp_path / "merged")(input_ids=ref["ids"]).logits
     torch.testing.assert_close(logits, ref["logits"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name, needle", [("tp2-pp1-dora", "linear_proj.adapter.weight_magnitude"),
+                                          ("tp2-pp1-canonical-lora", "linear_qkv.adapter.adapter_q.linear_in.weight")])
+def test_bridges_dora_and_canonical_lora_are_refused_by_name_and_written_as_saved(name: str, needle: str,
+                                                                                   tmp_path: Path) -> None:
+    """Megatron-Bridge's own DoRA and CanonicalLoRA at TP=2 (tests/fixtures/megatron_lora.py): their saves do
+    not hold the trained adapter as one model (the fixture's README: DoRA's row-parallel magnitudes per
+    rank, CanonicalLoRA's fc1 rows in TP order), so they are refused by name before any rank is read;
+    --format safetensors writes what was saved, as megatron-core's own single-process load has it."""
+    from safetensors.torch import load_file
+
+    src = DATA / name
+    for flag in ("--adapter", "--merge-adapter"):
+        assert_refused(cli("unshard", src, tmp_path / flag, "--format", "hf", flag, "-q"), needle,
+                       "Megatron-Bridge's DoRA or CanonicalLoRA")
+    shardstore.unshard(src, tmp_path / "st", jobs=1)
+    ref = torch.load(f"{src}.expected.pt.ref", weights_only=True)
+    # (the local spec's norms, saved under Transformer Engine's names as megatron-core maps them)
+    saved = {k.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
+             .replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"): v for k, v in ref["model"].items()}
+    assert_bitwise_equal(load_file(tmp_path / "st" / "model.safetensors"), saved, name)

@@ -51,8 +51,9 @@ NO_HF_DESCRIPTION = ("cannot tell which Hugging Face model this is: the checkpoi
 def in_values(store: Store) -> bool:
     """Whether the model is described by values the store holds (Composer's Hugging Face metadata,
     Megatron-LM's common state where the plan did not read its args), which only the data brings."""
+    described = {CONFIG, NEMO_MODEL, RUN_CONFIG} & set(store.manifest.facts.side_files)  # (`describe` reads first)
     return _holder(store, COMPOSER_HF) is not None \
-        or (_megatron_common(store) is not None and store.manifest.facts.megatron_args is None)
+        or (_megatron_common(store) is not None and store.manifest.facts.megatron_args is None and not described)
 
 
 def _megatron_common(store: Store) -> Node | None:

@@ -54,8 +54,9 @@ def split(names: list[str], shapes: dict[str, tuple[int, ...]]
         if m is None or not name.startswith("decoder.") or name.endswith(EXTRA_STATE):
             continue
         if m["rest"] not in PAIR:
-            raise ExportError(f"{name}: a Megatron adapter's tensor other than LoRA's linear_in and linear_out "
-                              f"(DoRA, CanonicalLoRA): not mapped onto peft's names")
+            raise ExportError(f"{name}: Megatron-Bridge's DoRA or CanonicalLoRA, not mapped onto peft's names (their "
+                              f"saves at TP > 1 keep a row-parallel linear's DoRA magnitude per rank, and "
+                              f"CanonicalLoRA's gate and up rows in TP order); --format safetensors writes them as saved")
         found.setdefault(m["module"], [None, None])[PAIR[m["rest"]]] = name
     if not found:
         return None, names, shapes
