@@ -4,6 +4,7 @@ folders; what its ranks gathered at each save is the reference."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -157,3 +158,77 @@ def test_a_run_on_object_storage_is_followed(saved_run: tuple[Path, Path], tmp_p
     assert [e.name for e in events if isinstance(e, Published)] == ["step-2", "step-4"]
     for name in ("step-2", "step-4"):
         _is_saved(out, refs, name)
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("SHARDSTORE_FOLLOW_SEEDS", "2"))))
+def test_killed_at_random_beside_a_live_run_it_never_shows_a_partial_step(seed: int, tmp_path: Path) -> None:
+    """The follower SIGKILLed twice at seeded random moments while a run trains, saves and rotates beside
+    it, and started again each time: at every moment a reader sees whole folders only and `latest` names
+    one of them; at the end every step published is what the ranks saved. CI runs two seeds;
+    SHARDSTORE_FOLLOW_SEEDS=50 runs fifty."""
+    import random
+    import signal
+    import time
+
+    rng = random.Random(seed)
+    run, refs, out = tmp_path / "run", tmp_path / "refs", tmp_path / "out"
+    trainer = subprocess.Popen([sys.executable, "-m", "tests.fixtures.training_run", str(run), str(refs), "16", "2",
+                                "3", "0.3"], cwd=ROOT)
+    cmd = [sys.executable, "-m", "shardstore", "follow", str(run), str(out), "--poll", "0.2", "--jobs", "1"]
+    kills = 0
+    try:
+        while not run.is_dir():
+            time.sleep(0.05)
+        follower = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+        kill_at = time.monotonic() + rng.uniform(1.0, 4.0)
+        while trainer.poll() is None:
+            if out.is_dir():
+                seen = _published(out)
+                if (out / LATEST).exists():
+                    assert (out / LATEST).read_text() in seen
+            if kills < 2 and time.monotonic() > kill_at:
+                follower.send_signal(signal.SIGKILL)
+                follower.wait()
+                kills += 1
+                follower = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+                kill_at = time.monotonic() + rng.uniform(1.0, 4.0)
+            time.sleep(0.01)
+        follower.send_signal(signal.SIGKILL)
+        follower.wait()
+    finally:
+        trainer.wait(timeout=300)
+    assert trainer.returncode == 0 and kills == 2
+    proc = subprocess.run([*cmd[:-4], "--once", "--jobs", "1"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    seen = _published(out)
+    assert "step-16" in seen and (out / LATEST).read_text() == "step-16"
+    for name in seen:
+        _is_saved(out, refs, name)
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("SHARDSTORE_FOLLOW_SEEDS", "2"))))
+def test_a_trainer_killed_mid_save_leaves_its_partial_step_unpublished(seed: int, tmp_path: Path) -> None:
+    """The trainer SIGKILLed at a seeded random moment (mid-save, often: it saves every step): the step it
+    was writing has no .metadata and is not published; every step published is one its ranks finished,
+    bit for bit (its reference, written after the save, is there unless the kill fell between the two)."""
+    import random
+    import signal
+    import time
+
+    run, refs, out = tmp_path / "run", tmp_path / "refs", tmp_path / "out"
+    trainer = subprocess.Popen([sys.executable, "-m", "tests.fixtures.training_run", str(run), str(refs), "40", "1",
+                                "40", "0"], cwd=ROOT, start_new_session=True)
+    while not any(run.glob("step-*/.metadata")) and trainer.poll() is None:
+        time.sleep(0.01)
+    time.sleep(random.Random(seed).uniform(0.0, 1.0))
+    os.killpg(trainer.pid, signal.SIGKILL)  # the job and its gloo ranks, as a scheduler ends a job
+    trainer.wait()
+    assert trainer.returncode == -signal.SIGKILL, "the run ended before the kill"
+    events = shardstore.follow(run, out, once=True, jobs=1)
+    published = {e.name for e in events if isinstance(e, Published)}
+    whole = {p.parent.name for p in run.glob("step-*/.metadata")}
+    assert published == whole and whole, (published, whole)
+    assert not [e for e in events if isinstance(e, Skipped)]
+    for name in published:
+        if (refs / f"{name}.pt").exists():
+            _is_saved(out, refs, name)
