@@ -232,3 +232,29 @@ def test_a_trainer_killed_mid_save_leaves_its_partial_step_unpublished(seed: int
     for name in published:
         if (refs / f"{name}.pt").exists():
             _is_saved(out, refs, name)
+
+
+def test_a_full_disk_publishes_nothing_and_the_next_look_publishes(saved_run: tuple[Path, Path],
+                                                                  tmp_path: Path) -> None:
+    """OUT on a real tmpfs too small for a step: the step is skipped in one line, nothing is published and
+    `latest` is not written; once space is freed, the next look publishes both steps, bit for bit."""
+    run, refs = saved_run
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()[:100]}); needs root")
+    try:
+        out = disk / "out"
+        events = shardstore.follow(run, out, once=True, jobs=1)
+        assert [type(e).__name__ for e in events] == ["Skipped", "Skipped"]
+        assert all(not e.removed and "space" in e.why for e in events if isinstance(e, Skipped))
+        assert _published(out) == [] and not (out / LATEST).exists()
+        subprocess.run(["mount", "-o", "remount,size=256m", str(disk)], check=True)
+        events = shardstore.follow(run, out, once=True, jobs=1)
+        assert [e.name for e in events if isinstance(e, Published)] == ["step-2", "step-4"]
+        for name in ("step-2", "step-4"):
+            _is_saved(out, refs, name)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
