@@ -99,7 +99,8 @@ def _megatron_from(store: Store, subtree: str, args: dict[str, Any], where: str)
 
 def has_hf_description(store: Store) -> bool:
     """Whether the checkpoint may describe its model itself, from its plan alone (no rank need be in):
-    the run's config.yaml, Composer's Hugging Face metadata, or Megatron-LM's common state."""
+    the run's config.yaml, Composer's Hugging Face metadata, NeMo's model.yaml, Megatron-Bridge's
+    run_config.yaml, or Megatron-LM's common state."""
     side = store.manifest.facts.side_files
     return in_values(store) or "config.yaml" in side or CONFIG in side or NEMO_MODEL in side or RUN_CONFIG in side \
         or store.manifest.facts.megatron_args is not None

@@ -26,16 +26,16 @@ from .spec import HFModel, HFTensor
 @dataclass(frozen=True)
 class Named:
     """A model's tensors under the names peft gives them, each the checkpoint's tensor (or those blocks of
-    its rows) it is: the checkpoint's own names, or a Megatron model's mapped onto Hugging Face's
-    (`megatron_lora`: `mapped`)."""
+    its rows) it is: the checkpoint's own names, or a Megatron model's mapped onto Hugging Face's with its
+    adapters (`megatron_lora`: `megatron`)."""
 
     tensors: dict[str, HFTensor]
     paths: dict[str, str]  # the checkpoint's names -> store paths
-    mapped: bool = False
+    megatron: bool = False
 
     @classmethod
     def of(cls, model: HFModel, paths: dict[str, str]) -> Named:
-        return cls({t.key: t for t in model.tensors}, paths, any(t.key != t.source for t in model.tensors))
+        return cls({t.key: t for t in model.tensors}, paths, megatron_lora.has_adapters(list(paths)))
 
     def where(self, key: str) -> tuple[str, Any]:
         """The store path and rows `key` is."""
@@ -154,7 +154,7 @@ def _adapter_config(store: Store, peft: adapters.Peft, view: Named, request: Exp
     if raw is not None and not isinstance(raw, dict):
         raise ExportError(f"{where}: not a PEFT adapter config (a JSON object)")
     alpha, rslora = request.lora_alpha, request.rslora
-    if view.mapped:  # Megatron's LoRA scales by alpha/r
+    if view.megatron:  # Megatron's LoRA scales by alpha/r
         if request.rslora:
             raise ExportError("--rslora: Megatron's LoRA (Megatron-Bridge's, NeMo's) scales by alpha/r; it has no "
                               "rsLoRA")
@@ -194,7 +194,7 @@ def _recorded(store: Store, peft: adapters.Peft, view: Named) -> tuple[int, floa
     if meta is not None:  # veRL builds its LoraConfig from these alone: no rsLoRA, no DoRA, no bias
         where = f"the checkpoint's {verl.LORA_META}"
         return *adapters.from_verl(jsonin.loads(meta, where, "veRL's LoRA record", ExportError), where), where
-    run_config = side_config(store, RUN_CONFIG) if view.mapped else None
+    run_config = side_config(store, RUN_CONFIG) if view.megatron else None
     run = megatron_lora.run_lora(run_config, f"the checkpoint's {RUN_CONFIG}") if run_config is not None else None
     if run is None:
         return None
