@@ -8,13 +8,16 @@ import functools
 
 from .contract import Format
 from .folder import FolderFormat
-from .formats import accelerate, dcp, dcp_hf, deepspeed, dtensor, megatron_torch, olmo_core, olmo_local, rankfile, verl
+from .formats import (accelerate, dcp, dcp_hf, deepspeed, dtensor, megatron_torch, olmo_core, olmo_local, rankfile, verl,
+                      verl_adapters)
 
 
 @functools.cache
 def folder_formats() -> tuple[Format, ...]:
     """The formats a checkpoint folder is recognised by, in order."""
     return (
+        # veRL's legacy LoRA adapter files: before DCP, whose actor/dist_ckpt/ beside them holds RNG state only
+        FolderFormat(verl_adapters, "veRL Megatron LoRA adapters"),
         dcp.FORMAT,  # a .metadata file: before anything that also holds .pt files (OLMo's train/)
         FolderFormat(olmo_local, "OLMo `local`"),
         FolderFormat(olmo_core, "OLMo-core"),

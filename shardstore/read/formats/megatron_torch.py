@@ -53,6 +53,9 @@ FILE = "model_optim_rng.pt"
 DISTRIB = "distrib_optim.pt"  # the distributed optimizer's state, gathered to data-parallel rank 0
 RANK_FOLDER = re.compile(r"mp_rank_([0-9]{2})(?:_([0-9]{3}))?(?:_([0-9]{3}))?\Z")
 MODEL, RANKS, DISTRIB_KEY = "model", "ranks", "distrib_optim"
+# veRL's Megatron actor's LoRA adapter files (verl_adapters.py): `mp_rank_TT[_PPP][_EEE]_adapter.pt`, each
+# `{"adapter_state_dict": its rank's part of every adapter}`, merged as a Megatron-LM file's model
+ADAPTER_FILE, ADAPTER_MODEL = re.compile(r"(mp_rank_[0-9]{2}(?:_[0-9]{3}){0,2})_adapter\.pt\Z"), "adapter_state_dict"
 CHUNK = re.compile(r"model([0-9]+)\Z")  # generate_state_dict's `model%d`, one per virtual pipeline chunk
 LAYER = re.compile(r"(.*?(?:^|\.)layers\.)([0-9]+)(\..*)")
 MTP = "mtp.layers."  # multi-token prediction's layers: numbered apart from the decoder's
@@ -155,7 +158,9 @@ def unit_kind(name: str) -> str:
 
 
 def _rank_name(path: str) -> str:
-    return name_of(folder_of(path))
+    """The rank's folder name, `mp_rank_TT[_PPP][_EEE]` (of a veRL adapter file: its name's)."""
+    adapter = ADAPTER_FILE.match(name_of(path))
+    return adapter[1] if adapter else name_of(folder_of(path))
 
 
 # ---------------------------------------------------------------------------------------------- layout
@@ -168,8 +173,9 @@ def _whole_number(state: dict[str, Any], key: str, where: str, default: int | No
 
 
 def _grid(args: Any, where: str) -> dict[str, Any]:
-    """The facts the merge needs, from rank 0's `args`: refused where they name a layout not read."""
-    state = getattr(args, "state", None)
+    """The facts the merge needs, from rank 0's `args` (or a dict of them): refused where they name a
+    layout not read."""
+    state = args if isinstance(args, dict) else getattr(args, "state", None)
     if not isinstance(state, dict):
         raise CheckpointError(f"{where}: holds no Megatron-LM args (the parallel layout is read from them)")
     tp, pp = (_whole_number(state, k, where) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
@@ -359,10 +365,10 @@ class _Read:
             self.chunks = [] if self.optimizer else _chunks(obj, path)
             self.args = obj.get("args") if isinstance(obj, dict) else None
             self.moment = _moment(obj, self.args) if not self.optimizer else None
-            try:
-                tree, leaves = flatten(obj if self.optimizer else {k: v for k, v in obj.items()
-                                                                   if k != MODEL and not CHUNK.match(str(k))},
-                                       encode_key)
+            rest = obj if self.optimizer else {k: v for k, v in obj.items()
+                                               if k not in (MODEL, ADAPTER_MODEL) and not CHUNK.match(str(k))}
+            try:  # (veRL's adapter files hold nothing else)
+                tree, leaves = flatten(rest, encode_key) if rest else (Node("dict", "", []), {})
             except RecursionError:
                 raise CheckpointError(f"{path}: values nested too deeply, or containing themselves") from None
             under = paths.join(RANKS, paths.escape(self.name), *([DISTRIB_KEY] if self.optimizer else []))
@@ -431,7 +437,8 @@ def _chunks(obj: Any, path: str) -> list[dict[str, Any]]:
     """A rank file's model state dicts: `model`, or one per virtual pipeline chunk (`model0`, `model1`, ...)."""
     found = {int(m[1]): v for k, v in obj.items() if isinstance(k, str) and (m := CHUNK.match(k))} \
         if isinstance(obj, dict) else {}
-    chunks = [obj[MODEL]] if isinstance(obj, dict) and MODEL in obj and not found else \
+    model = next((k for k in (MODEL, ADAPTER_MODEL) if isinstance(obj, dict) and k in obj), None)
+    chunks = [obj[model]] if model is not None and not found else \
         [found[v] for v in range(len(found))] if set(found) == set(range(len(found))) else []
     if not chunks or not all(isinstance(c, dict) for c in chunks):
         raise CheckpointError(f"{path}: not a Megatron-LM checkpoint file (a dict with a `model` state dict, or "
@@ -501,15 +508,16 @@ def _same_parts(files: list[_Read]) -> None:
 
 
 def spec(folder: str, unit_paths: list[str], encode_key: KeyEncoder, strict: bool,
-         storage_options: StorageOptions | None) -> CheckpointSpec:
-    """Planned from every rank's file (their pickles, not their tensors): the grid from rank 0's args,
-    each stage's names and shapes from its files, checked equal across a stage's tensor and expert ranks."""
+         storage_options: StorageOptions | None, args: dict[str, Any] | None = None) -> CheckpointSpec:
+    """Planned from every rank's file (their pickles, not their tensors): the grid from rank 0's args (or
+    `args`, for files that keep none), each stage's names and shapes from its files, checked equal across
+    a stage's tensor and expert ranks."""
     refuse_copies(unit_paths, storage_options, FILE)  # no two ranks' parts of a model are the same bytes
     files: list[_Read] = []
     try:
         for path in unit_paths:
             files.append(_Read(path, storage_options, strict, encode_key))
-        grid = _grid(files[0].args, files[0].path)
+        grid = _grid(files[0].args if args is None else args, files[0].path)
         check_iteration(files[0].path, files[0].moment, folder)
         _whole_grid(folder, [f for f in files if not f.optimizer], grid)
         for f in files:
