@@ -24,6 +24,7 @@ with the steps published.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from .trainers.contract import Steps
 
 STAGING = ".shardstore-follow"  # inside OUT: the checkpoint being unsharded, and folders being removed
 LATEST = "latest"
+RANK_FILE = re.compile(r"(.+)-rank[0-9]+\.pt\Z")  # a rank's file named for its checkpoint (Composer's)
 Stamp = tuple[tuple[str, int, float], ...]  # a checkpoint's files: (path, size, modification time) each
 
 
@@ -87,25 +89,43 @@ Event = Union[Published, Skipped, Removed]
 
 
 def checkpoints(run: str, storage_options: StorageOptions | None = None) -> list[tuple[int, str, Steps]]:
-    """The run's checkpoints (its folders and files a trainer names by step), oldest first."""
+    """The run's checkpoints (its folders and files a trainer names by step, and the rank files sharing
+    the run folder under one step's name: Composer's `ep0-ba10-rank0.pt`), oldest first."""
     found = []
     for path in listing(run, storage_options) + [join(run, n) for n in subfolders(run, storage_options)]:
-        name = name_of(path)
-        steps = next((s for s in RUNS if s.step(name) is not None), None)
-        if steps is not None:
-            found.append((steps.step(name) or 0, name, steps))
+        whole = name_of(path)
+        for name in (whole, *(m[1] for m in [RANK_FILE.match(whole)] if m)):
+            steps = next((s for s in RUNS if s.step(name) is not None), None)
+            if steps is not None:
+                found.append((steps.step(name) or 0, name, steps))
+                break
     return sorted(set(found), key=lambda c: (c[0], c[1]))
 
 
-def stamp(path: str, storage_options: StorageOptions | None = None) -> Stamp:
-    """Every file of a checkpoint (a folder, or one file) with its size and modification time."""
+def stamp(run: str, name: str, storage_options: StorageOptions | None = None) -> Stamp:
+    """Every file of the run's checkpoint `name` (a folder, one file, or the rank files named for it) with
+    its size and modification time."""
+    own = _files(join(run, name), storage_options)
+    return own or tuple(f for p in listing(run, storage_options)
+                        if (m := RANK_FILE.match(name_of(p))) and m[1] == name for f in _files(p, storage_options))
+
+
+def _files(path: str, storage_options: StorageOptions | None) -> Stamp:
+    """Every file of a folder, or the one file, with its size and modification time (none where nothing
+    is there, or no longer)."""
     if is_url(path):
         fs, base = filesystem(path, storage_options)
-        found = fs.find(base, detail=True) if fs.isdir(base) else {base: fs.info(base)}
+        try:
+            found = fs.find(base, detail=True) if fs.isdir(base) else {base: fs.info(base)}
+        except FileNotFoundError:
+            return ()
         return tuple(sorted((p, int(d.get("size") or 0), _modified(d)) for p, d in found.items()))
     root = local(path)
     if os.path.isfile(root):
-        st = os.stat(root)
+        try:
+            st = os.stat(root)
+        except FileNotFoundError:
+            return ()
         return ((root, st.st_size, st.st_mtime),)
     files = []
     for folder, _, names in os.walk(root):
@@ -158,7 +178,7 @@ class Follower:
                 continue
             if newest is not None and step > newest:
                 continue  # its trainer has not finished it: its pointer names an older step
-            now = stamp(join(self.run, name), options)
+            now = stamp(self.run, name, options)
             before, self.stamps[name] = self.stamps.get(name), now
             if not now or newest is None and now != before:
                 continue  # (no pointer: whole once no file of it changed since the previous look)
@@ -190,7 +210,7 @@ class Follower:
         try:
             self.unshard(self.run, staging, step)
         except failures as exc:
-            if stamp(join(self.run, name), self.how.storage_options) == ():
+            if stamp(self.run, name, self.how.storage_options) == ():
                 self.gone.add(name)
                 shutil.rmtree(staging, ignore_errors=True)
                 return Skipped(name, "removed by its trainer while it was read", True)

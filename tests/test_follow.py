@@ -258,3 +258,27 @@ def test_a_full_disk_publishes_nothing_and_the_next_look_publishes(saved_run: tu
             _is_saved(out, refs, name)
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_composers_rank_files_sharing_the_run_folder_are_followed(layout_checkpoints, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Composer's default save_filename puts every rank's `ep0-ba{B}-rank{r}.pt` in the run folder itself:
+    the files named for a step are that step; each is published once no file of it changed, a step with a
+    rank file still missing is refused until it is there."""
+    from safetensors.torch import load_file
+
+    from tests.fixtures.layouts import expected
+
+    src = layout_checkpoints("composer-w2-follow", 2, "composer", steps=(10, 20))
+    run, out = tmp_path / "run", tmp_path / "out"
+    run.mkdir()
+    for f in src.glob("ep0-ba*/ep0-ba*-rank*.pt"):
+        shutil.copy(f, run / f.name)
+    held = (run / "ep0-ba20-rank1.pt").rename(tmp_path / "held.pt")
+    events = shardstore.follow(run, out, once=True, jobs=1)
+    assert [(type(e).__name__, e.name) for e in events] == [("Published", "ep0-ba10"), ("Skipped", "ep0-ba20")]
+    held.rename(run / "ep0-ba20-rank1.pt")
+    events = shardstore.follow(run, out, once=True, jobs=1)
+    assert [(type(e).__name__, e.name) for e in events] == [("Published", "ep0-ba20")]
+    for name in ("ep0-ba10", "ep0-ba20"):
+        assert_bitwise_equal(load_file(out / name / "model.safetensors"), expected("composer")["model"], name)
+    assert (out / LATEST).read_text() == "ep0-ba20"
