@@ -20,9 +20,9 @@ from typing import Any
 
 from ...errors import ExportError
 from ...patterns import matcher
+from ..adapters import PREFIX
 from .spec import HFModel, HFTensor
 
-PREFIX = "base_model.model."  # where peft's PeftModel keeps the model (adapters.PREFIX)
 ADAPTER = re.compile(r"(?P<module>.+?)\.adapter\.(?P<rest>.+)\Z")
 PAIR = {"linear_in.weight": 0, "linear_out.weight": 1}  # A, B
 EXTRA_STATE = "._extra_state"  # Transformer Engine's, which NeMo 2 keeps for the adapters' linears too
