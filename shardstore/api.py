@@ -126,7 +126,10 @@ def follow(run: PathLike, out: PathLike, *, every: int | None = None, keep: int 
 
     def one(src: str, folder: Any, step: int) -> Any:
         return unshard(src, folder, step=step, **options)
-    return _follow(run, out, how, one, on_event or (lambda event: None))
+
+    def begin(src: str, folder: Any, name: str, files: list[str]) -> tuple[int, int]:
+        return _run.begin(_run.request(src, folder, tag=name, **options), files)
+    return _follow(run, out, how, one, on_event or (lambda event: None), begin)
 
 
 __all__ = ["open", "ingest", "watch", "export", "unshard", "verify", "average", "follow", "Plan", "rank_files",

@@ -392,8 +392,9 @@ def follow(run: str, out: str, every: int | None, keep: int | None, poll: float,
             click.echo(json.dumps({"event": type(event).__name__.lower(), **{k: v for k, v in vars(event).items()}},
                                   default=str))
         elif isinstance(event, Published):
+            early = f"; {event.early} of its files taken as they landed" if event.early else ""
             click.echo(f"published {event.folder} (step {event.step}; {event.lag:.1f} s after its last file, "
-                       f"unsharded in {event.seconds:.1f} s)")
+                       f"unsharded in {event.seconds:.1f} s{early})")
         elif isinstance(event, Skipped):
             click.echo(f"skipped {event.name}: {event.why}", err=True)
         else:

@@ -17,6 +17,11 @@ each first renamed out of sight, only once a newer one is published. A checkpoin
 (rotation) while it is read is skipped in one line; any other failure (a full disk) is said once and
 tried again at the next look.
 
+Rank files are taken as they land: while a checkpoint of them is still being saved, each rank's file,
+once whole and still since the previous look, is ingested into its staging folder (`run.begin`), so
+that once the checkpoint is complete only the last ranks are left to read. Its staging is dropped if
+the trainer removes the checkpoint before it is complete.
+
 Each look lists RUN once, and recursively only the checkpoints not yet published: its cost does not grow
 with the steps published.
 """
@@ -33,6 +38,9 @@ from typing import Any, Callable, Union
 
 from .errors import ShardstoreError
 from .locations import StorageOptions, filesystem, is_url, join, listing, local, name_of, service_errors, subfolders
+from .read.arrival import Looks
+from .read.discover import arriving
+from .read.registry import get
 from .read.source import pointed
 from .trainers.registry import RUNS
 from .trainers.contract import Steps
@@ -67,6 +75,7 @@ class Published:
     folder: Path
     lag: float
     seconds: float
+    early: int = 0  # its units taken as they landed, before it was complete
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,8 @@ class Removed:
 
 
 Event = Union[Published, Skipped, Removed]
+# (run, staging, checkpoint name, its whole rank files) -> its units in, and its world size
+Begin = Callable[[str, Path, str, list[str]], tuple[int, int]]
 
 
 def checkpoints(run: str, storage_options: StorageOptions | None = None) -> list[tuple[int, str, Steps]]:
@@ -148,9 +159,13 @@ class Follower:
     """One follow of RUN into OUT: `look()` publishes what is complete since the previous look."""
 
     def __init__(self, run: str | os.PathLike[str], out: str | os.PathLike[str], how: Following,
-                 unshard: Callable[[str, Path, int], Any], on_event: Callable[[Event], None]):
+                 unshard: Callable[[str, Path, int], Any], on_event: Callable[[Event], None],
+                 begin: Begin | None = None):
         self.run, self.out, self.how = os.fspath(run), Path(out), how
-        self.unshard, self.on_event = unshard, on_event
+        self.unshard, self.on_event, self.begin = unshard, on_event, begin
+        self.looks: dict[str, Looks] = {}  # each checkpoint being saved: its files at the previous look
+        self.begun: dict[str, tuple[int, int]] = {}  # each checkpoint being saved: its units in, of how many
+        self.taken: dict[str, frozenset[str]] = {}  # ... and the files `begin` was last given
         self.stamps: dict[str, Stamp] = {}  # each unpublished checkpoint's at the previous look
         self.said: dict[str, str] = {}  # the failure last said of each checkpoint (said once)
         self.gone: set[str] = set()  # deleted by the trainer while read
@@ -173,17 +188,21 @@ class Follower:
         done = {name for _, name in self.published()}
         found = checkpoints(self.run, options)
         newest = self._pointer([name for _, name, _ in found])
+        self._drop_staging({name for _, name, _ in found})
         for step, name, steps in found:
             if name in done or name in self.gone or (self.how.every and step % self.how.every):
                 continue
             if newest is not None and step > newest:
+                self._landing(name)
                 continue  # its trainer has not finished it: its pointer names an older step
             now = stamp(self.run, name, options)
             before, self.stamps[name] = self.stamps.get(name), now
-            if not now or newest is None and now != before:
+            if not now or newest is None and now != before or \
+                    steps.marker and not any(name_of(p) == steps.marker for p, _, _ in now):
+                self._landing(name)
                 continue  # (no pointer: whole once no file of it changed since the previous look)
-            if steps.marker and not any(name_of(p) == steps.marker for p, _, _ in now):
-                continue
+            if self._landing(name):
+                continue  # (a pointer of one rank names it, or its rank files pause mid-write: Composer's)
             event = self._publish(step, name, now)
             if event is not None:
                 events.append(event)
@@ -192,6 +211,38 @@ class Follower:
             events.append(event)
             self.on_event(event)
         return events
+
+    def _landing(self, name: str) -> bool:
+        """Whether rank files of `name` are still landing (one not whole, or fewer in than its world size),
+        those whole and still since the previous look ingested now (local runs; `begin`). A file `begin`
+        refuses is left for the run of the whole checkpoint to say."""
+        if self.begin is None or is_url(self.run):
+            return False
+        looks = self.looks.setdefault(name, Looks())
+        try:
+            arrived = arriving(self.run, name, looks)
+        except ShardstoreError:
+            return False
+        if not get(arrived.source.format).ranked:
+            return False
+        ready = frozenset(p for p, _ in arrived.ready)
+        if ready and ready != self.taken.get(name):
+            self.taken[name] = ready
+            try:
+                self.begun[name] = self.begin(self.run, self.out / STAGING / name, name, sorted(ready))
+            except ShardstoreError:
+                self.begun[name] = (0, 0)
+        taken, world = self.begun.get(name, (0, 0))
+        return bool(set(looks.seen) - ready) or taken < world
+
+    def _drop_staging(self, names: set[str]) -> None:
+        """The staging of each checkpoint its trainer removed before it was complete: gone."""
+        staging = self.out / STAGING
+        for folder in staging.iterdir() if staging.is_dir() else ():
+            if not folder.name.startswith(".") and folder.name not in names:
+                shutil.rmtree(folder, ignore_errors=True)
+                for kept in (self.looks, self.begun, self.taken):
+                    kept.pop(folder.name, None)
 
     def _pointer(self, names: list[str]) -> int | None:
         """The step the run's pointer names as its newest finished save, where it keeps one."""
@@ -210,10 +261,13 @@ class Follower:
         try:
             self.unshard(self.run, staging, step)
         except failures as exc:
-            if stamp(self.run, name, self.how.storage_options) == ():
+            after = stamp(self.run, name, self.how.storage_options)
+            if after == ():
                 self.gone.add(name)
                 shutil.rmtree(staging, ignore_errors=True)
                 return Skipped(name, "removed by its trainer while it was read", True)
+            if after != now:  # written to while read (a rank's file landing after its pointer moved): again
+                return None
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if self.said.get(name) == why:
                 return None
@@ -222,9 +276,10 @@ class Follower:
         final = self.out / name
         os.rename(staging, final)
         _write_atomically(self.out / LATEST, name)
-        self.said.pop(name, None)
-        self.stamps.pop(name, None)
-        return Published(name, step, final, time.time() - max(t for _, _, t in now), time.time() - started)
+        for kept in (self.said, self.stamps, self.looks, self.taken):
+            kept.pop(name, None)
+        return Published(name, step, final, time.time() - max(t for _, _, t in now), time.time() - started,
+                         self.begun.pop(name, (0, 0))[0])
 
     def _trim(self) -> list[Event]:
         """The oldest published folders beyond `keep` removed, each renamed out of sight first."""
@@ -252,11 +307,13 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def follow(run: str | os.PathLike[str], out: str | os.PathLike[str], how: Following,
            unshard: Callable[[str, Path, int], Any],
-           on_event: Callable[[Event], None] = lambda event: None) -> list[Event]:
+           on_event: Callable[[Event], None] = lambda event: None, begin: Begin | None = None) -> list[Event]:
     """Follow RUN into OUT until interrupted (`how.once`: publish what is complete now, and return what
     was published, skipped and removed). `unshard(run, folder, step)` writes RUN's checkpoint of `step`
-    into `folder`, refusing in one line, before reading any tensor, one that is not whole."""
-    follower = Follower(run, out, how, unshard, on_event)
+    into `folder`, refusing in one line, before reading any tensor, one that is not whole; `begin(run,
+    folder, name, files)`, where given, ingests those rank files of the checkpoint `name` still being
+    saved into `folder`, which `unshard` then finishes."""
+    follower = Follower(run, out, how, unshard, on_event, begin)
     (Path(out) / STAGING).mkdir(parents=True, exist_ok=True)
     for leftover in (Path(out) / STAGING).glob(".removing-*"):  # a removal a kill interrupted
         shutil.rmtree(leftover, ignore_errors=True)

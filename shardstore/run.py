@@ -25,7 +25,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Collection, Iterable, Iterator
 
 from . import base_folder
 from . import export as _export
@@ -33,10 +33,11 @@ from . import ingest as _ingest
 from .errors import CheckpointError, ExportError, ShardstoreError
 from .export import registry
 from .export.contract import DirectExport, ExportRequest
+from .facts import CheckpointFacts
 from .locations import StorageOptions, is_url, name_of, nearest_existing
 from .paths import under
 from .progress import QUIET, Progress, size_text
-from .read.discover import open_source
+from .read.discover import beside, open_source
 from .read.layouts import missing_ranks, taken_among
 from .read.primitives.identity import content, file_identity
 from .read.registry import get
@@ -132,19 +133,44 @@ class RunPlan:
 
 
 @contextmanager
-def plan_run(request: RunRequest, dry: bool = False, progress: Progress = QUIET) -> Iterator[RunPlan]:
+def plan_run(request: RunRequest, dry: bool = False, progress: Progress = QUIET,
+             arrived: Collection[str] | None = None) -> Iterator[RunPlan]:
     """The run planned: the checkpoint opened and placed, its store planned, and every check a run makes
     before its first unit is read, made. With `dry`, the store is planned in a temporary folder beside
     OUT and nothing of the run is written. Leaving the block ends the run's workers (and closes a merge's
-    base model); a failure leaves no store that holds nothing, and no folder it made for OUT."""
+    base model); a failure leaves no store that holds nothing, and no folder it made for OUT. `arrived`:
+    the run of a checkpoint still being saved, of those of its units only (`begin`)."""
     with base_folder.opened(request.export) as export:
-        with _planned_run(replace(request, export=export), dry, progress) as plan:
+        with _planned_run(replace(request, export=export), dry, progress, arrived) as plan:
             yield plan
 
 
+def begin(request: RunRequest, arrived: Collection[str]) -> tuple[int, int]:
+    """Of a checkpoint of rank files still being saved, the files `arrived` (each whole) ingested where
+    the run of the whole checkpoint, planned with the same request once it is saved, finishes it: that
+    run takes only the rest (the records of these name the output's layout, `_ingest._not_yet_done`).
+    Returns the units in, and the world size. What the rest disagree with is refused by that run, or the store discarded and
+    started again (`_opened`). A checkpoint whose units are not rank files, or not yet found, is left to
+    that run: CheckpointError."""
+    with plan_run(request, arrived=arrived) as plan:
+        assert plan.session is not None
+        plan.session.ingest(plan.subtree, plan.direct.layout if plan.direct is not None else None,
+                            request.verify_replicas)
+        return len(plan.store.records()), plan.store.manifest.world_size
+
+
 @contextmanager
-def _planned_run(request: RunRequest, dry: bool, progress: Progress) -> Iterator[RunPlan]:
+def _planned_run(request: RunRequest, dry: bool, progress: Progress,
+                 arrived: Collection[str] | None = None) -> Iterator[RunPlan]:
     source = _opened(request, progress, dry)
+    if arrived is not None:
+        if not get(source.format).ranked:
+            raise CheckpointError(f"{source.folder}: a {get(source.format).title} checkpoint is taken once saved, "
+                                  f"not file by file")
+        taken = {os.path.abspath(a) for a in arrived}
+        source = replace(source, units=[u for u in source.units if os.path.abspath(u) in taken])
+        if not source.units:
+            raise CheckpointError(f"{source.folder}: none of its rank files is whole yet")
     if dry:
         with _dry_store(request, source) as store:
             yield _planned(request, source, store, None)
@@ -153,7 +179,7 @@ def _planned_run(request: RunRequest, dry: bool, progress: Progress) -> Iterator
     try:
         with _ingest.session(request.location, source, request.jobs, request.scheduler, request.strict,
                              scratch=request.one_pass) as session:
-            yield _planned(request, source, session.store, session)
+            yield _planned(request, source, session.store, session, whole=arrived is None)
     except BaseException:
         for folder in made:  # a refusal before any unit was accepted leaves OUT as it was: not there
             try:
@@ -208,9 +234,18 @@ def _opened(request: RunRequest, progress: Progress, dry: bool) -> Source:
         raise ExportError(f"{scratch}: is a symbolic link; shardstore keeps its scratch store only inside OUT")
     if request.store is None and Store.exists(scratch) and not dry:
         previous = Store.open(scratch)
-        if _ingest.source_changed(previous, source.units):
-            previous.discard()  # started on another checkpoint (a newer step saved over this one): start again
+        if _ingest.source_changed(previous, source.units) or _beside_changed(previous, source):
+            previous.discard()  # started on another checkpoint (a newer step saved over this one), or begun
+            # before the files beside its units were all there (`begin`): start again
     return source
+
+
+def _beside_changed(store: Store, source: Source) -> bool:
+    """Whether the files the store keeps from beside the units (the run's config, the trainer's resume
+    files: the export writes them back) are not, byte for byte, those beside `source`'s now."""
+    facts, now = store.manifest.facts, beside(source)
+    return any(getattr(facts, name) != now.get(name, getattr(CheckpointFacts(), name))
+               for name in ("side_files", "trainer", "resume_files"))
 
 
 def _outside_checkpoint(request: RunRequest, source: Source) -> None:
@@ -262,11 +297,13 @@ def _dry_store(request: RunRequest, source: Source) -> Iterator[Store]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _planned(request: RunRequest, source: Source, store: Store, session: _ingest.Session | None) -> RunPlan:
+def _planned(request: RunRequest, source: Source, store: Store, session: _ingest.Session | None,
+             whole: bool = True) -> RunPlan:
     """Every check a run makes once its store is planned and before a unit is read, and the export laid
-    out: for the workers to write (one pass), or as the store will feed it."""
+    out: for the workers to write (one pass), or as the store will feed it. Not `whole`: some of its rank
+    files only (`begin`)."""
     export = request.export
-    if get(source.format).ranked:  # (else the checkpoint's metadata names every file, checked at planning)
+    if get(source.format).ranked and whole:  # (else the checkpoint's metadata names every file, checked at planning)
         missing = missing_ranks(source.units, store.manifest.world_size)
         if missing:
             raise CheckpointError(f"{request.src}: world size is {store.manifest.world_size} but rank files are "

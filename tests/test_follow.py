@@ -263,7 +263,7 @@ def test_a_full_disk_publishes_nothing_and_the_next_look_publishes(saved_run: tu
 def test_composers_rank_files_sharing_the_run_folder_are_followed(layout_checkpoints, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Composer's default save_filename puts every rank's `ep0-ba{B}-rank{r}.pt` in the run folder itself:
     the files named for a step are that step; each is published once no file of it changed, a step with a
-    rank file still missing is refused until it is there."""
+    rank file still missing waits for it, said nothing of, and is published once it is there."""
     from safetensors.torch import load_file
 
     from tests.fixtures.layouts import expected
@@ -275,10 +275,86 @@ def test_composers_rank_files_sharing_the_run_folder_are_followed(layout_checkpo
         shutil.copy(f, run / f.name)
     held = (run / "ep0-ba20-rank1.pt").rename(tmp_path / "held.pt")
     events = shardstore.follow(run, out, once=True, jobs=1)
-    assert [(type(e).__name__, e.name) for e in events] == [("Published", "ep0-ba10"), ("Skipped", "ep0-ba20")]
+    assert [(type(e).__name__, e.name) for e in events] == [("Published", "ep0-ba10")]
+    assert not (out / "ep0-ba20").exists()
     held.rename(run / "ep0-ba20-rank1.pt")
     events = shardstore.follow(run, out, once=True, jobs=1)
     assert [(type(e).__name__, e.name) for e in events] == [("Published", "ep0-ba20")]
     for name in ("ep0-ba10", "ep0-ba20"):
         assert_bitwise_equal(load_file(out / name / "model.safetensors"), expected("composer")["model"], name)
     assert (out / LATEST).read_text() == "ep0-ba20"
+
+
+def test_rank_files_are_taken_as_they_land_and_the_step_published_once_the_last_is_whole(tmp_path: Path) -> None:
+    """A Composer run (FSDP1 rank files written in place, each landing in pieces, rank 1's after rank 0's):
+    each rank's file is ingested once whole and still, before its checkpoint is complete, so publishing
+    a step is left with its last ranks only; every step published is what the ranks gathered, bit for
+    bit, and no staging of a rotated step is left behind."""
+    import time
+
+    from safetensors.torch import load_file
+
+    run, refs, out = tmp_path / "run", tmp_path / "refs", tmp_path / "out"
+    trainer = subprocess.Popen([sys.executable, "-m", "tests.fixtures.training_run", str(run), str(refs), "6", "2",
+                                "2", "0.5", "composer", "0.4"], cwd=ROOT)
+    events: list[object] = []
+    try:
+        while trainer.poll() is None:
+            if run.is_dir():
+                events += shardstore.follow(run, out, once=True, keep=2, jobs=1)
+                _published(out)
+            time.sleep(0.05)
+    finally:
+        trainer.wait(timeout=300)
+    assert trainer.returncode == 0
+    events += shardstore.follow(run, out, once=True, keep=2, jobs=1)
+    published = [e for e in events if isinstance(e, Published)]
+    assert [e.name for e in published] == ["ep0-ba2", "ep0-ba4", "ep0-ba6"], events
+    assert any(e.early for e in published), published  # rank 0's file, taken while rank 1's landed
+    assert not [e for e in events if isinstance(e, Skipped)], events  # (never read while a file of it landed)
+    for event in published[-2:]:
+        want = torch.load(refs / f"{event.name}.pt", weights_only=True)
+        assert_bitwise_equal(load_file(out / event.name / "model.safetensors"), want, event.name)
+    assert _published(out) == ["ep0-ba4", "ep0-ba6"] and (out / LATEST).read_text() == "ep0-ba6"
+    assert not [p for p in (out / STAGING).iterdir()]
+
+
+def _olmo_step(layout_checkpoints, run: Path) -> Path:  # type: ignore[no-untyped-def]
+    """RUN/step10/ holding the OLMo layout's two rank files."""
+    src = layout_checkpoints("olmo-w2-follow", 2, "olmo")
+    (run / "step10").mkdir(parents=True)
+    for f in src.glob("rank*.pt"):
+        shutil.copy(f, run / "step10" / f.name)
+    return run / "step10"
+
+
+def test_a_run_begun_before_its_config_landed_is_started_again_with_it(layout_checkpoints, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`begin` takes rank 0's file before OLMo's config.yaml is there; the run of the whole checkpoint, once
+    it is, does not finish the store planned without it (whose export would lack the config) but starts
+    again: the export holds config.yaml, and the tensors bit for bit."""
+    from safetensors.torch import load_file
+
+    from shardstore import run as _run
+    from tests.fixtures.layouts import expected
+
+    step = _olmo_step(layout_checkpoints, tmp_path / "run")
+    out = tmp_path / "out"
+    assert _run.begin(_run.request(tmp_path / "run", out, tag="step10", jobs=1), [str(step / "rank0.pt")]) == (1, 2)
+    (step / "config.yaml").write_text("model:\n  d_model: 24\n")
+    shardstore.unshard(tmp_path / "run", out, step=10, jobs=1)
+    assert (out / "config.yaml").read_text() == "model:\n  d_model: 24\n"
+    assert_bitwise_equal(load_file(out / "model.safetensors"), expected("olmo")["model"], "step10")
+
+
+def test_rank_files_taken_of_a_step_removed_before_it_was_complete_leave_no_staging(layout_checkpoints,  # type: ignore[no-untyped-def]
+                                                                                   tmp_path: Path) -> None:
+    """Rank 0's file is taken while rank 1's is missing (nothing is said or published); the trainer then
+    removes the step: its staging goes at the next look."""
+    step = _olmo_step(layout_checkpoints, tmp_path / "run")
+    (step / "rank1.pt").unlink()
+    out = tmp_path / "out"
+    assert shardstore.follow(tmp_path / "run", out, once=True, jobs=1) == []
+    assert (out / STAGING / "step10").is_dir() and not (out / "step10").exists()
+    shutil.rmtree(step)
+    assert shardstore.follow(tmp_path / "run", out, once=True, jobs=1) == []
+    assert list((out / STAGING).iterdir()) == []

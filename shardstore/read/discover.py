@@ -30,13 +30,7 @@ def plan(source: Source, encode_key: KeyEncoder, strict: bool = False) -> tuple[
     spec, unit = fmt.plan(source, encode_key, strict)
     spec.facts = replace(spec.facts, ranked=fmt.ranked, group_claims=fmt.group_claims,
                          keeps_empty_values=fmt.keeps_empty_values)
-    if source.side_files:
-        spec.facts = replace(spec.facts, side_files={name_of(f): _side_file(f, source.storage_options)
-                                                     for f in source.side_files})
-    if source.trainer is not None:
-        spec.facts = replace(spec.facts, trainer=source.trainer,
-                             resume_files={name: _side_file(f, source.storage_options)
-                                           for name, f in source.resume_files.items()})
+    spec.facts = replace(spec.facts, **beside(source))
     return spec, unit
 
 
@@ -46,6 +40,18 @@ def spec_of(source: Source, encode_key: KeyEncoder, strict: bool = False) -> Che
     if unit is not None:
         unit.close()
     return spec
+
+
+def beside(source: Source) -> dict[str, Any]:
+    """What the store keeps of the files beside the checkpoint's units (the facts `side_files`, `trainer`,
+    `resume_files`), which its exports write back."""
+    kept: dict[str, Any] = {}
+    if source.side_files:
+        kept["side_files"] = {name_of(f): _side_file(f, source.storage_options) for f in source.side_files}
+    if source.trainer is not None:
+        kept.update(trainer=source.trainer, resume_files={name: _side_file(f, source.storage_options)
+                                                          for name, f in source.resume_files.items()})
+    return kept
 
 
 def _side_file(path: str, storage_options: StorageOptions | None) -> str:
