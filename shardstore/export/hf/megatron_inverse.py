@@ -1,0 +1,186 @@
+"""The Hugging Face export of Megatron-Core GPT models (`megatron.py`), run backwards: where each tensor of a
+transformers model goes in the Megatron-Core model its config.json describes.
+
+Megatron's names and shapes are built from the config as megatron-core's GPTModel has them (`shapes`),
+the forward mapping is asked where each transformers tensor comes from in them, and that answer is
+inverted (`placements`): a transformers tensor's rows land, block by block, at rows of a Megatron tensor
+(q, k and v per query group into `linear_qkv`, gate and up into `linear_fc1`). Only what the forward
+mapping says is placed, so the two directions cannot disagree; a Megatron row nothing lands on (the
+vocabulary's padding) is named (`Placed.padding`), and a transformers tensor with no place is refused by
+name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import ExportError
+from . import megatron
+from .megatron_llama import (DEEPSEEK_V3, EMBEDDING, FINAL_NORM, GPT_OSS, MOE, NORMS, OUTPUT, QWEN2_MOE, QWEN3,
+                             QWEN3_MOE, need)
+
+Shape = tuple[int, ...]
+LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.+)\Z")
+EXPERT = re.compile(r"(.*)mlp\.experts\.local_experts\.([0-9]+)\.(.+)\Z")
+# the architectures whose Megatron names are built here (multi-latent attention and GPT-OSS's stacked experts
+# are mapped forwards only, so far)
+BUILT = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", QWEN3, MOE, QWEN3_MOE, QWEN2_MOE)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Rows `rows` of transformers' tensor `hf` (all of them: None) land in Megatron's `target` from row `at`."""
+
+    hf: str
+    rows: tuple[int, int] | None
+    target: str
+    at: int
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A transformers model in Megatron's names: each Megatron tensor's shape (per layer, as the model's
+    state dict has it), where every transformers tensor lands, and each Megatron tensor's rows nothing
+    lands on (the vocabulary padded past `vocab_size`), which the writer fills with zeros."""
+
+    shapes: dict[str, Shape]
+    placements: tuple[Placement, ...]
+    padding: dict[str, tuple[int, int]]
+
+
+def architecture(config: dict[str, Any], where: str) -> str:
+    """The transformers class `config` names (by its `architectures`, else its `model_type`), refused by name
+    where its Megatron names are not built here."""
+    arch = (config.get("architectures") or [None])[0]
+    if arch is None and isinstance(config.get("model_type"), str):
+        arch = megatron.BY_MODEL_TYPE.get(config["model_type"], f"model_type {config['model_type']}")
+    if arch in (DEEPSEEK_V3, GPT_OSS):
+        raise ExportError(f"{where}: {arch} is exported from Megatron but not yet written to it; Megatron "
+                          f"checkpoints are written for {', '.join(BUILT)}")
+    if arch not in BUILT:
+        raise ExportError(f"{where}: architecture {arch!r:.60} has no Megatron-Core GPT equivalent here; one of "
+                          f"{', '.join(BUILT)}")
+    return str(arch)
+
+
+def padded_vocab(vocab: int, divisible_by: int) -> int:
+    """Megatron-LM's vocabulary size with padding (`_vocab_size_with_padding`): `vocab` rounded up to a
+    multiple of `divisible_by` (its make_vocab_size_divisible_by times the tensor-parallel size)."""
+    return -(-vocab // divisible_by) * divisible_by
+
+
+def shapes(config: dict[str, Any], where: str, te_norms: bool = True, vocab_rows: int | None = None) -> dict[str, Shape]:
+    """Every tensor of the megatron-core GPTModel `config` describes, per layer, with its shape: norms under
+    Transformer Engine's names (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`: what the
+    keys of every torch_dist checkpoint use, the local spec's and MoE layers' too) or, with `te_norms`
+    false, the local spec's module names; the embedding and output layer of `vocab_rows` rows (default:
+    `vocab_size`, unpadded)."""
+    arch = architecture(config, where)
+    hidden, heads = need(config, "hidden_size", where), need(config, "num_attention_heads", where)
+    groups = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
+    if type(groups) is not int or heads % groups:
+        raise ExportError(f"{where}: {heads} heads in {groups!r:.20} key-value groups")
+    vocab = vocab_rows or need(config, "vocab_size", where)
+    ffn = need(config, "intermediate_size", where)
+    out: dict[str, Shape] = {EMBEDDING: (vocab, hidden)}
+    for i in range(need(config, "num_hidden_layers", where)):
+        layer = f"decoder.layers.{i}."
+        qkv = (heads + 2 * groups) * head_dim
+        out[f"{layer}self_attention.linear_qkv.weight"] = (qkv, hidden)
+        if arch in ("Qwen2ForCausalLM", QWEN2_MOE) or config.get("attention_bias"):
+            out[f"{layer}self_attention.linear_qkv.bias"] = (qkv,)
+        out[f"{layer}self_attention.linear_proj.weight"] = (hidden, heads * head_dim)
+        if arch in (QWEN3, QWEN3_MOE):
+            out[f"{layer}self_attention.q_layernorm.weight"] = (head_dim,)
+            out[f"{layer}self_attention.k_layernorm.weight"] = (head_dim,)
+        for candidates in NORMS.values():
+            out[f"{layer}{candidates[0 if te_norms else 1]}"] = (hidden,)
+        if arch in megatron.MOE_BLOCKS:
+            _, count, width, _ = megatron.MOE_BLOCKS[arch]
+            experts, expert_ffn = need(config, count, where), need(config, width, where)
+            out[f"{layer}mlp.router.weight"] = (experts, hidden)
+            for e in range(experts):
+                out.update(_glu(f"{layer}mlp.experts.local_experts.{e}.", expert_ffn, hidden))
+            if arch == QWEN2_MOE:
+                out.update(_glu(f"{layer}mlp.shared_experts.", need(config, "shared_expert_intermediate_size", where),
+                                hidden))
+                out[f"{layer}mlp.shared_experts.gate_weight"] = (1, hidden)
+        else:
+            out.update(_glu(f"{layer}mlp.", ffn, hidden))
+    out[FINAL_NORM] = (hidden,)
+    if not config.get("tie_word_embeddings", False):
+        out[OUTPUT] = (vocab, hidden)
+    return out
+
+
+def _glu(prefix: str, width: int, hidden: int) -> dict[str, Shape]:
+    return {f"{prefix}linear_fc1.weight": (2 * width, hidden), f"{prefix}linear_fc2.weight": (hidden, width)}
+
+
+def placements(config: dict[str, Any], hf_shapes: dict[str, Shape], where: str, te_norms: bool = True,
+               vocab_rows: int | None = None) -> Placed:
+    """Where each of a transformers model's tensors (`hf_shapes`, by name) lands in the Megatron-Core model
+    its `config` describes: every one of them placed, every Megatron row but the vocabulary's padding
+    landed on, each shape as the config says; else refused naming the tensor."""
+    megatron_shapes = shapes(config, where, te_norms, vocab_rows)
+    model = megatron.plan(config, list(megatron_shapes), megatron_shapes, where, {})
+    placed: list[Placement] = []
+    landed: dict[str, int] = {}
+    for tensor in model.tensors:
+        if tensor.key not in hf_shapes:
+            raise ExportError(f"{where}: has no {tensor.key}, which {config['architectures'][0] if config.get('architectures') else 'the model'} "
+                              f"has (a folder of another model, or a config of another?)")
+        blocks = tensor.rows or ((0, megatron_shapes[tensor.source][0]),)
+        want = (sum(b - a for a, b in blocks), *megatron_shapes[tensor.source][1:])
+        if tuple(hf_shapes[tensor.key]) != want:
+            raise ExportError(f"{where}: {tensor.key} has shape {list(hf_shapes[tensor.key])}, the config makes it "
+                              f"{list(want)} (a config of another model?)")
+        first = 0
+        for a, b in blocks:
+            whole = tensor.rows is None
+            placed.append(Placement(tensor.key, None if whole else (first, first + b - a), tensor.source, a))
+            first += b - a
+            landed[tensor.source] = landed.get(tensor.source, 0) + b - a
+    stray = sorted(set(hf_shapes) - {p.hf for p in placed})
+    if stray:
+        raise ExportError(f"{where}: {stray[0]} has no place in Megatron-Core's GPT model (a tensor transformers' "
+                          f"class does not have, or a config of another model)")
+    padding = {}
+    for name, shape in megatron_shapes.items():
+        if landed.get(name, 0) != shape[0]:
+            vocab = need(config, "vocab_size", where)
+            assert name in (EMBEDDING, OUTPUT) and landed[name] == vocab, name  # the mapping places every other row
+            padding[name] = (vocab, shape[0])
+    return Placed(megatron_shapes, tuple(placed), padding)
+
+
+def stacked(per_layer: dict[str, Shape]) -> dict[str, tuple[Shape, dict[str, tuple[int, ...]]]]:
+    """The keys of a torch_dist checkpoint, as megatron-core saves a GPTModel whatever its parallel layout:
+    each layer's tensors stacked on a leading layer axis (`decoder.layers.self_attention.linear_qkv.weight`
+    of [layers, rows, columns]), a SequentialMLP's experts on an expert axis after it
+    (`decoder.layers.mlp.experts.experts.linear_fc1.weight`), the rest as they are. Each key's global shape,
+    and the index in it of each per-layer tensor."""
+    keys: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name in per_layer:
+        layer = LAYER.match(name)
+        if layer is None:
+            keys.setdefault(name, {})[name] = ()
+            continue
+        rest, index = layer[2], (int(layer[1]),)  # type: tuple[str, tuple[int, ...]]
+        expert = EXPERT.match(rest)
+        if expert is not None:
+            rest, index = f"{expert[1]}mlp.experts.experts.{expert[3]}", (*index, int(expert[2]))
+        keys.setdefault(f"decoder.layers.{rest}", {})[name] = index
+    out = {}
+    for key, members in keys.items():
+        first = next(iter(members))
+        lead = tuple(max(index[d] for index in members.values()) + 1 for d in range(len(members[first])))
+        if len(members) != (lead[0] * (lead[1] if len(lead) > 1 else 1) if lead else 1) or \
+                any(per_layer[m] != per_layer[first] for m in members):
+            raise ExportError(f"{first}: its layers (or experts) differ in shape or number; megatron-core stacks "
+                              f"them into one {key}")
+        out[key] = ((*lead, *per_layer[first]), members)
+    return out
