@@ -194,6 +194,10 @@ def _export_options(f: Any) -> Any:
                      help="With --merge-adapter, of a checkpoint holding the adapter only (the HF Trainer's under "
                           "FSDP): the base model's Hugging Face folder, or its id in the local Hugging Face cache "
                           "(never downloaded), read in place."),
+        click.option("--vocab-multiple", type=click.IntRange(min=1), default=None, metavar="N",
+                     help="With --format megatron: pad the vocabulary to a multiple of N rows, as the job that loads "
+                          "it computes it (Megatron-LM's --make-vocab-size-divisible-by times its tensor-parallel "
+                          "size) [default: 128]."),
     ]):
         f = opt(f)
     return f

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +57,8 @@ def _dtypes(store: Store, tensors: list[Any]) -> dict[str, tuple[int, int]]:
 # formats' own, and the torch files a trainer resumes from with its own files beside them: trainers/).
 _OUTPUT_NAME = re.compile(r"(model(-[0-9]{5}-of-[0-9]{5})?\.safetensors|model\.safetensors\.index\.json"
                           r"|checkpoint\.pt|__[0-9]+_0\.distcp|\.metadata|config\.yaml|config\.json"
-                          rf"|generation_config\.json|{trainers.writes()})\Z")
+                          r"|generation_config\.json|latest_checkpointed_iteration\.txt|release"
+                          rf"|{trainers.writes()})\Z")
 
 
 
@@ -64,7 +66,8 @@ def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
     """Files of an earlier export in `out` that this one would not replace (they would be left beside it)."""
     if not out.is_dir():
         return []
-    return sorted(p for p in out.iterdir() if _OUTPUT_NAME.match(p.name) and p.name not in planned)
+    tops = {name.split("/")[0] for name in planned}  # (Megatron's release/.metadata: its folder release/)
+    return sorted(p for p in out.iterdir() if _OUTPUT_NAME.match(p.name) and p.name not in tops)
 
 
 def model_subtree(store: Store) -> str:
@@ -279,7 +282,10 @@ def _writing_into(out: Path, stale: list[Path], store: Store, overwrite: bool) -
                 (out / origin.RECORD).unlink(missing_ok=True)
             raise
         for path in stale:
-            path.unlink(missing_ok=True)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
     except OSError as exc:
         error = output_error(out, exc)
         if error is None:

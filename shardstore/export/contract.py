@@ -68,6 +68,9 @@ class ExportRequest:
     # in the local Hugging Face cache (`base`); opened by the run (`base_model`, base_folder.py), no option
     base: str | os.PathLike[str] | None = None
     base_model: BaseModel | None = field(default=None, compare=False, repr=False)
+    # `--format megatron`: the vocabulary's rows padded to a multiple of this (Megatron-LM's
+    # make_vocab_size_divisible_by times the tensor-parallel size it loads at); None: 128
+    vocab_multiple: int | None = None
     # where each sharded array's bytes come from instead of the store, given the dtype the output holds it
     # in (`average` puts the checkpoints' mean there, rounded once into that dtype); no user option
     arrays: Arrays | None = field(default=None, compare=False, repr=False)
@@ -85,6 +88,9 @@ class ExportRequest:
             raise ExportError("--base goes with --merge-adapter: the model an adapter-only checkpoint is merged onto")
         if (self.lora_alpha is not None or self.rslora is not None) and not (self.adapter or self.merge_adapter):
             raise ExportError("--lora-alpha and --rslora go with --adapter or --merge-adapter")
+        if self.vocab_multiple is not None and (self.output.name != "megatron" or type(self.vocab_multiple) is not int
+                                                or self.vocab_multiple < 1):
+            raise ExportError("--vocab-multiple is a count of rows of at least 1, and goes with --format megatron")
         if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
             raise ExportError(f"--lora-alpha: {self.lora_alpha} is no LoRA alpha (a positive number)")
 

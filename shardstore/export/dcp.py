@@ -61,8 +61,17 @@ class CellRef(ArrayRef):
 class Item:
     fqn: str
     chunk: tuple[tuple[int, ...], tuple[int, ...]] | None  # offsets and sizes of a tensor chunk; None: a value
-    source: Any  # an ArrayRef (a CellRef: one cell of the store); or (store path of the leaf holding it, keys below that leaf) for anything else
+    # an ArrayRef (a CellRef: one cell of the store); or (store path of the leaf holding it, keys below that
+    # leaf) for anything else; or a `Value` of no store
+    source: Any
     nbytes: int
+
+
+@dataclass(frozen=True)
+class Value:
+    """An object an item holds that is in no store (the common state export/megatron.py writes)."""
+
+    value: Any
 
 
 Aliases = dict[str, list[str]]  # a tensor's flattened key -> those of the tied names that are that tensor
@@ -190,8 +199,8 @@ def write_items(store: Store, path: Path, items: list[Item], partial: bool,
     with OutputFile(path) as out:
         for item in items:
             start = out.pos
-            if isinstance(item.source, ArrayRef):
-                obj: Any = item.source
+            if isinstance(item.source, (ArrayRef, Value)):
+                obj: Any = item.source.value if isinstance(item.source, Value) else item.source
             else:
                 leaf, below = item.source
                 obj = object_value(store, leaf, lean=True)

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ExportError
-from . import dcp, hf, safetensors, torch
+from . import dcp, hf, megatron, safetensors, torch
 from .contract import ExportRequest, OutputFormat
 
 # safetensors writes a model with its adapter merged as the Hugging Face folder's weights (hf/ plans the merge)
 SAFETENSORS = replace(safetensors.FORMAT, merged=hf.merged_weights)
-FORMATS: dict[str, OutputFormat] = {f.name: f for f in (SAFETENSORS, torch.FORMAT, dcp.FORMAT, hf.FORMAT)}
+FORMATS: dict[str, OutputFormat] = {f.name: f for f in (SAFETENSORS, torch.FORMAT, dcp.FORMAT, hf.FORMAT, megatron.FORMAT)}
 # the order `recognised` asks them in: a folder with config.json is a Hugging Face folder (of safetensors
 # files), one with .metadata a DCP folder, torch files and no safetensors a torch export; else safetensors
 RECOGNISED = (hf.FORMAT, dcp.FORMAT, torch.FORMAT, SAFETENSORS)

@@ -24,6 +24,9 @@ import shardstore
 from shardstore.export.registry import FORMATS
 from shardstore.read.discover import open_source
 
+# the formats every checkpoint's model goes out in; `--format megatron` takes a model of the Llama family only
+# (MegatronOutputTests)
+ANY_MODEL = [f for f in FORMATS if f != "megatron"]
 # torch.save writes a random id into every file; everything else must be equal
 RANDOM = (".data/serialization_id",)
 TORCH_FILES = (".pt", ".bin", ".ckpt", ".pth")
@@ -31,28 +34,30 @@ TORCH_FILES = (".pt", ".bin", ".ckpt", ".pth")
 
 def _contents(folder: Path) -> dict[str, str]:
     """Every file of an export by name and a digest of its bytes; a torch zip by its records (less
-    torch.save's random id); a DCP folder by its items (their keys, chunks and bytes: the two paths may
-    order the items in the files differently, and `.metadata` says where each is)."""
+    torch.save's random id); a DCP folder (the export, or a folder in it: Megatron's release/) by its items
+    (their keys, chunks and bytes: the two paths may order the items in the files differently, and
+    `.metadata` says where each is)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     out = {}
-    dcp = (folder / ".metadata").is_file()
+    dcps = {p.parent for p in folder.rglob(".metadata") if p.is_file()}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and ".shardstore-scratch" not in p.parts):
         name = str(path.relative_to(folder))
-        if dcp and (name == ".metadata" or name.endswith(".distcp")):
+        if path.parent in dcps and (path.name == ".metadata" or path.name.endswith(".distcp")):
             continue
         if path.suffix in TORCH_FILES and zipfile.is_zipfile(path):
             out.update({f"{name}:{record}": digest for record, digest in _records(path.read_bytes()).items()})
         else:
             out[name] = hashlib.sha256(path.read_bytes()).hexdigest()
-    if dcp:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        md = FileSystemReader(str(folder)).read_metadata()
-        out[".metadata:state_dict_metadata"] = repr(sorted(md.state_dict_metadata.items()))
-        out[".metadata:planner_data"] = repr(sorted((md.planner_data or {}).items()))
+    for dcp in sorted(dcps):
+        at = str(dcp.relative_to(folder))
+        md = FileSystemReader(str(dcp)).read_metadata()
+        out[f"{at}/.metadata:state_dict_metadata"] = repr(sorted(md.state_dict_metadata.items()))
+        out[f"{at}/.metadata:planner_data"] = repr(sorted((md.planner_data or {}).items()))
         for index, info in md.storage_data.items():
-            with open(folder / info.relative_path, "rb") as f:
+            with open(dcp / info.relative_path, "rb") as f:
                 f.seek(info.offset)
-                out[f"item:{index.fqn}:{list(index.offset or ())}"] = repr(sorted(_records(f.read(info.length)).items()))
+                out[f"{at}/item:{index.fqn}:{list(index.offset or ())}"] = repr(sorted(_records(f.read(info.length)).items()))
     return out
 
 
@@ -80,29 +85,47 @@ class OutputTests:
         LlamaConfig(**self.hf_config).save_pretrained(tmp_path / "config")
         return {"hf_config": tmp_path / "config" / "config.json"}
 
-    @pytest.mark.parametrize("format", list(FORMATS))
+    @pytest.mark.parametrize("format", ANY_MODEL)
     def test_one_pass_is_two_steps_byte_for_byte(self, format: str, checkpoint: Path, tmp_path: Path) -> None:
-        options = self._options(format, tmp_path)
-        shardstore.unshard(checkpoint, tmp_path / "one", format=format, jobs=1, **options)
-        store = shardstore.ingest(tmp_path / "store", open_source(checkpoint), jobs=1)
-        shardstore.export(store, tmp_path / "two", format=format, **options)  # type: ignore[arg-type]
-        one, two = _contents(tmp_path / "one"), _contents(tmp_path / "two")
-        assert one and one == two
+        one_pass_is_two_steps(format, checkpoint, tmp_path, self._options(format, tmp_path))
 
-    @pytest.mark.parametrize("format", list(FORMATS))
+    @pytest.mark.parametrize("format", ANY_MODEL)
     def test_an_earlier_export_of_another_format_is_refused_then_replaced(self, format: str, checkpoint: Path,
                                                                           tmp_path: Path) -> None:
-        other = "torch" if format != "torch" else "safetensors"  # files the other format never writes
-        options = self._options(format, tmp_path)
-        out = tmp_path / "out"
-        shardstore.unshard(checkpoint, out, format=other, jobs=1)
-        before = _contents(out)
-        with pytest.raises(shardstore.ExportError, match="earlier export"):
-            shardstore.unshard(checkpoint, out, format=format, jobs=1, **options)
-        assert _contents(out) == before  # refused before anything was written
-        shardstore.unshard(checkpoint, out, format=format, jobs=1, overwrite=True, **options)
-        shardstore.unshard(checkpoint, tmp_path / "alone", format=format, jobs=1, **options)
-        assert _contents(out) == _contents(tmp_path / "alone")  # the earlier files gone, and only those
+        earlier_export_is_refused_then_replaced(format, checkpoint, tmp_path, self._options(format, tmp_path))
+
+
+class MegatronOutputTests(OutputTests):
+    """For checkpoints of a model `--format megatron` writes (a Llama-family transformers model): its output
+    keeps the same promises."""
+
+    def test_megatron_one_pass_is_two_steps_byte_for_byte(self, checkpoint: Path, tmp_path: Path) -> None:
+        one_pass_is_two_steps("megatron", checkpoint, tmp_path, self._options("megatron", tmp_path))
+
+    def test_an_earlier_export_is_refused_then_replaced_by_megatron(self, checkpoint: Path, tmp_path: Path) -> None:
+        earlier_export_is_refused_then_replaced("megatron", checkpoint, tmp_path, self._options("megatron", tmp_path))
+
+
+def one_pass_is_two_steps(format: str, checkpoint: Path, tmp_path: Path, options: dict[str, object]) -> None:
+    shardstore.unshard(checkpoint, tmp_path / "one", format=format, jobs=1, **options)
+    store = shardstore.ingest(tmp_path / "store", open_source(checkpoint), jobs=1)
+    shardstore.export(store, tmp_path / "two", format=format, **options)  # type: ignore[arg-type]
+    one, two = _contents(tmp_path / "one"), _contents(tmp_path / "two")
+    assert one and one == two
+
+
+def earlier_export_is_refused_then_replaced(format: str, checkpoint: Path, tmp_path: Path,
+                                            options: dict[str, object]) -> None:
+    other = "torch" if format != "torch" else "safetensors"  # files the other format never writes
+    out = tmp_path / "out"
+    shardstore.unshard(checkpoint, out, format=other, jobs=1)
+    before = _contents(out)
+    with pytest.raises(shardstore.ExportError, match="earlier export"):
+        shardstore.unshard(checkpoint, out, format=format, jobs=1, **options)
+    assert _contents(out) == before  # refused before anything was written
+    shardstore.unshard(checkpoint, out, format=format, jobs=1, overwrite=True, **options)
+    shardstore.unshard(checkpoint, tmp_path / "alone", format=format, jobs=1, **options)
+    assert _contents(out) == _contents(tmp_path / "alone")  # the earlier files gone, and only those
 
 
 class PartialOutputTests:

@@ -303,11 +303,11 @@ def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel
                               f"--adapter writes the adapter as peft saves it"
                               f"{'' if peft.adapter_only else ', --merge-adapter the model with it merged'}")
         model, request = lora.merged_model(store, model, view, peft, request)
-    return _described(model, _items(store, model, names, request), request)
+    return _described(model, tensor_items(store, model, names, request), request)
 
 
-def _items(store: Store, model: HFModel, names: dict[str, str], request: ExportRequest) -> list[Item]:
-    """The model's tensors as the safetensors writer takes them."""
+def tensor_items(store: Store, model: HFModel, names: dict[str, str], request: ExportRequest) -> list[Item]:
+    """The model's tensors as the safetensors writer takes them (and the Megatron writer: export/megatron.py)."""
     items = []
     for t in model.tensors:
         item = stacked_item(store, t.key, [names[s] for s in t.stack], request.cast_of(t.key), t.interleave,
@@ -328,7 +328,7 @@ def merged_weights(store: Store, request: ExportRequest, node: Node, subtree: st
     if peft is None:
         raise ExportError(f"{subtree or 'the checkpoint'}: holds no PEFT (LoRA) adapter (--merge-adapter)")
     model, request = lora.merged_model(store, HFModel(None, None, list(view.tensors.values())), view, peft, request)
-    return planned_safetensors(store, plan_items(_items(store, model, view.paths, request), [], request), model.notes)
+    return planned_safetensors(store, plan_items(tensor_items(store, model, view.paths, request), [], request), model.notes)
 
 
 def _described(model: HFModel, items: list[Item], request: ExportRequest) -> tuple[HFModel, SafetensorsPlan]:
@@ -367,8 +367,12 @@ def _sub_configs_saying(config: dict[str, Any], dtype: str) -> dict[str, Any]:
 
 
 def planned_files(model: HFModel, plan: SafetensorsPlan) -> list[str]:
-    return plan.files + ([CONFIG] if model.config is not None else []) + ([GENERATION] if model.generation else []) \
-        + list(model.files)
+    return plan.files + model_file_names(model)
+
+
+def model_file_names(model: HFModel) -> list[str]:
+    """What `write_model_files` writes."""
+    return ([CONFIG] if model.config is not None else []) + ([GENERATION] if model.generation else []) + list(model.files)
 
 
 def export_hf(store: Store, out_dir: Path, model: HFModel, plan: SafetensorsPlan,

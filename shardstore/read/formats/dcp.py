@@ -872,7 +872,8 @@ def _beside(folder: str, storage_options: StorageOptions | None) -> list[str]:
     """The files a trainer keeps next to its DCP folder that describe the model: OLMo's config.yaml, a
     config.json (the HF Trainer's: in its output_dir above checkpoint-N/, or in another checkpoint-M/ of
     the run); NeMo 2's context/model.yaml and the tokenizer in context/nemo_tokenizer/; Megatron-Bridge's
-    run_config.yaml; the Hugging Face files in veRL's huggingface/ next to its Megatron actor's dist_ckpt/
+    run_config.yaml; the Hugging Face files in a Megatron-LM run folder, above its iter_N/ or release/; those
+    in veRL's huggingface/ next to its Megatron actor's dist_ckpt/
     (and a LoRA run's adapter config in huggingface/adapter/); those of the transformers model
     Lightning's hparams.yaml names (read/formats/lightning.py)."""
     name, parent = name_of(folder), folder_of(folder)
@@ -896,6 +897,10 @@ def _beside(folder: str, storage_options: StorageOptions | None) -> list[str]:
         context = join(parent, NEMO_CONTEXT)
         found += config_files(context, storage_options, NEMO_MODEL)
         found += [p for p in listing(join(context, NEMO_TOKENIZER), storage_options) if hf_model_file(name_of(p))]
+    elif megatron.STEPS.step(name) is not None or name == megatron.RELEASE:
+        # a Megatron-LM run folder that keeps the model's Hugging Face files (shardstore's --format megatron
+        # writes them there: its tokenizer, and the vocabulary's unpadded size)
+        found += hf_files(parent, storage_options)
     elif name == VERL_DIST:
         found += [p for p in listing(join(parent, VERL_HF), storage_options) if hf_model_file(name_of(p))]
         # a LoRA run's adapter as Megatron-Bridge exports it for veRL (huggingface/adapter/): its config

@@ -15,6 +15,7 @@ import shardstore
 from shardstore.errors import CheckpointError
 from shardstore.read.discover import open_source
 from tests.conftest import assert_bitwise_equal
+from tests.export.conformance import MegatronOutputTests
 from tests.read.conformance import FormatTests
 from tests.read.formats.test_dcp import refused
 
@@ -82,6 +83,12 @@ class TestDcpHfConformance(FormatTests):
     @pytest.fixture
     def foreign(self, dcp_hf_checkpoint) -> Path:
         return dcp_hf_checkpoint / "consolidated" / "sharded" / "shard-00002-model-00001-of-00002.safetensors"
+
+
+class TestDcpHfOutputs(MegatronOutputTests):
+    @pytest.fixture
+    def checkpoint(self, dcp_hf_checkpoint) -> Path:
+        return dcp_hf_checkpoint / "sharded"
 
 
 @pytest.mark.parametrize("same", [True, False])

@@ -1,0 +1,210 @@
+"""`--format megatron`: a Hugging Face model (or any checkpoint `--format hf` maps onto one) as the
+Megatron-Core `torch_dist` checkpoint megatron-core's `dist_checkpointing.load` reads at any tensor,
+pipeline and expert parallel layout, in a Megatron-LM run folder:
+
+    OUT/latest_checkpointed_iteration.txt    "release", written last
+    OUT/release/__{i}_0.distcp               the tensors, each chunk a run of rows of one source tensor
+    OUT/release/.metadata                    written after them: the folder is a checkpoint only once whole
+    OUT/release/metadata.json                {"sharded_backend": "torch_dist", ...}, as megatron-core writes it
+
+Each Megatron tensor is written under the key megatron-core saves it under whatever its layout (layers
+stacked on a leading axis, SequentialMLP's experts on the next: megatron_inverse.stacked), as chunks that
+are the transformers tensors' own rows where they land (megatron_inverse.placements): q, k and v of each
+query group, gate and up, whole tensors elsewhere. So nothing is rearranged in memory: each chunk is one
+range of one source file's bytes, copied kernel-side, and DCP's reader (megatron's is DCP's) assembles
+whatever slice a rank asks for. The vocabulary's padding rows are zeros. Beside the tensors go what
+megatron-core saves with a GPTModel's: each linear layer's `_extra_state` per layer (`[None]`: no FP8
+metadata), and the common state (`common_state`: Megatron-LM's `args` for the model, `checkpoint_version`
+3.0, `iteration` 0) that Megatron-LM's `load_checkpoint` reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from argparse import Namespace
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from .. import tempfiles
+from ..errors import ExportError
+from ..ranges import BLOCK, Part
+from ..sink.output import OutputFile
+from ..store.store import Store
+from ..tree import Node
+from . import dcp, hf
+from .contract import ExportRequest, OutputFormat, Planned, Progress, Written
+from .hf.spec import HFModel
+from .hf.megatron_inverse import Placed, architecture, padded_vocab, placements, stacked
+from .hf.megatron import MOE_BLOCKS
+from .hf.megatron_llama import QWEN2_MOE, QWEN3, QWEN3_MOE, need
+from .resolve import ArrayRef, Rows
+
+ITERATION_FILE = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+# the linear layers whose `_extra_state` megatron-core saves (an MoE's experts' and shared expert's too)
+LINEARS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+VOCAB_MULTIPLE = 128  # Megatron-LM's make_vocab_size_divisible_by
+
+
+@dataclass(frozen=True)
+class Zeros(ArrayRef):
+    """A chunk of zeros (the vocabulary's padding rows): no store array behind it."""
+
+    def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
+        left = self.nbytes
+        while left:
+            yield bytes(min(left, BLOCK))
+            left -= min(left, BLOCK)
+
+    def stored_crc(self, store: Store) -> int | None:
+        return None
+
+
+def _of_rows(rows: Rows | None, length: int, first: int, stop: int) -> Rows:
+    """Rows [first, stop) of a tensor made of `rows` blocks of its source (all `length` rows: None), as
+    blocks of the source's rows."""
+    out, at = [], 0
+    for a, b in rows or ((0, length),):
+        lo, hi = max(first, at), min(stop, at + b - a)
+        if lo < hi:
+            out.append((a + lo - at, a + hi - at))
+        at += b - a
+    return tuple(out)
+
+
+def plan_items(store: Store, subtree: str, request: ExportRequest
+               ) -> tuple[HFModel, Placed, list[dcp.Item], dict[str, Any]]:
+    """The Hugging Face model the store is (export/hf), and it placed in Megatron's names: the tensor
+    chunks and the other items of the checkpoint, and what `.metadata` describes each key as."""
+    model, names = hf.describe(store, subtree, request.hf_config, request.strip_prefix)
+    config = model.config
+    if config is None:
+        raise ExportError(f"{subtree or 'the checkpoint'}: describes no model (an adapter?)")
+    where = "the model's config.json"
+    architecture(config, where)
+    sources = {it.key: it for it in hf.tensor_items(store, model, names, request)}
+    for it in sources.values():
+        if not isinstance(it.source, ArrayRef) or type(it.source) is not ArrayRef:
+            raise ExportError(f"{it.key}: kept among the checkpoint's values, not as an array; --format megatron "
+                              f"writes arrays only")
+        if it.dtype != it.source.dtype:
+            raise ExportError("--dtype: --format megatron writes each tensor in its own dtype (cast with the "
+                              "trainer's --bf16 when it loads)")
+    multiple = request.vocab_multiple or VOCAB_MULTIPLE
+    rows = padded_vocab(need(config, "vocab_size", where), multiple)
+    placed = placements(config, {k: it.shape for k, it in sources.items()}, where, vocab_rows=rows)
+    keys = stacked(placed.shapes)
+    index_of = {member: (key, index) for key, (_, members) in keys.items() for member, index in members.items()}
+    dtypes = {p.target: sources[p.hf].dtype for p in placed.placements}
+    described: dict[str, Any] = {key: ("tensor", dtypes[next(iter(members))], shape)
+                                 for key, (shape, members) in keys.items()}
+    items = []
+    for p in placed.placements:
+        source: ArrayRef = sources[p.hf].source
+        length = source.shape[0]
+        first, stop = p.rows or (0, length)
+        key, index = index_of[p.target]
+        rest = placed.shapes[p.target][1:]
+        sizes = (1,) * len(index) + (stop - first, *rest)
+        ref = ArrayRef(source.path, source.dtype, sizes, _of_rows(source.rows, length, first, stop))
+        items.append(dcp.Item(key, ((*index, p.at) + (0,) * len(rest), sizes), ref, ref.nbytes))
+    for target, (first, stop) in placed.padding.items():
+        key, index = index_of[target]
+        rest = placed.shapes[target][1:]
+        sizes = (1,) * len(index) + (stop - first, *rest)
+        ref = Zeros(target, dtypes[target], sizes)
+        items.append(dcp.Item(key, ((*index, first) + (0,) * len(rest), sizes), ref, ref.nbytes))
+    for fqn, raw in _objects(config, placed, rows, multiple).items():
+        described[fqn] = ("bytes",)
+        items.append(dcp.Item(fqn, None, raw, 0))
+    return model, placed, items, described
+
+
+def _objects(config: dict[str, Any], placed: Placed, vocab_rows: int, multiple: int) -> dict[str, dcp.Value]:
+    """The objects megatron-core saves beside a GPTModel's tensors: every linear layer's `_extra_state` of
+    each layer (and expert: `shard_{layer}.{expert}_{layers}.{experts}`), and the common state."""
+    out = {}
+    for key, (shape, members) in stacked(placed.shapes).items():
+        if key.startswith("decoder.layers.") and key.endswith(LINEARS):  # one per layer (and expert) it stacks
+            lead = shape[:len(next(iter(members.values())))]
+            for index in itertools.product(*map(range, lead)):
+                shard = f"{'.'.join(map(str, index))}_{'.'.join(map(str, lead))}"
+                out[f"{key.removesuffix('.weight')}._extra_state/shard_{shard}"] = dcp.Value([None])
+    out["common_state/shard_0_1"] = dcp.Value([{"args": megatron_args(config, vocab_rows, multiple),
+                                                "checkpoint_version": 3.0, "iteration": 0,
+                                                "num_floating_point_operations_so_far": 0}])
+    return out
+
+
+def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int) -> Namespace:
+    """Megatron-LM's arguments for the model `config` describes, as its `check_checkpoint_args` compares
+    them and `export/hf/megatron.config_from_args` reads them back."""
+    import torch
+
+    arch = architecture(config, "the model's config.json")
+    heads = config["num_attention_heads"]
+    groups = config.get("num_key_value_heads") or heads
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    args = dict(num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+                ffn_hidden_size=config["intermediate_size"], num_attention_heads=heads,
+                group_query_attention=groups != heads, num_query_groups=groups,
+                kv_channels=config.get("head_dim") or config["hidden_size"] // heads,
+                max_position_embeddings=config.get("max_position_embeddings"),
+                seq_length=config.get("max_position_embeddings"), position_embedding_type="rope",
+                add_position_embedding=False, rotary_base=config.get("rope_theta", 10000), rotary_percent=1.0,
+                normalization="RMSNorm", norm_epsilon=config.get("rms_norm_eps", 1e-5), swiglu=True,
+                add_bias_linear=False, add_qkv_bias=arch in ("Qwen2ForCausalLM", QWEN2_MOE),
+                qk_layernorm=arch in (QWEN3, QWEN3_MOE),
+                untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+                padded_vocab_size=vocab_rows, make_vocab_size_divisible_by=multiple, ckpt_format="torch_dist",
+                tensor_model_parallel_size=1, pipeline_model_parallel_size=1, fp16=dtype == "float16",
+                bf16=dtype == "bfloat16", params_dtype=getattr(torch, dtype, torch.float32), iteration=0)
+    if arch in MOE_BLOCKS:  # every layer's MLP sparse, routed as the class routes (megatron_llama._moe_class)
+        _, count, width, _ = MOE_BLOCKS[arch]
+        args.update(num_experts=config[count], moe_ffn_hidden_size=config[width],
+                    moe_router_topk=config.get("num_experts_per_tok", 2))
+        if arch == QWEN2_MOE:
+            args.update(moe_shared_expert_intermediate_size=config["shared_expert_intermediate_size"],
+                        moe_shared_expert_gate=True, moe_router_pre_softmax=True)
+    return Namespace(**args)
+
+
+def export_megatron(store: Store, out: Path, model: HFModel, plan: dcp.DcpPlan, jobs: int,
+                    progress: Progress) -> list[Path]:
+    """OUT/release/ (its tensors, then `.metadata`, then metadata.json), the model's config and tokenizer
+    files beside it (what the job that loads it takes its --tokenizer-model from, and what tells a reader of
+    the folder the vocabulary's unpadded size), then the iteration file naming it."""
+    folder = out / RELEASE
+    folder.mkdir(parents=True, exist_ok=True)
+    tempfiles.sweep(folder, recursive=False)  # what a killed export left
+    files = dcp.export_dcp(store, folder, plan, jobs, progress)
+    with OutputFile(folder / "metadata.json") as f:
+        f.write(json.dumps(BACKEND).encode())
+    files += [folder / "metadata.json"] + hf.write_model_files(out, model)
+    with OutputFile(out / ITERATION_FILE) as f:
+        f.write(RELEASE.encode())
+    return files + [out / ITERATION_FILE]
+
+
+def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> Planned:
+    model, _, items, described = plan_items(store, subtree, request)
+    plan = dcp.DcpPlan(described, {}, dcp.spread(items, jobs), {})
+    files = [f"{RELEASE}/{name}" for name in plan.names] + [f"{RELEASE}/{dcp.METADATA}", f"{RELEASE}/metadata.json"] \
+        + hf.model_file_names(model) + [ITERATION_FILE]
+
+    def write(out: Path, progress: Progress, partial: dict[str, str] | None, scheduler: str | None,
+              jobs: int) -> Written:
+        if partial is not None:
+            raise ExportError("--allow-partial: a Megatron checkpoint is written whole or not at all")
+        return export_megatron(store, out, model, plan, jobs, progress), [], model.notes
+
+    return Planned(files, plan.nbytes, write)
+
+
+FORMAT = OutputFormat("megatron", subtree=True, may_write=None, config_beside=False, resume_beside=False,
+                      describes_model=True, single_file=False, takes_scheduler=False, plan=_plan,
+                      direct=lambda store, request, node, subtree, jobs: None,
+                      recognises=lambda out: (out / ITERATION_FILE).is_file())

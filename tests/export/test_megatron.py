@@ -1,0 +1,118 @@
+"""`--format megatron` (export/megatron.py) against megatron-core's own files: a Hugging Face export of
+each checkpoint megatron-core saved (tests/fixtures/data/megatron/), written back as a Megatron checkpoint,
+holds every tensor megatron-core wrote, bit for bit as torch's DCP reader (megatron-core's) assembles it,
+and every other item it wrote; and reads back as the same Hugging Face model. Loading the output with
+megatron-core itself into GPTModels at several parallel layouts is tests/fixtures/megatron_load.py
+(megatron-core does not install in CI)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardstore
+from tests.conftest import assert_bitwise_equal
+from tests.export.test_hf_megatron_inverse import DATA, LAYOUTS
+
+
+def _dcp(folder: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """A DCP folder's tensors as torch's reader assembles them, and its other items' keys."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    meta = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    tensors = {k: torch.full(tuple(v.size), 7, dtype=v.properties.dtype) for k, v in meta.items()
+               if not isinstance(v, BytesStorageMetadata) and not k.startswith("optimizer.")}
+    dcp.load(tensors, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+    return tensors, {k for k, v in meta.items() if isinstance(v, BytesStorageMetadata)}
+
+
+def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_megatron_checkpoint_written_from_its_hf_export_is_megatron_cores_own(layout: str, tmp_path: Path) -> None:
+    src = DATA / layout
+    shardstore.unshard(src, tmp_path / "hf", format="hf", jobs=1)
+    rows = json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"]
+    result = shardstore.unshard(tmp_path / "hf", tmp_path / "megatron", format="megatron", vocab_multiple=rows, jobs=2)
+    assert (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").read_text() == "release"
+    assert json.loads((tmp_path / "megatron" / "release" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    ours, our_items = _dcp(tmp_path / "megatron" / "release")
+    theirs, their_items = _dcp(next(src.glob("iter_*")))
+    assert_bitwise_equal(ours, theirs, layout)
+    assert our_items == their_items  # each linear layer's _extra_state per layer, and the common state
+    assert result.files[-1].name == "latest_checkpointed_iteration.txt"
+    # and read back, the same Hugging Face model: described by the config.json beside it, or by the args of
+    # its common state alone
+    shardstore.unshard(tmp_path / "megatron", tmp_path / "hf2", format="hf", jobs=1)
+    assert_bitwise_equal(_safetensors(tmp_path / "hf2"), _safetensors(tmp_path / "hf"), layout)
+    (tmp_path / "megatron" / "config.json").unlink()
+    shardstore.unshard(tmp_path / "megatron", tmp_path / "hf3", format="hf", jobs=1)
+    assert_bitwise_equal(_safetensors(tmp_path / "hf3"), _safetensors(tmp_path / "hf"), layout)
+
+
+def test_the_vocabulary_is_padded_with_zero_rows_to_the_multiple_megatron_loads_at(tmp_path: Path) -> None:
+    """Megatron-LM pads the vocabulary to a multiple of make_vocab_size_divisible_by times the TP size (128 by
+    default): the padding rows are zeros, the args say the padded size, and the folder read back with the
+    config.json written beside it drops them again."""
+    shardstore.unshard(DATA / "tp1-pp1", tmp_path / "hf", format="hf", jobs=1)
+    shardstore.unshard(tmp_path / "hf", tmp_path / "megatron", format="megatron", jobs=1)
+    ours, _ = _dcp(tmp_path / "megatron" / "release")
+    hf = _safetensors(tmp_path / "hf")
+    for key, name in (("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+                      ("output_layer.weight", "lm_head.weight")):
+        assert ours[key].shape == (128, 16)
+        assert torch.equal(ours[key][:100], hf[name]) and not ours[key][100:].any()
+    # read back: the config.json written beside release/ gives the unpadded size; without it, the args do
+    shardstore.unshard(tmp_path / "megatron", tmp_path / "hf2", format="hf", jobs=1)
+    assert_bitwise_equal(_safetensors(tmp_path / "hf2"), hf, "padded")
+    (tmp_path / "megatron" / "config.json").unlink()
+    result = shardstore.unshard(tmp_path / "megatron", tmp_path / "hf3", format="hf", jobs=1)
+    assert _safetensors(tmp_path / "hf3")["lm_head.weight"].shape == (128, 16)
+    assert any("padded one (128 rows" in note for note in result.notes)
+
+
+def test_a_transformers_model_becomes_a_megatron_checkpoint_with_its_logits(tmp_path: Path) -> None:
+    """A Qwen2 model transformers saved (q, k and v biases, grouped-query attention, bf16): written as a
+    Megatron checkpoint and read back as Hugging Face's, the same weights, bit for bit, and logits."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=200, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    shardstore.unshard(tmp_path / "hf", tmp_path / "megatron", format="megatron", jobs=1)
+    written, items = _dcp(tmp_path / "megatron" / "release")
+    assert written["decoder.layers.self_attention.linear_qkv.weight"].shape == (3, 64, 32)
+    assert written["decoder.layers.self_attention.linear_qkv.bias"].dtype == torch.bfloat16
+    assert "decoder.layers.mlp.linear_fc2._extra_state/shard_2_3" in items
+    assert sorted(p.name for p in (tmp_path / "megatron").iterdir() if not p.name.startswith(".")) == \
+        ["config.json", "generation_config.json", "latest_checkpointed_iteration.txt", "release"]
+    shardstore.unshard(tmp_path / "megatron", tmp_path / "back", format="hf", jobs=1)
+    assert_bitwise_equal(_safetensors(tmp_path / "back"), _safetensors(tmp_path / "hf"), "qwen2")
+    ids = torch.tensor([[1, 5, 9, 77, 150, 3]])
+    want = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(ids).logits
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()(ids).logits
+    assert torch.equal(got, want)
+
+
+def test_what_a_megatron_checkpoint_cannot_hold_is_refused_before_it_is_written(tmp_path: Path) -> None:
+    shardstore.unshard(DATA / "tp1-pp1", tmp_path / "hf", format="hf", jobs=1)
+    with pytest.raises(shardstore.ExportError, match="--dtype: --format megatron writes each tensor in its own"):
+        shardstore.unshard(tmp_path / "hf", tmp_path / "a", format="megatron", dtype="bfloat16", jobs=1)
+    with pytest.raises(shardstore.ExportError, match="--vocab-multiple .* goes with --format megatron"):
+        shardstore.unshard(tmp_path / "hf", tmp_path / "b", format="hf", vocab_multiple=64, jobs=1)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(shardstore.ExportError, match="'GPT2LMHeadModel' has no Megatron-Core GPT equivalent"):
+        shardstore.unshard(tmp_path / "hf", tmp_path / "c", format="megatron", jobs=1)
+    assert not any((tmp_path / n).exists() for n in ("a", "b", "c"))
