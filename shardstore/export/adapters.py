@@ -253,15 +253,15 @@ def config_bytes(config: LoraConfig) -> bytes:
     return json.dumps(config.fields, indent=2, sort_keys=True).encode() + b"\n"
 
 
-def _float32(store: Store, ref: ArrayRef, rows: tuple[int, int] | None = None) -> np.ndarray:
-    """A tensor (or its rows [first, stop)) as float32 numbers, exactly."""
+def float32_rows(store: Store, ref: ArrayRef, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """A tensor (or its rows [first, stop)) as float32 numbers, exactly (export/fp8.py's too)."""
     if rows is not None:
-        ref = _rows_of(ref, *rows)
+        ref = rows_of(ref, *rows)
     raw = np.frombuffer(b"".join(blocks(ref.parts(store))), dtypes.info(ref.dtype).raw)
     return dtypes.as_numbers(raw, ref.dtype).astype(np.float32, copy=False).reshape(ref.shape)
 
 
-def _rows_of(ref: ArrayRef, first: int, stop: int) -> ArrayRef:
+def rows_of(ref: ArrayRef, first: int, stop: int) -> ArrayRef:
     """Rows [first, stop) of `ref`, counted in its blocks of rows where it has them (a Megatron weight's
     rows a Hugging Face module is)."""
     picked, at = [], 0
@@ -316,16 +316,16 @@ class MergedRef(ArrayRef):
     def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
         assert self.base is not None and self.a is not None and self.b is not None
         rows, columns = self.shape[0], math.prod(self.shape[1:])
-        a = _float32(store, self.a)
+        a = float32_rows(store, self.a)
         step = max(1, MERGE_BLOCK // max(1, columns * 4))
         for first in range(0, rows, step):
             block = (first, min(rows, first + step))
-            merged = np.matmul(_float32(store, self.b, block), a)  # W + (B·A)·s, as peft adds it
+            merged = np.matmul(float32_rows(store, self.b, block), a)  # W + (B·A)·s, as peft adds it
             merged *= np.float32(self.scaling)
-            merged += _float32(store, self.base, block).reshape(block[1] - block[0], columns)
+            merged += float32_rows(store, self.base, block).reshape(block[1] - block[0], columns)
             if self.magnitude is not None:
                 norm = np.linalg.norm(merged, axis=1).astype(np.float32)
-                merged *= (_float32(store, self.magnitude, block) / norm).reshape(-1, 1)
+                merged *= (float32_rows(store, self.magnitude, block) / norm).reshape(-1, 1)
             yield merged.reshape(-1).view(np.uint8).data if self.dtype == "float32" else \
                 dtypes.rounded(merged, self.dtype)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 from argparse import Namespace
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -34,12 +34,14 @@ from ..sink.output import OutputFile
 from ..store.store import Store
 from ..tree import Node
 from . import dcp, hf
+from .adapters import rows_of
 from .contract import ExportRequest, OutputFormat, Planned, Progress, Written
+from .hf import fp8
 from .hf.spec import HFModel
 from .hf.megatron_inverse import Placed, architecture, padded_vocab, placements, stacked
 from .hf.megatron import MOE_BLOCKS
 from .hf.megatron_llama import QWEN2_MOE, QWEN3, QWEN3_MOE, need
-from .resolve import ArrayRef, Rows
+from .resolve import ArrayRef
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -63,64 +65,57 @@ class Zeros(ArrayRef):
         return None
 
 
-def _of_rows(rows: Rows | None, length: int, first: int, stop: int) -> Rows:
-    """Rows [first, stop) of a tensor made of `rows` blocks of its source (all `length` rows: None), as
-    blocks of the source's rows."""
-    out, at = [], 0
-    for a, b in rows or ((0, length),):
-        lo, hi = max(first, at), min(stop, at + b - a)
-        if lo < hi:
-            out.append((a + lo - at, a + hi - at))
-        at += b - a
-    return tuple(out)
-
-
 def plan_items(store: Store, subtree: str, request: ExportRequest
                ) -> tuple[HFModel, Placed, list[dcp.Item], dict[str, Any]]:
     """The Hugging Face model the store is (export/hf), and it placed in Megatron's names: the tensor
     chunks and the other items of the checkpoint, and what `.metadata` describes each key as."""
     model, names = hf.describe(store, subtree, request.hf_config, request.strip_prefix)
-    config = model.config
-    if config is None:
-        raise ExportError(f"{subtree or 'the checkpoint'}: describes no model (an adapter?)")
     where = "the model's config.json"
-    architecture(config, where)
-    sources = {it.key: it for it in hf.tensor_items(store, model, names, request)}
+    if model.config is None:
+        raise ExportError(f"{subtree or 'the checkpoint'}: describes no model (an adapter?)")
+    architecture(model.config, where)
+    # an FP8 model's weights dequantized (into bfloat16, or --dtype), as Megatron trains from them
+    items = hf.tensor_items(store, model, names, request, request.dtype or "bfloat16")
+    model = fp8.dequantized(model)
+    config: dict[str, Any] = model.config or {}
+    sources = {it.key: it for it in items}
     for it in sources.values():
-        if not isinstance(it.source, ArrayRef) or type(it.source) is not ArrayRef:
+        if isinstance(it.source, fp8.Dequantized):
+            continue
+        if type(it.source) is not ArrayRef:
             raise ExportError(f"{it.key}: kept among the checkpoint's values, not as an array; --format megatron "
                               f"writes arrays only")
         if it.dtype != it.source.dtype:
-            raise ExportError("--dtype: --format megatron writes each tensor in its own dtype (cast with the "
-                              "trainer's --bf16 when it loads)")
+            raise ExportError("--dtype: --format megatron writes each tensor in its own dtype (an FP8 model's "
+                              "weights dequantized into it); cast with the trainer's --bf16 when it loads")
     multiple = request.vocab_multiple or VOCAB_MULTIPLE
-    rows = padded_vocab(need(config, "vocab_size", where), multiple)
-    placed = placements(config, {k: it.shape for k, it in sources.items()}, where, vocab_rows=rows)
+    vocab_rows = padded_vocab(need(config, "vocab_size", where), multiple)
+    placed = placements(config, {k: it.shape for k, it in sources.items()}, where, vocab_rows=vocab_rows)
     keys = stacked(placed.shapes)
     index_of = {member: (key, index) for key, (_, members) in keys.items() for member, index in members.items()}
     dtypes = {p.target: sources[p.hf].dtype for p in placed.placements}
     described: dict[str, Any] = {key: ("tensor", dtypes[next(iter(members))], shape)
                                  for key, (shape, members) in keys.items()}
-    items = []
+    chunks = []
     for p in placed.placements:
-        source: ArrayRef = sources[p.hf].source
-        length = source.shape[0]
-        first, stop = p.rows or (0, length)
+        source = sources[p.hf].source
+        first, stop = p.rows or (0, source.shape[0])
         key, index = index_of[p.target]
         rest = placed.shapes[p.target][1:]
         sizes = (1,) * len(index) + (stop - first, *rest)
-        ref = ArrayRef(source.path, source.dtype, sizes, _of_rows(source.rows, length, first, stop))
-        items.append(dcp.Item(key, ((*index, p.at) + (0,) * len(rest), sizes), ref, ref.nbytes))
+        picked = source.rows_of(first, stop) if isinstance(source, fp8.Dequantized) else rows_of(source, first, stop)
+        ref: ArrayRef = replace(picked, shape=sizes)  # (the chunk's leading axes: its layer's, its expert's)
+        chunks.append(dcp.Item(key, ((*index, p.at) + (0,) * len(rest), sizes), ref, ref.nbytes))
     for target, (first, stop) in placed.padding.items():
         key, index = index_of[target]
         rest = placed.shapes[target][1:]
         sizes = (1,) * len(index) + (stop - first, *rest)
-        ref = Zeros(target, dtypes[target], sizes)
-        items.append(dcp.Item(key, ((*index, first) + (0,) * len(rest), sizes), ref, ref.nbytes))
-    for fqn, raw in _objects(config, placed, rows, multiple).items():
+        zeros = Zeros(target, dtypes[target], sizes)
+        chunks.append(dcp.Item(key, ((*index, first) + (0,) * len(rest), sizes), zeros, zeros.nbytes))
+    for fqn, value in _objects(config, placed, vocab_rows, multiple).items():
         described[fqn] = ("bytes",)
-        items.append(dcp.Item(fqn, None, raw, 0))
-    return model, placed, items, described
+        chunks.append(dcp.Item(fqn, None, value, 0))
+    return model, placed, chunks, described
 
 
 def _objects(config: dict[str, Any], placed: Placed, vocab_rows: int, multiple: int) -> dict[str, dcp.Value]:

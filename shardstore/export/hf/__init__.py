@@ -33,7 +33,7 @@ from ..resolve import build, tensors_only
 from ..safetensors import (FILE_NAMES, Item, SafetensorsDirect, SafetensorsPlan, Stacked, direct_layout,
                            export_safetensors, plan_items, planned_safetensors, stacked_item, tensor_item)
 from .. import adapters
-from . import lora, megatron, megatron_lora, olmo, olmo_core
+from . import fp8, lora, megatron, megatron_lora, olmo, olmo_core
 from .leaves import CONFIG, GENERATION, NOT_HF_FILES, model_files, model_leaves, module_attribute, shape, side_config
 from .megatron_llama import EMBEDDING
 from .spec import HFModel, HFTensor
@@ -303,18 +303,34 @@ def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel
                               f"--adapter writes the adapter as peft saves it"
                               f"{'' if peft.adapter_only else ', --merge-adapter the model with it merged'}")
         model, request = lora.merged_model(store, model, view, peft, request)
-    return _described(model, tensor_items(store, model, names, request), request)
+    items = tensor_items(store, model, names, request, request.dtype)
+    return _described(fp8.dequantized(model) if request.dtype else model, items, request)
 
 
-def tensor_items(store: Store, model: HFModel, names: dict[str, str], request: ExportRequest) -> list[Item]:
-    """The model's tensors as the safetensors writer takes them (and the Megatron writer: export/megatron.py)."""
-    items = []
-    for t in model.tensors:
+def tensor_items(store: Store, model: HFModel, names: dict[str, str], request: ExportRequest,
+                 fp8_into: str | None = None) -> list[Item]:
+    """The model's tensors as the safetensors writer takes them (and the Megatron writer: export/megatron.py);
+    with `fp8_into`, its FP8 block-quantized weights dequantized into that dtype, their scales left out
+    (export/fp8.py)."""
+    scaled = fp8.scales(model) if fp8_into is not None else {}
+    block = fp8.block_size(model.config, "the model's config.json") if scaled else (0, 0)
+
+    def item_of(t: HFTensor) -> Item:
         item = stacked_item(store, t.key, [names[s] for s in t.stack], request.cast_of(t.key), t.interleave,
                             t.transpose, request.arrays) if t.stack else \
             tensor_item(store, t.key, names[t.source], request.cast_of(t.key), t.rows, request.arrays)
         if item is None:
             raise ExportError(f"{t.source}: not a tensor")
+        return item
+
+    items = []
+    for t in model.tensors:
+        if t.key in scaled.values():
+            continue
+        item = item_of(t)
+        if t.key in scaled and fp8_into is not None:
+            ref = fp8.dequantizing(item.source, item_of(fp8.scaled_tensor(model, t.key)).source, fp8_into, block, t.key)
+            item = Item(t.key, ref, fp8_into, item.shape)
         items.append(item)
     return items
 
@@ -425,8 +441,9 @@ def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs
     if not tensors_only(store, node) or (request.hf_config is None and in_values(store)):
         return None
     model, plan = plan_hf(store, subtree, request)
-    if any(isinstance(it.source, Stacked) for group in plan.groups for it in group):
-        return None  # one pass places boxes of each array; a stack's moved rows are not: written from the store
+    if any(isinstance(it.source, (Stacked, fp8.Dequantized)) for group in plan.groups for it in group):
+        return None  # one pass places boxes of each array; a stack's moved rows, or values computed from several
+        # arrays (dequantized weights), are not: written from the store
     return HFDirect(direct_layout(store, plan), plan, model)
 
 

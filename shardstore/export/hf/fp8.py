@@ -1,0 +1,103 @@
+"""Hugging Face models stored in FP8 with block scales (DeepSeek-V3's and Qwen3-FP8's `quantization_config`:
+`quant_method` "fp8", `fmt` "e4m3", `weight_block_size` [128, 128]): each quantized `X.weight` (float8_e4m3fn)
+has `X.weight_scale_inv` (float32, one per block of 128 rows × 128 columns), and its value is the weight
+times its block's scale. Dequantized on the way out (`--dtype bfloat16` of such a model, and always for
+`--format megatron`), block row by block row in bounded memory, as DeepSeek's own `weight_dequant` computes
+it: the FP8 value widened to float32, times the scale in float32, rounded once to the output dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Iterator
+
+import numpy as np
+
+from ... import dtypes
+from ...errors import ExportError
+from ...ranges import Part
+from ...store.store import Store
+from ..adapters import float32_rows, rows_of
+from ..resolve import ArrayRef
+from .spec import HFModel, HFTensor
+
+SCALE = "_scale_inv"
+BLOCK_BYTES = 16 << 20  # of float32 held at a time
+
+
+def scales(model: HFModel) -> dict[str, str]:
+    """Each block-quantized weight of `model` by its key, and its scales' key."""
+    keys = {t.key for t in model.tensors}
+    return {k: f"{k}{SCALE}" for k in keys if f"{k}{SCALE}" in keys}
+
+
+def block_size(config: dict[str, Any] | None, where: str) -> tuple[int, int]:
+    """The blocks the scales cover, from the config's quantization_config; refused by name where the config
+    says another quantization."""
+    quantization = (config or {}).get("quantization_config") or {}
+    method, fmt = quantization.get("quant_method", "fp8"), quantization.get("fmt", "e4m3")
+    block = quantization.get("weight_block_size", [128, 128])
+    if method != "fp8" or fmt != "e4m3" or quantization.get("scale_fmt", "float") != "float" or \
+            not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise ExportError(f"{where}: quantization_config {quantization!r:.120}: shardstore dequantizes FP8 e4m3 "
+                          f"weights with float32 scales per block of rows and columns (quant_method fp8)")
+    return block[0], block[1]
+
+
+def dequantized(model: HFModel) -> HFModel:
+    """The model as its dequantized weights describe it: no scales, no quantization_config."""
+    scaled = set(scales(model).values())
+    config = None if model.config is None else {k: v for k, v in model.config.items() if k != "quantization_config"}
+    return replace(model, config=config, tensors=[t for t in model.tensors if t.key not in scaled])
+
+
+@dataclass(frozen=True)
+class Dequantized(ArrayRef):
+    """`weight` (FP8, rows × columns) times `scale` (float32, one per `block`), in `dtype`; rows [first_row,
+    first_row + shape[0]) of the weight, streamed a run of rows at a time."""
+
+    weight: ArrayRef | None = None
+    scale: ArrayRef | None = None
+    block: tuple[int, int] = (128, 128)
+    first_row: int = 0
+
+    def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
+        assert self.weight is not None and self.scale is not None
+        rows, columns = self.shape[-2], self.shape[-1]  # (a Megatron chunk's leading axes are 1s)
+        scale = float32_rows(store, self.scale)
+        by_column = np.repeat(scale, self.block[1], axis=1)[:, :columns]
+        step = max(1, BLOCK_BYTES // max(1, columns * 4))
+        for first in range(0, rows, step):
+            stop = min(rows, first + step)
+            values = float32_rows(store, self.weight, (first, stop)).reshape(stop - first, columns)
+            at = np.arange(self.first_row + first, self.first_row + stop) // self.block[0]
+            values *= by_column[at]
+            yield values.reshape(-1).view(np.uint8).data if self.dtype == "float32" else dtypes.rounded(values, self.dtype)
+
+    def stored_crc(self, store: Store) -> int | None:
+        return None
+
+    def rows_of(self, first: int, stop: int) -> Dequantized:
+        """Rows [first, stop) of it."""
+        assert self.weight is not None
+        return replace(self, shape=(stop - first, self.shape[-1]), weight=rows_of(self.weight, first, stop),
+                       first_row=self.first_row + first)
+
+
+def dequantizing(weight: ArrayRef, scale: ArrayRef, dtype: str, block: tuple[int, int], key: str) -> Dequantized:
+    """`weight` dequantized by `scale` into `dtype`, once their shapes are checked against each other."""
+    if weight.dtype != "float8_e4m3fn" or scale.dtype != "float32" or len(weight.shape) != 2:
+        raise ExportError(f"{key}: a {weight.dtype} weight of shape {list(weight.shape)} with {scale.dtype} scales; "
+                          f"FP8 dequantization takes a 2-D float8_e4m3fn weight and float32 scales")
+    want = tuple(-(-n // b) for n, b in zip(weight.shape, block))
+    if tuple(scale.shape) != want:
+        raise ExportError(f"{key}{SCALE}: shape {list(scale.shape)}, but {key} of shape {list(weight.shape)} in blocks "
+                          f"of {list(block)} needs {list(want)}")
+    if dtype not in dtypes.CAST_DTYPES:
+        raise ExportError(f"{key}: dequantized into {dtype}; one of {', '.join(dtypes.CAST_DTYPES)}")
+    return Dequantized(weight.path, dtype, weight.shape, None, weight, scale, block)
+
+
+def scaled_tensor(model: HFModel, key: str) -> HFTensor:
+    """The scales' HFTensor of weight `key`."""
+    return next(t for t in model.tensors if t.key == f"{key}{SCALE}")
