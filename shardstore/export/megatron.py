@@ -36,7 +36,7 @@ from ..tree import Node
 from . import dcp, hf
 from .adapters import rows_of
 from .contract import ExportRequest, OutputFormat, Planned, Progress, Written
-from .hf import fp8
+from . import fp8
 from .hf.spec import HFModel
 from .hf.megatron_inverse import Placed, architecture, padded_vocab, placements, stacked
 from .hf.megatron import MOE_BLOCKS
@@ -75,8 +75,8 @@ def plan_items(store: Store, subtree: str, request: ExportRequest
         raise ExportError(f"{subtree or 'the checkpoint'}: describes no model (an adapter?)")
     architecture(model.config, where)
     # an FP8 model's weights dequantized (into bfloat16, or --dtype), as Megatron trains from them
-    items = hf.tensor_items(store, model, names, request, request.dtype or "bfloat16")
-    model = fp8.dequantized(model)
+    items = fp8.dequantize(hf.tensor_items(store, model, names, request), model.config, request.dtype or "bfloat16")
+    model = hf.without_scales(model, items)
     config: dict[str, Any] = model.config or {}
     sources = {it.key: it for it in items}
     for it in sources.values():

@@ -9,6 +9,7 @@ laid out before any unit is read, and the workers write every tensor's bytes whe
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import struct
@@ -19,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .. import dtypes
+from .. import dtypes, jsonin
 from ..errors import ExportError
 from ..patterns import matcher, nearest
 from ..ranges import blocks
@@ -28,6 +29,7 @@ from ..sink.layout import Layout, Target, new_layout, prepare
 from ..sink.output import OutputFile
 from ..store.store import Store
 from ..tree import Node
+from . import fp8
 from .contract import Arrays, DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from .notes import flat_buckets
 from .resolve import ArrayRef, Rows, build, leaves, tensors_only
@@ -236,8 +238,13 @@ class SafetensorsPlan:
 
 
 def plan_safetensors(store: Store, node: Node, request: ExportRequest) -> SafetensorsPlan:
+    """The store's tensors below `node`; those of an FP8 model with block scales dequantized into `--dtype`
+    (export/fp8.py: its config.json kept beside the checkpoint gives the blocks)."""
     items, skipped = collect(store, node, request.strip_prefix, request.cast_of, request.arrays)
-    return plan_items(items, skipped, request)
+    kept = store.manifest.facts.side_files.get("config.json")
+    config = jsonin.loads(base64.b64decode(kept), "config.json") if kept and request.dtype else None
+    return plan_items(fp8.dequantize(items, config if isinstance(config, dict) else None, request.dtype), skipped,
+                      request)
 
 
 def plan_items(items: list[Item], skipped: list[str], request: ExportRequest) -> SafetensorsPlan:
@@ -375,6 +382,8 @@ def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs
     if not tensors_only(store, node):
         return None
     plan = plan_safetensors(store, node, request)
+    if any(isinstance(it.source, fp8.Dequantized) for group in plan.groups for it in group):
+        return None  # values computed from two arrays: written from the store
     return plan_direct(store, plan)
 
 

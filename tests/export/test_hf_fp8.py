@@ -67,6 +67,13 @@ def test_dtype_dequantizes_as_transformers_does(fp8_model: Path, tmp_path: Path)
         assert torch.equal(got(IDS).logits, want(IDS).logits)
 
 
+def test_safetensors_dtype_dequantizes_too(fp8_model: Path, tmp_path: Path) -> None:
+    """--format safetensors (the model's tensors under their own names) of the FP8 folder: the same
+    dequantized weights, its config.json's blocks taken from beside the weights."""
+    shardstore.unshard(fp8_model, tmp_path / "st", format="safetensors", dtype="bfloat16", jobs=1)
+    assert_bitwise_equal(_weights(tmp_path / "st"), _dequantized_by_transformers(fp8_model).state_dict(), "safetensors")
+
+
 def test_without_dtype_the_fp8_model_is_kept_as_it_is(fp8_model: Path, tmp_path: Path) -> None:
     shardstore.unshard(fp8_model, tmp_path / "same", format="hf", jobs=1)
     assert_bitwise_equal(_weights(tmp_path / "same"), _weights(fp8_model), "fp8")

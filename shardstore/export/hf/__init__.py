@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,8 +32,8 @@ from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progr
 from ..resolve import build, tensors_only
 from ..safetensors import (FILE_NAMES, Item, SafetensorsDirect, SafetensorsPlan, Stacked, direct_layout,
                            export_safetensors, plan_items, planned_safetensors, stacked_item, tensor_item)
-from .. import adapters
-from . import fp8, lora, megatron, megatron_lora, olmo, olmo_core
+from .. import adapters, fp8
+from . import lora, megatron, megatron_lora, olmo, olmo_core
 from .leaves import CONFIG, GENERATION, NOT_HF_FILES, model_files, model_leaves, module_attribute, shape, side_config
 from .megatron_llama import EMBEDDING
 from .spec import HFModel, HFTensor
@@ -303,34 +303,29 @@ def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel
                               f"--adapter writes the adapter as peft saves it"
                               f"{'' if peft.adapter_only else ', --merge-adapter the model with it merged'}")
         model, request = lora.merged_model(store, model, view, peft, request)
-    items = tensor_items(store, model, names, request, request.dtype)
-    return _described(fp8.dequantized(model) if request.dtype else model, items, request)
+    items = fp8.dequantize(tensor_items(store, model, names, request), model.config, request.dtype)
+    return _described(without_scales(model, items), items, request)
 
 
-def tensor_items(store: Store, model: HFModel, names: dict[str, str], request: ExportRequest,
-                 fp8_into: str | None = None) -> list[Item]:
-    """The model's tensors as the safetensors writer takes them (and the Megatron writer: export/megatron.py);
-    with `fp8_into`, its FP8 block-quantized weights dequantized into that dtype, their scales left out
-    (export/fp8.py)."""
-    scaled = fp8.scales(model) if fp8_into is not None else {}
-    block = fp8.block_size(model.config, "the model's config.json") if scaled else (0, 0)
+def without_scales(model: HFModel, items: list[Item]) -> HFModel:
+    """The model as `items` hold it: where FP8 weights were dequantized (export/fp8.py), without their scales
+    and its quantization_config."""
+    kept = {it.key for it in items}
+    if len(kept) == len(model.tensors):
+        return model
+    config = None if model.config is None else {k: v for k, v in model.config.items() if k != "quantization_config"}
+    return replace(model, config=config, tensors=[t for t in model.tensors if t.key in kept])
 
-    def item_of(t: HFTensor) -> Item:
+
+def tensor_items(store: Store, model: HFModel, names: dict[str, str], request: ExportRequest) -> list[Item]:
+    """The model's tensors as the safetensors writer takes them (and the Megatron writer: export/megatron.py)."""
+    items = []
+    for t in model.tensors:
         item = stacked_item(store, t.key, [names[s] for s in t.stack], request.cast_of(t.key), t.interleave,
                             t.transpose, request.arrays) if t.stack else \
             tensor_item(store, t.key, names[t.source], request.cast_of(t.key), t.rows, request.arrays)
         if item is None:
             raise ExportError(f"{t.source}: not a tensor")
-        return item
-
-    items = []
-    for t in model.tensors:
-        if t.key in scaled.values():
-            continue
-        item = item_of(t)
-        if t.key in scaled and fp8_into is not None:
-            ref = fp8.dequantizing(item.source, item_of(fp8.scaled_tensor(model, t.key)).source, fp8_into, block, t.key)
-            item = Item(t.key, ref, fp8_into, item.shape)
         items.append(item)
     return items
 

@@ -9,26 +9,47 @@ it: the FP8 value widened to float32, times the scale in float32, rounded once t
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
 
-from ... import dtypes
-from ...errors import ExportError
-from ...ranges import Part
-from ...store.store import Store
-from ..adapters import float32_rows, rows_of
-from ..resolve import ArrayRef
-from .spec import HFModel, HFTensor
+from .. import dtypes
+from ..errors import ExportError
+from ..ranges import Part
+from ..store.store import Store
+from .adapters import float32_rows, rows_of
+from .resolve import ArrayRef
+
+if TYPE_CHECKING:
+    from .safetensors import Item
 
 SCALE = "_scale_inv"
 BLOCK_BYTES = 16 << 20  # of float32 held at a time
 
 
-def scales(model: HFModel) -> dict[str, str]:
-    """Each block-quantized weight of `model` by its key, and its scales' key."""
-    keys = {t.key for t in model.tensors}
+def scales(keys: Iterable[str]) -> dict[str, str]:
+    """Each block-quantized weight among `keys`, and its scales' key."""
+    keys = set(keys)
     return {k: f"{k}{SCALE}" for k in keys if f"{k}{SCALE}" in keys}
+
+
+def dequantize(items: list[Item], config: dict[str, Any] | None, dtype: str | None) -> list[Item]:
+    """`items` (the safetensors writer's) with each FP8 block-quantized weight dequantized into `dtype` and
+    its scales left out; as they are without `dtype`, or where none is quantized."""
+    by_key = {it.key: it for it in items}
+    scaled = scales(by_key) if dtype is not None else {}
+    if not scaled:
+        return items
+    assert dtype is not None
+    block = block_size(config, "the model's config.json")
+    out = []
+    for it in items:
+        if it.key in scaled:
+            out.append(replace(it, source=dequantizing(it.source, by_key[scaled[it.key]].source, dtype, block, it.key),
+                               dtype=dtype))
+        elif it.key not in scaled.values():
+            out.append(it)
+    return out
 
 
 def block_size(config: dict[str, Any] | None, where: str) -> tuple[int, int]:
@@ -42,13 +63,6 @@ def block_size(config: dict[str, Any] | None, where: str) -> tuple[int, int]:
         raise ExportError(f"{where}: quantization_config {quantization!r:.120}: shardstore dequantizes FP8 e4m3 "
                           f"weights with float32 scales per block of rows and columns (quant_method fp8)")
     return block[0], block[1]
-
-
-def dequantized(model: HFModel) -> HFModel:
-    """The model as its dequantized weights describe it: no scales, no quantization_config."""
-    scaled = set(scales(model).values())
-    config = None if model.config is None else {k: v for k, v in model.config.items() if k != "quantization_config"}
-    return replace(model, config=config, tensors=[t for t in model.tensors if t.key not in scaled])
 
 
 @dataclass(frozen=True)
@@ -84,10 +98,10 @@ class Dequantized(ArrayRef):
                        first_row=self.first_row + first)
 
 
-def dequantizing(weight: ArrayRef, scale: ArrayRef, dtype: str, block: tuple[int, int], key: str) -> Dequantized:
-    """`weight` dequantized by `scale` into `dtype`, once their shapes are checked against each other."""
-    if weight.dtype != "float8_e4m3fn" or scale.dtype != "float32" or len(weight.shape) != 2:
-        raise ExportError(f"{key}: a {weight.dtype} weight of shape {list(weight.shape)} with {scale.dtype} scales; "
+def dequantizing(weight: Any, scale: Any, dtype: str, block: tuple[int, int], key: str) -> Dequantized:
+    """`weight` dequantized by `scale` into `dtype`, once both are checked to be arrays of shapes that fit."""
+    if not isinstance(weight, ArrayRef) or not isinstance(scale, ArrayRef) or weight.dtype != "float8_e4m3fn" or scale.dtype != "float32" or len(weight.shape) != 2:
+        raise ExportError(f"{key}: a {getattr(weight, 'dtype', '')} weight of shape {list(weight.shape)} with {scale.dtype} scales; "
                           f"FP8 dequantization takes a 2-D float8_e4m3fn weight and float32 scales")
     want = tuple(-(-n // b) for n, b in zip(weight.shape, block))
     if tuple(scale.shape) != want:
@@ -96,8 +110,3 @@ def dequantizing(weight: ArrayRef, scale: ArrayRef, dtype: str, block: tuple[int
     if dtype not in dtypes.CAST_DTYPES:
         raise ExportError(f"{key}: dequantized into {dtype}; one of {', '.join(dtypes.CAST_DTYPES)}")
     return Dequantized(weight.path, dtype, weight.shape, None, weight, scale, block)
-
-
-def scaled_tensor(model: HFModel, key: str) -> HFTensor:
-    """The scales' HFTensor of weight `key`."""
-    return next(t for t in model.tensors if t.key == f"{key}{SCALE}")
