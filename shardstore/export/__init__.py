@@ -117,11 +117,11 @@ def check_request(out_dir: str | os.PathLike[str], request: ExportRequest, sched
         raise ExportError(f"--single-file applies to --format {_those(lambda f: f.single_file)} only")
     if scheduler and not fmt.takes_scheduler:
         raise ExportError(f"--scheduler exports {_those(lambda f: f.takes_scheduler)} only, not {fmt.name}")
-    if request.adapter and not fmt.describes_model:
-        raise ExportError(f"--adapter applies to --format {_those(lambda f: f.describes_model)} only")
+    if request.adapter and not fmt.writes_adapter:
+        raise ExportError(f"--adapter applies to --format {_those(lambda f: f.writes_adapter)} only")
     if request.merge_adapter and fmt.merged is None:
-        raise ExportError(f"--merge-adapter writes a model: --format {_those(lambda f: f.merged is not None)} (--format "
-                          f"{fmt.name} writes the checkpoint as its trainer saved it)")
+        raise ExportError(f"--merge-adapter writes a model: --format {_those(lambda f: f.merged is not None)}"
+                          + ("" if fmt.subtree else f" (--format {fmt.name} writes the checkpoint as its trainer saved it)"))
     if not fmt.subtree and (request.select or request.strip_prefix or request.dtype):
         raise ExportError(f"--select, --strip-prefix and --dtype apply to {_those(lambda f: f.subtree)} output only")
     out = Path(out_dir)

@@ -153,6 +153,8 @@ class OutputFormat:
     recognises: Callable[[Path], bool]
     # `verify` reads it back as a checkpoint (through the readers, into a store) rather than file by file
     reads_as_checkpoint: bool = False
+    # writes a PEFT adapter alone, as peft saves it (`ExportRequest.adapter`)
+    writes_adapter: bool = False
     # how it lays out a model with its PEFT adapter merged in (`ExportRequest.merge_adapter`), as `plan`
     # does the checkpoint's tensors; None: it writes no merged model
     merged: Callable[[Store, ExportRequest, Node, str, int], Planned] | None = None

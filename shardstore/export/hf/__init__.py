@@ -445,5 +445,5 @@ def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs
 FORMAT = OutputFormat("hf", subtree=True, may_write=FILE_NAMES + r"|config\.json|generation_config\.json"
                       r"|adapter_model\.safetensors|adapter_config\.json",
                       config_beside=False, resume_beside=False, describes_model=True, single_file=False, takes_scheduler=False,
-                      plan=_plan, direct=_direct, merged=_plan,
+                      plan=_plan, direct=_direct, merged=_plan, writes_adapter=True,
                       recognises=lambda out: (out / CONFIG).is_file() or (out / ADAPTER_CONFIG).is_file())
