@@ -327,6 +327,7 @@ def finish_direct(store: Store, out_dir: str | os.PathLike[str], planned: Direct
             moving.touch()
         for name in planned.layout.names:
             if not (moved_before and not (folder / name).exists() and (out / name).exists()):
+                (out / name).parent.mkdir(parents=True, exist_ok=True)  # (Megatron's release/__0_0.distcp)
                 os.replace(folder / name, out / name)
             files.append(out / name)
         files += planned.finish(store, out) + write_side_files(side_files, out)

@@ -30,6 +30,9 @@ from typing import Any, Iterator
 from .. import tempfiles
 from ..errors import ExportError
 from ..ranges import BLOCK, Part
+from ..records import TorchDType
+from ..locations import name_of
+from ..sink.layout import Target, new_layout, prepare, Sketch
 from ..sink.output import OutputFile
 from ..store.store import Store
 from ..tree import Node
@@ -42,6 +45,7 @@ from .hf.megatron_inverse import Placed, architecture, padded_vocab, placements,
 from .hf.megatron import MOE_BLOCKS
 from .hf.megatron_llama import QWEN2_MOE, QWEN3, QWEN3_MOE, need
 from .resolve import ArrayRef
+from .torch import write_zip
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -137,8 +141,6 @@ def _objects(config: dict[str, Any], placed: Placed, vocab_rows: int, multiple: 
 def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int) -> Namespace:
     """Megatron-LM's arguments for the model `config` describes, as its `check_checkpoint_args` compares
     them and `export/hf/megatron.config_from_args` reads them back."""
-    import torch
-
     arch = architecture(config, "the model's config.json")
     heads = config["num_attention_heads"]
     groups = config.get("num_key_value_heads") or heads
@@ -156,7 +158,8 @@ def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int) -> Nam
                 untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
                 padded_vocab_size=vocab_rows, make_vocab_size_divisible_by=multiple, ckpt_format="torch_dist",
                 tensor_model_parallel_size=1, pipeline_model_parallel_size=1, fp16=dtype == "float16",
-                bf16=dtype == "bfloat16", params_dtype=getattr(torch, dtype, torch.float32), iteration=0)
+                bf16=dtype == "bfloat16",
+                params_dtype=TorchDType(dtype if dtype in ("float16", "bfloat16") else "float32"), iteration=0)
     if arch in MOE_BLOCKS:  # every layer's MLP sparse, routed as the class routes (megatron_llama._moe_class)
         _, count, width, _ = MOE_BLOCKS[arch]
         args.update(num_experts=config[count], moe_ffn_hidden_size=config[width],
@@ -175,13 +178,7 @@ def export_megatron(store: Store, out: Path, model: HFModel, plan: dcp.DcpPlan, 
     folder = out / RELEASE
     folder.mkdir(parents=True, exist_ok=True)
     tempfiles.sweep(folder, recursive=False)  # what a killed export left
-    files = dcp.export_dcp(store, folder, plan, jobs, progress)
-    with OutputFile(folder / "metadata.json") as f:
-        f.write(json.dumps(BACKEND).encode())
-    files += [folder / "metadata.json"] + hf.write_model_files(out, model)
-    with OutputFile(out / ITERATION_FILE) as f:
-        f.write(RELEASE.encode())
-    return files + [out / ITERATION_FILE]
+    return dcp.export_dcp(store, folder, plan, jobs, progress) + _beside_release(out, model)
 
 
 def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> Planned:
@@ -199,7 +196,87 @@ def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: 
     return Planned(files, plan.nbytes, write)
 
 
+@dataclass(frozen=True)
+class MegatronDirect(dcp.DcpDirect):
+    """The chunks that are runs of rows of one array, laid out for the ingest's workers to copy into
+    release/'s .distcp files; the rest (zeros, dequantized weights, the objects) and `.metadata` at the
+    finish, then the model's files, then the iteration file."""
+
+    model: HFModel | None = None
+    described: dict[str, Any] | None = None
+    rest: tuple[dcp.Item, ...] = ()
+    placed: tuple[tuple[dcp.Item, int, int, int], ...] = ()  # (item, file, its offset, its length)
+
+    @property
+    def files(self) -> list[str]:
+        assert self.model is not None
+        return list(self.layout.names) + [f"{RELEASE}/{dcp.distcp_name(len(self.layout.names))}",
+                                          f"{RELEASE}/{dcp.METADATA}", f"{RELEASE}/metadata.json"] \
+            + hf.model_file_names(self.model) + [ITERATION_FILE]
+
+    def finish(self, store: Store, out: Path) -> list[Path]:
+        assert self.model is not None and self.described is not None
+        folder = out / RELEASE
+        results: dict[str, list[tuple[dcp.Item, int, int]]] = {name_of(n): [] for n in self.layout.names}
+        for item, file, offset, length in self.placed:
+            results[name_of(self.layout.names[file])].append((item, offset, length))
+        written: list[dcp.ItemsWritten] = list(results.items())
+        name = dcp.distcp_name(len(self.layout.names))
+        written.append(dcp.write_items(store, folder / name, list(self.rest), False))
+        with OutputFile(folder / dcp.METADATA) as f:
+            f.write(dcp.metadata(self.described, {}, written))
+        return [folder / name, folder / dcp.METADATA] + _beside_release(out, self.model)
+
+
+def _beside_release(out: Path, model: HFModel) -> list[Path]:
+    """metadata.json, the model's files, then the iteration file that makes OUT a run Megatron-LM loads."""
+    with OutputFile(out / RELEASE / "metadata.json") as f:
+        f.write(json.dumps(BACKEND).encode())
+    files = [out / RELEASE / "metadata.json"] + hf.write_model_files(out, model)
+    with OutputFile(out / ITERATION_FILE) as f:
+        f.write(RELEASE.encode())
+    return files + [out / ITERATION_FILE]
+
+
+def plan_direct(store: Store, request: ExportRequest, subtree: str, jobs: int) -> MegatronDirect | None:
+    """Each chunk that is one run of rows of an array the ingest brings, laid out in release/'s files for
+    its workers; the rest written at the finish from the store."""
+    model, _, chunks, described = plan_items(store, subtree, request)
+    copied = [c for c in chunks if type(c.source) is ArrayRef and c.source.rows is not None
+              and len(c.source.rows) == 1 and c.source.path in store.manifest.arrays]
+    if not copied:
+        return None
+    sketches, laid, placed = [], {}, []
+    for file, items in enumerate(dcp.spread(copied, jobs)):
+        sketch = Sketch()
+        for item in items:
+            start = sketch.pos
+            zw = write_zip(sketch, "archive", item.source, store, holes=True)
+            (at, size), = zw.holes.values()
+            assert item.chunk is not None
+            laid[(item.fqn, item.chunk[0])] = (file, start, sketch.pos - start, at, size, zw.crc_at(next(iter(zw.holes))))
+            placed.append((item, file, start, sketch.pos - start))
+        sketches.append(sketch)
+    targets: dict[str, list[Target]] = {}
+    for item, file, _, _ in placed:
+        source: ArrayRef = item.source
+        (first, stop), = source.rows or ()
+        columns = store.manifest.arrays[source.path].shape[1:]
+        at = laid[(item.fqn, item.chunk[0] if item.chunk else ())][3]
+        targets.setdefault(source.path, []).append(
+            Target(file, at, ((first, *(0,) * len(columns)), (stop - first, *columns)), source.dtype, crc=True))
+    names = [f"{RELEASE}/{dcp.distcp_name(i)}" for i in range(len(sketches))]
+    lay = new_layout(store, names, [s.pos for s in sketches], targets)
+    (Path(lay.folder) / RELEASE).mkdir(parents=True, exist_ok=True)
+    prepare(store, lay, [s.writes for s in sketches])
+    rest = tuple(c for c in chunks if not any(c is p[0] for p in placed))
+    return MegatronDirect(lay, True, laid, model, described, rest, tuple(placed))
+
+
+def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> MegatronDirect | None:
+    return plan_direct(store, request, subtree, jobs)
+
+
 FORMAT = OutputFormat("megatron", subtree=True, may_write=None, config_beside=False, resume_beside=False,
-                      describes_model=True, single_file=False, takes_scheduler=False, plan=_plan,
-                      direct=lambda store, request, node, subtree, jobs: None,
+                      describes_model=True, single_file=False, takes_scheduler=False, plan=_plan, direct=_direct,
                       recognises=lambda out: (out / ITERATION_FILE).is_file())
