@@ -33,7 +33,6 @@ from . import ingest as _ingest
 from .errors import CheckpointError, ExportError, ShardstoreError
 from .export import registry
 from .export.contract import DirectExport, ExportRequest
-from .facts import CheckpointFacts
 from .locations import StorageOptions, is_url, name_of, nearest_existing
 from .paths import under
 from .progress import QUIET, Progress, size_text
@@ -242,10 +241,10 @@ def _opened(request: RunRequest, progress: Progress, dry: bool) -> Source:
 
 def _beside_changed(store: Store, source: Source) -> bool:
     """Whether the files the store keeps from beside the units (the run's config, the trainer's resume
-    files: the export writes them back) are not, byte for byte, those beside `source`'s now."""
-    facts, now = store.manifest.facts, beside(source)
-    return any(getattr(facts, name) != now.get(name, getattr(CheckpointFacts(), name))
-               for name in ("side_files", "trainer", "resume_files"))
+    files: the export writes them back) are not, byte for byte, those `source` has now (what planning
+    would keep of them: read/discover.py `beside`)."""
+    facts = store.manifest.facts
+    return any(getattr(facts, name) != value for name, value in beside(source).items())
 
 
 def _outside_checkpoint(request: RunRequest, source: Source) -> None:
