@@ -184,6 +184,8 @@ class Follower:
     def look(self) -> list[Event]:
         """Publish, oldest first, every checkpoint complete now and not yet published."""
         options = self.how.storage_options
+        if is_url(self.run):  # fsspec keeps listings: each look sees the run as it is now
+            filesystem(self.run, options)[0].invalidate_cache()
         events: list[Event] = []
         done = {name for _, name in self.published()}
         found = checkpoints(self.run, options)

@@ -144,6 +144,32 @@ def test_a_checkpoint_rotated_away_while_read_is_skipped_in_one_line(saved_run: 
     assert _published(out) == ["step-4"] and not (out / STAGING / "step-2").exists()
 
 
+def test_a_live_run_saving_to_object_storage_is_followed(tmp_path: Path, s3) -> None:  # type: ignore[no-untyped-def]
+    """The live run saving to S3 (a local S3 server) through torch's own FsspecWriter, rotating its steps
+    there, and `follow` on the s3:// URL beside it: every step published is what the ranks gathered."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    fs.mkdir("live")
+    refs, out = tmp_path / "refs", tmp_path / "out"
+    trainer = subprocess.Popen([sys.executable, "-m", "tests.fixtures.training_run", "s3://live/run", str(refs), "8",
+                                "2", "2", "0.3"], cwd=ROOT)
+    events: list[object] = []
+    try:
+        while trainer.poll() is None:
+            events += shardstore.follow("s3://live/run", out, once=True, keep=2, jobs=1)
+    finally:
+        trainer.wait(timeout=300)
+    assert trainer.returncode == 0
+    events += shardstore.follow("s3://live/run", out, once=True, keep=2, jobs=1)
+    published = [e for e in events if isinstance(e, Published)]
+    assert published and published[-1].name == "step-8", events
+    assert not [e for e in events if isinstance(e, Skipped) and not e.removed], events
+    for name in _published(out):
+        _is_saved(out, refs, name)
+    assert _published(out) == ["step-6", "step-8"] and (out / LATEST).read_text() == "step-8"
+
+
 def test_a_run_on_object_storage_is_followed(saved_run: tuple[Path, Path], tmp_path: Path, s3) -> None:  # type: ignore[no-untyped-def]
     import s3fs
 
