@@ -9,7 +9,7 @@ it: the FP8 value widened to float32, times the scale in float32, rounded once t
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -19,9 +19,6 @@ from ..ranges import Part
 from ..store.store import Store
 from .adapters import float32_rows, rows_of
 from .resolve import ArrayRef
-
-if TYPE_CHECKING:
-    from .safetensors import Item
 
 SCALE = "_scale_inv"
 BLOCK_BYTES = 16 << 20  # of float32 held at a time
@@ -33,7 +30,7 @@ def scales(keys: Iterable[str]) -> dict[str, str]:
     return {k: f"{k}{SCALE}" for k in keys if f"{k}{SCALE}" in keys}
 
 
-def dequantize(items: list[Item], config: dict[str, Any] | None, dtype: str | None) -> list[Item]:
+def dequantize(items: list[Any], config: dict[str, Any] | None, dtype: str | None) -> list[Any]:
     """`items` (the safetensors writer's) with each FP8 block-quantized weight dequantized into `dtype` and
     its scales left out; as they are without `dtype`, or where none is quantized."""
     by_key = {it.key: it for it in items}
