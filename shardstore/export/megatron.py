@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 from argparse import Namespace
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -31,21 +31,16 @@ from .. import tempfiles
 from ..errors import ExportError
 from ..ranges import BLOCK, Part
 from ..records import TorchDType
-from ..locations import name_of
-from ..sink.layout import Target, new_layout, prepare, Sketch
 from ..sink.output import OutputFile
 from ..store.store import Store
 from ..tree import Node
-from . import dcp, hf
-from .adapters import rows_of
+from . import chunks, dcp, hf
 from .contract import ExportRequest, OutputFormat, Planned, Progress, Written
-from . import fp8
 from .hf.spec import HFModel
 from .hf.megatron_inverse import Placed, architecture, padded_vocab, placements, stacked
 from .hf.megatron import MOE_BLOCKS
 from .hf.megatron_llama import QWEN2_MOE, QWEN3, QWEN3_MOE, need
 from .resolve import ArrayRef
-from .torch import write_zip
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -73,25 +68,10 @@ def plan_items(store: Store, subtree: str, request: ExportRequest
                ) -> tuple[HFModel, Placed, list[dcp.Item], dict[str, Any]]:
     """The Hugging Face model the store is (export/hf), and it placed in Megatron's names: the tensor
     chunks and the other items of the checkpoint, and what `.metadata` describes each key as."""
-    model, names = hf.describe(store, subtree, request.hf_config, request.strip_prefix)
-    where = "the model's config.json"
-    if model.config is None:
-        raise ExportError(f"{subtree or 'the checkpoint'}: describes no model (an adapter?)")
-    architecture(model.config, where)
-    # an FP8 model's weights dequantized (into bfloat16, or --dtype), as Megatron trains from them
-    items = fp8.dequantize(hf.tensor_items(store, model, names, request), model.config, request.dtype or "bfloat16")
-    model = hf.without_scales(model, items)
+    model, sources, _ = chunks.model_arrays(store, subtree, request, request.dtype or "bfloat16")
     config: dict[str, Any] = model.config or {}
-    sources = {it.key: it for it in items}
-    for it in sources.values():
-        if isinstance(it.source, fp8.Dequantized):
-            continue
-        if type(it.source) is not ArrayRef:
-            raise ExportError(f"{it.key}: kept among the checkpoint's values, not as an array; --format megatron "
-                              f"writes arrays only")
-        if it.dtype != it.source.dtype:
-            raise ExportError("--dtype: --format megatron writes each tensor in its own dtype (an FP8 model's "
-                              "weights dequantized into it); cast with the trainer's --bf16 when it loads")
+    where = "the model's config.json"
+    architecture(config, where)
     multiple = request.vocab_multiple or VOCAB_MULTIPLE
     vocab_rows = padded_vocab(need(config, "vocab_size", where), multiple)
     placed = placements(config, {k: it.shape for k, it in sources.items()}, where, vocab_rows=vocab_rows)
@@ -100,26 +80,24 @@ def plan_items(store: Store, subtree: str, request: ExportRequest
     dtypes = {p.target: sources[p.hf].dtype for p in placed.placements}
     described: dict[str, Any] = {key: ("tensor", dtypes[next(iter(members))], shape)
                                  for key, (shape, members) in keys.items()}
-    chunks = []
+    items = []
     for p in placed.placements:
         source = sources[p.hf].source
-        first, stop = p.rows or (0, source.shape[0])
         key, index = index_of[p.target]
         rest = placed.shapes[p.target][1:]
-        sizes = (1,) * len(index) + (stop - first, *rest)
-        picked = source.rows_of(first, stop) if isinstance(source, fp8.Dequantized) else rows_of(source, first, stop)
-        ref: ArrayRef = replace(picked, shape=sizes)  # (the chunk's leading axes: its layer's, its expert's)
-        chunks.append(dcp.Item(key, ((*index, p.at) + (0,) * len(rest), sizes), ref, ref.nbytes))
+        first, stop = p.rows or (0, source.shape[0])
+        items.append(chunks.rows_item(key, (*index, p.at) + (0,) * len(rest), (1,) * len(index) + (stop - first, *rest),
+                                      source, (p.rows,) if p.rows else None))
     for target, (first, stop) in placed.padding.items():
         key, index = index_of[target]
         rest = placed.shapes[target][1:]
         sizes = (1,) * len(index) + (stop - first, *rest)
         zeros = Zeros(target, dtypes[target], sizes)
-        chunks.append(dcp.Item(key, ((*index, first) + (0,) * len(rest), sizes), zeros, zeros.nbytes))
+        items.append(dcp.Item(key, ((*index, first) + (0,) * len(rest), sizes), zeros, zeros.nbytes))
     for fqn, value in _objects(config, placed, vocab_rows, multiple).items():
         described[fqn] = ("bytes",)
-        chunks.append(dcp.Item(fqn, None, value, 0))
-    return model, placed, chunks, described
+        items.append(dcp.Item(fqn, None, value, 0))
+    return model, placed, items, described
 
 
 def _objects(config: dict[str, Any], placed: Placed, vocab_rows: int, multiple: int) -> dict[str, dcp.Value]:
@@ -197,35 +175,20 @@ def _plan(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: 
 
 
 @dataclass(frozen=True)
-class MegatronDirect(dcp.DcpDirect):
-    """The chunks that are runs of rows of one array, laid out for the ingest's workers to copy into
-    release/'s .distcp files; the rest (zeros, dequantized weights, the objects) and `.metadata` at the
-    finish, then the model's files, then the iteration file."""
+class MegatronDirect(chunks.ChunksDirect):
+    """release/'s chunks as chunks.ChunksDirect writes them, then the model's files, then the iteration
+    file."""
 
     model: HFModel | None = None
-    described: dict[str, Any] | None = None
-    rest: tuple[dcp.Item, ...] = ()
-    placed: tuple[tuple[dcp.Item, int, int, int], ...] = ()  # (item, file, its offset, its length)
 
     @property
     def files(self) -> list[str]:
         assert self.model is not None
-        return list(self.layout.names) + [f"{RELEASE}/{dcp.distcp_name(len(self.layout.names))}",
-                                          f"{RELEASE}/{dcp.METADATA}", f"{RELEASE}/metadata.json"] \
-            + hf.model_file_names(self.model) + [ITERATION_FILE]
+        return super().files + [f"{RELEASE}/metadata.json"] + hf.model_file_names(self.model) + [ITERATION_FILE]
 
     def finish(self, store: Store, out: Path) -> list[Path]:
-        assert self.model is not None and self.described is not None
-        folder = out / RELEASE
-        results: dict[str, list[tuple[dcp.Item, int, int]]] = {name_of(n): [] for n in self.layout.names}
-        for item, file, offset, length in self.placed:
-            results[name_of(self.layout.names[file])].append((item, offset, length))
-        written: list[dcp.ItemsWritten] = list(results.items())
-        name = dcp.distcp_name(len(self.layout.names))
-        written.append(dcp.write_items(store, folder / name, list(self.rest), False))
-        with OutputFile(folder / dcp.METADATA) as f:
-            f.write(dcp.metadata(self.described, {}, written))
-        return [folder / name, folder / dcp.METADATA] + _beside_release(out, self.model)
+        assert self.model is not None
+        return super().finish(store, out) + _beside_release(out, self.model)
 
 
 def _beside_release(out: Path, model: HFModel) -> list[Path]:
@@ -241,36 +204,9 @@ def _beside_release(out: Path, model: HFModel) -> list[Path]:
 def plan_direct(store: Store, request: ExportRequest, subtree: str, jobs: int) -> MegatronDirect | None:
     """Each chunk that is one run of rows of an array the ingest brings, laid out in release/'s files for
     its workers; the rest written at the finish from the store."""
-    model, _, chunks, described = plan_items(store, subtree, request)
-    copied = [c for c in chunks if type(c.source) is ArrayRef and c.source.rows is not None
-              and len(c.source.rows) == 1 and c.source.path in store.manifest.arrays]
-    if not copied:
-        return None
-    sketches, laid, placed = [], {}, []
-    for file, items in enumerate(dcp.spread(copied, jobs)):
-        sketch = Sketch()
-        for item in items:
-            start = sketch.pos
-            zw = write_zip(sketch, "archive", item.source, store, holes=True)
-            (at, size), = zw.holes.values()
-            assert item.chunk is not None
-            laid[(item.fqn, item.chunk[0])] = (file, start, sketch.pos - start, at, size, zw.crc_at(next(iter(zw.holes))))
-            placed.append((item, file, start, sketch.pos - start))
-        sketches.append(sketch)
-    targets: dict[str, list[Target]] = {}
-    for item, file, _, _ in placed:
-        source: ArrayRef = item.source
-        (first, stop), = source.rows or ()
-        columns = store.manifest.arrays[source.path].shape[1:]
-        at = laid[(item.fqn, item.chunk[0] if item.chunk else ())][3]
-        targets.setdefault(source.path, []).append(
-            Target(file, at, ((first, *(0,) * len(columns)), (stop - first, *columns)), source.dtype, crc=True))
-    names = [f"{RELEASE}/{dcp.distcp_name(i)}" for i in range(len(sketches))]
-    lay = new_layout(store, names, [s.pos for s in sketches], targets)
-    (Path(lay.folder) / RELEASE).mkdir(parents=True, exist_ok=True)
-    prepare(store, lay, [s.writes for s in sketches])
-    rest = tuple(c for c in chunks if not any(c is p[0] for p in placed))
-    return MegatronDirect(lay, True, laid, model, described, rest, tuple(placed))
+    model, _, items, described = plan_items(store, subtree, request)
+    fields = chunks.plan_direct(store, items, described, jobs, RELEASE)
+    return None if fields is None else MegatronDirect(**fields, model=model)
 
 
 def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> MegatronDirect | None:
