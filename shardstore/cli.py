@@ -198,6 +198,10 @@ def _export_options(f: Any) -> Any:
                      help="With --format megatron: pad the vocabulary to a multiple of N rows, as the job that loads "
                           "it computes it (Megatron-LM's --make-vocab-size-divisible-by times its tensor-parallel "
                           "size) [default: 128]."),
+        click.option("--names", default=None, metavar="torchtitan|FILE.json",
+                     help="With --format dcp, of a model --format hf maps: its tensors under a trainer's names, "
+                          "for dcp.load into its model at any world size: torchtitan's (0.3), or a JSON "
+                          "file of renames {\"regex\": \"replacement\" or null}."),
     ]):
         f = opt(f)
     return f

@@ -87,6 +87,11 @@ class ChunksDirect(dcp.DcpDirect):
     described: dict[str, Any] | None = None
     rest: tuple[dcp.Item, ...] = ()
     placed: tuple[tuple[dcp.Item, int, int, int], ...] = ()  # (item, file, its offset, its length)
+    said: tuple[str, ...] = ()  # the notes
+
+    @property
+    def notes(self) -> list[str]:
+        return list(self.said)
 
     def _in(self, name: str) -> str:
         return f"{self.folder}/{name}" if self.folder else name

@@ -71,6 +71,9 @@ class ExportRequest:
     # `--format megatron`: the vocabulary's rows padded to a multiple of this (Megatron-LM's
     # make_vocab_size_divisible_by times the tensor-parallel size it loads at); None: 128
     vocab_multiple: int | None = None
+    # `--format dcp`: the tensors under a trainer's names: a built-in mapping ("torchtitan")
+    # or a JSON file of renames (export/renamed.py)
+    names: str | os.PathLike[str] | None = None
     # where each sharded array's bytes come from instead of the store, given the dtype the output holds it
     # in (`average` puts the checkpoints' mean there, rounded once into that dtype); no user option
     arrays: Arrays | None = field(default=None, compare=False, repr=False)
@@ -91,6 +94,8 @@ class ExportRequest:
         if self.vocab_multiple is not None and (self.output.name != "megatron" or type(self.vocab_multiple) is not int
                                                 or self.vocab_multiple < 1):
             raise ExportError("--vocab-multiple is a count of rows of at least 1, and goes with --format megatron")
+        if self.names is not None and (self.output.name != "dcp" or not isinstance(self.names, (str, os.PathLike))):
+            raise ExportError("--names goes with --format dcp: a built-in name or a JSON file of renames")
         if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
             raise ExportError(f"--lora-alpha: {self.lora_alpha} is no LoRA alpha (a positive number)")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ExportError
-from . import dcp, hf, megatron, safetensors, torch
+from . import dcp, hf, megatron, renamed, safetensors, torch
 from .contract import ExportRequest, OutputFormat
 
 # safetensors writes a model with its adapter merged as the Hugging Face folder's weights (hf/ plans the merge)
@@ -41,7 +41,10 @@ def request(format: str = "safetensors", **options: Any) -> ExportRequest:
     """The `ExportRequest` for the format called `format`, with `options` (its other fields), each checked
     once here: a name that is no option of an export is one line too."""
     known(options, OPTIONS)
-    return ExportRequest(output_format(format), **options)
+    output = output_format(format)
+    if output is dcp.FORMAT and options.get("names") is not None:  # the same writer, under other names
+        output = renamed.FORMAT
+    return ExportRequest(output, **options)
 
 
 OPTIONS = frozenset(f.name for f in fields(ExportRequest)) - {"output", "arrays", "base_model"} | {"format"}
