@@ -213,6 +213,8 @@ def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs
     return plan_direct(store, request, subtree, jobs)
 
 
-FORMAT = OutputFormat("megatron", subtree=True, may_write=None, config_beside=False, resume_beside=False,
+# what it writes at OUT's top (release/ holds the rest): an earlier export's other files are refused up front
+MAY_WRITE = r"latest_checkpointed_iteration\.txt|release|config\.json|generation_config\.json"
+FORMAT = OutputFormat("megatron", subtree=True, may_write=MAY_WRITE, config_beside=False, resume_beside=False,
                       describes_model=True, single_file=False, takes_scheduler=False, plan=_plan, direct=_direct,
                       recognises=lambda out: (out / ITERATION_FILE).is_file())

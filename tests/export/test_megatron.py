@@ -120,3 +120,18 @@ def test_what_a_megatron_checkpoint_cannot_hold_is_refused_before_it_is_written(
     with pytest.raises(shardstore.ExportError, match="'GPT2LMHeadModel' has no Megatron-Core GPT equivalent"):
         shardstore.unshard(tmp_path / "hf", tmp_path / "c", format="megatron", jobs=1)
     assert not any((tmp_path / n).exists() for n in ("a", "b", "c"))
+
+
+def test_an_earlier_exports_files_are_refused_up_front_and_replaced_with_overwrite(tmp_path: Path) -> None:
+    """What OUT may hold of a Megatron export is known by name before anything is planned: another
+    export's files are one line (nothing written), replaced with --overwrite."""
+    from tests.export.test_renamed import DATA as TITAN
+    from tests.test_cli import error_line, run
+
+    src, out = TITAN / "llama" / "hf", tmp_path / "out"
+    shardstore.unshard(src, out, format="hf", jobs=1)
+    line = error_line("unshard", src, out, "--format", "megatron")
+    assert "model.safetensors" in line and not (out / "release").exists(), line
+    proc = run("unshard", src, out, "--format", "megatron", "--overwrite", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert not (out / "model.safetensors").exists() and (out / "latest_checkpointed_iteration.txt").read_text() == "release"
