@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from . import base_folder, dtypes
 from .errors import ExportError
-from .export import planned, registry
+from .export import fp8, planned, registry
 from .export.dcp import dcp_state
 from .export.resolve import ArrayRef, build, leaves
 from .export.safetensors import INDEX, Item, tensor_bytes
@@ -107,6 +108,8 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
         options = {**_adapter_options(out / ADAPTER_CONFIG), **options, "adapter": True}  # peft's adapter folder
     request = run_request(src, output, format=fmt.name, **options)
     jobs, select = request.jobs, request.export.select
+    if fmt.reads_back_as_model:
+        return _as_model(src, out, request, fmt.name)
     # the whole checkpoint, the optimizer's state too; or a model's state dict in torch files
     whole = not fmt.subtree and (fmt.reads_as_checkpoint or not state_dict_files(out))
     files, outputs = _output_tensors(out) if not whole else ([], {})
@@ -132,11 +135,39 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
         # the tensors, and their names, a safetensors (or hf) export writes: a state dict's too
         export = replace(export, output=fmt if fmt.subtree else registry.TENSORS)
         with base_folder.opened(export) as export:
-            return _compare(store, planned(store, export).tensors, outputs, fmt.name)
+            return _compare(store, planned(store, export).tensors, _views(outputs), fmt.name)
     finally:
         for f in files:
             f.close()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _as_model(src: str | os.PathLike[str], out: Path, request: Any, format: str) -> VerifyResult:
+    """A Megatron checkpoint written from a Hugging Face model: read back (the reader takes the HF files
+    beside its run folder), mapped onto transformers' names as `--format hf` maps it (the vocabulary's
+    padding off), each tensor the source model's, bit for bit (an FP8 model's weights as the writer
+    dequantized them: into `--dtype`, by default bfloat16)."""
+    written = open_source(out)  # refused up front where OUT is no Megatron run folder
+    source = open_source(src, request.tag, request.step, request.storage_options)
+    scratch = _scratch(out)
+    try:
+        store = model_store(scratch / "store", source, request.jobs, request.export.select)
+        output = model_store(scratch / "output", written, request.jobs, None)
+        ours = replace(request.export, output=registry.output_format("hf"), vocab_multiple=None)
+        if ours.dtype is None and any(it.dtype == "float8_e4m3fn" for it in planned(store, ours).tensors):
+            ours = replace(ours, dtype="bfloat16")
+        theirs = replace(ours, select=None, strip_prefix=None, hf_config=None, dtype=None, keep_dtype=())
+        found: dict[str, Found] = {it.key: (it.dtype, tuple(it.shape), partial(tensor_bytes, output, it))
+                                   for it in planned(output, theirs).tensors}
+        return _compare(store, [it for it in planned(store, ours).tensors if not it.key.endswith(fp8.SCALE)],
+                        found, format)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _views(outputs: dict[str, tuple[OutputFile, TensorRef]]) -> dict[str, Found]:
+    """Each output tensor's dtype, shape and bytes (a view of its file)."""
+    return {name: (ref.dtype, tuple(ref.shape), partial(f.view, name)) for name, (f, ref) in outputs.items()}
 
 
 def _adapter_options(path: Path) -> dict[str, Any]:
@@ -377,8 +408,7 @@ def _tied_items(store: Store, items: list[Item]) -> list[Item]:
     return tied
 
 
-def _compare(store: Store, items: list[Item], outputs: dict[str, tuple[OutputFile, TensorRef]],
-             format: str) -> VerifyResult:
+def _compare(store: Store, items: list[Item], outputs: dict[str, Found], format: str) -> VerifyResult:
     result = VerifyResult(format)
     left = dict(outputs)
     optional = [it for it in _tied_items(store, items) if it.key in outputs]
@@ -387,8 +417,7 @@ def _compare(store: Store, items: list[Item], outputs: dict[str, tuple[OutputFil
         if got is None:
             result.differences.append(Difference(item.key, "missing from the output"))
             continue
-        f, ref = got
-        shape, dtype = ref.shape, ref.dtype
+        dtype, shape, view = got
         if tuple(shape) != tuple(item.shape):
             result.differences.append(Difference(item.key, f"shape {list(shape)} in the output, {list(item.shape)} "
                                                            f"from the checkpoint"))
@@ -401,7 +430,7 @@ def _compare(store: Store, items: list[Item], outputs: dict[str, tuple[OutputFil
             item = replace(item, dtype=dtype)  # checked against the source cast as torch casts
         result.tensors += 1
         result.nbytes += item.nbytes
-        difference = _first_difference(item, tensor_bytes(store, item), f.view(item.key))
+        difference = _first_difference(item, tensor_bytes(store, item), view())
         if difference is not None:
             result.differences.append(Difference(item.key, difference))
     for name in sorted(left):

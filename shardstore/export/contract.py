@@ -158,6 +158,9 @@ class OutputFormat:
     recognises: Callable[[Path], bool]
     # `verify` reads it back as a checkpoint (through the readers, into a store) rather than file by file
     reads_as_checkpoint: bool = False
+    # `verify` reads it back as a checkpoint and compares its model under transformers' names (a model
+    # written under another trainer's names and layout, which the readers map back)
+    reads_back_as_model: bool = False
     # writes a PEFT adapter alone, as peft saves it (`ExportRequest.adapter`)
     writes_adapter: bool = False
     # how it lays out a model with its PEFT adapter merged in (`ExportRequest.merge_adapter`), as `plan`

@@ -217,4 +217,4 @@ def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs
 MAY_WRITE = r"latest_checkpointed_iteration\.txt|release|config\.json|generation_config\.json"
 FORMAT = OutputFormat("megatron", subtree=True, may_write=MAY_WRITE, config_beside=False, resume_beside=False,
                       describes_model=True, single_file=False, takes_scheduler=False, plan=_plan, direct=_direct,
-                      recognises=lambda out: (out / ITERATION_FILE).is_file())
+                      recognises=lambda out: (out / ITERATION_FILE).is_file(), reads_back_as_model=True)

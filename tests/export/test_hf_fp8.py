@@ -84,6 +84,8 @@ def test_a_megatron_checkpoint_of_an_fp8_model_holds_its_dequantized_weights(fp8
     shardstore.unshard(fp8_model, tmp_path / "megatron", format="megatron", jobs=2)
     shardstore.unshard(tmp_path / "megatron", tmp_path / "back", format="hf", jobs=1)
     assert_bitwise_equal(_weights(tmp_path / "back"), _dequantized_by_transformers(fp8_model).state_dict(), "megatron")
+    result = shardstore.verify(fp8_model, tmp_path / "megatron")  # against the model dequantized as the writer did
+    assert result.ok and result.tensors == len(_weights(tmp_path / "back")), result.summary()
 
 
 def test_scales_that_do_not_fit_their_weight_are_refused_by_name(fp8_model: Path, tmp_path: Path) -> None:

@@ -135,3 +135,28 @@ def test_an_earlier_exports_files_are_refused_up_front_and_replaced_with_overwri
     proc = run("unshard", src, out, "--format", "megatron", "--overwrite", "--quiet")
     assert proc.returncode == 0, proc.stderr
     assert not (out / "model.safetensors").exists() and (out / "latest_checkpointed_iteration.txt").read_text() == "release"
+
+
+def test_verify_reads_a_megatron_output_back_and_catches_a_changed_element(tmp_path: Path) -> None:
+    """`verify HF OUT` of a Megatron export: recognised by its iteration file, read back onto transformers'
+    names and checked tensor by tensor; one element changed in a .distcp file is named with its tensor."""
+    from tests.export.test_renamed import DATA as TITAN
+
+    src, out = TITAN / "llama" / "hf", tmp_path / "out"
+    shardstore.unshard(src, out, format="megatron", jobs=1)
+    result = shardstore.verify(src, out)
+    assert result.ok and result.format == "megatron" and result.tensors == 21, result.summary()
+    # the first layer's q of the first query group, as the source holds it: changed where the output has it
+    q = _safetensors(src)["model.layers.0.self_attn.q_proj.weight"]
+    raw = q[0].numpy().tobytes()
+    for distcp in (out / "release").glob("*.distcp"):
+        data = distcp.read_bytes()
+        at = data.find(raw)
+        if at >= 0:
+            distcp.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1:])
+            break
+    else:
+        raise AssertionError("the first row of q is in no .distcp file")
+    result = shardstore.verify(src, out)
+    assert not result.ok and [d.name for d in result.differences] == ["model.layers.0.self_attn.q_proj.weight"], \
+        result.summary()
