@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 from argparse import Namespace
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -37,16 +37,19 @@ from ..tree import Node
 from . import chunks, dcp, hf
 from .contract import ExportRequest, OutputFormat, Planned, Progress, Written
 from .hf.spec import HFModel
-from .hf.megatron_inverse import Placed, architecture, padded_vocab, placements, stacked
+from .hf.megatron_inverse import Placed, architecture, layers_stacked, padded_vocab, placements, stacked
 from .hf.megatron import MOE_BLOCKS
-from .hf.megatron_llama import QWEN2_MOE, QWEN3, QWEN3_MOE, need
+from .hf.megatron_llama import DEEPSEEK_V3, QWEN2_MOE, QWEN3, QWEN3_MOE, need
 from .resolve import ArrayRef
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
-# the linear layers whose `_extra_state` megatron-core saves (an MoE's experts' and shared expert's too)
-LINEARS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+# the linear layers whose `_extra_state` megatron-core saves (an MoE's experts' and shared expert's too, MLA's,
+# a multi-token-prediction layer's projection)
+LINEARS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight",
+           "linear_q_proj.weight", "linear_q_down_proj.weight", "linear_q_up_proj.weight",
+           "linear_kv_down_proj.weight", "linear_kv_up_proj.weight", "eh_proj.weight")
 VOCAB_MULTIPLE = 128  # Megatron-LM's make_vocab_size_divisible_by
 
 
@@ -71,11 +74,12 @@ def plan_items(store: Store, subtree: str, request: ExportRequest
     model, sources, _ = chunks.model_arrays(store, subtree, request, request.dtype or "bfloat16")
     config: dict[str, Any] = model.config or {}
     where = "the model's config.json"
-    architecture(config, where)
+    if architecture(config, where) == DEEPSEEK_V3:
+        model, config = _without_absent_mtp(model, config, sources)
     multiple = request.vocab_multiple or VOCAB_MULTIPLE
     vocab_rows = padded_vocab(need(config, "vocab_size", where), multiple)
     placed = placements(config, {k: it.shape for k, it in sources.items()}, where, vocab_rows=vocab_rows)
-    keys = stacked(placed.shapes)
+    keys = stacked(placed.shapes, layers_stacked(config))
     index_of = {member: (key, index) for key, (_, members) in keys.items() for member, index in members.items()}
     dtypes = {p.target: sources[p.hf].dtype for p in placed.placements}
     described: dict[str, Any] = {key: ("tensor", dtypes[next(iter(members))], shape)
@@ -100,13 +104,26 @@ def plan_items(store: Store, subtree: str, request: ExportRequest
     return model, placed, items, described
 
 
+def _without_absent_mtp(model: HFModel, config: dict[str, Any], sources: dict[str, Any]
+                        ) -> tuple[HFModel, dict[str, Any]]:
+    """A DeepSeek-V3 model whose config counts multi-token-prediction layers its files do not hold
+    (transformers' save_pretrained leaves them out): written without them, the config saying so."""
+    layers, count = config.get("num_hidden_layers"), config.get("num_nextn_predict_layers") or 0
+    if not count or any(k.startswith(f"model.layers.{layers}.") for k in sources):
+        return model, config
+    config = {**config, "num_nextn_predict_layers": 0}
+    model.notes.append(f"num_nextn_predict_layers is {count}, but the files hold no multi-token-prediction layer "
+                       f"(model.layers.{layers}): written without one, and config.json says 0")
+    return replace(model, config=config), config
+
+
 def _objects(config: dict[str, Any], placed: Placed, vocab_rows: int, multiple: int) -> dict[str, dcp.Value]:
     """The objects megatron-core saves beside a GPTModel's tensors: every linear layer's `_extra_state` of
     each layer (and expert: `shard_{layer}.{expert}_{layers}.{experts}`), and the common state."""
     out = {}
-    for key, (shape, members) in stacked(placed.shapes).items():
-        if key.startswith("decoder.layers.") and key.endswith(LINEARS):  # one per layer (and expert) it stacks
-            lead = shape[:len(next(iter(members.values())))]
+    for key, (shape, members) in stacked(placed.shapes, layers_stacked(config)).items():
+        if key.startswith(("decoder.layers.", "mtp.layers.")) and key.endswith(LINEARS):  # per layer (and expert)
+            lead = shape[:len(next(iter(members.values())))] or (1,)
             for index in itertools.product(*map(range, lead)):
                 shard = f"{'.'.join(map(str, index))}_{'.'.join(map(str, lead))}"
                 out[f"{key.removesuffix('.weight')}._extra_state/shard_{shard}"] = dcp.Value([None])
@@ -138,7 +155,9 @@ def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int) -> Nam
                 tensor_model_parallel_size=1, pipeline_model_parallel_size=1, fp16=dtype == "float16",
                 bf16=dtype == "bfloat16",
                 params_dtype=TorchDType(dtype if dtype in ("float16", "bfloat16") else "float32"), iteration=0)
-    if arch in MOE_BLOCKS:  # every layer's MLP sparse, routed as the class routes (megatron_llama._moe_class)
+    if arch == DEEPSEEK_V3:
+        args.update(_deepseek_args(config))
+    elif arch in MOE_BLOCKS:  # every layer's MLP sparse, routed as the class routes (megatron_llama._moe_class)
         _, count, width, _ = MOE_BLOCKS[arch]
         args.update(num_experts=config[count], moe_ffn_hidden_size=config[width],
                     moe_router_topk=config.get("num_experts_per_tok", 2))
@@ -146,6 +165,36 @@ def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int) -> Nam
             args.update(moe_shared_expert_intermediate_size=config["shared_expert_intermediate_size"],
                         moe_shared_expert_gate=True, moe_router_pre_softmax=True)
     return Namespace(**args)
+
+
+def _deepseek_args(config: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's arguments (its Megatron-LM scripts' flags): multi-latent attention with norms over its
+    latents, YaRN (or plain) rotary embeddings, the dense layers first (moe_layer_freq), sigmoid routing with
+    an expert bias, groups, scaled weights, the shared experts as one MLP, the multi-token-prediction layers;
+    what export/hf/deepseek.config_from_args reads back."""
+    experts, width = config["n_routed_experts"], config["moe_intermediate_size"]
+    layers, dense = config["num_hidden_layers"], config["first_k_dense_replace"]
+    groups, chosen = config.get("n_group") or 1, config.get("topk_group") or 1
+    args = dict(multi_latent_attention=True, q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=config["kv_lora_rank"],
+                qk_head_dim=config["qk_nope_head_dim"], qk_pos_emb_head_dim=config["qk_rope_head_dim"],
+                v_head_dim=config["v_head_dim"], kv_channels=config["v_head_dim"], qk_layernorm=True,
+                group_query_attention=False, num_query_groups=1, norm_epsilon=config.get("rms_norm_eps", 1e-6),
+                num_experts=experts, moe_ffn_hidden_size=width, moe_router_topk=config.get("num_experts_per_tok", 2),
+                moe_layer_freq=[0] * dense + [1] * (layers - dense) if dense else 1,
+                moe_shared_expert_intermediate_size=width * config["n_shared_experts"],
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=True,
+                moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=chosen if groups > 1 else None,
+                moe_router_topk_scaling_factor=config.get("routed_scaling_factor", 1.0),
+                mtp_num_layers=config.get("num_nextn_predict_layers") or None)
+    rope = config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        args.update(rope_type="yarn", rotary_scaling_factor=rope.get("factor", 1.0), mscale=rope.get("mscale", 1.0),
+                    mscale_all_dim=rope.get("mscale_all_dim", 0.0), beta_fast=rope.get("beta_fast", 32.0),
+                    beta_slow=rope.get("beta_slow", 1.0),
+                    original_max_position_embeddings=rope.get("original_max_position_embeddings", 4096))
+    else:
+        args.update(rope_type="rope")
+    return args
 
 
 def export_megatron(store: Store, out: Path, model: HFModel, plan: dcp.DcpPlan, jobs: int,
@@ -206,7 +255,7 @@ def plan_direct(store: Store, request: ExportRequest, subtree: str, jobs: int) -
     its workers; the rest written at the finish from the store."""
     model, _, items, described = plan_items(store, subtree, request)
     fields = chunks.plan_direct(store, items, described, jobs, RELEASE)
-    return None if fields is None else MegatronDirect(**fields, model=model)
+    return None if fields is None else MegatronDirect(**fields, said=tuple(model.notes), model=model)
 
 
 def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs: int) -> MegatronDirect | None:

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 import shardstore
-from shardstore.export.hf.megatron_inverse import placements, shapes, stacked
+from shardstore.export.hf.megatron_inverse import layers_stacked, placements, shapes, stacked
 from tests.conftest import assert_bitwise_equal
 
 DATA = Path(__file__).parents[1] / "fixtures" / "data" / "megatron" / "core0.19.2"
 # dense (local spec; TE names in the files), GQA with biases (Qwen2), q and k norms (Qwen3), tied embeddings,
 # Mixtral's, Qwen3-MoE's and Qwen2-MoE's (shared expert) SequentialMLP experts
 LAYOUTS = ["tp1-pp1", "tp2-pp2", "tp2-pp1-qwen2", "tp2-pp1-qwen3", "tp2-pp1-tied", "tp1-pp1-dp2-moe",
-           "tp1-pp1-dp2-qwen3moe", "tp1-pp1-dp2-qwen2moe"]
+           "tp1-pp1-dp2-qwen3moe", "tp1-pp1-dp2-qwen2moe", "tp1-pp1-dp2-dsv3"]
 
 
 def _exported(layout: str, out: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -44,7 +44,9 @@ def test_a_hugging_face_model_placed_backwards_is_megatron_cores_own(layout: str
         built[p.target][p.at:p.at + piece.shape[0]] = piece
     assert placed.padding == {}  # (the fixtures' vocabulary is unpadded)
     want = torch.load(DATA / f"{layout}.expected.pt.ref", weights_only=False)["model"]
-    assert_bitwise_equal(built, {k: v for k, v in want.items() if not k.endswith("._extra_state")}, layout)
+    # (an MTP layer's inner layer is the module attribute mtp_model_layer, saved as transformer_layer)
+    assert_bitwise_equal(built, {k.replace(".mtp_model_layer.", ".transformer_layer."): v for k, v in want.items()
+                                 if not k.endswith("._extra_state")}, layout)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -54,7 +56,7 @@ def test_the_torch_dist_keys_built_from_a_config_are_those_megatron_core_wrote(l
     config, _ = _exported(layout, tmp_path / "hf")
     written = FileSystemReader(str(next(DATA.glob(f"{layout}/iter_*")))).read_metadata().state_dict_metadata
     theirs = {k: tuple(v.size) for k, v in written.items() if hasattr(v, "size") and not k.startswith("optimizer.")}
-    assert {k: shape for k, (shape, _) in stacked(shapes(config, layout)).items()} == theirs
+    assert {k: shape for k, (shape, _) in stacked(shapes(config, layout), layers_stacked(config)).items()} == theirs
 
 
 def test_what_is_not_written_backwards_is_refused_by_name(tmp_path: Path) -> None:
@@ -66,7 +68,9 @@ def test_what_is_not_written_backwards_is_refused_by_name(tmp_path: Path) -> Non
         placements(config, {k: v for k, v in hf_shapes.items() if k != "model.norm.weight"}, "hf")
     with pytest.raises(shardstore.ExportError, match=r"model.embed_tokens.weight has shape \[100, 16\], the config makes it \[100, 32\]"):
         placements({**config, "hidden_size": 32}, hf_shapes, "hf")
-    with pytest.raises(shardstore.ExportError, match="DeepseekV3ForCausalLM is exported from Megatron but not yet"):
+    with pytest.raises(shardstore.ExportError, match="GptOssForCausalLM is exported from Megatron but not yet"):
+        shapes({**config, "architectures": ["GptOssForCausalLM"]}, "hf")
+    with pytest.raises(shardstore.ExportError, match="kv_lora_rank is None"):  # a Llama's config called DeepSeek-V3
         shapes({**config, "architectures": ["DeepseekV3ForCausalLM"]}, "hf")
     with pytest.raises(shardstore.ExportError, match="'GPT2LMHeadModel' has no Megatron-Core GPT equivalent"):
         shapes({**config, "architectures": ["GPT2LMHeadModel"]}, "hf")

@@ -160,3 +160,19 @@ def test_verify_reads_a_megatron_output_back_and_catches_a_changed_element(tmp_p
     result = shardstore.verify(src, out)
     assert not result.ok and [d.name for d in result.differences] == ["model.layers.0.self_attn.q_proj.weight"], \
         result.summary()
+
+
+def test_a_deepseek_v3_saved_without_its_prediction_layer_is_written_without_one(tmp_path: Path) -> None:
+    """transformers' save_pretrained leaves DeepSeek-V3's multi-token-prediction layer out while its config
+    still counts it: the checkpoint is written without one, said, and config.json beside it says 0, so the
+    Megatron checkpoint reads back as the source model."""
+    from tests.export.test_renamed import DATA as TITAN
+
+    src, out = TITAN / "deepseek-v3" / "hf", tmp_path / "out"
+    assert json.loads((src / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    result = shardstore.unshard(src, out, format="megatron", jobs=2)
+    assert any("no multi-token-prediction layer (model.layers.3)" in note for note in result.notes), result.notes
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    ours, _ = _dcp(out / "release")
+    assert not any(k.startswith("mtp.") for k in ours) and "decoder.layers.0.mlp.linear_fc1.weight" in ours
+    assert shardstore.verify(src, out).ok

@@ -24,9 +24,9 @@ from .megatron_llama import (DEEPSEEK_V3, EMBEDDING, FINAL_NORM, GPT_OSS, MOE, N
 Shape = tuple[int, ...]
 LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.+)\Z")
 EXPERT = re.compile(r"(.*)mlp\.experts\.local_experts\.([0-9]+)\.(.+)\Z")
-# the architectures whose Megatron names are built here (multi-latent attention and GPT-OSS's stacked experts
-# are mapped forwards only, so far)
-BUILT = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", QWEN3, MOE, QWEN3_MOE, QWEN2_MOE)
+# the architectures whose Megatron names are built here (GPT-OSS's stacked experts are mapped forwards only,
+# so far)
+BUILT = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", QWEN3, MOE, QWEN3_MOE, QWEN2_MOE, DEEPSEEK_V3)
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def architecture(config: dict[str, Any], where: str) -> str:
     arch = (config.get("architectures") or [None])[0]
     if arch is None and isinstance(config.get("model_type"), str):
         arch = megatron.BY_MODEL_TYPE.get(config["model_type"], f"model_type {config['model_type']}")
-    if arch in (DEEPSEEK_V3, GPT_OSS):
+    if arch == GPT_OSS:
         raise ExportError(f"{where}: {arch} is exported from Megatron but not yet written to it; Megatron "
                           f"checkpoints are written for {', '.join(BUILT)}")
     if arch not in BUILT:
@@ -76,8 +76,11 @@ def shapes(config: dict[str, Any], where: str, te_norms: bool = True, vocab_rows
     Transformer Engine's names (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`: what the
     keys of every torch_dist checkpoint use, the local spec's and MoE layers' too) or, with `te_norms`
     false, the local spec's module names; the embedding and output layer of `vocab_rows` rows (default:
-    `vocab_size`, unpadded)."""
+    `vocab_size`, unpadded). DeepSeek-V3's under the local spec's names (its MLA layer has no map to
+    Transformer Engine's in megatron-core's files), its multi-token-prediction layers as `mtp.layers.{i}`."""
     arch = architecture(config, where)
+    if arch == DEEPSEEK_V3:
+        return _deepseek(config, where, vocab_rows)
     hidden, heads = need(config, "hidden_size", where), need(config, "num_attention_heads", where)
     groups = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
@@ -110,6 +113,54 @@ def shapes(config: dict[str, Any], where: str, te_norms: bool = True, vocab_rows
                 out[f"{layer}mlp.shared_experts.gate_weight"] = (1, hidden)
         else:
             out.update(_glu(f"{layer}mlp.", ffn, hidden))
+    out[FINAL_NORM] = (hidden,)
+    if not config.get("tie_word_embeddings", False):
+        out[OUTPUT] = (vocab, hidden)
+    return out
+
+
+def _deepseek(config: dict[str, Any], where: str, vocab_rows: int | None) -> dict[str, Shape]:
+    """DeepSeek-V3's tensors as megatron-core's local spec names them: multi-latent attention with its
+    latents' norms as modules, dense layers first, then MoE ones (router with its expert bias, the routed
+    experts, one shared MLP), then the multi-token-prediction layers."""
+    hidden, heads = need(config, "hidden_size", where), need(config, "num_attention_heads", where)
+    q_lora, kv_lora = config.get("q_lora_rank"), need(config, "kv_lora_rank", where)
+    nope, rope = need(config, "qk_nope_head_dim", where), need(config, "qk_rope_head_dim", where)
+    v, layers = need(config, "v_head_dim", where), need(config, "num_hidden_layers", where)
+    dense = config.get("first_k_dense_replace")
+    if type(dense) is not int or not 0 <= dense <= layers:
+        raise ExportError(f"{where}: first_k_dense_replace is {dense!r:.40}; a count of the first layers")
+    vocab = vocab_rows or need(config, "vocab_size", where)
+
+    def layer(prefix: str, moe: bool) -> dict[str, Shape]:
+        attn = f"{prefix}self_attention."
+        out: dict[str, Shape] = {f"{prefix}input_layernorm.weight": (hidden,)}
+        if q_lora:
+            out.update({f"{attn}linear_q_down_proj.weight": (q_lora, hidden), f"{attn}q_layernorm.weight": (q_lora,),
+                        f"{attn}linear_q_up_proj.weight": (heads * (nope + rope), q_lora)})
+        else:
+            out[f"{attn}linear_q_proj.weight"] = (heads * (nope + rope), hidden)
+        out.update({f"{attn}linear_kv_down_proj.weight": (kv_lora + rope, hidden), f"{attn}kv_layernorm.weight": (kv_lora,),
+                    f"{attn}linear_kv_up_proj.weight": (heads * (nope + v), kv_lora),
+                    f"{attn}linear_proj.weight": (hidden, heads * v), f"{prefix}pre_mlp_layernorm.weight": (hidden,)})
+        if not moe:
+            out.update(_glu(f"{prefix}mlp.", need(config, "intermediate_size", where), hidden))
+            return out
+        experts, width = need(config, "n_routed_experts", where), need(config, "moe_intermediate_size", where)
+        out.update({f"{prefix}mlp.router.weight": (experts, hidden), f"{prefix}mlp.router.expert_bias": (experts,)})
+        for e in range(experts):
+            out.update(_glu(f"{prefix}mlp.experts.local_experts.{e}.", width, hidden))
+        out.update(_glu(f"{prefix}mlp.shared_experts.", width * need(config, "n_shared_experts", where), hidden))
+        return out
+
+    out: dict[str, Shape] = {EMBEDDING: (vocab, hidden)}
+    for i in range(layers):
+        out.update(layer(f"decoder.layers.{i}.", i >= dense))
+    for i in range(config.get("num_nextn_predict_layers") or 0):
+        mtp = f"mtp.layers.{i}."
+        out.update({f"{mtp}enorm.weight": (hidden,), f"{mtp}hnorm.weight": (hidden,),
+                    f"{mtp}eh_proj.weight": (hidden, 2 * hidden), **layer(f"{mtp}transformer_layer.", True),
+                    f"{mtp}final_layernorm.weight": (hidden,)})
     out[FINAL_NORM] = (hidden,)
     if not config.get("tie_word_embeddings", False):
         out[OUTPUT] = (vocab, hidden)
@@ -157,23 +208,27 @@ def placements(config: dict[str, Any], hf_shapes: dict[str, Shape], where: str, 
     return Placed(megatron_shapes, tuple(placed), padding)
 
 
-def stacked(per_layer: dict[str, Shape]) -> dict[str, tuple[Shape, dict[str, tuple[int, ...]]]]:
+def layers_stacked(config: dict[str, Any]) -> bool:
+    """Whether megatron-core stacks the model's layers into one key each: not where they differ (its
+    moe_layer_freq a pattern: DeepSeek-V3's dense layers first)."""
+    return not config.get("first_k_dense_replace") if architecture(config, "the model's config.json") == DEEPSEEK_V3 \
+        else True
+
+
+def stacked(per_layer: dict[str, Shape], layers: bool = True) -> dict[str, tuple[Shape, dict[str, tuple[int, ...]]]]:
     """The keys of a torch_dist checkpoint, as megatron-core saves a GPTModel whatever its parallel layout:
     each layer's tensors stacked on a leading layer axis (`decoder.layers.self_attention.linear_qkv.weight`
-    of [layers, rows, columns]), a SequentialMLP's experts on an expert axis after it
-    (`decoder.layers.mlp.experts.experts.linear_fc1.weight`), the rest as they are. Each key's global shape,
-    and the index in it of each per-layer tensor."""
+    of [layers, rows, columns]; not where its layers differ, `layers` false: dense ones before MoE ones), a
+    SequentialMLP's experts on an expert axis after it (`decoder.layers.mlp.experts.experts.linear_fc1.weight`),
+    the rest as they are. Each key's global shape, and the index in it of each per-layer tensor."""
     keys: dict[str, dict[str, tuple[int, ...]]] = {}
     for name in per_layer:
-        layer = LAYER.match(name)
-        if layer is None:
-            keys.setdefault(name, {})[name] = ()
-            continue
-        rest, index = layer[2], (int(layer[1]),)  # type: tuple[str, tuple[int, ...]]
+        layer = LAYER.match(name) if layers else None
+        prefix, rest, index = ("decoder.layers.", layer[2], (int(layer[1]),)) if layer else ("", name, ())
         expert = EXPERT.match(rest)
         if expert is not None:
             rest, index = f"{expert[1]}mlp.experts.experts.{expert[3]}", (*index, int(expert[2]))
-        keys.setdefault(f"decoder.layers.{rest}", {})[name] = index
+        keys.setdefault(f"{prefix}{rest}", {})[name] = index
     out = {}
     for key, members in keys.items():
         first = next(iter(members))
