@@ -41,7 +41,8 @@ def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# and a Transformer Engine model's grouped experts (TEGroupedMLP), whose torch_dist keys are SequentialMLP's
+@pytest.mark.parametrize("layout", LAYOUTS + ["tp2-pp1-ep2-etp1-te-grouped"])
 def test_a_megatron_checkpoint_written_from_its_hf_export_is_megatron_cores_own(layout: str, tmp_path: Path) -> None:
     src = DATA / layout
     shardstore.unshard(src, tmp_path / "hf", format="hf", jobs=1)
