@@ -156,3 +156,21 @@ def test_what_torchtitan_has_no_name_for_is_refused_by_name(tmp_path: Path) -> N
     assert "--names goes with --format dcp" in line, line
     with pytest.raises(ExportError, match="no such file|No such file"):
         shardstore.unshard(DATA / "llama" / "hf", tmp_path / "d", format="dcp", names=str(tmp_path / "none.json"))
+
+
+@pytest.mark.parametrize("model,dropped,needle", [
+    ("llama", "model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight: not in the files"),
+    ("deepseek-v3", "model.layers.2.mlp.experts.3.down_proj.weight", "but n_routed_experts is 4"),
+])
+def test_a_tensor_the_model_loads_and_the_files_lack_is_named(model: str, dropped: str, needle: str,
+                                                              tmp_path: Path) -> None:
+    """torchtitan's load would stop at a missing key: refused before anything is written, naming it."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    (src / "config.json").write_bytes((DATA / model / "hf" / "config.json").read_bytes())
+    tensors = load_file(DATA / model / "hf" / "model.safetensors")
+    del tensors[dropped]
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    line = error_line("unshard", src, tmp_path / "out", "--format", "dcp", "--names", "torchtitan")
+    assert needle in line, line
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -71,6 +71,10 @@ LAYER_NAMES = {
                   "mlp.shared_experts.gate_proj.weight": "moe.shared_experts.w1.weight",
                   "mlp.shared_experts.up_proj.weight": "moe.shared_experts.w3.weight",
                   "mlp.shared_experts.down_proj.weight": "moe.shared_experts.w2.weight"}}
+# what every layer has, whatever its attention's and MLP's form
+REQUIRED = {LLAMA: tuple(LAYER_NAMES[LLAMA]),
+            DEEPSEEK_V3: ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
+                          "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_b_proj.weight")}
 # each routed expert's projection -> the [experts, rows, columns] tensor it is a chunk of
 EXPERTS = {"gate": "moe.routed_experts.inner_experts.w1_EFD", "up": "moe.routed_experts.inner_experts.w3_EFD",
            "down": "moe.routed_experts.inner_experts.w2_EDF"}
@@ -93,8 +97,10 @@ def rotary_rows(heads: int, head_dim: int) -> Rows:
 
 
 def renamed(config: dict[str, Any], hf_shapes: dict[str, Shape], where: str) -> Renamed:
-    """Where each of the transformers model's tensors (`hf_shapes`) goes among torchtitan's; a tensor torchtitan's adapter has no name for is refused by name, a multi-token-prediction layer
-    (past `num_hidden_layers`, which torchtitan's model is built without) left out, said in the notes."""
+    """Where each of the transformers model's tensors (`hf_shapes`) goes among torchtitan's: a tensor
+    torchtitan's adapter has no name for, or one its model needs and the files lack, refused by name; a
+    multi-token-prediction layer (past `num_hidden_layers`: torchtitan's model is built without it) left
+    out and said; an old save's rotary `inv_freq` buffers dropped, as torchtitan's adapter drops them."""
     arch = architecture(config, where)
     names = LAYER_NAMES[arch]
     layers = need(config, "num_hidden_layers", where)
@@ -120,6 +126,8 @@ def renamed(config: dict[str, Any], hf_shapes: dict[str, Shape], where: str) -> 
             put(key, MODEL_NAMES[key])
             continue
         index, rest = int(layer[1]), layer[2]
+        if rest == "self_attn.rotary_emb.inv_freq":
+            continue
         if index >= layers:
             left_out.add(index)
             continue
@@ -142,9 +150,15 @@ def renamed(config: dict[str, Any], hf_shapes: dict[str, Shape], where: str) -> 
                 raise ExportError(f"{key}: {hf_shapes[key][0]} rows, the config makes {count} heads of {head_dim}")
             rows = rotary_rows(count, head_dim)
         put(key, f"layers.{index}.{names[rest]}", rows)
+    count = config.get("n_routed_experts")
     for target, found in experts.items():
-        if sorted(found) != list(range(len(found))):
-            raise ExportError(f"{target}: its experts are {sorted(found)[:8]}..., not 0 to {len(found) - 1}")
+        if sorted(found) != list(range(count or 0)):
+            raise ExportError(f"{target}: experts {sorted(found)[:8]}{'...' if len(found) > 8 else ''} in the files, "
+                              f"but n_routed_experts is {count!r:.20}")
+    needed = ["model.embed_tokens.weight", "model.norm.weight"] + [f"model.layers.{i}.{name}" for i in range(layers) for name in REQUIRED[arch]]
+    missing = next((key for key in needed if key not in hf_shapes), None)
+    if missing is not None:
+        raise ExportError(f"{missing}: not in the files, and torchtitan's {arch} loads it (a folder missing a file?)")
         shapes[target] = (len(found), *shapes[target][1:])
     if "lm_head.weight" not in hf_shapes:  # tied: torchtitan's state dict names the embedding under both
         put("model.embed_tokens.weight", MODEL_NAMES["lm_head.weight"])
