@@ -434,16 +434,20 @@ VERIFY_LINES = 50  # difference lines `verify` prints; --json gives every one
               help="As given to the export (--merge-adapter of a checkpoint that keeps no adapter_config.json).")
 @click.option("--rslora/--no-rslora", default=None, help="As given to the export, with --lora-alpha.")
 @click.option("--base", default=None, metavar="FOLDER|ORG/NAME", help="As given to the export (--merge-adapter).")
+@click.option("--names", default=None, metavar="torchtitan|FILE.json", help="As given to the export (--format dcp): "
+              "OUTPUT holds the tensors under a trainer's names.")
 @_jobs
 @_quiet
 @_json
 def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select: str | None,
            strip_prefix: str | None, tag: str | None, step: int | None, merge_adapter: bool, lora_alpha: float | None,
-           rslora: bool | None, base: str | None, jobs: int | None, quiet: bool, as_json: bool) -> None:
+           rslora: bool | None, base: str | None, names: str | None, jobs: int | None, quiet: bool,
+           as_json: bool) -> None:
     """Check OUTPUT (safetensors files, a Hugging Face folder, torch files or a DCP folder, from any tool) against the sharded
     checkpoint in SRC: every tensor there, of its shape, and bit for bit (or, for a cast, as torch casts).
     One line per difference; exits 1 if there is any."""
-    adapter = {k: v for k, v in (("lora_alpha", lora_alpha), ("rslora", rslora), ("base", base)) if v is not None}
+    adapter = {k: v for k, v in (("lora_alpha", lora_alpha), ("rslora", rslora), ("base", base), ("names", names))
+               if v is not None}
     adapter.update({"merge_adapter": True} if merge_adapter else {})
     result = api.verify(src, output, format=fmt, select=select, strip_prefix=strip_prefix, hf_config=hf_config,
                         tag=tag, step=step, jobs=jobs, storage_options=_options(), **adapter)

@@ -30,11 +30,12 @@ import numpy as np
 
 from . import base_folder, dtypes
 from .errors import ExportError
-from .export import fp8, planned, registry
-from .export.dcp import dcp_state
-from .export.resolve import ArrayRef, build, leaves
+from .export import fp8, planned, registry, renamed
+from .export.dcp import dcp_names, dcp_state
+from .export.resolve import ArrayRef, build, leaves, object_value
 from .export.safetensors import INDEX, Item, tensor_bytes
-from .export.hf import has_hf_description
+from .export.hf import describe, has_hf_description
+from .export.hf.megatron_inverse import mtp_copies
 from .export.hf.leaves import CONFIG
 from .hf_files import ADAPTER_CONFIG
 from .export.torch import torch_files_in, torch_layout, torch_object
@@ -88,7 +89,7 @@ class VerifyResult:
 # what `verify` takes besides the two folders and the format: the export's options as it took them, and
 # which checkpoint and how to read it, as for `unshard`
 OPTIONS = frozenset({"select", "strip_prefix", "hf_config", "tag", "step", "jobs", "storage_options", "adapter",
-                     "merge_adapter", "lora_alpha", "rslora", "base"})
+                     "merge_adapter", "lora_alpha", "rslora", "base", "names"})
 
 
 def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: str | None = None,
@@ -110,6 +111,8 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
     jobs, select = request.jobs, request.export.select
     if fmt.reads_back_as_model:
         return _as_model(src, out, request, fmt.name)
+    if request.export.names is not None:
+        return _renamed(src, out, request)
     # the whole checkpoint, the optimizer's state too; or a model's state dict in torch files
     whole = not fmt.subtree and (fmt.reads_as_checkpoint or not state_dict_files(out))
     files, outputs = _output_tensors(out) if not whole else ([], {})
@@ -159,10 +162,62 @@ def _as_model(src: str | os.PathLike[str], out: Path, request: Any, format: str)
         theirs = replace(ours, select=None, strip_prefix=None, hf_config=None, dtype=None, keep_dtype=())
         found: dict[str, Found] = {it.key: (it.dtype, tuple(it.shape), partial(tensor_bytes, output, it))
                                    for it in planned(output, theirs).tensors}
-        return _compare(store, [it for it in planned(store, ours).tensors if not it.key.endswith(fp8.SCALE)],
+        items = planned(store, ours).tensors
+        # (an FP8 model's scales, and the copies of the embedding and output layer the writer leaves out)
+        config = describe(store, "", ours.hf_config, ours.strip_prefix)[0].config or {}
+        left_out = set(mtp_copies(config, [it.key for it in items]))
+        return _compare(store, [it for it in items if not it.key.endswith(fp8.SCALE) and it.key not in left_out],
                         found, format)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _renamed(src: str | os.PathLike[str], out: Path, request: Any) -> VerifyResult:
+    """A DCP folder under a trainer's names (`--names`), read back: each chunk the export plans (a source
+    tensor, or its rows in the trainer's order, at its place in the trainer's tensor: an expert's index
+    of a stacked one) the bytes at that place, every tensor of the folder one the plan names."""
+    written = open_source(out)
+    source = open_source(src, request.tag, request.step, request.storage_options)
+    scratch = _scratch(out)
+    try:
+        store = model_store(scratch / "store", source, request.jobs, request.export.select)
+        output = ingest(scratch / "output", written, jobs=request.jobs)
+        paths = {".".join(map(str, keys)): path for keys, path in dcp_names(output).items()}
+        chunks, described, _ = renamed.plan_items(store, "", request.export)
+        items: list[Item] = []
+        found: dict[str, Found] = {}
+        for chunk in chunks:
+            assert chunk.chunk is not None  # (renamed.plan_items gives tensors only)
+            (offset, sizes), shape = chunk.chunk, described[chunk.fqn][2]
+            whole = tuple(sizes) == tuple(shape)
+            key = chunk.fqn if whole else f"{chunk.fqn}[{offset[0]}]"  # an expert of a stacked tensor
+            items.append(Item(key, chunk.source, chunk.source.dtype, tuple(sizes)))
+            got = _rows(output, paths.get(chunk.fqn), tuple(shape), None if whole else (offset[0], offset[0] + sizes[0]))
+            if got is not None:
+                found[key] = (got[0], tuple(sizes), got[1])
+        result = _compare(store, items, found, "dcp")
+        for fqn in sorted(set(paths) - set(described)):
+            result.differences.append(Difference(fqn, "in the output, but not a tensor the export holds"))
+        return result
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _rows(store: Store, path: str | None, shape: tuple[int, ...], rows: tuple[int, int] | None
+          ) -> tuple[str, Callable[[], Iterator[Any]]] | None:
+    """The dtype of the tensor at `path` and its bytes (rows [first, stop) of it: None, all), where it is
+    a tensor of `shape`: an array streamed, or a small tensor the reader kept as a value."""
+    if path is None:
+        return None
+    entry = store.manifest.arrays.get(path)
+    if entry is not None:
+        return (entry.dtype, partial(store.stream, path, rows=rows)) if tuple(entry.shape) == shape else None
+    value = object_value(store, path, lean=True)
+    if not isinstance(value, TensorValue) or tuple(value.shape) != shape:
+        return None
+    row = len(value.data) // shape[0] if shape and shape[0] else len(value.data)
+    data = value.data if rows is None else value.data[rows[0] * row:rows[1] * row]
+    return value.dtype, lambda: iter([data])
 
 
 def _views(outputs: dict[str, tuple[OutputFile, TensorRef]]) -> dict[str, Found]:

@@ -37,7 +37,8 @@ from ..tree import Node
 from . import chunks, dcp, hf
 from .contract import ExportRequest, OutputFormat, Planned, Progress, Written
 from .hf.spec import HFModel
-from .hf.megatron_inverse import Placed, architecture, layers_stacked, padded_vocab, placements, stacked
+from .hf.megatron_inverse import (Placed, architecture, layers_stacked, mtp_copies, padded_vocab, placements,
+                                  stacked)
 from .hf.megatron import MOE_BLOCKS
 from .hf.megatron_llama import DEEPSEEK_V3, QWEN2_MOE, QWEN3, QWEN3_MOE, need
 from .resolve import ArrayRef
@@ -76,6 +77,11 @@ def plan_items(store: Store, subtree: str, request: ExportRequest
     where = "the model's config.json"
     if architecture(config, where) == DEEPSEEK_V3:
         model, config = _without_absent_mtp(model, config, sources)
+        copies = mtp_copies(config, list(sources))
+        if copies:
+            sources = {k: v for k, v in sources.items() if k not in copies}
+            model.notes.append(f"{', '.join(copies)}: the hub's copies of the embedding and output layer, which "
+                               f"Megatron's multi-token prediction takes from the model: not written")
     multiple = request.vocab_multiple or VOCAB_MULTIPLE
     vocab_rows = padded_vocab(need(config, "vocab_size", where), multiple)
     placed = placements(config, {k: it.shape for k, it in sources.items()}, where, vocab_rows=vocab_rows)
@@ -146,7 +152,7 @@ def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int) -> Nam
                 kv_channels=config.get("head_dim") or config["hidden_size"] // heads,
                 max_position_embeddings=config.get("max_position_embeddings"),
                 seq_length=config.get("max_position_embeddings"), position_embedding_type="rope",
-                add_position_embedding=False, rotary_base=config.get("rope_theta", 10000), rotary_percent=1.0,
+                add_position_embedding=False, rotary_base=rope_theta(config), rotary_percent=1.0,
                 normalization="RMSNorm", norm_epsilon=config.get("rms_norm_eps", 1e-5), swiglu=True,
                 add_bias_linear=False, add_qkv_bias=arch in ("Qwen2ForCausalLM", QWEN2_MOE),
                 qk_layernorm=arch in (QWEN3, QWEN3_MOE),
@@ -155,9 +161,12 @@ def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int) -> Nam
                 tensor_model_parallel_size=1, pipeline_model_parallel_size=1, fp16=dtype == "float16",
                 bf16=dtype == "bfloat16",
                 params_dtype=TorchDType(dtype if dtype in ("float16", "bfloat16") else "float32"), iteration=0)
+    scaling = rope_scaling(config)
     if arch == DEEPSEEK_V3:
-        args.update(_deepseek_args(config))
-    elif arch in MOE_BLOCKS:  # every layer's MLP sparse, routed as the class routes (megatron_llama._moe_class)
+        args.update(_deepseek_args(config, scaling))
+    elif scaling is not None:
+        args.update(_llama_scaling(scaling))
+    if arch in MOE_BLOCKS:  # every layer's MLP sparse, routed as the class routes (megatron_llama._moe_class)
         _, count, width, _ = MOE_BLOCKS[arch]
         args.update(num_experts=config[count], moe_ffn_hidden_size=config[width],
                     moe_router_topk=config.get("num_experts_per_tok", 2))
@@ -167,7 +176,36 @@ def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int) -> Nam
     return Namespace(**args)
 
 
-def _deepseek_args(config: dict[str, Any]) -> dict[str, Any]:
+def rope_theta(config: dict[str, Any]) -> float:
+    """The rotary base, where either transformers writes it: `rope_theta` (< 5) or `rope_parameters` (5)."""
+    parameters = config.get("rope_parameters") or {}
+    return float(config.get("rope_theta") or parameters.get("rope_theta") or 10000)
+
+
+def rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The rotary embeddings' scaling, where either transformers writes it (`rope_scaling` < 5,
+    `rope_parameters` 5), with its type under `rope_type`; None for plain rotary embeddings."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    return None if kind in (None, "default") else {**scaling, "rope_type": kind}
+
+
+# Megatron-LM's Llama 3 scaling (--use-rope-scaling) fixes all but the factor
+LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
+    """Megatron-LM's arguments for a Llama-family model's scaled rotary embeddings: Llama 3's
+    (--use-rope-scaling --rope-scaling-factor); refused by name where Megatron-LM's GPT arguments cannot
+    say it, rather than written as plain rotary embeddings."""
+    fixed = {k: scaling.get(k) for k in LLAMA3_FIXED}
+    if scaling["rope_type"] != "llama3" or any(v is not None and float(v) != LLAMA3_FIXED[k] for k, v in fixed.items()):
+        raise ExportError(f"the model's config.json: rotary embeddings scaled as {scaling!r:.160}; Megatron-LM's "
+                          f"arguments say Llama 3's scaling with {LLAMA3_FIXED} and a factor only")
+    return dict(use_rope_scaling=True, rope_scaling_factor=float(scaling.get("factor", 8.0)))
+
+
+def _deepseek_args(config: dict[str, Any], rope: dict[str, Any] | None) -> dict[str, Any]:
     """DeepSeek-V3's arguments (its Megatron-LM scripts' flags): multi-latent attention with norms over its
     latents, YaRN (or plain) rotary embeddings, the dense layers first (moe_layer_freq), sigmoid routing with
     an expert bias, groups, scaled weights, the shared experts as one MLP, the multi-token-prediction layers;
@@ -186,14 +224,16 @@ def _deepseek_args(config: dict[str, Any]) -> dict[str, Any]:
                 moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=chosen if groups > 1 else None,
                 moe_router_topk_scaling_factor=config.get("routed_scaling_factor", 1.0),
                 mtp_num_layers=config.get("num_nextn_predict_layers") or None)
-    rope = config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type")) == "yarn":
+    if rope is not None and rope["rope_type"] == "yarn":
         args.update(rope_type="yarn", rotary_scaling_factor=rope.get("factor", 1.0), mscale=rope.get("mscale", 1.0),
                     mscale_all_dim=rope.get("mscale_all_dim", 0.0), beta_fast=rope.get("beta_fast", 32.0),
                     beta_slow=rope.get("beta_slow", 1.0),
                     original_max_position_embeddings=rope.get("original_max_position_embeddings", 4096))
-    else:
+    elif rope is None:
         args.update(rope_type="rope")
+    else:
+        raise ExportError(f"the model's config.json: rotary embeddings scaled as {rope['rope_type']!r:.40}; "
+                          f"Megatron's multi-latent attention takes YaRN or none")
     return args
 
 

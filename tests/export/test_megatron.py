@@ -177,3 +177,69 @@ def test_a_deepseek_v3_saved_without_its_prediction_layer_is_written_without_one
     ours, _ = _dcp(out / "release")
     assert not any(k.startswith("mtp.") for k in ours) and "decoder.layers.0.mlp.linear_fc1.weight" in ours
     assert shardstore.verify(src, out).ok
+
+
+def _with(src: Path, dst: Path, config: dict, extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """A copy of the Hugging Face folder `src` with `config` as its config.json and `extra` tensors added."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(config))
+    save_file({**load_file(src / "model.safetensors"), **(extra or {})}, dst / "model.safetensors",
+              metadata={"format": "pt"})
+    return dst
+
+
+def test_the_common_states_rotary_arguments_read_either_spelling_of_transformers_config(tmp_path: Path) -> None:
+    """transformers 5 writes rope_theta and the scaling inside rope_parameters, < 5 beside it: either way
+    the args are the model's (megatron-core built from them has its rotary embeddings), and read back are
+    the same config; a scaling Megatron-LM's arguments cannot say is refused before anything is written."""
+    from shardstore.export.hf.megatron import config_from_args
+    from shardstore.export.megatron import megatron_args
+    from tests.export.test_renamed import DATA as TITAN
+
+    dsv3 = json.loads((TITAN / "deepseek-v3" / "hf" / "config.json").read_text())
+    yarn = {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "original_max_position_embeddings": 64}
+    new = {**dsv3, "rope_parameters": {**yarn, "rope_theta": 50000.0}}
+    old = {**{k: v for k, v in dsv3.items() if k != "rope_parameters"}, "rope_theta": 50000.0, "rope_scaling": yarn}
+    for config in (new, old):
+        args = vars(megatron_args(config, 128, 128))
+        assert args["rotary_base"] == 50000.0 and args["rope_type"] == "yarn" and args["rotary_scaling_factor"] == 4.0
+        back, _ = config_from_args(args, "args")
+        assert back["rope_theta"] == 50000.0 and {k: back["rope_scaling"][k] for k in yarn} == yarn
+    llama = json.loads((TITAN / "llama" / "hf" / "config.json").read_text())
+    scaled = {**llama, "rope_parameters": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                                           "rope_theta": 500000.0}}
+    args = vars(megatron_args(scaled, 128, 128))
+    assert (args["rotary_base"], args["use_rope_scaling"], args["rope_scaling_factor"]) == (500000.0, True, 32.0)
+    src = _with(TITAN / "llama" / "hf", tmp_path / "linear", {**llama, "rope_scaling": {"rope_type": "linear",
+                                                                                           "factor": 2.0}})
+    with pytest.raises(shardstore.ExportError, match="rotary embeddings scaled as"):
+        shardstore.unshard(src, tmp_path / "out", format="megatron")
+    assert not (tmp_path / "out" / "release").exists()
+
+
+def test_the_hubs_copies_in_a_prediction_layer_are_left_out_and_said(tmp_path: Path) -> None:
+    """DeepSeek-V3's hub files keep the embedding and output layer again in its MTP layer: Megatron's MTP
+    takes the model's, so they are not written, said; verify knows they are not there."""
+    from safetensors.torch import load_file
+    from tests.export.test_renamed import DATA as TITAN
+
+    hf = load_file(TITAN / "deepseek-v3" / "hf" / "model.safetensors")
+    config = json.loads((TITAN / "deepseek-v3" / "hf" / "config.json").read_text())
+    mtp = {k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in hf.items()
+           if k.startswith("model.layers.2.")}
+    mtp.update({"model.layers.3.enorm.weight": torch.ones(64), "model.layers.3.hnorm.weight": torch.ones(64),
+                "model.layers.3.eh_proj.weight": torch.zeros(64, 128),
+                "model.layers.3.shared_head.norm.weight": torch.ones(64),
+                "model.layers.3.embed_tokens.weight": hf["model.embed_tokens.weight"].clone(),
+                "model.layers.3.shared_head.head.weight": hf["lm_head.weight"].clone()})
+    src = _with(TITAN / "deepseek-v3" / "hf", tmp_path / "hf", config, mtp)
+    result = shardstore.unshard(src, tmp_path / "out", format="megatron", jobs=1)
+    assert any("model.layers.3.embed_tokens.weight, model.layers.3.shared_head.head.weight: the hub's copies" in n
+               for n in result.notes), result.notes
+    ours, _ = _dcp(tmp_path / "out" / "release")
+    assert "mtp.layers.0.eh_proj.weight" in ours and not any("embed" in k for k in ours if k.startswith("mtp."))
+    assert shardstore.verify(src, tmp_path / "out").ok

@@ -29,12 +29,14 @@ MODELS = ["llama", "llama-tied", "deepseek-v3"]
 
 
 def _dcp(folder: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The folder's tensors as torch's reader assembles them, into tensors shaped as `like`'s; its keys
-    must be exactly `like`'s."""
+    """The folder's tensors as torch's reader assembles them, into tensors shaped as `like`'s; its keys and
+    their global shapes must be exactly `like`'s (torch's reader fills what it is given, whatever shape the
+    .metadata says)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    assert set(FileSystemReader(str(folder)).read_metadata().state_dict_metadata) == set(like)
+    described = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    assert {k: tuple(v.size) for k, v in described.items()} == {k: tuple(v.shape) for k, v in like.items()}
     got = {k: torch.full_like(v, 7) for k, v in like.items()}
     dcp.load(got, storage_reader=FileSystemReader(str(folder)), no_dist=True)
     return got
@@ -174,3 +176,28 @@ def test_a_tensor_the_model_loads_and_the_files_lack_is_named(model: str, droppe
     line = error_line("unshard", src, tmp_path / "out", "--format", "dcp", "--names", "torchtitan")
     assert needle in line, line
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("model", ["llama", "deepseek-v3"])
+def test_verify_checks_each_chunk_where_the_trainer_keeps_it(model: str, tmp_path: Path) -> None:
+    """`verify SRC OUT --format dcp --names torchtitan`: each tensor (an expert of a stacked one, q in its
+    rotary order) where the export put it; one element changed in a .distcp file is named with its tensor."""
+    from tests.test_cli import run
+
+    src, out = DATA / model / "hf", tmp_path / "out"
+    shardstore.unshard(src, out, format="dcp", names="torchtitan", jobs=1)
+    result = shardstore.verify(src, out, format="dcp", names="torchtitan")
+    want = load_file(DATA / model / "expected.safetensors")
+    assert result.ok and result.tensors >= len(want), result.summary()
+    victim = "layers.1.moe.routed_experts.inner_experts.w2_EDF" if model == "deepseek-v3" \
+        else "layers.0.attention.qkv_linear.wq.weight"
+    raw = want[victim][-1].numpy().tobytes()  # the last expert's (q's last row, in torchtitan's order)
+    distcp = next(f for f in out.glob("*.distcp") if raw in f.read_bytes())
+    data = distcp.read_bytes()
+    at = data.find(raw)
+    distcp.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1:])
+    result = shardstore.verify(src, out, format="dcp", names="torchtitan")
+    assert [d.name for d in result.differences] == \
+        [f"{victim}[3]" if model == "deepseek-v3" else victim], result.summary()
+    proc = run("verify", src, out, "--format", "dcp", "--names", "torchtitan")
+    assert proc.returncode == 1 and victim in proc.stdout + proc.stderr, proc.stderr

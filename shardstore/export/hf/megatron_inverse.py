@@ -208,6 +208,19 @@ def placements(config: dict[str, Any], hf_shapes: dict[str, Shape], where: str, 
     return Placed(megatron_shapes, tuple(placed), padding)
 
 
+def mtp_copies(config: dict[str, Any], keys: list[str]) -> list[str]:
+    """The hub's copies of the embedding and output layer in DeepSeek-V3's multi-token-prediction layers
+    (`model.layers.{N}.embed_tokens.weight`, `.shared_head.head.weight`: its README_WEIGHTS.md says they are
+    the model's own), which Megatron's MTP takes from the model and does not save."""
+    if architecture(config, "the model's config.json") != DEEPSEEK_V3:
+        return []
+    layers = config.get("num_hidden_layers") or 0
+    count = config.get("num_nextn_predict_layers") or 0
+    copies = {f"model.layers.{layers + i}.{name}" for i in range(count if type(count) is int else 0)
+              for name in ("embed_tokens.weight", "shared_head.head.weight")}
+    return [k for k in keys if k in copies]
+
+
 def layers_stacked(config: dict[str, Any]) -> bool:
     """Whether megatron-core stacks the model's layers into one key each: not where they differ (its
     moe_layer_freq a pattern: DeepSeek-V3's dense layers first)."""

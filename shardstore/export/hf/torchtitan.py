@@ -155,6 +155,7 @@ def renamed(config: dict[str, Any], hf_shapes: dict[str, Shape], where: str) -> 
         if sorted(found) != list(range(count or 0)):
             raise ExportError(f"{target}: experts {sorted(found)[:8]}{'...' if len(found) > 8 else ''} in the files, "
                               f"but n_routed_experts is {count!r:.20}")
+        shapes[target] = (len(found), *shapes[target][1:])
     needed = ["model.embed_tokens.weight", "model.norm.weight"] + [f"model.layers.{i}.{name}" for i in range(layers) for name in REQUIRED[arch]]
     missing = next((key for key in needed if key not in hf_shapes), None)
     if missing is not None:
