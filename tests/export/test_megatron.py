@@ -7,7 +7,9 @@ megatron-core itself loads the output (tests/fixtures/megatron_load.py, out of C
 not install there) into GPTModels with the Hugging Face model's logits: run 2026-12-06 on this writer's
 output of the fixtures' Hugging Face exports, vocabulary padded to 128, max abs difference of the logits
 2.2e-05 at TP 2 × PP 2 and 3.2e-05 at TP 1 (Llama), 2.7e-05 at TP 2 (Qwen2), 4.3e-06 at EP 2 and 1.0e-05 at
-TP 2 × EP 2 (Qwen3-MoE)."""
+TP 2 × EP 2 (Qwen3-MoE); run 2026-12-07 on DeepSeek-V3 models (tests/fixtures/deepseek_hf.py: with an MTP
+layer, without, with one its files lack, without q LoRA), within 2.4e-05 at TP 1, TP 2, EP 2 and TP 2 × EP 2,
+every loaded tensor bit for bit the Hugging Face one (`--values`)."""
 
 from __future__ import annotations
 
