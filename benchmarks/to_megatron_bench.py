@@ -1,9 +1,9 @@
-"""A Hugging Face model into a Megatron-Core torch_dist checkpoint: shardstore against the disk, and against
-the path the tools users have wrap (load the model with transformers, map its tensors, `dist_checkpointing.save`
-in one process) where megatron-core is installed.
+"""A Hugging Face model into a Megatron-Core torch_dist checkpoint, and into torchtitan's DCP: shardstore
+against the disk, and against the paths the tools users have take (load the model with transformers, map
+its tensors, `dist_checkpointing.save` in one process; torchtitan's convert_from_hf) where they install.
 
     python benchmarks/to_megatron_bench.py [--out benchmarks/out] [--hidden 2048] [--layers 16]
-        [--megatron-python PY]
+        [--megatron-python PY] [--titan-python PY]
 
 Generates once (cached under --out/ckpt) a Llama-shaped Hugging Face folder in bfloat16 (random weights,
 safetensors shards of 1 GB, config.json), ~1.9 GB at the defaults. Then it times, page cache dropped before
@@ -12,7 +12,11 @@ each (bench.py's `timed_tree`: the peak RSS of all processes together):
 - `shardstore unshard HF OUT --format megatron`;
 - with `--megatron-python PY` (a Python with megatron-core: tests/fixtures/megatron_core.py says how),
   transformers' load of the model and megatron-core's `dist_checkpointing.save` of its tensors under
-  Megatron's names in one process (benchmarks/hf_to_megatron_baseline.py).
+  Megatron's names in one process (benchmarks/hf_to_megatron_baseline.py);
+- `shardstore unshard HF OUT --format dcp --names torchtitan`;
+- with `--titan-python PY` (a Python with torchtitan 0.3.0), torchtitan's own convert_from_hf path: its model
+  built, loaded through torch's HuggingFaceStorageReader, `from_hf`, `dcp.save`
+  (benchmarks/hf_to_torchtitan_baseline.py).
 It prints a markdown table and writes to_megatron.json to --out.
 """
 
@@ -82,6 +86,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--megatron-python", default=None)
+    ap.add_argument("--titan-python", default=None)
     args = ap.parse_args()
     out = Path(args.out)
     hf = make_hf(out / "ckpt" / f"hf-llama-h{args.hidden}-l{args.layers}", args.hidden, args.layers)
@@ -93,6 +98,12 @@ def main() -> None:
     if args.megatron_python:
         runs["transformers load + dist_checkpointing.save"] = [args.megatron_python, str(HERE / "hf_to_megatron_baseline.py"),
                                                                str(hf), str(work / "baseline")]
+    runs["shardstore --format dcp --names torchtitan"] = [sys.executable, "-m", "shardstore", "unshard", str(hf),
+                                                          str(work / "titan"), "--format", "dcp", "--names",
+                                                          "torchtitan", "--quiet"]
+    if args.titan_python:
+        runs["torchtitan convert_from_hf"] = [args.titan_python, str(HERE / "hf_to_torchtitan_baseline.py"), str(hf),
+                                              str(work / "titan-baseline")]
     results = []
     for name, cmd in runs.items():
         shutil.rmtree(work, ignore_errors=True)

@@ -15,12 +15,17 @@ from typing import Any, Iterator
 
 from .. import dtypes, paths, values
 from ..errors import ExportError
-from ..ranges import Part
+from ..ranges import Part, joined
 from ..store.handle import decode_value
 from ..store.store import Store
 from ..tree import Node, node_at
 
 Rows = tuple[tuple[int, int], ...]  # blocks of rows [first, stop), in the order they are written
+
+
+# rows blocks smaller than this are read with their neighbours, a span of up to WINDOW bytes at a time: one
+# stream of the store per block costs more than the block's bytes
+SMALL_ROWS, WINDOW = 64 << 10, 4 << 20
 
 
 @dataclass(frozen=True)
@@ -37,8 +42,27 @@ class ArrayRef:
         return math.prod(self.shape) * dtypes.info(self.dtype).itemsize
 
     def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
-        for block in self.rows or (None,):
-            yield from store.stream(self.path, allow_partial=allow_partial, rows=block)
+        if self.rows is None:
+            yield from store.stream(self.path, allow_partial=allow_partial)
+            return
+        rows, row = self.rows, math.prod(self.shape[1:]) * dtypes.info(self.dtype).itemsize
+        i = 0
+        while i < len(rows):
+            block = rows[i]
+            j = i + 1
+            if (block[1] - block[0]) * row < SMALL_ROWS:  # the small blocks near it, read once
+                first, stop = block
+                while j < len(rows) and (rows[j][1] - rows[j][0]) * row < SMALL_ROWS and \
+                        (max(stop, rows[j][1]) - min(first, rows[j][0])) * row <= WINDOW:
+                    first, stop = min(first, rows[j][0]), max(stop, rows[j][1])
+                    j += 1
+            if j == i + 1:
+                yield from store.stream(self.path, allow_partial=allow_partial, rows=block)
+            else:  # rows picked one by one (torchtitan's q, its rotary halves paired): their span read once
+                span = memoryview(joined(store.stream(self.path, allow_partial=allow_partial, rows=(first, stop))))
+                for a, b in rows[i:j]:
+                    yield span[(a - first) * row:(b - first) * row]
+            i = j
 
     def stored_crc(self, store: Store) -> int | None:
         """The CRC-32 of exactly these bytes, combined from what the source files stored, where known (else
