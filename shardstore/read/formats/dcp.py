@@ -165,6 +165,11 @@ def _parse(folder: str, md: DcpMetadata, digest: str) -> DcpCheckpoint:
             size = whole_numbers(meta.size, f"{fqn}: sizes")
             chunks = [(whole_numbers(c.offsets, f"{fqn}: chunk offsets"), whole_numbers(c.sizes, f"{fqn}: chunk sizes"))
                       for c in meta.chunks]
+            for at, extent in chunks:  # torch's planner writes none outside its tensor: a forged or damaged size
+                if len(at) != len(size) or len(extent) != len(size) or \
+                        any(a + e > n for a, e, n in zip(at, extent, size)):
+                    raise CheckpointError(f"{fqn}: a chunk at {list(at)} of {list(extent)} lies outside its tensor "
+                                          f"of {list(size)}")
             tensors[fqn] = (dtype, size, chunks)
         elif isinstance(meta, DcpBytesStorage):
             values.append(fqn)

@@ -98,11 +98,18 @@ def _first_item(md):
     return next(iter(md.storage_data.values()))
 
 
+def _first_tensor(md):
+    return next(m for m in md.state_dict_metadata.values() if getattr(m, "chunks", None))
+
+
 @pytest.mark.parametrize("edit, needle", [
     (lambda md: setattr(_first_item(md), "relative_path", "../../etc/passwd"), "not a file name inside"),
     (lambda md: setattr(_first_item(md), "transform_descriptors", ["zstd"]), "transforms ['zstd']"),
     (lambda md: setattr(_first_item(md), "length", 10**9), "truncated?"),
     (lambda md: setattr(_first_item(md), "offset", -5), "impossible"),
+    # a tensor described smaller than its chunks (a stacked tensor's leading size written as 0)
+    (lambda md: setattr(_first_tensor(md), "size", torch.Size([0, *_first_tensor(md).size[1:]])),
+     "lies outside its tensor"),
 ])
 def test_forged_metadata_is_refused_in_one_line(edit, needle: str, dcp_checkpoints, tmp_path: Path) -> None:
     src = _metadata_with(dcp_checkpoints("fsdp1"), tmp_path / "ckpt", edit)
