@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -150,24 +151,32 @@ def _as_model(src: str | os.PathLike[str], out: Path, request: Any, format: str)
     beside its run folder), mapped onto transformers' names as `--format hf` maps it (the vocabulary's
     padding off), each tensor the source model's, bit for bit (an FP8 model's weights as the writer
     dequantized them: into `--dtype`, by default bfloat16)."""
-    written = open_source(out)  # refused up front where OUT is no Megatron run folder
-    source = open_source(src, request.tag, request.step, request.storage_options)
-    scratch = _scratch(out)
-    try:
-        store = model_store(scratch / "store", source, request.jobs, request.export.select)
+    with _read_back(src, out, request) as (store, written, scratch):
         output = model_store(scratch / "output", written, request.jobs, None)
         ours = replace(request.export, output=registry.output_format("hf"), vocab_multiple=None)
-        if ours.dtype is None and any(it.dtype == "float8_e4m3fn" for it in planned(store, ours).tensors):
-            ours = replace(ours, dtype="bfloat16")
+        items = planned(store, ours).tensors
+        if ours.dtype is None and any(it.dtype == "float8_e4m3fn" for it in items):
+            ours = replace(ours, dtype="bfloat16")  # as the writer dequantized them
+            items = planned(store, ours).tensors
         theirs = replace(ours, select=None, strip_prefix=None, hf_config=None, dtype=None, keep_dtype=())
         found: dict[str, Found] = {it.key: (it.dtype, tuple(it.shape), partial(tensor_bytes, output, it))
                                    for it in planned(output, theirs).tensors}
-        items = planned(store, ours).tensors
         # (an FP8 model's scales, and the copies of the embedding and output layer the writer leaves out)
         config = describe(store, "", ours.hf_config, ours.strip_prefix)[0].config or {}
         left_out = set(mtp_copies(config, [it.key for it in items]))
         return _compare(store, [it for it in items if not it.key.endswith(fp8.SCALE) and it.key not in left_out],
                         found, format)
+
+
+@contextmanager
+def _read_back(src: str | os.PathLike[str], out: Path, request: Any) -> Iterator[tuple[Store, Any, Path]]:
+    """For an output read back as a checkpoint: the source's model in a scratch store beside OUT, OUT's
+    source (refused up front where OUT is no checkpoint), and the scratch folder, removed afterwards."""
+    written = open_source(out)
+    source = open_source(src, request.tag, request.step, request.storage_options)
+    scratch = _scratch(out)
+    try:
+        yield model_store(scratch / "store", source, request.jobs, request.export.select), written, scratch
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -176,11 +185,7 @@ def _renamed(src: str | os.PathLike[str], out: Path, request: Any) -> VerifyResu
     """A DCP folder under a trainer's names (`--names`), read back: each chunk the export plans (a source
     tensor, or its rows in the trainer's order, at its place in the trainer's tensor: an expert's index
     of a stacked one) the bytes at that place, every tensor of the folder one the plan names."""
-    written = open_source(out)
-    source = open_source(src, request.tag, request.step, request.storage_options)
-    scratch = _scratch(out)
-    try:
-        store = model_store(scratch / "store", source, request.jobs, request.export.select)
+    with _read_back(src, out, request) as (store, written, scratch):
         output = ingest(scratch / "output", written, jobs=request.jobs)
         paths = {".".join(map(str, keys)): path for keys, path in dcp_names(output).items()}
         chunks, described, _ = renamed.plan_items(store, "", request.export)
@@ -199,8 +204,6 @@ def _renamed(src: str | os.PathLike[str], out: Path, request: Any) -> VerifyResu
         for fqn in sorted(set(paths) - set(described)):
             result.differences.append(Difference(fqn, "in the output, but not a tensor the export holds"))
         return result
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _rows(store: Store, path: str | None, shape: tuple[int, ...], rows: tuple[int, int] | None
