@@ -46,6 +46,7 @@ import os
 import platform
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -229,12 +230,52 @@ def compare(runs: dict[str, list[str]], work: Path,
     return results
 
 
+def compare_paired(runs: dict[str, list[str]], work: Path, pairs: int = 5,
+                   measure: Callable[[list[str]], tuple[float, int]] = timed_tree) -> list[dict[str, Any]]:
+    """The first of `runs` is the floor; every other contender runs `pairs` times, each run just after one of
+    the floor (A B A B ...), each in an empty `work`, caches dropped before each (`measure`). A contender's
+    ratio is the median of its `pairs` paired ratios (its wall / the floor's just before it), given with
+    their min and max: this host's disk speed moves by 2x from minute to minute, and a ratio of runs
+    minutes apart measures that, not the contender."""
+    (floor_name, floor), *contenders = runs.items()
+    floors: list[float] = []
+    floor_rss = 0
+    results = []
+
+    def once(cmd: list[str]) -> tuple[float, int]:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        return measure(cmd)
+
+    for name, cmd in contenders:
+        walls, ratios, peak = [], [], 0
+        for _ in range(pairs):
+            base, rss = once(floor)
+            floor_rss = max(floor_rss, rss)
+            wall, rss = once(cmd)
+            floors.append(base)
+            walls.append(wall)
+            ratios.append(wall / base)
+            peak = max(peak, rss)
+        ratios.sort()
+        results.append({"contender": name, "wall": statistics.median(walls), "peak_rss": peak, "pairs": pairs,
+                        "ratio": statistics.median(ratios), "ratio_min": ratios[0], "ratio_max": ratios[-1]})
+        print(f"{name}: {results[-1]['wall']:.2f} s, {results[-1]['ratio']:.2f}x the floor "
+              f"({ratios[0]:.2f}-{ratios[-1]:.2f}), {peak / 2**20:.0f} MB", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return [{"contender": floor_name, "wall": statistics.median(floors), "peak_rss": floor_rss, "pairs": len(floors),
+             "ratio": 1.0, "ratio_min": 1.0, "ratio_max": 1.0}, *results]
+
+
 def print_table(results: list[dict[str, Any]], against: str, rss: str) -> None:
-    """`compare`'s results as a markdown table, each wall time also as a ratio to the first contender's."""
+    """`compare`'s or `compare_paired`'s results as a markdown table: each wall time also as a ratio to the
+    first contender's, the paired ratios' median and spread where they were paired."""
     floor = results[0]["wall"]
-    print(f"| contender | wall | vs {against} | {rss} |\n|---|---:|---:|---:|")
+    print(f"| contender | wall (median) | vs {against} | {rss} |\n|---|---:|---:|---:|")
     for r in results:
-        print(f"| {r['contender']} | {r['wall']:.2f} s | {r['wall'] / floor:.2f}× | {r['peak_rss'] / 2**20:.0f} MB |")
+        ratio = (f"{r['ratio']:.2f}× ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}, {r['pairs']} pairs)" if "ratio" in r
+                 else f"{r['wall'] / floor:.2f}×")
+        print(f"| {r['contender']} | {r['wall']:.2f} s | {ratio} | {r['peak_rss'] / 2**20:.0f} MB |")
 
 
 def ensure_olmo() -> bool:

@@ -2,12 +2,13 @@
 against the disk, and against the paths the tools users have take (load the model with transformers, map
 its tensors, `dist_checkpointing.save` in one process; torchtitan's convert_from_hf) where they install.
 
-    python benchmarks/to_megatron_bench.py [--out benchmarks/out] [--hidden 2048] [--layers 16]
+    python benchmarks/to_megatron_bench.py [--out benchmarks/out] [--hidden 2048] [--layers 22] [--pairs 5]
         [--megatron-python PY] [--titan-python PY]
 
 Generates once (cached under --out/ckpt) a Llama-shaped Hugging Face folder in bfloat16 (random weights,
-safetensors shards of 1 GB, config.json), ~1.9 GB at the defaults. Then it times, page cache dropped before
-each (bench.py's `timed_tree`: the peak RSS of all processes together):
+safetensors shards of 1 GB, config.json), 2.25 GB at the defaults. Then it runs each contender `--pairs`
+times, each run just after a `cp -r` + `sync` of the folder (bench.py's `compare_paired`: page cache dropped
+before each run, the peak RSS of all processes together), and reports the median of the paired ratios:
 - `cp -r` + `sync` of the folder: the floor (every byte read once and written once);
 - `shardstore unshard HF OUT --format megatron`;
 - with `--megatron-python PY` (a Python with megatron-core: tests/fixtures/megatron_core.py says how),
@@ -17,7 +18,8 @@ each (bench.py's `timed_tree`: the peak RSS of all processes together):
 - with `--titan-python PY` (a Python with torchtitan 0.3.0), torchtitan's own convert_from_hf path: its model
   built, loaded through torch's HuggingFaceStorageReader, `from_hf`, `dcp.save`
   (benchmarks/hf_to_torchtitan_baseline.py).
-It prints a markdown table and writes to_megatron.json to --out.
+It prints a markdown table (each baseline's speed-up is the ratio of its paired median to shardstore's)
+and writes to_megatron.json to --out.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench import timed_tree  # noqa: E402
+from bench import compare_paired, compile_shardstore, print_table  # noqa: E402
 
 VOCAB = 32000
 
@@ -84,15 +86,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/out")
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--pairs", type=int, default=5, help="runs of each contender, each after one of the floor")
     ap.add_argument("--megatron-python", default=None)
     ap.add_argument("--titan-python", default=None)
     args = ap.parse_args()
+    compile_shardstore()
     out = Path(args.out)
     hf = make_hf(out / "ckpt" / f"hf-llama-h{args.hidden}-l{args.layers}", args.hidden, args.layers)
     work = out / "to-megatron"
     size = sum(f.stat().st_size for f in hf.iterdir())
-    runs = {"cp -r + sync": ["sh", "-c", f"cp -r {hf} {work}/copy && sync"],
+    runs = {"cp -r + sync": ["cp", "-r", str(hf), str(work / "copy")],
             "shardstore --format megatron": [sys.executable, "-m", "shardstore", "unshard", str(hf), str(work / "meg"),
                                              "--format", "megatron", "--quiet"]}
     if args.megatron_python:
@@ -104,21 +108,15 @@ def main() -> None:
     if args.titan_python:
         runs["torchtitan convert_from_hf"] = [args.titan_python, str(HERE / "hf_to_torchtitan_baseline.py"), str(hf),
                                               str(work / "titan-baseline")]
-    results = []
-    for name, cmd in runs.items():
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True)
-        cmd = ["sh", "-c", " ".join(cmd[2:]) + " && sync"] if name.startswith("cp") else \
-            ["sh", "-c", " ".join(cmd) + " && sync"]
-        wall, rss = timed_tree(cmd)
-        results.append({"run": name, "seconds": round(wall, 2), "peak_rss_mb": round(rss / 2**20)})
-        print(f"| {name} | {wall:.1f} s | {rss / 2**20:.0f} MB |", flush=True)
-    shutil.rmtree(work, ignore_errors=True)
-    floor = results[0]["seconds"]
-    for r in results:
-        r["x_floor"] = round(r["seconds"] / floor, 2)
+    results = compare_paired({name: ["sh", "-c", " ".join(cmd) + " && sync"] for name, cmd in runs.items()}, work,
+                             args.pairs)
+    print_table(results, "`cp -r` + `sync` (paired)", "peak RSS, all processes")
+    ratio = {r["contender"]: r["ratio"] for r in results}
+    for ours, theirs in (("shardstore --format megatron", "transformers load + dist_checkpointing.save"),
+                         ("shardstore --format dcp --names torchtitan", "torchtitan convert_from_hf")):
+        if theirs in ratio:
+            print(f"{ours}: {ratio[theirs] / ratio[ours]:.1f}x faster than {theirs}")
     (out / "to_megatron.json").write_text(json.dumps({"bytes": size, "results": results}, indent=1))
-    print(json.dumps({"bytes": size, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -55,3 +55,45 @@ def test_copy_range_copies_exactly(tmp_path: Path) -> None:
         os.close(src)
         os.close(dst)
     assert (tmp_path / "dst").read_bytes() == b"prefix" + data[12345:12345 + (2 << 20)]
+
+
+@pytest.mark.parametrize("mappable", [True, False])
+def test_copy_summed_copies_and_sums_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mappable: bool) -> None:
+    """Blocks that start off the map's granularity, several of them, and a file system that cannot map
+    (summed through memory instead): the same bytes and the same CRC-32 as zlib's over the range."""
+    import mmap
+    import zlib
+
+    from shardstore import ranges
+
+    monkeypatch.setattr(ranges, "BLOCK", 100_000)  # the range spans many blocks, none of them aligned
+    if not mappable:
+        def refuse(*args: object, **kwargs: object) -> mmap.mmap:
+            raise OSError(19, "No such device")
+        monkeypatch.setattr(ranges.mmap, "mmap", refuse)
+    data = os.urandom(1 << 20)
+    (tmp_path / "src").write_bytes(data)
+    src = os.open(tmp_path / "src", os.O_RDONLY)
+    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.pwrite(dst, b"head", 0)
+        crc = ranges.copy_summed(FileRange(src, 4099, 700_001), dst, 4)
+    finally:
+        os.close(src)
+        os.close(dst)
+    assert crc == zlib.crc32(data[4099:4099 + 700_001])
+    assert (tmp_path / "dst").read_bytes() == b"head" + data[4099:4099 + 700_001]
+
+
+def test_copy_summed_refuses_a_short_source(tmp_path: Path) -> None:
+    from shardstore.ranges import copy_summed
+
+    (tmp_path / "f").write_bytes(b"x" * 100)
+    fd, out = os.open(tmp_path / "f", os.O_RDONLY), os.open(tmp_path / "g", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(StoreError, match="rank3.pt ended 50 bytes early"):
+            copy_summed(FileRange(fd, 50, 100, "rank3.pt"), out, 0)
+    finally:
+        os.close(fd)
+        os.close(out)
+    assert (tmp_path / "g").read_bytes() == b""  # nothing copied before the refusal

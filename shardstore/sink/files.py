@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import StoreError
-from ..ranges import BLOCK, FileRange, Part, blocks, copy_range, joined, part_length
+from ..ranges import BLOCK, FileRange, Part, blocks, copy_range, copy_summed, joined, part_length, pwrite_all
 from ..store.manifest import ArrayEntry
 from .layout import CLAIMS, Layout, Target
 from .output import output_error
@@ -142,7 +142,7 @@ class DirectWriter:
                 start = at - at % row
                 rows = min(-(-max(at + n - start, BLOCK) // row), piece.sizes[0] - start // row)
                 held = memoryview(joined([piece.rows(start // row, rows)]))
-            _pwrite(fd, held[at - start:at - start + n], target.offset + out_at * size)
+            pwrite_all(fd, held[at - start:at - start + n], target.offset + out_at * size)
         return True
 
     def _write(self, entry: ArrayEntry, piece: Any, values: list[np.ndarray], first: int, count: int,
@@ -161,7 +161,7 @@ class DirectWriter:
             part = values[0][first:first + count].data
         if target.dtype != entry.dtype:
             for data in dtypes.cast([part], src, target.dtype):
-                _pwrite(fd, data, offset)
+                pwrite_all(fd, data, offset)
                 offset += len(data)
             return
         known = piece.crc() if record and first == 0 and count == math.prod(piece.sizes) else None
@@ -256,21 +256,16 @@ def _runs(entry: ArrayEntry, piece: Any, target: Target) -> list[tuple[int, int,
 
 
 def _put(part: Part, fd: int, offset: int, checksum: bool = False) -> int | None:
-    """Write `part` at `offset`; with `checksum`, read once through memory and return its CRC-32."""
-    if isinstance(part, FileRange) and not checksum:
+    """Write `part` at `offset`; with `checksum`, return its CRC-32 (a local range's summed in place)."""
+    if isinstance(part, FileRange):
+        if checksum:
+            return copy_summed(part, fd, offset)
         copy_range(part, fd, offset)
         return None
     crc = 0
     for block in blocks([part]):
         if checksum:
             crc = zlib.crc32(block, crc)
-        _pwrite(fd, block, offset)
+        pwrite_all(fd, block, offset)
         offset += part_length(block)
     return crc if checksum else None
-
-
-def _pwrite(fd: int, data: Any, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
