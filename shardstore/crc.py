@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import sys
 from functools import lru_cache
 from typing import Callable
 
@@ -63,16 +64,23 @@ def py_crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     return _multmodp(_x8nmodp(len2), crc1) ^ crc2
 
 
-def _zlib_combine() -> Callable[[int, int, int], int] | None:
-    name = ctypes.util.find_library("z")
-    try:
-        combine = ctypes.CDLL(name).crc32_combine64 if name else None
-    except (OSError, AttributeError):
-        return None
-    if combine is None:
-        return None
-    combine.restype, combine.argtypes = ctypes.c_ulong, [ctypes.c_ulong, ctypes.c_ulong, ctypes.c_int64]
-    return combine
+@lru_cache(maxsize=None)
+def _zlib_combine() -> Callable[[int, int, int], int]:
+    """zlib's own function where the system's zlib loads, else this module's. Found at the first call,
+    by zlib's usual soname first: `ctypes.util.find_library` runs ldconfig."""
+    for find in (lambda: "libz.so.1" if sys.platform.startswith("linux") else None,
+                 lambda: ctypes.util.find_library("z")):
+        name = find()
+        try:
+            combine = ctypes.CDLL(name).crc32_combine64 if name else None
+        except (OSError, AttributeError):
+            continue
+        if combine is not None:
+            combine.restype, combine.argtypes = ctypes.c_ulong, [ctypes.c_ulong, ctypes.c_ulong, ctypes.c_int64]
+            return combine
+    return py_crc32_combine
 
 
-crc32_combine: Callable[[int, int, int], int] = _zlib_combine() or py_crc32_combine
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A + B from crc32(A), crc32(B) and len(B): zlib's where it loads, identical results here."""
+    return _zlib_combine()(crc1, crc2, len2)

@@ -13,7 +13,7 @@ from shardstore import crc
 
 COMBINES = [pytest.param(crc.py_crc32_combine, id="python"),
             pytest.param(crc._zlib_combine(), id="zlib",
-                         marks=pytest.mark.skipif(crc._zlib_combine() is None, reason="no system zlib to load"))]
+                         marks=pytest.mark.skipif(crc._zlib_combine() is crc.py_crc32_combine, reason="no system zlib to load"))]
 
 
 @pytest.mark.parametrize("combine", COMBINES)
@@ -35,7 +35,7 @@ def test_a_chain_of_many_runs(combine) -> None:
 
 def test_lengths_past_four_gigabytes_agree() -> None:
     """A tensor entry over 4 GiB: the length is a 64-bit count in both."""
-    if crc._zlib_combine() is None:
+    if crc._zlib_combine() is crc.py_crc32_combine:
         pytest.skip("no system zlib to load")
     for length in (1 << 32, (1 << 33) + 12345, 70 << 30):
         assert crc._zlib_combine()(0x12345678, 0x9ABCDEF0, length) == crc.py_crc32_combine(0x12345678, 0x9ABCDEF0, length)

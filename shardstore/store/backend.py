@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
+import functools
 import os
 import sys
 from pathlib import Path
@@ -43,20 +43,22 @@ class Backend(Protocol):
     def zarr_store(self, read_only: bool = True) -> zarr.abc.store.Store: ...
 
 
+@functools.cache
 def _libc(name: str) -> Any:
-    """A function of libc on Linux (syncfs(2), sync_file_range(2)); None elsewhere."""
+    """A function of libc on Linux (syncfs(2), sync_file_range(2)); None elsewhere. Looked up at its
+    first use, from the process's own symbols: `ctypes.util.find_library` runs ldconfig, 10 ms of every
+    command's start-up when it ran at import."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True), name)
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
+    if name == "sync_file_range":
+        function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return function
 
 
-_syncfs = _libc("syncfs")
-_sync_file_range = _libc("sync_file_range")
-if _sync_file_range is not None:
-    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -152,8 +154,8 @@ class LocalBackend:
                         view = view[os.write(fd, view):]
             if durable:
                 os.fsync(fd)
-            elif _sync_file_range is not None:  # writeback starts now, while the next cell is read: the
-                _sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)  # rank's one sync() then waits for less
+            elif _libc("sync_file_range") is not None:  # writeback starts now, while the next cell is read: the
+                _libc("sync_file_range")(fd, 0, 0, SYNC_FILE_RANGE_WRITE)  # rank's one sync() then waits for less
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
@@ -182,10 +184,10 @@ class LocalBackend:
         one (Linux), else one fsync per file, then per directory. At world size 1024 a rank writes ~400
         small cells, and one syncfs took a fifth of the time of their fsyncs (0.05 s against 0.23 s); with
         few large cells the two cost the same, since the data's own writeback dominates."""
-        if _syncfs is not None:
+        if _libc("syncfs") is not None:
             fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                if _syncfs(fd) != 0:
+                if _libc("syncfs")(fd) != 0:
                     code = ctypes.get_errno()
                     raise OSError(code, os.strerror(code), self.root)
             finally:
