@@ -104,7 +104,7 @@ def plan_items(store: Store, subtree: str, request: ExportRequest
         sizes = (1,) * len(index) + (stop - first, *rest)
         zeros = Zeros(target, dtypes[target], sizes)
         items.append(dcp.Item(key, ((*index, first) + (0,) * len(rest), sizes), zeros, zeros.nbytes))
-    for fqn, value in _objects(config, placed, vocab_rows, multiple).items():
+    for fqn, value in _objects(config, keys, vocab_rows, multiple).items():
         described[fqn] = ("bytes",)
         items.append(dcp.Item(fqn, None, value, 0))
     return model, placed, items, described
@@ -123,11 +123,13 @@ def _without_absent_mtp(model: HFModel, config: dict[str, Any], sources: dict[st
     return replace(model, config=config), config
 
 
-def _objects(config: dict[str, Any], placed: Placed, vocab_rows: int, multiple: int) -> dict[str, dcp.Value]:
-    """The objects megatron-core saves beside a GPTModel's tensors: every linear layer's `_extra_state` of
-    each layer (and expert: `shard_{layer}.{expert}_{layers}.{experts}`), and the common state."""
+def _objects(config: dict[str, Any], keys: dict[str, tuple[tuple[int, ...], dict[str, tuple[int, ...]]]],
+             vocab_rows: int, multiple: int) -> dict[str, dcp.Value]:
+    """The objects megatron-core saves beside a GPTModel's tensors (`keys`: the tensors' keys, each with
+    its global shape and members): every linear layer's `_extra_state` of each layer (and expert:
+    `shard_{layer}.{expert}_{layers}.{experts}`), and the common state."""
     out = {}
-    for key, (shape, members) in stacked(placed.shapes, layers_stacked(config)).items():
+    for key, (shape, members) in keys.items():
         if key.startswith(("decoder.layers.", "mtp.layers.")) and key.endswith(LINEARS):  # per layer (and expert)
             lead = shape[:len(next(iter(members.values())))] or (1,)
             for index in itertools.product(*map(range, lead)):
