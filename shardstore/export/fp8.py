@@ -39,12 +39,13 @@ def dequantize(items: list[Any], config: dict[str, Any] | None, dtype: str | Non
         return items
     assert dtype is not None
     block = block_size(config, "the model's config.json")
+    scale_keys = set(scaled.values())
     out = []
     for it in items:
         if it.key in scaled:
             out.append(replace(it, source=dequantizing(it.source, by_key[scaled[it.key]].source, dtype, block, it.key),
                                dtype=dtype))
-        elif it.key not in scaled.values():
+        elif it.key not in scale_keys:
             out.append(it)
     return out
 
