@@ -18,6 +18,8 @@ before each run, the peak RSS of all processes together), and reports the median
 - with `--titan-python PY` (a Python with torchtitan 0.3.0), torchtitan's own convert_from_hf path: its model
   built, loaded through torch's HuggingFaceStorageReader, `from_hf`, `dcp.save`
   (benchmarks/hf_to_torchtitan_baseline.py).
+With `--deepseek`, the model is instead DeepSeek-V3's structure in the hub's FP8 form at a tiny width
+(`make_deepseek`: 92k tensors in 64 MB), shardstore's two conversions alone: what per-tensor costs add.
 It prints a markdown table (each baseline's speed-up is the ratio of its paired median to shardstore's)
 and writes to_megatron.json to --out.
 """
@@ -82,6 +84,95 @@ def make_hf(out: Path, hidden: int, layers: int) -> Path:
     return out
 
 
+# DeepSeek-V3's structure as its hub checkpoint stores it (config.json: 61 layers, first_k_dense_replace 3,
+# 256 routed experts and 1 shared, MLA, one MTP layer as model.layers.61 with the hub's copies of the
+# embedding and head, linear weights in FP8 e4m3 with a float32 weight_scale_inv per 128 x 128 block, 163
+# safetensors files), at the width of benchmarks/megatron_moe_bench.py's: only the width is small.
+DSV3_WIDTH = {"hidden_size": 64, "num_attention_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32,
+              "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 16, "intermediate_size": 144,
+              "moe_intermediate_size": 16, "vocab_size": 1024}
+
+
+def make_deepseek(out: Path, files: int = 163) -> Path:
+    """A DeepSeek-V3-structured Hugging Face folder in the hub's FP8 form (random weights), written once."""
+    import torch
+    from safetensors.torch import save_file
+
+    if (out / "config.json").exists():
+        return out
+    w = DSV3_WIDTH
+    h, heads, layers = w["hidden_size"], w["num_attention_heads"], 61
+    qk = w["qk_nope_head_dim"] + w["qk_rope_head_dim"]
+    gen = torch.Generator().manual_seed(0)
+
+    def fp8(rows: int, cols: int) -> dict[str, torch.Tensor]:
+        raw = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.uint8)
+        raw[(raw & 0x7F) == 0x7F] = 0  # e4m3fn's NaNs
+        scales = torch.rand((-(-rows // 128), -(-cols // 128)), generator=gen) * 1e-3
+        return {"weight": raw.view(torch.float8_e4m3fn), "weight_scale_inv": scales}
+
+    def linear(prefix: str, rows: int, cols: int) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.{k}": v for k, v in fp8(rows, cols).items()}
+
+    def bf16(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    def mlp(prefix: str, ffn: int) -> dict[str, torch.Tensor]:
+        return {**linear(f"{prefix}.gate_proj", ffn, h), **linear(f"{prefix}.up_proj", ffn, h),
+                **linear(f"{prefix}.down_proj", h, ffn)}
+
+    def layer(i: int) -> dict[str, torch.Tensor]:
+        p = f"model.layers.{i}."
+        t = {p + "input_layernorm.weight": bf16(h), p + "post_attention_layernorm.weight": bf16(h),
+             p + "self_attn.q_a_layernorm.weight": bf16(w["q_lora_rank"]),
+             p + "self_attn.kv_a_layernorm.weight": bf16(w["kv_lora_rank"]),
+             **linear(p + "self_attn.q_a_proj", w["q_lora_rank"], h),
+             **linear(p + "self_attn.q_b_proj", heads * qk, w["q_lora_rank"]),
+             **linear(p + "self_attn.kv_a_proj_with_mqa", w["kv_lora_rank"] + w["qk_rope_head_dim"], h),
+             **linear(p + "self_attn.kv_b_proj", heads * (w["qk_nope_head_dim"] + w["v_head_dim"]), w["kv_lora_rank"]),
+             **linear(p + "self_attn.o_proj", h, heads * w["v_head_dim"])}
+        if i < 3:
+            return {**t, **mlp(p + "mlp", w["intermediate_size"])}
+        t.update({p + "mlp.gate.weight": bf16(256, h),
+                  p + "mlp.gate.e_score_correction_bias": torch.randn(256, generator=gen),
+                  **mlp(p + "mlp.shared_experts", w["moe_intermediate_size"])})
+        for e in range(256):
+            t.update(mlp(f"{p}mlp.experts.{e}", w["moe_intermediate_size"]))
+        return t
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    mtp = {**layer(layers), f"model.layers.{layers}.enorm.weight": bf16(h), f"model.layers.{layers}.hnorm.weight": bf16(h),
+           f"model.layers.{layers}.eh_proj.weight": bf16(h, 2 * h),
+           f"model.layers.{layers}.shared_head.norm.weight": bf16(h),
+           f"model.layers.{layers}.shared_head.head.weight": bf16(w["vocab_size"], h),
+           f"model.layers.{layers}.embed_tokens.weight": bf16(w["vocab_size"], h)}
+    groups = [{"model.embed_tokens.weight": bf16(w["vocab_size"], h)}, *(layer(i) for i in range(layers)),
+              mtp, {"model.norm.weight": bf16(h), "lm_head.weight": bf16(w["vocab_size"], h)}]
+    weight_map: dict[str, str] = {}
+    per_file = -(-len(groups) // files)
+    chunked = [{k: v for g in groups[i:i + per_file] for k, v in g.items()} for i in range(0, len(groups), per_file)]
+    for i, tensors in enumerate(chunked):
+        name = f"model-{i + 1:05d}-of-{len(chunked):05d}.safetensors"
+        save_file(tensors, tmp / name, metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **w, "num_hidden_layers": layers,
+        "num_key_value_heads": heads, "first_k_dense_replace": 3, "n_routed_experts": 256, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1, "num_nextn_predict_layers": 1,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 163840, "rope_theta": 10000, "hidden_act": "silu",
+        "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+        "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "bfloat16",
+        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                "weight_block_size": [128, 128]}}))
+    tmp.rename(out)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/out")
@@ -90,22 +181,25 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=5, help="runs of each contender, each after one of the floor")
     ap.add_argument("--megatron-python", default=None)
     ap.add_argument("--titan-python", default=None)
+    ap.add_argument("--deepseek", action="store_true", help="instead: DeepSeek-V3's structure in the hub's FP8 form "
+                    "(make_deepseek) into Megatron, and into torchtitan's DCP")
     args = ap.parse_args()
     compile_shardstore()
     out = Path(args.out)
-    hf = make_hf(out / "ckpt" / f"hf-llama-h{args.hidden}-l{args.layers}", args.hidden, args.layers)
+    hf = make_deepseek(out / "ckpt" / "hf-dsv3-structure-fp8") if args.deepseek else \
+        make_hf(out / "ckpt" / f"hf-llama-h{args.hidden}-l{args.layers}", args.hidden, args.layers)
     work = out / "to-megatron"
     size = sum(f.stat().st_size for f in hf.iterdir())
     runs = {"cp -r + sync": ["cp", "-r", str(hf), str(work / "copy")],
             "shardstore --format megatron": [sys.executable, "-m", "shardstore", "unshard", str(hf), str(work / "meg"),
                                              "--format", "megatron", "--quiet"]}
-    if args.megatron_python:
+    if args.megatron_python and not args.deepseek:
         runs["transformers load + dist_checkpointing.save"] = [args.megatron_python, str(HERE / "hf_to_megatron_baseline.py"),
                                                                str(hf), str(work / "baseline")]
     runs["shardstore --format dcp --names torchtitan"] = [sys.executable, "-m", "shardstore", "unshard", str(hf),
                                                           str(work / "titan"), "--format", "dcp", "--names",
                                                           "torchtitan", "--quiet"]
-    if args.titan_python:
+    if args.titan_python and not args.deepseek:
         runs["torchtitan convert_from_hf"] = [args.titan_python, str(HERE / "hf_to_torchtitan_baseline.py"), str(hf),
                                               str(work / "titan-baseline")]
     results = compare_paired({name: ["sh", "-c", " ".join(cmd) + " && sync"] for name, cmd in runs.items()}, work,
@@ -116,7 +210,7 @@ def main() -> None:
                          ("shardstore --format dcp --names torchtitan", "torchtitan convert_from_hf")):
         if theirs in ratio:
             print(f"{ours}: {ratio[theirs] / ratio[ours]:.1f}x faster than {theirs}")
-    (out / "to_megatron.json").write_text(json.dumps({"bytes": size, "results": results}, indent=1))
+    (out / ("to_megatron_deepseek.json" if args.deepseek else "to_megatron.json")).write_text(json.dumps({"bytes": size, "results": results}, indent=1))
 
 
 if __name__ == "__main__":
