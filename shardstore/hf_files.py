@@ -21,7 +21,8 @@ ADAPTER_FILES = (ADAPTER_CONFIG, verl.LORA_META)
 def hf_model_file(name: str) -> bool:
     """Whether a file of this name beside a checkpoint is one of its model's Hugging Face files (or its
     adapter's config), which a reader keeps."""
-    return name.endswith(HF_MODEL_FILES) and not name.endswith(".index.json") and name not in NOT_HF_MODEL_FILES
+    return name.endswith(HF_MODEL_FILES) and not name.endswith(".index.json") and name not in NOT_HF_MODEL_FILES \
+        and not name.startswith(".")  # a hidden file is no model's: shardstore's own record of an export
 
 
 def describes_model(name: str) -> bool:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 
 from .. import dtypes, paths, tempfiles
 from ..errors import ExportError, StoreError
-from ..hf_files import ADAPTER_FILES
+from ..hf_files import ADAPTER_FILES, describes_model
 from ..progress import Progress
 from ..sink.layout import MOVING
 from ..sink.output import output_error, write_side_files
@@ -57,7 +57,7 @@ def _dtypes(store: Store, tensors: list[Any]) -> dict[str, tuple[int, int]]:
 # formats' own, and the torch files a trainer resumes from with its own files beside them: trainers/).
 _OUTPUT_NAME = re.compile(r"(model(-[0-9]{5}-of-[0-9]{5})?\.safetensors|model\.safetensors\.index\.json"
                           r"|checkpoint\.pt|__[0-9]+_0\.distcp|\.metadata|config\.yaml|config\.json"
-                          r"|generation_config\.json|latest_checkpointed_iteration\.txt|release"
+                          r"|generation_config\.json|latest_checkpointed_iteration\.txt|release|weights|context"
                           rf"|{trainers.writes()})\Z")
 
 
@@ -67,7 +67,11 @@ def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
     if not out.is_dir():
         return []
     tops = {name.split("/")[0] for name in planned}  # (Megatron's release/.metadata: its folder release/)
-    return sorted(p for p in out.iterdir() if _OUTPUT_NAME.match(p.name) and p.name not in tops)
+    # where OUT holds a shardstore export (its record), the model's files beside it (tokenizer, chat
+    # template) are that export's too
+    exported = (out / origin.RECORD).is_file()
+    return sorted(p for p in out.iterdir() if (_OUTPUT_NAME.match(p.name) or exported and describes_model(p.name))
+                  and p.name not in tops)
 
 
 def model_subtree(store: Store) -> str:

@@ -91,9 +91,10 @@ class ExportRequest:
             raise ExportError("--base goes with --merge-adapter: the model an adapter-only checkpoint is merged onto")
         if (self.lora_alpha is not None or self.rslora is not None) and not (self.adapter or self.merge_adapter):
             raise ExportError("--lora-alpha and --rslora go with --adapter or --merge-adapter")
-        if self.vocab_multiple is not None and (self.output.name != "megatron" or type(self.vocab_multiple) is not int
+        if self.vocab_multiple is not None and (not self.output.pads_vocabulary or type(self.vocab_multiple) is not int
                                                 or self.vocab_multiple < 1):
-            raise ExportError("--vocab-multiple is a count of rows of at least 1, and goes with --format megatron")
+            raise ExportError("--vocab-multiple is a count of rows of at least 1, and goes with --format megatron or "
+                              "nemo")
         if self.names is not None and (self.output.name != "dcp" or not isinstance(self.names, (str, os.PathLike))):
             raise ExportError("--names goes with --format dcp: a built-in name or a JSON file of renames")
         if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
@@ -163,6 +164,8 @@ class OutputFormat:
     reads_back_as_model: bool = False
     # writes a PEFT adapter alone, as peft saves it (`ExportRequest.adapter`)
     writes_adapter: bool = False
+    # pads the vocabulary's rows to a multiple (`ExportRequest.vocab_multiple`), as Megatron's models do
+    pads_vocabulary: bool = False
     # how it lays out a model with its PEFT adapter merged in (`ExportRequest.merge_adapter`), as `plan`
     # does the checkpoint's tensors; None: it writes no merged model
     merged: Callable[[Store, ExportRequest, Node, str, int], Planned] | None = None

@@ -52,6 +52,7 @@ LINEARS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "line
            "linear_q_proj.weight", "linear_q_down_proj.weight", "linear_q_up_proj.weight",
            "linear_kv_down_proj.weight", "linear_kv_up_proj.weight", "eh_proj.weight")
 VOCAB_MULTIPLE = 128  # Megatron-LM's make_vocab_size_divisible_by
+COMMON_ITEM = "common_state/shard_0_1"  # megatron-core >= 0.19's common state, a bytes item
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ def _objects(config: dict[str, Any], keys: dict[str, tuple[tuple[int, ...], dict
             for index in itertools.product(*map(range, lead)):
                 shard = f"{'.'.join(map(str, index))}_{'.'.join(map(str, lead))}"
                 out[f"{key.removesuffix('.weight')}._extra_state/shard_{shard}"] = dcp.Value([None])
-    out["common_state/shard_0_1"] = dcp.Value([{"args": megatron_args(config, vocab_rows, multiple),
+    out[COMMON_ITEM] = dcp.Value([{"args": megatron_args(config, vocab_rows, multiple),
                                                 "checkpoint_version": 3.0, "iteration": 0,
                                                 "num_floating_point_operations_so_far": 0}])
     return out
@@ -167,7 +168,7 @@ def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int) -> Nam
     if arch == DEEPSEEK_V3:
         args.update(_deepseek_args(config, scaling))
     elif scaling is not None:
-        args.update(_llama_scaling(scaling))
+        args.update(llama_scaling(scaling))
     if arch in MOE_BLOCKS:  # every layer's MLP sparse, routed as the class routes (megatron_llama._moe_class)
         _, count, width, _ = MOE_BLOCKS[arch]
         args.update(num_experts=config[count], moe_ffn_hidden_size=config[width],
@@ -196,7 +197,7 @@ def rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _llama_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
+def llama_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
     """Megatron-LM's arguments for a Llama-family model's scaled rotary embeddings: Llama 3's
     (--use-rope-scaling --rope-scaling-factor); refused by name where Megatron-LM's GPT arguments cannot
     say it, rather than written as plain rotary embeddings."""
@@ -308,4 +309,5 @@ def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs
 MAY_WRITE = r"latest_checkpointed_iteration\.txt|release|config\.json|generation_config\.json"
 FORMAT = OutputFormat("megatron", subtree=True, may_write=MAY_WRITE, config_beside=False, resume_beside=False,
                       describes_model=True, single_file=False, takes_scheduler=False, plan=_plan, direct=_direct,
-                      recognises=lambda out: (out / ITERATION_FILE).is_file(), reads_back_as_model=True)
+                      recognises=lambda out: (out / ITERATION_FILE).is_file(), reads_back_as_model=True,
+                      pads_vocabulary=True)

@@ -11,15 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ExportError
-from . import dcp, hf, megatron, renamed, safetensors, torch
+from . import dcp, hf, megatron, nemo, renamed, safetensors, torch
 from .contract import ExportRequest, OutputFormat
 
 # safetensors writes a model with its adapter merged as the Hugging Face folder's weights (hf/ plans the merge)
 SAFETENSORS = replace(safetensors.FORMAT, merged=hf.merged_weights)
-FORMATS: dict[str, OutputFormat] = {f.name: f for f in (SAFETENSORS, torch.FORMAT, dcp.FORMAT, hf.FORMAT, megatron.FORMAT)}
+FORMATS: dict[str, OutputFormat] = {f.name: f for f in (SAFETENSORS, torch.FORMAT, dcp.FORMAT, hf.FORMAT, megatron.FORMAT,
+                                                          nemo.FORMAT)}
 # the order `recognised` asks them in: a Megatron-LM run folder (which has a config.json too), a folder with config.json is a Hugging Face folder (of safetensors
 # files), one with .metadata a DCP folder, torch files and no safetensors a torch export; else safetensors
-RECOGNISED = (megatron.FORMAT, hf.FORMAT, dcp.FORMAT, torch.FORMAT, SAFETENSORS)
+RECOGNISED = (megatron.FORMAT, nemo.FORMAT, hf.FORMAT, dcp.FORMAT, torch.FORMAT, SAFETENSORS)
 # the format writing a model's tensors under their own names: what a model's state dict in torch files holds
 TENSORS = SAFETENSORS
 

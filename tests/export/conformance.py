@@ -24,9 +24,10 @@ import shardstore
 from shardstore.export.registry import FORMATS
 from shardstore.read.discover import open_source
 
-# the formats every checkpoint's model goes out in; `--format megatron` takes a model of the Llama family only
-# (MegatronOutputTests)
-ANY_MODEL = [f for f in FORMATS if f != "megatron"]
+# the formats every checkpoint's model goes out in; `--format megatron` and `--format nemo` take a model of
+# the Llama family only (MegatronOutputTests)
+LLAMA_ONLY = ["megatron", "nemo"]
+ANY_MODEL = [f for f in FORMATS if f not in LLAMA_ONLY]
 # torch.save writes a random id into every file; everything else must be equal
 RANDOM = (".data/serialization_id",)
 TORCH_FILES = (".pt", ".bin", ".ckpt", ".pth")
@@ -96,14 +97,17 @@ class OutputTests:
 
 
 class MegatronOutputTests(OutputTests):
-    """For checkpoints of a model `--format megatron` writes (a Llama-family transformers model): its output
-    keeps the same promises."""
+    """For checkpoints of a model `--format megatron` and `--format nemo` write (a Llama-family transformers
+    model): their outputs keep the same promises."""
 
-    def test_megatron_one_pass_is_two_steps_byte_for_byte(self, checkpoint: Path, tmp_path: Path) -> None:
-        one_pass_is_two_steps("megatron", checkpoint, tmp_path, self._options("megatron", tmp_path))
+    @pytest.mark.parametrize("format", LLAMA_ONLY)
+    def test_megatron_one_pass_is_two_steps_byte_for_byte(self, format: str, checkpoint: Path, tmp_path: Path) -> None:
+        one_pass_is_two_steps(format, checkpoint, tmp_path, self._options(format, tmp_path))
 
-    def test_an_earlier_export_is_refused_then_replaced_by_megatron(self, checkpoint: Path, tmp_path: Path) -> None:
-        earlier_export_is_refused_then_replaced("megatron", checkpoint, tmp_path, self._options("megatron", tmp_path))
+    @pytest.mark.parametrize("format", LLAMA_ONLY)
+    def test_an_earlier_export_is_refused_then_replaced_by_megatron(self, format: str, checkpoint: Path,
+                                                                    tmp_path: Path) -> None:
+        earlier_export_is_refused_then_replaced(format, checkpoint, tmp_path, self._options(format, tmp_path))
 
 
 def one_pass_is_two_steps(format: str, checkpoint: Path, tmp_path: Path, options: dict[str, object]) -> None:

@@ -27,6 +27,7 @@ from ...hf_files import ADAPTER_CONFIG, describes_model
 from ...sink.output import OutputFile
 from ...store.store import Store
 from ...tree import Node, node_at
+from ...trainers import nemo
 from ...trainers.megatron import RUN_CONFIG
 from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from ..resolve import build, tensors_only
@@ -38,7 +39,7 @@ from .leaves import CONFIG, GENERATION, NOT_HF_FILES, model_files, model_leaves,
 from .megatron_llama import EMBEDDING
 from .spec import HFModel, HFTensor
 
-NEMO_MODEL = "model.yaml"  # NeMo's context/model.yaml, which its reader keeps as a side file
+NEMO_MODEL = nemo.MODEL  # NeMo's context/model.yaml, which its reader keeps as a side file
 COMPOSER_HF = "state/integrations/huggingface"
 DTYPE_KEYS = ("dtype", "torch_dtype")  # a config's dtype, as transformers >= 4.56 and before spell it
 

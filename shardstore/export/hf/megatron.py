@@ -215,4 +215,6 @@ def args_from_yaml(raw: bytes, vocab: int | None, where: str, section: str = "co
     dtype = config.get("params_dtype")
     args["params_dtype"] = dtype.get("_target_") if isinstance(dtype, dict) else dtype
     args["padded_vocab_size"] = vocab
+    if type(config.get("vocab_size")) is int:  # the tokenizer's (NeMo's importers write it): the rows kept
+        args["vocab_size"] = config["vocab_size"]
     return args

@@ -92,7 +92,9 @@ def llama_config(args: dict[str, Any], where: str) -> tuple[dict[str, Any], list
     moe = _moe_class(args, where) if experts and not mla else None
     heads = args.get("num_attention_heads")
     groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
-    vocab = args.get("padded_vocab_size")
+    # the tokenizer's size where the run says it (NeMo's model.yaml, Megatron-LM's --vocab-size), else the
+    # padded rows
+    vocab = args.get("vocab_size") if type(args.get("vocab_size")) is int else args.get("padded_vocab_size")
     bias = bool(args.get("add_qkv_bias"))
     qk_norm = bool(args.get("qk_layernorm"))
     if qk_norm and bias and not moe:
@@ -109,8 +111,9 @@ def llama_config(args: dict[str, Any], where: str) -> tuple[dict[str, Any], list
               "max_position_embeddings": args.get("max_position_embeddings"),
               "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
               "hidden_act": "silu", "torch_dtype": dtype}
-    notes = [f"the vocabulary is Megatron's padded one ({vocab} rows; the checkpoint does not say the tokenizer's "
-             f"size): give --hf-config with the tokenizer's vocab_size to drop the padding rows"]
+    notes = [] if vocab != args.get("padded_vocab_size") or type(args.get("vocab_size")) is int else [
+        f"the vocabulary is Megatron's padded one ({vocab} rows; the checkpoint does not say the tokenizer's "
+        f"size): give --hf-config with the tokenizer's vocab_size to drop the padding rows"]
     if mla:  # DeepSeek's multi-latent attention: heads of their own widths
         config.pop("head_dim")
         return config, notes

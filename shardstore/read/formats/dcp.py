@@ -29,7 +29,7 @@ from ...hf_files import ADAPTER_CONFIG, hf_model_file
 from ...locations import StorageOptions, filesystem, folder_of, is_url, join, listing, local, name_of, subfolders
 from ...records import TensorRef
 from ...tree import KeyEncoder, Node, Skeleton
-from ...trainers import composer, hf_trainer, megatron, torchtitan
+from ...trainers import composer, hf_trainer, megatron, nemo, torchtitan
 from ...trainers.registry import RUNS
 from ..arrival import Arrived
 from ..contract import (ArrayLeaf, CheckpointSpec, LocalPiece, PlannedCheckpoint, ShardedSpec, ShardSpec,
@@ -56,8 +56,8 @@ METADATA = ".metadata"
 # model's config as model.yaml, its tokenizer's files in nemo_tokenizer/), its model's keys under `module.`;
 # veRL's Megatron actor keeps dist_ckpt/ beside huggingface/ (model/dist_ckpt/ and model/huggingface/ in
 # its layout v2, the optimizer then in a DCP folder of its own).
-NEMO_WEIGHTS, NEMO_CONTEXT, NEMO_MODEL, NEMO_TOKENIZER = "weights", "context", "model.yaml", "nemo_tokenizer"
-NEMO_PREFIX = "module."
+NEMO_WEIGHTS, NEMO_CONTEXT, NEMO_MODEL, NEMO_TOKENIZER = nemo.WEIGHTS, nemo.CONTEXT, nemo.MODEL, nemo.TOKENIZER
+NEMO_PREFIX = nemo.PREFIX
 VERL_DIST, VERL_HF, VERL_ADAPTER = "dist_ckpt", "huggingface", "adapter"
 # Where trainers keep a DCP folder inside their checkpoint folder (OLMo's and OLMo-core's, NeMo's, veRL's
 # from its actor/ folder and from the step folder above it)
