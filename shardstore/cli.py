@@ -197,7 +197,8 @@ def _export_options(f: Any) -> Any:
         click.option("--vocab-multiple", type=click.IntRange(min=1), default=None, metavar="N",
                      help="With --format megatron: pad the vocabulary to a multiple of N rows, as the job that loads "
                           "it computes it (Megatron-LM's --make-vocab-size-divisible-by times its tensor-parallel "
-                          "size) [default: 128]."),
+                          "size) [default: 128]; with --format nemo, likewise [default: unpadded, as NeMo's "
+                          "importers leave it]."),
         click.option("--names", default=None, metavar="torchtitan|FILE.json",
                      help="With --format dcp, of a model --format hf maps: its tensors under a trainer's names, "
                           "for dcp.load into its model at any world size: torchtitan's (0.3), or a JSON "

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 
 from .. import dtypes, paths, tempfiles
 from ..errors import ExportError, StoreError
-from ..hf_files import ADAPTER_FILES, describes_model
+from ..hf_files import ADAPTER_FILES
 from ..progress import Progress
 from ..sink.layout import MOVING
 from ..sink.output import output_error, write_side_files
@@ -60,6 +60,10 @@ _OUTPUT_NAME = re.compile(r"(model(-[0-9]{5}-of-[0-9]{5})?\.safetensors|model\.s
                           r"|generation_config\.json|latest_checkpointed_iteration\.txt|release|weights|context"
                           rf"|{trainers.writes()})\Z")
 
+# The tokenizer files a Hugging Face model keeps (transformers' tokenizers' own names), which every export
+# of a model copies beside its weights
+_TOKENIZER_NAME = re.compile(r"(tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json"
+                             r"|vocab\.(json|txt)|merges\.txt|chat_template\.(jinja|json)|.+\.tiktoken)\Z")
 
 
 def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
@@ -67,10 +71,10 @@ def previous_outputs(out: Path, planned: list[str]) -> list[Path]:
     if not out.is_dir():
         return []
     tops = {name.split("/")[0] for name in planned}  # (Megatron's release/.metadata: its folder release/)
-    # where OUT holds a shardstore export (its record), the model's files beside it (tokenizer, chat
-    # template) are that export's too
+    # where OUT holds a shardstore export (its record), the tokenizer's files an export copies beside it are
+    # that export's too (a file of any other name is the user's: left alone)
     exported = (out / origin.RECORD).is_file()
-    return sorted(p for p in out.iterdir() if (_OUTPUT_NAME.match(p.name) or exported and describes_model(p.name))
+    return sorted(p for p in out.iterdir() if (_OUTPUT_NAME.match(p.name) or exported and _TOKENIZER_NAME.match(p.name))
                   and p.name not in tops)
 
 
