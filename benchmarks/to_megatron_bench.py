@@ -31,6 +31,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -39,16 +40,31 @@ from bench import compare_paired, compile_shardstore, print_table  # noqa: E402
 VOCAB = 32000
 
 
-def make_hf(out: Path, hidden: int, layers: int) -> Path:
-    """A Llama-shaped model's Hugging Face folder (bfloat16, 1 GB shards), written once."""
-    import torch
+def _write_hf(out: Path, shards: list[dict[str, Any]], config: dict[str, Any]) -> Path:
+    """A Hugging Face folder of these safetensors shards, their index and config.json: written beside `out`
+    and renamed into place, so that a folder with a config.json is whole."""
     from safetensors.torch import save_file
 
-    if (out / "config.json").exists():
-        return out
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, tmp / name, metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp / "config.json").write_text(json.dumps(config))
+    tmp.rename(out)
+    return out
+
+
+def make_hf(out: Path, hidden: int, layers: int) -> Path:
+    """A Llama-shaped model's Hugging Face folder (bfloat16, 1 GB shards), written once."""
+    import torch
+
+    if (out / "config.json").exists():
+        return out
     heads, groups, ffn = hidden // 128, max(1, hidden // 512), hidden * 11 // 4
     shapes = {"model.embed_tokens.weight": (VOCAB, hidden), "model.norm.weight": (hidden,),
               "lm_head.weight": (VOCAB, hidden)}
@@ -69,19 +85,11 @@ def make_hf(out: Path, hidden: int, layers: int) -> Path:
             size = 0
         shards[-1][name] = t
         size += t.numel() * 2
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, tmp / name, metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (tmp / "config.json").write_text(json.dumps({
+    return _write_hf(out, shards, {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden, "intermediate_size": ffn,
         "num_attention_heads": heads, "num_key_value_heads": groups, "num_hidden_layers": layers, "vocab_size": VOCAB,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-        "hidden_act": "silu", "dtype": "bfloat16"}))
-    tmp.rename(out)
-    return out
+        "hidden_act": "silu", "dtype": "bfloat16"})
 
 
 # DeepSeek-V3's structure as its hub checkpoint stores it (config.json: 61 layers, first_k_dense_replace 3,
@@ -96,7 +104,6 @@ DSV3_WIDTH = {"hidden_size": 64, "num_attention_heads": 4, "q_lora_rank": 48, "k
 def make_deepseek(out: Path, files: int = 163) -> Path:
     """A DeepSeek-V3-structured Hugging Face folder in the hub's FP8 form (random weights), written once."""
     import torch
-    from safetensors.torch import save_file
 
     if (out / "config.json").exists():
         return out
@@ -140,9 +147,6 @@ def make_deepseek(out: Path, files: int = 163) -> Path:
             t.update(mlp(f"{p}mlp.experts.{e}", w["moe_intermediate_size"]))
         return t
 
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     mtp = {**layer(layers), f"model.layers.{layers}.enorm.weight": bf16(h), f"model.layers.{layers}.hnorm.weight": bf16(h),
            f"model.layers.{layers}.eh_proj.weight": bf16(h, 2 * h),
            f"model.layers.{layers}.shared_head.norm.weight": bf16(h),
@@ -150,15 +154,9 @@ def make_deepseek(out: Path, files: int = 163) -> Path:
            f"model.layers.{layers}.embed_tokens.weight": bf16(w["vocab_size"], h)}
     groups = [{"model.embed_tokens.weight": bf16(w["vocab_size"], h)}, *(layer(i) for i in range(layers)),
               mtp, {"model.norm.weight": bf16(h), "lm_head.weight": bf16(w["vocab_size"], h)}]
-    weight_map: dict[str, str] = {}
     per_file = -(-len(groups) // files)
     chunked = [{k: v for g in groups[i:i + per_file] for k, v in g.items()} for i in range(0, len(groups), per_file)]
-    for i, tensors in enumerate(chunked):
-        name = f"model-{i + 1:05d}-of-{len(chunked):05d}.safetensors"
-        save_file(tensors, tmp / name, metadata={"format": "pt"})
-        weight_map.update({k: name for k in tensors})
-    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (tmp / "config.json").write_text(json.dumps({
+    return _write_hf(out, chunked, {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **w, "num_hidden_layers": layers,
         "num_key_value_heads": heads, "first_k_dense_replace": 3, "n_routed_experts": 256, "n_shared_experts": 1,
         "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
@@ -168,9 +166,7 @@ def make_deepseek(out: Path, files: int = 163) -> Path:
                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
         "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "bfloat16",
         "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                "weight_block_size": [128, 128]}}))
-    tmp.rename(out)
-    return out
+                                "weight_block_size": [128, 128]}})
 
 
 def main() -> None:
