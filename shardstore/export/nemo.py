@@ -15,7 +15,9 @@ of one source tensor's rows, under the Transformer Engine spec's names NeMo's mo
 `module.` prefix, the vocabulary unpadded as NeMo's importers leave it (its models take the config's
 vocab_size as it is; `--vocab-multiple` pads it, and NeMo's load then cuts the rows); the common state is in `common.pt` (megatron-core before 0.19 reads nothing else) rather
 than as an item. NeMo's model classes exist for Llama (Llama 3's scaled rotary embeddings as
-Llama31Config), Qwen2 and Qwen3; any other architecture is refused by name (`--format megatron` writes its
+Llama31Config), Qwen2, Qwen3, Mixtral and Qwen3-MoE (Megatron's top-k router, as `--format megatron`
+writes them); any other architecture (Qwen2-MoE's
+gated shared expert, DeepSeek-V3's latent attention) is refused by name (`--format megatron` writes its
 weights).
 """
 
@@ -36,7 +38,8 @@ from . import chunks, dcp, fiddle_json, megatron
 from .contract import ExportRequest, OutputFormat, Planned, Progress, Written
 from .fiddle_json import Config, PyRef
 from .hf.megatron_inverse import architecture
-from .hf.megatron_llama import QWEN3, need
+from .hf.megatron import MOE_BLOCKS
+from .hf.megatron_llama import MOE, QWEN3, QWEN3_MOE, need
 from .hf.spec import HFModel
 from .torch import write_zip
 
@@ -44,7 +47,9 @@ _LLM = "nemo.collections.llm.gpt.model"
 # the NeMo model and config classes of each transformers architecture (what NeMo's HF importers build)
 CLASSES = {"LlamaForCausalLM": (f"{_LLM}.llama", "LlamaModel", "LlamaConfig"),
            "Qwen2ForCausalLM": (f"{_LLM}.qwen2", "Qwen2Model", "Qwen2Config"),
-           QWEN3: (f"{_LLM}.qwen3", "Qwen3Model", "Qwen3Config")}
+           QWEN3: (f"{_LLM}.qwen3", "Qwen3Model", "Qwen3Config"),
+           MOE: (f"{_LLM}.mixtral", "MixtralModel", "MixtralConfig"),
+           QWEN3_MOE: (f"{_LLM}.qwen3", "Qwen3Model", "Qwen3MoEConfig")}
 TOKENIZER = PyRef("nemo.collections.common.tokenizers.huggingface.auto_tokenizer", "AutoTokenizer")
 TRAINER_CONTEXT = PyRef("nemo.lightning.io.pl", "TrainerContext")
 TRAINER = PyRef("nemo.lightning.pytorch.trainer", "Trainer")
@@ -82,11 +87,15 @@ def model_config(config: dict[str, Any], multiple: int | None) -> tuple[PyRef, P
         "activation_func": PyRef("torch.nn.functional", "silu"), "gated_linear_unit": True,
         "position_embedding_type": "rope", "rotary_base": megatron.rope_theta(config), "rotary_percent": 1.0,
         "seq_length": need(config, "max_position_embeddings", where), "add_bias_linear": False,
-        "add_qkv_bias": arch == "Qwen2ForCausalLM", "qk_layernorm": arch == QWEN3,
+        "add_qkv_bias": arch == "Qwen2ForCausalLM", "qk_layernorm": arch in (QWEN3, QWEN3_MOE),
         "share_embeddings_and_output_weights": bool(config.get("tie_word_embeddings", False)),
         "vocab_size": vocab, "make_vocab_size_divisible_by": multiple or divisible_by(vocab),
         "fp16": dtype == "float16", "bf16": dtype == "bfloat16",
         "params_dtype": PyRef("torch", dtype if dtype in ("float16", "bfloat16") else "float32")}
+    if arch in MOE_BLOCKS:  # every layer's MLP sparse (SequentialMLP's keys: TEGroupedMLP's are the same)
+        _, count, width, _ = MOE_BLOCKS[arch]
+        fields.update({"num_moe_experts": need(config, count, where), "moe_ffn_hidden_size": need(config, width, where),
+                       "moe_router_topk": config.get("num_experts_per_tok", 2), "moe_router_pre_softmax": False})
     scaling = megatron.rope_scaling(config)
     if scaling is not None:
         megatron.llama_scaling(scaling)  # refused by name unless it is Llama 3's

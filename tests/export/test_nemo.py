@@ -23,8 +23,10 @@ from tests.conftest import assert_bitwise_equal
 from tests.export.test_hf_megatron_inverse import DATA
 from tests.export.test_megatron import _dcp
 
-CLASSES = {"tp1-pp1": "LlamaConfig", "tp2-pp1-qwen2": "Qwen2Config", "tp2-pp1-qwen3": "Qwen3Config",
-           "tp2-pp1-tied": "LlamaConfig"}
+# NeMo's model and config class for each fixture's model
+CLASSES = {"tp1-pp1": ("LlamaModel", "LlamaConfig"), "tp2-pp1-qwen2": ("Qwen2Model", "Qwen2Config"),
+           "tp2-pp1-qwen3": ("Qwen3Model", "Qwen3Config"), "tp2-pp1-tied": ("LlamaModel", "LlamaConfig"),
+           "tp1-pp1-dp2-moe": ("MixtralModel", "MixtralConfig"), "tp1-pp1-dp2-qwen3moe": ("Qwen3Model", "Qwen3MoEConfig")}
 
 
 # a tokenizer's files (their bytes are copied as they are, whatever they say)
@@ -82,25 +84,28 @@ def test_a_nemo_checkpoint_is_megatrons_tensors_under_module_with_nemos_context(
 
     io = json.loads((out / "context" / "io.json").read_text())
     by_path = _objects(io)
-    assert _arguments(io, by_path["<root>"]) == {"model": CLASSES[layout].replace("Config", "Model"),
+    assert _arguments(io, by_path["<root>"]) == {"model": CLASSES[layout][0],
                                                  "trainer": "Trainer", "extra": {}}
     root_meta = io["objects"][io["objects"][io["root"]["key"]]["metadata"]["key"]]
     assert dict(root_meta["items"])["Attr(name='fn_or_cls')"]["name"] == "TrainerContext"
     model = _arguments(io, by_path["<root>.model"])
-    assert model["config"] == CLASSES[layout]
+    assert model["config"] == CLASSES[layout][1]
     assert model["tokenizer"] == "AutoTokenizer"
     fields = _arguments(io, by_path["<root>.model.config"])
     assert fields["num_layers"] == config["num_hidden_layers"] and fields["hidden_size"] == config["hidden_size"]
     assert fields["num_query_groups"] == config["num_key_value_heads"]
     assert fields["share_embeddings_and_output_weights"] == (layout == "tp2-pp1-tied")
-    assert fields["add_qkv_bias"] == (layout == "tp2-pp1-qwen2") and fields["qk_layernorm"] == (layout == "tp2-pp1-qwen3")
+    assert fields["add_qkv_bias"] == (layout == "tp2-pp1-qwen2") and fields["qk_layernorm"] == ("qwen3" in layout)
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    assert fields.get("num_moe_experts") == experts and fields.get("moe_router_topk") == (experts and
+                                                                                         config["num_experts_per_tok"])
     assert fields["activation_func"] == "torch.nn.functional.silu"
     assert _arguments(io, by_path["<root>.model.tokenizer"]) == {"pretrained_model_name": "nemo_tokenizer"}
     copied = {p.name: p.read_bytes() for p in (out / "context" / "nemo_tokenizer").iterdir()}
     assert {k: v for k, v in copied.items() if k != "generation_config.json"} == TOKENIZER
 
     described = yaml.safe_load((out / "context" / "model.yaml").read_text())
-    assert described["config"]["_target_"].endswith("." + CLASSES[layout])
+    assert described["config"]["_target_"].endswith("." + CLASSES[layout][1])
     for key, value in fields.items():  # the same fields, a callable or a dtype as its `_target_`
         said = described["config"][key]
         assert (said["_target_"] if isinstance(said, dict) else said) == value, key
@@ -111,8 +116,8 @@ def test_a_nemo_checkpoint_is_megatrons_tensors_under_module_with_nemos_context(
 
 
 def test_what_nemo_has_no_class_for_is_refused_before_anything_is_written(tmp_path: Path) -> None:
-    hf = _hf("tp1-pp1-dp2-moe", tmp_path)  # Mixtral: --format megatron writes it, NeMo's context is not written
-    with pytest.raises(shardstore.ExportError, match="MixtralForCausalLM has no NeMo 2 model class written here"):
+    hf = _hf("tp1-pp1-dp2-qwen2moe", tmp_path)  # its gated shared expert: --format megatron writes it, not NeMo
+    with pytest.raises(shardstore.ExportError, match="Qwen2MoeForCausalLM has no NeMo 2 model class written here"):
         shardstore.unshard(hf, tmp_path / "out", format="nemo", jobs=1)
     assert not (tmp_path / "out").exists()
     llama = _hf("tp1-pp1", tmp_path / "llama")
