@@ -10,7 +10,7 @@ safetensors shards of 1 GB, config.json), 2.25 GB at the defaults. Then it runs 
 times, each run just after a `cp -r` + `sync` of the folder (bench.py's `compare_paired`: page cache dropped
 before each run, the peak RSS of all processes together), and reports the median of the paired ratios:
 - `cp -r` + `sync` of the folder: the floor (every byte read once and written once);
-- `shardstore unshard HF OUT --format megatron`;
+- `shardstore unshard HF OUT --format megatron`, and `--format nemo` (the same tensors, NeMo 2's folder);
 - with `--megatron-python PY` (a Python with megatron-core: tests/fixtures/megatron_core.py says how),
   transformers' load of the model and megatron-core's `dist_checkpointing.save` of its tensors under
   Megatron's names in one process (benchmarks/hf_to_megatron_baseline.py);
@@ -189,6 +189,9 @@ def main() -> None:
     runs = {"cp -r + sync": ["cp", "-r", str(hf), str(work / "copy")],
             "shardstore --format megatron": [sys.executable, "-m", "shardstore", "unshard", str(hf), str(work / "meg"),
                                              "--format", "megatron", "--quiet"]}
+    if not args.deepseek:  # (NeMo has no class for DeepSeek-V3 written here)
+        runs["shardstore --format nemo"] = [sys.executable, "-m", "shardstore", "unshard", str(hf), str(work / "nemo"),
+                                            "--format", "nemo", "--quiet"]
     if args.megatron_python and not args.deepseek:
         runs["transformers load + dist_checkpointing.save"] = [args.megatron_python, str(HERE / "hf_to_megatron_baseline.py"),
                                                                str(hf), str(work / "baseline")]
