@@ -13,12 +13,11 @@ RestoreConfig(path=OUT))`) and `nemo.lightning.io.load_context(OUT)` reads:
 The tensors are written as `--format megatron` writes them (export/megatron.py: one pass, each chunk a run
 of one source tensor's rows, under the Transformer Engine spec's names NeMo's models use), under NeMo's
 `module.` prefix, the vocabulary unpadded as NeMo's importers leave it (its models take the config's
-vocab_size as it is; `--vocab-multiple` pads it, and NeMo's load then cuts the rows); the common state is in `common.pt` (megatron-core before 0.19 reads nothing else) rather
-than as an item. NeMo's model classes exist for Llama (Llama 3's scaled rotary embeddings as
-Llama31Config), Qwen2, Qwen3, Mixtral and Qwen3-MoE (Megatron's top-k router, as `--format megatron`
-writes them); any other architecture (Qwen2-MoE's
-gated shared expert, DeepSeek-V3's latent attention) is refused by name (`--format megatron` writes its
-weights).
+vocab_size as it is; `--vocab-multiple` pads it, and NeMo's load then cuts the rows); the common state is
+in `common.pt` (megatron-core before 0.19 reads nothing else) rather than as an item. NeMo's model classes
+exist for Llama (Llama 3's scaled rotary embeddings as Llama31Config), Qwen2, Qwen3, Mixtral and Qwen3-MoE
+(Megatron's top-k router, as `--format megatron` writes them); any other architecture (Qwen2-MoE's gated
+shared expert, DeepSeek-V3's latent attention) is refused by name (`--format megatron` writes its weights).
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from . import chunks, dcp, fiddle_json, megatron
 from .contract import ExportRequest, OutputFormat, Planned, Progress, Written
 from .fiddle_json import Config, PyRef
 from .hf.megatron_inverse import architecture
-from .hf.megatron import MOE_BLOCKS
+from .hf.megatron import CONFIG_ARGS
 from .hf.megatron_llama import MOE, QWEN3, QWEN3_MOE, need
 from .hf.spec import HFModel
 from .torch import write_zip
@@ -67,38 +66,28 @@ LLAMA31 = {"factor": "scale_factor", "low_freq_factor": "low_freq_factor", "high
 
 def model_config(config: dict[str, Any], multiple: int | None) -> tuple[PyRef, PyRef, dict[str, Any]]:
     """The NeMo model class, its config class and that config's fields, for the model config.json
-    describes: what NeMo's own importer (`HFLlamaImporter.config` and its siblings) gives, and the fields
-    its classes default (norm, activation, biases) stated, so that model.yaml says the model alone."""
+    describes: Megatron-LM's arguments for it (`megatron_args`, which refuses what they cannot say) under
+    Megatron-Core's TransformerConfig names (`CONFIG_ARGS`, the map shardstore reads a NeMo model.yaml
+    with), and what NeMo's own importer (`HFLlamaImporter.config` and its siblings) adds; the fields its
+    classes default (norm, activation, biases) stated, so that model.yaml says the model alone."""
     where = "the model's config.json"
     arch = architecture(config, where)
     if arch not in CLASSES:
         raise ExportError(f"{where}: {arch} has no NeMo 2 model class written here (one of "
                           f"{', '.join(CLASSES)}); --format megatron writes its weights")
     module, model_class, config_class = CLASSES[arch]
-    heads, vocab = need(config, "num_attention_heads", where), need(config, "vocab_size", where)
-    dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    fields: dict[str, Any] = {
-        "num_layers": need(config, "num_hidden_layers", where), "hidden_size": need(config, "hidden_size", where),
-        "ffn_hidden_size": need(config, "intermediate_size", where), "num_attention_heads": heads,
-        "num_query_groups": config.get("num_key_value_heads") or heads,
-        "kv_channels": config.get("head_dim") or need(config, "hidden_size", where) // heads,
-        "init_method_std": float(config.get("initializer_range", 0.02)),
-        "layernorm_epsilon": float(config.get("rms_norm_eps", 1e-6)), "normalization": "RMSNorm",
-        "activation_func": PyRef("torch.nn.functional", "silu"), "gated_linear_unit": True,
-        "position_embedding_type": "rope", "rotary_base": megatron.rope_theta(config), "rotary_percent": 1.0,
-        "seq_length": need(config, "max_position_embeddings", where), "add_bias_linear": False,
-        "add_qkv_bias": arch == "Qwen2ForCausalLM", "qk_layernorm": arch in (QWEN3, QWEN3_MOE),
-        "share_embeddings_and_output_weights": bool(config.get("tie_word_embeddings", False)),
-        "vocab_size": vocab, "make_vocab_size_divisible_by": multiple or divisible_by(vocab),
-        "fp16": dtype == "float16", "bf16": dtype == "bfloat16",
-        "params_dtype": PyRef("torch", dtype if dtype in ("float16", "bfloat16") else "float32")}
-    if arch in MOE_BLOCKS:  # every layer's MLP sparse (SequentialMLP's keys: TEGroupedMLP's are the same)
-        _, count, width, _ = MOE_BLOCKS[arch]
-        fields.update({"num_moe_experts": need(config, count, where), "moe_ffn_hidden_size": need(config, width, where),
-                       "moe_router_topk": config.get("num_experts_per_tok", 2), "moe_router_pre_softmax": False})
+    vocab = need(config, "vocab_size", where)
+    args = vars(megatron.megatron_args(config, vocab, multiple or 1))
+    fields: dict[str, Any] = {name: args[arg] for name, arg in CONFIG_ARGS.items() if args.get(arg) is not None}
+    fields.update({"activation_func": PyRef("torch.nn.functional", "silu"), "gated_linear_unit": args["swiglu"],
+                   "init_method_std": float(config.get("initializer_range", 0.02)),
+                   "share_embeddings_and_output_weights": not args["untie_embeddings_and_output_weights"],
+                   "vocab_size": vocab, "make_vocab_size_divisible_by": multiple or divisible_by(vocab),
+                   "fp16": args["fp16"], "bf16": args["bf16"], "params_dtype": PyRef("torch", str(args["params_dtype"]))})
+    if "num_moe_experts" in fields:  # Megatron's top-k router, softmax over the chosen (NeMo's default too)
+        fields.setdefault("moe_router_pre_softmax", False)
     scaling = megatron.rope_scaling(config)
-    if scaling is not None:
-        megatron.llama_scaling(scaling)  # refused by name unless it is Llama 3's
+    if scaling is not None:  # Llama 3's (megatron_args refused any other)
         config_class = "Llama31Config"
         fields.update({name: scaling[key] for key, name in LLAMA31.items() if key in scaling})
     return PyRef(module, model_class), PyRef(module, config_class), fields
