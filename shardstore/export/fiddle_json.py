@@ -75,6 +75,9 @@ class _Writer:
     def _names(self, names: list[str]) -> dict[str, Any]:
         return self._sequence("tuple", [[f"Index(index={i})", n] for i, n in enumerate(names)], None)
 
+    def _empty_dict(self) -> dict[str, Any]:
+        return self._sequence("dict", [], {"type": _pyref(("builtins", "tuple")), "items": [], "metadata": None})
+
     def value(self, value: Any, path: str) -> Any:
         if isinstance(value, Config):
             return self.config(value, path)
@@ -89,13 +92,11 @@ class _Writer:
 
     def config(self, config: Config, path: str) -> dict[str, Any]:
         items = [[f"Attr(name={k!r})", self.value(v, f"{path}.{k}")] for k, v in config.arguments.items()]
-        empty = self._sequence("dict", [], {"type": _pyref(("builtins", "tuple")), "items": [], "metadata": None})
         metadata = self._object("buildable_traverser_metadata", {
             "type": _pyref(_METADATA), "metadata": _pyref(_METADATA), "items": [
                 ["Attr(name='fn_or_cls')", _pyref(config.cls)],
                 ["Attr(name='argument_names')", self._names(list(config.arguments))],
-                ["Attr(name='argument_tags')", empty],
-                ["Attr(name='argument_history')", self._sequence(
-                    "dict", [], {"type": _pyref(("builtins", "tuple")), "items": [], "metadata": None})]]})
+                ["Attr(name='argument_tags')", self._empty_dict()],
+                ["Attr(name='argument_history')", self._empty_dict()]]})
         return self._object(_snake(config.cls.name), {"type": _pyref(_CONFIG), "items": items, "metadata": metadata,
                                                       "paths": [path]})

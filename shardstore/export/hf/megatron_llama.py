@@ -94,7 +94,8 @@ def llama_config(args: dict[str, Any], where: str) -> tuple[dict[str, Any], list
     groups = args.get("num_query_groups") if args.get("group_query_attention") else heads
     # the tokenizer's size where the run says it (NeMo's model.yaml, Megatron-LM's --vocab-size), else the
     # padded rows
-    vocab = args.get("vocab_size") if type(args.get("vocab_size")) is int else args.get("padded_vocab_size")
+    known = type(args.get("vocab_size")) is int
+    vocab = args["vocab_size"] if known else args.get("padded_vocab_size")
     bias = bool(args.get("add_qkv_bias"))
     qk_norm = bool(args.get("qk_layernorm"))
     if qk_norm and bias and not moe:
@@ -111,7 +112,7 @@ def llama_config(args: dict[str, Any], where: str) -> tuple[dict[str, Any], list
               "max_position_embeddings": args.get("max_position_embeddings"),
               "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
               "hidden_act": "silu", "torch_dtype": dtype}
-    notes = [] if vocab != args.get("padded_vocab_size") or type(args.get("vocab_size")) is int else [
+    notes = [] if known else [
         f"the vocabulary is Megatron's padded one ({vocab} rows; the checkpoint does not say the tokenizer's "
         f"size): give --hf-config with the tokenizer's vocab_size to drop the padding rows"]
     if mla:  # DeepSeek's multi-latent attention: heads of their own widths
