@@ -4,7 +4,8 @@ loaded at all.
     python benchmarks/startup.py [--repeat 5] [--out benchmarks/out]
 
 Times each command warm (the best of --repeat runs, after one unmeasured run), with the peak RSS of all
-its processes (bench.py's `timed_tree`): `shardstore --version`, `shardstore ls` of a small store, and
+its processes (bench.py's `timed_tree`): `shardstore --version`, `shardstore --help`, each command's `--help` (its own start-up: parsing and
+the registries its choices name, without its work), `shardstore ls` of a small store, and
 `shardstore unshard` of the small OLMo `local` checkpoint kept in tests/corpus (3.5 MB, 2 ranks) in every
 output format, in one process (`--jobs 1`) and with the default workers. Then the import cost of each
 shardstore module as `python -X importtime` reports it (cumulative, this module and what it imports
@@ -46,8 +47,8 @@ def best(cmd: list[str], repeat: int, before: Callable[[], None] | None = None) 
 
 
 def import_costs() -> list[tuple[str, int]]:
-    """Each shardstore module's cumulative import time (µs) when the command line loads."""
-    run = subprocess.run([sys.executable, "-X", "importtime", "-c", "import shardstore.cli"], capture_output=True,
+    """Each shardstore module's cumulative import time (µs) when the command line and the API load."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "-c", "import shardstore.cli, shardstore.api"], capture_output=True,
                          text=True, check=True)
     out = []
     for line in run.stderr.splitlines():
@@ -55,6 +56,14 @@ def import_costs() -> list[tuple[str, int]]:
         if m:
             out.append((m.group(3), int(m.group(1))))
     return sorted(out, key=lambda r: -r[1])
+
+
+def commands() -> list[str]:
+    """Every command of the command line: its --help is the command's own start-up (parsing, the
+    registries its choices name) without its work."""
+    run = subprocess.run([sys.executable, "-c", "from shardstore.cli import main; print(*main.commands)"],
+                         capture_output=True, text=True, check=True)
+    return run.stdout.split()
 
 
 def imports_torch(fmt: str, out: Path) -> bool:
@@ -73,6 +82,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         rows.append(("shardstore --version", *best(SHARDSTORE + ["--version"], args.repeat)))
+        rows.append(("shardstore --help", *best(SHARDSTORE + ["--help"], args.repeat)))
+        for command in commands():
+            rows.append((f"shardstore {command} --help", *best(SHARDSTORE + [command, "--help"], args.repeat)))
         subprocess.run(SHARDSTORE + ["ingest", str(work / "s.zarr"), str(SMALL), "-q"], check=True)
         rows.append(("shardstore ls (small store)", *best(SHARDSTORE + ["ls", str(work / "s.zarr")], args.repeat)))
         for fmt in FORMATS:

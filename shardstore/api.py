@@ -7,8 +7,10 @@ import os
 from typing import Any, Callable, Sequence
 
 from . import base_folder
-from . import export as _export
-from . import ingest as _ingest
+from .export import ExportResult, check_request
+from .export import export as _export_store
+from .ingest import Ingested
+from .ingest import ingest as _ingest_files
 from . import run as _run
 from .average import average
 from .errors import ExportError
@@ -37,7 +39,7 @@ def open(location: PathLike, storage_options: StorageOptions | None = None) -> S
 
 
 def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None = None, *,
-           progress: Progress | bool = False, on_done: Callable[[_ingest.Ingested], None] | None = None,
+           progress: Progress | bool = False, on_done: Callable[[Ingested], None] | None = None,
            storage_options: StorageOptions | None = None, **options: Any) -> Store:
     """Ingest rank files (or a DCP checkpoint's .distcp files, or a `Source`) into `store` (created on first
     use); any subset, in any order, any number of times. `options`: `verify_replicas`, `scheduler`, `strict`.
@@ -53,12 +55,12 @@ def ingest(store: PathLike, files: Sequence[PathLike] | Source, jobs: int | None
         files = [files]
     source = files if isinstance(files, Source) else source_of_files(list(files), storage_options)
     registry.known(options, INGEST_OPTIONS)
-    return _ingest.ingest(store, source, jobs, progress=_progress(progress), on_done=on_done, **options)
+    return _ingest_files(store, source, jobs, progress=_progress(progress), on_done=on_done, **options)
 
 
 def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensors", *,
            progress: Progress | bool = False, storage_options: StorageOptions | None = None,
-           scheduler: str | None = None, jobs: int | None = None, **options: Any) -> _export.ExportResult:
+           scheduler: str | None = None, jobs: int | None = None, **options: Any) -> ExportResult:
     """Write the unsharded checkpoint: `format="safetensors"` (model weights, HF-style), `"torch"`, `"dcp"`,
     or `"hf"` (a folder transformers loads; `hf_config` for checkpoints that carry no config of their own).
     `options` are `ExportRequest`'s fields (export/contract.py): `format`, `select`, `strip_prefix`,
@@ -74,10 +76,10 @@ def export(store: Store | PathLike, out_dir: PathLike, format: str = "safetensor
     request = registry.request(format, **options)
     st = store if isinstance(store, Store) else Store.open(store, storage_options)
     with base_folder.opened(request) as request:
-        return _export.export(st, out_dir, request, _progress(progress), scheduler, jobs or default_jobs())
+        return _export_store(st, out_dir, request, _progress(progress), scheduler, jobs or default_jobs())
 
 
-def watch(store: PathLike, src_dir: PathLike, *, on_done: Callable[[_ingest.Ingested], None] | None = None,
+def watch(store: PathLike, src_dir: PathLike, *, on_done: Callable[[Ingested], None] | None = None,
           on_world_size: Callable[[int], None] | None = None, **options: Any) -> Store:
     """Ingest rank files as they arrive in `src_dir` until the store is complete (or `timeout` passes):
     `options` are `watcher.Watching`'s (`expect`, `timeout`, `poll`, `tag`, `jobs`, `storage_options`,
@@ -93,7 +95,7 @@ def rank_files(src_dir: PathLike, tag: str | None = None, step: int | None = Non
 
 
 def unshard(src_dir: PathLike, out_dir: PathLike, *, progress: Progress | bool = False, plan: bool = False,
-            **options: Any) -> _export.ExportResult | Plan:
+            **options: Any) -> ExportResult | Plan:
     """Ingest every rank file in `src_dir`, then export: `options` are `RunRequest`'s fields (run.py:
     `store`, `tag`, `step`, `jobs`, `verify_replicas`, `storage_options`, `scheduler`, `strict`) and the
     export's, as for `export`. Without `store`, a scratch store inside `out_dir` is used: see
@@ -121,7 +123,7 @@ def follow(run: PathLike, out: PathLike, *, every: int | None = None, keep: int 
     for held in ("store", "tag", "step"):
         if held in options:
             raise TypeError(f"follow names each checkpoint itself: {held!r} is not an option of it")
-    _export.check_request(out, _run.request(run, out, **options).export)
+    check_request(out, _run.request(run, out, **options).export)
     how = Following(every, keep, poll, once, storage_options=options.get("storage_options"))
 
     def one(src: str, folder: Any, step: int) -> Any:

@@ -11,21 +11,57 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-import click
-import numpy as np
+import importlib
+import types
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from . import api, values
+import click
+
+from . import __version__
 from .errors import ShardstoreError, StoreError
-from .export import FORMATS
-from .export.registry import output_format
-from .follow import Published, Skipped
-from .dtypes import CAST_DTYPES, DTYPE_ALIASES
-from .inspect import inspect
-from .patterns import matcher
-from .trainers.registry import trainer
 from .progress import QUIET, ConsoleProgress, Progress, size_text
-from .read.registry import get
-from .store.store import Store
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from . import api, values
+else:
+    class _Later(types.ModuleType):
+        """A module imported when first used: `shardstore --version` and `--help` load click and this
+        file, not the API behind the commands (numpy, zarr, the readers and writers)."""
+
+        def __getattr__(self, name: str) -> Any:
+            module = importlib.import_module(self.__name__)
+            self.__dict__.update(module.__dict__)
+            return getattr(module, name)
+
+    api, values, np = _Later("shardstore.api"), _Later("shardstore.values"), _Later("numpy")
+
+
+class _Choice(click.Choice):
+    """A choice among names a registry gives, asked for only when a value is checked or help is shown."""
+
+    def __init__(self, names: Callable[[], Sequence[str]], case_sensitive: bool = True) -> None:
+        self._names = functools.cache(names)
+        self.case_sensitive = case_sensitive
+
+    @property  # type: ignore[override]
+    def choices(self) -> Sequence[str]:
+        return tuple(self._names())
+
+    @choices.setter
+    def choices(self, value: Sequence[str]) -> None:
+        raise AttributeError("the names come from the registry")
+
+
+def _formats() -> Sequence[str]:
+    from .export import FORMATS
+    return FORMATS
+
+
+def _dtypes() -> Sequence[str]:
+    from .dtypes import CAST_DTYPES, DTYPE_ALIASES
+    return CAST_DTYPES + tuple(DTYPE_ALIASES)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
@@ -88,6 +124,8 @@ _LEFT = "shardstore.interrupted"
 def _leaves_a_store(store: str, left: str) -> None:
     """For the Ctrl-C line: `left` (what is kept in `store`, and what a rerun does) if `store` is there by
     then (a store that took nothing yet is removed), else that nothing was written."""
+    from .store.store import Store
+
     options = _options()
     click.get_current_context().meta[_LEFT] = lambda: left if Store.exists(store, options) else "nothing was written"
 
@@ -106,7 +144,7 @@ def _kept(ctx: click.Context) -> str:
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="shardstore")
+@click.version_option(__version__, prog_name="shardstore")
 @click.option("--storage-options", "storage_options", default=None, metavar="JSON",
               help='fsspec options for s3:// (and other URL) stores and rank files, e.g. \'{"anon": false}\'. '
                    "AWS_* variables and AWS_ENDPOINT_URL are read as usual.")
@@ -152,7 +190,7 @@ def _export_options(f: Any) -> Any:
     """The export's options, each named as `api.export` and `api.unshard` take it: the commands pass them on
     as they are (`**export`)."""
     for opt in reversed([
-        click.option("--format", "format", type=click.Choice(FORMATS), default="safetensors", show_default=True,
+        click.option("--format", "format", type=_Choice(_formats), default="safetensors", show_default=True,
                      help="safetensors: model weights, HF-style. torch: model.pt/optim.pt/train.pt (OLMo) "
                           "or checkpoint.pt. dcp: a torch.distributed.checkpoint folder, loadable at any world "
                           "size. hf: a folder transformers' from_pretrained loads (OLMo 1/2 from the run's "
@@ -164,7 +202,7 @@ def _export_options(f: Any) -> Any:
         click.option("--select", default=None, help="Store path of the subtree to export as the model "
                                                     "[default: detected, e.g. model or state/model]."),
         click.option("--strip-prefix", default=None, help="Drop this prefix from output keys (e.g. 'model.')."),
-        click.option("--dtype", type=click.Choice(CAST_DTYPES + tuple(DTYPE_ALIASES), case_sensitive=False),
+        click.option("--dtype", type=_Choice(_dtypes, case_sensitive=False),
                      default=None, help="Cast floating tensors (bf16, fp16, fp32 say the same)."),
         click.option("--keep-dtype", "keep_dtype", multiple=True, metavar="PATTERN",
                      help="With --dtype: output tensors whose name matches stay in their own dtype (a glob, "
@@ -396,6 +434,8 @@ def follow(run: str, out: str, every: int | None, keep: int | None, poll: float,
     trainer's rule is unsharded into OUT/<its name>/, published by one rename, and OUT/latest then names it.
     One line per checkpoint published, skipped or removed (--json: one JSON object per line). Runs until
     interrupted; killed, it resumes where it stopped when started again."""
+    from .follow import Published, Skipped
+
     def said(event: Any) -> None:
         if as_json:
             click.echo(json.dumps({"event": type(event).__name__.lower(), **{k: v for k, v in vars(event).items()}},
@@ -418,7 +458,7 @@ VERIFY_LINES = 50  # difference lines `verify` prints; --json gives every one
 @main.command()
 @click.argument("src", type=click.Path())
 @click.argument("output", type=click.Path(exists=True))
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+@click.option("--format", "fmt", type=_Choice(_formats), default=None,
               help="Check OUTPUT as this export [default: hf for a folder with a config.json, dcp for one with a "
                    ".metadata, torch for torch files (.pt, .bin, .pth: one whole state, a state dict, or the "
                    "split files of --format torch), else safetensors].")
@@ -469,7 +509,7 @@ def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select
 @main.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--weights", default=None, metavar="W1,W2,...", help="One weight per checkpoint [default: equal].")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="safetensors",
+@click.option("--format", "fmt", type=_Choice(_formats), default="safetensors",
               show_default=True, help="What to write, as unshard writes it (torch, dcp: the whole last checkpoint, "
               "its model averaged).")
 @click.option("--include-optimizer", is_flag=True,
@@ -479,7 +519,7 @@ def verify(src: str, output: str, fmt: str | None, hf_config: str | None, select
               help="For --format hf, as for unshard.")
 @click.option("--select", default=None, help="The subtree to average as the model [default: detected].")
 @click.option("--strip-prefix", default=None, help="Drop this prefix from output keys.")
-@click.option("--dtype", type=click.Choice(CAST_DTYPES + tuple(DTYPE_ALIASES), case_sensitive=False), default=None,
+@click.option("--dtype", type=_Choice(_dtypes, case_sensitive=False), default=None,
               help="Write the mean in this floating dtype [default: each tensor's own].")
 @_jobs
 @_quiet
@@ -491,6 +531,8 @@ def average(paths: tuple[str, ...], weights: str | None, fmt: str, include_optim
     size each) into OUT, the last of PATHS: the weighted mean of every floating tensor of the model, written
     once as safetensors, a Hugging Face folder, or the last checkpoint's torch files or DCP folder with its
     model averaged (its other state, and with --include-optimizer its optimizer's moments averaged too)."""
+    from .export.registry import output_format
+
     if len(paths) < 3:
         raise click.UsageError("give two checkpoints or more, then OUT")
     _leaves_outputs("the average")
@@ -578,6 +620,9 @@ def _summary(st: Any, checkpoint: str | None = None) -> tuple[Any, list[str]]:
     """(status, the lines that describe the store and it): what `status` and `ls` start with. For a
     `checkpoint` read without ingesting it (`ls CHECKPOINT`: a scratch plan of it), its folder and the files
     it has, not ranks ingested."""
+    from .read.registry import get
+    from .trainers.registry import trainer
+
     s = st.status()
     m = st.manifest
     fmt = m.facts.format
@@ -663,6 +708,8 @@ def show(location: str, key: str, selection: str | None, with_stats: bool, tag: 
          as_json: bool) -> None:
     """Show one tensor (or value) of STORE, reading only the chunks it needs; or of a CHECKPOINT (anything
     unshard takes), reading only that tensor's pieces into a scratch store removed afterwards."""
+    from .inspect import inspect
+
     sel = parse_selection(selection) if selection else None
     with inspect(location, key, sel, tag, step, _options()) as seen:
         _show(seen.store, seen.checkpoint or location, key, sel, selection, with_stats, as_json)
@@ -745,12 +792,16 @@ def ls(location: str, pattern: str | None, tag: str | None, step: int | None, as
     """List STORE: layout, ranks, and every key with its shape, dtype and completeness; or a CHECKPOINT
     (anything unshard takes), planned without ingesting it (its values are read, no tensor). With PATTERN
     (a glob: 'model/*attn*', or a plain part of the key: 'blocks.3.'), only the keys it matches."""
+    from .inspect import inspect
+
     with inspect(location, tag=tag, step=step, storage_options=_options()) as seen:
         _ls(seen.store, seen.checkpoint, pattern, as_json)
 
 
 def _ls(st: Any, checkpoint: str | None, pattern: str | None, as_json: bool) -> None:
     """`ls`'s answer; of a `checkpoint` (a scratch plan of it), no completeness: nothing was ingested."""
+    from .patterns import matcher
+
     status, lines = _summary(st, checkpoint)
     m = st.manifest
     keys = st.keys()

@@ -28,8 +28,12 @@ from pathlib import Path
 from typing import Any, Collection, Iterable, Iterator
 
 from . import base_folder
-from . import export as _export
-from . import ingest as _ingest
+from .export import (ExportResult, check_origin, check_request, finish_direct, model_subtree, output_bytes, plan_direct,
+                     preflight)
+from .export import planned as planned_files
+from .export import export as export_store
+from .ingest import Session, local_bytes, planned_store, same_format, source_changed
+from .ingest import session as ingest_session
 from .errors import CheckpointError, ExportError, ShardstoreError
 from .export import registry
 from .export.contract import DirectExport, ExportRequest
@@ -124,7 +128,7 @@ class RunPlan:
     subtree: str | None  # the one subtree whose tensors the store takes (a scratch store's export), or all
     direct: DirectExport | None  # the output laid out for the workers to write (one pass), or None: two steps
     output: int  # the tensor bytes the export writes
-    session: _ingest.Session | None  # the workers and the unit planning opened; a dry run has none
+    session: Session | None  # the workers and the unit planning opened; a dry run has none
 
     def summary(self) -> Plan:
         """What the run would do, as `--dry-run` shows it (a two-step export planned on the empty store)."""
@@ -147,7 +151,7 @@ def plan_run(request: RunRequest, dry: bool = False, progress: Progress = QUIET,
 def begin(request: RunRequest, arrived: Collection[str]) -> tuple[int, int]:
     """Of a checkpoint of rank files still being saved, the files `arrived` (each whole) ingested where
     the run of the whole checkpoint, planned with the same request once it is saved, finishes it: that
-    run takes only the rest (the records of these name the output's layout, `_ingest._not_yet_done`).
+    run takes only the rest (the records of these name the output's layout, `ingest._not_yet_done`).
     Returns the units in, and the world size. What the rest disagree with is refused by that run, or the store discarded and
     started again (`_opened`). A checkpoint whose units are not rank files, or not yet found, is left to
     that run: CheckpointError."""
@@ -176,8 +180,8 @@ def _planned_run(request: RunRequest, dry: bool, progress: Progress,
         return
     made = _missing_folders(request.out)
     try:
-        with _ingest.session(request.location, source, request.jobs, request.scheduler, request.strict,
-                             scratch=request.one_pass) as session:
+        with ingest_session(request.location, source, request.jobs, request.scheduler, request.strict,
+                            scratch=request.one_pass) as session:
             yield _planned(request, source, session.store, session, whole=arrived is None)
     except BaseException:
         for folder in made:  # a refusal before any unit was accepted leaves OUT as it was: not there
@@ -188,7 +192,7 @@ def _planned_run(request: RunRequest, dry: bool, progress: Progress,
         raise
 
 
-def execute(plan: RunPlan, progress: Progress = QUIET) -> _export.ExportResult:
+def execute(plan: RunPlan, progress: Progress = QUIET) -> ExportResult:
     """Run `plan` (not a dry run's): every unit ingested, then the export finished where the workers wrote
     it, or made from the store; a scratch store removed once it has served."""
     session, request = plan.session, plan.request
@@ -198,28 +202,28 @@ def execute(plan: RunPlan, progress: Progress = QUIET) -> _export.ExportResult:
     store = session.ingest(plan.subtree, layout, request.verify_replicas, progress)
     session.pool.close()  # the ingest's workers are done: the export has its own
     if plan.direct is not None:
-        result = _export.finish_direct(store, request.out, plan.direct, request.export)
+        result = finish_direct(store, request.out, plan.direct, request.export)
     else:
-        result = _export.export(store, request.out, request.export, progress,
+        result = export_store(store, request.out, request.export, progress,
                                 request.scheduler if request.export.output.takes_scheduler else None,
                                 request.jobs or default_jobs())
     if request.store is None:  # done: the scratch store has served its purpose
         shutil.rmtree(request.location, ignore_errors=True)
-    result.read = _ingest.local_bytes(plan.source.units)
+    result.read = local_bytes(plan.source.units)
     return result
 
 
 def model_store(location: str | os.PathLike[str], source: Source, jobs: int | None, select: str | None) -> Store:
     """The checkpoint `source` reads ingested into a new store at `location`: its values, and the tensors
     of `select`'s subtree, or by default of the model (what `verify` and `average` compare and average)."""
-    with _ingest.session(location, source, jobs) as session:
-        return session.ingest(select if select is not None else _export.model_subtree(session.store))
+    with ingest_session(location, source, jobs) as session:
+        return session.ingest(select if select is not None else model_subtree(session.store))
 
 
 def _opened(request: RunRequest, progress: Progress, dry: bool) -> Source:
     """The checkpoint the run takes, once everything about the run that needs no store is checked: the
     export's options, where OUT and the store are, a scratch store begun on another checkpoint."""
-    _export.check_request(request.out, request.export)
+    check_request(request.out, request.export)
     source = open_source(request.src, request.tag, request.step, request.storage_options)
     _outside_checkpoint(request, source)
     if os.path.normpath(source.folder) != os.path.normpath(request.src):
@@ -233,7 +237,7 @@ def _opened(request: RunRequest, progress: Progress, dry: bool) -> Source:
         raise ExportError(f"{scratch}: is a symbolic link; shardstore keeps its scratch store only inside OUT")
     if request.store is None and Store.exists(scratch) and not dry:
         previous = Store.open(scratch)
-        if _ingest.source_changed(previous, source.units) or _beside_changed(previous, source):
+        if source_changed(previous, source.units) or _beside_changed(previous, source):
             previous.discard()  # started on another checkpoint (a newer step saved over this one), or begun
             # before the files beside its units were all there (`begin`): start again
     return source
@@ -283,20 +287,20 @@ def _dry_store(request: RunRequest, source: Source) -> Iterator[Store]:
     `--store` as the real run's session checks it."""
     tmp = Path(tempfile.mkdtemp(prefix=".shardstore-plan-", dir=nearest_existing(Path(request.out).absolute())))
     try:
-        store, unit = _ingest.planned_store(tmp / "store", source, request.strict, scratch=True)
+        store, unit = planned_store(tmp / "store", source, request.strict, scratch=True)
         if unit is not None:
             unit.close()
         if request.store is not None and Store.exists(request.store, source.storage_options):
             existing = Store.open(request.store, source.storage_options)
             if existing.records() and not get(source.format).ranked:
                 existing.check_compatible(store.manifest, os.fspath(request.store))
-            _ingest.same_format(existing, source)
+            same_format(existing, source)
         yield store
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _planned(request: RunRequest, source: Source, store: Store, session: _ingest.Session | None,
+def _planned(request: RunRequest, source: Source, store: Store, session: Session | None,
              whole: bool = True) -> RunPlan:
     """Every check a run makes once its store is planned and before a unit is read, and the export laid
     out: for the workers to write (one pass), or as the store will feed it. Not `whole`: some of its rank
@@ -308,17 +312,17 @@ def _planned(request: RunRequest, source: Source, store: Store, session: _ingest
             raise CheckpointError(f"{request.src}: world size is {store.manifest.world_size} but rank files are "
                                   f"missing for ranks {', '.join(map(str, missing[:20]))}"
                                   f"{' ...' if len(missing) > 20 else ''}")
-    _export.preflight(store, request.out, export)
-    _export.check_origin(request.out, lambda names: _unit_identities(source, names), export.overwrite)
+    preflight(store, request.out, export)
+    check_origin(request.out, lambda names: _unit_identities(source, names), export.overwrite)
     # A scratch store only feeds this export: for safetensors, write just the tensors it takes
     # (the model, not the optimizer state, which is usually twice its size).
     subtree = None
     if request.store is None and export.output.subtree:
-        subtree = export.select if export.select is not None else _export.model_subtree(store)
-    output = _export.output_bytes(store, export)
+        subtree = export.select if export.select is not None else model_subtree(store)
+    output = output_bytes(store, export)
     # the sizes the plan declares, against the disks, before any file of that size is made
     check_space(store, len(source.units), subtree, request.out, output, in_store=not request.one_pass)
-    direct = _export.plan_direct(store, export, jobs=request.jobs or default_jobs()) if request.one_pass else None
+    direct = plan_direct(store, export, jobs=request.jobs or default_jobs()) if request.one_pass else None
     if request.one_pass and direct is None:  # the store holds the data after all
         check_space(store, len(source.units), subtree, request.out, output)
     return RunPlan(request, source, store, subtree, direct, output, session)
@@ -332,7 +336,7 @@ def _summary(request: RunRequest, source: Source, store: Store, direct: DirectEx
         tensors = direct.tensors
     else:
         try:
-            planned = _export.planned(store, request.export)
+            planned = planned_files(store, request.export)
             files, tensors = [(f, None) for f in planned.files], planned.tensors
         except ShardstoreError:  # what the files are depends on values only the data brings
             files, tensors = [], []
@@ -343,7 +347,7 @@ def _summary(request: RunRequest, source: Source, store: Store, direct: DirectEx
             casts[key] = casts.get(key, 0) + 1
     near = nearest_existing(Path(request.out).absolute())
     return Plan(source.folder, get(source.format).title, source.trainer, len(source.units), store.manifest.world_size,
-                _ingest.local_bytes(source.units), direct is not None, files, output, casts,
+                local_bytes(source.units), direct is not None, files, output, casts,
                 {str(near): shutil.disk_usage(near).free}, None)
 
 
