@@ -1,7 +1,7 @@
 """The benchmark harness: shardstore against today's unsharder and against the disk itself.
 
     python benchmarks/bench.py [--scenarios w8,w256,w1024,w1024-7b,large,dcp] [--out benchmarks/out] [--no-olmo]
-                               [--repeat N]
+                               [--pairs 5] [--repeat N]
                                [--deepspeed PY]
 
 For each scenario it generates an OLMo-like checkpoint once (benchmarks/synth.py; cached under --out),
@@ -21,14 +21,16 @@ and peak RSS of the largest process with /usr/bin/time:
 - OLMo's `TorchLegacyShardedCheckpointer` (PyPI ai2-olmo, installed with --no-deps plus what it imports),
   thread mode and shared-memory mode, run as its own unshard script does (benchmarks/olmo_baseline.py).
 
-Every local shardstore `ingest`, `export` and `unshard` run is paired with a `cp -r` + `sync` of the same
-checkpoint run just before it and another just after, each prepared the same way (the last output removed,
-caches dropped), and its wall time is also given as a multiple of the two copies' mean (the median over
-repeats). On a virtual machine the cost of a cold run moves with the host as well as the disk: this
-machine's hypervisor takes back the memory the guest frees (free page reporting), so filling fresh page
-cache costs a host page fault per page, and `cp -r` + `sync` of the W=8 checkpoint took 4.5 s in one
-minute and 13.6 s in another. A copy timed minutes away from a contender is no floor for it; the copies
-on either side of it are, whichever of them the order of runs favours. An ingest also starts only once
+Every local shardstore `ingest`, `export` and `unshard` runs `--pairs` times (5), each run just after its
+floor, `cp -r` + `sync` of the same checkpoint (A B A B ...), each prepared the same way (the last output
+removed, caches dropped); its row gives the median wall time and the median of the paired ratios (its
+wall / the floor's just before it) with their min and max. The S3 ingest is paired the same way with the
+fsspec copy on the same server, and the per-file rows of `w1024-7b` with a copy of the same rank files.
+On a virtual machine the cost of a cold run moves with the host as well as the disk: this machine's
+hypervisor takes back the memory the guest frees (free page reporting), so filling fresh page cache costs
+a host page fault per page, and `cp -r` + `sync` of the W=8 checkpoint took 4.5 s in one minute and 13.6 s
+in another. A copy timed minutes away from a contender is no floor for it; the one just before it is, and
+the median of several such pairs is what a target is stated on. An ingest also starts only once
 the inodes the harness freed last are past the window in which this disk's ext4 skips them (`settle`).
 
 It prints a markdown table, writes results.json and a PNG plot to --out, and copies the plot to
@@ -113,7 +115,11 @@ class Result:
     wall: float | None
     peak_rss: int | None
     note: str = ""
-    paired: float | None = None  # wall / the mean of the `cp -r` + `sync` runs either side of it (docstring)
+    # paired runs (A B A B ..., docstring): the median of wall / the `cp -r` + `sync` just before it, min, max
+    paired: float | None = None
+    paired_min: float | None = None
+    paired_max: float | None = None
+    pairs: int = 0
 
 
 # The ~200M-parameter Llama (fp32, 0.8 GB) the trainers' benchmarks save through their own code
@@ -301,7 +307,7 @@ def checkpoint_files(sc: Scenario, ckpt: Path) -> list[Path]:
     return sorted(ckpt.glob("rank*.pt"), key=lambda p: int(p.stem[4:]))
 
 
-def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]) -> list[Result]:
+def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str], pairs: int = 5) -> list[Result]:
     if sc.format == "dcp":
         from synth_dcp import generate as generate_dcp
 
@@ -314,18 +320,35 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
     results: list[Result] = []
 
     def run(name: str, cmd: list[str], env: dict[str, str] | None = None, timeout: float | None = None,
-            note: str = "", paired: bool = False) -> str:
+            note: str = "", reset: Callable[[], None] | None = None, floor: list[str] | None = None) -> str:
+        """Time `cmd` as contender `name` (caches dropped first). With `reset` (what makes the next run start
+        as this one did: its output removed), it runs `pairs` times, each just after its floor (`floor`, by
+        default a `cp -r` + `sync` of the checkpoint), and its row is the median wall time and the median
+        of the paired ratios with their min and max. Returns the last run's stderr."""
         if contenders and not any(c in name for c in contenders):
             return ""
         try:
-            if "ingest" in name:  # it makes thousands of cell files
-                settle()
-            before = copy_floor() if paired else None
-            wall, rss, err = timed(cmd, env, timeout)
-            floor = (before + copy_floor()) / 2 if before is not None else None
-            results.append(Result(sc.name, name, wall, rss, note, wall / floor if floor else None))
-            against = f"  ({wall / floor:.2f}x the copies either side, {floor:.2f} s)" if floor else ""
-            print(f"  {name:<34} {wall:8.2f} s  {rss / 1e6:8.0f} MB{against}", flush=True)
+            if reset is None:
+                wall, rss, err = timed(cmd, env, timeout)
+                results.append(Result(sc.name, name, wall, rss, note))
+                print(f"  {name:<34} {wall:8.2f} s  {rss / 1e6:8.0f} MB", flush=True)
+                return err
+            walls, ratios, peak = [], [], 0
+            for i in range(pairs):
+                if i:
+                    reset()
+                if "ingest" in name:  # it makes thousands of cell files
+                    settle()
+                before = copy_floor(floor, env)
+                wall, rss, err = timed(cmd, env, timeout)
+                walls.append(wall)
+                ratios.append(wall / before)
+                peak = max(peak, rss)
+            ratios.sort()
+            results.append(Result(sc.name, name, statistics.median(walls), peak, note, statistics.median(ratios),
+                                  ratios[0], ratios[-1], pairs))
+            print(f"  {name:<34} {results[-1].wall:8.2f} s  {peak / 1e6:8.0f} MB  ({results[-1].paired:.2f}x the copy "
+                  f"just before, {ratios[0]:.2f}-{ratios[-1]:.2f} over {pairs} pairs)", flush=True)
             return err
         except subprocess.TimeoutExpired:
             results.append(Result(sc.name, name, None, None, f"timed out after {timeout:.0f} s"))
@@ -334,11 +357,16 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
         print(f"  {name:<34} {results[-1].note}", flush=True)
         return ""
 
-    def copy_floor() -> float:
-        """`cp -r` + `sync` of the checkpoint beside a contender's output: the floor under its conditions."""
-        wall, _, _ = timed(["sh", "-c", f"cp -r {ckpt} {work / 'pair'} && sync"])
-        shutil.rmtree(work / "pair")
+    def copy_floor(cmd: list[str] | None, env: dict[str, str] | None) -> float:
+        """The floor `cmd` (by default `cp -r` + `sync` of the checkpoint into work/pair, removed after) just
+        before a contender's run: the floor under its conditions."""
+        wall, _, _ = timed(cmd or copy_of([ckpt]), env)
+        shutil.rmtree(work / "pair", ignore_errors=True)
         return wall
+
+    def copy_of(paths: list[Path]) -> list[str]:
+        """`cp -r` + `sync` of `paths` into work/pair."""
+        return ["sh", "-c", f"mkdir -p {work / 'pair'} && cp -r {' '.join(map(str, paths))} {work / 'pair'} && sync"]
 
     def fresh() -> None:
         remove(work)
@@ -352,35 +380,40 @@ def run_scenario(sc: Scenario, out: Path, with_olmo: bool, contenders: list[str]
     run("cp -r + sync", ["sh", "-c", f"cp -r {ckpt} {work / 'copy'} && sync"])
     fresh()
     if sc.subset:  # the first rank plans the store; the rest show what each further file costs
-        run("shardstore ingest (rank 0: plans the store)", [*shardstore, "ingest", str(work / "store"), str(files[0]), "-q"])
-        run("shardstore ingest (1 more rank)", [*shardstore, "ingest", str(work / "store"), str(files[1]), "-q"])
-        run(f"shardstore ingest ({len(files) - 2} more ranks)",
-            [*shardstore, "ingest", str(work / "store"), *map(str, files[2:]), "-q"])
+        store = [*shardstore, "ingest", str(work / "store")]
+
+        def store_of(ranks: int) -> Callable[[], None]:
+            """The store holding the first `ranks` rank files again, for the next pair's run."""
+            def reset() -> None:
+                remove(work / "store")
+                subprocess.run([*store, *map(str, files[:ranks]), "-q"], check=True)
+            return reset
+
+        run("shardstore ingest (rank 0: plans the store)", [*store, str(files[0]), "-q"],
+            reset=lambda: remove(work / "store"), floor=copy_of(files[:1]))
+        run("shardstore ingest (1 more rank)", [*store, str(files[1]), "-q"], reset=store_of(1),
+            floor=copy_of(files[1:2]))
+        run(f"shardstore ingest ({len(files) - 2} more ranks)", [*store, *map(str, files[2:]), "-q"],
+            reset=store_of(2), floor=copy_of(files[2:]))
         remove(work)
         return per_file_note(results, sc, len(files))
     if sc.format == "dcp":
         run("dcp_to_torch_save (torch)", [sys.executable, "-c", DCP_TO_TORCH_SAVE, str(ckpt), str(work / "torch.pt")])
         fresh()
         files = files[:-1]  # what shardstore ingests: the .distcp files (their .metadata is found beside them)
-    run("shardstore ingest", [*shardstore, "ingest", str(work / "store"), *map(str, files), "-q"], paired=True)
+    run("shardstore ingest", [*shardstore, "ingest", str(work / "store"), *map(str, files), "-q"],
+        reset=lambda: remove(work / "store"))
     show = [sys.executable, str(HERE / "show_io.py"), "show", str(work / "store"), sc.show_key, "--slice", "1000:1004"]
     err = run("shardstore show (4-row slice)", show)
     if err:
         results[-1].note = next((line for line in err.splitlines() if line.startswith("bytes read")), "")
     run("shardstore export safetensors", [*shardstore, "export", str(work / "store"), str(work / "st"), "-q"],
-        paired=True)
+        reset=lambda: remove(work / "st"))
     fresh()
-    run("shardstore unshard safetensors", [*shardstore, "unshard", str(ckpt), str(work / "st"), "-q"], paired=True)
-    fresh()
-    run("shardstore unshard torch", [*shardstore, "unshard", str(ckpt), str(work / "pt"), "--format", "torch", "-q"],
-        paired=True)
-    fresh()
-    run("shardstore unshard dcp", [*shardstore, "unshard", str(ckpt), str(work / "dcp"), "--format", "dcp", "-q"],
-        paired=True)
-    fresh()
-    if (ckpt / "config.yaml").exists():
-        run("shardstore unshard hf", [*shardstore, "unshard", str(ckpt), str(work / "hf"), "--format", "hf", "-q"],
-            paired=True)
+    formats = ["safetensors", "torch", "dcp"] + (["hf"] if (ckpt / "config.yaml").exists() else [])
+    for fmt in formats:
+        run(f"shardstore unshard {fmt}", [*shardstore, "unshard", str(ckpt), str(work / fmt), "--format", fmt, "-q"],
+            reset=fresh)
         fresh()
     if sc.s3:
         run_s3(out / "moto.log", files, run, results)
@@ -427,23 +460,34 @@ def run_s3(log_path: Path, files: list[Path], run: Callable[..., str], results: 
         subprocess.run([sys.executable, "-c", upload, *map(str, files)], check=True, env={**os.environ, **env})
         urls = [f"s3://bench/ckpt/{f.name}" for f in files]
 
-        def requests(name: str, cmd: list[str]) -> None:
-            """Run `cmd` as contender `name`, noting the requests the server answered for it."""
+        def counted(since: int) -> collections.Counter[str]:
             log.flush()
-            before = len(_requests(log))
-            run(name, cmd, env)
-            counts = collections.Counter(method for method, _ in _requests(log)[before:])
-            if results and results[-1].contender == name and results[-1].wall:
-                results[-1].note = (f"moto S3 server on loopback; {sum(counts.values()) / len(files):.1f} requests "
-                                    f"per rank file ({', '.join(f'{n} {m}' for m, n in counts.most_common())} in all)")
+            return collections.Counter(method for method, _ in _requests(log)[since:])
 
         # the floor on that server: every rank file read and written once through the same client library
-        requests("fsspec copy (S3 -> S3)", [sys.executable, "-c", FSSPEC_COPY, *urls])
-        floor = results[-1].wall if results and results[-1].contender == "fsspec copy (S3 -> S3)" else None
-        requests("shardstore ingest (S3 -> S3)", [sys.executable, "-m", "shardstore.cli", "ingest", "s3://bench/store",
-                                                  *urls, "-q"])
-        if floor and results[-1].contender == "shardstore ingest (S3 -> S3)" and results[-1].wall:
-            results[-1].note += f"; {results[-1].wall / floor:.2f}x the fsspec copy"
+        copy = [sys.executable, "-c", FSSPEC_COPY, *urls]
+        log.flush()
+        before = len(_requests(log))
+        run("fsspec copy (S3 -> S3)", copy, env)
+        floor = counted(before)  # the same requests every run: each file's GET(s) and PUT(s)
+        ingest = [sys.executable, "-m", "shardstore.cli", "ingest", "s3://bench/store", *urls, "-q"]
+        remove_store = [sys.executable, "-c", "import s3fs; fs = s3fs.S3FileSystem(); fs.rm('bench/store', recursive=True)"]
+        resets: collections.Counter[str] = collections.Counter()
+
+        def reset() -> None:
+            since = len(_requests(log))
+            subprocess.run(remove_store, check=True, env={**os.environ, **env})
+            resets.update(counted(since))
+
+        before = len(_requests(log))
+        run("shardstore ingest (S3 -> S3)", ingest, env, floor=copy, reset=reset)
+        r = results[-1]
+        if r.contender == "shardstore ingest (S3 -> S3)" and r.wall and r.pairs:
+            # the log also holds the pairs' fsspec copies and the resets' deletions
+            ours = counted(before) - collections.Counter({m: n * r.pairs for m, n in floor.items()}) - resets
+            r.note = (f"moto S3 server on loopback; {sum(ours.values()) / r.pairs / len(files):.1f} requests per rank "
+                      f"file ({', '.join(f'{n // r.pairs} {m}' for m, n in ours.most_common())} a run; the copy "
+                      f"{sum(floor.values()) / len(files):.1f})")
     finally:
         server.terminate()
         server.wait()
@@ -457,8 +501,8 @@ def _requests(log: Any) -> list[tuple[str, str]]:
 
 
 def table(results: list[Result], sizes: dict[str, int]) -> str:
-    rows = ["| checkpoint | contender | wall s | GB/s | peak RSS MB | vs today's tool | vs cp -r | vs cp -r + sync "
-            "either side | note |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    rows = ["| checkpoint | contender | wall s | GB/s | peak RSS MB | vs today's tool | vs cp -r | vs its floor, "
+            "paired: median (min–max, pairs) | note |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for sc in dict.fromkeys(r.scenario for r in results):
         mine = [r for r in results if r.scenario == sc]
         base = {r.contender: r.wall for r in mine}
@@ -472,9 +516,28 @@ def table(results: list[Result], sizes: dict[str, int]) -> str:
             cp = base.get("cp -r")
             rows.append(f"| {sc} | {r.contender} | {r.wall:.2f} | {sizes[sc] / 1e9 / r.wall:.2f} | "
                         f"{r.peak_rss / 1e6:.0f} | {f'{olmo / r.wall:.1f}x faster' if olmo else '—'} | "
-                        f"{f'{r.wall / cp:.2f}x' if cp else '—'} | {f'{r.paired:.2f}x' if r.paired else '—'} | "
+                        f"{f'{r.wall / cp:.2f}x' if cp else '—'} | {_paired(r)} | "
                         f"{r.note} |")
     return "\n".join(rows)
+
+
+def _paired(r: Result) -> str:
+    """A row's paired ratio: the median, its min and max, how many pairs."""
+    if r.paired is None:
+        return "—"
+    return f"**{r.paired:.2f}x** ({r.paired_min:.2f}–{r.paired_max:.2f}, {r.pairs})"
+
+
+def disk_of(path: Path) -> str:
+    """The file system `path` is on, its device and mount options, as findmnt says them."""
+    found = subprocess.run(["findmnt", "-n", "-o", "SOURCE,FSTYPE,OPTIONS", "--target", str(path)],
+                           capture_output=True, text=True)
+    if found.returncode or not found.stdout.split():
+        return "disk unknown"
+    source, fstype, options = (found.stdout.split() + ["", ""])[:3]
+    rotational = Path(f"/sys/block/{Path(source).name}/queue/rotational")
+    kind = {"0": "solid-state", "1": "rotational"}.get(rotational.read_text().strip(), "") if rotational.exists() else ""
+    return f"{fstype} on {source}{f' ({kind} by the kernel)' if kind else ''}, mounted {options}"
 
 
 def plot(results: list[Result], path: Path, worlds: dict[str, int]) -> None:
@@ -553,10 +616,14 @@ def medians(runs: list[list[Result]]) -> list[Result]:
     for contender, rs in rows.items():
         walls = sorted(r.wall for r in rs if r.wall is not None)
         rss = [r.peak_rss for r in rs if r.peak_rss is not None]
-        paired = sorted(r.paired for r in rs if r.paired is not None)
+        paired = [(r.paired, r.paired_min, r.paired_max, r.pairs) for r in rs
+                  if r.paired is not None and r.paired_min is not None and r.paired_max is not None]
         note = rs[0].note + (f" (median of {len(walls)})" if len(walls) > 1 else "")
         merged.append(Result(rs[0].scenario, contender, walls[len(walls) // 2] if walls else None,
-                             max(rss) if rss else None, note.strip(), paired[len(paired) // 2] if paired else None))
+                             max(rss) if rss else None, note.strip(),
+                             statistics.median(p[0] for p in paired) if paired else None,
+                             min((p[1] for p in paired), default=None), max((p[2] for p in paired), default=None),
+                             sum(p[3] for p in paired)))
     return merged
 
 
@@ -567,6 +634,8 @@ def main() -> None:
     ap.add_argument("--no-olmo", action="store_true", help="skip OLMo's unsharder")
     ap.add_argument("--repeat", type=int, default=1, help="run each scenario this many times and report each "
                     "contender's median wall time (OLMo's unsharder, minutes a run, only in the first)")
+    ap.add_argument("--pairs", type=int, default=5, help="runs of each shardstore contender, each just after its "
+                    "floor (A B A B ...): its row gives the median of the paired ratios, min and max")
     ap.add_argument("--contenders", default="", help="only contenders whose name contains one of these (comma "
                     "separated), replacing just their rows in results.json")
     ap.add_argument("--deepspeed", metavar="PY", help="also the DeepSpeed ZeRO rows, generated and timed "
@@ -591,7 +660,8 @@ def main() -> None:
         results, sizes = [Result(**r) for r in old["results"]], old["sizes"]
     for key in args.scenarios.split(","):
         sc = SCENARIOS[key]
-        new = medians([run_scenario(sc, args.out, with_olmo and i == 0, contenders) for i in range(args.repeat)])
+        new = medians([run_scenario(sc, args.out, with_olmo and i == 0, contenders, args.pairs)
+                       for i in range(args.repeat)])
         if sc.subset:
             new = per_file_note(new, sc, len(checkpoint_files(sc, args.out / "ckpt" / sc.name.split(" ")[0])))
         replaced = {(r.scenario, r.contender) for r in new}
@@ -603,7 +673,8 @@ def main() -> None:
     rank = (lambda c: 0 if c.startswith(("cat", "cp")) else 2 if c.startswith(("OLMo", "dcp_to")) else 1)
     results.sort(key=lambda r: (order.get(r.scenario, 99), rank(r.contender)))
     machine = (f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, "
-               f"{platform.python_implementation()} {platform.python_version()}, {time.strftime('%Y-%m-%d')}")
+               f"{platform.python_implementation()} {platform.python_version()}, {disk_of(args.out)}, "
+               f"{time.strftime('%Y-%m-%d')}")
     text = table(results, sizes)
     print(f"\n{machine}\n\n{text}")
     (args.out / "results.json").write_text(json.dumps({"machine": machine, "sizes": sizes,
