@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import ExportError
 from ..locations import name_of
-from ..sink.layout import Sketch, Target, new_layout, prepare
+from ..sink.layout import Target, new_layout, prepare
 from ..sink.output import OutputFile
 from ..store.store import Store
 from . import dcp, fp8, hf
@@ -22,7 +22,6 @@ from .adapters import rows_of
 from .contract import ExportRequest
 from .hf.spec import HFModel
 from .resolve import ArrayRef
-from .torch import write_zip
 
 
 def model_arrays(store: Store, subtree: str, request: ExportRequest, dtype: str
@@ -122,29 +121,25 @@ def plan_direct(store: Store, chunks: list[dcp.Item], described: dict[str, Any],
               and len(c.source.rows) == 1 and c.source.path in store.manifest.arrays]
     if not copied:
         return None
-    sketches, laid, placed = [], {}, []
-    for file, items in enumerate(dcp.spread(copied, jobs)):
-        sketch = Sketch()
-        for item in items:
-            start = sketch.pos
-            zw = write_zip(sketch, "archive", item.source, store, holes=True)
-            (at, size), = zw.holes.values()
-            assert item.chunk is not None
-            laid[(item.fqn, item.chunk[0])] = (file, start, sketch.pos - start, at, size, zw.crc_at(next(iter(zw.holes))))
-            placed.append((item, file, start, sketch.pos - start))
-        sketches.append(sketch)
+    files = dcp.spread(copied, jobs)
+    sketches, places = dcp.sketch_items(store, [[item.source for item in items] for items in files])
+    laid, placed = {}, []
     targets: dict[str, list[Target]] = {}
-    for item, file, _, _ in placed:
-        source: ArrayRef = item.source
-        (first, stop), = source.rows or ()
-        columns = store.manifest.arrays[source.path].shape[1:]
-        at = laid[(item.fqn, item.chunk[0] if item.chunk else ())][3]
-        targets.setdefault(source.path, []).append(
-            Target(file, at, ((first, *(0,) * len(columns)), (stop - first, *columns)), source.dtype, crc=True))
+    for file, (items, spots) in enumerate(zip(files, places)):
+        for item, (start, length, data, size, crcs) in zip(items, spots):
+            assert item.chunk is not None
+            laid[(item.fqn, item.chunk[0])] = (file, start, length, data, size, crcs)
+            placed.append((item, file, start, length))
+            source: ArrayRef = item.source
+            (first, stop), = source.rows or ()
+            columns = store.manifest.arrays[source.path].shape[1:]
+            targets.setdefault(source.path, []).append(
+                Target(file, data, ((first, *(0,) * len(columns)), (stop - first, *columns)), source.dtype, crc=True))
     names = [f"{folder}/{dcp.distcp_name(i)}" if folder else dcp.distcp_name(i) for i in range(len(sketches))]
     lay = new_layout(store, names, [s.pos for s in sketches], targets)
     (Path(lay.folder) / folder).mkdir(parents=True, exist_ok=True)
     prepare(store, lay, [s.writes for s in sketches])
-    rest = tuple(c for c in chunks if not any(c is p[0] for p in placed))
+    copies = {id(item) for item, _, _, _ in placed}
+    rest = tuple(c for c in chunks if id(c) not in copies)
     return dict(layout=lay, values=True, laid=laid, folder=folder, described=described, rest=rest,
                 placed=tuple(placed))

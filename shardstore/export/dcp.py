@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
+import zlib
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,7 +40,7 @@ from ..tree import MAX_DEPTH, Node
 from .contract import Arrays, DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from .notes import flat_buckets
 from .resolve import ArrayRef, build, leaves, object_value
-from .torch import PythonPickler, _tied, write_zip
+from .torch import SERIALIZATION_ID, PythonPickler, _tied, serialization_id, write_zip
 
 METADATA = ".metadata"
 
@@ -415,8 +416,7 @@ class _MetadataPickler(PythonPickler):  # type: ignore[misc]  # (typeshed: torch
 
 
 # ---------------------------------------------------------------------------------------------- one pass
-# Where a chunk's item is: its file, its start and length there, its storage bytes' start and length,
-# and the positions of its CRC-32 (local header, central directory).
+# Where a chunk's item is: its file, then its Place there (below).
 Laid = tuple[int, int, int, int, int, list[int]]
 
 
@@ -473,16 +473,45 @@ def _laid_out(store: Store, jobs: int) -> tuple[list[Sketch], dict[tuple[str, tu
             sizes = tuple(hi - lo for lo, hi in entry.cell_bounds(index))
             if 0 not in sizes:
                 cells.append(CellRef(path, entry.dtype, sizes, index=index))
-    sketches, laid = [], {}
-    for file, refs in enumerate(spread(cells, jobs) if cells else []):
-        sketch = Sketch()
-        for ref in refs:
-            start = sketch.pos
-            zw = write_zip(sketch, "archive", ref, store, holes=True)
-            (at, size), = zw.holes.values()
-            laid[(ref.path, ref.index)] = (file, start, sketch.pos - start, at, size, zw.crc_at(next(iter(zw.holes))))
-        sketches.append(sketch)
+    files = spread(cells, jobs) if cells else []
+    sketches, places = sketch_items(store, files)
+    laid = {(ref.path, ref.index): (file, *place) for file, (refs, at) in enumerate(zip(files, places))
+            for ref, place in zip(refs, at)}
     return sketches, laid
+
+
+# Where a tensor's item is in its file: its start and length, its storage bytes' start and length, and the
+# positions of its CRC-32 (local header, central directory).
+Place = tuple[int, int, int, int, list[int]]
+
+
+def sketch_items(store: Store, files: list[list[Any]]) -> tuple[list[Sketch], list[list[Place]]]:
+    """Each file's tensors sketched one after another as DCP's items (what torch.save writes of each, its
+    bytes a hole for the workers), with where each is. A tensor's item depends on its dtype and shape
+    alone but for its random serialization id (its storage is always "0", its offsets count from its own
+    start), so each pair is written once and its bytes placed again wherever it recurs, each time with a
+    new id and that id's CRC-32: DeepSeek-V3's 92k tensors are a few hundred pairs."""
+    made: dict[tuple[str, tuple[int, ...]], tuple[list[tuple[int, bytes]], Place, int, list[int]]] = {}
+    sketches, places = [], []
+    for refs in files:
+        sketch, at = Sketch(), []
+        for ref in refs:
+            key = (str(ref.dtype), tuple(ref.shape))
+            if key not in made:
+                alone = Sketch()
+                zw = write_zip(alone, "archive", ref, store, holes=True)
+                (data, size), = zw.holes.values()
+                made[key] = (alone.runs(), (0, alone.pos, data, size, zw.crc_at(next(iter(zw.holes)))),
+                             zw.data_at[SERIALIZATION_ID], zw.crc_at(SERIALIZATION_ID))
+            runs, (_, length, data, size, crcs), ident_at, ident_crcs = made[key]
+            start = sketch.pos
+            ident = serialization_id()
+            crc = struct.pack("<I", zlib.crc32(ident))
+            sketch.place(runs, length, [(ident_at, ident), *((c, crc) for c in ident_crcs)])
+            at.append((start, length, start + data, size, [start + c for c in crcs]))
+        sketches.append(sketch)
+        places.append(at)
+    return sketches, places
 
 
 def plan_direct(store: Store, jobs: int) -> DcpDirect:

@@ -203,9 +203,17 @@ def write_entries(zw: TorchZipWriter, obj: Any, store: Store, partial: dict[str,
         else:
             zw.add_bytes(f"data/{key}", source.data)
     zw.add_bytes("version", b"3\n")
-    zw.add_bytes(".data/serialization_id", secrets.token_hex(20).encode())
+    zw.add_bytes(SERIALIZATION_ID, serialization_id())
     if partial is not None:
         zw.add_bytes("shardstore_partial.json", json.dumps(partial).encode())
+
+
+SERIALIZATION_ID = ".data/serialization_id"
+
+
+def serialization_id() -> bytes:
+    """What torch.save writes as each file's `.data/serialization_id`: a new random one every time."""
+    return secrets.token_hex(20).encode()
 
 
 def torch_layout(store: Store, single: bool = False) -> list[ResumeFile]:

@@ -45,8 +45,9 @@ class TorchZipWriter:
         self.base = out.pos
         self.central: list[tuple[bytes, int, int, int]] = []  # name, crc, size, header offset (from base)
         self.holes: dict[str, tuple[int, int]] = {}  # a hole's name -> (its data's position, size) in the sink
-        self._index: dict[bytes, int] = {}  # a hole's place in `central`
+        self._index: dict[bytes, int] = {}  # an entry's place in `central`
         self._central_at: dict[bytes, int] = {}  # an entry's central record's position in the sink
+        self.data_at: dict[str, int] = {}  # an entry's bytes' position in the sink
 
     def _header(self, name: str, size: int) -> tuple[bytes, int]:
         """An entry's local header (CRC 0, patched later), written; and its offset from `base`."""
@@ -66,7 +67,7 @@ class TorchZipWriter:
         """One STORED entry of `size` bytes. With `crc` (the bytes' CRC-32, known beforehand) the parts are
         copied kernel-side; without, they are read once to compute it."""
         full, header_at = self._header(name, size)
-        start = self.out.pos
+        start = self.data_at[name] = self.out.pos
         if crc is None:
             crc = self.out.write_parts(parts, crc=0)
             if crc is None:
@@ -76,6 +77,7 @@ class TorchZipWriter:
         if self.out.pos - start != size:
             raise ValueError(f"{name}: wrote {self.out.pos - start} of {size} bytes")
         self.out.pwrite(struct.pack("<I", crc), self.base + header_at + 14)
+        self._index[full] = len(self.central)
         self.central.append((full, crc, size, header_at))
 
     def hole(self, name: str, size: int) -> int:

@@ -101,6 +101,32 @@ class Sketch:
     def pwrite(self, data: bytes, offset: int) -> None:
         self.writes.append((offset, bytes(data)))
 
+    def runs(self) -> list[tuple[int, bytes]]:
+        """The writes as runs of adjacent bytes, each later write over the earlier ones (a zip's CRCs
+        patched into its headers): what the file will hold, in the fewest writes."""
+        runs: list[tuple[int, bytearray]] = []
+        for at, data in sorted(self.writes, key=lambda w: w[0]):  # (stable: a later write stays later)
+            if runs and runs[-1][0] + len(runs[-1][1]) >= at:
+                start, buf = runs[-1]
+                buf[at - start:at - start + len(data)] = data
+            else:
+                runs.append((at, bytearray(data)))
+        return [(at, bytes(buf)) for at, buf in runs]
+
+    def place(self, runs: list[tuple[int, bytes]], length: int, patches: Iterable[tuple[int, bytes]] = ()) -> None:
+        """Another sketch's `runs` (`length` bytes from its start) again, from here on, with `patches`
+        (offsets from its start) written over them; the runs they miss shared, not copied."""
+        patches = list(patches)
+        for at, data in runs:
+            mine = [(p - at, b) for p, b in patches if at <= p < at + len(data)]
+            if mine:
+                buf = bytearray(data)
+                for offset, b in mine:
+                    buf[offset:offset + len(b)] = b
+                data = bytes(buf)
+            self.writes.append((self.pos + at, data))
+        self.pos += length
+
     def skip(self, n: int) -> None:
         self.pos += n
 

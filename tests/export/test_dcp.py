@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import shardstore
@@ -45,23 +46,40 @@ def test_dcp_output_reads_back_through_shardstore_and_torch(checkpoints, tmp_pat
     assert shardstore.open(tmp_path / "again")["global_step"] == 1
 
 
-def test_every_item_is_a_zip_whose_crcs_match_its_bytes(checkpoints, tmp_path: Path) -> None:
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_every_item_is_a_zip_whose_crcs_match_its_bytes(checkpoints, tmp_path: Path, one_pass: bool) -> None:
     """torch's loader does not check the CRC-32s in the zips a .distcp file holds, so only this does: each
-    record's CRC is its bytes' (a tensor split into cells gets each cell's own, never the whole array's)."""
+    record's CRC is its bytes' (a tensor split into cells gets each cell's own, never the whole array's).
+    Each item has its own serialization id, as each torch.save has, also where the one pass laid out the
+    items of one dtype and shape from one sketch (`dcp.sketch_items`)."""
     import io
     import zipfile
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    store = shardstore.ingest(tmp_path / "store", sorted(checkpoints(3).glob("rank*.pt")), jobs=1)
+    files = sorted(checkpoints(3).glob("rank*.pt"))
+    store = shardstore.ingest(tmp_path / "store", files, jobs=1)
     assert any(len(store.cells_present(p)) > 1 for p in store.manifest.arrays)  # some tensors are several chunks
-    shardstore.export(store, tmp_path / "dcp", format="dcp", jobs=1)
+    if one_pass:
+        shardstore.unshard(files[0].parent, tmp_path / "dcp", format="dcp", jobs=2)
+    else:
+        shardstore.export(store, tmp_path / "dcp", format="dcp", jobs=1)
     storage = FileSystemReader(str(tmp_path / "dcp")).read_metadata().storage_data
+    shapes, ids = [], set()
     for index, info in storage.items():
         with open(tmp_path / "dcp" / info.relative_path, "rb") as f:
             f.seek(info.offset)
             item = zipfile.ZipFile(io.BytesIO(f.read(info.length)))
         assert item.testzip() is None, (index.fqn, index.offset)
+        ids.add(item.read("archive/.data/serialization_id"))
+        shapes.append(item.read("archive/data.pkl"))
+    assert len(ids) == len(storage)
+    assert len(set(shapes)) < len(shapes)  # items alike but for their ids: what one sketch serves
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(tmp_path / "dcp", tmp_path / "torch.pt")
+    theirs = torch.load(tmp_path / "torch.pt", weights_only=False)
+    assert_bitwise_equal(theirs["model"], expected(files[0].parent)["model"], "dcp_to_torch_save")
 
 
 class _Counted(shardstore.Progress):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from shardstore.sink.files import DirectWriter, _Bands, _runs
-from shardstore.sink.layout import Layout, Target
+from shardstore.sink.layout import Layout, Sketch, Target
 from shardstore.store.manifest import ArrayEntry
 
 
@@ -213,3 +213,31 @@ def test_pieces_of_a_unit_that_failed_before_its_flush_are_never_written(tmp_pat
     writer.close()
     writer.flush()
     assert (tmp_path / "a").read_bytes() == b"\0" * 64
+
+
+def test_a_sketch_placed_again_holds_its_runs_with_the_patches_over_them() -> None:
+    """`Sketch.runs` applies later writes over earlier ones and joins adjacent ones; `place` puts those runs
+    at the sketch's position with patches written over them, leaving the runs they miss shared."""
+    from shardstore.sink.layout import Sketch
+
+    alone = Sketch()
+    alone.write(b"header--")
+    alone.skip(4)  # a hole
+    alone.write(b"tail")
+    alone.write(b"-more")
+    alone.pwrite(b"HE", 0)  # a CRC patched into the header
+    runs = alone.runs()
+    assert runs == [(0, b"HEader--"), (12, b"tail-more")]
+
+    def image(sketch: Sketch) -> bytes:
+        out = bytearray(sketch.pos)
+        for at, data in sketch.writes:
+            out[at:at + len(data)] = data
+        return bytes(out)
+
+    twice = Sketch()
+    twice.write(b"xy")
+    twice.place(runs, alone.pos)
+    twice.place(runs, alone.pos, [(13, b"A"), (2, b"!")])
+    assert image(twice) == b"xy" + b"HEader--\0\0\0\0tail-more" + b"HE!der--\0\0\0\0tAil-more"
+    assert twice.writes[1][1] is runs[0][1]  # not patched: the same bytes object
