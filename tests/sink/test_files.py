@@ -218,7 +218,6 @@ def test_pieces_of_a_unit_that_failed_before_its_flush_are_never_written(tmp_pat
 def test_a_sketch_placed_again_holds_its_runs_with_the_patches_over_them() -> None:
     """`Sketch.runs` applies later writes over earlier ones and joins adjacent ones; `place` puts those runs
     at the sketch's position with patches written over them, leaving the runs they miss shared."""
-
     alone = Sketch()
     alone.write(b"header--")
     alone.skip(4)  # a hole
