@@ -6,7 +6,8 @@ Each array's outer grid (Zarr's *shard* shape) is cut at every box boundary the 
 grid cell never straddles two ranks' shards and whoever holds a shard can write its cells whole, without
 a read-modify-write. For FSDP that grid is simply ceil(d0 / W) rows. Inside a cell, small inner chunks
 (~1 MiB) make slices cheap to read. Tensors too small to deserve one file per rank are *staged*: each
-rank appends its pieces to one per-rank file, and the single cell is assembled once every piece is in.
+rank appends its pieces to one per-rank file, and the single cell is assembled once every piece is in; a
+tensor one unit holds whole is not: it is its own cell, written by that unit.
 """
 
 from __future__ import annotations
@@ -126,7 +127,11 @@ def plan_array(path: str, spec: ShardedSpec) -> ArrayEntry:
     check_tiling(path, spec, cell)
     nbytes = math.prod(spec.shape) * info.itemsize
     cell_bytes = math.prod(cell) * info.itemsize
-    staged = nbytes <= SMALL_ARRAY_BYTES or (cell_bytes < MIN_CELL_BYTES and nbytes <= MAX_STAGED_BYTES)
+    # A tensor every holder holds whole is one cell its holder writes: staging is for the pieces of one that
+    # several units share, and would route the bytes through the coordinator to assemble what is whole.
+    whole = nbytes > 0 and bool(spec.shape) and all(
+        tuple(s.offsets) == (0,) * len(spec.shape) and tuple(s.sizes) == tuple(spec.shape) for s in spec.shards)
+    staged = not whole and (nbytes <= SMALL_ARRAY_BYTES or (cell_bytes < MIN_CELL_BYTES and nbytes <= MAX_STAGED_BYTES))
     if staged:
         cell = tuple(max(d, 1) for d in spec.shape)
     return ArrayEntry(path, spec.dtype, spec.shape, cell, _inner_chunk(cell, info.itemsize), staged,
