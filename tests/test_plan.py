@@ -39,6 +39,18 @@ def test_small_tensors_are_staged_in_one_cell() -> None:
     assert entry.staged and entry.cell == (4096,) and entry.ncells == 1
 
 
+def test_a_small_tensor_one_unit_holds_whole_is_its_own_cell_not_staged() -> None:
+    """Staging gathers the pieces several units hold; a tensor held whole (a Hugging Face file's norm, by
+    one unit or by each replica) is written by its holder, never assembled by the coordinator."""
+    for holders in (1, 2):
+        whole = ShardedSpec("float32", (64, 4), tuple(ShardSpec((0, 0), (64, 4), r) for r in range(holders)))
+        entry = plan_array("norm", whole)
+        assert not entry.staged and entry.cell == (64, 4), holders
+    assert plan_array("norm", fsdp_spec((64, 4), 2)).staged  # two units' pieces
+    assert plan_array("step", ShardedSpec("float32", (), (ShardSpec((), (), 0),))).staged  # a scalar: in its record
+    assert plan_array("none", ShardedSpec("float32", (0, 4), (ShardSpec((0, 0), (0, 4), 0),))).staged
+
+
 def test_overlaps_and_gaps_are_refused() -> None:
     gap = ShardedSpec("float32", (10, 4), (ShardSpec((0, 0), (4, 4), 0), ShardSpec((6, 0), (4, 4), 1)))
     with pytest.raises(CheckpointError, match="no shard covers"):
