@@ -542,7 +542,8 @@ def disk_of(path: Path) -> str:
 
 def plot(results: list[Result], path: Path, worlds: dict[str, int]) -> None:
     """Two panels: wall time against world size, one line per contender (how cost grows with W), and each
-    run as a multiple of `cp -r` of the same checkpoint, on a linear axis with the value written on it."""
+    run against `cp -r` + `sync` of the same checkpoint: shardstore's paired medians with their spread,
+    today's tools (run once) against the one copy row; on a log axis, the value written on each bar."""
     try:
         import matplotlib
     except ImportError:
@@ -570,21 +571,32 @@ def plot(results: list[Result], path: Path, worlds: dict[str, int]) -> None:
     left.set_ylabel("wall time (s)")
     left.set_title("wall time against world size (OLMo-like, w8 / w256 / w1024)", fontsize=10)
     left.legend(fontsize=7)
-    labels, values = [], []
+    labels, values, spreads, colors = [], [], [], []
     for sc in scenarios:
-        cp = next((r.wall for r in done if r.scenario == sc and r.contender == "cp -r"), None)
-        if not cp:
-            continue
+        floor = next((r.wall for r in done if r.scenario == sc and r.contender == "cp -r + sync"), None)
         for r in done:
-            if r.scenario == sc and not r.contender.startswith(("cat", "cp")):
-                labels.append(f"{sc}: {r.contender}")
-                values.append(r.wall / cp)
-    bars = right.barh(labels, values, color=["#d62728" if "OLMo" in lb or "dcp_to" in lb else "#1f77b4" for lb in labels])
-    right.bar_label(bars, labels=[f"{v:.1f}x" for v in values], fontsize=7, padding=2)
+            if r.scenario != sc or r.contender.startswith(("cat", "cp")):
+                continue
+            if r.paired is not None and r.paired_min is not None and r.paired_max is not None:
+                value, low, high, color = r.paired, r.paired - r.paired_min, r.paired_max - r.paired, "#1f77b4"
+            elif floor and not r.contender.startswith("fsspec"):  # run once: today's tools (red), `show`
+                today = r.contender.startswith(("OLMo", "dcp_to"))
+                value, low, high, color = r.wall / floor, 0.0, 0.0, "#d62728" if today else "#9e9e9e"
+            else:
+                continue
+            labels.append(f"{sc}: {r.contender}")
+            values.append(value)
+            spreads.append((low, high))
+            colors.append(color)
+    bars = right.barh(labels, values, color=colors, xerr=list(zip(*spreads)) if spreads else None,
+                      error_kw={"elinewidth": 0.8, "capsize": 2})
+    right.bar_label(bars, labels=[f"{v:.2f}x" for v in values], fontsize=7, padding=4)
     right.axvline(1.0, color="#999999", linewidth=1)
+    right.set_xscale("log")
     right.invert_yaxis()
-    right.set_xlabel("wall time as a multiple of cp -r of the same checkpoint (1 = the copy)")
-    right.set_title("against the disk", fontsize=10)
+    right.set_xlabel("wall time as a multiple of cp -r + sync of the same checkpoint (1 = the copy)")
+    right.set_title("against the disk\nshardstore: the median of its paired ratios, whiskers min-max (blue)\n"
+                    "run once, against the one copy row: today's tools (red), show (grey)", fontsize=8)
     right.tick_params(labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
