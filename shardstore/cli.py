@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import re
 import sys
 import time
+import types
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
-
-import importlib
-import types
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import click
 
