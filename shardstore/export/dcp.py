@@ -32,7 +32,7 @@ from ..errors import ExportError
 from ..ranges import Part
 from ..records import GlobalRef
 from ..runner import Pool
-from ..sink.layout import Layout, Sketch, Target, entry_crc, journalled_runs, new_layout, prepare
+from ..sink.layout import Layout, Sketch, Target, entry_crc, journalled_runs, new_layout, patched, prepare
 from ..sink.output import OutputFile
 from ..store.handle import TensorValue
 from ..store.store import Store
@@ -196,10 +196,19 @@ def _write_file(location: str, storage_options: dict[str, Any] | None, path: str
 
 def write_items(store: Store, path: Path, items: list[Item], partial: bool,
                  progress: Callable[[int], None] | None = None) -> ItemsWritten:
+    """Each item at the end of `path`: a whole tensor of the store from its dtype and shape's template
+    (`Templates`), anything else (a value, a tensor with holes) as torch.save writes it."""
     written = []
+    templates = Templates(store)
     with OutputFile(path) as out:
         for item in items:
             start = out.pos
+            if isinstance(item.source, ArrayRef) and not partial:
+                _write_from(out, templates.of(item.source), item.source, store)
+                written.append((item, start, out.pos - start))
+                if progress:
+                    progress(item.nbytes)
+                continue
             if isinstance(item.source, (ArrayRef, Value)):
                 obj: Any = item.source.value if isinstance(item.source, Value) else item.source
             else:
@@ -485,33 +494,84 @@ def _laid_out(store: Store, jobs: int) -> tuple[list[Sketch], dict[tuple[str, tu
 Place = tuple[int, int, int, int, list[int]]
 
 
+@dataclass(frozen=True)
+class Template:
+    """One dtype and shape's item (what torch.save writes of such a tensor), sketched with its tensor's
+    bytes a hole: its runs of bytes around the hole, and where in it are the tensor's bytes, their CRC-32
+    (local header, central directory), its serialization id and that id's CRC-32. Offsets from its start."""
+
+    runs: list[tuple[int, bytes]]
+    length: int
+    data: int
+    size: int
+    crcs: list[int]
+    ident: int
+    ident_crcs: list[int]
+
+    def fresh_id(self) -> list[tuple[int, bytes]]:
+        """The patches that give an item of it its own serialization id, as each torch.save has."""
+        ident = serialization_id()
+        crc = struct.pack("<I", zlib.crc32(ident))
+        return [(self.ident, ident), *((c, crc) for c in self.ident_crcs)]
+
+
+class Templates:
+    """Each dtype and shape's item sketched once: a tensor's item depends on them alone but for its random
+    serialization id (its storage is always "0", its offsets count from its own start). DeepSeek-V3's 92k
+    tensors are a few hundred of them; each sketch was a pickling and a zip's headers."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._made: dict[tuple[str, tuple[int, ...]], Template] = {}
+
+    def of(self, ref: Any) -> Template:
+        key = (str(ref.dtype), tuple(ref.shape))
+        if key not in self._made:
+            alone = Sketch()
+            zw = write_zip(alone, "archive", ref, self.store, holes=True)
+            (name, (data, size)), = zw.holes.items()
+            self._made[key] = Template(alone.runs(), alone.pos, data, size, zw.crc_at(name),
+                                       zw.data_at[SERIALIZATION_ID], zw.crc_at(SERIALIZATION_ID))
+        return self._made[key]
+
+
 def sketch_items(store: Store, files: list[list[Any]]) -> tuple[list[Sketch], list[list[Place]]]:
-    """Each file's tensors sketched one after another as DCP's items (what torch.save writes of each, its
-    bytes a hole for the workers), with where each is. A tensor's item depends on its dtype and shape
-    alone but for its random serialization id (its storage is always "0", its offsets count from its own
-    start), so each pair is written once and its bytes placed again wherever it recurs, each time with a
-    new id and that id's CRC-32: DeepSeek-V3's 92k tensors are a few hundred pairs."""
-    made: dict[tuple[str, tuple[int, ...]], tuple[list[tuple[int, bytes]], Place, int, list[int]]] = {}
+    """Each file's tensors sketched one after another as DCP's items, their bytes holes for the workers,
+    with where each is: each item its dtype and shape's template (`Templates`) with a new serialization id."""
+    templates = Templates(store)
     sketches, places = [], []
     for refs in files:
         sketch, at = Sketch(), []
         for ref in refs:
-            key = (str(ref.dtype), tuple(ref.shape))
-            if key not in made:
-                alone = Sketch()
-                zw = write_zip(alone, "archive", ref, store, holes=True)
-                (data, size), = zw.holes.values()
-                made[key] = (alone.runs(), (0, alone.pos, data, size, zw.crc_at(next(iter(zw.holes)))),
-                             zw.data_at[SERIALIZATION_ID], zw.crc_at(SERIALIZATION_ID))
-            runs, (_, length, data, size, crcs), ident_at, ident_crcs = made[key]
+            t = templates.of(ref)
             start = sketch.pos
-            ident = serialization_id()
-            crc = struct.pack("<I", zlib.crc32(ident))
-            sketch.place(runs, length, [(ident_at, ident), *((c, crc) for c in ident_crcs)])
-            at.append((start, length, start + data, size, [start + c for c in crcs]))
+            sketch.place(t.runs, t.length, t.fresh_id())
+            at.append((start, t.length, start + t.data, t.size, [start + c for c in t.crcs]))
         sketches.append(sketch)
         places.append(at)
     return sketches, places
+
+
+def _write_from(out: OutputFile, t: Template, source: ArrayRef, store: Store) -> None:
+    """A tensor's item written from its template: the runs before its bytes, its bytes (their CRC-32 the
+    store's record of it, or summed on the way), then the runs after, with its own id and that CRC."""
+    start = out.pos
+    for at, data in t.runs:
+        if at >= t.data:
+            break
+        out.write(data)
+    if out.pos - start != t.data:
+        raise ValueError(f"{source.path}: its item's template is not whole before its bytes")
+    known = source.stored_crc(store)
+    summed = out.write_parts(source.parts(store), crc=0 if known is None else None)
+    crc = struct.pack("<I", known if known is not None else summed or 0)
+    if out.pos - start != t.data + t.size:
+        raise ValueError(f"{source.path}: wrote {out.pos - start - t.data} of its {t.size} bytes")
+    for _, data in patched([r for r in t.runs if r[0] >= t.data], t.fresh_id() + [(c, crc) for c in t.crcs]):
+        out.write(data)
+    for c in t.crcs:
+        if c < t.data:
+            out.pwrite(crc, start + c)
 
 
 def plan_direct(store: Store, jobs: int) -> DcpDirect:

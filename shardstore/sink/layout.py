@@ -101,6 +101,9 @@ class Sketch:
     def pwrite(self, data: bytes, offset: int) -> None:
         self.writes.append((offset, bytes(data)))
 
+    def skip(self, n: int) -> None:
+        self.pos += n
+
     def runs(self) -> list[tuple[int, bytes]]:
         """The writes as runs of adjacent bytes, each later write over the earlier ones (a zip's CRCs
         patched into its headers): what the file will hold, in the fewest writes."""
@@ -116,19 +119,24 @@ class Sketch:
     def place(self, runs: list[tuple[int, bytes]], length: int, patches: Iterable[tuple[int, bytes]] = ()) -> None:
         """Another sketch's `runs` (`length` bytes from its start) again, from here on, with `patches`
         (offsets from its start) written over them; the runs they miss shared, not copied."""
-        patches = list(patches)
-        for at, data in runs:
-            mine = [(p - at, b) for p, b in patches if at <= p < at + len(data)]
-            if mine:
-                buf = bytearray(data)
-                for offset, b in mine:
-                    buf[offset:offset + len(b)] = b
-                data = bytes(buf)
-            self.writes.append((self.pos + at, data))
+        self.writes.extend((self.pos + at, data) for at, data in patched(runs, patches))
         self.pos += length
 
-    def skip(self, n: int) -> None:
-        self.pos += n
+
+def patched(runs: list[tuple[int, bytes]], patches: Iterable[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """`runs` with `patches` (at the same offsets) written over them; a run no patch falls in is the same
+    bytes object."""
+    patches = list(patches)
+    out = []
+    for at, data in runs:
+        mine = [(p - at, b) for p, b in patches if at <= p < at + len(data)]
+        if mine:
+            buf = bytearray(data)
+            for offset, b in mine:
+                buf[offset:offset + len(b)] = b
+            data = bytes(buf)
+        out.append((at, data))
+    return out
 
 
 def prepare(store: Store, lay: Layout, heads: list[list[tuple[int, bytes]]]) -> None:
