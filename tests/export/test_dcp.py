@@ -10,7 +10,7 @@ import torch
 import shardstore
 from shardstore.export import dcp as dcp_export
 from tests.conftest import assert_bitwise_equal, expected
-from tests.fixtures.dcp import resume
+from tests.fixtures.dcp import item_zips, resume
 
 
 def test_a_legacy_checkpoint_resumes_on_fewer_ranks_with_dcp_load(checkpoints, tmp_path: Path, monkeypatch) -> None:
@@ -51,12 +51,8 @@ def test_every_item_is_a_zip_whose_crcs_match_its_bytes(checkpoints, tmp_path: P
     """torch's loader does not check the CRC-32s in the zips a .distcp file holds, so only this does: each
     record's CRC is its bytes' (a tensor split into cells gets each cell's own, never the whole array's).
     Each item has its own serialization id, as each torch.save has, also where the one pass laid out the
-    items of one dtype and shape from one sketch (`dcp.sketch_items`)."""
-    import io
-    import zipfile
-
-    from torch.distributed.checkpoint import FileSystemReader
-
+    items of one dtype and shape from one template (`dcp.Templates`), and where the store's were written
+    from one."""
     files = sorted(checkpoints(3).glob("rank*.pt"))
     store = shardstore.ingest(tmp_path / "store", files, jobs=1)
     assert any(len(store.cells_present(p)) > 1 for p in store.manifest.arrays)  # some tensors are several chunks
@@ -64,15 +60,9 @@ def test_every_item_is_a_zip_whose_crcs_match_its_bytes(checkpoints, tmp_path: P
         shardstore.unshard(files[0].parent, tmp_path / "dcp", format="dcp", jobs=2)
     else:
         shardstore.export(store, tmp_path / "dcp", format="dcp", jobs=1)
-    storage = FileSystemReader(str(tmp_path / "dcp")).read_metadata().storage_data
-    shapes, ids = [], set()
-    for index, info in storage.items():
-        with open(tmp_path / "dcp" / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            item = zipfile.ZipFile(io.BytesIO(f.read(info.length)))
-        assert item.testzip() is None, (index.fqn, index.offset)
-        ids.add(item.read("archive/.data/serialization_id"))
-        shapes.append(item.read("archive/data.pkl"))
+    storage = item_zips(tmp_path / "dcp")
+    ids = {item.read("archive/.data/serialization_id") for item in storage.values()}
+    shapes = [item.read("archive/data.pkl") for item in storage.values()]
     assert len(ids) == len(storage)
     assert len(set(shapes)) < len(shapes)  # items alike but for their ids: what one sketch serves
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

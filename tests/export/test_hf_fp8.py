@@ -13,6 +13,7 @@ import torch
 
 import shardstore
 from tests.conftest import assert_bitwise_equal
+from tests.fixtures.dcp import item_zips
 
 IDS = torch.tensor([[1, 5, 9, 200, 3, 77]])
 
@@ -82,6 +83,7 @@ def test_without_dtype_the_fp8_model_is_kept_as_it_is(fp8_model: Path, tmp_path:
 
 def test_a_megatron_checkpoint_of_an_fp8_model_holds_its_dequantized_weights(fp8_model: Path, tmp_path: Path) -> None:
     shardstore.unshard(fp8_model, tmp_path / "megatron", format="megatron", jobs=2)
+    assert item_zips(tmp_path / "megatron" / "release")  # every item's CRCs, the dequantized weights' too
     shardstore.unshard(tmp_path / "megatron", tmp_path / "back", format="hf", jobs=1)
     assert_bitwise_equal(_weights(tmp_path / "back"), _dequantized_by_transformers(fp8_model).state_dict(), "megatron")
     result = shardstore.verify(fp8_model, tmp_path / "megatron")  # against the model dequantized as the writer did
