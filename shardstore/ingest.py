@@ -140,6 +140,7 @@ def ingest_files(store: Store, paths: Sequence[str | os.PathLike[str]], options:
                         direct.sync()  # durable before the commits that journal it
                     store.commit_ranks([ingested.record for ingested, _ in done], [k for _, keys in done for k in keys])
             finally:
+                store.abandon_pack()  # (a pack the commit did not close: nothing names it)
                 if direct is not None:
                     direct.close()
         return [ingested for ingested, _ in done]

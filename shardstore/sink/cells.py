@@ -51,6 +51,8 @@ class UnitWriter:
         self.written: list[str] = []
         self.cells: dict[str, list[int]] = {}
         self.crcs: dict[str, dict[str, int]] = {}  # cells that are a source record unchanged: its CRC-32
+        self.packs: list[str] = []  # in a packed store: the packs its cells went into, and where in them
+        self.spans: dict[str, list[list[int]]] = {}
         self.staged: dict[str, list[list[Any]]] = {}
         self.objects: dict[str, Any] = {}
         self._staging: list[Part] = []
@@ -99,7 +101,14 @@ class UnitWriter:
         self.cells.setdefault(entry.path, []).append(flat)
         if crc is not None:
             self.crcs.setdefault(entry.path, {})[str(flat)] = crc
-        self.written.append(self.store.write_cell(entry, index, parts, valid_rows))
+        key, span = self.store.write_cell(entry, index, parts, valid_rows)
+        if span is None:
+            self.written.append(key)
+            return
+        if key not in self.packs:  # (a task's cells go into one pack; a second only under --verify-replicas)
+            self.packs.append(key)
+            self.written.append(key)
+        self.spans.setdefault(entry.path, []).append([self.packs.index(key), span[1], span[2]])
 
     def _flat_piece(self, entry: ArrayEntry, piece: Piece) -> None:
         """An element range: the cells it fills whole are written, its parts of the others staged."""
@@ -139,7 +148,7 @@ class UnitWriter:
             self._staging = []
         return CommitRecord(rank, os.path.basename(unit.path), unit.size, self.cells, self.staged, self.objects, only,
                             world_size, unit.group_rank, unit.group_size, self.crcs, identity, direct, runs or [],
-                            inline)
+                            inline, self.packs, self.spans)
 
     def _verify(self, entry: ArrayEntry, index: tuple[int, ...], parts: list[Part]) -> None:
         """Compare this unit's copy of a cell with the committed one; name the first difference."""

@@ -25,6 +25,15 @@ from ..locations import StorageOptions, filesystem, is_url, local, service_error
 from ..ranges import BLOCK, FileRange, Part, blocks, copy_range
 
 
+class Writer(Protocol):
+    """One object written in appends: `write` (any number of times), then `close` (the object appears
+    whole) or `abort` (nothing appears). A store format 4 pack (store/packs.py) is one."""
+
+    def write(self, parts: Iterable[Part]) -> int: ...  # the bytes appended
+    def close(self, durable: bool = False) -> None: ...
+    def abort(self) -> None: ...
+
+
 class Backend(Protocol):
     root: str
     storage_options: StorageOptions
@@ -32,6 +41,7 @@ class Backend(Protocol):
     def read(self, key: str, start: int = 0, length: int | None = None) -> bytes: ...
     def read_many(self, keys: Sequence[str], length: int | None = None) -> list[bytes | None]: ...
     def write(self, key: str, parts: Iterable[Part], durable: bool = False) -> None: ...
+    def open_writer(self, key: str) -> Writer: ...
     def write_many(self, items: Sequence[tuple[str, bytes]]) -> None: ...
     def publish(self, items: Sequence[tuple[str, bytes]], after: Iterable[str]) -> None: ...
     def exists(self, key: str) -> bool: ...
@@ -95,11 +105,17 @@ class LocalBackend:
             self.write(key, [data])
 
     def write(self, key: str, parts: Iterable[Part], durable: bool = False) -> None:
+        writer = self.open_writer(key)
+        try:
+            writer.write(parts)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close(durable)
+
+    def open_writer(self, key: str) -> "_LocalWriter":
         with self._user_errors(key):
-            tmp, path = self._stage(key, parts, durable)
-            self._rename(tmp, path)
-            if durable:
-                self._sync_dir(path.parent)
+            return _LocalWriter(self, key)
 
     def publish(self, items: Sequence[tuple[str, bytes]], after: Iterable[str]) -> None:
         """Write small objects (commit records) that may appear only once they and every object `after`
@@ -137,38 +153,18 @@ class LocalBackend:
 
     def _stage(self, key: str, parts: Iterable[Part], durable: bool) -> tuple[Path, Path]:
         """`key`'s bytes under a temporary name beside it (made durable with `durable`): (temporary, final)."""
-        path = self._path(key)
+        writer = _LocalWriter(self, key)
+        try:
+            writer.write(parts)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.finish(durable)
+
+    def _folder(self, path: Path) -> None:
         if path.parent not in self._made:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._made.add(path.parent)
-        tmp = tempfiles.temp_path(path)
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileNotFoundError:  # its folder was removed since (a store deleted and made again)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        written = 0
-        try:
-            for part in parts:
-                if isinstance(part, FileRange):
-                    copy_range(part, fd)
-                    written += part.length
-                    continue
-                for block in blocks([part]):
-                    view = memoryview(block).cast("B")
-                    written += len(view)
-                    while view:
-                        view = view[os.write(fd, view):]
-            if durable:
-                os.fsync(fd)
-            elif written >= EARLY_WRITEBACK_BYTES and _libc("sync_file_range") is not None:
-                _libc("sync_file_range")(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
-        except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        return tmp, path
 
     @staticmethod
     def _rename(tmp: Path, path: Path) -> None:
@@ -238,6 +234,65 @@ class LocalBackend:
         import zarr.storage
 
         return zarr.storage.LocalStore(self.root, read_only=read_only)
+
+
+class _LocalWriter:
+    """A local object being written: under a temporary name beside it until `close` renames it into place."""
+
+    def __init__(self, backend: LocalBackend, key: str):
+        self.backend, self.key = backend, key
+        self.path = backend._path(key)
+        backend._folder(self.path)
+        self.tmp = tempfiles.temp_path(self.path)
+        try:
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:  # its folder was removed since (a store deleted and made again)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.written = 0
+
+    def write(self, parts: Iterable[Part]) -> int:
+        before = self.written
+        with self.backend._user_errors(self.key):
+            for part in parts:
+                if isinstance(part, FileRange):
+                    copy_range(part, self.fd)
+                    self.written += part.length
+                    continue
+                for block in blocks([part]):
+                    view = memoryview(block).cast("B")
+                    self.written += len(view)
+                    while view:
+                        view = view[os.write(self.fd, view):]
+        return self.written - before
+
+    def finish(self, durable: bool) -> tuple[Path, Path]:
+        """Written whole, still under its temporary name: (temporary, final)."""
+        try:
+            with self.backend._user_errors(self.key):
+                if durable:
+                    os.fsync(self.fd)
+                elif self.written >= EARLY_WRITEBACK_BYTES and _libc("sync_file_range") is not None:
+                    _libc("sync_file_range")(self.fd, 0, 0, SYNC_FILE_RANGE_WRITE)
+        except BaseException:
+            self.abort()
+            raise
+        os.close(self.fd)
+        self.fd = -1
+        return self.tmp, self.path
+
+    def close(self, durable: bool = False) -> None:
+        tmp, path = self.finish(durable)
+        with self.backend._user_errors(self.key):
+            self.backend._rename(tmp, path)
+            if durable:
+                self.backend._sync_dir(path.parent)
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.tmp.unlink(missing_ok=True)
 
 
 TOGETHER = 16  # requests in flight at once (FsspecBackend.read_many, write_many)
@@ -310,18 +365,16 @@ class FsspecBackend:
         return {"batch_size": TOGETHER} if getattr(self.fs, "async_impl", False) else {}
 
     def write(self, key: str, parts: Iterable[Part], durable: bool = False) -> None:
-        f = self._call(key, self.fs.open, self._path(key), "wb", block_size=BLOCK)  # multipart: one block in memory
+        writer = self.open_writer(key)
         try:
-            for block in blocks(parts):
-                self._call(key, f.write, block)
-            self._call(key, f.close)
+            writer.write(parts)
+            writer.close()
         except BaseException:
-            discard = getattr(f, "discard", None)
-            if discard is not None:  # abort the multipart upload: nothing half-written ever appears
-                with contextlib.suppress(Exception):
-                    discard()
-            f.closed = True  # and never let the file's finalizer try to finish it later
+            writer.abort()
             raise
+
+    def open_writer(self, key: str) -> "_FsspecWriter":
+        return _FsspecWriter(self, key)
 
     def exists(self, key: str) -> bool:
         return bool(self._call(key, self.fs.exists, self._path(key)))
@@ -354,6 +407,32 @@ class FsspecBackend:
 
         return zarr.storage.FsspecStore.from_url(self.root, storage_options=self.storage_options,
                                                  read_only=read_only)
+
+
+class _FsspecWriter:
+    """An object being uploaded: one block in memory, a multipart upload beyond it; it appears at `close`."""
+
+    def __init__(self, backend: FsspecBackend, key: str):
+        self.backend, self.key = backend, key
+        self.f = backend._call(key, backend.fs.open, backend._path(key), "wb", block_size=BLOCK)
+
+    def write(self, parts: Iterable[Part]) -> int:
+        written = 0
+        for block in blocks(parts):
+            self.backend._call(self.key, self.f.write, block)
+            written += memoryview(block).nbytes
+        return written
+
+    def close(self, durable: bool = False) -> None:
+        """(Durable once the PUT returns.)"""
+        self.backend._call(self.key, self.f.close)
+
+    def abort(self) -> None:
+        discard = getattr(self.f, "discard", None)
+        if discard is not None:  # abort the multipart upload: nothing half-written ever appears
+            with contextlib.suppress(Exception):
+                discard()
+        self.f.closed = True  # and never let the file's finalizer try to finish it later
 
 
 def _or_none(read: Callable[[str, int, int | None], bytes], key: str, start: int, length: int | None) -> bytes | None:

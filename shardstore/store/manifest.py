@@ -18,10 +18,12 @@ from ..errors import StoreError
 from ..facts import CheckpointFacts
 from ..paths import pick
 from ..tree import Node
+from .packs import PACK_KEY
 
-FORMAT_VERSION = 3  # 3: a commit record may hold its rank's staged bytes; 2: cell files named with Zarr's "."
-# chunk key separator (1: "/")
+FORMAT_VERSION = 4  # 4: cells may be packed (store/packs.py); 3: a commit record may hold its rank's staged
+# bytes; 2: cell files named with Zarr's "." chunk key separator (1: "/")
 INLINE_STAGING = 3  # the first format whose commit records may hold their staged bytes
+PACKED = 4  # the first format whose cells may be packed
 MANIFEST_KEY = "__shardstore__/manifest.json"
 
 
@@ -128,6 +130,7 @@ class Manifest:
     objects: list[str]  # paths of every leaf that is not a sharded tensor
     facts: CheckpointFacts = field(default_factory=CheckpointFacts)
     version: int = FORMAT_VERSION  # of the store this manifest was written for
+    packed: bool = False  # its units' cells are in packs (store format 4, object storage: store/packs.py)
 
     @property
     def separator(self) -> str:
@@ -151,6 +154,7 @@ class Manifest:
             "format": "shardstore", "version": self.version, "layout": self.layout,
             "world_size": self.world_size, "facts": self.facts.to_json(), "tree": self.tree.to_json(),
             "arrays": {p: a.to_json() for p, a in self.arrays.items()}, "objects": self.objects,
+            **({"packed": True} if self.packed else {}),
         }
 
     @classmethod
@@ -167,11 +171,12 @@ class Manifest:
             tree = Node.from_json(d["tree"])
             if facts.version < 2:
                 facts = replace(facts, megatron_common=_v1_megatron_common(tree, facts.format))
-            manifest = cls(d["layout"], d["world_size"], tree, arrays, d["objects"], facts, int(d.get("version", 1)))
+            manifest = cls(d["layout"], d["world_size"], tree, arrays, d["objects"], facts, int(d.get("version", 1)),
+                           d.get("packed", False))
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise StoreError(f"{where}: corrupt manifest ({type(exc).__name__}: {str(exc)[:80]})") from None
         if not (isinstance(manifest.world_size, int) and 0 < manifest.world_size <= 1 << 20
-                and isinstance(manifest.objects, list)):
+                and isinstance(manifest.objects, list) and isinstance(manifest.packed, bool)):
             raise StoreError(f"{where}: corrupt manifest (world size or tree)")
         return manifest
 
@@ -197,20 +202,25 @@ class CommitRecord:
     runs: list[list[int]] = field(default_factory=list)  # [file, offset, length, CRC-32] it wrote into zip entries
     # its staged pieces' bytes, where few (store format 3): no staging file, nothing more to write or read
     inline: builtins.bytes | None = field(default=None, repr=False)  # (the field `bytes` hides the type)
+    # in a packed store (format 4): the packs its cells are in, and for each of `cells`, [pack, offset, size]
+    packs: list[str] = field(default_factory=list)
+    spans: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "world_size": self.world_size, "group_rank": self.group_rank,
                 "group_size": self.group_size, "file": self.file, "bytes": self.bytes, "only": self.only,
                 "cells": self.cells, "staged": self.staged, "objects": self.objects, "crcs": self.crcs,
                 "identity": self.identity, "direct": self.direct, "runs": self.runs,
-                **({"staging": base64.b64encode(self.inline).decode("ascii")} if self.inline is not None else {})}
+                **({"staging": base64.b64encode(self.inline).decode("ascii")} if self.inline is not None else {}),
+                **({"packs": self.packs, "spans": self.spans} if self.packs else {})}
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> "CommitRecord":
         try:
             record = cls(d["rank"], d["file"], d["bytes"], d["cells"], d["staged"], d["objects"], d.get("only"),
                          d.get("world_size", 0), d.get("group_rank", 0), d.get("group_size", 0), d.get("crcs", {}),
-                         d.get("identity"), d.get("direct"), d.get("runs", []), _inline(d.get("staging")))
+                         d.get("identity"), d.get("direct"), d.get("runs", []), _inline(d.get("staging")),
+                         d.get("packs", []), d.get("spans", {}))
         except (KeyError, TypeError, ValueError):  # (ValueError: staged bytes that are not base64)
             record = None
         if record is None or not all(isinstance(v, t) for v, t in (
@@ -220,9 +230,26 @@ class CommitRecord:
                 or not all(
                 isinstance(c, dict) and all(isinstance(v, int) for v in c.values()) for c in record.crcs.values()) \
                 or not isinstance(record.runs, list) or not all(
-                isinstance(r, list) and len(r) == 4 and all(isinstance(v, int) for v in r) for r in record.runs):
+                isinstance(r, list) and len(r) == 4 and all(isinstance(v, int) for v in r) for r in record.runs) \
+                or not _spans_fit(record):
             raise StoreError(f"{where}: damaged commit record; delete it and ingest that rank again")
         return record
+
+
+def _spans_fit(record: CommitRecord) -> bool:
+    """A packed record's places are well formed: pack names a pack may have (never another key of the
+    store), one [pack, offset, size] per cell listed, in range. (Whether they overlap, or have the size
+    their cell's shard object has, is checked where they are indexed: `Store._pack_spans`.)"""
+    packs, spans = record.packs, record.spans
+    if not (isinstance(packs, list) and isinstance(spans, dict)):
+        return False
+    if not packs:
+        return not spans
+    return all(isinstance(p, str) and PACK_KEY.fullmatch(p) for p in packs) and spans.keys() == record.cells.keys() \
+        and all(isinstance(places, list) and isinstance(record.cells[path], list)
+                and len(places) == len(record.cells[path]) for path, places in spans.items()) \
+        and all(isinstance(place, list) and len(place) == 3 and all(type(v) is int and v >= 0 for v in place)
+                and place[0] < len(packs) for places in spans.values() for place in places)
 
 
 def _inline(text: Any) -> bytes | None:

@@ -81,6 +81,12 @@ def index_bytes(cell_rows: int, chunk_rows: int, valid_rows: int, chunk_bytes: i
     return raw + struct.pack("<I", google_crc32c.value(raw))
 
 
+def shard_size(cell: tuple[int, ...], chunk: tuple[int, ...], valid_rows: int, itemsize: int) -> int:
+    """The size of the shard file `shard_parts` makes."""
+    chunk_bytes = chunk[0] * math.prod(cell[1:]) * itemsize
+    return -(-valid_rows // chunk[0]) * chunk_bytes + 16 * (cell[0] // chunk[0]) + 4
+
+
 def shard_parts(data: Iterable[Part], data_bytes: int, cell: tuple[int, ...], chunk: tuple[int, ...],
                 valid_rows: int, itemsize: int) -> list[Part]:
     """The parts of one shard file whose cell holds `valid_rows` rows of real data (`data_bytes` bytes).

@@ -6,6 +6,8 @@
     <store>/__shardstore__/staging/<r>.bin               a rank's pieces of small tensors, where more than
                                                          its commit record holds (store format 3)
     <store>/__shardstore__/blobs/<digest>                plain-tensor bytes, content-addressed
+    <store>/__shardstore__/packs/<random>.bin            on object storage (store format 4), a task's cells in
+                                                         one object; its records say where (store/packs.py)
     <store>/__shardstore__/zarr.json                     an empty array node, so Zarr readers walking the
                                                          group see a node there and never look inside
 
@@ -23,7 +25,7 @@ import math
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import numpy as np
@@ -39,8 +41,9 @@ from ..locations import StorageOptions, filesystem
 from ..ranges import FileRange, Part, joined, part_length
 from .backend import Backend, open_backend
 from .handle import TensorHandle, decode_value
-from .manifest import MANIFEST_KEY, ArrayEntry, CommitRecord, Manifest
-from .shardfile import GROUP_METADATA, array_metadata, records_node_metadata, shard_parts
+from .manifest import MANIFEST_KEY, PACKED, ArrayEntry, CommitRecord, Manifest
+from .packs import Pack, Span, packs_cells, transformed, zarr_view
+from .shardfile import GROUP_METADATA, array_metadata, records_node_metadata, shard_parts, shard_size
 
 RECORDS_NODE = "__shardstore__/zarr.json"
 RANKS = "__shardstore__/ranks"
@@ -67,9 +70,9 @@ def _write_array_metadata(backend: Backend, manifest: Manifest, location: str, f
     wanted: list[tuple[str, Any]] = [(f"{group}/zarr.json", None) for group in sorted(groups)]
     for entry in manifest.arrays.values():
         info = dtypes.info(entry.dtype)
-        wanted.append((f"{entry.path}/zarr.json", array_metadata(
-            info.raw, entry.shape, tuple(max(c, 1) for c in entry.cell), tuple(max(c, 1) for c in entry.chunk),
-            {"torch_dtype": entry.dtype}, manifest.separator)))
+        meta = array_metadata(info.raw, entry.shape, tuple(max(c, 1) for c in entry.cell),
+                              tuple(max(c, 1) for c in entry.chunk), {"torch_dtype": entry.dtype}, manifest.separator)
+        wanted.append((f"{entry.path}/zarr.json", transformed(meta) if manifest.packed else meta))
     there = [None] * len(wanted) if fresh else backend.read_many([key for key, _ in wanted])
     for (key, meta), raw in zip(wanted, there):
         if meta is not None and raw is not None and json.loads(raw) != meta:
@@ -79,6 +82,12 @@ def _write_array_metadata(backend: Backend, manifest: Manifest, location: str, f
                for (key, meta), raw in zip(wanted, there) if raw is None]
     backend.write_many(missing[:-1])
     backend.write_many(missing[-1:])
+
+
+def _shard_size(plan: ArrayEntry, cell: int) -> int:
+    """The size of a cell's shard object (`shard_parts`)."""
+    (lo, hi), *_ = plan.cell_bounds(plan.cell_index(cell))
+    return shard_size(plan.cell, plan.chunk, hi - lo, dtypes.info(plan.dtype).itemsize)
 
 
 def _read_if_there(backend: Backend, key: str, length: int | None = None) -> bytes | None:
@@ -130,6 +139,11 @@ class Store:
         self._present: set[str] = set()  # cell keys known to be written (a cell is never removed)
         self._absent: set[str] | None = None  # inside `_cells_as_of_now`: cell keys found missing
         self._created = False  # this process made the store: its first assembly looks for no cell (_cells_as_of_now)
+        self._pack: Pack | None = None  # a packed store's: the one this process's task is writing
+        self._unsent: dict[tuple[str, int], Span] = {}  # cells this process packed, not yet in a record it holds
+        self._spans: tuple[int, dict[str, dict[int, Span]]] = (0, {})  # (records indexed, path -> cell -> place)
+        self._zarr_spans: dict[str, Span] = {}  # cell key -> place, for the Zarr view (packs.zarr_view)
+        self._blobs: set[str] = set()  # digests this process has stored (put_blob)
 
     # ------------------------------------------------------------------ opening and creating
     @classmethod
@@ -165,8 +179,11 @@ class Store:
                storage_options: StorageOptions | None = None, array_metadata: bool = True) -> "Store":
         """Create the store for `manifest`, or open it if it exists and holds the same checkpoint layout.
         Without `array_metadata` (a scratch store whose arrays a one-pass export writes straight into its
-        output) no zarr.json of an array, or of a group above one, is written until `ensure_array_metadata`."""
+        output) no zarr.json of an array, or of a group above one, is written until `ensure_array_metadata`.
+        A new store on object storage is packed (store/packs.py); one on a file system is not, so that any
+        Zarr reader opens it as it is."""
         backend = open_backend(location, storage_options)
+        manifest = replace(manifest, packed=manifest.version >= PACKED and packs_cells(backend))
         if backend.exists(MANIFEST_KEY):
             store = cls.open(location, storage_options)
             store.check_compatible(manifest, str(location))
@@ -218,12 +235,32 @@ class Store:
                                  f"in the store, {plan.dtype}{list(plan.shape)} in the new files")
 
     # ------------------------------------------------------------------ writing (ingestion)
-    def write_cell(self, plan: ArrayEntry, index: tuple[int, ...], data: list[Part], valid_rows: int) -> str:
-        """Write one cell as a complete Zarr shard file; `data` are its valid rows' bytes in order."""
+    def write_cell(self, plan: ArrayEntry, index: tuple[int, ...], data: list[Part],
+                   valid_rows: int) -> tuple[str, Span | None]:
+        """Write one cell as a complete Zarr shard object; `data` are its valid rows' bytes in order. Returns
+        the key written, and in a packed store where in that pack the cell is."""
         key, parts = self._cell_object(plan, index, data, valid_rows)
-        self.backend.write(key, parts)
-        self._written(key)
-        return key
+        if not self.manifest.packed:
+            self.backend.write(key, parts)
+            self._written(key)
+            return key, None
+        if self._pack is None:
+            self._pack = Pack(self.backend)
+        span = self._pack.append(parts)
+        self._unsent[(plan.path, plan.flat_index(index))] = span
+        return span[0], span
+
+    def _close_pack(self) -> None:
+        """The pack being written appears (before the records that name it)."""
+        pack, self._pack = self._pack, None
+        if pack is not None:
+            pack.close()
+
+    def abandon_pack(self) -> None:
+        """A pack still being written when its task ends without committing: it never appears."""
+        pack, self._pack = self._pack, None
+        if pack is not None:
+            pack.abort()
 
     def _cell_object(self, plan: ArrayEntry, index: tuple[int, ...], data: list[Part],
                      valid_rows: int) -> tuple[str, list[Part]]:
@@ -278,7 +315,54 @@ class Store:
 
     def read_cell_bytes(self, entry: ArrayEntry, index: tuple[int, ...], nbytes: int) -> bytes:
         """The first `nbytes` of a cell's data (its valid rows, in C order)."""
-        return self.backend.read(self.cell_key(entry.path, index), 0, nbytes)
+        key, offset = self._cell_at(entry.path, index, nbytes)
+        return self.backend.read(key, offset, nbytes)
+
+    def _cell_at(self, path: str, index: tuple[int, ...], nbytes: int, offset: int = 0) -> tuple[str, int]:
+        """Where bytes [offset, offset + nbytes) of a cell's shard object are: (key, offset there). In a
+        packed store, a unit's cell is a range of a pack (`_pack_spans`; one this process is still writing
+        is closed first); an assembled cell, an object of its own."""
+        plan = self.manifest.arrays[path]
+        span = None
+        if self.manifest.packed:
+            flat = plan.flat_index(index)
+            span = self._unsent.get((path, flat)) or self._pack_spans(path).get(flat)
+        if span is None:
+            return self.cell_key(path, index), offset
+        pack, start, size = span
+        if offset + nbytes > size:
+            raise StoreError(f"{self.location}: {path}: a commit record places cell {list(index)} in fewer bytes "
+                             f"than it holds; the store is damaged")
+        if self._pack is not None and pack == self._pack.key:
+            self._close_pack()  # (under --verify-replicas: a copy an earlier unit of this task wrote)
+        return pack, start + offset
+
+    def _pack_spans(self, path: str) -> dict[int, Span]:
+        """Cell -> its place in a pack, for one array, from every commit record held: indexed once (and again
+        only when more records are held), each place checked to be exactly its cell's shard object and to
+        share no byte with another's, so that a damaged or hostile record cannot hand one cell another's
+        bytes."""
+        records = self.records(refresh=False)
+        if self._spans[0] != len(records):
+            index: dict[str, dict[int, Span]] = {}
+            taken: dict[str, list[tuple[int, int, str]]] = {}
+            for rank, rec in records.items():
+                for p, places in rec.spans.items():
+                    plan = self.manifest.arrays.get(p)
+                    for cell, (k, start, size) in zip(rec.cells[p], places):
+                        if plan is None or not 0 <= cell < plan.ncells or size != _shard_size(plan, cell):
+                            raise StoreError(f"{self.location}: {RANKS}/{rank}.json places a cell of {p} wrongly; "
+                                             f"the store is damaged (delete the record, ingest rank {rank} again)")
+                        index.setdefault(p, {}).setdefault(cell, (rec.packs[k], start, size))
+                        taken.setdefault(rec.packs[k], []).append((start, start + size, f"{RANKS}/{rank}.json"))
+            for pack, ranges in taken.items():
+                ranges.sort()
+                for (_, end, _), (start, _, record) in zip(ranges, ranges[1:]):
+                    if start < end:
+                        raise StoreError(f"{self.location}: {record} places two cells on the same bytes of {pack}; "
+                                         f"the store is damaged")
+            self._spans = (len(records), index)
+        return self._spans[1].get(path, {})
 
     def write_staging(self, rank: int, parts: list[Part]) -> str:
         key = f"{STAGING}/{rank}.bin"
@@ -286,19 +370,25 @@ class Store:
         return key
 
     def put_blob(self, data: bytes | memoryview) -> str:
+        """A plain tensor's bytes, stored once by their digest. On object storage they are written without
+        asking first (the same bytes under the same name: one PUT, where a HEAD and s3fs's listing after
+        its 404 took two), and once per process."""
         digest = hashlib.blake2b(data, digest_size=20).hexdigest()
         key = f"{BLOBS}/{digest}"
-        if not self.backend.exists(key):
+        if digest not in self._blobs and (self.backend.local_path(key) is None or not self.backend.exists(key)):
             self.backend.write(key, [data])
+        self._blobs.add(digest)
         return digest
 
     def commit_ranks(self, records: list[CommitRecord], written: list[str]) -> None:
         """Make everything the units wrote durable, then write their records: each now counts as done.
         A worker commits the units of its batch at once (ingest.py), with one sync for all of them."""
+        self._close_pack()
         self.backend.publish([(f"{RANKS}/{r.rank}.json", json.dumps(r.to_json()).encode()) for r in records],
-                             after=written)
+                             after=dict.fromkeys(written))
         for record in records:
             self._hold(record)
+        self._unsent.clear()
 
     def remember(self, record: CommitRecord, staging: bytes | None = None) -> None:
         """A record this run's worker committed (ingest.py): kept as if read back from the store, with the
@@ -587,7 +677,12 @@ class Store:
         import zarr  # only here: a store's own reads and writes never need it
 
         if self._zarr_root is None:
-            self._zarr_root = zarr.open_group(store=self.backend.zarr_store(), mode="r", zarr_format=3)
+            inner = self.backend.zarr_store()
+            view = zarr_view(inner, self._zarr_spans) if self.manifest.packed else inner
+            self._zarr_root = zarr.open_group(store=view, mode="r", zarr_format=3)
+        if self.manifest.packed:  # the cells of every record held so far, as Zarr's view finds them
+            self._zarr_spans.update((self.cell_key(path, self.manifest.arrays[path].cell_index(cell)), span)
+                                    for path in self.manifest.arrays for cell, span in self._pack_spans(path).items())
         return self._zarr_root
 
     def read(self, path: str, selection: Any = slice(None)) -> np.ndarray:
@@ -623,8 +718,9 @@ class Store:
                     for start in range(lo, hi, step):
                         yield info.hole((min(start + step, hi) - start) * row_bytes // info.itemsize)
                     continue
-                yield from self._file_parts(self.cell_key(path, index), (hi - lo) * row_bytes, max_bytes,
-                                            (lo - cell_lo) * row_bytes)
+                nbytes = (hi - lo) * row_bytes
+                yield from self._file_parts(*self._cell_at(path, index, nbytes, (lo - cell_lo) * row_bytes), nbytes,
+                                            max_bytes)
         else:  # the grid cuts trailing dimensions: let Zarr gather full rows
             step = max(1, max_bytes // max(row_bytes, 1))
             for lo in range(first, stop, step):
@@ -686,7 +782,7 @@ class Store:
             return
         if all(hi - lo == c for (lo, hi), c in zip(bounds[1:], plan.cell[1:])):
             nbytes = math.prod(hi - lo for lo, hi in bounds) * dtypes.info(plan.dtype).itemsize
-            yield from self._file_parts(self.cell_key(path, index), nbytes, max_bytes)
+            yield from self._file_parts(*self._cell_at(path, index, nbytes), nbytes, max_bytes)
         else:
             yield np.ascontiguousarray(self.read(path, tuple(slice(lo, hi) for lo, hi in bounds))).data
 
@@ -694,7 +790,7 @@ class Store:
         """Delete temporary files left by writers that were killed mid-write (their process is gone)."""
         return self.backend.sweep_temporaries()
 
-    def _file_parts(self, key: str, nbytes: int, max_bytes: int, offset: int = 0) -> Iterator[Part]:
+    def _file_parts(self, key: str, offset: int, nbytes: int, max_bytes: int = 16 << 20) -> Iterator[Part]:
         local = self.backend.local_path(key)
         if local is not None:
             try:
@@ -707,7 +803,10 @@ class Store:
                 os.close(fd)
             return
         for start in range(offset, offset + nbytes, max_bytes):
-            yield self.backend.read(key, start, min(max_bytes, offset + nbytes - start))
+            data = self.backend.read(key, start, min(max_bytes, offset + nbytes - start))
+            if len(data) != min(max_bytes, offset + nbytes - start):
+                raise StoreError(f"{self.location}: {key} is shorter than its cells; the store is damaged")
+            yield data
 
     # ------------------------------------------------------------------ the user-facing read API
     def keys(self) -> list[str]:

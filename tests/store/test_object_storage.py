@@ -160,3 +160,46 @@ class TestS3Backend(BackendTests):
         if not fs.exists("backend-tests"):
             fs.mkdir("backend-tests")
         return FsspecBackend(f"s3://backend-tests/{tmp_path.name}")
+
+
+@pytest.mark.parametrize("version", [3, 4], ids=["format-3-cell-objects", "format-4-packed"])
+def test_a_rank_file_costs_at_most_three_requests_and_an_older_store_is_still_completed(
+        s3, checkpoints, tmp_path: Path, version: int) -> None:
+    """Counted at the server, W=8 from S3 into S3 (store/packs.py): what each rank file costs is its GET,
+    its commit record's PUT and its share of its task's pack, at most 3 requests; no cell a unit wrote is an
+    object of its own. A store of format 3 (a cell an object) is still completed in its own format, and
+    both export every byte."""
+    import dataclasses
+
+    from shardstore import values
+    from shardstore.plan import plan_checkpoint
+    from shardstore.read.discover import source_of_files, spec_of
+    from shardstore.store.store import Store
+
+    src = checkpoints(8)
+    url = upload(src, f"s3://ckpt-p/run{version}")
+    files = [f"{url}/rank{r}.pt" for r in range(8)]
+    store_url = f"s3://ckpt-p/store{version}"
+    if version == 3:  # as a shardstore of then made it
+        manifest = plan_checkpoint(spec_of(source_of_files(files[:1]), values.encode))
+        Store.create(store_url, dataclasses.replace(manifest, version=3))
+    before = len(s3.requests())
+    shardstore.ingest(store_url, files, jobs=2)
+    asked = [(method, path.split("?")[0]) for method, path in s3.requests()[before:]]
+    per_file = [(m, p) for m, p in asked if p.startswith(f"/ckpt-p/run{version}/rank")
+                or m == "PUT" and ("/__shardstore__/packs/" in p or "/__shardstore__/ranks/" in p)]
+    put_cells = {p.removeprefix(f"/ckpt-p/store{version}/") for m, p in asked if m == "PUT" and "/c." in p}
+    store = shardstore.open(store_url)
+    arrays = store.manifest.arrays
+    unit_cells = {f"{path}/c." + ".".join(map(str, arrays[path].cell_index(cell)))
+                  for rec in store.records().values() for path, cells in rec.cells.items() for cell in cells}
+    assert store.manifest.packed == (version == 4) and unit_cells
+    if version == 4:
+        planning = 1  # the coordinator's read of rank 0 to plan from: once a run, not once a file
+        assert len(per_file) <= 3 * 8 + planning, sorted(per_file)
+        assert not unit_cells & put_cells
+    else:
+        assert unit_cells <= put_cells and not [p for _, p in asked if "/packs/" in p]
+    shardstore.export(store, tmp_path / "out")
+    assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), expected(src)["model"])
+    assert_bitwise_equal(store["model/wte.weight"][1:3], expected(src)["model"]["wte.weight"][1:3])
