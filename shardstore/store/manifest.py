@@ -18,7 +18,7 @@ from ..errors import StoreError
 from ..facts import CheckpointFacts
 from ..paths import pick
 from ..tree import Node
-from .packs import PACK_KEY
+from .packs import places_fit
 
 FORMAT_VERSION = 4  # 4: cells may be packed (store/packs.py); 3: a commit record may hold its rank's staged
 # bytes; 2: cell files named with Zarr's "." chunk key separator (1: "/")
@@ -231,25 +231,9 @@ class CommitRecord:
                 isinstance(c, dict) and all(isinstance(v, int) for v in c.values()) for c in record.crcs.values()) \
                 or not isinstance(record.runs, list) or not all(
                 isinstance(r, list) and len(r) == 4 and all(isinstance(v, int) for v in r) for r in record.runs) \
-                or not _spans_fit(record):
+                or not places_fit(record.packs, record.spans, record.cells):
             raise StoreError(f"{where}: damaged commit record; delete it and ingest that rank again")
         return record
-
-
-def _spans_fit(record: CommitRecord) -> bool:
-    """A packed record's places are well formed: pack names a pack may have (never another key of the
-    store), one [pack, offset, size] per cell listed, in range. (Whether they overlap, or have the size
-    their cell's shard object has, is checked where they are indexed: `Store._pack_spans`.)"""
-    packs, spans = record.packs, record.spans
-    if not (isinstance(packs, list) and isinstance(spans, dict)):
-        return False
-    if not packs:
-        return not spans
-    return all(isinstance(p, str) and PACK_KEY.fullmatch(p) for p in packs) and spans.keys() == record.cells.keys() \
-        and all(isinstance(places, list) and isinstance(record.cells[path], list)
-                and len(places) == len(record.cells[path]) for path, places in spans.items()) \
-        and all(isinstance(place, list) and len(place) == 3 and all(type(v) is int and v >= 0 for v in place)
-                and place[0] < len(packs) for places in spans.values() for place in places)
 
 
 def _inline(text: Any) -> bytes | None:

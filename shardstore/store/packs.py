@@ -13,8 +13,10 @@ objects as fill values), and `PackedZarrStore`, which implements it: cell keys b
 packs, and the transformer is taken out of the metadata it serves. `shardstore.open(...).zarr` is such
 a view.
 
-Cells a coordinator assembles from staged pieces stay objects of their own (a few per store). A pack that
-no commit record names (its task failed or was killed before committing) is never read.
+The cells a coordinator assembles from staged pieces (Store.assemble_ready) are packed the same way, each
+time it assembles, and placed by an assembly record, `__shardstore__/assembled/<random>.json`, written
+after its pack. A pack that no record names (its task failed or was killed before committing) is never
+read.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
 
 PACKS = "__shardstore__/packs"
 PACK_KEY = re.compile(r"__shardstore__/packs/[0-9a-f]{32}\.bin")
+ASSEMBLED = "__shardstore__/assembled"  # assembly records: where the cells a coordinator assembled are
+ASSEMBLY_KEY = re.compile(r"__shardstore__/assembled/[0-9a-f]{32}\.json")
 TRANSFORMER = {"name": "shardstore.packed", "configuration": {"records": "__shardstore__/ranks"}}
 
 # a packed cell's place: (its pack's key, the offset of its shard object there, the object's size)
@@ -64,11 +68,35 @@ class Pack:
         self.size += self._writer.write(parts)
         return self.key, offset, self.size - offset
 
-    def close(self) -> None:
-        self._writer.close()
+    def close(self, durable: bool = False) -> None:
+        self._writer.close(durable)
 
     def abort(self) -> None:
         self._writer.abort()
+
+
+def places_fit(packs: Any, spans: Any, cells: Any) -> bool:
+    """A record's places are well formed: pack names a pack may have (never another key of the store),
+    one [pack, offset, size] per cell listed, in range. (Whether they overlap, or have the size their
+    cell's shard object has, is checked where they are indexed: `Store._pack_spans`, `_hold_assembly`.)"""
+    if not (isinstance(packs, list) and isinstance(spans, dict) and isinstance(cells, dict)):
+        return False
+    if not packs:
+        return not spans
+    return all(isinstance(p, str) and PACK_KEY.fullmatch(p) for p in packs) and spans.keys() == cells.keys() \
+        and all(isinstance(places, list) and isinstance(cells[path], list) and len(places) == len(cells[path])
+                and all(type(cell) is int for cell in cells[path]) for path, places in spans.items()) \
+        and all(isinstance(place, list) and len(place) == 3 and all(type(v) is int and v >= 0 for v in place)
+                and place[0] < len(packs) for places in spans.values() for place in places)
+
+
+def overlapping(ranges: list[tuple[str, int, int, str]]) -> str | None:
+    """Of places (pack, start, stop, who placed it), the record that puts a cell on bytes another has."""
+    ranges.sort()
+    for (pack, _, stop, _), (other, start, _, record) in zip(ranges, ranges[1:]):
+        if pack == other and start < stop:
+            return record
+    return None
 
 
 def transformed(meta: dict[str, Any]) -> dict[str, Any]:

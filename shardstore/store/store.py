@@ -8,6 +8,7 @@
     <store>/__shardstore__/blobs/<digest>                plain-tensor bytes, content-addressed
     <store>/__shardstore__/packs/<random>.bin            on object storage (store format 4), a task's cells in
                                                          one object; its records say where (store/packs.py)
+    <store>/__shardstore__/assembled/<random>.json       ... and where the cells an assembly packed are
     <store>/__shardstore__/zarr.json                     an empty array node, so Zarr readers walking the
                                                          group see a node there and never look inside
 
@@ -42,7 +43,7 @@ from ..ranges import FileRange, Part, joined, part_length
 from .backend import Backend, open_backend
 from .handle import TensorHandle, decode_value
 from .manifest import MANIFEST_KEY, PACKED, ArrayEntry, CommitRecord, Manifest
-from .packs import Pack, Span, packs_cells, transformed, zarr_view
+from .packs import ASSEMBLED, ASSEMBLY_KEY, Pack, Span, overlapping, packs_cells, places_fit, transformed, zarr_view
 from .shardfile import GROUP_METADATA, array_metadata, records_node_metadata, shard_parts, shard_size
 
 RECORDS_NODE = "__shardstore__/zarr.json"
@@ -144,6 +145,8 @@ class Store:
         self._spans: tuple[int, dict[str, dict[int, Span]]] = (0, {})  # (records indexed, path -> cell -> place)
         self._zarr_spans: dict[str, Span] = {}  # cell key -> place, for the Zarr view (packs.zarr_view)
         self._blobs: set[str] = set()  # digests this process has stored (put_blob)
+        self._assembled: dict[tuple[str, int], Span] = {}  # a packed store's assembled cells (_hold_assembly)
+        self._assemblies: set[str] | None = None  # the assembly records read, once any were looked for
 
     # ------------------------------------------------------------------ opening and creating
     @classmethod
@@ -282,6 +285,10 @@ class Store:
             return True
         if self._absent is not None and key in self._absent:
             return False
+        if self.manifest.packed:  # its assembly records say (read once, and again by each status)
+            if self._assemblies is None:
+                self._read_assemblies()
+            return key in self._present
         if _read_if_there(self.backend, key, 1) is None:
             return False
         self._present.add(key)
@@ -303,9 +310,15 @@ class Store:
         # Only a coordinator writes these cells (assemble_ready). Until the first assembly of a store this
         # process made, only another run ingesting into it at once could have written one, and writing it
         # again writes the same bytes from the same committed pieces, atomically: not looked for (at world
-        # size 256, 99 requests to S3). Later, other runs may have: a status then looks.
-        absent = set(keys) if self._created else \
-            {key for key, got in zip(keys, self.backend.read_many(keys, 1)) if got is None}
+        # size 256, 99 requests to S3). Later, other runs may have: a status then looks (in a packed store,
+        # at the assembly records: a listing, not a request per cell).
+        if self._created:
+            absent = set(keys)
+        elif self.manifest.packed:
+            self._read_assemblies()
+            absent = set(keys) - self._present
+        else:
+            absent = {key for key, got in zip(keys, self.backend.read_many(keys, 1)) if got is None}
         self._present.update(set(keys) - absent)
         self._absent = absent
         try:
@@ -326,7 +339,7 @@ class Store:
         span = None
         if self.manifest.packed:
             flat = plan.flat_index(index)
-            span = self._unsent.get((path, flat)) or self._pack_spans(path).get(flat)
+            span = self._unsent.get((path, flat)) or self._pack_spans(path).get(flat) or self._assembled.get((path, flat))
         if span is None:
             return self.cell_key(path, index), offset
         pack, start, size = span
@@ -345,7 +358,7 @@ class Store:
         records = self.records(refresh=False)
         if self._spans[0] != len(records):
             index: dict[str, dict[int, Span]] = {}
-            taken: dict[str, list[tuple[int, int, str]]] = {}
+            taken: list[tuple[str, int, int, str]] = []
             for rank, rec in records.items():
                 for p, places in rec.spans.items():
                     plan = self.manifest.arrays.get(p)
@@ -354,15 +367,50 @@ class Store:
                             raise StoreError(f"{self.location}: {RANKS}/{rank}.json places a cell of {p} wrongly; "
                                              f"the store is damaged (delete the record, ingest rank {rank} again)")
                         index.setdefault(p, {}).setdefault(cell, (rec.packs[k], start, size))
-                        taken.setdefault(rec.packs[k], []).append((start, start + size, f"{RANKS}/{rank}.json"))
-            for pack, ranges in taken.items():
-                ranges.sort()
-                for (_, end, _), (start, _, record) in zip(ranges, ranges[1:]):
-                    if start < end:
-                        raise StoreError(f"{self.location}: {record} places two cells on the same bytes of {pack}; "
-                                         f"the store is damaged")
+                        taken.append((rec.packs[k], start, start + size, f"{RANKS}/{rank}.json"))
+            self._refuse_overlaps(taken)
             self._spans = (len(records), index)
         return self._spans[1].get(path, {})
+
+    def _refuse_overlaps(self, taken: list[tuple[str, int, int, str]]) -> None:
+        record = overlapping(taken)
+        if record is not None:
+            raise StoreError(f"{self.location}: {record} places two cells on the same bytes of a pack; the store "
+                             f"is damaged")
+
+    def _read_assemblies(self) -> None:
+        """The assembly records (packs.py) not read yet: one listing, then the new ones together."""
+        held = self._assemblies = self._assemblies if self._assemblies is not None else set()
+        keys = [k for k in self.backend.list(ASSEMBLED) if ASSEMBLY_KEY.fullmatch(k) and k not in held]
+        for key, raw in zip(keys, self.backend.read_many(keys)):
+            if raw is None:
+                raise StoreError(f"{self.location}: {key} was listed but cannot be read; is another process "
+                                 f"deleting the store?")
+            try:
+                data = json.loads(raw)
+            except ValueError:
+                data = None
+            self._hold_assembly(key, data)
+
+    def _hold_assembly(self, key: str, data: Any) -> None:
+        """An assembly record's cells, each checked as a commit record's are (`_pack_spans`), now present."""
+        if not isinstance(data, dict) or not places_fit(data.get("packs"), data.get("spans"), data.get("cells")) \
+                or not data["packs"]:
+            raise StoreError(f"{self.location}: {key} is damaged; delete it (the cells it places are assembled "
+                             f"again from the committed pieces)")
+        taken = []
+        for path, cells in data["cells"].items():
+            plan = self.manifest.arrays.get(path)
+            for cell, (k, start, size) in zip(cells, data["spans"][path]):
+                if plan is None or not 0 <= cell < plan.ncells or size != _shard_size(plan, cell):
+                    raise StoreError(f"{self.location}: {key} places a cell of {path} wrongly; the store is damaged "
+                                     f"(delete it: its cells are assembled again)")
+                self._assembled.setdefault((path, cell), (data["packs"][k], start, size))
+                self._present.add(self.cell_key(path, plan.cell_index(cell)))
+                taken.append((data["packs"][k], start, start + size, key))
+        self._refuse_overlaps(taken)
+        if self._assemblies is not None:
+            self._assemblies.add(key)
 
     def write_staging(self, rank: int, parts: list[Part]) -> str:
         key = f"{STAGING}/{rank}.bin"
@@ -505,12 +553,14 @@ class Store:
         self.records()  # once: what every array below is assembled from (a listing each was a request each)
         written: list[str] = []
         out: list[tuple[str, bytes]] = []
+        placed: list[tuple[str, int]] = []  # (path, flat index) of each in `out`
         held = 0  # bytes in `out`
 
         def write(entry: ArrayEntry, index: tuple[int, ...], data: bytes, valid_rows: int, what: str) -> None:
             nonlocal held
             key, parts = self._cell_object(entry, index, [data], valid_rows)
             out.append((key, joined(parts)))
+            placed.append((entry.path, entry.flat_index(index)))
             held += len(out[-1][1])
             written.append(what)
             if held >= ASSEMBLED_WRITE_BYTES:
@@ -518,10 +568,14 @@ class Store:
 
         def flush() -> None:
             nonlocal held
-            self.backend.write_many(out)
+            if self.manifest.packed:
+                self._write_assembly(placed, [data for _, data in out])
+            else:
+                self.backend.write_many(out)
             for key, _ in out:
                 self._written(key)
             out.clear()
+            placed.clear()
             held = 0
 
         with self._cells_as_of_now():
@@ -550,6 +604,25 @@ class Store:
             flush()
         self._created = False
         return written
+
+    def _write_assembly(self, cells: list[tuple[str, int]], data: list[bytes]) -> None:
+        """Assembled cells, packed: their pack, then the assembly record that places them (packs.py)."""
+        if not cells:
+            return
+        pack = Pack(self.backend)
+        record: dict[str, Any] = {"packs": [pack.key], "cells": {}, "spans": {}}
+        try:
+            for (path, cell), shard in zip(cells, data):
+                _, start, size = pack.append([shard])
+                record["cells"].setdefault(path, []).append(cell)
+                record["spans"].setdefault(path, []).append([0, start, size])
+            pack.close(durable=True)
+        except BaseException:
+            pack.abort()
+            raise
+        key = f"{ASSEMBLED}/{pack.key.rsplit('/', 1)[-1].removesuffix('.bin')}.json"
+        self.backend.write(key, [json.dumps(record).encode()], durable=True)
+        self._hold_assembly(key, record)
 
     def _assemble_flat_cells(self, entry: ArrayEntry, todo: set[int], verify: bool, write: Any) -> None:
         """Write (`write`) each cell in `todo` of a flat entry that units share, once all its parts are committed."""
@@ -683,6 +756,8 @@ class Store:
         if self.manifest.packed:  # the cells of every record held so far, as Zarr's view finds them
             self._zarr_spans.update((self.cell_key(path, self.manifest.arrays[path].cell_index(cell)), span)
                                     for path in self.manifest.arrays for cell, span in self._pack_spans(path).items())
+            self._zarr_spans.update((self.cell_key(path, self.manifest.arrays[path].cell_index(cell)), span)
+                                    for (path, cell), span in self._assembled.items())
         return self._zarr_root
 
     def read(self, path: str, selection: Any = slice(None)) -> np.ndarray:

@@ -166,8 +166,8 @@ class TestS3Backend(BackendTests):
 def test_a_rank_file_costs_at_most_three_requests_and_an_older_store_is_still_completed(
         s3, checkpoints, tmp_path: Path, version: int) -> None:
     """Counted at the server, W=8 from S3 into S3 (store/packs.py): what each rank file costs is its GET,
-    its commit record's PUT and its share of its task's pack, at most 3 requests; no cell a unit wrote is an
-    object of its own. A store of format 3 (a cell an object) is still completed in its own format, and
+    its commit record's PUT and its share of its task's pack, at most 3 requests; no cell is an object of its
+    own (those the coordinator assembles from staged pieces are one more pack). A store of format 3 (a cell an object) is still completed in its own format, and
     both export every byte."""
     import dataclasses
 
@@ -186,10 +186,12 @@ def test_a_rank_file_costs_at_most_three_requests_and_an_older_store_is_still_co
     before = len(s3.requests())
     shardstore.ingest(store_url, files, jobs=2)
     asked = [(method, path.split("?")[0]) for method, path in s3.requests()[before:]]
-    per_file = [(m, p) for m, p in asked if p.startswith(f"/ckpt-p/run{version}/rank")
-                or m == "PUT" and ("/__shardstore__/packs/" in p or "/__shardstore__/ranks/" in p)]
     put_cells = {p.removeprefix(f"/ckpt-p/store{version}/") for m, p in asked if m == "PUT" and "/c." in p}
     store = shardstore.open(store_url)
+    unit_packs = {f"/ckpt-p/store{version}/{pack}" for rec in store.records().values() for pack in rec.packs}
+    per_file = [(m, p) for m, p in asked if p.startswith(f"/ckpt-p/run{version}/rank")
+                or m == "PUT" and (p in unit_packs or "/__shardstore__/ranks/" in p)]
+    assembly = [p for m, p in asked if m == "PUT" and "/__shardstore__/packs/" in p and p not in unit_packs]
     arrays = store.manifest.arrays
     unit_cells = {f"{path}/c." + ".".join(map(str, arrays[path].cell_index(cell)))
                   for rec in store.records().values() for path, cells in rec.cells.items() for cell in cells}
@@ -197,7 +199,7 @@ def test_a_rank_file_costs_at_most_three_requests_and_an_older_store_is_still_co
     if version == 4:
         planning = 1  # the coordinator's read of rank 0 to plan from: once a run, not once a file
         assert len(per_file) <= 3 * 8 + planning, sorted(per_file)
-        assert not unit_cells & put_cells
+        assert not put_cells and len(assembly) == 1  # the assembled cells too: one pack (and its record)
     else:
         assert unit_cells <= put_cells and not [p for _, p in asked if "/packs/" in p]
     shardstore.export(store, tmp_path / "out")

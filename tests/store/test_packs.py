@@ -44,14 +44,14 @@ def test_a_packed_store_keeps_a_tasks_cells_in_one_object_and_exports_every_byte
     opened.assemble_ready()  # (what the coordinator does once they are in)
     records = _records(store)
     named = {pack for rec in records.values() for pack in rec["packs"]}
-    assert sorted(f"{packs.PACKS}/{p.name}" for p in (store / packs.PACKS).iterdir()) == sorted(named)
+    assembly = [json.loads(p.read_text()) for p in (store / packs.ASSEMBLED).iterdir()]
+    assert len(assembly) == 1  # the one assembly that found every piece in
+    assert sorted(f"{packs.PACKS}/{p.name}" for p in (store / packs.PACKS).iterdir()) == \
+        sorted(named | {pack for a in assembly for pack in a["packs"]})
     assert all(rec["packs"] and rec["spans"].keys() == rec["cells"].keys() for rec in records.values())
     assert len(named) == 2 and len({p for r in (1, 2, 3) for p in records[r]["packs"]}) == 1
-    grid = Store.open(store).manifest.arrays
-    unit_cells = {f"{path}/c." + ".".join(map(str, grid[path].cell_index(cell)))
-                  for rec in records.values() for path, cells in rec["cells"].items() for cell in cells}
-    files = {str(p.relative_to(store)) for p in _cell_files(store)}
-    assert len(unit_cells) > len(named) and files and not unit_cells & files  # only assembled cells are files
+    assert sum(len(c) for rec in records.values() for c in rec["cells"].values()) > len(named)
+    assert not _cell_files(store)  # no cell is a file of its own
 
     want = expected(src)
     shardstore.export(store, tmp_path / "st")
@@ -91,6 +91,15 @@ def test_a_record_that_misplaces_a_cell_is_refused_naming_it(packed, checkpoints
             shardstore.export(store, tmp_path / f"out-{len(what)}")
         assert "damaged" in str(caught.value), what
     path.write_text(json.dumps(good))
+    assembly = next((store / packs.ASSEMBLED).iterdir())
+    placed = json.loads(assembly.read_text())
+    array = next(iter(placed["spans"]))
+    placed["spans"][array][0][2] += 1
+    assembly.write_text(json.dumps(placed))
+    with pytest.raises(StoreError, match=f"{assembly.name} places a cell of {array} wrongly"):
+        shardstore.export(store, tmp_path / "out-assembly")
+    placed["spans"][array][0][2] -= 1
+    assembly.write_text(json.dumps(placed))
     shardstore.export(store, tmp_path / "out")
     assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), expected(src)["model"])
 
