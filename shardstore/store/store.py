@@ -179,14 +179,16 @@ class Store:
 
     @classmethod
     def create(cls, location: str | os.PathLike[str], manifest: Manifest,
-               storage_options: StorageOptions | None = None, array_metadata: bool = True) -> "Store":
+               storage_options: StorageOptions | None = None, array_metadata: bool = True,
+               packed: bool | None = None) -> "Store":
         """Create the store for `manifest`, or open it if it exists and holds the same checkpoint layout.
         Without `array_metadata` (a scratch store whose arrays a one-pass export writes straight into its
         output) no zarr.json of an array, or of a group above one, is written until `ensure_array_metadata`.
-        A new store on object storage is packed (store/packs.py); one on a file system is not, so that any
-        Zarr reader opens it as it is."""
+        A new store is `packed` (store/packs.py) by default on object storage; on a file system not, so that
+        any Zarr reader opens it as it is."""
         backend = open_backend(location, storage_options)
-        manifest = replace(manifest, packed=manifest.version >= PACKED and packs_cells(backend))
+        packed = packs_cells(backend) if packed is None else packed
+        manifest = replace(manifest, packed=manifest.version >= PACKED and packed)
         if backend.exists(MANIFEST_KEY):
             store = cls.open(location, storage_options)
             store.check_compatible(manifest, str(location))
@@ -339,7 +341,7 @@ class Store:
         span = None
         if self.manifest.packed:
             flat = plan.flat_index(index)
-            span = self._unsent.get((path, flat)) or self._pack_spans(path).get(flat) or self._assembled.get((path, flat))
+            span = self._unsent.get((path, flat)) or self._pack_spans(path).get(flat) or self._assembled_at(path, flat)
         if span is None:
             return self.cell_key(path, index), offset
         pack, start, size = span
@@ -371,6 +373,13 @@ class Store:
             self._refuse_overlaps(taken)
             self._spans = (len(records), index)
         return self._spans[1].get(path, {})
+
+    def _assembled_at(self, path: str, cell: int) -> Span | None:
+        """An assembled cell's place (a store opened to read one tensor, as an export task does, has read no
+        assembly record yet)."""
+        if self._assemblies is None:
+            self._read_assemblies()
+        return self._assembled.get((path, cell))
 
     def _refuse_overlaps(self, taken: list[tuple[str, int, int, str]]) -> None:
         record = overlapping(taken)
@@ -756,6 +765,8 @@ class Store:
         if self.manifest.packed:  # the cells of every record held so far, as Zarr's view finds them
             self._zarr_spans.update((self.cell_key(path, self.manifest.arrays[path].cell_index(cell)), span)
                                     for path in self.manifest.arrays for cell, span in self._pack_spans(path).items())
+            if self._assemblies is None:
+                self._read_assemblies()
             self._zarr_spans.update((self.cell_key(path, self.manifest.arrays[path].cell_index(cell)), span)
                                     for (path, cell), span in self._assembled.items())
         return self._zarr_root
