@@ -77,19 +77,24 @@ def test_composer_hsdp_unshards_bit_exactly(composer: Path, tmp_path: Path) -> N
     assert [r["python"] for r in ckpt["rng"]] == list(range(8))  # every rank's RNG state, in rank order
 
 
-@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("tasks", ["apart", "batched", "batched-packed"])
 @pytest.mark.parametrize("name, width, rows, element", [
     ("wte.weight", 24, 25, [27, 7]),  # small: staged, compared at assembly
     ("head.big", 600, 150, [152, 7]),  # large: its own cells, compared when the second copy arrives
 ])
 def test_replicas_that_differ_are_reported(composer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name,
-                                           width, rows, element, batched: bool) -> None:
+                                           width, rows, element, tasks: str) -> None:
     """`batched`: tasks as large as the ingest would ever make them (ranks 1-7 in one), so the two copies
-    would share a batch; every replica is still compared with the first copy."""
-    if batched:
+    would share a batch; every replica is still compared with the first copy. `packed`: in a packed store
+    (store/packs.py), where the first copy is in the pack the task is still writing."""
+    if tasks.startswith("batched"):
         import importlib
 
         monkeypatch.setattr(importlib.import_module("shardstore.ingest"), "TASKS_PER_WORKER", 1)
+    if tasks.endswith("packed"):
+        from shardstore.store import packs
+
+        monkeypatch.setattr(packs, "ON_FILE_SYSTEMS", True)
     src = tmp_path / "src"
     shutil.copytree(composer / "ep0-ba10", src)
     victim = src / "ep0-ba10-rank5.pt"  # group 1's copy of the shard rank 1 holds in group 0
@@ -104,7 +109,11 @@ def test_replicas_that_differ_are_reported(composer: Path, tmp_path: Path, monke
     shardstore.unshard(src, tmp_path / "ok", jobs=1)  # first arrival wins: group 0's copy (one pass: claims)
     shardstore.unshard(src, tmp_path / "ok2", jobs=1, store=tmp_path / "store")  # (two steps: the store's cells)
     shardstore.unshard(composer / "ep0-ba10", tmp_path / "untouched", jobs=1)
-    for ok in ("ok", "ok2"):
+    oks = ["ok", "ok2"]
+    if tasks.endswith("packed"):  # every copy compared, a task's records placing its cells in two packs
+        shardstore.unshard(composer / "ep0-ba10", tmp_path / "verified", jobs=1, verify_replicas=True)
+        oks.append("verified")
+    for ok in oks:
         assert (tmp_path / ok / "model.safetensors").read_bytes() == \
             (tmp_path / "untouched" / "model.safetensors").read_bytes(), ok
     with pytest.raises(CheckpointError, match=rf"rank5.pt: replica of .*{name} differs .* element \[{element[0]}, 7\]"):
