@@ -43,7 +43,7 @@ from ..ranges import FileRange, Part, joined, part_length
 from .backend import Backend, open_backend
 from .handle import TensorHandle, decode_value
 from .manifest import MANIFEST_KEY, PACKED, ArrayEntry, CommitRecord, Manifest
-from .packs import ASSEMBLED, ASSEMBLY_KEY, Pack, Span, overlapping, packs_cells, places_fit, transformed, zarr_view
+from .packs import ASSEMBLED, ASSEMBLY_KEY, PACKS, Pack, Span, overlapping, packs_cells, places_fit, transformed, zarr_view
 from .shardfile import GROUP_METADATA, array_metadata, records_node_metadata, shard_parts, shard_size
 
 RECORDS_NODE = "__shardstore__/zarr.json"
@@ -403,8 +403,9 @@ class Store:
 
     def _hold_assembly(self, key: str, data: Any) -> None:
         """An assembly record's cells, each checked as a commit record's are (`_pack_spans`), now present."""
+        own = f"{PACKS}/{key.rsplit('/', 1)[-1].removesuffix('.json')}.bin"  # (never a unit's pack)
         if not isinstance(data, dict) or not places_fit(data.get("packs"), data.get("spans"), data.get("cells")) \
-                or not data["packs"]:
+                or data["packs"] != [own]:
             raise StoreError(f"{self.location}: {key} is damaged; delete it (the cells it places are assembled "
                              f"again from the committed pieces)")
         taken = []
@@ -629,7 +630,7 @@ class Store:
         except BaseException:
             pack.abort()
             raise
-        key = f"{ASSEMBLED}/{pack.key.rsplit('/', 1)[-1].removesuffix('.bin')}.json"
+        key = f"{ASSEMBLED}/{pack.key.rsplit('/', 1)[-1].removesuffix('.bin')}.json"  # named after its pack
         self.backend.write(key, [json.dumps(record).encode()], durable=True)
         self._hold_assembly(key, record)
 

@@ -99,6 +99,11 @@ def test_a_record_that_misplaces_a_cell_is_refused_naming_it(packed, checkpoints
     with pytest.raises(StoreError, match=f"{assembly.name} places a cell of {array} wrongly"):
         shardstore.export(store, tmp_path / "out-assembly")
     placed["spans"][array][0][2] -= 1
+    placed["packs"] = good["packs"]  # a unit's pack: its bytes are that unit's cells
+    assembly.write_text(json.dumps(placed))
+    with pytest.raises(StoreError, match=f"{assembly.name} is damaged"):
+        shardstore.export(store, tmp_path / "out-assembly-2")
+    placed["packs"] = [f"{packs.PACKS}/{assembly.stem}.bin"]
     assembly.write_text(json.dumps(placed))
     shardstore.export(store, tmp_path / "out")
     assert_bitwise_equal(load_file(tmp_path / "out" / "model.safetensors"), expected(src)["model"])
