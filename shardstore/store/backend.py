@@ -14,7 +14,7 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 if TYPE_CHECKING:
     import zarr.abc.store
@@ -27,11 +27,25 @@ from ..ranges import BLOCK, FileRange, Part, blocks, copy_range
 
 class Writer(Protocol):
     """One object written in appends: `write` (any number of times), then `close` (the object appears
-    whole) or `abort` (nothing appears). A store format 4 pack (store/packs.py) is one."""
+    whole; a `close` that fails leaves nothing) or `abort` (nothing appears). A store format 4 pack
+    (store/packs.py) is one."""
 
     def write(self, parts: Iterable[Part]) -> int: ...  # the bytes appended
     def close(self, durable: bool = False) -> None: ...
     def abort(self) -> None: ...
+
+
+W = TypeVar("W", bound=Writer)
+
+
+def _written(writer: W, parts: Iterable[Part]) -> W:
+    """`writer` with `parts` appended, or aborted if appending failed (a read error in a source, a full disk)."""
+    try:
+        writer.write(parts)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer
 
 
 class Backend(Protocol):
@@ -105,13 +119,7 @@ class LocalBackend:
             self.write(key, [data])
 
     def write(self, key: str, parts: Iterable[Part], durable: bool = False) -> None:
-        writer = self.open_writer(key)
-        try:
-            writer.write(parts)
-        except BaseException:
-            writer.abort()
-            raise
-        writer.close(durable)
+        _written(self.open_writer(key), parts).close(durable)
 
     def open_writer(self, key: str) -> "_LocalWriter":
         with self._user_errors(key):
@@ -153,13 +161,7 @@ class LocalBackend:
 
     def _stage(self, key: str, parts: Iterable[Part], durable: bool) -> tuple[Path, Path]:
         """`key`'s bytes under a temporary name beside it (made durable with `durable`): (temporary, final)."""
-        writer = _LocalWriter(self, key)
-        try:
-            writer.write(parts)
-        except BaseException:
-            writer.abort()
-            raise
-        return writer.finish(durable)
+        return _written(_LocalWriter(self, key), parts).finish(durable)
 
     def _folder(self, path: Path) -> None:
         if path.parent not in self._made:
@@ -365,13 +367,7 @@ class FsspecBackend:
         return {"batch_size": TOGETHER} if getattr(self.fs, "async_impl", False) else {}
 
     def write(self, key: str, parts: Iterable[Part], durable: bool = False) -> None:
-        writer = self.open_writer(key)
-        try:
-            writer.write(parts)
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
+        _written(self.open_writer(key), parts).close()
 
     def open_writer(self, key: str) -> "_FsspecWriter":
         return _FsspecWriter(self, key)
@@ -425,7 +421,11 @@ class _FsspecWriter:
 
     def close(self, durable: bool = False) -> None:
         """(Durable once the PUT returns.)"""
-        self.backend._call(self.key, self.f.close)
+        try:
+            self.backend._call(self.key, self.f.close)
+        except BaseException:
+            self.abort()
+            raise
 
     def abort(self) -> None:
         discard = getattr(self.f, "discard", None)

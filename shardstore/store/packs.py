@@ -75,10 +75,15 @@ class Pack:
         self._writer.abort()
 
 
+def assembly_key(pack: str) -> str:
+    """The assembly record that places cells in `pack` (named after it: a record places cells only in its own)."""
+    return f"{ASSEMBLED}/{pack.rsplit('/', 1)[-1].removesuffix('.bin')}.json"
+
+
 def places_fit(packs: Any, spans: Any, cells: Any) -> bool:
     """A record's places are well formed: pack names a pack may have (never another key of the store),
     one [pack, offset, size] per cell listed, in range. (Whether they overlap, or have the size their
-    cell's shard object has, is checked where they are indexed: `Store._pack_spans`, `_hold_assembly`.)"""
+    cell's shard object has, is checked where they are indexed: `Store._places`.)"""
     if not (isinstance(packs, list) and isinstance(spans, dict) and isinstance(cells, dict)):
         return False
     if not packs:

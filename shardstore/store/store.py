@@ -43,7 +43,8 @@ from ..ranges import FileRange, Part, joined, part_length
 from .backend import Backend, open_backend
 from .handle import TensorHandle, decode_value
 from .manifest import MANIFEST_KEY, PACKED, ArrayEntry, CommitRecord, Manifest
-from .packs import ASSEMBLED, ASSEMBLY_KEY, PACKS, Pack, Span, overlapping, packs_cells, places_fit, transformed, zarr_view
+from .packs import (ASSEMBLED, ASSEMBLY_KEY, Pack, Span, assembly_key, overlapping, packs_cells, places_fit,
+                    transformed, zarr_view)
 from .shardfile import GROUP_METADATA, array_metadata, records_node_metadata, shard_parts, shard_size
 
 RECORDS_NODE = "__shardstore__/zarr.json"
@@ -144,6 +145,7 @@ class Store:
         self._unsent: dict[tuple[str, int], Span] = {}  # cells this process packed, not yet in a record it holds
         self._spans: tuple[int, dict[str, dict[int, Span]]] = (0, {})  # (records indexed, path -> cell -> place)
         self._zarr_spans: dict[str, Span] = {}  # cell key -> place, for the Zarr view (packs.zarr_view)
+        self._zarr_indexed = (0, 0)  # (records, assembled cells) in `_zarr_spans`
         self._blobs: set[str] = set()  # digests this process has stored (put_blob)
         self._assembled: dict[tuple[str, int], Span] = {}  # a packed store's assembled cells (_hold_assembly)
         self._assemblies: set[str] | None = None  # the assembly records read, once any were looked for
@@ -288,8 +290,7 @@ class Store:
         if self._absent is not None and key in self._absent:
             return False
         if self.manifest.packed:  # its assembly records say (read once, and again by each status)
-            if self._assemblies is None:
-                self._read_assemblies()
+            self._assemblies_read()
             return key in self._present
         if _read_if_there(self.backend, key, 1) is None:
             return False
@@ -341,7 +342,8 @@ class Store:
         span = None
         if self.manifest.packed:
             flat = plan.flat_index(index)
-            span = self._unsent.get((path, flat)) or self._pack_spans(path).get(flat) or self._assembled_at(path, flat)
+            span = self._unsent.get((path, flat)) or self._pack_spans().get(path, {}).get(flat) \
+                or self._assembled_at(path, flat)
         if span is None:
             return self.cell_key(path, index), offset
         pack, start, size = span
@@ -352,40 +354,51 @@ class Store:
             self._close_pack()  # (under --verify-replicas: a copy an earlier unit of this task wrote)
         return pack, start + offset
 
-    def _pack_spans(self, path: str) -> dict[int, Span]:
-        """Cell -> its place in a pack, for one array, from every commit record held: indexed once (and again
-        only when more records are held), each place checked to be exactly its cell's shard object and to
-        share no byte with another's, so that a damaged or hostile record cannot hand one cell another's
-        bytes."""
+    def _pack_spans(self) -> dict[str, dict[int, Span]]:
+        """Array -> cell -> its place in a pack, from every commit record held: indexed once (and again only
+        when more records are held)."""
         records = self.records(refresh=False)
         if self._spans[0] != len(records):
             index: dict[str, dict[int, Span]] = {}
             taken: list[tuple[str, int, int, str]] = []
             for rank, rec in records.items():
-                for p, places in rec.spans.items():
-                    plan = self.manifest.arrays.get(p)
-                    for cell, (k, start, size) in zip(rec.cells[p], places):
-                        if plan is None or not 0 <= cell < plan.ncells or size != _shard_size(plan, cell):
-                            raise StoreError(f"{self.location}: {RANKS}/{rank}.json places a cell of {p} wrongly; "
-                                             f"the store is damaged (delete the record, ingest rank {rank} again)")
-                        index.setdefault(p, {}).setdefault(cell, (rec.packs[k], start, size))
-                        taken.append((rec.packs[k], start, start + size, f"{RANKS}/{rank}.json"))
+                for path, cell, span in self._places(f"{RANKS}/{rank}.json", f"delete the record, ingest rank "
+                                                     f"{rank} again", rec.packs, rec.spans, rec.cells, taken):
+                    index.setdefault(path, {}).setdefault(cell, span)
             self._refuse_overlaps(taken)
             self._spans = (len(records), index)
-        return self._spans[1].get(path, {})
+        return self._spans[1]
 
-    def _assembled_at(self, path: str, cell: int) -> Span | None:
-        """An assembled cell's place (a store opened to read one tensor, as an export task does, has read no
-        assembly record yet)."""
-        if self._assemblies is None:
-            self._read_assemblies()
-        return self._assembled.get((path, cell))
+    def _places(self, record: str, remedy: str, packs: list[str], spans: dict[str, list[list[int]]],
+                cells: dict[str, list[int]], taken: list[tuple[str, int, int, str]]) -> Iterator[tuple[str, int, Span]]:
+        """A well-formed record's places (packs.places_fit), (array, cell, place), each checked to be exactly
+        its cell's shard object, and added to `taken` for `_refuse_overlaps`, which checks that no two share
+        a byte: a damaged or hostile record cannot hand one cell another's bytes."""
+        for path, places in spans.items():
+            plan = self.manifest.arrays.get(path)
+            for cell, (k, start, size) in zip(cells[path], places):
+                if plan is None or not 0 <= cell < plan.ncells or size != _shard_size(plan, cell):
+                    raise StoreError(f"{self.location}: {record} places a cell of {path} wrongly; the store is "
+                                     f"damaged ({remedy})")
+                taken.append((packs[k], start, start + size, record))
+                yield path, cell, (packs[k], start, size)
 
     def _refuse_overlaps(self, taken: list[tuple[str, int, int, str]]) -> None:
         record = overlapping(taken)
         if record is not None:
             raise StoreError(f"{self.location}: {record} places two cells on the same bytes of a pack; the store "
                              f"is damaged")
+
+    def _assembled_at(self, path: str, cell: int) -> Span | None:
+        """An assembled cell's place (a store opened to read one tensor, as an export task does, has read no
+        assembly record yet)."""
+        self._assemblies_read()
+        return self._assembled.get((path, cell))
+
+    def _assemblies_read(self) -> None:
+        """The assembly records read, if none were yet (a status reads new ones: `_read_assemblies`)."""
+        if self._assemblies is None:
+            self._read_assemblies()
 
     def _read_assemblies(self) -> None:
         """The assembly records (packs.py) not read yet: one listing, then the new ones together."""
@@ -402,22 +415,16 @@ class Store:
             self._hold_assembly(key, data)
 
     def _hold_assembly(self, key: str, data: Any) -> None:
-        """An assembly record's cells, each checked as a commit record's are (`_pack_spans`), now present."""
-        own = f"{PACKS}/{key.rsplit('/', 1)[-1].removesuffix('.json')}.bin"  # (never a unit's pack)
+        """An assembly record's cells, each checked as a commit record's are (`_places`), now present."""
         if not isinstance(data, dict) or not places_fit(data.get("packs"), data.get("spans"), data.get("cells")) \
-                or data["packs"] != [own]:
+                or [assembly_key(p) for p in data["packs"]] != [key]:  # its own pack, never a unit's
             raise StoreError(f"{self.location}: {key} is damaged; delete it (the cells it places are assembled "
                              f"again from the committed pieces)")
-        taken = []
-        for path, cells in data["cells"].items():
-            plan = self.manifest.arrays.get(path)
-            for cell, (k, start, size) in zip(cells, data["spans"][path]):
-                if plan is None or not 0 <= cell < plan.ncells or size != _shard_size(plan, cell):
-                    raise StoreError(f"{self.location}: {key} places a cell of {path} wrongly; the store is damaged "
-                                     f"(delete it: its cells are assembled again)")
-                self._assembled.setdefault((path, cell), (data["packs"][k], start, size))
-                self._present.add(self.cell_key(path, plan.cell_index(cell)))
-                taken.append((data["packs"][k], start, start + size, key))
+        taken: list[tuple[str, int, int, str]] = []
+        for path, cell, span in self._places(key, "delete it: its cells are assembled again", data["packs"],
+                                             data["spans"], data["cells"], taken):
+            self._assembled.setdefault((path, cell), span)
+            self._present.add(self.cell_key(path, self.manifest.arrays[path].cell_index(cell)))
         self._refuse_overlaps(taken)
         if self._assemblies is not None:
             self._assemblies.add(key)
@@ -630,7 +637,7 @@ class Store:
         except BaseException:
             pack.abort()
             raise
-        key = f"{ASSEMBLED}/{pack.key.rsplit('/', 1)[-1].removesuffix('.bin')}.json"  # named after its pack
+        key = assembly_key(pack.key)
         self.backend.write(key, [json.dumps(record).encode()], durable=True)
         self._hold_assembly(key, record)
 
@@ -764,12 +771,13 @@ class Store:
             view = zarr_view(inner, self._zarr_spans) if self.manifest.packed else inner
             self._zarr_root = zarr.open_group(store=view, mode="r", zarr_format=3)
         if self.manifest.packed:  # the cells of every record held so far, as Zarr's view finds them
-            self._zarr_spans.update((self.cell_key(path, self.manifest.arrays[path].cell_index(cell)), span)
-                                    for path in self.manifest.arrays for cell, span in self._pack_spans(path).items())
-            if self._assemblies is None:
-                self._read_assemblies()
-            self._zarr_spans.update((self.cell_key(path, self.manifest.arrays[path].cell_index(cell)), span)
-                                    for (path, cell), span in self._assembled.items())
+            held = self._pack_spans()
+            self._assemblies_read()
+            if self._zarr_indexed != (self._spans[0], len(self._assembled)):  # (Store.read comes here each slice)
+                places = [((path, cell), span) for path, cells in held.items() for cell, span in cells.items()]
+                self._zarr_spans.update((self.cell_key(path, self.manifest.arrays[path].cell_index(cell)), span)
+                                        for (path, cell), span in [*places, *self._assembled.items()])
+                self._zarr_indexed = (self._spans[0], len(self._assembled))
         return self._zarr_root
 
     def read(self, path: str, selection: Any = slice(None)) -> np.ndarray:
