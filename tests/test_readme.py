@@ -35,6 +35,9 @@ def test_the_quick_start_runs_as_written(tmp_path: Path) -> None:
 
 
 def test_the_test_command_is_what_ci_runs() -> None:
-    """`.ci/run` calls the README's test command, unchanged."""
-    command = _block("Development").strip()
-    assert command in (ROOT / ".ci" / "run").read_text()
+    """`.ci/run` runs the README's set-up and test commands, unchanged and in order (the type check and
+    the docs build start between them)."""
+    commands = _block("Development").strip().splitlines()
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert len(commands) == 2 and all(c in ci for c in commands), commands
+    assert ci.index(commands[0]) < ci.index(commands[1])
