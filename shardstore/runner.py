@@ -5,7 +5,7 @@ Local workers start when the pool opens, so their start-up overlaps whatever the
 first task (planning the store). On Linux, from a process running a single Python thread that has not
 loaded torch, they are forked: ready in milliseconds, where a spawned worker spends 0.3 s or more
 importing numpy and shardstore (a third of a one-pass unshard of a 0.5 GB model, on a cold cache).
-Otherwise they are spawned:
+A fork is wrong:
 - once this process holds a large parse (`FORK_MOST`), which a forked worker would start with and copy
   page by page as it touches it;
 - beside other threads (a notebook kernel, Zarr's event loop, a Dask client, a progress bar's monitor),
@@ -13,12 +13,17 @@ Otherwise they are spawned:
 - once torch is loaded, its OpenMP thread pool may have run, and GNU OpenMP hangs in a forked child
   that uses it again (workers cast dtypes with torch). A worker forked before torch loads imports it
   afresh.
-Either way a worker runs the same module-level functions on the same arguments.
+Then, on Linux, workers come from multiprocessing's fork server: a small process started once, the first
+time a pool needs it, which imports what a worker needs (`PRELOAD`) and forks each worker from itself
+(single-threaded, without torch, without the caller's memory). A notebook or a test process that runs
+many conversions pays the imports once, not twice per call (0.46 s of CPU a worker). Elsewhere they are
+spawned. Either way a worker runs the same module-level functions on the same arguments, in this
+process's environment variables and working directory as they were when the pool opened.
 
 A spawned child normally imports the parent's `__main__` first, which re-runs a script that has no
-`if __name__ == "__main__":` guard (and then fails as it starts a pool of its own). Workers only ever
-run shardstore's own module-level functions, so they are spawned without it (`_MainlessContext`): the
-API works the same from a script, a notebook or `python -c`.
+`if __name__ == "__main__":` guard (and then fails as it starts a pool of its own); so would a fork
+server's child. Workers only ever run shardstore's own module-level functions, so they start without it
+(`_Mainless`): the API works the same from a script, a notebook or `python -c`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context
 import os
+import select
 import sys
 import threading
 import time
@@ -37,10 +43,15 @@ from .distributed import run_tasks
 _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 _LAUNCH = threading.Lock()
 
-if sys.platform != "win32":
-    from multiprocessing import popen_spawn_posix, spawn
+# what a fork server imports before it forks workers: the modules of the workers' tasks
+PRELOAD = ["shardstore.ingest", "shardstore.export.safetensors", "shardstore.export.dcp"]
 
-    class _MainlessPopen(popen_spawn_posix.Popen):
+if sys.platform != "win32":
+    from multiprocessing import popen_forkserver, popen_spawn_posix, spawn
+
+    class _Mainless:
+        """A Popen whose child is not sent the parent's `__main__` to import."""
+
         def _launch(self, process_obj: Any) -> None:
             with _LAUNCH:  # the preparation data is made by a module function: swapped for this launch only
                 original = spawn.get_preparation_data
@@ -51,17 +62,32 @@ if sys.platform != "win32":
                 finally:
                     spawn.get_preparation_data = original
 
-    class _MainlessProcess(multiprocessing.context.SpawnProcess):
+    class _MainlessSpawnPopen(_Mainless, popen_spawn_posix.Popen):
+        pass
+
+    class _MainlessServedPopen(_Mainless, popen_forkserver.Popen):
+        pass
+
+    class _MainlessSpawnProcess(multiprocessing.context.SpawnProcess):
         @staticmethod
-        def _Popen(process_obj: Any) -> _MainlessPopen:
-            return _MainlessPopen(process_obj)
+        def _Popen(process_obj: Any) -> _MainlessSpawnPopen:
+            return _MainlessSpawnPopen(process_obj)
 
-    class _MainlessContext(multiprocessing.context.SpawnContext):
-        Process = _MainlessProcess
+    class _MainlessServedProcess(multiprocessing.context.ForkServerProcess):
+        @staticmethod
+        def _Popen(process_obj: Any) -> _MainlessServedPopen:
+            return _MainlessServedPopen(process_obj)
 
-    SPAWN: multiprocessing.context.BaseContext = _MainlessContext()
+    class _MainlessSpawn(multiprocessing.context.SpawnContext):
+        Process = _MainlessSpawnProcess
+
+    class _MainlessForkServer(multiprocessing.context.ForkServerContext):
+        Process = _MainlessServedProcess
+
+    SPAWN: multiprocessing.context.BaseContext = _MainlessSpawn()
+    FORKSERVER: multiprocessing.context.BaseContext = _MainlessForkServer()
 else:  # Windows spawns through its own Popen; there the usual main guard applies
-    SPAWN = multiprocessing.get_context("spawn")
+    SPAWN = FORKSERVER = multiprocessing.get_context("spawn")
 
 
 # Fork only while this process holds less than this: beyond it, planning parsed a large checkpoint (the
@@ -72,11 +98,21 @@ FORK_MOST = 192 << 20
 
 
 def start_method() -> str:
-    """How local workers would start now: "fork" or "spawn" (see the module's docstring)."""
-    if sys.platform == "linux" and threading.active_count() == 1 and "torch" not in sys.modules \
-            and _resident() < FORK_MOST:
+    """How local workers would start now: "fork", "forkserver" or "spawn" (see the module's docstring)."""
+    if sys.platform != "linux":
+        return "spawn"
+    if threading.active_count() == 1 and "torch" not in sys.modules and _resident() < FORK_MOST:
         return "fork"
-    return "spawn"
+    return "forkserver"
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not ended (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _resident() -> int:
@@ -93,10 +129,27 @@ def _warm_up() -> None:
     """Runs in a fresh worker: importing this module (to unpickle the call) is the warm-up."""
 
 
-def _worker_init(parent: int) -> None:
-    """A worker's initializer: it dies with its parent, and keeps what it frees for its next file."""
-    _die_with(parent)
+def _worker_init(coordinator: int, environment: dict[str, str] | None) -> None:
+    """A worker's initializer: it dies with its coordinator, and keeps what it frees for its next file. A
+    fork server's worker (`environment`: the coordinator's) is the server's child and starts in the
+    server's environment."""
+    if environment is None:
+        _die_with(coordinator)
+    else:
+        os.environ.clear()
+        os.environ.update(environment)
+        _ends_with(coordinator)
     _keep_freed_memory()
+
+
+def _served(context: multiprocessing.context.BaseContext) -> None:
+    """The fork server running, with `PRELOAD` if this starts it (a server the caller started already
+    serves as it is: a worker then imports its task's module itself)."""
+    from multiprocessing import forkserver
+
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
+        context.set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
 
 
 # glibc's mallopt parameters (malloc.h), and its ceiling on the mmap threshold on 64-bit systems
@@ -149,6 +202,28 @@ def _die_with(parent: int) -> None:
     threading.Thread(target=watch, name="shardstore-parent-watch", daemon=True).start()
 
 
+def _ends_with(coordinator: int) -> None:
+    """A fork server's worker ends when its coordinator does. Its parent is the server, which outlives a
+    killed coordinator for as long as any worker holds the server's "alive" pipe, as each does: the worker
+    watches the coordinator itself, through a pidfd (readable once it has ended, reaped or not), or on a
+    kernel without pidfds (before 5.3) by its state, twice a second."""
+    try:
+        handle: int | None = os.pidfd_open(coordinator)
+    except ProcessLookupError:
+        os._exit(1)
+    except OSError:
+        handle = None
+
+    def watch() -> None:
+        if handle is not None:
+            select.select([handle], [], [])
+        while handle is None and _running(coordinator):
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="shardstore-coordinator-watch", daemon=True).start()
+
+
 class Pool:
     """`jobs` workers: inline when 1 (unless `processes`), local processes when more, Dask tasks with
     `scheduler` (an address, or "dask" for a local cluster of `jobs` worker processes)."""
@@ -159,9 +234,13 @@ class Pool:
         self.start_method: str | None = None  # local workers' (start_method())
         if scheduler is None and (self.jobs > 1 or processes):
             self.start_method = start_method()
-            context = multiprocessing.get_context("fork") if self.start_method == "fork" else SPAWN
-            self._executor = ProcessPoolExecutor(max_workers=self.jobs, mp_context=context,
-                                                 initializer=_worker_init, initargs=(os.getpid(),))
+            context = {"fork": multiprocessing.get_context("fork"), "forkserver": FORKSERVER}.get(self.start_method,
+                                                                                                SPAWN)
+            if self.start_method == "forkserver":
+                _served(context)
+            environment = dict(os.environ) if self.start_method == "forkserver" else None
+            self._executor = ProcessPoolExecutor(max_workers=self.jobs, mp_context=context, initializer=_worker_init,
+                                                 initargs=(os.getpid(), environment))
             for _ in range(self.jobs):
                 self._executor.submit(_warm_up)
 

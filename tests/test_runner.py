@@ -49,49 +49,90 @@ def _unshard(src: Path, out: Path, threads: str) -> dict:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
-def test_forked_and_spawned_workers_write_the_same_bytes(checkpoints, tmp_path: Path) -> None:
+def test_forked_and_served_workers_write_the_same_bytes(checkpoints, tmp_path: Path) -> None:
     """A single-threaded process that has not loaded torch forks its workers (ready at once); beside
-    another thread it spawns them. The output is the same, byte for byte, cast by torch in the workers."""
+    another thread they come from the fork server. The output is the same, byte for byte, cast by torch in
+    the workers."""
     src = checkpoints(4)
     forked = _unshard(src, tmp_path / "forked", "none")
     spawned = _unshard(src, tmp_path / "spawned", "thread")
-    assert forked["methods"] == ["fork"] and spawned["methods"] == ["spawn"]
+    assert forked["methods"] == ["fork"] and spawned["methods"] == ["forkserver"]
     assert forked["digests"] and forked["digests"] == spawned["digests"]
     want = {k: v.to(torch.bfloat16) for k, v in expected(src)["model"].items()}
     assert_bitwise_equal(load_file(tmp_path / "forked" / "model.safetensors"), want, "bf16")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
-def test_spawned_workers_read_dcp_files_from_their_shares(dcp_checkpoints, tmp_path: Path) -> None:
-    """A spawned worker holds none of the .metadata its coordinator parsed: it reads each .distcp file from
-    the share its task brought, and writes into the store through its task's part of the manifest. The
-    output is the same, byte for byte, as forked workers' and torch's own load."""
+def test_served_workers_read_dcp_files_from_their_shares(dcp_checkpoints, tmp_path: Path) -> None:
+    """A fork server's worker holds none of the .metadata its coordinator parsed: it reads each .distcp file
+    from the share its task brought, and writes into the store through its task's part of the manifest.
+    The output is the same, byte for byte, as forked workers' and torch's own load."""
     src = dcp_checkpoints("hsdp")
     forked = _unshard(src, tmp_path / "forked", "none")
     spawned = _unshard(src, tmp_path / "spawned", "thread")
-    assert forked["methods"] == ["fork"] and spawned["methods"] == ["spawn"]
+    assert forked["methods"] == ["fork"] and spawned["methods"] == ["forkserver"]
     assert forked["digests"] and forked["digests"] == spawned["digests"]
     want = {k: v.to(torch.bfloat16) for k, v in torch.load(f"{src}.expected.pt.ref", weights_only=False)["model"].items()}
     assert_bitwise_equal(load_file(tmp_path / "spawned" / "model.safetensors"), want, "bf16")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
-def test_a_process_holding_a_large_parse_spawns() -> None:
+def test_a_process_holding_a_large_parse_does_not_fork() -> None:
     """A forked worker would start with the coordinator's parse of a large checkpoint, and copy it page by
     page as it touched it."""
     probe = "from shardstore import runner; held = b'x' * {}; print(runner.start_method())"
     methods = [subprocess.run([sys.executable, "-c", probe.format(size)], capture_output=True, text=True,
                               check=True).stdout.strip() for size in (1, runner.FORK_MOST)]
-    assert methods == ["fork", "spawn"]
+    assert methods == ["fork", "forkserver"]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="workers are forked on Linux only")
-def test_a_process_that_loaded_torch_spawns() -> None:
+def test_a_process_that_loaded_torch_does_not_fork() -> None:
     """A forked worker casting with torch could hang in the OpenMP pool the parent's torch ran."""
     probe = "import sys; {}from shardstore import runner; print(runner.start_method())"
     methods = [subprocess.run([sys.executable, "-c", probe.format(first)], capture_output=True, text=True,
                               check=True).stdout.strip() for first in ("", "import torch; ")]
-    assert methods == ["fork", "spawn"]
+    assert methods == ["fork", "forkserver"]
+
+
+# A script with no main guard, torch loaded (workers come from the fork server), that opens two pools and
+# asks their workers for an environment variable and the working directory, changed between the pools.
+SERVED = """
+import json, os
+import torch
+from shardstore import runner
+
+print("script started", flush=True)
+
+def seen():
+    answers = []
+    with runner.Pool(2) as pool:
+        assert pool.start_method == "forkserver"
+        pool.run(os.getenv, [("SHARDSTORE_PROBE",)] * 4, ["env"] * 4, answers.append)
+        pool.run(os.getcwd, [()] * 4, ["cwd"] * 4, answers.append)
+    return sorted(answers, key=str)
+
+first = seen()
+os.environ["SHARDSTORE_PROBE"] = "set later"
+os.mkdir("inner")
+os.chdir("inner")
+print(json.dumps([first, seen()]))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the fork server is used on Linux")
+def test_fork_server_workers_run_in_the_coordinators_environment_and_folder(tmp_path: Path) -> None:
+    """The server started with the first pool; the second pool's workers, forked from it, still see the
+    environment variables and working directory the coordinator has when that pool opens, and neither
+    pool's workers re-run the script."""
+    (tmp_path / "script.py").write_text(SERVED)
+    run = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("script started") == 1, run.stdout
+    first, second = json.loads(run.stdout.splitlines()[-1])
+    real = str(tmp_path.resolve())
+    assert first == [real] * 4 + [None] * 4
+    assert second == [str(Path(real) / "inner")] * 4 + ["set later"] * 4
 
 
 def test_an_inline_or_dask_pool_starts_no_local_workers() -> None:
@@ -99,28 +140,32 @@ def test_an_inline_or_dask_pool_starts_no_local_workers() -> None:
     assert runner.Pool(2, scheduler="tcp://127.0.0.1:1").start_method is None  # no connection until run
 
 
-# A coordinator that starts its workers, says who they are, and waits to be killed.
+# A coordinator that starts its workers, says who they are (a fork server's are the server's children),
+# and waits to be killed.
 WAITS = """
 import os, sys, time
+from multiprocessing import forkserver
 from shardstore import runner
 pool = runner.Pool(2)
 pool.run(os.getpid, [()] * 8, ["pid"] * 8, lambda pid: None)  # every worker has started
-children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
-print(" ".join(children), flush=True)
+parent = forkserver._forkserver._forkserver_pid if pool.start_method == "forkserver" else os.getpid()
+children = open(f"/proc/{parent}/task/{parent}/children").read().split()
+print(pool.start_method, " ".join(children), flush=True)
 time.sleep(600)
 """
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-@pytest.mark.parametrize("threads", ["fork", "spawn"])
-def test_workers_end_when_their_coordinator_is_killed(threads: str) -> None:
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_workers_end_when_their_coordinator_is_killed(method: str) -> None:
     import signal
     import time
 
-    code = WAITS if threads == "fork" else "import torch\n" + WAITS  # torch loaded: workers are spawned
+    code = WAITS if method == "fork" else "import torch\n" + WAITS  # torch loaded: the fork server's workers
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    workers = [int(p) for p in proc.stdout.readline().split()]
-    assert len(workers) >= 2 and all(Path(f"/proc/{w}").exists() for w in workers)
+    started, *pids = proc.stdout.readline().split()
+    workers = [int(p) for p in pids]
+    assert started == method and len(workers) >= 2 and all(Path(f"/proc/{w}").exists() for w in workers)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL  # the coordinator died, and did not shut its pool down
 
