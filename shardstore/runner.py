@@ -13,11 +13,11 @@ A fork is wrong:
 - once torch is loaded, its OpenMP thread pool may have run, and GNU OpenMP hangs in a forked child
   that uses it again (workers cast dtypes with torch). A worker forked before torch loads imports it
   afresh.
-Then, on Linux, workers come from multiprocessing's fork server: a small process started once, the first
-time a pool needs it, which imports what a worker needs (`PRELOAD`) and forks each worker from itself
-(single-threaded, without torch, without the caller's memory). A notebook or a test process that runs
-many conversions pays the imports once, not twice per call (0.46 s of CPU a worker). Elsewhere they are
-spawned. Either way a worker runs the same module-level functions on the same arguments, in this
+Then, on Linux, workers come from a fork server (multiprocessing's kind, shardstore's own): a small
+process started once, the first time a pool needs it, which imports what a worker needs (`PRELOAD`) and
+forks each worker from itself (single-threaded, without torch, without the caller's memory). A notebook
+or a test process that runs many conversions pays the imports once, not twice per call (0.46 s of CPU a
+worker). Elsewhere they are spawned. Either way a worker runs the same module-level functions on the same arguments, in this
 process's environment variables and working directory as they were when the pool opened.
 
 A spawned child normally imports the parent's `__main__` first, which re-runs a script that has no
@@ -28,6 +28,7 @@ server's child. Workers only ever run shardstore's own module-level functions, s
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import multiprocessing.context
 import os
@@ -43,11 +44,17 @@ from .distributed import run_tasks
 _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 _LAUNCH = threading.Lock()
 
-# what a fork server imports before it forks workers: the modules of the workers' tasks
+# what the fork server imports before it forks workers: the modules of the workers' tasks
 PRELOAD = ["shardstore.ingest", "shardstore.export.safetensors", "shardstore.export.dcp"]
 
 if sys.platform != "win32":
-    from multiprocessing import popen_forkserver, popen_spawn_posix, spawn
+    from multiprocessing import forkserver, popen_forkserver, popen_spawn_posix, reduction, spawn, util
+    from multiprocessing.context import set_spawning_popen
+
+    # shardstore's own fork server, not multiprocessing's: the caller's own use of that one (with torch
+    # preloaded for its data loaders, say) and shardstore's never start each other's processes
+    _SERVER = forkserver.ForkServer()
+    _SERVER.set_forkserver_preload(PRELOAD)
 
     class _Mainless:
         """A Popen whose child is not sent the parent's `__main__` to import."""
@@ -65,27 +72,44 @@ if sys.platform != "win32":
     class _MainlessSpawnPopen(_Mainless, popen_spawn_posix.Popen):
         pass
 
-    class _MainlessServedPopen(_Mainless, popen_forkserver.Popen):
-        pass
+    class _ServedPopen(popen_forkserver.Popen):
+        """A worker forked by `_SERVER`, not sent `__main__`: multiprocessing's own launch (the same in
+        Python 3.10 to 3.13) with the server and the preparation data ours."""
+
+        def _launch(self, process_obj: Any) -> None:
+            prep = {k: v for k, v in spawn.get_preparation_data(process_obj._name).items() if k not in _MAIN_KEYS}
+            buf = io.BytesIO()
+            set_spawning_popen(self)
+            try:
+                reduction.dump(prep, buf)
+                reduction.dump(process_obj, buf)
+            finally:
+                set_spawning_popen(None)
+            self.sentinel, w = _SERVER.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
+            parent_w = os.dup(w)  # the child's sentinel of this process
+            self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))  # type: ignore[attr-defined]
+            with open(w, "wb", closefd=True) as f:
+                f.write(buf.getbuffer())
+            self.pid = forkserver.read_signed(self.sentinel)
 
     class _MainlessSpawnProcess(multiprocessing.context.SpawnProcess):
         @staticmethod
         def _Popen(process_obj: Any) -> _MainlessSpawnPopen:
             return _MainlessSpawnPopen(process_obj)
 
-    class _MainlessServedProcess(multiprocessing.context.ForkServerProcess):
+    class _ServedProcess(multiprocessing.context.ForkServerProcess):
         @staticmethod
-        def _Popen(process_obj: Any) -> _MainlessServedPopen:
-            return _MainlessServedPopen(process_obj)
+        def _Popen(process_obj: Any) -> _ServedPopen:
+            return _ServedPopen(process_obj)
 
     class _MainlessSpawn(multiprocessing.context.SpawnContext):
         Process = _MainlessSpawnProcess
 
-    class _MainlessForkServer(multiprocessing.context.ForkServerContext):
-        Process = _MainlessServedProcess
+    class _ServedContext(multiprocessing.context.ForkServerContext):
+        Process = _ServedProcess
 
     SPAWN: multiprocessing.context.BaseContext = _MainlessSpawn()
-    FORKSERVER: multiprocessing.context.BaseContext = _MainlessForkServer()
+    FORKSERVER: multiprocessing.context.BaseContext = _ServedContext()
 else:  # Windows spawns through its own Popen; there the usual main guard applies
     SPAWN = FORKSERVER = multiprocessing.get_context("spawn")
 
@@ -140,16 +164,6 @@ def _worker_init(coordinator: int, environment: dict[str, str] | None) -> None:
         os.environ.update(environment)
         _ends_with(coordinator)
     _keep_freed_memory()
-
-
-def _served(context: multiprocessing.context.BaseContext) -> None:
-    """The fork server running, with `PRELOAD` if this starts it (a server the caller started already
-    serves as it is: a worker then imports its task's module itself)."""
-    from multiprocessing import forkserver
-
-    if getattr(forkserver._forkserver, "_forkserver_pid", None) is None:
-        context.set_forkserver_preload(PRELOAD)
-    forkserver.ensure_running()
 
 
 # glibc's mallopt parameters (malloc.h), and its ceiling on the mmap threshold on 64-bit systems
@@ -236,8 +250,6 @@ class Pool:
             self.start_method = start_method()
             context = {"fork": multiprocessing.get_context("fork"), "forkserver": FORKSERVER}.get(self.start_method,
                                                                                                 SPAWN)
-            if self.start_method == "forkserver":
-                _served(context)
             environment = dict(os.environ) if self.start_method == "forkserver" else None
             self._executor = ProcessPoolExecutor(max_workers=self.jobs, mp_context=context, initializer=_worker_init,
                                                  initargs=(os.getpid(), environment))

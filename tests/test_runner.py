@@ -144,11 +144,10 @@ def test_an_inline_or_dask_pool_starts_no_local_workers() -> None:
 # and waits to be killed.
 WAITS = """
 import os, sys, time
-from multiprocessing import forkserver
 from shardstore import runner
 pool = runner.Pool(2)
 pool.run(os.getpid, [()] * 8, ["pid"] * 8, lambda pid: None)  # every worker has started
-parent = forkserver._forkserver._forkserver_pid if pool.start_method == "forkserver" else os.getpid()
+parent = runner._SERVER._forkserver_pid if pool.start_method == "forkserver" else os.getpid()
 children = open(f"/proc/{parent}/task/{parent}/children").read().split()
 print(pool.start_method, " ".join(children), flush=True)
 time.sleep(600)
