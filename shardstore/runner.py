@@ -17,8 +17,10 @@ Then, on Linux, workers come from a fork server (multiprocessing's kind, shardst
 process started once, the first time a pool needs it, which imports what a worker needs (`PRELOAD`) and
 forks each worker from itself (single-threaded, without torch, without the caller's memory). A notebook
 or a test process that runs many conversions pays the imports once, not twice per call (0.46 s of CPU a
-worker). Elsewhere they are spawned. Either way a worker runs the same module-level functions on the same arguments, in this
-process's environment variables and working directory as they were when the pool opened.
+worker). It is started by the main thread (a pool a thread opens first spawns its workers), and dies with
+the process (shardstore/served.py). Elsewhere they are spawned. Either way a worker runs the same
+module-level functions on the same arguments, in this process's environment variables and working
+directory as they were when the pool opened.
 
 A spawned child normally imports the parent's `__main__` first, which re-runs a script that has no
 `if __name__ == "__main__":` guard (and then fails as it starts a pool of its own); so would a fork
@@ -32,7 +34,6 @@ import io
 import multiprocessing
 import multiprocessing.context
 import os
-import select
 import sys
 import threading
 import time
@@ -45,7 +46,7 @@ _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 _LAUNCH = threading.Lock()
 
 # what the fork server imports before it forks workers: the modules of the workers' tasks
-PRELOAD = ["shardstore.ingest", "shardstore.export.safetensors", "shardstore.export.dcp"]
+PRELOAD = ["shardstore.served", "shardstore.ingest", "shardstore.export.safetensors", "shardstore.export.dcp"]
 
 if sys.platform != "win32":
     from multiprocessing import forkserver, popen_forkserver, popen_spawn_posix, reduction, spawn, util
@@ -127,16 +128,9 @@ def start_method() -> str:
         return "spawn"
     if threading.active_count() == 1 and "torch" not in sys.modules and _resident() < FORK_MOST:
         return "fork"
-    return "forkserver"
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` exists and has not ended (a zombie has)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    if threading.current_thread() is threading.main_thread() or _SERVER._forkserver_pid is not None:  # type: ignore[attr-defined]
+        return "forkserver"  # (started by the main thread: it ends with the process, shardstore/served.py)
+    return "spawn"
 
 
 def _resident() -> int:
@@ -153,16 +147,14 @@ def _warm_up() -> None:
     """Runs in a fresh worker: importing this module (to unpickle the call) is the warm-up."""
 
 
-def _worker_init(coordinator: int, environment: dict[str, str] | None) -> None:
-    """A worker's initializer: it dies with its coordinator, and keeps what it frees for its next file. A
-    fork server's worker (`environment`: the coordinator's) is the server's child and starts in the
-    server's environment."""
-    if environment is None:
-        _die_with(coordinator)
-    else:
+def _worker_init(parent: int, environment: dict[str, str] | None) -> None:
+    """A worker's initializer: it dies with its parent (the coordinator, or the fork server, which dies
+    with the coordinator: shardstore/served.py), and keeps what it frees for its next file. A fork
+    server's worker starts in the server's environment, and is given the coordinator's."""
+    _die_with(parent)
+    if environment is not None:
         os.environ.clear()
         os.environ.update(environment)
-        _ends_with(coordinator)
     _keep_freed_memory()
 
 
@@ -216,28 +208,6 @@ def _die_with(parent: int) -> None:
     threading.Thread(target=watch, name="shardstore-parent-watch", daemon=True).start()
 
 
-def _ends_with(coordinator: int) -> None:
-    """A fork server's worker ends when its coordinator does. Its parent is the server, which outlives a
-    killed coordinator for as long as any worker holds the server's "alive" pipe, as each does: the worker
-    watches the coordinator itself, through a pidfd (readable once it has ended, reaped or not), or on a
-    kernel without pidfds (before 5.3) by its state, twice a second."""
-    try:
-        handle: int | None = os.pidfd_open(coordinator)
-    except ProcessLookupError:
-        os._exit(1)
-    except OSError:
-        handle = None
-
-    def watch() -> None:
-        if handle is not None:
-            select.select([handle], [], [])
-        while handle is None and _running(coordinator):
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="shardstore-coordinator-watch", daemon=True).start()
-
-
 class Pool:
     """`jobs` workers: inline when 1 (unless `processes`), local processes when more, Dask tasks with
     `scheduler` (an address, or "dask" for a local cluster of `jobs` worker processes)."""
@@ -250,9 +220,12 @@ class Pool:
             self.start_method = start_method()
             context = {"fork": multiprocessing.get_context("fork"), "forkserver": FORKSERVER}.get(self.start_method,
                                                                                                 SPAWN)
-            environment = dict(os.environ) if self.start_method == "forkserver" else None
+            parent, environment = os.getpid(), None
+            if self.start_method == "forkserver":
+                _SERVER.ensure_running()
+                parent, environment = _SERVER._forkserver_pid, dict(os.environ)  # type: ignore[attr-defined]
             self._executor = ProcessPoolExecutor(max_workers=self.jobs, mp_context=context, initializer=_worker_init,
-                                                 initargs=(os.getpid(), environment))
+                                                 initargs=(parent, environment))
             for _ in range(self.jobs):
                 self._executor.submit(_warm_up)
 

@@ -149,7 +149,7 @@ pool = runner.Pool(2)
 pool.run(os.getpid, [()] * 8, ["pid"] * 8, lambda pid: None)  # every worker has started
 parent = runner._SERVER._forkserver_pid if pool.start_method == "forkserver" else os.getpid()
 children = open(f"/proc/{parent}/task/{parent}/children").read().split()
-print(pool.start_method, " ".join(children), flush=True)
+print(pool.start_method, parent, " ".join(children), flush=True)
 time.sleep(600)
 """
 
@@ -162,9 +162,9 @@ def test_workers_end_when_their_coordinator_is_killed(method: str) -> None:
 
     code = WAITS if method == "fork" else "import torch\n" + WAITS  # torch loaded: the fork server's workers
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    started, *pids = proc.stdout.readline().split()
-    workers = [int(p) for p in pids]
-    assert started == method and len(workers) >= 2 and all(Path(f"/proc/{w}").exists() for w in workers)
+    started, parent, *pids = proc.stdout.readline().split()
+    workers = [int(p) for p in pids] + ([int(parent)] if method == "forkserver" else [])  # the server too
+    assert started == method and len(pids) >= 2 and all(Path(f"/proc/{w}").exists() for w in workers)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL  # the coordinator died, and did not shut its pool down
 
