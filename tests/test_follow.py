@@ -201,7 +201,7 @@ def test_killed_at_random_beside_a_live_run_it_never_shows_a_partial_step(seed: 
     trainer = subprocess.Popen([sys.executable, "-m", "tests.fixtures.training_run", str(run), str(refs), "16", "2",
                                 "3", "0.3"], cwd=ROOT)
     cmd = [sys.executable, "-m", "shardstore", "follow", str(run), str(out), "--poll", "0.2", "--jobs", "1"]
-    kills = 0
+    kills, follower = 0, None
     try:
         while not run.is_dir():
             time.sleep(0.05)
@@ -219,9 +219,10 @@ def test_killed_at_random_beside_a_live_run_it_never_shows_a_partial_step(seed: 
                 follower = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
                 kill_at = time.monotonic() + rng.uniform(1.0, 4.0)
             time.sleep(0.01)
-        follower.send_signal(signal.SIGKILL)
-        follower.wait()
-    finally:
+    finally:  # (a follower left running after a failed assertion would go on writing into OUT)
+        if follower is not None:
+            follower.send_signal(signal.SIGKILL)
+            follower.wait()
         trainer.wait(timeout=300)
     assert trainer.returncode == 0 and kills == 2
     proc = subprocess.run([*cmd[:-4], "--once", "--jobs", "1"], capture_output=True, text=True)
