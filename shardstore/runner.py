@@ -13,7 +13,7 @@ A fork is wrong:
 - once torch is loaded, its OpenMP thread pool may have run, and GNU OpenMP hangs in a forked child
   that uses it again (workers cast dtypes with torch). A worker forked before torch loads imports it
   afresh.
-Then, on Linux, workers come from a fork server (multiprocessing's kind, shardstore's own): a small
+Then, on Linux (Python 3.10 to 3.13), workers come from a fork server of shardstore's own: a small
 process started once, the first time a pool needs it, which imports what a worker needs (`PRELOAD`) and
 forks each worker from itself (single-threaded, without torch, without the caller's memory). A notebook
 or a test process that runs many conversions pays the imports once, not twice per call (0.46 s of CPU a
@@ -128,9 +128,10 @@ def start_method() -> str:
         return "spawn"
     if threading.active_count() == 1 and "torch" not in sys.modules and _resident() < FORK_MOST:
         return "fork"
-    if threading.current_thread() is threading.main_thread() or _SERVER._forkserver_pid is not None:  # type: ignore[attr-defined]
+    if sys.version_info < (3, 14) and (threading.current_thread() is threading.main_thread()
+                                       or _SERVER._forkserver_pid is not None):  # type: ignore[attr-defined]
         return "forkserver"  # (started by the main thread: it ends with the process, shardstore/served.py)
-    return "spawn"
+    return "spawn"  # (_ServedPopen follows multiprocessing's internals as they are in Python 3.10 to 3.13)
 
 
 def _resident() -> int:
