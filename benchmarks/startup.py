@@ -9,8 +9,10 @@ the registries its choices name, without its work), `shardstore ls` of a small s
 `shardstore unshard` of the small OLMo `local` checkpoint kept in tests/corpus (3.5 MB, 2 ranks) in every
 output format, in one process (`--jobs 1`) and with the default workers. Then the import cost of each
 shardstore module as `python -X importtime` reports it (cumulative, this module and what it imports
-first), and whether a one-process unshard ever imports torch. Prints markdown tables; writes
-startup.json to --out.
+first), and whether a one-process unshard ever imports torch. Last, the API called again and again from
+one Python process that has loaded torch (a notebook's), whose workers are not forked (runner.py): the
+first call and the median of the next --repeat, with workers from the fork server and, for comparison,
+spawned (each twice, alternately). Prints markdown tables; writes startup.json to --out.
 """
 
 from __future__ import annotations
@@ -73,6 +75,33 @@ def imports_torch(fmt: str, out: Path) -> bool:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "True"
 
 
+# one process, torch loaded, calling unshard again and again: the first call, then each of the next
+REPEATED = """
+import shutil, sys, tempfile, time
+import torch
+import shardstore
+from shardstore import runner
+if sys.argv[2] == "spawn":
+    runner.start_method = lambda: "spawn"
+for _ in range(int(sys.argv[3]) + 1):
+    out = tempfile.mkdtemp()
+    shutil.rmtree(out)
+    began = time.perf_counter()
+    shardstore.unshard(sys.argv[1], out, jobs=2)
+    print(time.perf_counter() - began)
+    shutil.rmtree(out)
+"""
+
+
+def repeated(how: str, repeat: int) -> tuple[float, float]:
+    """(first call, median of the next `repeat`) of `shardstore.unshard` in one process that loaded torch,
+    its workers started `how` ("forkserver": as runner.py chooses; "spawn")."""
+    run = subprocess.run([sys.executable, "-c", REPEATED, str(SMALL), how, str(repeat)], capture_output=True,
+                         text=True, check=True)
+    first, *rest = map(float, run.stdout.split())
+    return first, sorted(rest)[len(rest) // 2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=5)
@@ -95,6 +124,7 @@ def main() -> None:
                 wall, rss = best(cmd, args.repeat, lambda: shutil.rmtree(out, ignore_errors=True))
                 rows.append((f"unshard --format {fmt}" + (" --jobs 1" if jobs else ""), wall, rss))
         torch_loaded = {fmt: imports_torch(fmt, work / "t") for fmt in FORMATS}
+        calls = [(how, *repeated(how, args.repeat)) for how in ("spawn", "forkserver") * 2]  # alternately
     costs = import_costs()
     print("| command (3.5 MB checkpoint, warm) | wall s | peak RSS MB |\n|---|---:|---:|")
     for name, wall, rss in rows:
@@ -102,12 +132,15 @@ def main() -> None:
     print("\n| one-process unshard | imports torch |\n|---|---|")
     for fmt, loaded in torch_loaded.items():
         print(f"| --format {fmt} | {'yes' if loaded else 'no'} |")
+    print("\n| unshard from a process that loaded torch, workers | first call s | each later call s |\n|---|---:|---:|")
+    for how, first, later in calls:
+        print(f"| {how} | {first:.2f} | {later:.2f} |")
     print("\n| module (import cost, cumulative) | ms |\n|---|---:|")
     for name, us in costs[:15]:
         print(f"| {name} | {us / 1000:.1f} |")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "startup.json").write_text(json.dumps({"commands": rows, "imports_torch": torch_loaded,
-                                                       "import_us": costs}, indent=1))
+                                                       "import_us": costs, "repeated_calls": calls}, indent=1))
 
 
 if __name__ == "__main__":
