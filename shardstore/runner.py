@@ -25,7 +25,7 @@ directory as they were when the pool opened.
 A spawned child normally imports the parent's `__main__` first, which re-runs a script that has no
 `if __name__ == "__main__":` guard (and then fails as it starts a pool of its own); so would a fork
 server's child. Workers only ever run shardstore's own module-level functions, so they start without it
-(`_Mainless`): the API works the same from a script, a notebook or `python -c`.
+(`_mainless`): the API works the same from a script, a notebook or `python -c`.
 """
 
 from __future__ import annotations
@@ -57,28 +57,26 @@ if sys.platform != "win32":
     _SERVER = forkserver.ForkServer()
     _SERVER.set_forkserver_preload(PRELOAD)
 
-    class _Mainless:
-        """A Popen whose child is not sent the parent's `__main__` to import."""
+    def _mainless(preparation: dict[str, Any]) -> dict[str, Any]:
+        """The preparation data a child is sent, without the parent's `__main__` to import."""
+        return {k: v for k, v in preparation.items() if k not in _MAIN_KEYS}
 
+    class _MainlessSpawnPopen(popen_spawn_posix.Popen):
         def _launch(self, process_obj: Any) -> None:
             with _LAUNCH:  # the preparation data is made by a module function: swapped for this launch only
                 original = spawn.get_preparation_data
-                spawn.get_preparation_data = lambda name: {k: v for k, v in original(name).items()
-                                                           if k not in _MAIN_KEYS}
+                spawn.get_preparation_data = lambda name: _mainless(original(name))
                 try:
                     super()._launch(process_obj)  # type: ignore[misc]  # (typeshed leaves the Popen internals out)
                 finally:
                     spawn.get_preparation_data = original
-
-    class _MainlessSpawnPopen(_Mainless, popen_spawn_posix.Popen):
-        pass
 
     class _ServedPopen(popen_forkserver.Popen):
         """A worker forked by `_SERVER`, not sent `__main__`: multiprocessing's own launch (the same in
         Python 3.10 to 3.13) with the server and the preparation data ours."""
 
         def _launch(self, process_obj: Any) -> None:
-            prep = {k: v for k, v in spawn.get_preparation_data(process_obj._name).items() if k not in _MAIN_KEYS}
+            prep = _mainless(spawn.get_preparation_data(process_obj._name))
             buf = io.BytesIO()
             set_spawning_popen(self)
             try:
@@ -88,7 +86,8 @@ if sys.platform != "win32":
                 set_spawning_popen(None)
             self.sentinel, w = _SERVER.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
             parent_w = os.dup(w)  # the child's sentinel of this process
-            self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))  # type: ignore[attr-defined]
+            closing = util.close_fds  # type: ignore[attr-defined]
+            self.finalizer = util.Finalize(self, closing, (parent_w, self.sentinel))
             with open(w, "wb", closefd=True) as f:
                 f.write(buf.getbuffer())
             self.pid = forkserver.read_signed(self.sentinel)
@@ -219,12 +218,13 @@ class Pool:
         self.start_method: str | None = None  # local workers' (start_method())
         if scheduler is None and (self.jobs > 1 or processes):
             self.start_method = start_method()
-            context = {"fork": multiprocessing.get_context("fork"), "forkserver": FORKSERVER}.get(self.start_method,
-                                                                                                SPAWN)
-            parent, environment = os.getpid(), None
-            if self.start_method == "forkserver":
+            context, parent, environment = SPAWN, os.getpid(), None
+            if self.start_method == "fork":
+                context = multiprocessing.get_context("fork")
+            elif self.start_method == "forkserver":  # the server's child, in the server's environment
                 _SERVER.ensure_running()
-                parent, environment = _SERVER._forkserver_pid, dict(os.environ)  # type: ignore[attr-defined]
+                parent = _SERVER._forkserver_pid  # type: ignore[attr-defined]
+                context, environment = FORKSERVER, dict(os.environ)
             self._executor = ProcessPoolExecutor(max_workers=self.jobs, mp_context=context, initializer=_worker_init,
                                                  initargs=(parent, environment))
             for _ in range(self.jobs):
