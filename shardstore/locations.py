@@ -36,11 +36,27 @@ def filesystem(url: str, storage_options: StorageOptions | None = None) -> tuple
 
 
     try:
-        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     except (ImportError, ValueError) as exc:
         raise ShardstoreError(f"{url}: cannot open ({exc}); for s3:// install shardstore[s3]") from None
     except TypeError as exc:  # an option the file system does not take
         raise ShardstoreError(f"{url}: --storage-options not accepted ({exc})") from None
+    loop = getattr(fs, "loop", None)
+    if loop is not None and loop.get_exception_handler() is not _unawaited_failure:
+        loop.set_exception_handler(_unawaited_failure)
+    return fs, path
+
+
+def _unawaited_failure(loop: Any, context: dict[str, Any]) -> None:
+    """The exception handler of fsspec's event loop. When a connection is cut, aiohttp's task sending a
+    request body fails beside the request that is awaited; the awaited one reaches the caller (and the
+    CLI's one error line), the other is logged with a traceback by asyncio when collected ("Task
+    exception was never retrieved"). That second report of the same service failure is dropped; anything
+    else goes to asyncio's default handler."""
+    exc = context.get("exception")
+    if exc is not None and "future" in context and isinstance(exc, service_errors()):
+        return
+    loop.default_exception_handler(context)
 
 
 def service_errors() -> tuple[type[BaseException], ...]:
