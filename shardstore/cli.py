@@ -235,6 +235,10 @@ def _export_options(f: Any) -> Any:
                           "it computes it (Megatron-LM's --make-vocab-size-divisible-by times its tensor-parallel "
                           "size) [default: 128]; with --format nemo, likewise [default: unpadded, as NeMo's "
                           "importers leave it]."),
+        click.option("--transformer-impl", type=click.Choice(["transformer_engine", "local"]), default=None,
+                     help="With --format megatron or nemo: the layer spec of the model that loads it, as Megatron-LM's "
+                          "--transformer-impl says [default: transformer_engine, Megatron-LM's]. The keys differ for "
+                          "MoE layers' and multi-latent attention's norms, and TE keeps an _extra_state per norm."),
         click.option("--names", default=None, metavar="torchtitan|FILE.json",
                      help="With --format dcp, of a model --format hf maps: its tensors under a trainer's names, "
                           "for dcp.load into its model at any world size: torchtitan's (0.3), or a JSON "

@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 Arrays = Callable[[ArrayRef, str], ArrayRef]  # an array's reference and its output dtype -> where its bytes come from
 
 
+# Megatron-LM's --transformer-impl: the layer specs whose checkpoints' keys differ (export/hf/megatron_inverse.py)
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+
+
 @dataclass(frozen=True)
 class ExportRequest:
     """What the user asked of one export, as the CLI and the API take it: the only way export options
@@ -71,6 +75,9 @@ class ExportRequest:
     # `--format megatron`: the vocabulary's rows padded to a multiple of this (Megatron-LM's
     # make_vocab_size_divisible_by times the tensor-parallel size it loads at); None: 128
     vocab_multiple: int | None = None
+    # `--format megatron` or `nemo`: the layer spec of the model that loads it (Megatron-LM's
+    # --transformer-impl), whose keys it holds: "transformer_engine" (None: Megatron-LM's default) or "local"
+    transformer_impl: str | None = None
     # `--format dcp`: the tensors under a trainer's names: a built-in mapping ("torchtitan")
     # or a JSON file of renames (export/renamed.py)
     names: str | os.PathLike[str] | None = None
@@ -94,6 +101,10 @@ class ExportRequest:
         if self.vocab_multiple is not None and (not self.output.pads_vocabulary or type(self.vocab_multiple) is not int
                                                 or self.vocab_multiple < 1):
             raise ExportError("--vocab-multiple is a count of rows of at least 1, and goes with --format megatron or "
+                              "nemo")
+        if self.transformer_impl is not None and (not self.output.pads_vocabulary
+                                                  or self.transformer_impl not in TRANSFORMER_IMPLS):
+            raise ExportError("--transformer-impl is transformer_engine or local, and goes with --format megatron or "
                               "nemo")
         if self.names is not None and (self.output.name != "dcp" or not isinstance(self.names, (str, os.PathLike))):
             raise ExportError("--names goes with --format dcp: a built-in name or a JSON file of renames")

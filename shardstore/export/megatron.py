@@ -13,9 +13,14 @@ are the transformers tensors' own rows where they land (megatron_inverse.placeme
 query group, gate and up, whole tensors elsewhere. So nothing is rearranged in memory: each chunk is one
 range of one source file's bytes, copied kernel-side, and DCP's reader (megatron's is DCP's) assembles
 whatever slice a rank asks for. The vocabulary's padding rows are zeros. Beside the tensors go what
-megatron-core saves with a GPTModel's: each linear layer's `_extra_state` per layer (`[None]`: no FP8
+megatron-core saves with a GPTModel's: each module's `_extra_state` per layer (`[None]`: no FP8
 metadata), and the common state (`common_state`: Megatron-LM's `args` for the model, `checkpoint_version`
 3.0, `iteration` 0) that Megatron-LM's `load_checkpoint` reads.
+
+The keys are those of the layer spec the loading job builds (`--transformer-impl`, Megatron-LM's): a model
+loads only the keys its spec saves, and the two specs differ where a norm is a module under one and fused
+into a linear layer under the other (megatron_inverse.TRANSFORMER_ENGINE), and in which modules keep an
+`_extra_state` (`_with_extra_state`).
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ from ..tree import Node
 from . import chunks, dcp, hf
 from .contract import ExportRequest, OutputFormat, Planned, Progress, Written
 from .hf.spec import HFModel
-from .hf.megatron_inverse import (Placed, architecture, layers_stacked, mtp_copies, padded_vocab, placements,
-                                  stacked)
+from .hf.megatron_inverse import (TRANSFORMER_ENGINE, Placed, architecture, layers_stacked, mtp_copies, padded_vocab,
+                                  placements, stacked)
 from .hf.megatron import MOE_BLOCKS
 from .hf.megatron_llama import DEEPSEEK_V3, QWEN2_MOE, QWEN3, QWEN3_MOE, need
 from .resolve import ArrayRef
@@ -85,7 +90,8 @@ def plan_items(store: Store, subtree: str, request: ExportRequest
                                f"Megatron's multi-token prediction takes from the model: not written")
     multiple = request.vocab_multiple or VOCAB_MULTIPLE
     vocab_rows = padded_vocab(need(config, "vocab_size", where), multiple)
-    placed = placements(config, {k: it.shape for k, it in sources.items()}, where, vocab_rows=vocab_rows)
+    impl = request.transformer_impl or TRANSFORMER_ENGINE
+    placed = placements(config, {k: it.shape for k, it in sources.items()}, where, vocab_rows=vocab_rows, impl=impl)
     keys = stacked(placed.shapes, layers_stacked(config))
     index_of = {member: (key, index) for key, (_, members) in keys.items() for member, index in members.items()}
     dtypes = {p.target: sources[p.hf].dtype for p in placed.placements}
@@ -105,7 +111,7 @@ def plan_items(store: Store, subtree: str, request: ExportRequest
         sizes = (1,) * len(index) + (stop - first, *rest)
         zeros = Zeros(target, dtypes[target], sizes)
         items.append(dcp.Item(key, ((*index, first) + (0,) * len(rest), sizes), zeros, zeros.nbytes))
-    for fqn, value in _objects(config, keys, vocab_rows, multiple).items():
+    for fqn, value in _objects(config, keys, vocab_rows, multiple, impl).items():
         described[fqn] = ("bytes",)
         items.append(dcp.Item(fqn, None, value, 0))
     return model, placed, items, described
@@ -125,24 +131,41 @@ def _without_absent_mtp(model: HFModel, config: dict[str, Any], sources: dict[st
 
 
 def _objects(config: dict[str, Any], keys: dict[str, tuple[tuple[int, ...], dict[str, tuple[int, ...]]]],
-             vocab_rows: int, multiple: int) -> dict[str, dcp.Value]:
+             vocab_rows: int, multiple: int, impl: str) -> dict[str, dcp.Value]:
     """The objects megatron-core saves beside a GPTModel's tensors (`keys`: the tensors' keys, each with
-    its global shape and members): every linear layer's `_extra_state` of each layer (and expert:
-    `shard_{layer}.{expert}_{layers}.{experts}`), and the common state."""
+    its global shape and members): the `_extra_state` of each module that has one (`_with_extra_state`) of
+    each layer (and expert: `shard_{layer}.{expert}_{layers}.{experts}`; `shard_0_1` outside the layers),
+    and the common state. Each `[None]`: no FP8 metadata, which a Transformer Engine module loads as it
+    loads its own empty state."""
     out = {}
     for key, (shape, members) in keys.items():
-        if key.startswith(("decoder.layers.", "mtp.layers.")) and key.endswith(LINEARS):  # per layer (and expert)
-            lead = shape[:len(next(iter(members.values())))] or (1,)
+        lead = shape[:len(next(iter(members.values())))] or (1,)
+        for module in _with_extra_state(key, impl):
             for index in itertools.product(*map(range, lead)):
                 shard = f"{'.'.join(map(str, index))}_{'.'.join(map(str, lead))}"
-                out[f"{key.removesuffix('.weight')}._extra_state/shard_{shard}"] = dcp.Value([None])
-    out[COMMON_ITEM] = dcp.Value([{"args": megatron_args(config, vocab_rows, multiple),
+                out[f"{module}._extra_state/shard_{shard}"] = dcp.Value([None])
+    out[COMMON_ITEM] = dcp.Value([{"args": megatron_args(config, vocab_rows, multiple, impl),
                                                 "checkpoint_version": 3.0, "iteration": 0,
                                                 "num_floating_point_operations_so_far": 0}])
     return out
 
 
-def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int) -> Namespace:
+def _with_extra_state(key: str, impl: str) -> list[str]:
+    """The modules beside tensor `key` whose `_extra_state` megatron-core saves: a layer's linear layers;
+    under Transformer Engine also every norm that is a module of its own (TE's RMSNorm, an operation
+    keeping FP8 state since TE 2.0: the final norm, an MoE layer's pre-MLP norm, MLA's input norm, q and k
+    norms, the MTP layers' norms) and the attention beside each output projection (TEDotProductAttention's:
+    megatron-core < 0.15 asks for it, later ones for none; a model reads only what it asks for)."""
+    module = key.removesuffix(".weight")
+    layer = key.startswith(("decoder.layers.", "mtp.layers."))
+    if impl != TRANSFORMER_ENGINE:
+        return [module] if layer and key.endswith(LINEARS) else []
+    if key.endswith("self_attention.linear_proj.weight"):
+        return [module, f"{module.removesuffix('linear_proj')}core_attention"]
+    return [module] if layer and key.endswith(LINEARS) or key.endswith("norm.weight") else []
+
+
+def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int, impl: str = TRANSFORMER_ENGINE) -> Namespace:
     """Megatron-LM's arguments for the model `config` describes, as its `check_checkpoint_args` compares
     them and `export/hf/megatron.config_from_args` reads them back."""
     arch = architecture(config, "the model's config.json")
@@ -163,7 +186,8 @@ def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int) -> Nam
                 padded_vocab_size=vocab_rows, make_vocab_size_divisible_by=multiple, ckpt_format="torch_dist",
                 tensor_model_parallel_size=1, pipeline_model_parallel_size=1, fp16=dtype == "float16",
                 bf16=dtype == "bfloat16",
-                params_dtype=TorchDType(dtype if dtype in ("float16", "bfloat16") else "float32"), iteration=0)
+                params_dtype=TorchDType(dtype if dtype in ("float16", "bfloat16") else "float32"), iteration=0,
+                transformer_impl=impl)
     scaling = rope_scaling(config)
     if arch == DEEPSEEK_V3:
         args.update(_deepseek_args(config, scaling))

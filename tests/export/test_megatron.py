@@ -49,7 +49,9 @@ def test_a_megatron_checkpoint_written_from_its_hf_export_is_megatron_cores_own(
     src = DATA / layout
     shardstore.unshard(src, tmp_path / "hf", format="hf", jobs=1)
     rows = json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"]
-    result = shardstore.unshard(tmp_path / "hf", tmp_path / "megatron", format="megatron", vocab_multiple=rows, jobs=2)
+    # (megatron-core saved them with its local layer spec)
+    result = shardstore.unshard(tmp_path / "hf", tmp_path / "megatron", format="megatron", vocab_multiple=rows,
+                                transformer_impl="local", jobs=2)
     assert (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").read_text() == "release"
     assert json.loads((tmp_path / "megatron" / "release" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
     ours, our_items = _dcp(tmp_path / "megatron" / "release")
@@ -118,11 +120,21 @@ def test_what_a_megatron_checkpoint_cannot_hold_is_refused_before_it_is_written(
         shardstore.unshard(tmp_path / "hf", tmp_path / "a", format="megatron", dtype="bfloat16", jobs=1)
     with pytest.raises(shardstore.ExportError, match="--vocab-multiple .* goes with --format megatron"):
         shardstore.unshard(tmp_path / "hf", tmp_path / "b", format="hf", vocab_multiple=64, jobs=1)
+    with pytest.raises(shardstore.ExportError, match="--transformer-impl .* goes with --format megatron"):
+        shardstore.unshard(tmp_path / "hf", tmp_path / "b", format="hf", transformer_impl="local", jobs=1)
+    with pytest.raises(shardstore.ExportError, match="--transformer-impl is transformer_engine or local"):
+        shardstore.unshard(tmp_path / "hf", tmp_path / "b", format="megatron", transformer_impl="te", jobs=1)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(shardstore.ExportError, match="'GPT2LMHeadModel' has no Megatron-Core GPT equivalent"):
         shardstore.unshard(tmp_path / "hf", tmp_path / "c", format="megatron", jobs=1)
-    assert not any((tmp_path / n).exists() for n in ("a", "b", "c"))
+    # DeepSeek without a q latent: megatron-core's TE spec would normalise q's input twice
+    from tests.export.test_renamed import DATA as TITAN
+    dsv3 = json.loads((TITAN / "deepseek-v3" / "hf" / "config.json").read_text())
+    src = _with(TITAN / "deepseek-v3" / "hf", tmp_path / "noq", {**dsv3, "q_lora_rank": None}, {})
+    with pytest.raises(shardstore.ExportError, match="q_lora_rank is None: megatron-core's Transformer Engine spec"):
+        shardstore.unshard(src, tmp_path / "d", format="megatron", jobs=1)
+    assert not any((tmp_path / n).exists() for n in ("a", "b", "c", "d"))
 
 
 def test_an_earlier_exports_files_are_refused_up_front_and_replaced_with_overwrite(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ExportError
+from ..contract import TRANSFORMER_IMPLS
 from . import megatron
 from .megatron_llama import (DEEPSEEK_V3, EMBEDDING, FINAL_NORM, GPT_OSS, MOE, NORMS, OUTPUT, QWEN2_MOE, QWEN3,
                              QWEN3_MOE, need)
@@ -27,6 +28,11 @@ EXPERT = re.compile(r"(.*)mlp\.experts\.local_experts\.([0-9]+)\.(.+)\Z")
 # the architectures whose Megatron names are built here (GPT-OSS's stacked experts are mapped forwards only,
 # so far)
 BUILT = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", QWEN3, MOE, QWEN3_MOE, QWEN2_MOE, DEEPSEEK_V3)
+# Megatron-LM's --transformer-impl: the layer spec a checkpoint's keys are those of. They differ only where a
+# norm is a module of its own under one spec and fused into the next linear layer under the other: an MoE
+# layer's pre-MLP norm (Transformer Engine: `pre_mlp_layernorm`; the local spec maps its own onto
+# `mlp.linear_fc1.layer_norm_weight`) and multi-latent attention's (no map in the local spec)
+TRANSFORMER_ENGINE, LOCAL = TRANSFORMER_IMPLS
 
 
 @dataclass(frozen=True)
@@ -71,16 +77,18 @@ def padded_vocab(vocab: int, divisible_by: int) -> int:
     return -(-vocab // divisible_by) * divisible_by
 
 
-def shapes(config: dict[str, Any], where: str, te_norms: bool = True, vocab_rows: int | None = None) -> dict[str, Shape]:
-    """Every tensor of the megatron-core GPTModel `config` describes, per layer, with its shape: norms under
-    Transformer Engine's names (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`: what the
-    keys of every torch_dist checkpoint use, the local spec's and MoE layers' too) or, with `te_norms`
-    false, the local spec's module names; the embedding and output layer of `vocab_rows` rows (default:
-    `vocab_size`, unpadded). DeepSeek-V3's under the local spec's names (its MLA layer has no map to
-    Transformer Engine's in megatron-core's files), its multi-token-prediction layers as `mtp.layers.{i}`."""
+def shapes(config: dict[str, Any], where: str, te_norms: bool = True, vocab_rows: int | None = None,
+           impl: str = TRANSFORMER_ENGINE) -> dict[str, Shape]:
+    """Every tensor of the megatron-core GPTModel `config` describes, per layer, with its shape, under the
+    keys a torch_dist checkpoint of layer spec `impl` holds (norms fused into the next linear layer where
+    they are: `linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`, MLA's
+    `linear_q_up_proj.layer_norm_weight`) or, with `te_norms` false, the local spec's module names; the
+    embedding and output layer of `vocab_rows` rows (default: `vocab_size`, unpadded); DeepSeek-V3's
+    multi-token-prediction layers as `mtp.layers.{i}`."""
     arch = architecture(config, where)
+    fused = te_norms and impl == TRANSFORMER_ENGINE  # Transformer Engine's names where the specs differ
     if arch == DEEPSEEK_V3:
-        return _deepseek(config, where, vocab_rows)
+        return _deepseek(config, where, vocab_rows, fused)
     hidden, heads = need(config, "hidden_size", where), need(config, "num_attention_heads", where)
     groups = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
@@ -99,8 +107,9 @@ def shapes(config: dict[str, Any], where: str, te_norms: bool = True, vocab_rows
         if arch in (QWEN3, QWEN3_MOE):
             out[f"{layer}self_attention.q_layernorm.weight"] = (head_dim,)
             out[f"{layer}self_attention.k_layernorm.weight"] = (head_dim,)
-        for candidates in NORMS.values():
-            out[f"{layer}{candidates[0 if te_norms else 1]}"] = (hidden,)
+        for key, candidates in NORMS.items():  # an MoE layer's pre-MLP norm is TE's module of its own
+            module = not te_norms or fused and arch in megatron.MOE_BLOCKS and key == "post_attention_layernorm.weight"
+            out[f"{layer}{candidates[1 if module else 0]}"] = (hidden,)
         if arch in megatron.MOE_BLOCKS:
             _, count, width, _ = megatron.MOE_BLOCKS[arch]
             experts, expert_ffn = need(config, count, where), need(config, width, where)
@@ -119,14 +128,19 @@ def shapes(config: dict[str, Any], where: str, te_norms: bool = True, vocab_rows
     return out
 
 
-def _deepseek(config: dict[str, Any], where: str, vocab_rows: int | None) -> dict[str, Shape]:
-    """DeepSeek-V3's tensors as megatron-core's local spec names them: multi-latent attention with its
-    latents' norms as modules, dense layers first, then MoE ones (router with its expert bias, the routed
+def _deepseek(config: dict[str, Any], where: str, vocab_rows: int | None, fused: bool) -> dict[str, Shape]:
+    """DeepSeek-V3's tensors as megatron-core names them: multi-latent attention with its latents' norms as
+    modules (the local spec) or, `fused`, in its up-projections (Transformer Engine's), dense layers first
+    (TE's pre-MLP norm fused into `linear_fc1`), then MoE ones (router with its expert bias, the routed
     experts, one shared MLP), then the multi-token-prediction layers."""
     hidden, heads = need(config, "hidden_size", where), need(config, "num_attention_heads", where)
     q_lora, kv_lora = config.get("q_lora_rank"), need(config, "kv_lora_rank", where)
     nope, rope = need(config, "qk_nope_head_dim", where), need(config, "qk_rope_head_dim", where)
     v, layers = need(config, "v_head_dim", where), need(config, "num_hidden_layers", where)
+    if fused and not q_lora:
+        raise ExportError(f"{where}: q_lora_rank is {q_lora!r:.20}: megatron-core's Transformer Engine spec then fuses a "
+                          f"norm into linear_q_proj, which DeepseekV3's q_proj does not have (q would be normalised "
+                          f"twice); --transformer-impl local writes it under the local spec's names")
     dense = config.get("first_k_dense_replace")
     if type(dense) is not int or not 0 <= dense <= layers:
         raise ExportError(f"{where}: first_k_dense_replace is {dense!r:.40}; a count of the first layers")
@@ -135,14 +149,19 @@ def _deepseek(config: dict[str, Any], where: str, vocab_rows: int | None) -> dic
     def layer(prefix: str, moe: bool) -> dict[str, Shape]:
         attn = f"{prefix}self_attention."
         out: dict[str, Shape] = {f"{prefix}input_layernorm.weight": (hidden,)}
+        def norm(latent: str) -> str:
+            return f"{attn}linear_{latent}_up_proj.layer_norm_weight" if fused else f"{attn}{latent}_layernorm.weight"
+
         if q_lora:
-            out.update({f"{attn}linear_q_down_proj.weight": (q_lora, hidden), f"{attn}q_layernorm.weight": (q_lora,),
+            out.update({f"{attn}linear_q_down_proj.weight": (q_lora, hidden), norm("q"): (q_lora,),
                         f"{attn}linear_q_up_proj.weight": (heads * (nope + rope), q_lora)})
         else:
             out[f"{attn}linear_q_proj.weight"] = (heads * (nope + rope), hidden)
-        out.update({f"{attn}linear_kv_down_proj.weight": (kv_lora + rope, hidden), f"{attn}kv_layernorm.weight": (kv_lora,),
+        out.update({f"{attn}linear_kv_down_proj.weight": (kv_lora + rope, hidden), norm("kv"): (kv_lora,),
                     f"{attn}linear_kv_up_proj.weight": (heads * (nope + v), kv_lora),
-                    f"{attn}linear_proj.weight": (hidden, heads * v), f"{prefix}pre_mlp_layernorm.weight": (hidden,)})
+                    f"{attn}linear_proj.weight": (hidden, heads * v),
+                    f"{prefix}{'mlp.linear_fc1.layer_norm_weight' if fused and not moe else 'pre_mlp_layernorm.weight'}":
+                        (hidden,)})
         if not moe:
             out.update(_glu(f"{prefix}mlp.", need(config, "intermediate_size", where), hidden))
             return out
@@ -172,11 +191,11 @@ def _glu(prefix: str, width: int, hidden: int) -> dict[str, Shape]:
 
 
 def placements(config: dict[str, Any], hf_shapes: dict[str, Shape], where: str, te_norms: bool = True,
-               vocab_rows: int | None = None) -> Placed:
+               vocab_rows: int | None = None, impl: str = TRANSFORMER_ENGINE) -> Placed:
     """Where each of a transformers model's tensors (`hf_shapes`, by name) lands in the Megatron-Core model
     its `config` describes: every one of them placed, every Megatron row but the vocabulary's padding
     landed on, each shape as the config says; else refused naming the tensor."""
-    megatron_shapes = shapes(config, where, te_norms, vocab_rows)
+    megatron_shapes = shapes(config, where, te_norms, vocab_rows, impl)
     model = megatron.plan(config, list(megatron_shapes), megatron_shapes, where, {})
     placed: list[Placement] = []
     landed: dict[str, int] = {}
