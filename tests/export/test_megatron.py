@@ -9,7 +9,13 @@ output of the fixtures' Hugging Face exports, vocabulary padded to 128, max abs 
 2.2e-05 at TP 2 × PP 2 and 3.2e-05 at TP 1 (Llama), 2.7e-05 at TP 2 (Qwen2), 4.3e-06 at EP 2 and 1.0e-05 at
 TP 2 × EP 2 (Qwen3-MoE); run 2026-12-07 on DeepSeek-V3 models (tests/fixtures/deepseek_hf.py: with an MTP
 layer, without, with one its files lack, without q LoRA), within 2.4e-05 at TP 1, TP 2, EP 2 and TP 2 × EP 2,
-every loaded tensor bit for bit the Hugging Face one (`--values`)."""
+every loaded tensor bit for bit the Hugging Face one (`--values`); and 2026-12-07 on one of 4 layers with its MTP
+layer (`deepseek_hf.py --layers 4`), written with `--transformer-impl local` (the spec that oracle builds), at
+TP 2 × PP 2, PP 2 × EP 2 and TP 2 × PP 2 × EP 2: within 1.5e-05, 9.1e-06 and 1.7e-05.
+
+The output for Megatron-LM's default layer spec (Transformer Engine's: `--transformer-impl transformer_engine`,
+the default) is checked the same way by tests/fixtures/megatron_te_spec.py (megatron-core's own TE-spec
+GPTModel, TE's modules stood in for on the CPU): see test_the_default_output_is_what_megatron_cores_te_model_asks_for."""
 
 from __future__ import annotations
 
