@@ -74,6 +74,31 @@ def test_a_megatron_checkpoint_written_from_its_hf_export_is_megatron_cores_own(
     assert_bitwise_equal(_safetensors(tmp_path / "hf3"), _safetensors(tmp_path / "hf"), layout)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_default_output_is_what_megatron_cores_te_model_asks_for(layout: str, tmp_path: Path) -> None:
+    """Megatron-LM's default layer spec is Transformer Engine's: the keys its GPTModel of the same config
+    asks for (megatron-core 0.19.2's own model, TE stood in for on the CPU: tests/fixtures/megatron_te_spec.py,
+    whose load of these outputs gave transformers' logits) are every tensor written, under its key with its
+    global shape, and every object it asks for (TE's norms keep an `_extra_state`); beyond them only the
+    attention's `_extra_state` that megatron-core < 0.15 asks for. For an MoE or MLA model these keys are not
+    the local spec's (the test above). Read back, the same Hugging Face model."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from shardstore.export.megatron import COMMON_ITEM
+
+    shardstore.unshard(DATA / layout, tmp_path / "hf", format="hf", jobs=1)
+    shardstore.unshard(tmp_path / "hf", tmp_path / "megatron", format="megatron", jobs=2)
+    meta = FileSystemReader(str(tmp_path / "megatron" / "release")).read_metadata().state_dict_metadata
+    want = json.loads((DATA.parent / "te_spec" / f"{layout}.json").read_text())
+    assert {k: list(v.size) for k, v in meta.items() if not isinstance(v, BytesStorageMetadata)} == want["tensors"]
+    objects = {k for k, v in meta.items() if isinstance(v, BytesStorageMetadata)} - {COMMON_ITEM}
+    assert set(want["objects"]) <= objects, sorted(set(want["objects"]) - objects)
+    assert all(".self_attention.core_attention._extra_state/" in k for k in objects - set(want["objects"]))
+    shardstore.unshard(tmp_path / "megatron", tmp_path / "hf2", format="hf", jobs=1)
+    assert_bitwise_equal(_safetensors(tmp_path / "hf2"), _safetensors(tmp_path / "hf"), layout)
+
+
 def test_the_vocabulary_is_padded_with_zero_rows_to_the_multiple_megatron_loads_at(tmp_path: Path) -> None:
     """Megatron-LM pads the vocabulary to a multiple of make_vocab_size_divisible_by times the TP size (128 by
     default): the padding rows are zeros, the args say the padded size, and the folder read back with the
