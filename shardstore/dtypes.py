@@ -12,6 +12,7 @@ is rounded into its output (`rounded`, for `average`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -123,8 +124,14 @@ def as_numbers(raw: np.ndarray, name: str) -> np.ndarray:
     if name == "bfloat16":
         return (raw.astype(np.uint32) << 16).view(np.float32)
     if name in _WIDEN:
-        return _WIDEN[name]()[raw]
+        return widening(name)[raw]
     return raw
+
+
+@functools.cache
+def widening(name: str) -> np.ndarray:
+    """The float32 value of each of the 256 bytes of the 8-bit float `name`."""
+    return _WIDEN[name]()
 
 
 CAST_BLOCK_BYTES = 16 << 20  # a cast holds this much of its source in memory at a time

@@ -257,8 +257,13 @@ def float32_rows(store: Store, ref: ArrayRef, rows: tuple[int, int] | None = Non
     """A tensor (or its rows [first, stop)) as float32 numbers, exactly (export/fp8.py's too)."""
     if rows is not None:
         ref = rows_of(ref, *rows)
-    raw = np.frombuffer(b"".join(blocks(ref.parts(store))), dtypes.info(ref.dtype).raw)
+    raw = np.frombuffer(raw_rows(store, ref), dtypes.info(ref.dtype).raw)
     return dtypes.as_numbers(raw, ref.dtype).astype(np.float32, copy=False).reshape(ref.shape)
+
+
+def raw_rows(store: Store, ref: ArrayRef) -> bytes:
+    """A tensor's bytes, in one buffer."""
+    return b"".join(blocks(ref.parts(store)))
 
 
 def rows_of(ref: ArrayRef, first: int, stop: int) -> ArrayRef:

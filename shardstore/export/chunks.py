@@ -80,11 +80,13 @@ def _picked(source: ArrayRef, rows: tuple[tuple[int, int], ...]) -> tuple[tuple[
 class ChunksDirect(dcp.DcpDirect):
     """The chunks that are one run of rows of an array the ingest brings, laid out for its workers to copy
     into `folder`'s .distcp files; the rest (zeros, dequantized or reordered weights, the objects) and
-    `.metadata` at the finish, from the store."""
+    `.metadata` at the finish, from the store: the rest in files of their own, by `jobs` workers (an FP8
+    model's weights are most of its bytes, and dequantizing them is work)."""
 
     folder: str = ""  # the DCP folder in OUT ("": OUT itself)
     described: dict[str, Any] | None = None
-    rest: tuple[dcp.Item, ...] = ()
+    rest: tuple[tuple[dcp.Item, ...], ...] = ((),)  # the items of each file after the laid-out ones
+    jobs: int = 1
     placed: tuple[tuple[dcp.Item, int, int, int], ...] = ()  # (item, file, its offset, its length)
     said: tuple[str, ...] = ()  # the notes
 
@@ -97,7 +99,11 @@ class ChunksDirect(dcp.DcpDirect):
 
     @property
     def files(self) -> list[str]:
-        return list(self.layout.names) + [self._in(dcp.distcp_name(len(self.layout.names))), self._in(dcp.METADATA)]
+        return list(self.layout.names) + [self._in(name) for name in self._rest_names] + [self._in(dcp.METADATA)]
+
+    @property
+    def _rest_names(self) -> list[str]:
+        return [dcp.distcp_name(len(self.layout.names) + i) for i in range(len(self.rest))]
 
     def finish(self, store: Store, out: Path) -> list[Path]:
         assert self.described is not None
@@ -106,11 +112,11 @@ class ChunksDirect(dcp.DcpDirect):
         for item, file, offset, length in self.placed:
             results[name_of(self.layout.names[file])].append((item, offset, length))
         written: list[dcp.ItemsWritten] = list(results.items())
-        name = dcp.distcp_name(len(self.layout.names))
-        written.append(dcp.write_items(store, folder / name, list(self.rest), False))
+        paths = [folder / name for name in self._rest_names]
+        written += dcp.write_files(store, paths, [list(items) for items in self.rest], False, self.jobs)
         with OutputFile(folder / dcp.METADATA) as f:
             f.write(dcp.metadata(self.described, {}, written))
-        return [folder / name, folder / dcp.METADATA]
+        return paths + [folder / dcp.METADATA]
 
 
 def plan_direct(store: Store, chunks: list[dcp.Item], described: dict[str, Any], jobs: int, folder: str = ""
@@ -140,6 +146,6 @@ def plan_direct(store: Store, chunks: list[dcp.Item], described: dict[str, Any],
     (Path(lay.folder) / folder).mkdir(parents=True, exist_ok=True)
     prepare(store, lay, [s.writes for s in sketches])
     copies = {id(item) for item, _, _, _ in placed}
-    rest = tuple(c for c in chunks if id(c) not in copies)
-    return dict(layout=lay, values=True, laid=laid, folder=folder, described=described, rest=rest,
+    rest = tuple(map(tuple, dcp.spread([c for c in chunks if id(c) not in copies], jobs)))
+    return dict(layout=lay, values=True, laid=laid, folder=folder, described=described, rest=rest, jobs=jobs,
                 placed=tuple(placed))

@@ -283,25 +283,33 @@ def export_dcp(store: Store, out_dir: Path, plan: DcpPlan, jobs: int = 1, progre
                partial: dict[str, str] | None = None) -> list[Path]:
     """Write every planned `out_dir/__{i}_0.distcp` (by `jobs` workers), and then `out_dir/.metadata`.
     `progress` hears each item's tensor bytes as it is written (here), or each file's once it is (workers)."""
-    results: list[ItemsWritten] = []
     names = plan.names
+    results = write_files(store, [out_dir / n for n in names], plan.files, partial is not None, jobs, progress)
+    described_metadata = metadata(plan.described, plan.mappings, with_aliases(results, plan.aliases))
+    with OutputFile(out_dir / METADATA) as out:
+        out.write(described_metadata)
+    return [out_dir / n for n in names] + [out_dir / METADATA]
+
+
+def write_files(store: Store, paths: list[Path], files: list[list[Item]], partial: bool, jobs: int,
+                progress: Callable[[int], None] | None = None) -> list[ItemsWritten]:
+    """Each of `paths` holding its `files` items, by up to `jobs` workers (each file a task) or here for
+    one; `progress` hears each item's tensor bytes as it is written (here), or each file's once it is."""
+    results: list[ItemsWritten] = []
 
     def done(result: ItemsWritten) -> None:
         results.append(result)
         if progress:
             progress(sum(item.nbytes for item, _, _ in result[1]))
 
-    with Pool(max(1, min(jobs, len(names)))) as pool:
+    with Pool(max(1, min(jobs, len(paths)))) as pool:
         if pool.inline:
-            for name, items in zip(names, plan.files):
-                results.append(write_items(store, out_dir / name, items, partial is not None, progress))
+            for path, items in zip(paths, files):
+                results.append(write_items(store, path, items, partial, progress))
         else:
-            pool.run(_write_file, [(store.location, store.storage_options, str(out_dir / n), f, partial is not None)
-                                   for n, f in zip(names, plan.files)], names, done)
-    described_metadata = metadata(plan.described, plan.mappings, with_aliases(results, plan.aliases))
-    with OutputFile(out_dir / METADATA) as out:
-        out.write(described_metadata)
-    return [out_dir / n for n in names] + [out_dir / METADATA]
+            pool.run(_write_file, [(store.location, store.storage_options, str(path), f, partial)
+                                   for path, f in zip(paths, files)], [path.name for path in paths], done)
+    return results
 
 
 def metadata(described: dict[str, Any], mappings: dict[str, tuple[Any, ...]], results: list[ItemsWritten]) -> bytes:

@@ -17,8 +17,14 @@ from .. import dtypes
 from ..errors import ExportError
 from ..ranges import Part
 from ..store.store import Store
-from .adapters import float32_rows, rows_of
+from .adapters import float32_rows, raw_rows, rows_of
 from .resolve import ArrayRef
+
+try:
+    from ._dequant import fp8_block as _fp8_block_c  # type: ignore[import-not-found, unused-ignore]  # (absent where no compiler built it)
+except ImportError:  # not built (no compiler at install time): numpy's, the same bytes
+    _fp8_block_c = None
+NATIVE = _fp8_block_c is not None
 
 SCALE = "_scale_inv"
 BLOCK_BYTES = 16 << 20  # of float32 held at a time
@@ -77,14 +83,17 @@ class Dequantized(ArrayRef):
         assert self.weight is not None and self.scale is not None
         rows, columns = self.shape[-2], self.shape[-1]  # (a Megatron chunk's leading axes are 1s)
         scale = float32_rows(store, self.scale)
-        by_column = np.repeat(scale, self.block[1], axis=1)[:, :columns]
         step = max(1, BLOCK_BYTES // max(1, columns * 4))
+        native = _fp8_block_c is not None and self.dtype in ("bfloat16", "float32")
         for first in range(0, rows, step):
             stop = min(rows, first + step)
-            values = float32_rows(store, self.weight, (first, stop)).reshape(stop - first, columns)
-            at = np.arange(self.first_row + first, self.first_row + stop) // self.block[0]
-            values *= by_column[at]
-            yield values.reshape(-1).view(np.uint8).data if self.dtype == "float32" else dtypes.rounded(values, self.dtype)
+            if native:
+                raw = raw_rows(store, rows_of(self.weight, first, stop))
+                yield _fp8_block_c(raw, dtypes.widening(self.weight.dtype), scale, stop - first, columns,
+                                   scale.shape[1], *self.block, self.first_row + first, self.dtype == "bfloat16")
+            else:
+                yield dequantized(float32_rows(store, self.weight, (first, stop)).reshape(stop - first, columns),
+                                  scale, self.block, self.first_row + first, self.dtype)
 
     def stored_crc(self, store: Store) -> int | None:
         return None
@@ -94,6 +103,15 @@ class Dequantized(ArrayRef):
         assert self.weight is not None
         return replace(self, shape=(stop - first, self.shape[-1]), weight=rows_of(self.weight, first, stop),
                        first_row=self.first_row + first)
+
+
+def dequantized(values: np.ndarray, scale: np.ndarray, block: tuple[int, int], first_row: int, dtype: str) -> Part:
+    """Rows of a weight (float32 `values`, the first of them row `first_row`) times their blocks' `scale`,
+    in `dtype`: numpy's way (the C extension's where it was built, the same bytes)."""
+    at = np.arange(first_row, first_row + values.shape[0]) // block[0]
+    with np.errstate(over="ignore", invalid="ignore"):  # infinities and NaNs are values here, as in torch
+        values *= np.repeat(scale, block[1], axis=1)[at, :values.shape[1]]
+    return values.reshape(-1).view(np.uint8).data if dtype == "float32" else dtypes.rounded(values, dtype)
 
 
 def dequantizing(weight: Any, scale: Any, dtype: str, block: tuple[int, int], key: str) -> Dequantized:

@@ -81,9 +81,23 @@ def test_without_dtype_the_fp8_model_is_kept_as_it_is(fp8_model: Path, tmp_path:
     assert "quantization_config" in json.loads((tmp_path / "same" / "config.json").read_text())
 
 
-def test_a_megatron_checkpoint_of_an_fp8_model_holds_its_dequantized_weights(fp8_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("spread", [False, True])
+def test_a_megatron_checkpoint_of_an_fp8_model_holds_its_dequantized_weights(fp8_model: Path, tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch,
+                                                                             spread: bool) -> None:
+    """The dequantized weights are what the one-pass run's finish writes, in files of their own by the
+    workers once they are many bytes (`spread`: however few)."""
+    from shardstore.export import dcp
+
+    if spread:
+        monkeypatch.setattr(dcp, "INLINE_BYTES", 0)
+    from torch.distributed.checkpoint import FileSystemReader
+
     shardstore.unshard(fp8_model, tmp_path / "megatron", format="megatron", jobs=2)
     assert item_zips(tmp_path / "megatron" / "release")  # every item's CRCs, the dequantized weights' too
+    storage = FileSystemReader(str(tmp_path / "megatron" / "release")).read_metadata().storage_data
+    holding = {at.relative_path for index, at in storage.items() if index.fqn.endswith("linear_fc1.weight")}
+    assert len(holding) == (2 if spread else 1), holding  # (the quantized MLP weights)
     shardstore.unshard(tmp_path / "megatron", tmp_path / "back", format="hf", jobs=1)
     assert_bitwise_equal(_weights(tmp_path / "back"), _dequantized_by_transformers(fp8_model).state_dict(), "megatron")
     result = shardstore.verify(fp8_model, tmp_path / "megatron")  # against the model dequantized as the writer did

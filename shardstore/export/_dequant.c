@@ -1,0 +1,85 @@
+/* FP8 block dequantization (export/fp8.py's), in C: one pass over the weight's bytes, where numpy makes
+ * seven (widen, gather the scales, multiply, five steps of rounding) and a DeepSeek-V3's ~650 GB of FP8
+ * weights become bfloat16 at tens of MB/s a core. The same arithmetic as fp8.py's numpy path, so the
+ * same bytes (tests/export/test_fp8_native.py holds the two to that): each FP8 byte widened by `table`
+ * (float32), times its block's float32 scale in float32 (one IEEE multiply, rounded to nearest even),
+ * then rounded once to bfloat16 (to nearest even; every NaN 0x7FC0) or kept as float32. It reads the
+ * buffers it is given and builds nothing but its output. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+static int need(Py_buffer *view, Py_ssize_t size, const char *what) {
+    if (view->len < size) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes, %zd needed", what, view->len, size);
+        return 0;
+    }
+    return 1;
+}
+
+static uint16_t to_bfloat16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x007FFFFFu)) return 0x7FC0u;
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* fp8_block(weight, table, scales, rows, columns, scale_columns, block_rows, block_columns, first_row, bf16)
+ * -> bytes: rows x columns values of `weight` (one byte each), row r scaled by the scales' row
+ * (first_row + r) / block_rows, column c by column c / block_columns. */
+static PyObject *fp8_block(PyObject *self, PyObject *args) {
+    Py_buffer weight, table, scales;
+    Py_ssize_t rows, columns, scale_columns, block_rows, block_columns, first_row;
+    int bf16;
+    if (!PyArg_ParseTuple(args, "y*y*y*nnnnnnp", &weight, &table, &scales, &rows, &columns, &scale_columns,
+                          &block_rows, &block_columns, &first_row, &bf16))
+        return NULL;
+    PyObject *out = NULL;
+    if (rows < 0 || columns < 0 || block_rows <= 0 || block_columns <= 0 || first_row < 0 || scale_columns < 0 ||
+        (columns > 0 && (columns - 1) / block_columns >= scale_columns) ||
+        (columns > 0 && rows > PY_SSIZE_T_MAX / columns / 4)) {
+        PyErr_SetString(PyExc_ValueError, "fp8_block: sizes out of range");
+        goto done;
+    }
+    Py_ssize_t last_scale_row = rows ? (first_row + rows - 1) / block_rows : 0;
+    if (!need(&weight, rows * columns, "weight") || !need(&table, 256 * 4, "table") ||
+        !need(&scales, (last_scale_row + 1) * scale_columns * 4, "scales"))
+        goto done;
+    Py_ssize_t width = bf16 ? 2 : 4;
+    out = PyBytes_FromStringAndSize(NULL, rows * columns * width);
+    if (!out) goto done;
+    const uint8_t *w = weight.buf;
+    const float *widen = table.buf, *scale_at = scales.buf;
+    char *dst = PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *scale_row = scale_at + (first_row + r) / block_rows * scale_columns;
+        const uint8_t *src = w + r * columns;
+        for (Py_ssize_t c0 = 0; c0 < columns; c0 += block_columns) {
+            float scale = scale_row[c0 / block_columns];
+            Py_ssize_t c1 = c0 + block_columns < columns ? c0 + block_columns : columns;
+            if (bf16) {
+                uint16_t *o = (uint16_t *)dst + r * columns;
+                for (Py_ssize_t c = c0; c < c1; c++) o[c] = to_bfloat16(widen[src[c]] * scale);
+            } else {
+                float *o = (float *)dst + r * columns;
+                for (Py_ssize_t c = c0; c < c1; c++) o[c] = widen[src[c]] * scale;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+done:
+    PyBuffer_Release(&weight);
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&scales);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"fp8_block", fp8_block, METH_VARARGS, "FP8 weight rows times their block scales, as bfloat16 or float32 bytes."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dequant", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__dequant(void) { return PyModule_Create(&module); }
