@@ -38,13 +38,17 @@ static PyObject *fp8_block(PyObject *self, PyObject *args) {
     PyObject *out = NULL;
     if (rows < 0 || columns < 0 || block_rows <= 0 || block_columns <= 0 || first_row < 0 || scale_columns < 0 ||
         (columns > 0 && (columns - 1) / block_columns >= scale_columns) ||
-        (columns > 0 && rows > PY_SSIZE_T_MAX / columns / 4)) {
+        (columns > 0 && rows > PY_SSIZE_T_MAX / columns / 4) || first_row > PY_SSIZE_T_MAX - rows) {
         PyErr_SetString(PyExc_ValueError, "fp8_block: sizes out of range");
         goto done;
     }
-    Py_ssize_t last_scale_row = rows ? (first_row + rows - 1) / block_rows : 0;
-    if (!need(&weight, rows * columns, "weight") || !need(&table, 256 * 4, "table") ||
-        !need(&scales, (last_scale_row + 1) * scale_columns * 4, "scales"))
+    Py_ssize_t scale_rows = rows ? (first_row + rows - 1) / block_rows + 1 : 0;  /* the scales' rows it reads */
+    if (scale_columns && scale_rows > scales.len / 4 / scale_columns) {
+        PyErr_Format(PyExc_ValueError, "scales: %zd bytes, %zd rows of %zd needed", scales.len, scale_rows,
+                     scale_columns);
+        goto done;
+    }
+    if (!need(&weight, rows * columns, "weight") || !need(&table, 256 * 4, "table"))
         goto done;
     Py_ssize_t width = bf16 ? 2 : 4;
     out = PyBytes_FromStringAndSize(NULL, rows * columns * width);

@@ -51,7 +51,9 @@ def test_the_c_extension_refuses_buffers_shorter_than_their_sizes() -> None:
     table, scale = dtypes.widening("float8_e4m3fn"), np.ones((1, 1), np.float32)
     with pytest.raises(ValueError, match="weight: 3 bytes, 4 needed"):
         fp8._fp8_block_c(b"abc", table, scale, 2, 2, 1, 128, 128, 0, True)
-    with pytest.raises(ValueError, match="scales: 4 bytes, 8 needed"):
+    with pytest.raises(ValueError, match="scales: 4 bytes, 2 rows of 1 needed"):
         fp8._fp8_block_c(bytes(4), table, scale, 2, 2, 1, 1, 128, 0, True)
+    with pytest.raises(ValueError, match="scales: 4 bytes, 4611686018427387905 rows of 1 needed"):
+        fp8._fp8_block_c(bytes(4), table, scale, 2, 2, 1, 1, 128, 2 ** 62 - 1, True)  # (no wrap-around)
     with pytest.raises(ValueError, match="sizes out of range"):
         fp8._fp8_block_c(bytes(4), table, scale, 2, 2, 1, 128, 1, 0, True)  # column 1's scale: none
