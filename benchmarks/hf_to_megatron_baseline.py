@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import socket
 import sys
 import warnings
 from pathlib import Path
@@ -40,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.fixtures.megatron_core import _cpu_shims, _stub_triton  # noqa: E402
-from tests.fixtures.megatron_load import hf_spec  # noqa: E402
+from tests.fixtures.megatron_load import gloo_alone, hf_spec  # noqa: E402
 
 VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default (times TP, 1 here)
 
@@ -162,11 +160,7 @@ def convert(hf_folder: str, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    gloo_alone()
     vocab = padded_vocab(spec["vocab"])
     model = build_model(spec, vocab, dtype)
 
