@@ -1,7 +1,7 @@
 /* FP8 block dequantization (export/fp8.py's), in C: one pass over the weight's bytes, where numpy makes
  * seven (widen, gather the scales, multiply, five steps of rounding) and a DeepSeek-V3's ~650 GB of FP8
  * weights become bfloat16 at tens of MB/s a core. The same arithmetic as fp8.py's numpy path, so the
- * same bytes (tests/export/test_fp8_native.py holds the two to that): each FP8 byte widened by `table`
+ * same bytes (tests/export/test_fp8.py holds the two to that): each FP8 byte widened by `table`
  * (float32), times its block's float32 scale in float32 (one IEEE multiply, rounded to nearest even),
  * then rounded once to bfloat16 (to nearest even; every NaN 0x7FC0) or kept as float32. It reads the
  * buffers it is given and builds nothing but its output. */
