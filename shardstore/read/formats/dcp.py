@@ -927,8 +927,9 @@ def dcp_folder(src: str, tag: str | None, step: int | None, storage_options: Sto
 
 
 def _parts(facts: dict[str, Any]) -> bool:
-    """Whether the store's units are files of a trainer's DCP folders side by side ("part/file")."""
-    return any("/" in u for u in facts.get("units", ()) if u.endswith(".distcp"))
+    """Whether the store's units are files of a trainer's DCP folders side by side ("part/file"): all of
+    them are or none (`spec`), so the first says; asked once a unit, it must not cost one a unit (W^2)."""
+    return "/" in next((u for u in facts.get("units", ()) if u.endswith(".distcp")), "")
 
 
 class DcpFormat:
