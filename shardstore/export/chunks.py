@@ -76,6 +76,12 @@ def _picked(source: ArrayRef, rows: tuple[tuple[int, int], ...]) -> tuple[tuple[
     return tuple(out)
 
 
+# what the finish's items must hold on average for its workers to write them: an item sent to a worker costs
+# its pickling both ways and its copy in both processes (DeepSeek-V3's 92k tensors at a tiny width: 190 MB
+# more, and no faster), where the bytes of a real model's weights are what is worth spreading
+SHIPPED_ITEM_BYTES = 1 << 20
+
+
 @dataclass(frozen=True)
 class ChunksDirect(dcp.DcpDirect):
     """The chunks that are one run of rows of an array the ingest brings, laid out for its workers to copy
@@ -146,6 +152,8 @@ def plan_direct(store: Store, chunks: list[dcp.Item], described: dict[str, Any],
     (Path(lay.folder) / folder).mkdir(parents=True, exist_ok=True)
     prepare(store, lay, [s.writes for s in sketches])
     copies = {id(item) for item, _, _, _ in placed}
-    rest = tuple(map(tuple, dcp.spread([c for c in chunks if id(c) not in copies], jobs)))
+    left = [c for c in chunks if id(c) not in copies]
+    shipped = sum(c.nbytes for c in left) >= SHIPPED_ITEM_BYTES * len(left)
+    rest = tuple(map(tuple, dcp.spread(left, jobs if shipped else 1)))
     return dict(layout=lay, values=True, laid=laid, folder=folder, described=described, rest=rest, jobs=jobs,
                 placed=tuple(placed))

@@ -86,11 +86,12 @@ def test_a_megatron_checkpoint_of_an_fp8_model_holds_its_dequantized_weights(fp8
                                                                              monkeypatch: pytest.MonkeyPatch,
                                                                              spread: bool) -> None:
     """The dequantized weights are what the one-pass run's finish writes, in files of their own by the
-    workers once they are many bytes (`spread`: however few)."""
-    from shardstore.export import dcp
+    workers once they are many bytes, and large ones (`spread`: however few and small)."""
+    from shardstore.export import chunks, dcp
 
     if spread:
         monkeypatch.setattr(dcp, "INLINE_BYTES", 0)
+        monkeypatch.setattr(chunks, "SHIPPED_ITEM_BYTES", 0)
     from torch.distributed.checkpoint import FileSystemReader
 
     shardstore.unshard(fp8_model, tmp_path / "megatron", format="megatron", jobs=2)
