@@ -157,12 +157,14 @@ def _with_extra_state(key: str, impl: str) -> list[str]:
     norms, the MTP layers' norms) and the attention beside each output projection (TEDotProductAttention's:
     megatron-core < 0.15 asks for it, later ones for none; a model reads only what it asks for)."""
     module = key.removesuffix(".weight")
-    layer = key.startswith(("decoder.layers.", "mtp.layers."))
+    linear = [module] if key.startswith(("decoder.layers.", "mtp.layers.")) and key.endswith(LINEARS) else []
     if impl != TRANSFORMER_ENGINE:
-        return [module] if layer and key.endswith(LINEARS) else []
+        return linear
+    if key.endswith("norm.weight"):
+        return [module]
     if key.endswith("self_attention.linear_proj.weight"):
-        return [module, f"{module.removesuffix('linear_proj')}core_attention"]
-    return [module] if layer and key.endswith(LINEARS) or key.endswith("norm.weight") else []
+        return linear + [f"{module.removesuffix('linear_proj')}core_attention"]
+    return linear
 
 
 def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int, impl: str = TRANSFORMER_ENGINE) -> Namespace:

@@ -32,7 +32,7 @@ BUILT = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", QWEN3, MO
 # norm is a module of its own under one spec and fused into the next linear layer under the other: an MoE
 # layer's pre-MLP norm (Transformer Engine: `pre_mlp_layernorm`; the local spec maps its own onto
 # `mlp.linear_fc1.layer_norm_weight`) and multi-latent attention's (no map in the local spec)
-TRANSFORMER_ENGINE, LOCAL = TRANSFORMER_IMPLS
+TRANSFORMER_ENGINE = TRANSFORMER_IMPLS[0]
 
 
 @dataclass(frozen=True)
