@@ -10,15 +10,20 @@ run misses fails here.
 
 from __future__ import annotations
 
-import resource
+import json
+import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 # The command line's own footprint is ~300 MB of address space (Python, numpy, zarr); every input here is
 # a few MB at most, so a ceiling of 512 MB leaves room for what the file justifies and none for what its
 # numbers merely claim.
 ADDRESS_SPACE = 512 << 20
+TIMEOUT = 300
 
 # Refusals that only reading a unit can make (the dry run reads what planning needs, not every unit).
 AT_INGEST = ("refusing to load global", "refusing getattr",
@@ -43,11 +48,66 @@ def cli(*args: object, limit: bool = False, cwd: Path | None = None) -> subproce
 
 
 def _run(argv: list[str], limit: bool, cwd: Path | None) -> subprocess.CompletedProcess[str]:
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+    """`python -m shardstore ARGV`, forked from a warm server (tests/cli_server.py)."""
+    return _SERVER.run(argv, ADDRESS_SPACE if limit else 0, Path(cwd or ".").resolve())
 
-    return subprocess.run([sys.executable, "-m", "shardstore", *argv], capture_output=True, text=True, timeout=300,
-                          cwd=cwd, preexec_fn=cap if limit else None)
+
+def _environment() -> dict[str, str]:
+    """The environment a command line would start with, but for the variable the server sets per request."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+class _Server:
+    """tests/cli_server.py, started at this process's first command line (one per pytest-xdist worker) and
+    again whenever the environment a command would start with is no longer the server's (a fixture set
+    a variable)."""
+
+    def __init__(self) -> None:
+        self.environment: dict[str, str] = {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.outputs = Path(tempfile.mkdtemp(prefix="shardstore-cli-"))
+        self.pending = b""
+
+    def run(self, argv: list[str], limit: int, cwd: Path) -> subprocess.CompletedProcess[str]:
+        if self.proc is None or self.proc.poll() is not None or self.environment != _environment():
+            if self.proc is not None:
+                self.proc.kill()
+                self.proc.wait()
+            self.environment = _environment()
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_server"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, bufsize=0, cwd=Path(__file__).parents[1])
+            self.pending = b""
+        assert self.proc.stdin
+        out, err = self.outputs / "stdout", self.outputs / "stderr"
+        out.write_bytes(b""), err.write_bytes(b"")
+        request = {"argv": argv, "cwd": str(cwd), "limit": limit, "stdout": str(out), "stderr": str(err),
+                   "test": os.environ.get("PYTEST_CURRENT_TEST")}
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        pid = self._reply(TIMEOUT)["pid"]
+        try:
+            status = self._reply(TIMEOUT)["status"]
+        except subprocess.TimeoutExpired:
+            os.kill(pid, signal.SIGKILL)
+            self.proc.kill()
+            raise subprocess.TimeoutExpired(["shardstore", *argv], TIMEOUT) from None
+        return subprocess.CompletedProcess([sys.executable, "-m", "shardstore", *argv], status,
+                                           out.read_text(errors="replace"), err.read_text(errors="replace"))
+
+    def _reply(self, timeout: float) -> dict[str, int]:
+        assert self.proc and self.proc.stdout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            if not select.select([fd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired("tests.cli_server", timeout)
+            chunk = os.read(fd, 4096)
+            assert chunk, "tests/cli_server.py ended"
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        reply: dict[str, int] = json.loads(line)
+        return reply
+
+
+_SERVER = _Server()
 
 
 def error_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
