@@ -20,6 +20,7 @@ the child exists, then {"status"} (as `subprocess` reports it: the exit code, or
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import resource
@@ -27,9 +28,8 @@ import sys
 import threading
 from typing import Any
 
-import shardstore.cli  # noqa: F401
-import shardstore.export  # noqa: F401
-import shardstore.ingest  # noqa: F401
+for _module in ("shardstore.cli", "shardstore.export", "shardstore.ingest"):
+    importlib.import_module(_module)
 
 assert threading.active_count() == 1 and "torch" not in sys.modules, "tests/cli_server.py cannot fork safely"
 
