@@ -467,7 +467,7 @@ def _run(store: Store, pool: Pool, files: list[str | os.PathLike[str]], options:
     if pool.inline:  # this process: the store just opened, not one cached by an earlier run
         pool.run(lambda b: ingest_files(store, b, options), [(b,) for b in batches], names, done, here)
     else:
-        pool.run(_worker, [_task(store, b, options) for b in batches], names, done, here)
+        pool.run(_worker, (_task(store, b, options) for b in batches), names, done, here)
 
 
 def _task(store: Store, batch: list[str], options: IngestOptions) -> tuple:

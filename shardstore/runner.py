@@ -31,6 +31,7 @@ server's child. Workers only ever run shardstore's own module-level functions, s
 from __future__ import annotations
 
 import io
+import itertools
 import multiprocessing
 import multiprocessing.context
 import os
@@ -38,7 +39,7 @@ import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from .distributed import run_tasks
 
@@ -46,6 +47,9 @@ _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 _LAUNCH = threading.Lock()
 
 # what the fork server imports before it forks workers: the modules of the workers' tasks
+# Tasks queued for each local worker beyond the one it runs: one keeps it busy while the coordinator takes
+# the last one's result and builds the next.
+QUEUED = 1
 PRELOAD = ["shardstore.served", "shardstore.ingest", "shardstore.export.safetensors", "shardstore.export.dcp"]
 
 if sys.platform != "win32":
@@ -235,27 +239,33 @@ class Pool:
         """Tasks run in this process (so `fn` may be any callable, holding objects of this process)."""
         return self.scheduler is None and self._executor is None
 
-    def run(self, fn: Callable[..., Any], args: list[tuple], names: list[str], on_done: Callable[[Any], None],
+    def run(self, fn: Callable[..., Any], args: Iterable[tuple], names: list[str], on_done: Callable[[Any], None],
             here: Callable[[], Any] | None = None) -> None:
         """fn(*a) for every a in `args`; each result goes to `on_done` as it comes; the first failure ends the
         run (and what has not started is cancelled). `names` name the tasks on Dask. `here` is one more task
         that must run in this process (it holds an open file), on a thread beside the workers; the run
-        returns or fails only once it has ended, so nothing is left writing."""
+        returns or fails only once it has ended, so nothing is left writing.
+
+        Local workers are given at most `QUEUED` tasks each beyond the one they run, and `args` is taken
+        only as far as that: a task (a unit's share of a parsed .metadata, its part of the manifest) is
+        built when a worker is about to need it, so the tasks of a W=4096 run are not all held at once."""
         if self.scheduler is not None:
             assert here is None, "a Dask run has no task of its own"
-            run_tasks(self.scheduler, self.jobs, fn, args, names, on_done)
+            run_tasks(self.scheduler, self.jobs, fn, list(args), names, on_done)
         elif self._executor is None:
             if here is not None:
                 on_done(here())
             for a in args:
                 on_done(fn(*a))
         else:
+            executor, waiting, most = self._executor, iter(args), self.jobs * (1 + QUEUED) + (here is not None)
             with ThreadPoolExecutor(1) as thread:
-                pending: set[Future[Any]] = {self._executor.submit(fn, *a) for a in args}
-                if here is not None:
-                    pending.add(thread.submit(here))
+                pending: set[Future[Any]] = set() if here is None else {thread.submit(here)}
                 try:
-                    while pending:
+                    while True:
+                        pending.update(executor.submit(fn, *a) for a in itertools.islice(waiting, most - len(pending)))
+                        if not pending:
+                            break
                         finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                         for fut in finished:
                             on_done(fut.result())

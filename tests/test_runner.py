@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -208,3 +209,25 @@ def test_a_worker_keeps_the_memory_it_frees_for_the_next_file() -> None:
                                       text=True).stdout) for how in ("default", "keep")}
     assert faults["default"] > 4000  # the rounds fault as a worker's files did
     assert faults["keep"] < faults["default"] / 10
+
+
+def test_tasks_are_taken_from_their_generator_only_as_workers_need_them() -> None:
+    """A W=4096 run's tasks (each a unit's share of the parsed .metadata) are built as workers come free,
+    never all at once: at most jobs x (1 + QUEUED) are taken beyond those whose results came back."""
+    taken, done, ahead = [0], [0], []
+
+    def tasks():  # type: ignore[no-untyped-def]
+        for i in range(40):
+            taken[0] += 1
+            ahead.append(taken[0] - done[0])
+            yield (f"SHARDSTORE_NO_SUCH_{i}",)
+
+    def finished(result: object) -> None:
+        assert result is None
+        done[0] += 1
+
+    with runner.Pool(2) as pool:
+        assert pool.start_method is not None
+        pool.run(os.getenv, tasks(), ["t"] * 40, finished)
+    assert done[0] == taken[0] == 40
+    assert max(ahead) == 2 * (1 + runner.QUEUED), ahead

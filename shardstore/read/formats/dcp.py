@@ -35,7 +35,7 @@ from ..arrival import Arrived
 from ..contract import (ArrayLeaf, CheckpointSpec, LocalPiece, PlannedCheckpoint, ShardedSpec, ShardSpec,
                         whole_numbers)
 from ..layouts import name_rank
-from ..primitives.container import DataFile, TorchZip, parsed_once, read_small
+from ..primitives.container import DataFile, TorchZip, parsed_as, parsed_once, read_small
 from ..primitives.identity import identity_of
 from ..primitives import transforms as stream_transforms
 from ..primitives.tensors import check_view
@@ -981,7 +981,12 @@ class DcpFormat:
         ckpt = read_parts(folder, source.storage_options) if "/" in name else None
         distcp = [u for u in source.units if u.endswith(".distcp")]
         if ckpt is None or sorted(join(folder, f) for f in ckpt.files) != sorted(distcp):  # one folder of them
-            ckpt = read_checkpoint(folder_of(source.units[0]), source.storage_options)
+            folder = folder_of(source.units[0])
+            ckpt = read_checkpoint(folder, source.storage_options)
+            parsed_as("dcp", folder, source.storage_options, ckpt)
+        else:
+            parsed_as("dcp-parts", folder, source.storage_options, ckpt)
+        # (the units' shares are cut from this parse, not from a second one, nor an older one of the folder)
         return spec(ckpt, encode_key, trainer_state, strict, source.storage_options), None
 
     def unit_share(self, path: str, storage_options: StorageOptions | None, facts: dict[str, Any]) -> FileShare | None:

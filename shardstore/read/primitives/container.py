@@ -262,20 +262,37 @@ def read_small(path: str | os.PathLike[str], storage_options: StorageOptions | N
 
 
 _PARSED: dict[tuple[str, str, str], Any] = {}
+# Parses kept by a process, the least recently used dropped first: a worker reads one checkpoint (a few
+# of its folders at most), but a process that plans one after another (`follow`, a notebook) would
+# otherwise keep every one it ever read (a W=4096 .metadata parsed: 16 MB).
+PARSED_KEPT = 4
 
 
 Parsed = TypeVar("Parsed")
 
 
+def _key(kind: str, folder: str, storage_options: StorageOptions | None) -> tuple[str, str, str]:
+    return kind, folder, repr(sorted((storage_options or {}).items()))
+
+
 def parsed_once(kind: str, folder: str, storage_options: StorageOptions | None,
                 parse: Callable[[str, StorageOptions | None], Parsed]) -> Parsed:
-    """`parse(folder, storage_options)`, once per process: a checkpoint's metadata, which every unit a worker
-    opens needs and which grows with the world size."""
-    key = (kind, folder, repr(sorted((storage_options or {}).items())))
-    if key not in _PARSED:
-        _PARSED[key] = parse(folder, storage_options)
-    parsed: Parsed = _PARSED[key]
+    """`parse(folder, storage_options)`, once per process (`parsed_as` gives a newer one): a checkpoint's
+    metadata, which every unit a worker opens needs and which grows with the world size."""
+    key = _key(kind, folder, storage_options)
+    parsed: Parsed = _PARSED.pop(key) if key in _PARSED else parse(folder, storage_options)
+    parsed_as(kind, folder, storage_options, parsed)
     return parsed
+
+
+def parsed_as(kind: str, folder: str, storage_options: StorageOptions | None, parsed: Any) -> None:
+    """Make `parsed` what `parsed_once` gives for the folder from now on: planning has just parsed it, so a
+    folder written again since an earlier parse in this process is not read as it was then."""
+    key = _key(kind, folder, storage_options)
+    _PARSED.pop(key, None)
+    _PARSED[key] = parsed
+    while len(_PARSED) > PARSED_KEPT:
+        del _PARSED[next(iter(_PARSED))]
 
 
 class _Window(io.RawIOBase):

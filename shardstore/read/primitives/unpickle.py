@@ -181,15 +181,32 @@ class DcpBytesStorage(_Record):
     """BytesStorageMetadata: a pickled object."""
 
 
-class DcpChunk(_Record):
+class _Adopting(_Record):
+    """A stand-in of which a .metadata holds one or more per item: it takes its pickled state dict as its
+    `__dict__` rather than copying it. The unpickler's memo keeps that dict alive until the load ends
+    anyway, so a copy held every attribute twice (W=4096 FSDP2: 8 MB of the 48 MB a 4.6 MB .metadata
+    took to load)."""
+
+    def __setstate__(self, state: Any) -> None:
+        if type(state) is dict:
+            self.__dict__ = state
+            return
+        parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+        for part in parts:  # (dict, slots): what a dataclass with slots pickles
+            if part is not None and not isinstance(part, dict):
+                raise CheckpointError(f"unexpected pickled state for {type(self).__name__}")
+            self.__dict__.update(part or {})
+
+
+class DcpChunk(_Adopting):
     """ChunkStorageMetadata: offsets, sizes."""
 
 
-class DcpIndex(_Record):
+class DcpIndex(_Adopting):
     """MetadataIndex: fqn, offset, index (a key of storage_data)."""
 
 
-class DcpStorageInfo(_Record):
+class DcpStorageInfo(_Adopting):
     """_StorageInfo: relative_path, offset, length, transform_descriptors (torch's, or OLMo-core's twin)."""
 
 

@@ -297,3 +297,25 @@ def test_a_worker_reads_its_file_from_its_share_without_the_metadata(dcp_checkpo
             shared.close()
         with pytest.raises(shardstore.CheckpointError, match="metadata"):
             open_unit(bare / f.name)
+
+
+def test_a_folder_saved_again_is_read_as_it_is_now_by_a_process_that_read_it_before(tmp_path: Path) -> None:
+    """A process that plans one checkpoint after another (`follow`, a notebook) cuts each unit's share from
+    the parse it planned with: a folder saved again in place, with other tensors, is not read from the
+    parse of its first save; and the process keeps a bounded number of parses."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardstore.read.primitives import container
+
+    folder = tmp_path / "ckpt"
+    saves = [{"w": torch.arange(12.0).reshape(4, 3)}, {"w": torch.ones(2, 5), "b": torch.full((7,), 2.0)}]
+    for i, state in enumerate(saves):
+        shutil.rmtree(folder, ignore_errors=True)
+        dcp.save(state, checkpoint_id=folder, no_dist=True)
+        shardstore.unshard(folder, tmp_path / f"out{i}", jobs=2)
+        assert_bitwise_equal(load_file(tmp_path / f"out{i}" / "model.safetensors"), state, f"save {i}")
+    for i in range(container.PARSED_KEPT + 2):
+        container.parsed_once("dcp", str(tmp_path / f"other{i}"), None, lambda folder, options: folder)
+    assert len(container._PARSED) == container.PARSED_KEPT
+    assert container.parsed_once("dcp", str(tmp_path / "other5"), None, lambda f, o: "parsed again") == str(
+        tmp_path / "other5")  # the newest are kept
