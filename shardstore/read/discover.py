@@ -18,7 +18,7 @@ from ..tree import KeyEncoder
 from .arrival import Arrived, Looks
 from .contract import CheckpointSpec, Format, Unit, UnitShare
 from .layouts import name_rank
-from .primitives.container import read_small
+from .primitives.container import forget_parsed, read_small
 from .registry import fallback, folder_formats, formats, get
 from .source import MAX_SIDE_FILE, Source, pick
 
@@ -65,6 +65,7 @@ def open_source(src: str | os.PathLike[str], tag: str | None = None, step: int |
     pointer names, or one of its sub-folders (a run folder of step folders: `--tag` or `--step` picks
     one, and two are never mixed, whatever their formats); else rank files (read/formats/rankfile.py)."""
     src = os.fspath(src)
+    forget_parsed()
     for fmt in folder_formats():
         if fmt.detect(src, storage_options):
             _one_checkpoint(src, fmt.title, storage_options)

@@ -285,6 +285,12 @@ def parsed_once(kind: str, folder: str, storage_options: StorageOptions | None,
     return parsed
 
 
+def forget_parsed() -> None:
+    """Drop every parse: a checkpoint is about to be found anew, and its folders may have been saved again
+    in place since this process last read them."""
+    _PARSED.clear()
+
+
 def parsed_as(kind: str, folder: str, storage_options: StorageOptions | None, parsed: Any) -> None:
     """Make `parsed` what `parsed_once` gives for the folder from now on: planning has just parsed it, so a
     folder written again since an earlier parse in this process is not read as it was then."""
