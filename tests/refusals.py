@@ -10,9 +10,11 @@ run misses fails here.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,7 +67,7 @@ class _Server:
     def __init__(self) -> None:
         self.environment: dict[str, str] = {}
         self.proc: subprocess.Popen[bytes] | None = None
-        self.outputs = Path(tempfile.mkdtemp(prefix="shardstore-cli-"))
+        self.outputs = Path()
         self.pending = b""
 
     def run(self, argv: list[str], limit: int, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -74,6 +76,9 @@ class _Server:
                 self.proc.kill()
                 self.proc.wait()
             self.environment = _environment()
+            if not self.outputs.name:  # the children's output files, removed when this process ends
+                self.outputs = Path(tempfile.mkdtemp(prefix="shardstore-cli-"))
+                atexit.register(shutil.rmtree, self.outputs, True)
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_server"], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, bufsize=0, cwd=Path(__file__).parents[1])
             self.pending = b""
@@ -135,8 +140,6 @@ def assert_step_is_checked(genuine: Path, tmp_path: Path, step: int, records: st
     """A genuine checkpoint of `step` copied into a folder named for step + 1 is refused in one line naming
     the file that `records` it (a path inside the checkpoint), nothing left; in a folder of its own step
     it unshards."""
-    import shutil
-
     wrong = tmp_path / f"step{step + 1}"
     shutil.copytree(genuine, wrong)
     assert_refused(cli("unshard", wrong, tmp_path / "out", "-q"),
