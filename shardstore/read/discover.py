@@ -108,6 +108,7 @@ def source_of_files(files: list[str | os.PathLike[str]], storage_options: Storag
     the folder given alone."""
 
     names = [os.fspath(f) for f in files]
+    forget_parsed()
     if len(names) == 1 and not names[0].endswith((".pt", ".distcp", ".safetensors")) \
             and (is_url(names[0]) or os.path.isdir(names[0])):
         return open_source(names[0], storage_options=storage_options)

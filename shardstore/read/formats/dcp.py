@@ -35,7 +35,7 @@ from ..arrival import Arrived
 from ..contract import (ArrayLeaf, CheckpointSpec, LocalPiece, PlannedCheckpoint, ShardedSpec, ShardSpec,
                         whole_numbers)
 from ..layouts import name_rank
-from ..primitives.container import DataFile, TorchZip, parsed_as, parsed_once, read_small
+from ..primitives.container import DataFile, TorchZip, parsed_once, read_small
 from ..primitives.identity import identity_of
 from ..primitives import transforms as stream_transforms
 from ..primitives.tensors import check_view
@@ -857,8 +857,7 @@ def _inside(folder: str, storage_options: StorageOptions | None) -> str | None:
 
 def _read(folder: str, storage_options: StorageOptions | None) -> DcpCheckpoint:
     """The checkpoint in `folder`: its .metadata, or its trainer's DCP folders as one."""
-    return read_checkpoint(folder, storage_options) if has_metadata(folder, storage_options) \
-        else read_parts(folder, storage_options)
+    return _checkpoint(folder, storage_options, parts=not has_metadata(folder, storage_options))
 
 
 def _unit_folder(path: str) -> tuple[str, str]:
@@ -978,15 +977,11 @@ class DcpFormat:
     def plan(self, source: Any, encode_key: KeyEncoder, strict: bool) -> tuple[CheckpointSpec, None]:
         trainer_state = [u for u in source.units if u.endswith(".pt")]
         folder, name = _unit_folder(source.units[0])
-        ckpt = read_parts(folder, source.storage_options) if "/" in name else None
+        # the parse that found the checkpoint, which the units' shares are cut from too
+        ckpt = _checkpoint(folder, source.storage_options, parts=True) if "/" in name else None
         distcp = [u for u in source.units if u.endswith(".distcp")]
         if ckpt is None or sorted(join(folder, f) for f in ckpt.files) != sorted(distcp):  # one folder of them
-            folder = folder_of(source.units[0])
-            ckpt = read_checkpoint(folder, source.storage_options)
-            parsed_as("dcp", folder, source.storage_options, ckpt)
-        else:
-            parsed_as("dcp-parts", folder, source.storage_options, ckpt)
-        # (the units' shares are cut from this parse, not from a second one, nor an older one of the folder)
+            ckpt = _checkpoint(folder_of(source.units[0]), source.storage_options)
         return spec(ckpt, encode_key, trainer_state, strict, source.storage_options), None
 
     def unit_share(self, path: str, storage_options: StorageOptions | None, facts: dict[str, Any]) -> FileShare | None:

@@ -277,11 +277,14 @@ def _key(kind: str, folder: str, storage_options: StorageOptions | None) -> tupl
 
 def parsed_once(kind: str, folder: str, storage_options: StorageOptions | None,
                 parse: Callable[[str, StorageOptions | None], Parsed]) -> Parsed:
-    """`parse(folder, storage_options)`, once per process (`parsed_as` gives a newer one): a checkpoint's
-    metadata, which every unit a worker opens needs and which grows with the world size."""
-    key = _key(kind, folder, storage_options)
+    """`parse(folder, storage_options)`, once per process until `forget_parsed`: a checkpoint's metadata,
+    which finding the checkpoint, planning it and every unit a worker opens need, and which grows with the
+    world size."""
+    key = (kind, folder, repr(sorted((storage_options or {}).items())))
     parsed: Parsed = _PARSED.pop(key) if key in _PARSED else parse(folder, storage_options)
-    parsed_as(kind, folder, storage_options, parsed)
+    _PARSED[key] = parsed
+    while len(_PARSED) > PARSED_KEPT:
+        del _PARSED[next(iter(_PARSED))]
     return parsed
 
 
@@ -289,16 +292,6 @@ def forget_parsed() -> None:
     """Drop every parse: a checkpoint is about to be found anew, and its folders may have been saved again
     in place since this process last read them."""
     _PARSED.clear()
-
-
-def parsed_as(kind: str, folder: str, storage_options: StorageOptions | None, parsed: Any) -> None:
-    """Make `parsed` what `parsed_once` gives for the folder from now on: planning has just parsed it, so a
-    folder written again since an earlier parse in this process is not read as it was then."""
-    key = _key(kind, folder, storage_options)
-    _PARSED.pop(key, None)
-    _PARSED[key] = parsed
-    while len(_PARSED) > PARSED_KEPT:
-        del _PARSED[next(iter(_PARSED))]
 
 
 class _Window(io.RawIOBase):
