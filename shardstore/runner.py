@@ -46,10 +46,11 @@ from .distributed import run_tasks
 _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 _LAUNCH = threading.Lock()
 
-# what the fork server imports before it forks workers: the modules of the workers' tasks
 # Tasks queued for each local worker beyond the one it runs: one keeps it busy while the coordinator takes
 # the last one's result and builds the next.
 QUEUED = 1
+
+# what the fork server imports before it forks workers: the modules of the workers' tasks
 PRELOAD = ["shardstore.served", "shardstore.ingest", "shardstore.export.safetensors", "shardstore.export.dcp"]
 
 if sys.platform != "win32":
