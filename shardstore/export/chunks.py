@@ -20,6 +20,7 @@ from ..store.store import Store
 from . import dcp, fp8, hf
 from .adapters import rows_of
 from .contract import ExportRequest
+from .dcp_metadata import metadata
 from .hf.spec import HFModel
 from .resolve import ArrayRef
 
@@ -121,7 +122,7 @@ class ChunksDirect(dcp.DcpDirect):
         paths = [folder / name for name in self._rest_names]
         written += dcp.write_files(store, paths, [list(items) for items in self.rest], False, self.jobs)
         with OutputFile(folder / dcp.METADATA) as f:
-            f.write(dcp.metadata(self.described, {}, written))
+            f.write(metadata(self.described, {}, written))
         return paths + [folder / dcp.METADATA]
 
 

@@ -19,8 +19,6 @@ and `.metadata`, which makes the folder a checkpoint, is written last.
 
 from __future__ import annotations
 
-import io
-import pickle
 import struct
 import zlib
 from contextlib import ExitStack
@@ -30,7 +28,6 @@ from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from ..errors import ExportError
 from ..ranges import Part
-from ..records import GlobalRef
 from ..runner import Pool
 from ..sink.layout import Layout, Sketch, Target, entry_crc, journalled_runs, new_layout, patched, prepare
 from ..sink.output import OutputFile
@@ -40,7 +37,8 @@ from ..tree import MAX_DEPTH, Node
 from .contract import Arrays, DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from .notes import flat_buckets
 from .resolve import ArrayRef, build, leaves, object_value
-from .torch import SERIALIZATION_ID, PythonPickler, _tied, serialization_id, write_zip
+from .dcp_metadata import metadata
+from .torch import SERIALIZATION_ID, _tied, serialization_id, write_zip
 
 METADATA = ".metadata"
 
@@ -310,126 +308,6 @@ def write_files(store: Store, paths: list[Path], files: list[list[Item]], partia
             pool.run(_write_file, [(store.location, store.storage_options, str(path), f, partial)
                                    for path, f in zip(paths, files)], [path.name for path in paths], done)
     return results
-
-
-def metadata(described: dict[str, Any], mappings: dict[str, tuple[Any, ...]], results: list[ItemsWritten]) -> bytes:
-    """`.metadata` as torch writes it, without torch: torch's own classes (Metadata, TensorStorageMetadata,
-    ...) named in a pickle of pickle's protocol 4, each written as pickle writes that class's instances
-    (a dataclass: NEWOBJ of its class, BUILD of its fields; torch.Size, a layout and an enum: a call).
-    Every string is one object however it was made (records read back after a kill, or this run's own),
-    so a resumed export's .metadata is a clean one's, byte for byte."""
-    chunks: dict[str, list[_New]] = {}
-    storage: dict[_New, _New] = {}
-    for name, written in sorted(results, key=lambda r: r[0]):
-        for item, offset, length in written:
-            where = _New(_META_INDEX[0], {"relative_path": name, "offset": offset, "length": length})
-            if item.chunk is None:
-                storage[_New(_META_INDEX[1], {"fqn": item.fqn, "offset": None, "index": None})] = where
-                continue
-            offsets, sizes = item.chunk
-            index = len(chunks.setdefault(item.fqn, []))
-            chunks[item.fqn].append(_New(_metadata_class("ChunkStorageMetadata"),
-                                         {"offsets": _size(offsets), "sizes": _size(sizes)}))
-            storage[_New(_META_INDEX[1], {"fqn": item.fqn, "offset": _size(offsets), "index": index})] = where
-    state_dict_metadata: dict[str, _New] = {}
-    for fqn, what in described.items():
-        if what[0] == "bytes":
-            state_dict_metadata[fqn] = _New(_metadata_class("BytesStorageMetadata"), None)
-        else:
-            _, dtype, shape = what
-            properties = _New(_metadata_class("TensorProperties"), (_global("torch", dtype), _STRIDED, False,
-                                                                   _CONTIGUOUS, False))
-            state_dict_metadata[fqn] = _New(_metadata_class("TensorStorageMetadata"),
-                                            {"properties": properties, "size": _size(shape),
-                                             "chunks": chunks.get(fqn, [])})
-    root = _New(_metadata_class("Metadata"), {
-        "state_dict_metadata": state_dict_metadata, "planner_data": mappings, "storage_data": storage,
-        "storage_meta": None, "version": "1.0.0"})
-    buf = io.BytesIO()
-    _MetadataPickler(buf).dump(root)
-    return buf.getvalue()
-
-
-@dataclass(eq=False)
-class _New:
-    """An instance of one of torch's classes, as pickle writes it: NEWOBJ of its class, then (unless the
-    state is None) BUILD of its state."""
-
-    cls: GlobalRef
-    state: Any
-
-
-@dataclass(eq=False)
-class _Call:
-    """An object pickle writes as a call (REDUCE): torch.Size, a layout, an enum member."""
-
-    func: GlobalRef
-    args: tuple[Any, ...]
-
-
-_GLOBALS: dict[tuple[str, str], GlobalRef] = {}
-_META = "torch.distributed.checkpoint.metadata"
-
-
-def _global(module: str, name: str) -> GlobalRef:
-    """One object per global, as a class or a dtype is one object: the pickle names it once."""
-    return _GLOBALS.setdefault((module, name), GlobalRef(module, name))
-
-
-def _metadata_class(name: str) -> GlobalRef:
-    return _global(_META, name)
-
-
-def _size(dims: tuple[int, ...]) -> _Call:
-    """torch.Size(dims), its tuple always a new one: pickle shares what is one object, and whether a plan's
-    tuple is shared must not decide the bytes (a resumed run reads its sizes back as new ones)."""
-    return _Call(_global("torch", "Size"), (tuple(int(d) for d in dims),))
-
-
-_META_INDEX = (_global("torch.distributed.checkpoint.filesystem", "_StorageInfo"), _metadata_class("MetadataIndex"))
-_STRIDED = _Call(_global("torch.serialization", "_get_layout"), ("torch.strided",))  # torch.strided, as torch writes it
-_CONTIGUOUS = _Call(_metadata_class("_MEM_FORMAT_ENCODING"), (0,))  # TORCH_CONTIGUOUS_FORMAT
-
-
-class _MetadataPickler(PythonPickler):  # type: ignore[misc]  # (typeshed: torch.py)
-    """pickle's own writer at protocol 4 (as torch's `.metadata` is), with torch's objects as `_New`,
-    `_Call` and `GlobalRef` stand-ins, and every equal string one object."""
-
-    dispatch = PythonPickler.dispatch.copy()
-
-    def __init__(self, buf: io.BytesIO):
-        super().__init__(buf, protocol=4)
-        self._strings: dict[str, str] = {}
-
-    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        if type(obj) is str:
-            obj = self._strings.setdefault(obj, obj)
-        super().save(obj, save_persistent_id)
-
-    def save_global_ref(self, ref: GlobalRef) -> None:
-        self.save(ref.module)
-        self.save(ref.name)
-        self.write(pickle.STACK_GLOBAL)
-        self.memoize(ref)
-
-    def save_new(self, obj: _New) -> None:
-        self.save(obj.cls)
-        self.save(())
-        self.write(pickle.NEWOBJ)
-        self.memoize(obj)
-        if obj.state is not None:
-            self.save(obj.state)
-            self.write(pickle.BUILD)
-
-    def save_call(self, obj: _Call) -> None:
-        self.save(obj.func)
-        self.save(obj.args)
-        self.write(pickle.REDUCE)
-        self.memoize(obj)
-
-    dispatch[GlobalRef] = save_global_ref
-    dispatch[_New] = save_new
-    dispatch[_Call] = save_call
 
 
 # ---------------------------------------------------------------------------------------------- one pass

@@ -206,7 +206,7 @@ class Store:
             store = cls.open(location, storage_options)
             store.check_compatible(manifest, str(location))
             return store
-        backend.write(MANIFEST_KEY, [json.dumps(manifest.to_json()).encode()], durable=True)
+        backend.write(MANIFEST_KEY, manifest.json_parts(), durable=True)
         store = cls(backend, manifest)
         store._created = fresh
         return store

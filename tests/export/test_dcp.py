@@ -98,44 +98,6 @@ def test_progress_counts_the_same_tensor_bytes_however_many_workers(checkpoints,
     assert len(shared.steps) == len(list((tmp_path / "two").glob("*.distcp"))) > 2
 
 
-def _torch_metadata(described, mappings, results):
-    """`.metadata` as torch's own classes build it from the same description (the reference)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
-
-    chunks, storage = {}, {}
-    for name, written in results:
-        for item, offset, length in written:
-            if item.chunk is None:
-                storage[MetadataIndex(item.fqn)] = _StorageInfo(name, offset, length)
-                continue
-            index = len(chunks.setdefault(item.fqn, []))
-            chunks[item.fqn].append(ChunkStorageMetadata(torch.Size(item.chunk[0]), torch.Size(item.chunk[1])))
-            storage[MetadataIndex(item.fqn, torch.Size(item.chunk[0]), index)] = _StorageInfo(name, offset, length)
-    state = {fqn: BytesStorageMetadata() if what[0] == "bytes" else
-             TensorStorageMetadata(TensorProperties(dtype=getattr(torch, what[1])), torch.Size(what[2]), chunks.get(fqn, []))
-             for fqn, what in described.items()}
-    return Metadata(state, planner_data=mappings, storage_data=storage, version="1.0.0")
-
-
-def test_metadata_written_without_torch_loads_as_torch_builds_it(checkpoints, tmp_path: Path) -> None:
-    """The `.metadata` shardstore pickles from stand-ins loads (with torch) as the Metadata torch's own
-    classes make of the same items, field for field, for tensors of several dtypes and for bytes items."""
-    import pickle
-
-    src = checkpoints(2)
-    store = shardstore.ingest(tmp_path / "store", sorted(src.glob("rank*.pt")), jobs=1)
-    plan = dcp_export.plan_dcp(store)
-    results = [dcp_export.write_items(store, tmp_path / name, items, False) for name, items in zip(plan.names, plan.files)]
-    dtypes = {what[1] for what in plan.described.values() if what[0] == "tensor"}
-    assert len(dtypes) >= 1 and any(what[0] == "bytes" for what in plan.described.values())
-    ours = pickle.loads(dcp_export.metadata(plan.described, plan.mappings, results))
-    assert ours == _torch_metadata(plan.described, plan.mappings, results)
-    assert dcp_export.metadata(plan.described, plan.mappings, list(reversed(results))) == \
-        dcp_export.metadata(plan.described, plan.mappings, results)  # the same bytes however the files came
-
-
 def test_flatten_names_values_as_torchs_flatten_state_dict() -> None:
     """shardstore's `flatten` (no torch) against torch's `flatten_state_dict` on the shapes state dicts
     take: nested dicts, lists of dicts, lists holding tensors, lists and tuples of plain values, empty

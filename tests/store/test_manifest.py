@@ -143,3 +143,25 @@ def test_a_tasks_part_of_the_manifest_holds_its_paths_alone(dcp_checkpoints, tmp
     below = m.part([], frozenset([top]))
     assert set(below.arrays) == {p for p in m.arrays if p.startswith(top + "/")} and below.arrays
     assert m.part([], frozenset([""])).arrays == m.arrays
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_manifest_written_in_pieces_is_jsons_own_encoding(checkpoints, tmp_path: Path, packed: bool) -> None:
+    """The manifest is written a few arrays at a time (`json_parts`): whatever the batch, its bytes are
+    `json.dumps` of the whole (what stores written before it hold), and read back as the same manifest."""
+    import dataclasses
+
+    from shardstore.store.manifest import Manifest
+
+    store = shardstore.ingest(tmp_path / "s", sorted(checkpoints(2).glob("rank*.pt")), jobs=1)
+    manifest = dataclasses.replace(store.manifest, packed=packed)
+    assert len(manifest.arrays) > 3
+    whole = json.loads((tmp_path / "s" / MANIFEST_KEY).read_bytes())
+    whole["packed"] = True
+    if not packed:
+        del whole["packed"]
+    for batch in (1, 2, 1024):
+        pieces = list(manifest.json_parts(batch))
+        assert len(pieces) >= min(len(manifest.arrays), 1 + len(manifest.arrays) // batch)
+        assert b"".join(pieces) == json.dumps(whole).encode()
+        assert Manifest.from_json(json.loads(b"".join(pieces)), "m") == manifest
