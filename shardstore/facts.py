@@ -7,10 +7,11 @@ At the bottom of the package: read/ makes them, store/ keeps them, export/ reads
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Iterable
 
 from .errors import StoreError
+from .paths import pick
 
 FACTS_VERSION = 2
 # What version-1 facts (before the format's flags were recorded) imply, by the format that planned them:
@@ -42,6 +43,11 @@ def _fact(default: Any, codec: _Codec) -> Any:
     if callable(default):
         return field(default_factory=default, metadata={"codec": codec})
     return field(default=default, metadata={"codec": codec})
+
+
+# The names a format gives, in its reader's facts, to a table keyed by store path (a fact per tensor, which
+# grows with the model): a task is sent its own paths' entries alone (`CheckpointFacts.part`).
+PATH_TABLES = frozenset({"shapes"})
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,18 @@ class CheckpointFacts:
         """The format's flags as recorded, or as version-1 facts imply them."""
         v1 = dict(zip(("ranked", "group_claims", "keeps_empty_values"), _V1_FLAGS.get(format, (False, False, True))))
         return {k: d.get(k, v1[k]) for k in v1}
+
+    def part(self, exact: Iterable[str], subtrees: frozenset[str]) -> "CheckpointFacts":
+        """What a task that holds only the store paths `exact` (and those within `subtrees`) needs of the
+        facts (`Manifest.part`): the reader's tables by store path (`PATH_TABLES`) and `not_tensors` cut to
+        those paths, and none of the files an export writes back (side and resume files, a tokenizer's
+        megabytes). Sent whole, DeepSeek-V3's structure's shapes made each task 8 MB of pickle."""
+        exact = list(exact)
+        reader = {name: {k: pick(v, exact, subtrees) if k in PATH_TABLES and isinstance(v, dict) else v
+                         for k, v in own.items()} if isinstance(own, dict) else own
+                  for name, own in self.reader.items()}
+        return replace(self, reader=reader, side_files={}, resume_files={},
+                       not_tensors=frozenset(pick(dict.fromkeys(self.not_tensors), exact, subtrees)))
 
     def reader_view(self) -> dict[str, Any]:
         """What the format's `open_unit` is given: its own facts, and the units and digest it planned."""

@@ -15,12 +15,12 @@ checkpoint folder of a unit file: by default two levels up, for units in sub-fol
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 from ..errors import CheckpointError
 from ..locations import StorageOptions, folder_of, join, name_of, subfolders
 from ..tree import KeyEncoder
-from .contract import CheckpointSpec, Unit
+from .contract import CheckpointSpec, Unit, UnitShare
 from .source import Source, config_files
 
 
@@ -66,8 +66,10 @@ class FolderFormat:
         units = self.module.units(run, source.storage_options)  # every unit, whichever were given
         return self.module.spec(run, units, encode_key, strict, source.storage_options), None
 
-    def unit_share(self, path: str, storage_options: StorageOptions | None, facts: dict[str, Any]) -> None:
-        """Each unit reads what it needs itself."""
+    def unit_share(self, path: str, storage_options: StorageOptions | None, facts: dict[str, Any]) -> UnitShare | None:
+        """The format's own (`module.unit_share`), where it has one; else each unit reads what it needs itself."""
+        own = getattr(self.module, "unit_share", None)
+        return None if own is None else cast(UnitShare, own(path, storage_options, facts))
 
     def open_unit(self, path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,
                   facts: dict[str, Any], share: Any = None) -> Unit:

@@ -144,12 +144,11 @@ class Manifest:
         and all `within` `subtrees`), sent with it so its worker reads no manifest (`ingest._task`). Each
         worker read it whole, and DeepSeek-V3's structure (31,015 arrays, 30,644 values: 23 MB of JSON)
         took 1 s and held 165 MB in each. A part has no tree: only units that are checked path by path
-        against arrays and values (those with shares: DCP files) are sent one."""
+        against arrays and values (those with shares: DCP and safetensors files) are sent one."""
         exact = list(exact)
         return replace(self, tree=Node("dict", ""), arrays=pick(self.arrays, exact, subtrees),
                        objects=list(pick(dict.fromkeys(self.objects), exact, subtrees)),
-                       facts=replace(self.facts, not_tensors=frozenset(
-                           pick(dict.fromkeys(self.facts.not_tensors), exact, subtrees))))
+                       facts=self.facts.part(exact, subtrees))
 
     def json_parts(self, batch: int = 1024) -> Iterator[bytes]:
         """The manifest's JSON (`json.dumps` of its fields, byte for byte), a few arrays' entries at a time:

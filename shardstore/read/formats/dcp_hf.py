@@ -30,7 +30,7 @@ from ...tree import KeyEncoder, Node
 from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec
 from ..primitives.container import read_small
 from ..primitives.safetensors_file import SafetensorsFile
-from ..unit import FileUnit, planned_place
+from ..unit import FileUnit, HeldPaths, planned_place
 
 FORMAT = "dcp-hf"
 SHARDED = re.compile(r"shard-[0-9]+-model-[0-9]+-of-[0-9]+\.safetensors\Z")
@@ -195,6 +195,13 @@ def _same_piece(a: str, b: str, name: str, storage_options: StorageOptions | Non
             if x.file.read(ex.offset + at, n) != y.file.read(ey.offset + at, n):
                 raise CheckpointError(f"{b}: holds {name} as {_name(a)} does, with other bytes; which is the "
                                       f"model's cannot be told (two exports mixed in one folder?)")
+
+
+def unit_share(path: str, storage_options: StorageOptions | None, facts: dict[str, Any]) -> HeldPaths:
+    """The store paths of the tensors the file's header lists (read again here: the worker checks the
+    header against the planned one before it trusts a piece of it)."""
+    with SafetensorsFile(path, storage_options) as st:
+        return HeldPaths(tuple(paths.escape(name) for name in st.tensors))
 
 
 def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,

@@ -160,3 +160,33 @@ def test_a_header_field_of_the_wrong_json_type_is_one_line(forgery: str, dcp_hf_
     _with_header(victim, change)
     refused(src, tmp_path / "out", rf"{victim.name}: (safetensors __metadata__ is not an object of strings|.*unknown "
                                    rf"safetensors dtype)")
+
+
+@pytest.mark.parametrize("form", ["sharded", "consolidated"])
+def test_a_workers_task_is_sent_its_files_part_of_the_manifest(form: str, dcp_hf_checkpoint: Path, tmp_path: Path) -> None:
+    """Each worker read the whole manifest (92k arrays for DeepSeek-V3: 250 MB in each): a task now carries
+    the entries, and the shapes of the reader's facts, of the tensors its files' headers list, and none of
+    the files the export writes back; and the worker ingests from that alone."""
+    from safetensors import safe_open
+
+    from shardstore import paths
+    from shardstore.ingest import IngestOptions, _task, _worker
+
+    src = dcp_hf_checkpoint / form
+    source = open_source(src)
+    store = shardstore.ingest(tmp_path / "s", [source.units[0]], jobs=1)
+    assert store.manifest.facts.side_files and len(store.manifest.facts.reader["dcp_hf"]["shapes"]) > 1
+    batch = [u for u in source.units if u != source.units[0]][:1]
+    with safe_open(batch[0], "pt") as f:
+        held = {paths.escape(name) for name in f.keys()}
+    every = set(store.manifest.arrays) | set(store.manifest.objects)
+    assert held <= every and (held < every if form == "consolidated" else held)  # (FSDP's shards: a piece of each)
+    task = _task(store, batch, IngestOptions(format="dcp-hf"))
+    part = task[-1]
+    assert set(part.arrays) | set(part.objects) == held
+    assert set(part.facts.reader["dcp_hf"]["shapes"]) == held & set(part.arrays)
+    assert part.facts.reader["dcp_hf"]["headers"] == store.manifest.facts.reader["dcp_hf"]["headers"]
+    assert part.facts.side_files == {} and part.facts.metadata == store.manifest.facts.metadata
+    (done,) = _worker(*task)
+    assert done.path == batch[0] and shardstore.open(tmp_path / "s").status().ranks_done == sorted(
+        [0, source.units.index(batch[0])])
