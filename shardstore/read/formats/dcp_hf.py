@@ -29,7 +29,7 @@ from ...locations import StorageOptions, join, listing
 from ...tree import KeyEncoder, Node
 from ..contract import ArrayLeaf, CheckpointSpec, LocalPiece, ShardedSpec, ShardSpec
 from ..primitives.container import read_small
-from ..primitives.safetensors_file import SafetensorsFile
+from ..primitives.safetensors_file import SafetensorsFile, tensor_names
 from ..unit import FileUnit, HeldPaths, planned_place
 
 FORMAT = "dcp-hf"
@@ -198,10 +198,9 @@ def _same_piece(a: str, b: str, name: str, storage_options: StorageOptions | Non
 
 
 def unit_share(path: str, storage_options: StorageOptions | None, facts: dict[str, Any]) -> HeldPaths:
-    """The store paths of the tensors the file's header lists (read again here: the worker checks the
-    header against the planned one before it trusts a piece of it)."""
-    with SafetensorsFile(path, storage_options) as st:
-        return HeldPaths(tuple(paths.escape(name) for name in st.tensors))
+    """The store paths of the tensors the file's header lists (read again here, its names alone: the worker
+    checks the whole header against the planned one before it trusts a piece of it)."""
+    return HeldPaths(tuple(paths.escape(name) for name in tensor_names(path, storage_options)))
 
 
 def open_unit(path: str, storage_options: StorageOptions | None, strict: bool, encode_key: KeyEncoder,

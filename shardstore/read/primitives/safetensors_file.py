@@ -25,6 +25,31 @@ MAX_HEADER = 256 << 20  # a header this large would describe millions of tensors
 _BY_CODE = {info.safetensors: info.name for info in dtypes.BY_NAME.values() if info.safetensors}
 
 
+def _header(file: DataFile) -> tuple[int, dict[str, Any]]:
+    """(its length, its JSON object) of a safetensors file's header: the length checked against the file
+    and `MAX_HEADER` before a byte of it is read, nothing in it checked yet."""
+    if file.size < 8:
+        raise CheckpointError(f"{file.path}: not a safetensors file (shorter than its header length)")
+    (n,) = struct.unpack("<Q", file.read(0, 8))
+    if n > min(MAX_HEADER, file.size - 8):
+        raise CheckpointError(f"{file.path}: safetensors header of {n} bytes in a file of {file.size} "
+                              f"(truncated, or not a safetensors file)")
+    header = jsonin.loads(file.read(8, n), str(file.path), "safetensors header", CheckpointError)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file.path}: safetensors header is not a JSON object")
+    return n, header
+
+
+def tensor_names(path: str, storage_options: StorageOptions | None = None) -> list[str]:
+    """The names a safetensors file's header lists, its entries unchecked (half the cost of opening it):
+    for what only routes the file (a task's part of the manifest), never for reading a tensor."""
+    file = DataFile(path, storage_options)
+    try:
+        return [name for name in _header(file)[1] if name != "__metadata__"]
+    finally:
+        file.close()
+
+
 class SafetensorsFile:
     def __init__(self, path: str | os.PathLike[str], storage_options: StorageOptions | None = None):
         self.file = DataFile(path, storage_options)
@@ -36,15 +61,7 @@ class SafetensorsFile:
             raise
 
     def _index(self) -> tuple[dict[str, Entry], dict[str, TensorRef], dict[str, Any]]:
-        if self.file.size < 8:
-            raise CheckpointError(f"{self.path}: not a safetensors file (shorter than its header length)")
-        (n,) = struct.unpack("<Q", self.file.read(0, 8))
-        if n > min(MAX_HEADER, self.file.size - 8):
-            raise CheckpointError(f"{self.path}: safetensors header of {n} bytes in a file of {self.file.size} "
-                                  f"(truncated, or not a safetensors file)")
-        header = jsonin.loads(self.file.read(8, n), str(self.path), "safetensors header", CheckpointError)
-        if not isinstance(header, dict):
-            raise CheckpointError(f"{self.path}: safetensors header is not a JSON object")
+        n, header = _header(self.file)
         metadata = header.pop("__metadata__", None)
         metadata = {} if metadata is None else metadata
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
