@@ -172,8 +172,11 @@ def _check_index(folder: str, unit_paths: list[str], boxes: dict[str, list[Any]]
     for name, held in boxes.items():
         for _, _, i in held:
             by_file.setdefault(_name(unit_paths[i]), set()).add(name)
+    mapped: dict[str, set[str]] = {}  # (grouped once: each file's scan of the whole map was files x tensors)
+    for n, f in weight_map.items():
+        mapped.setdefault(f, set()).add(n)
     for path in unit_paths:
-        want = {n for n, f in weight_map.items() if f == _name(path)}
+        want = mapped.get(_name(path), set())
         have = by_file.get(_name(path), set())
         if want != have:
             stray = sorted(want ^ have)[0]
