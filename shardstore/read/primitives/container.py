@@ -271,10 +271,6 @@ PARSED_KEPT = 4
 Parsed = TypeVar("Parsed")
 
 
-def _key(kind: str, folder: str, storage_options: StorageOptions | None) -> tuple[str, str, str]:
-    return kind, folder, repr(sorted((storage_options or {}).items()))
-
-
 def parsed_once(kind: str, folder: str, storage_options: StorageOptions | None,
                 parse: Callable[[str, StorageOptions | None], Parsed]) -> Parsed:
     """`parse(folder, storage_options)`, once per process until `forget_parsed`: a checkpoint's metadata,
