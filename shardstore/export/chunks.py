@@ -10,15 +10,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+import numpy as np
+
+from .. import dtypes
 from ..errors import ExportError
 from ..locations import name_of
+from ..ranges import Part
 from ..sink.layout import Target, new_layout, prepare
 from ..sink.output import OutputFile
 from ..store.store import Store
 from . import dcp, fp8, hf
-from .adapters import rows_of
+from .adapters import raw_rows, rows_of
 from .contract import ExportRequest
 from .dcp_metadata import metadata
 from .hf.spec import HFModel
@@ -62,6 +66,42 @@ def rows_item(key: str, offset: tuple[int, ...], shape: tuple[int, ...], source:
                           f"--dtype bfloat16)")
     ref = replace(source, shape=shape)
     return dcp.Item(key, (offset, shape), ref, ref.nbytes)
+
+
+def unstacked_item(key: str, offset: tuple[int, ...], shape: tuple[int, ...], source: ArrayRef, member: int,
+                   interleave: int, transpose: bool) -> dcp.Item:
+    """The chunk of `key` at `offset` that is member `member` of the stacked `source` (see `Unstacked`), of
+    `shape` (leading 1s as in `rows_item`)."""
+    ref = Unstacked(source.path, source.dtype, shape, None, source, member, interleave, transpose)
+    return dcp.Item(key, (offset, shape), ref, ref.nbytes)
+
+
+@dataclass(frozen=True)
+class Unstacked(ArrayRef):
+    """One member of a tensor stacked from several (`stack`, an array: GPT-OSS's experts, one Hugging Face
+    tensor per layer) as the tensor it was stacked from, export/safetensors.Stacked undone: its last two axes
+    swapped back (`transpose`), then its rows gathered from the `interleave` ways they were dealt out
+    (gate, up, gate, up... -> [gate; up]). The bits are moved, never converted; memory holds one member,
+    twice."""
+
+    stack: ArrayRef | None = None
+    member: int = 0
+    interleave: int = 1
+    transpose: bool = False
+
+    def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
+        assert self.stack is not None
+        one = self.stack.shape[1:]
+        values = np.frombuffer(raw_rows(store, rows_of(self.stack, self.member, self.member + 1)),
+                               dtypes.info(self.dtype).raw).reshape(one)
+        if self.transpose:
+            values = values.swapaxes(-1, -2)
+        rows = values.shape[0]
+        gathered = values.reshape(rows // self.interleave, self.interleave, *values.shape[1:]).swapaxes(0, 1)
+        yield np.ascontiguousarray(gathered).reshape(-1).view(np.uint8).data
+
+    def stored_crc(self, store: Store) -> int | None:
+        return None
 
 
 def _picked(source: ArrayRef, rows: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:

@@ -41,11 +41,12 @@ from ..store.store import Store
 from ..tree import Node
 from . import chunks, dcp, hf
 from .contract import ExportRequest, OutputFormat, Planned, Progress, Written
+from .hf import gpt_oss
 from .hf.spec import HFModel
 from .hf.megatron_inverse import (TRANSFORMER_ENGINE, Placed, architecture, layers_stacked, mtp_copies, padded_vocab,
                                   placements, stacked)
 from .hf.megatron import MOE_BLOCKS
-from .hf.megatron_llama import DEEPSEEK_V3, QWEN2_MOE, QWEN3, QWEN3_MOE, need
+from .hf.megatron_llama import DEEPSEEK_V3, GPT_OSS, QWEN2_MOE, QWEN3, QWEN3_MOE, need
 from .resolve import ArrayRef
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
@@ -102,6 +103,11 @@ def plan_items(store: Store, subtree: str, request: ExportRequest
         source = sources[p.hf].source
         key, index = index_of[p.target]
         rest = placed.shapes[p.target][1:]
+        if p.member is not None:  # a Megatron tensor stacked with others in the transformers one
+            items.append(chunks.unstacked_item(key, (*index, 0) + (0,) * len(rest),
+                                               (1,) * len(index) + placed.shapes[p.target], source, p.member,
+                                               p.interleave, p.transpose))
+            continue
         first, stop = p.rows or (0, source.shape[0])
         items.append(chunks.rows_item(key, (*index, p.at) + (0,) * len(rest), (1,) * len(index) + (stop - first, *rest),
                                       source, (p.rows,) if p.rows else None))
@@ -193,6 +199,8 @@ def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int, impl: 
     scaling = rope_scaling(config)
     if arch == DEEPSEEK_V3:
         args.update(_deepseek_args(config, scaling))
+    elif arch == GPT_OSS:
+        args.update(gpt_oss.megatron_args(config, scaling, "the model's config.json"))
     elif scaling is not None:
         args.update(llama_scaling(scaling))
     if arch in MOE_BLOCKS:  # every layer's MLP sparse, routed as the class routes (megatron_llama._moe_class)

@@ -41,13 +41,107 @@ def layer(take: Callable[..., None], shapes: dict[str, Any], config: dict[str, A
     take(f"{hf}mlp.router.weight", f"{source}mlp.router.weight", None, (experts, hidden))
     take(f"{hf}mlp.router.bias", f"{source}mlp.router.bias", None, (experts,))
     each = [f"{source}mlp.experts.local_experts.{e}." for e in range(experts)]
-    stacks = (("gate_up_proj", "linear_fc1.weight", (2 * width, hidden), 2, True),  # [gate; up] -> gate, up, ...
-              ("gate_up_proj_bias", "linear_fc1.bias", (2 * width,), 2, False),
-              ("down_proj", "linear_fc2.weight", (hidden, width), 1, True),
-              ("down_proj_bias", "linear_fc2.bias", (hidden,), 1, False))
-    for name, megatron, shape, interleave, transpose in stacks:
+    for name, megatron, shape, interleave, transpose in _stacks(width, hidden):
         take(f"{hf}mlp.experts.{name}", tuple(f"{e}{megatron}" for e in each), None, shape, interleave=interleave,
              transpose=transpose)
+
+
+def _stacks(width: int, hidden: int) -> tuple[tuple[str, str, tuple[int, ...], int, bool], ...]:
+    """Each of GptOss's stacked expert tensors: its name, the Megatron expert's tensor it stacks, that one's
+    shape, the ways its rows are dealt out, and whether its axes are swapped."""
+    return (("gate_up_proj", "linear_fc1.weight", (2 * width, hidden), 2, True),  # [gate; up] -> gate, up, ...
+            ("gate_up_proj_bias", "linear_fc1.bias", (2 * width,), 2, False),
+            ("down_proj", "linear_fc2.weight", (hidden, width), 1, True),
+            ("down_proj_bias", "linear_fc2.bias", (hidden,), 1, False))
+
+
+def megatron_shapes(config: dict[str, Any], layer: str, hidden: int, where: str) -> dict[str, tuple[int, ...]]:
+    """Layer `layer`'s tensors beyond the Llama family's attention, q, k and v biases and norms, as
+    megatron-core's GPTModel has them (`layer` run backwards): the output projection's bias, the sinks, the
+    router with its bias, and each expert's two linear layers with their biases."""
+    heads = need(config, "num_attention_heads", where)
+    experts, width = need(config, "num_local_experts", where), need(config, "intermediate_size", where)
+    out = {f"{layer}self_attention.linear_proj.bias": (hidden,),
+           f"{layer}self_attention.core_attention.softmax_offset": (heads,),
+           f"{layer}mlp.router.weight": (experts, hidden), f"{layer}mlp.router.bias": (experts,)}
+    for e in range(experts):
+        out.update({f"{layer}mlp.experts.local_experts.{e}.{megatron}": shape
+                    for _, megatron, shape, _, _ in _stacks(width, hidden)})
+    return out
+
+
+def megatron_args(config: dict[str, Any], scaling: dict[str, Any] | None, where: str) -> dict[str, Any]:
+    """Megatron-LM's arguments for GptOss's blocks (Megatron-Bridge's GPT-OSS provider's; `config_from_args`
+    reads them back): biases everywhere, learnable sinks, the clamped quick-GeGLU experts, the windows of
+    its `layer_types`, YaRN as `scaling` says it (plain rotary embeddings where it says none); what Megatron
+    cannot say refused naming the field."""
+    alpha = config.get("swiglu_alpha", QUICK_GELU_ALPHA)
+    if alpha != QUICK_GELU_ALPHA:
+        raise ExportError(f"{where}: swiglu_alpha is {alpha!r:.20}; Megatron's quick_gelu is x * sigmoid("
+                          f"{QUICK_GELU_ALPHA} x)")
+    layers, experts = need(config, "num_hidden_layers", where), need(config, "num_local_experts", where)
+    width, limit = need(config, "intermediate_size", where), config.get("swiglu_limit", 7.0)
+    if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
+        raise ExportError(f"{where}: swiglu_limit is {limit!r:.20}; Megatron clamps the GLU's halves at a "
+                          f"positive value")
+    args: dict[str, Any] = dict(
+        add_bias_linear=True, add_qkv_bias=True, swiglu=False, quick_geglu=True, softmax_type="learnable",
+        activation_func_clamp_value=float(limit), glu_linear_offset=1.0, num_experts=experts,
+        moe_ffn_hidden_size=width, moe_router_topk=config.get("num_experts_per_tok", 2),
+        **_windows(config, layers, where), **_yarn(scaling, where))
+    return args
+
+
+def _windows(config: dict[str, Any], layers: int, where: str) -> dict[str, Any]:
+    """Megatron's window_size and window_attn_skip_freq for GptOss's `layer_types` (its default: every
+    other layer windowed, the first one so) and `sliding_window` (a window of w tokens is Megatron's
+    (w - 1, 0)): the inverse of `_layer_type`."""
+    types = config.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or \
+            not all(t in ("sliding_attention", "full_attention") for t in types):
+        raise ExportError(f"{where}: layer_types is {types!r:.80}; one of sliding_attention, full_attention for "
+                          f"each of {layers} layers")
+    windowed = [t == "sliding_attention" for t in types]
+    if not any(windowed):
+        return {"window_size": None, "window_attn_skip_freq": None}
+    window = config.get("sliding_window")
+    if type(window) is not int or window < 1:
+        raise ExportError(f"{where}: sliding_window is {window!r:.20}; layers are windowed, in a count of tokens")
+    skip: int | list[int] | None = None if all(windowed) else \
+        next((n for n in range(2, layers + 1) if windowed == [bool((i + 1) % n) for i in range(layers)]),
+             None) or [int(w) for w in windowed]
+    return {"window_size": (window - 1, 0), "window_attn_skip_freq": skip}
+
+
+def _yarn(scaling: dict[str, Any] | None, where: str) -> dict[str, Any]:
+    """Megatron-LM's YaRN arguments for GptOss's rope scaling (`_rope` run backwards): its attention factor
+    must be the one megatron-core computes from mscale and mscale_all_dim."""
+    if scaling is None:
+        return {"position_embedding_type": "rope"}
+    if scaling["rope_type"] != "yarn":
+        raise ExportError(f"{where}: rotary embeddings scaled as {scaling['rope_type']!r:.40}; Megatron's GPT-OSS "
+                          f"takes YaRN or none")
+    factor = float(scaling.get("factor", 1.0))
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):  # transformers' default: the mscale of the factor alone
+        mscale, mscale_all_dim = 1.0, 0.0
+    factor_given = scaling.get("attention_factor")
+    made = _mscale(factor, mscale) / _mscale(factor, mscale_all_dim)
+    if factor_given is not None and not math.isclose(float(factor_given), made, rel_tol=1e-12):
+        raise ExportError(f"{where}: YaRN's attention_factor is {factor_given!r:.20}; megatron-core computes it from "
+                          f"mscale {mscale} and mscale_all_dim {mscale_all_dim}: {made}")
+    return {"position_embedding_type": "yarn", "rotary_scaling_factor": factor,
+            "yarn_original_max_position_embeddings": scaling.get("original_max_position_embeddings", 4096),
+            "yarn_beta_fast": float(scaling.get("beta_fast", 32.0)), "yarn_beta_slow": float(scaling.get("beta_slow", 1.0)),
+            "yarn_correction_range_round_to_int": bool(scaling.get("truncate", True)), "mscale": float(mscale),
+            "mscale_all_dim": float(mscale_all_dim)}
+
+
+def _mscale(factor: float, m: float) -> float:
+    """megatron-core's _yarn_get_mscale (transformers' get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
 # Megatron-LM's arguments GptOss needs as they are, and what any other value would be
@@ -109,13 +203,10 @@ def _rope(args: dict[str, Any]) -> dict[str, Any]:
     mscale, mscale_all_dim = args.get("mscale"), args.get("mscale_all_dim")  # None: as Megatron-LM fills them in
     mscale, mscale_all_dim = 1.0 if mscale is None else mscale, 0.0 if mscale_all_dim is None else mscale_all_dim
 
-    def get_mscale(m: float) -> float:  # megatron-core's _yarn_get_mscale
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
     round_to_int = args.get("yarn_correction_range_round_to_int")
     return {"rope_type": "yarn", "factor": factor,
             "original_max_position_embeddings": args.get("yarn_original_max_position_embeddings") or 4096,
             "beta_fast": float(args.get("yarn_beta_fast") or 32.0),
             "beta_slow": float(args.get("yarn_beta_slow") or 1.0),
             "truncate": True if round_to_int is None else bool(round_to_int),
-            "attention_factor": get_mscale(mscale) / get_mscale(mscale_all_dim)}
+            "attention_factor": _mscale(factor, mscale) / _mscale(factor, mscale_all_dim)}

@@ -18,16 +18,17 @@ from typing import Any
 
 from ...errors import ExportError
 from ..contract import TRANSFORMER_IMPLS
-from . import megatron
+from . import gpt_oss, megatron
 from .megatron_llama import (DEEPSEEK_V3, EMBEDDING, FINAL_NORM, GPT_OSS, MOE, NORMS, OUTPUT, QWEN2_MOE, QWEN3,
                              QWEN3_MOE, need)
+from .spec import HFTensor
 
 Shape = tuple[int, ...]
 LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.+)\Z")
 EXPERT = re.compile(r"(.*)mlp\.experts\.local_experts\.([0-9]+)\.(.+)\Z")
-# the architectures whose Megatron names are built here (GPT-OSS's stacked experts are mapped forwards only,
-# so far)
-BUILT = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", QWEN3, MOE, QWEN3_MOE, QWEN2_MOE, DEEPSEEK_V3)
+# the architectures whose Megatron names are built here
+BUILT = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", QWEN3, MOE, QWEN3_MOE, QWEN2_MOE, DEEPSEEK_V3,
+         GPT_OSS)
 # Megatron-LM's --transformer-impl: the layer spec a checkpoint's keys are those of. They differ only where a
 # norm is a module of its own under one spec and fused into the next linear layer under the other: an MoE
 # layer's pre-MLP norm (Transformer Engine: `pre_mlp_layernorm`; the local spec maps its own onto
@@ -37,12 +38,18 @@ TRANSFORMER_ENGINE = TRANSFORMER_IMPLS[0]
 
 @dataclass(frozen=True)
 class Placement:
-    """Rows `rows` of transformers' tensor `hf` (all of them: None) land in Megatron's `target` from row `at`."""
+    """Rows `rows` of transformers' tensor `hf` (all of them: None) land in Megatron's `target` from row `at`;
+    or, `member` given, `hf` is stacked from several Megatron tensors (GPT-OSS's experts) and its `member`-th
+    is `target`, whole, once its axes are swapped back (`transpose`) and its rows gathered back from the
+    `interleave` ways they were dealt out (spec.HFTensor's stacking undone)."""
 
     hf: str
     rows: tuple[int, int] | None
     target: str
     at: int
+    member: int | None = None
+    interleave: int = 1
+    transpose: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,9 +69,6 @@ def architecture(config: dict[str, Any], where: str) -> str:
     arch = (config.get("architectures") or [None])[0]
     if arch is None and isinstance(config.get("model_type"), str):
         arch = megatron.BY_MODEL_TYPE.get(config["model_type"], f"model_type {config['model_type']}")
-    if arch == GPT_OSS:
-        raise ExportError(f"{where}: {arch} is exported from Megatron but not yet written to it; Megatron "
-                          f"checkpoints are written for {', '.join(BUILT)}")
     if arch not in BUILT:
         raise ExportError(f"{where}: architecture {arch!r:.60} has no Megatron-Core GPT equivalent here; one of "
                           f"{', '.join(BUILT)}")
@@ -101,16 +105,19 @@ def shapes(config: dict[str, Any], where: str, te_norms: bool = True, vocab_rows
         layer = f"decoder.layers.{i}."
         qkv = (heads + 2 * groups) * head_dim
         out[f"{layer}self_attention.linear_qkv.weight"] = (qkv, hidden)
-        if arch in ("Qwen2ForCausalLM", QWEN2_MOE) or config.get("attention_bias"):
+        if arch in ("Qwen2ForCausalLM", QWEN2_MOE, GPT_OSS) or config.get("attention_bias"):
             out[f"{layer}self_attention.linear_qkv.bias"] = (qkv,)
         out[f"{layer}self_attention.linear_proj.weight"] = (hidden, heads * head_dim)
         if arch in (QWEN3, QWEN3_MOE):
             out[f"{layer}self_attention.q_layernorm.weight"] = (head_dim,)
             out[f"{layer}self_attention.k_layernorm.weight"] = (head_dim,)
         for key, candidates in NORMS.items():  # an MoE layer's pre-MLP norm is TE's module of its own
-            module = not te_norms or fused and arch in megatron.MOE_BLOCKS and key == "post_attention_layernorm.weight"
+            module = not te_norms or fused and (arch in megatron.MOE_BLOCKS or arch == GPT_OSS) and \
+                key == "post_attention_layernorm.weight"
             out[f"{layer}{candidates[1 if module else 0]}"] = (hidden,)
-        if arch in megatron.MOE_BLOCKS:
+        if arch == GPT_OSS:
+            out.update(gpt_oss.megatron_shapes(config, layer, hidden, where))
+        elif arch in megatron.MOE_BLOCKS:
             _, count, width, _ = megatron.MOE_BLOCKS[arch]
             experts, expert_ffn = need(config, count, where), need(config, width, where)
             out[f"{layer}mlp.router.weight"] = (experts, hidden)
@@ -203,6 +210,11 @@ def placements(config: dict[str, Any], hf_shapes: dict[str, Shape], where: str, 
         if tensor.key not in hf_shapes:
             raise ExportError(f"{where}: has no {tensor.key}, which {config['architectures'][0] if config.get('architectures') else 'the model'} "
                               f"has (a folder of another model, or a config of another?)")
+        if tensor.stack:
+            placed.extend(_members(tensor, hf_shapes[tensor.key], megatron_shapes, where))
+            for target in tensor.stack:
+                landed[target] = megatron_shapes[target][0]
+            continue
         blocks = tensor.rows or ((0, megatron_shapes[tensor.source][0]),)
         want = (sum(b - a for a, b in blocks), *megatron_shapes[tensor.source][1:])
         if tuple(hf_shapes[tensor.key]) != want:
@@ -225,6 +237,18 @@ def placements(config: dict[str, Any], hf_shapes: dict[str, Shape], where: str, 
             assert name in (EMBEDDING, OUTPUT) and landed[name] == vocab, name  # the mapping places every other row
             padding[name] = (vocab, shape[0])
     return Placed(megatron_shapes, tuple(placed), padding)
+
+
+def _members(tensor: HFTensor, shape: Shape, megatron_shapes: dict[str, Shape], where: str) -> list[Placement]:
+    """A stacked transformers tensor's placements, one per Megatron tensor stacked in it, once its shape is
+    the stack's (HFTensor: one per member, its axes swapped where `transpose`)."""
+    one = megatron_shapes[tensor.stack[0]]
+    want = (len(tensor.stack), *(one[:-2] + (one[-1], one[-2]) if tensor.transpose else one))
+    if tuple(shape) != want:
+        raise ExportError(f"{where}: {tensor.key} has shape {list(shape)}, the config makes it {list(want)} (a config "
+                          f"of another model?)")
+    return [Placement(tensor.key, None, target, 0, e, tensor.interleave, tensor.transpose)
+            for e, target in enumerate(tensor.stack)]
 
 
 def mtp_copies(config: dict[str, Any], keys: list[str]) -> list[str]:
