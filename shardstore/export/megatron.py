@@ -186,7 +186,8 @@ def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int, impl: 
                 kv_channels=config.get("head_dim") or config["hidden_size"] // heads,
                 max_position_embeddings=config.get("max_position_embeddings"),
                 seq_length=config.get("max_position_embeddings"), position_embedding_type="rope",
-                add_position_embedding=False, rotary_base=rope_theta(config), rotary_percent=1.0,
+                add_position_embedding=False, rotary_percent=1.0,
+                rotary_base=rope_theta(config, gpt_oss.DEFAULT_THETA if arch == GPT_OSS else 10000.0),
                 normalization="RMSNorm", norm_epsilon=config.get("rms_norm_eps", 1e-5), swiglu=True,
                 add_bias_linear=False, add_qkv_bias=arch in ("Qwen2ForCausalLM", QWEN2_MOE),
                 qk_layernorm=arch in (QWEN3, QWEN3_MOE),
@@ -213,10 +214,11 @@ def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int, impl: 
     return Namespace(**args)
 
 
-def rope_theta(config: dict[str, Any]) -> float:
-    """The rotary base, where either transformers writes it: `rope_theta` (< 5) or `rope_parameters` (5)."""
+def rope_theta(config: dict[str, Any], default: float = 10000.0) -> float:
+    """The rotary base, where either transformers writes it: `rope_theta` (< 5) or `rope_parameters` (5);
+    else the class's `default`."""
     parameters = config.get("rope_parameters") or {}
-    return float(config.get("rope_theta") or parameters.get("rope_theta") or 10000)
+    return float(config.get("rope_theta") or parameters.get("rope_theta") or default)
 
 
 def rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:

@@ -178,3 +178,63 @@ def test_average_takes_the_mean_of_each_stacked_expert(tmp_path: Path) -> None:
     for key, got in mean.items():  # in float64, rounded once, as average computes it
         assert torch.equal(got, (ones[0][key].double() * 0.25 + ones[1][key].double() * 0.75).float()), key
     assert not torch.equal(ones[0]["model.layers.0.self_attn.sinks"], ones[1]["model.layers.0.self_attn.sinks"])
+
+
+# the hub's openai/gpt-oss-20b config.json, its sizes cut down (a window of 128 on every other layer, YaRN)
+HUB = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True, "head_dim": 64,
+       "hidden_size": 2880, "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 3,
+       "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+       "num_hidden_layers": 6, "num_key_value_heads": 8, "num_local_experts": 32, "rms_norm_eps": 1e-05,
+       "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                        "rope_type": "yarn", "truncate": False},
+       "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+       "vocab_size": 201088, "torch_dtype": "bfloat16"}
+
+
+def _megatron_args(config: dict[str, Any]) -> dict[str, Any]:
+    from shardstore.export.megatron import megatron_args
+
+    return vars(megatron_args(config, 201216, 128))
+
+
+@pytest.mark.parametrize("change", [{}, {"layer_types": ["sliding_attention"] * 6},
+                                    {"layer_types": ["full_attention"] * 6},
+                                    {"layer_types": ["sliding_attention"] * 2 + ["full_attention"] * 4},
+                                    {"layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2},
+                                    {"rope_scaling": {"rope_type": "default"}},
+                                    {"rope_scaling": None, "rope_theta": None, "num_experts_per_tok": None,
+                                     "sliding_window": None, "layer_types": None, "swiglu_limit": None}])
+def test_megatron_args_read_back_as_the_same_gpt_oss(change: dict[str, Any]) -> None:
+    """Megatron-LM's args written for a GptOss config (--format megatron's common state) read back (the
+    --format hf direction) as a config transformers builds the same model from: its windows, whatever the
+    pattern of layer_types (a skip frequency where one gives it, else a flag per layer), its YaRN, and what
+    GptOssConfig takes where config.json says nothing (YaRN, its rotary base, top 4, windows of 128)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    hub = {k: v for k, v in {**HUB, **change}.items() if v is not None}  # None: not said (GptOss's default)
+    args = _megatron_args(hub)
+    assert args["softmax_type"] == "learnable" and args["quick_geglu"] and not args["swiglu"]
+    back = config_from_args({**args, "vocab_size": 201088}, "args")[0]
+    ours, theirs = GptOssConfig(**back), GptOssConfig(**hub)
+    for field in ("layer_types", "num_local_experts", "num_experts_per_tok", "intermediate_size", "head_dim",
+                  "num_key_value_heads", "swiglu_limit", "attention_bias", "vocab_size"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    ours_rope, theirs_rope = GptOssRotaryEmbedding(ours), GptOssRotaryEmbedding(theirs)  # the same rotation
+    assert torch.equal(ours_rope.inv_freq, theirs_rope.inv_freq)
+    assert ours_rope.attention_scaling == theirs_rope.attention_scaling
+    if "sliding_attention" in theirs.layer_types:
+        assert ours.sliding_window == theirs.sliding_window
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"swiglu_alpha": 1.5}, "swiglu_alpha is 1.5"),
+    ({"swiglu_limit": None}, "swiglu_limit is None"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"] * 3}, "layer_types is"),
+    ({"layer_types": ["sliding_attention"] * 5}, "layer_types is"),
+    ({"sliding_window": None}, "sliding_window is None"),
+    ({"rope_scaling": {**HUB["rope_scaling"], "attention_factor": 2.0}}, "YaRN's attention_factor is 2.0"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rotary embeddings scaled as 'linear'")])
+def test_what_megatron_cannot_say_of_a_gpt_oss_is_refused_by_name(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(shardstore.ExportError, match=f"the model's config.json: {message}"):
+        _megatron_args({**HUB, **change})

@@ -11,7 +11,10 @@ TP 2 × EP 2 (Qwen3-MoE); run 2026-12-07 on DeepSeek-V3 models (tests/fixtures/d
 layer, without, with one its files lack, without q LoRA), within 2.4e-05 at TP 1, TP 2, EP 2 and TP 2 × EP 2,
 every loaded tensor bit for bit the Hugging Face one (`--values`); and 2026-12-07 on one of 4 layers with its MTP
 layer (`deepseek_hf.py --layers 4`), written with `--transformer-impl local` (the spec that oracle builds), at
-TP 2 × PP 2, PP 2 × EP 2 and TP 2 × PP 2 × EP 2: within 1.5e-05, 9.1e-06 and 1.7e-05.
+TP 2 × PP 2, PP 2 × EP 2 and TP 2 × PP 2 × EP 2: within 1.5e-05, 9.1e-06 and 1.7e-05; and 2026-12-07 on a
+GptOss transformers saved (float32, 4 layers windowed every other one, YaRN, sinks and biases drawn), written
+with `--transformer-impl local`: within 8.9e-08 at TP 1, 7.5e-08 at TP 2 × PP 2 and at TP 2 × EP 2 (its
+experts' gate and up left interleaved, as a check that the oracle sees it: 4.1e-02).
 
 The output for Megatron-LM's default layer spec (Transformer Engine's: `--transformer-impl transformer_engine`,
 the default) is checked the same way by tests/fixtures/megatron_te_spec.py (megatron-core's own TE-spec

@@ -22,6 +22,10 @@ from ...errors import ExportError
 from .megatron_llama import GPT_OSS, MOE_REFUSED, Check, llama_config, need
 
 QUICK_GELU_ALPHA = 1.702  # megatron-core's quick_gelu: x * sigmoid(1.702 x)
+# what GptOssConfig takes where config.json says nothing: YaRN (the hub's), its rotary base, top k, window
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+DEFAULT_THETA, DEFAULT_TOPK, DEFAULT_WINDOW = 150000.0, 4, 128
 
 
 def layer(take: Callable[..., None], shapes: dict[str, Any], config: dict[str, Any], source: str, hf: str,
@@ -73,8 +77,8 @@ def megatron_shapes(config: dict[str, Any], layer: str, hidden: int, where: str)
 def megatron_args(config: dict[str, Any], scaling: dict[str, Any] | None, where: str) -> dict[str, Any]:
     """Megatron-LM's arguments for GptOss's blocks (Megatron-Bridge's GPT-OSS provider's; `config_from_args`
     reads them back): biases everywhere, learnable sinks, the clamped quick-GeGLU experts, the windows of
-    its `layer_types`, YaRN as `scaling` says it (plain rotary embeddings where it says none); what Megatron
-    cannot say refused naming the field."""
+    its `layer_types`, its rotary embeddings' `scaling` (None: plain ones; GptOss's YaRN where the config
+    says nothing of them); what Megatron cannot say refused naming the field."""
     alpha = config.get("swiglu_alpha", QUICK_GELU_ALPHA)
     if alpha != QUICK_GELU_ALPHA:
         raise ExportError(f"{where}: swiglu_alpha is {alpha!r:.20}; Megatron's quick_gelu is x * sigmoid("
@@ -84,12 +88,12 @@ def megatron_args(config: dict[str, Any], scaling: dict[str, Any] | None, where:
     if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
         raise ExportError(f"{where}: swiglu_limit is {limit!r:.20}; Megatron clamps the GLU's halves at a "
                           f"positive value")
-    args: dict[str, Any] = dict(
-        add_bias_linear=True, add_qkv_bias=True, swiglu=False, quick_geglu=True, softmax_type="learnable",
-        activation_func_clamp_value=float(limit), glu_linear_offset=1.0, num_experts=experts,
-        moe_ffn_hidden_size=width, moe_router_topk=config.get("num_experts_per_tok", 2),
-        **_windows(config, layers, where), **_yarn(scaling, where))
-    return args
+    if not (config.get("rope_scaling") or config.get("rope_parameters")):
+        scaling = DEFAULT_ROPE
+    return dict(add_bias_linear=True, add_qkv_bias=True, swiglu=False, quick_geglu=True, softmax_type="learnable",
+                activation_func_clamp_value=float(limit), glu_linear_offset=1.0, num_experts=experts,
+                moe_ffn_hidden_size=width, moe_router_topk=config.get("num_experts_per_tok", DEFAULT_TOPK),
+                **_windows(config, layers, where), **_yarn(scaling, where))
 
 
 def _windows(config: dict[str, Any], layers: int, where: str) -> dict[str, Any]:
@@ -106,7 +110,7 @@ def _windows(config: dict[str, Any], layers: int, where: str) -> dict[str, Any]:
     windowed = [t == "sliding_attention" for t in types]
     if not any(windowed):
         return {"window_size": None, "window_attn_skip_freq": None}
-    window = config.get("sliding_window")
+    window = config.get("sliding_window", DEFAULT_WINDOW)
     if type(window) is not int or window < 1:
         raise ExportError(f"{where}: sliding_window is {window!r:.20}; layers are windowed, in a count of tokens")
     skip: int | list[int] | None = None if all(windowed) else \
