@@ -21,7 +21,7 @@ from ..ranges import Part
 from ..sink.layout import Target, new_layout, prepare
 from ..sink.output import OutputFile
 from ..store.store import Store
-from . import dcp, fp8, hf
+from . import dcp, fp8, hf, mxfp4, quantized
 from .adapters import raw_rows, rows_of
 from .contract import ExportRequest
 from .dcp_metadata import metadata
@@ -37,11 +37,11 @@ def model_arrays(store: Store, subtree: str, request: ExportRequest, dtype: str
     model, names = hf.describe(store, subtree, request.hf_config, request.strip_prefix)
     if model.config is None:
         raise ExportError(f"{subtree or 'the checkpoint'}: describes no model (an adapter?)")
-    items = fp8.dequantize(hf.tensor_items(store, model, names, request), model.config, dtype)
+    items = quantized.dequantize(hf.tensor_items(store, model, names, request), model.config, dtype)
     model = hf.without_scales(model, items)
     sources = {it.key: it for it in items}
     for it in sources.values():
-        if isinstance(it.source, fp8.Dequantized):
+        if isinstance(it.source, quantized.COMPUTED):
             continue
         if type(it.source) is not ArrayRef:
             raise ExportError(f"{it.key}: kept among the checkpoint's values, not as an array; --format "
@@ -91,10 +91,12 @@ class Unstacked(ArrayRef):
 
     def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
         assert self.stack is not None
-        one = self.stack.shape[1:]
-        values = np.frombuffer(raw_rows(store, rows_of(self.stack, self.member, self.member + 1)),
-                               dtypes.info(self.dtype).raw).reshape(one)
-        if self.transpose:
+        stack, transpose = self.stack, self.transpose
+        if transpose and isinstance(stack, mxfp4.Dequantized):  # dequantized untransposed: the swap undone unmade
+            stack, transpose = stack.untransposed(), False
+        values = np.frombuffer(raw_rows(store, rows_of(stack, self.member, self.member + 1)),
+                               dtypes.info(self.dtype).raw).reshape(stack.shape[1:])
+        if transpose:
             values = values.swapaxes(-1, -2)
         rows = values.shape[0]
         gathered = values.reshape(rows // self.interleave, self.interleave, *values.shape[1:]).swapaxes(0, 1)

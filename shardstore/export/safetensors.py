@@ -29,7 +29,7 @@ from ..sink.layout import Layout, Target, new_layout, prepare
 from ..sink.output import OutputFile
 from ..store.store import Store
 from ..tree import Node
-from . import fp8
+from . import quantized
 from .contract import Arrays, DirectExport, ExportRequest, OutputFormat, Planned, Progress, Written
 from .notes import flat_buckets
 from .resolve import ArrayRef, Rows, build, leaves, tensors_only
@@ -243,7 +243,7 @@ def plan_safetensors(store: Store, node: Node, request: ExportRequest) -> Safete
     items, skipped = collect(store, node, request.strip_prefix, request.cast_of, request.arrays)
     kept = store.manifest.facts.side_files.get("config.json")
     config = jsonin.loads(base64.b64decode(kept), "config.json") if kept and request.dtype else None
-    return plan_items(fp8.dequantize(items, config if isinstance(config, dict) else None, request.dtype), skipped,
+    return plan_items(quantized.dequantize(items, config if isinstance(config, dict) else None, request.dtype), skipped,
                       request)
 
 
@@ -382,7 +382,7 @@ def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs
     if not tensors_only(store, node):
         return None
     plan = plan_safetensors(store, node, request)
-    if any(isinstance(it.source, fp8.Dequantized) for group in plan.groups for it in group):
+    if any(isinstance(it.source, quantized.COMPUTED) for group in plan.groups for it in group):
         return None  # values computed from two arrays: written from the store
     return plan_direct(store, plan)
 

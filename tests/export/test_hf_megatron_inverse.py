@@ -21,6 +21,8 @@ DATA = Path(__file__).parents[1] / "fixtures" / "data" / "megatron" / "core0.19.
 # Mixtral's, Qwen3-MoE's and Qwen2-MoE's (shared expert) SequentialMLP experts
 LAYOUTS = ["tp1-pp1", "tp2-pp2", "tp2-pp1-qwen2", "tp2-pp1-qwen3", "tp2-pp1-tied", "tp1-pp1-dp2-moe",
            "tp1-pp1-dp2-qwen3moe", "tp1-pp1-dp2-qwen2moe", "tp1-pp1-dp2-dsv3"]
+# GPT-OSS's: sinks, biases, each layer's experts one stacked transformers tensor (at TP 1 and 2)
+GPT_OSS = ["tp1-pp1-dp2-gptoss", "tp2-pp1-dp2-gptoss"]
 
 
 def _exported(layout: str, out: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -33,7 +35,7 @@ def _exported(layout: str, out: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return json.loads((out / "config.json").read_text()), tensors
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS + GPT_OSS)
 def test_a_hugging_face_model_placed_backwards_is_megatron_cores_own(layout: str, tmp_path: Path) -> None:
     config, hf = _exported(layout, tmp_path / "hf")
     placed = placements(config, {k: tuple(v.shape) for k, v in hf.items()}, layout, te_norms=False)
@@ -41,6 +43,9 @@ def test_a_hugging_face_model_placed_backwards_is_megatron_cores_own(layout: str
     built = {name: torch.full(shape, float("nan"), dtype=dtype) for name, shape in placed.shapes.items()}
     for p in placed.placements:
         piece = hf[p.hf] if p.rows is None else hf[p.hf][p.rows[0]:p.rows[1]]
+        if p.member is not None:  # one of a stack: its axes swapped back, its rows gathered from `interleave` ways
+            piece = hf[p.hf][p.member].T if p.transpose else hf[p.hf][p.member]
+            piece = torch.cat([piece[way::p.interleave] for way in range(p.interleave)])
         built[p.target][p.at:p.at + piece.shape[0]] = piece
     assert placed.padding == {}  # (the fixtures' vocabulary is unpadded)
     want = torch.load(DATA / f"{layout}.expected.pt.ref", weights_only=False)["model"]
@@ -49,7 +54,7 @@ def test_a_hugging_face_model_placed_backwards_is_megatron_cores_own(layout: str
                                  if not k.endswith("._extra_state")}, layout)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS + GPT_OSS)
 def test_the_torch_dist_keys_built_from_a_config_are_those_megatron_core_wrote(layout: str, tmp_path: Path) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -69,7 +74,7 @@ def test_what_is_not_written_backwards_is_refused_by_name(tmp_path: Path) -> Non
         placements(config, {k: v for k, v in hf_shapes.items() if k != "model.norm.weight"}, "hf")
     with pytest.raises(shardstore.ExportError, match=r"model.embed_tokens.weight has shape \[100, 16\], the config makes it \[100, 32\]"):
         placements({**config, "hidden_size": 32}, hf_shapes, "hf")
-    with pytest.raises(shardstore.ExportError, match="GptOssForCausalLM is exported from Megatron but not yet"):
+    with pytest.raises(shardstore.ExportError, match="num_local_experts is None"):  # a Llama's config called GptOss
         shapes({**config, "architectures": ["GptOssForCausalLM"]}, "hf")
     with pytest.raises(shardstore.ExportError, match="kv_lora_rank is None"):  # a Llama's config called DeepSeek-V3
         shapes({**config, "architectures": ["DeepseekV3ForCausalLM"]}, "hf")

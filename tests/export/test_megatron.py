@@ -30,7 +30,7 @@ import torch
 
 import shardstore
 from tests.conftest import assert_bitwise_equal
-from tests.export.test_hf_megatron_inverse import DATA, LAYOUTS
+from tests.export.test_hf_megatron_inverse import DATA, GPT_OSS, LAYOUTS
 
 
 def _dcp(folder: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
@@ -54,7 +54,7 @@ def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 # and a Transformer Engine model's grouped experts (TEGroupedMLP), whose torch_dist keys are SequentialMLP's, and
 # GPT-OSS's (sinks, biases, its experts' stacked tensors taken apart)
-@pytest.mark.parametrize("layout", LAYOUTS + ["tp2-pp1-ep2-etp1-te-grouped", "tp1-pp1-dp2-gptoss", "tp2-pp1-dp2-gptoss"])
+@pytest.mark.parametrize("layout", LAYOUTS + ["tp2-pp1-ep2-etp1-te-grouped"] + GPT_OSS)
 def test_a_megatron_checkpoint_written_from_its_hf_export_is_megatron_cores_own(layout: str, tmp_path: Path) -> None:
     src = DATA / layout
     shardstore.unshard(src, tmp_path / "hf", format="hf", jobs=1)

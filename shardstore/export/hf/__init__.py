@@ -33,7 +33,7 @@ from ..contract import DirectExport, ExportRequest, OutputFormat, Planned, Progr
 from ..resolve import build, tensors_only
 from ..safetensors import (FILE_NAMES, Item, SafetensorsDirect, SafetensorsPlan, Stacked, direct_layout,
                            export_safetensors, plan_items, planned_safetensors, stacked_item, tensor_item)
-from .. import adapters, fp8
+from .. import adapters, mxfp4, quantized
 from . import lora, megatron, megatron_lora, olmo, olmo_core
 from .leaves import CONFIG, GENERATION, NOT_HF_FILES, model_files, model_leaves, module_attribute, shape, side_config
 from .megatron_llama import EMBEDDING
@@ -304,18 +304,20 @@ def plan_hf(store: Store, subtree: str, request: ExportRequest) -> tuple[HFModel
                               f"--adapter writes the adapter as peft saves it"
                               f"{'' if peft.adapter_only else ', --merge-adapter the model with it merged'}")
         model, request = lora.merged_model(store, model, view, peft, request)
-    items = fp8.dequantize(tensor_items(store, model, names, request), model.config, request.dtype)
+    items = quantized.dequantize(tensor_items(store, model, names, request), model.config, request.dtype)
     return _described(without_scales(model, items), items, request)
 
 
 def without_scales(model: HFModel, items: list[Item]) -> HFModel:
-    """The model as `items` hold it: where FP8 weights were dequantized (export/fp8.py), without their scales
-    and its quantization_config."""
+    """The model as `items` hold it: where quantized weights were dequantized (export/quantized.py), without
+    their scales and its quantization_config (MXFP4's `X_blocks` named `X`)."""
     kept = {it.key for it in items}
-    if len(kept) == len(model.tensors):
+    if kept == {t.key for t in model.tensors}:
         return model
     config = None if model.config is None else {k: v for k, v in model.config.items() if k != "quantization_config"}
-    return replace(model, config=config, tensors=[t for t in model.tensors if t.key in kept])
+    tensors = [t if t.key in kept else replace(t, key=t.key.removesuffix(mxfp4.BLOCKS)) for t in model.tensors
+               if t.key in kept or t.key.removesuffix(mxfp4.BLOCKS) in kept]
+    return replace(model, config=config, tensors=tensors)
 
 
 def tensor_items(store: Store, model: HFModel, names: dict[str, str], request: ExportRequest) -> list[Item]:
@@ -437,7 +439,7 @@ def _direct(store: Store, request: ExportRequest, node: Node, subtree: str, jobs
     if not tensors_only(store, node) or (request.hf_config is None and in_values(store)):
         return None
     model, plan = plan_hf(store, subtree, request)
-    if any(isinstance(it.source, (Stacked, fp8.Dequantized)) for group in plan.groups for it in group):
+    if any(isinstance(it.source, (Stacked, *quantized.COMPUTED)) for group in plan.groups for it in group):
         return None  # one pass places boxes of each array; a stack's moved rows, or values computed from several
         # arrays (dequantized weights), are not: written from the store
     return HFDirect(direct_layout(store, plan), plan, model)

@@ -1,0 +1,135 @@
+"""MXFP4 (export/mxfp4.py): GPT-OSS as OpenAI released it, each layer's experts kept as 4-bit blocks and
+power-of-two scales, dequantized on the way out. transformers is the oracle: its `convert_moe_packed_tensors`
+for the arithmetic, and its `from_pretrained` of the folder (which dequantizes MXFP4 into bfloat16 on a CPU)
+for the tensors and logits. The folder is written in the hub's layout (openai/gpt-oss-20b's names, dtypes,
+shapes and quantization_config) from a model transformers saved: transformers has no CPU quantizer to
+write one.
+
+megatron-core itself loads the `--format megatron --transformer-impl local` output of `mxfp4_folder`
+(tests/fixtures/megatron_load.py, out of CI) with the logits transformers gives the MXFP4 folder: run
+2026-12-07, within 3.5e-07 at TP 1, 6.6e-07 at TP 2 × PP 2 and at TP 2 × EP 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import shardstore
+from shardstore.export.mxfp4 import values
+from tests.conftest import assert_bitwise_equal
+
+# the hub's quantization_config for gpt-oss-20b / -120b
+QUANTIZATION = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                     "model.layers.*.mlp.router",
+                                                                     "model.embed_tokens", "lm_head"]}
+
+
+def mxfp4_folder(out: Path, seed: int = 0) -> None:
+    """A tiny GptOss saved by transformers, its experts' two stacked weights replaced by MXFP4 blocks and
+    scales as the hub stores them (experts x rows x groups x 16 bytes; experts x rows x groups), the rest
+    (biases, attention, router, embeddings) bfloat16 as the hub keeps them; scales around 2**0."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    config = GptOssConfig(vocab_size=200, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=4, max_position_embeddings=64)
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():  # transformers initialises the sinks and biases to zeros: drawn, so that misplacing shows
+        for name, parameter in model.named_parameters():
+            if name.endswith(("sinks", "bias")):
+                parameter.normal_()
+    model.to(torch.bfloat16).save_pretrained(out)
+    tensors = load_file(out / "model.safetensors")
+    draw = torch.Generator().manual_seed(seed + 1)
+    for key in [k for k in tensors if k.endswith(("gate_up_proj", "down_proj"))]:
+        experts, columns, rows = tensors.pop(key).shape
+        tensors[f"{key}_blocks"] = torch.randint(0, 256, (experts, rows, columns // 32, 16), generator=draw,
+                                                 dtype=torch.uint8)
+        tensors[f"{key}_scales"] = torch.randint(122, 130, (experts, rows, columns // 32), generator=draw,
+                                                 dtype=torch.uint8)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config_json = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config_json, "quantization_config": QUANTIZATION}))
+
+
+def _transformers(folder: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """transformers' own model of `folder` (MXFP4 dequantized into bfloat16 on a CPU): its state dict and
+    its logits on a fixed batch."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 5, 9, 77, 150, 3, 42, 8]])).logits
+    return {k: v.contiguous() for k, v in model.state_dict().items()}, logits
+
+
+def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_values_are_transformers_own_bit_for_bit(dtype: str) -> None:
+    """Every byte and every scale (0 makes subnormals, 255 infinities of all but the smallest values: an exact
+    ldexp, as torch's), against transformers' convert_moe_packed_tensors."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    draw = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), generator=draw, dtype=torch.uint8)
+    scales = torch.randint(0, 256, (3, 40, 4), generator=draw, dtype=torch.uint8)
+    scales[0, 0, :] = torch.tensor([0, 1, 254, 255])
+    want = convert_moe_packed_tensors(blocks, scales, dtype=getattr(torch, dtype))
+    for e in range(3):
+        got = bytes(values(blocks[e].numpy(), scales[e].numpy(), dtype, True))
+        assert got == want[e].contiguous().view(torch.uint8).numpy().tobytes(), e
+        rows = np.frombuffer(bytes(values(blocks[e].numpy(), scales[e].numpy(), dtype, False)), np.uint8)
+        assert rows.tobytes() == want[e].T.contiguous().view(torch.uint8).numpy().tobytes(), e
+
+
+def test_an_mxfp4_model_becomes_transformers_own_bfloat16_model(tmp_path: Path) -> None:
+    """`--format hf --dtype bfloat16`: every tensor transformers' from_pretrained holds, bit for bit (the
+    experts dequantized and transposed as it does), the config without quantization_config, the logits;
+    without --dtype, the blocks and scales as they are."""
+    mxfp4_folder(tmp_path / "src")
+    want, logits = _transformers(tmp_path / "src")
+    shardstore.unshard(tmp_path / "src", tmp_path / "hf", format="hf", dtype="bfloat16", jobs=2)
+    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+    got = _safetensors(tmp_path / "hf")
+    assert got["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    assert_bitwise_equal(got, {k: v for k, v in want.items() if k in got}, "mxfp4")
+    assert set(got) == set(want)
+    assert torch.equal(_transformers(tmp_path / "hf")[1], logits)
+    shardstore.unshard(tmp_path / "src", tmp_path / "kept", format="hf", jobs=1)
+    assert_bitwise_equal(_safetensors(tmp_path / "kept"), _safetensors(tmp_path / "src"), "mxfp4 kept")
+
+
+@pytest.mark.parametrize("via", ["one pass", "store"])
+def test_an_mxfp4_model_becomes_a_megatron_checkpoint_of_its_dequantized_experts(via: str, tmp_path: Path) -> None:
+    """`--format megatron` of the MXFP4 model: each expert dequantized straight into Megatron's rows ×
+    columns ([gate; up] gathered from the interleaved rows); read back as Hugging Face's, transformers' own
+    bfloat16 model bit for bit."""
+    mxfp4_folder(tmp_path / "src")
+    want, logits = _transformers(tmp_path / "src")
+    store = {"store": tmp_path / "store"} if via == "store" else {}
+    shardstore.unshard(tmp_path / "src", tmp_path / "megatron", format="megatron", jobs=2, **store)
+    shardstore.unshard(tmp_path / "megatron", tmp_path / "back", format="hf", jobs=1)
+    got = _safetensors(tmp_path / "back")
+    assert_bitwise_equal(got, {k: v for k, v in want.items() if k in got}, "mxfp4 via megatron")
+    assert torch.equal(_transformers(tmp_path / "back")[1], logits)
+
+
+def test_blocks_that_do_not_fit_their_scales_are_refused_by_name(tmp_path: Path) -> None:
+    mxfp4_folder(tmp_path / "src")
+    tensors = load_file(tmp_path / "src" / "model.safetensors")
+    key = "model.layers.0.mlp.experts.down_proj_scales"
+    tensors[key] = tensors[key][:, :, :0].contiguous()
+    save_file(tensors, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(shardstore.ExportError, match=r"model\.layers\.0\.mlp\.experts\.down_proj_blocks: uint8 "
+                                                     r"\[4, 64, 1, 16\] with uint8 scales \[4, 64, 0\]"):
+        shardstore.unshard(tmp_path / "src", tmp_path / "hf", format="hf", dtype="bfloat16", jobs=1)
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
