@@ -78,7 +78,7 @@ def test_a_megatron_checkpoint_written_from_its_hf_export_is_megatron_cores_own(
     assert_bitwise_equal(_safetensors(tmp_path / "hf3"), _safetensors(tmp_path / "hf"), layout)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS + GPT_OSS)
 def test_the_default_output_is_what_megatron_cores_te_model_asks_for(layout: str, tmp_path: Path) -> None:
     """Megatron-LM's default layer spec is Transformer Engine's: the keys its GPTModel of the same config
     asks for (megatron-core 0.19.2's own model, TE stood in for on the CPU: tests/fixtures/megatron_te_spec.py,
