@@ -31,7 +31,7 @@ import numpy as np
 
 from . import base_folder, dtypes
 from .errors import ExportError
-from .export import fp8, planned, registry, renamed
+from .export import fp8, mxfp4, planned, registry, renamed
 from .export.dcp import dcp_names, dcp_state
 from .export.resolve import ArrayRef, build, leaves, object_value
 from .export.safetensors import INDEX, Item, tensor_bytes
@@ -149,20 +149,20 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
 def _as_model(src: str | os.PathLike[str], out: Path, request: Any, format: str) -> VerifyResult:
     """A Megatron checkpoint written from a Hugging Face model: read back (the reader takes the HF files
     beside its run folder), mapped onto transformers' names as `--format hf` maps it (the vocabulary's
-    padding off), each tensor the source model's, bit for bit (an FP8 model's weights as the writer
+    padding off), each tensor the source model's, bit for bit (a quantized model's weights as the writer
     dequantized them: into `--dtype`, by default bfloat16)."""
     with _read_back(src, out, request) as (store, written, scratch):
         output = model_store(scratch / "output", written, request.jobs, None)
         ours = replace(request.export, output=registry.output_format("hf"), vocab_multiple=None)
         items = planned(store, ours).tensors
-        if ours.dtype is None and any(it.dtype == "float8_e4m3fn" for it in items):
+        config = describe(store, "", ours.hf_config, ours.strip_prefix)[0].config or {}
+        if ours.dtype is None and (mxfp4.quantized(config) or any(it.dtype == "float8_e4m3fn" for it in items)):
             ours = replace(ours, dtype="bfloat16")  # as the writer dequantized them
             items = planned(store, ours).tensors
         theirs = replace(ours, select=None, strip_prefix=None, hf_config=None, dtype=None, keep_dtype=())
         found: dict[str, Found] = {it.key: (it.dtype, tuple(it.shape), partial(tensor_bytes, output, it))
                                    for it in planned(output, theirs).tensors}
         # (an FP8 model's scales, and the copies of the embedding and output layer the writer leaves out)
-        config = describe(store, "", ours.hf_config, ours.strip_prefix)[0].config or {}
         left_out = set(mtp_copies(config, [it.key for it in items]))
         return _compare(store, [it for it in items if not it.key.endswith(fp8.SCALE) and it.key not in left_out],
                         found, format)

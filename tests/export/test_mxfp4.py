@@ -121,6 +121,8 @@ def test_an_mxfp4_model_becomes_a_megatron_checkpoint_of_its_dequantized_experts
     got = _safetensors(tmp_path / "back")
     assert_bitwise_equal(got, {k: v for k, v in want.items() if k in got}, "mxfp4 via megatron")
     assert torch.equal(_transformers(tmp_path / "back")[1], logits)
+    verified = shardstore.verify(tmp_path / "src", tmp_path / "megatron")  # the experts as the writer dequantized them
+    assert verified.ok and verified.tensors == len(got), verified.summary()
 
 
 def test_blocks_that_do_not_fit_their_scales_are_refused_by_name(tmp_path: Path) -> None:
