@@ -20,6 +20,8 @@ before each run, the peak RSS of all processes together), and reports the median
   (benchmarks/hf_to_torchtitan_baseline.py).
 With `--deepseek`, the model is instead DeepSeek-V3's structure in the hub's FP8 form at a tiny width
 (`make_deepseek`: 92k tensors in 64 MB), shardstore's two conversions alone: what per-tensor costs add.
+With `--gpt-oss`, GPT-OSS-20b's tensors at its real width, 2 of its 24 layers, in the hub's MXFP4 form
+(`make_gpt_oss`: 3.2 GB), `--format megatron` alone: what dequantizing its experts costs.
 It prints a markdown table (each baseline's speed-up is the ratio of its paired median to shardstore's)
 and writes to_megatron.json to --out.
 """
@@ -169,6 +171,57 @@ def make_deepseek(out: Path, files: int = 163) -> Path:
                                 "weight_block_size": [128, 128]}})
 
 
+# GPT-OSS-20b's widths (the hub's config.json), and the layers of them written
+GPT_OSS = {"hidden_size": 2880, "intermediate_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
+           "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "vocab_size": 201088}
+GPT_OSS_LAYERS = 2
+
+
+def make_gpt_oss(out: Path, layers: int = GPT_OSS_LAYERS) -> Path:
+    """GPT-OSS-20b's tensors at its real width, `layers` of its 24, in the hub's form (random values): each
+    layer's experts MXFP4 blocks and scales (uint8), the rest bfloat16; a file per layer, written once."""
+    import torch
+
+    if (out / "config.json").exists():
+        return out
+    w = GPT_OSS
+    h, heads, groups, d = w["hidden_size"], w["num_attention_heads"], w["num_key_value_heads"], w["head_dim"]
+    experts, ffn = w["num_local_experts"], w["intermediate_size"]
+    gen = torch.Generator().manual_seed(0)
+
+    def bf16(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    def mxfp4(prefix: str, rows: int, columns: int) -> dict[str, torch.Tensor]:
+        return {f"{prefix}_blocks": torch.randint(0, 256, (experts, rows, columns // 32, 16), generator=gen,
+                                                  dtype=torch.uint8),
+                f"{prefix}_scales": torch.randint(118, 126, (experts, rows, columns // 32), generator=gen,
+                                                  dtype=torch.uint8)}
+
+    def layer(i: int) -> dict[str, torch.Tensor]:
+        p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        return {p + "input_layernorm.weight": bf16(h), p + "post_attention_layernorm.weight": bf16(h),
+                a + "q_proj.weight": bf16(heads * d, h), a + "q_proj.bias": bf16(heads * d),
+                a + "k_proj.weight": bf16(groups * d, h), a + "k_proj.bias": bf16(groups * d),
+                a + "v_proj.weight": bf16(groups * d, h), a + "v_proj.bias": bf16(groups * d),
+                a + "o_proj.weight": bf16(h, heads * d), a + "o_proj.bias": bf16(h), a + "sinks": bf16(heads),
+                m + "router.weight": bf16(experts, h), m + "router.bias": bf16(experts),
+                **mxfp4(m + "experts.gate_up_proj", 2 * ffn, h), m + "experts.gate_up_proj_bias": bf16(experts, 2 * ffn),
+                **mxfp4(m + "experts.down_proj", h, ffn), m + "experts.down_proj_bias": bf16(experts, h)}
+
+    shards = [{"model.embed_tokens.weight": bf16(w["vocab_size"], h)}, *(layer(i) for i in range(layers)),
+              {"model.norm.weight": bf16(h), "lm_head.weight": bf16(w["vocab_size"], h)}]
+    return _write_hf(out, shards, {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **w, "num_hidden_layers": layers,
+        "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)],
+        "sliding_window": 128, "attention_bias": True, "rms_norm_eps": 1e-05, "rope_theta": 150000,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        "max_position_embeddings": 131072, "swiglu_limit": 7.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/out")
@@ -179,26 +232,32 @@ def main() -> None:
     ap.add_argument("--titan-python", default=None)
     ap.add_argument("--deepseek", action="store_true", help="instead: DeepSeek-V3's structure in the hub's FP8 form "
                     "(make_deepseek) into Megatron, and into torchtitan's DCP")
+    ap.add_argument("--gpt-oss", action="store_true", help="instead: GPT-OSS-20b's tensors at its real width in the "
+                    "hub's MXFP4 form (make_gpt_oss, 2 layers) into Megatron")
     args = ap.parse_args()
     compile_shardstore()
     out = Path(args.out)
     hf = make_deepseek(out / "ckpt" / "hf-dsv3-structure-fp8") if args.deepseek else \
+        make_gpt_oss(out / "ckpt" / "hf-gpt-oss-20b-mxfp4-l2") if args.gpt_oss else \
         make_hf(out / "ckpt" / f"hf-llama-h{args.hidden}-l{args.layers}", args.hidden, args.layers)
+    only_megatron = args.deepseek or args.gpt_oss  # (NeMo has no class for either written here; nor torchtitan
+    # names for GPT-OSS)
     work = out / "to-megatron"
     size = sum(f.stat().st_size for f in hf.iterdir())
     runs = {"cp -r + sync": ["cp", "-r", str(hf), str(work / "copy")],
             "shardstore --format megatron": [sys.executable, "-m", "shardstore", "unshard", str(hf), str(work / "meg"),
                                              "--format", "megatron", "--quiet"]}
-    if not args.deepseek:  # (NeMo has no class for DeepSeek-V3 written here)
+    if not only_megatron:
         runs["shardstore --format nemo"] = [sys.executable, "-m", "shardstore", "unshard", str(hf), str(work / "nemo"),
                                             "--format", "nemo", "--quiet"]
-    if args.megatron_python and not args.deepseek:
+    if args.megatron_python and not only_megatron:
         runs["transformers load + dist_checkpointing.save"] = [args.megatron_python, str(HERE / "hf_to_megatron_baseline.py"),
                                                                str(hf), str(work / "baseline")]
-    runs["shardstore --format dcp --names torchtitan"] = [sys.executable, "-m", "shardstore", "unshard", str(hf),
-                                                          str(work / "titan"), "--format", "dcp", "--names",
-                                                          "torchtitan", "--quiet"]
-    if args.titan_python and not args.deepseek:
+    if not args.gpt_oss:
+        runs["shardstore --format dcp --names torchtitan"] = [sys.executable, "-m", "shardstore", "unshard", str(hf),
+                                                              str(work / "titan"), "--format", "dcp", "--names",
+                                                              "torchtitan", "--quiet"]
+    if args.titan_python and not only_megatron:
         runs["torchtitan convert_from_hf"] = [args.titan_python, str(HERE / "hf_to_torchtitan_baseline.py"), str(hf),
                                               str(work / "titan-baseline")]
     results = compare_paired({name: ["sh", "-c", " ".join(cmd) + " && sync"] for name, cmd in runs.items()}, work,
@@ -209,7 +268,9 @@ def main() -> None:
                          ("shardstore --format dcp --names torchtitan", "torchtitan convert_from_hf")):
         if theirs in ratio:
             print(f"{ours}: {ratio[theirs] / ratio[ours]:.1f}x faster than {theirs}")
-    (out / ("to_megatron_deepseek.json" if args.deepseek else "to_megatron.json")).write_text(json.dumps({"bytes": size, "results": results}, indent=1))
+    name = "to_megatron_deepseek.json" if args.deepseek else "to_megatron_gpt_oss.json" if args.gpt_oss else \
+        "to_megatron.json"
+    (out / name).write_text(json.dumps({"bytes": size, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

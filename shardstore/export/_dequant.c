@@ -1,4 +1,4 @@
-/* FP8 block dequantization (export/fp8.py's), in C: one pass over the weight's bytes, where numpy makes
+/* FP8 block dequantization (export/fp8.py's) and MXFP4's (export/mxfp4.py's, below), in C: one pass over the weight's bytes, where numpy makes
  * seven (widen, gather the scales, multiply, five steps of rounding) and a DeepSeek-V3's ~650 GB of FP8
  * weights become bfloat16 at tens of MB/s a core. The same arithmetic as fp8.py's numpy path, so the
  * same bytes (tests/export/test_fp8.py holds the two to that): each FP8 byte widened by `table`
@@ -7,6 +7,7 @@
  * buffers it is given and builds nothing but its output. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -80,10 +81,62 @@ done:
     return out;
 }
 
+/* MXFP4 (export/mxfp4.py's): E2M1's sixteen values times each power of two a scale byte can say, exactly
+ * (ldexpf: 2**(s - 127), past float32's range infinity, as torch's ldexp), built once at import. */
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+static float mxfp4_value[256][16];
+static uint16_t mxfp4_bf16[256][16];
+
+/* mxfp4(packed, exponents, bf16) -> bytes: each group of 16 packed bytes (two values a byte, the low nibble
+ * first) times 2**(its exponent byte - 127), as 32 bfloat16 or float32 values, groups in order. */
+static PyObject *mxfp4(PyObject *self, PyObject *args) {
+    Py_buffer packed, exponents;
+    int bf16;
+    if (!PyArg_ParseTuple(args, "y*y*p", &packed, &exponents, &bf16))
+        return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t groups = exponents.len;
+    if (packed.len != groups * 16 || groups > PY_SSIZE_T_MAX / 128) {
+        PyErr_Format(PyExc_ValueError, "mxfp4: %zd packed bytes for %zd groups of 16", packed.len, groups);
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, groups * 32 * (bf16 ? 2 : 4));
+    if (!out) goto done;
+    const uint8_t *src = packed.buf, *scale = exponents.buf;
+    char *dst = PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        const uint8_t *b = src + g * 16;
+        if (bf16) {
+            const uint16_t *v = mxfp4_bf16[scale[g]];
+            uint16_t *o = (uint16_t *)dst + g * 32;
+            for (int k = 0; k < 16; k++) { o[2 * k] = v[b[k] & 15]; o[2 * k + 1] = v[b[k] >> 4]; }
+        } else {
+            const float *v = mxfp4_value[scale[g]];
+            float *o = (float *)dst + g * 32;
+            for (int k = 0; k < 16; k++) { o[2 * k] = v[b[k] & 15]; o[2 * k + 1] = v[b[k] >> 4]; }
+        }
+    }
+    Py_END_ALLOW_THREADS
+done:
+    PyBuffer_Release(&packed);
+    PyBuffer_Release(&exponents);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"fp8_block", fp8_block, METH_VARARGS, "FP8 weight rows times their block scales, as bfloat16 or float32 bytes."},
+    {"mxfp4", mxfp4, METH_VARARGS, "MXFP4 groups times their powers of two, as bfloat16 or float32 bytes."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dequant", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__dequant(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__dequant(void) {
+    for (int s = 0; s < 256; s++)
+        for (int n = 0; n < 16; n++) {
+            mxfp4_value[s][n] = ldexpf(E2M1[n], s - 127);
+            mxfp4_bf16[s][n] = to_bfloat16(mxfp4_value[s][n]);
+        }
+    return PyModule_Create(&module);
+}

@@ -91,12 +91,12 @@ class Unstacked(ArrayRef):
 
     def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
         assert self.stack is not None
-        stack, transpose = self.stack, self.transpose
-        if transpose and isinstance(stack, mxfp4.Dequantized):  # dequantized untransposed: the swap undone unmade
-            stack, transpose = stack.untransposed(), False
-        values = np.frombuffer(raw_rows(store, rows_of(stack, self.member, self.member + 1)),
-                               dtypes.info(self.dtype).raw).reshape(stack.shape[1:])
-        if transpose:
+        if self.transpose and isinstance(self.stack, mxfp4.Dequantized):  # dequantized as it was stored, rows x
+            yield from self.stack.member_rows(store, self.member, self.interleave)  # columns: never transposed
+            return
+        values = np.frombuffer(raw_rows(store, rows_of(self.stack, self.member, self.member + 1)),
+                               dtypes.info(self.dtype).raw).reshape(self.stack.shape[1:])
+        if self.transpose:
             values = values.swapaxes(-1, -2)
         rows = values.shape[0]
         gathered = values.reshape(rows // self.interleave, self.interleave, *values.shape[1:]).swapaxes(0, 1)

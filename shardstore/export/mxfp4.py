@@ -23,6 +23,12 @@ from ..store.store import Store
 from .adapters import raw_rows, rows_of
 from .resolve import ArrayRef
 
+try:
+    from ._dequant import mxfp4 as _mxfp4_c  # type: ignore[import-not-found, unused-ignore]  # (absent where no compiler built it)
+except ImportError:  # not built (no compiler at install time): numpy's, the same bytes
+    _mxfp4_c = None
+NATIVE = _mxfp4_c is not None
+
 BLOCKS, SCALES = "_blocks", "_scales"
 GROUP_BYTES = 16  # 32 values of 4 bits a group
 # E2M1's sixteen values, by their 4 bits
@@ -61,51 +67,71 @@ def dequantize(items: list[Any], config: dict[str, Any] | None, dtype: str | Non
 @dataclass(frozen=True)
 class Dequantized(ArrayRef):
     """`blocks` times `scales` (see the module), each expert (of `rows`, counted on the expert axis: all
-    of them where None) as columns × rows in `dtype`, or, not `transposed`, as rows × columns."""
+    of them where None) as columns × rows in `dtype`."""
 
     blocks: ArrayRef | None = None
     scales: ArrayRef | None = None
-    transposed: bool = True
 
     def parts(self, store: Store, allow_partial: bool = False) -> Iterator[Part]:
-        assert self.blocks is not None and self.scales is not None
-        rows, groups = self.scales.shape[1:]
-        group = 2 * GROUP_BYTES * 4  # a group's bytes of float32
-        # an expert dequantized a slab at a time: of groups (columns out), all its rows; or of rows
-        step = max(1, SLAB_BYTES // (rows * group if self.transposed else groups * group))
-        for first, stop in self.rows or ((0, self.blocks.shape[0]),):
+        rows, groups = self._sizes
+        step = max(1, SLAB_BYTES // (rows * 2 * GROUP_BYTES * 4))  # groups (columns out) a slab, all the rows
+        for first, stop in self.rows or ((0, self._experts),):
             for expert in range(first, stop):
-                packed = np.frombuffer(raw_rows(store, rows_of(self.blocks, expert, expert + 1)), np.uint8)
-                packed = packed.reshape(rows, groups, GROUP_BYTES)
-                exponents = np.frombuffer(raw_rows(store, rows_of(self.scales, expert, expert + 1)), np.uint8)
-                exponents = exponents.reshape(rows, groups)
-                if self.transposed:
-                    for g in range(0, groups, step):
-                        yield values(packed[:, g:g + step], exponents[:, g:g + step], self.dtype, True)
-                else:
-                    for r in range(0, rows, step):
-                        yield values(packed[r:r + step], exponents[r:r + step], self.dtype, False)
+                packed, exponents = self._expert(store, expert)
+                for g in range(0, groups, step):
+                    yield values(packed[:, g:g + step], exponents[:, g:g + step], self.dtype, True)
+
+    def member_rows(self, store: Store, expert: int, interleave: int = 1) -> Iterator[Part]:
+        """Expert `expert` as it was stored, rows × columns (Megatron's orientation, which the transposition
+        into transformers' undoes), its rows gathered from the `interleave` ways they are dealt out in: rows
+        way, way + interleave, ... for each way in turn (GptOss's interleaved gate and up as [gate; up])."""
+        rows, groups = self._sizes
+        step = max(1, SLAB_BYTES // (groups * 2 * GROUP_BYTES * 4))  # rows a slab
+        packed, exponents = self._expert(store, expert)
+        for way in range(interleave):
+            for r in range(way, rows, step * interleave):
+                picked = slice(r, min(rows, r + step * interleave), interleave)
+                yield values(packed[picked], exponents[picked], self.dtype, False)
+
+    @property
+    def _sizes(self) -> tuple[int, int]:
+        assert self.scales is not None
+        return self.scales.shape[1], self.scales.shape[2]
+
+    @property
+    def _experts(self) -> int:
+        assert self.blocks is not None
+        return self.blocks.shape[0]
+
+    def _expert(self, store: Store, expert: int) -> tuple[np.ndarray, np.ndarray]:
+        """An expert's packed bytes (rows × groups × 16) and exponents (rows × groups), as stored."""
+        assert self.blocks is not None and self.scales is not None
+        rows, groups = self._sizes
+        packed = np.frombuffer(raw_rows(store, rows_of(self.blocks, expert, expert + 1)), np.uint8)
+        exponents = np.frombuffer(raw_rows(store, rows_of(self.scales, expert, expert + 1)), np.uint8)
+        return packed.reshape(rows, groups, GROUP_BYTES), exponents.reshape(rows, groups)
 
     def stored_crc(self, store: Store) -> int | None:
         return None
 
-    def untransposed(self) -> Dequantized:
-        """It, each expert rows × columns (as Megatron keeps an expert's linear layers)."""
-        one = self.shape[1:]
-        return replace(self, shape=(self.shape[0], one[1], one[0]), transposed=False)
-
 
 def values(packed: np.ndarray, exponents: np.ndarray, dtype: str, transposed: bool) -> Part:
     """Rows × groups of packed bytes and their exponents as rows × columns of `dtype` (or columns × rows,
-    `transposed`)."""
+    `transposed`): the C extension's where it was built (bfloat16, float32), else numpy's, the same bytes."""
     rows, groups = exponents.shape
+    columns = groups * 2 * GROUP_BYTES
+    if _mxfp4_c is not None and dtype in ("bfloat16", "float32"):
+        raw = _mxfp4_c(np.ascontiguousarray(packed).data, np.ascontiguousarray(exponents).data, dtype == "bfloat16")
+        if not transposed:
+            return memoryview(raw)
+        out = np.frombuffer(raw, dtypes.info(dtype).raw).reshape(rows, columns)
+        return np.ascontiguousarray(out.T).reshape(-1).view(np.uint8).data
     with np.errstate(over="ignore"):  # exactly, as torch's ldexp: past float32's range, infinity
-        out = np.ldexp(PAIRS[packed].reshape(rows, groups, 2 * GROUP_BYTES),
-                       (exponents.astype(np.int32) - 127)[:, :, None])
-    out = out.reshape(rows, groups * 2 * GROUP_BYTES)
+        numbers = np.ldexp(PAIRS[packed].reshape(rows, groups, 2 * GROUP_BYTES),
+                           (exponents.astype(np.int32) - 127)[:, :, None]).reshape(rows, columns)
     if transposed:
-        out = np.ascontiguousarray(out.T)
-    return out.reshape(-1).view(np.uint8).data if dtype == "float32" else dtypes.rounded(out, dtype)
+        numbers = np.ascontiguousarray(numbers.T)
+    return numbers.reshape(-1).view(np.uint8).data if dtype == "float32" else dtypes.rounded(numbers, dtype)
 
 
 def dequantizing(blocks: Any, scales: Any, dtype: str, key: str) -> Dequantized:

@@ -12,7 +12,9 @@ megatron-core itself loads the `--format megatron --transformer-impl local` outp
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import shardstore
+from shardstore.export import mxfp4
 from shardstore.export.mxfp4 import values
 from tests.conftest import assert_bitwise_equal
 
@@ -74,11 +77,17 @@ def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_values_are_transformers_own_bit_for_bit(dtype: str) -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_values_are_transformers_own_bit_for_bit(dtype: str, native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every byte and every scale (0 makes subnormals, 255 infinities of all but the smallest values: an exact
-    ldexp, as torch's), against transformers' convert_moe_packed_tensors."""
+    ldexp, as torch's), against transformers' convert_moe_packed_tensors: the C extension's and numpy's."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+    if native and not mxfp4.NATIVE:
+        assert os.environ.get("SHARDSTORE_REQUIRE_NATIVE") != "1", "CI builds the C extension"
+        pytest.skip("the C extension was not built (no compiler at install time)")
+    if not native:
+        monkeypatch.setattr(mxfp4, "_mxfp4_c", None)
     draw = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 40, 4, 16), generator=draw, dtype=torch.uint8)
     scales = torch.randint(0, 256, (3, 40, 4), generator=draw, dtype=torch.uint8)
@@ -89,6 +98,42 @@ def test_values_are_transformers_own_bit_for_bit(dtype: str) -> None:
         assert got == want[e].contiguous().view(torch.uint8).numpy().tobytes(), e
         rows = np.frombuffer(bytes(values(blocks[e].numpy(), scales[e].numpy(), dtype, False)), np.uint8)
         assert rows.tobytes() == want[e].T.contiguous().view(torch.uint8).numpy().tobytes(), e
+
+
+class _Arrays:
+    """The one store call an MXFP4 array's reading makes (`stream`, rows of an array), over numpy arrays."""
+
+    def __init__(self, **arrays: np.ndarray) -> None:
+        self.arrays = arrays
+
+    def stream(self, path: str, allow_partial: bool = False, rows: tuple[int, int] | None = None) -> Iterator[bytes]:
+        first, stop = rows or (0, len(self.arrays[path]))
+        yield self.arrays[path][first:stop].tobytes()
+
+
+@pytest.mark.parametrize("slab", [1, 3000, 1 << 24])  # a row or a group a slab, a few, the whole expert
+def test_an_expert_streams_in_slabs_as_transformers_dequantizes_it(slab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`parts` (transformers' orientation, columns × rows) and `member_rows` (Megatron's, rows × columns,
+    rows gathered from their interleaving: [gate; up]) give the same bytes however many slabs it takes."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from shardstore.export.resolve import ArrayRef
+
+    monkeypatch.setattr(mxfp4, "SLAB_BYTES", slab)
+    draw = torch.Generator().manual_seed(2)
+    blocks = torch.randint(0, 256, (3, 10, 3, 16), generator=draw, dtype=torch.uint8)
+    scales = torch.randint(120, 130, (3, 10, 3), generator=draw, dtype=torch.uint8)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)  # (experts, 96 columns, 10 rows)
+    store: Any = _Arrays(b=blocks.numpy(), s=scales.numpy())
+    source = mxfp4.dequantizing(ArrayRef("b", "uint8", (3, 10, 3, 16)), ArrayRef("s", "uint8", (3, 10, 3)),
+                                "bfloat16", "x")
+    assert b"".join(bytes(p) for p in source.parts(store)) == want.contiguous().view(torch.uint8).numpy().tobytes()
+    for expert in range(3):
+        rows = want[expert].T  # rows x columns, as stored
+        for interleave in (1, 2):
+            gathered = torch.cat([rows[way::interleave] for way in range(interleave)])
+            got = b"".join(bytes(p) for p in source.member_rows(store, expert, interleave))
+            assert got == gathered.contiguous().view(torch.uint8).numpy().tobytes(), (expert, interleave)
 
 
 def test_an_mxfp4_model_becomes_transformers_own_bfloat16_model(tmp_path: Path) -> None:
@@ -123,6 +168,13 @@ def test_an_mxfp4_model_becomes_a_megatron_checkpoint_of_its_dequantized_experts
     assert torch.equal(_transformers(tmp_path / "back")[1], logits)
     verified = shardstore.verify(tmp_path / "src", tmp_path / "megatron")  # the experts as the writer dequantized them
     assert verified.ok and verified.tensors == len(got), verified.summary()
+
+
+def test_the_c_extension_refuses_packed_bytes_that_are_not_its_groups() -> None:
+    if not mxfp4.NATIVE:
+        pytest.skip("the C extension was not built (no compiler at install time)")
+    with pytest.raises(ValueError, match="mxfp4: 31 packed bytes for 2 groups of 16"):
+        mxfp4._mxfp4_c(bytes(31), bytes(2), True)
 
 
 def test_blocks_that_do_not_fit_their_scales_are_refused_by_name(tmp_path: Path) -> None:
