@@ -139,7 +139,8 @@ def test_an_expert_streams_in_slabs_as_transformers_dequantizes_it(slab: int, mo
 def test_an_mxfp4_model_becomes_transformers_own_bfloat16_model(tmp_path: Path) -> None:
     """`--format hf --dtype bfloat16`: every tensor transformers' from_pretrained holds, bit for bit (the
     experts dequantized and transposed as it does), the config without quantization_config, the logits;
-    without --dtype, the blocks and scales as they are."""
+    `--format safetensors --dtype bfloat16` the same tensors; without --dtype, the blocks and scales as
+    they are."""
     mxfp4_folder(tmp_path / "src")
     want, logits = _transformers(tmp_path / "src")
     shardstore.unshard(tmp_path / "src", tmp_path / "hf", format="hf", dtype="bfloat16", jobs=2)
@@ -149,6 +150,8 @@ def test_an_mxfp4_model_becomes_transformers_own_bfloat16_model(tmp_path: Path) 
     assert_bitwise_equal(got, {k: v for k, v in want.items() if k in got}, "mxfp4")
     assert set(got) == set(want)
     assert torch.equal(_transformers(tmp_path / "hf")[1], logits)
+    shardstore.unshard(tmp_path / "src", tmp_path / "st", format="safetensors", dtype="bfloat16", jobs=1)
+    assert_bitwise_equal(_safetensors(tmp_path / "st"), got, "mxfp4 safetensors")  # (the config kept beside it)
     shardstore.unshard(tmp_path / "src", tmp_path / "kept", format="hf", jobs=1)
     assert_bitwise_equal(_safetensors(tmp_path / "kept"), _safetensors(tmp_path / "src"), "mxfp4 kept")
 
