@@ -24,7 +24,8 @@ from .adapters import raw_rows, rows_of
 from .resolve import ArrayRef
 
 try:
-    from ._dequant import mxfp4 as _mxfp4_c  # type: ignore[import-not-found, unused-ignore]  # (absent where no compiler built it)
+    # (absent where no compiler built it)
+    from ._dequant import mxfp4 as _mxfp4_c  # type: ignore[import-not-found, unused-ignore]
 except ImportError:  # not built (no compiler at install time): numpy's, the same bytes
     _mxfp4_c = None
 NATIVE = _mxfp4_c is not None

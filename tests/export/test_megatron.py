@@ -12,9 +12,10 @@ layer, without, with one its files lack, without q LoRA), within 2.4e-05 at TP 1
 every loaded tensor bit for bit the Hugging Face one (`--values`); and 2026-12-07 on one of 4 layers with its MTP
 layer (`deepseek_hf.py --layers 4`), written with `--transformer-impl local` (the spec that oracle builds), at
 TP 2 × PP 2, PP 2 × EP 2 and TP 2 × PP 2 × EP 2: within 1.5e-05, 9.1e-06 and 1.7e-05; and 2026-12-07 on a
-GptOss transformers saved (float32, 4 layers windowed every other one, YaRN, sinks and biases drawn), written
-with `--transformer-impl local`: within 8.9e-08 at TP 1, 7.5e-08 at TP 2 × PP 2 and at TP 2 × EP 2 (its
-experts' gate and up left interleaved, as a check that the oracle sees it: 4.1e-02).
+GptOss transformers saved (tests/fixtures/gpt_oss_hf.py `--layers 4 --dtype float32`: windowed every other
+layer, YaRN, sinks and biases drawn), written with `--transformer-impl local`: within 8.9e-08 at TP 1,
+7.5e-08 at TP 2 × PP 2 and at TP 2 × EP 2 (its experts' gate and up left interleaved, as a check that the
+oracle sees it: 4.1e-02).
 
 The output for Megatron-LM's default layer spec (Transformer Engine's: `--transformer-impl transformer_engine`,
 the default) is checked the same way by tests/fixtures/megatron_te_spec.py (megatron-core's own TE-spec
@@ -155,18 +156,11 @@ def test_a_transformers_gpt_oss_becomes_a_megatron_checkpoint_and_back_bit_for_b
     interleaved and transposed): each Megatron expert's linear_fc1 is [gate; up] as Megatron-Bridge's
     GPT-OSS mapping unstacks it, under Transformer Engine's keys (the MoE layer's pre-MLP norm a module of
     its own); read back, the same files bit for bit and the same logits."""
-    from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    config = GptOssConfig(vocab_size=200, hidden_size=32, intermediate_size=24, num_hidden_layers=3,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-                          num_experts_per_tok=2, sliding_window=4, max_position_embeddings=64)
-    model = GptOssForCausalLM(config)
-    with torch.no_grad():  # transformers initialises the sinks and biases to zeros: drawn, so that misplacing shows
-        for name, parameter in model.named_parameters():
-            if name.endswith(("sinks", "bias")):
-                parameter.normal_()
-    model.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    from tests.fixtures.gpt_oss_hf import gpt_oss_folder
+
+    gpt_oss_folder(tmp_path / "hf")  # (3 layers, hidden 32, 4 experts of 24)
     hf = _safetensors(tmp_path / "hf")
     store = {"store": tmp_path / "store"} if via == "store" else {}
     shardstore.unshard(tmp_path / "hf", tmp_path / "megatron", format="megatron", jobs=2, **store)

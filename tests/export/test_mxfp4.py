@@ -1,11 +1,10 @@
 """MXFP4 (export/mxfp4.py): GPT-OSS as OpenAI released it, each layer's experts kept as 4-bit blocks and
 power-of-two scales, dequantized on the way out. transformers is the oracle: its `convert_moe_packed_tensors`
 for the arithmetic, and its `from_pretrained` of the folder (which dequantizes MXFP4 into bfloat16 on a CPU)
-for the tensors and logits. The folder is written in the hub's layout (openai/gpt-oss-20b's names, dtypes,
-shapes and quantization_config) from a model transformers saved: transformers has no CPU quantizer to
-write one.
+for the tensors and logits. The folder is written in the hub's layout from a model transformers saved
+(tests/fixtures/gpt_oss_hf.py): transformers has no CPU quantizer to write one.
 
-megatron-core itself loads the `--format megatron --transformer-impl local` output of `mxfp4_folder`
+megatron-core itself loads the `--format megatron --transformer-impl local` output of `gpt_oss_hf.py --mxfp4`
 (tests/fixtures/megatron_load.py, out of CI) with the logits transformers gives the MXFP4 folder: run
 2026-12-07, within 3.5e-07 at TP 1, 6.6e-07 at TP 2 × PP 2 and at TP 2 × EP 2."""
 
@@ -25,41 +24,7 @@ import shardstore
 from shardstore.export import mxfp4
 from shardstore.export.mxfp4 import values
 from tests.conftest import assert_bitwise_equal
-
-# the hub's quantization_config for gpt-oss-20b / -120b
-QUANTIZATION = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
-                                                                     "model.layers.*.mlp.router",
-                                                                     "model.embed_tokens", "lm_head"]}
-
-
-def mxfp4_folder(out: Path, seed: int = 0) -> None:
-    """A tiny GptOss saved by transformers, its experts' two stacked weights replaced by MXFP4 blocks and
-    scales as the hub stores them (experts x rows x groups x 16 bytes; experts x rows x groups), the rest
-    (biases, attention, router, embeddings) bfloat16 as the hub keeps them; scales around 2**0."""
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    torch.manual_seed(seed)
-    config = GptOssConfig(vocab_size=200, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                          num_experts_per_tok=2, sliding_window=4, max_position_embeddings=64)
-    model = GptOssForCausalLM(config)
-    with torch.no_grad():  # transformers initialises the sinks and biases to zeros: drawn, so that misplacing shows
-        for name, parameter in model.named_parameters():
-            if name.endswith(("sinks", "bias")):
-                parameter.normal_()
-    model.to(torch.bfloat16).save_pretrained(out)
-    tensors = load_file(out / "model.safetensors")
-    draw = torch.Generator().manual_seed(seed + 1)
-    for key in [k for k in tensors if k.endswith(("gate_up_proj", "down_proj"))]:
-        experts, columns, rows = tensors.pop(key).shape
-        tensors[f"{key}_blocks"] = torch.randint(0, 256, (experts, rows, columns // 32, 16), generator=draw,
-                                                 dtype=torch.uint8)
-        tensors[f"{key}_scales"] = torch.randint(122, 130, (experts, rows, columns // 32), generator=draw,
-                                                 dtype=torch.uint8)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config_json = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config_json, "quantization_config": QUANTIZATION}))
-
+from tests.fixtures.gpt_oss_hf import mxfp4_folder
 
 def _transformers(folder: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """transformers' own model of `folder` (MXFP4 dequantized into bfloat16 on a CPU): its state dict and

@@ -138,7 +138,8 @@ def _yarn(scaling: dict[str, Any] | None, where: str) -> dict[str, Any]:
                           f"mscale {mscale} and mscale_all_dim {mscale_all_dim}: {made}")
     return {"position_embedding_type": "yarn", "rotary_scaling_factor": factor,
             "yarn_original_max_position_embeddings": scaling.get("original_max_position_embeddings", 4096),
-            "yarn_beta_fast": float(scaling.get("beta_fast", 32.0)), "yarn_beta_slow": float(scaling.get("beta_slow", 1.0)),
+            "yarn_beta_fast": float(scaling.get("beta_fast", 32.0)),
+            "yarn_beta_slow": float(scaling.get("beta_slow", 1.0)),
             "yarn_correction_range_round_to_int": bool(scaling.get("truncate", True)), "mscale": float(mscale),
             "mscale_all_dim": float(mscale_all_dim)}
 
