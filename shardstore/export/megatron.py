@@ -46,7 +46,7 @@ from .hf.spec import HFModel
 from .hf.megatron_inverse import (TRANSFORMER_ENGINE, Placed, architecture, layers_stacked, mtp_copies, padded_vocab,
                                   placements, stacked)
 from .hf.megatron import MOE_BLOCKS
-from .hf.megatron_llama import DEEPSEEK_V3, GPT_OSS, QWEN2_MOE, QWEN3, QWEN3_MOE, need
+from .hf.megatron_llama import DEEPSEEK_V3, GPT_OSS, QWEN2_MOE, QWEN3, QWEN3_MOE, count, need, number
 from .resolve import ArrayRef
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
@@ -203,45 +203,67 @@ def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int, impl: 
     elif arch == GPT_OSS:
         args.update(gpt_oss.megatron_args(config, scaling, "the model's config.json"))
     elif scaling is not None:
-        args.update(llama_scaling(scaling))
+        args.update(llama_scaling(scaling, f"{WHERE}: {rope_key(config)}"))
     if arch in MOE_BLOCKS:  # every layer's MLP sparse, routed as the class routes (megatron_llama._moe_class)
         _, count, width, _ = MOE_BLOCKS[arch]
         args.update(num_experts=config[count], moe_ffn_hidden_size=config[width],
-                    moe_router_topk=config.get("num_experts_per_tok", 2))
+                    moe_router_topk=topk(config, 2))
         if arch == QWEN2_MOE:
             args.update(moe_shared_expert_intermediate_size=config["shared_expert_intermediate_size"],
                         moe_shared_expert_gate=True, moe_router_pre_softmax=True)
     return Namespace(**args)
 
 
+WHERE = "the model's config.json"
+
+
+def topk(config: dict[str, Any], default: int) -> int:
+    """The experts each token is routed to (`num_experts_per_tok`; the class's `default`)."""
+    return count(config, "num_experts_per_tok", default, WHERE)
+
+
 def rope_theta(config: dict[str, Any], default: float = 10000.0) -> float:
     """The rotary base, where either transformers writes it: `rope_theta` (< 5) or `rope_parameters` (5);
     else the class's `default`."""
-    parameters = config.get("rope_parameters") or {}
-    return float(config.get("rope_theta") or parameters.get("rope_theta") or default)
+    if config.get("rope_theta") is not None:
+        return number(config, "rope_theta", default, WHERE)
+    return number(_rope_parameters(config, "rope_parameters"), "rope_theta", default, f"{WHERE}: rope_parameters")
 
 
 def rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
     """The rotary embeddings' scaling, where either transformers writes it (`rope_scaling` < 5,
     `rope_parameters` 5), with its type under `rope_type`; None for plain rotary embeddings."""
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    scaling = _rope_parameters(config, "rope_scaling") or _rope_parameters(config, "rope_parameters")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     return None if kind in (None, "default") else {**scaling, "rope_type": kind}
+
+
+def rope_key(config: dict[str, Any]) -> str:
+    """Which of its two spellings a config holds its rotary embeddings' scaling under."""
+    return "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+
+
+def _rope_parameters(config: dict[str, Any], key: str) -> dict[str, Any]:
+    """`config[key]`, an object ({} where absent or null), or refused naming it."""
+    value = config.get(key) or {}
+    if not isinstance(value, dict):
+        raise ExportError(f"{WHERE}: {key} is {value!r:.40}; an object of the rotary embeddings' parameters")
+    return value
 
 
 # Megatron-LM's Llama 3 scaling (--use-rope-scaling) fixes all but the factor
 LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def llama_scaling(scaling: dict[str, Any]) -> dict[str, Any]:
+def llama_scaling(scaling: dict[str, Any], where: str) -> dict[str, Any]:
     """Megatron-LM's arguments for a Llama-family model's scaled rotary embeddings: Llama 3's
     (--use-rope-scaling --rope-scaling-factor); refused by name where Megatron-LM's GPT arguments cannot
     say it, rather than written as plain rotary embeddings."""
-    fixed = {k: scaling.get(k) for k in LLAMA3_FIXED}
-    if scaling["rope_type"] != "llama3" or any(v is not None and float(v) != LLAMA3_FIXED[k] for k, v in fixed.items()):
-        raise ExportError(f"the model's config.json: rotary embeddings scaled as {scaling!r:.160}; Megatron-LM's "
+    fixed = {k: number(scaling, k, v, where) for k, v in LLAMA3_FIXED.items()}
+    if scaling["rope_type"] != "llama3" or fixed != LLAMA3_FIXED:
+        raise ExportError(f"{WHERE}: rotary embeddings scaled as {scaling!r:.160}; Megatron-LM's "
                           f"arguments say Llama 3's scaling with {LLAMA3_FIXED} and a factor only")
-    return dict(use_rope_scaling=True, rope_scaling_factor=float(scaling.get("factor", 8.0)))
+    return dict(use_rope_scaling=True, rope_scaling_factor=number(scaling, "factor", 8.0, where))
 
 
 def _deepseek_args(config: dict[str, Any], rope: dict[str, Any] | None) -> dict[str, Any]:
@@ -251,23 +273,24 @@ def _deepseek_args(config: dict[str, Any], rope: dict[str, Any] | None) -> dict[
     what export/hf/deepseek.config_from_args reads back."""
     experts, width = config["n_routed_experts"], config["moe_intermediate_size"]
     layers, dense = config["num_hidden_layers"], config["first_k_dense_replace"]
-    groups, chosen = config.get("n_group") or 1, config.get("topk_group") or 1
+    groups, chosen = count(config, "n_group", 1, WHERE), count(config, "topk_group", 1, WHERE)
     args = dict(multi_latent_attention=True, q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=config["kv_lora_rank"],
                 qk_head_dim=config["qk_nope_head_dim"], qk_pos_emb_head_dim=config["qk_rope_head_dim"],
                 v_head_dim=config["v_head_dim"], kv_channels=config["v_head_dim"], qk_layernorm=True,
                 group_query_attention=False, num_query_groups=1, norm_epsilon=config.get("rms_norm_eps", 1e-6),
-                num_experts=experts, moe_ffn_hidden_size=width, moe_router_topk=config.get("num_experts_per_tok", 2),
+                num_experts=experts, moe_ffn_hidden_size=width, moe_router_topk=topk(config, 2),
                 moe_layer_freq=[0] * dense + [1] * (layers - dense) if dense else 1,
                 moe_shared_expert_intermediate_size=width * config["n_shared_experts"],
                 moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=True,
                 moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=chosen if groups > 1 else None,
-                moe_router_topk_scaling_factor=config.get("routed_scaling_factor", 1.0),
+                moe_router_topk_scaling_factor=number(config, "routed_scaling_factor", 1.0, WHERE),
                 mtp_num_layers=config.get("num_nextn_predict_layers") or None)
     if rope is not None and rope["rope_type"] == "yarn":
-        args.update(rope_type="yarn", rotary_scaling_factor=rope.get("factor", 1.0), mscale=rope.get("mscale", 1.0),
-                    mscale_all_dim=rope.get("mscale_all_dim", 0.0), beta_fast=rope.get("beta_fast", 32.0),
-                    beta_slow=rope.get("beta_slow", 1.0),
-                    original_max_position_embeddings=rope.get("original_max_position_embeddings", 4096))
+        where = f"{WHERE}: {rope_key(config)}"
+        args.update(rope_type="yarn", rotary_scaling_factor=number(rope, "factor", 1.0, where),
+                    mscale=number(rope, "mscale", 1.0, where), mscale_all_dim=number(rope, "mscale_all_dim", 0.0, where),
+                    beta_fast=number(rope, "beta_fast", 32.0, where), beta_slow=number(rope, "beta_slow", 1.0, where),
+                    original_max_position_embeddings=count(rope, "original_max_position_embeddings", 4096, where))
     elif rope is None:
         args.update(rope_type="rope")
     else:

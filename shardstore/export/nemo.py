@@ -38,7 +38,7 @@ from .contract import ExportRequest, OutputFormat, Planned, Progress, Written
 from .fiddle_json import Config, PyRef
 from .hf.megatron_inverse import architecture
 from .hf.megatron import CONFIG_ARGS
-from .hf.megatron_llama import MOE, QWEN3, QWEN3_MOE, need
+from .hf.megatron_llama import MOE, QWEN3, QWEN3_MOE, need, number
 from .hf.spec import HFModel
 from .torch import write_zip
 
@@ -80,7 +80,7 @@ def model_config(config: dict[str, Any], multiple: int | None) -> tuple[PyRef, P
     args = vars(megatron.megatron_args(config, vocab, multiple or 1))
     fields: dict[str, Any] = {name: args[arg] for name, arg in CONFIG_ARGS.items() if args.get(arg) is not None}
     fields.update({"activation_func": PyRef("torch.nn.functional", "silu"), "gated_linear_unit": args["swiglu"],
-                   "init_method_std": float(config.get("initializer_range", 0.02)),
+                   "init_method_std": number(config, "initializer_range", 0.02, where),
                    "share_embeddings_and_output_weights": not args["untie_embeddings_and_output_weights"],
                    "vocab_size": vocab, "make_vocab_size_divisible_by": multiple or divisible_by(vocab),
                    "fp16": args["fp16"], "bf16": args["bf16"], "params_dtype": PyRef("torch", str(args["params_dtype"]))})

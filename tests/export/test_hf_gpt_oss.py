@@ -233,8 +233,14 @@ def test_megatron_args_read_back_as_the_same_gpt_oss(change: dict[str, Any]) -> 
     ({"layer_types": ["sliding_attention", "chunked_attention"] * 3}, "layer_types is"),
     ({"layer_types": ["sliding_attention"] * 5}, "layer_types is"),
     ({"sliding_window": None}, "sliding_window is None"),
-    ({"rope_scaling": {**HUB["rope_scaling"], "attention_factor": 2.0}}, "YaRN's attention_factor is 2.0"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rotary embeddings scaled as 'linear'")])
+    ({"rope_scaling": {**HUB["rope_scaling"], "attention_factor": 2.0}}, "rope_scaling: YaRN's attention_factor is 2.0"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling: rotary embeddings scaled as 'linear'"),
+    # what a config.json may hold that is no value at all: refused in a line, never a traceback
+    ({"rope_scaling": {**HUB["rope_scaling"], "factor": "32"}}, "rope_scaling: factor is '32'; a number"),
+    ({"rope_scaling": {**HUB["rope_scaling"], "beta_fast": [1]}}, r"rope_scaling: beta_fast is \[1\]; a number"),
+    ({"rope_scaling": [1]}, r"rope_scaling is \[1\]; an object"),
+    ({"rope_theta": "x"}, "rope_theta is 'x'; a number"),
+    ({"num_experts_per_tok": "4"}, "num_experts_per_tok is '4'; a count")])
 def test_what_megatron_cannot_say_of_a_gpt_oss_is_refused_by_name(change: dict[str, Any], message: str) -> None:
     with pytest.raises(shardstore.ExportError, match=f"the model's config.json: {message}"):
         _megatron_args({**HUB, **change})

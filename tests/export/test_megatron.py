@@ -207,7 +207,20 @@ def test_what_a_megatron_checkpoint_cannot_hold_is_refused_before_it_is_written(
     src = _with(TITAN / "deepseek-v3" / "hf", tmp_path / "noq", {**dsv3, "q_lora_rank": None}, {})
     with pytest.raises(shardstore.ExportError, match="q_lora_rank is None: megatron-core's Transformer Engine spec"):
         shardstore.unshard(src, tmp_path / "d", format="megatron", jobs=1)
-    assert not any((tmp_path / n).exists() for n in ("a", "b", "c", "d"))
+    # values a config.json may hold that are no values at all (Megatron-LM's args would carry them as they are)
+    yarn = {"rope_type": "yarn", "factor": "40", "mscale": 1.0, "mscale_all_dim": 1.0}
+    for name, change, said in [("e", {**dsv3, "rope_parameters": yarn}, "rope_parameters: factor is '40'; a number"),
+                               ("f", {**dsv3, "n_group": "8"}, "n_group is '8'; a count"),
+                               ("g", {**dsv3, "routed_scaling_factor": None, "rope_theta": []},
+                                r"rope_theta is \[\]; a number")]:
+        with pytest.raises(shardstore.ExportError, match=f"the model's config.json: {said}"):
+            shardstore.unshard(_with(TITAN / "deepseek-v3" / "hf", tmp_path / f"src-{name}", change, {}),
+                               tmp_path / name, format="megatron", jobs=1)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "llama3",
+                                                                                         "factor": True}}))
+    with pytest.raises(shardstore.ExportError, match="the model's config.json: rope_scaling: factor is True; a number"):
+        shardstore.unshard(tmp_path / "hf", tmp_path / "h", format="megatron", jobs=1)
+    assert not any((tmp_path / n).exists() for n in "abcdefgh")
 
 
 def test_an_earlier_exports_files_are_refused_up_front_and_replaced_with_overwrite(tmp_path: Path) -> None:

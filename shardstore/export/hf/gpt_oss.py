@@ -19,7 +19,7 @@ import math
 from typing import Any, Callable
 
 from ...errors import ExportError
-from .megatron_llama import GPT_OSS, MOE_REFUSED, Check, llama_config, need
+from .megatron_llama import GPT_OSS, MOE_REFUSED, Check, count, llama_config, need, number
 
 QUICK_GELU_ALPHA = 1.702  # megatron-core's quick_gelu: x * sigmoid(1.702 x)
 # what GptOssConfig takes where config.json says nothing: YaRN (the hub's), its rotary base, top k, window
@@ -84,16 +84,17 @@ def megatron_args(config: dict[str, Any], scaling: dict[str, Any] | None, where:
         raise ExportError(f"{where}: swiglu_alpha is {alpha!r:.20}; Megatron's quick_gelu is x * sigmoid("
                           f"{QUICK_GELU_ALPHA} x)")
     layers, experts = need(config, "num_hidden_layers", where), need(config, "num_local_experts", where)
-    width, limit = need(config, "intermediate_size", where), config.get("swiglu_limit", 7.0)
-    if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit > 0:
-        raise ExportError(f"{where}: swiglu_limit is {limit!r:.20}; Megatron clamps the GLU's halves at a "
-                          f"positive value")
+    width, limit = need(config, "intermediate_size", where), number(config, "swiglu_limit", 7.0, where)
+    if not limit > 0 or "swiglu_limit" in config and config["swiglu_limit"] is None:  # (null: GptOss's None)
+        raise ExportError(f"{where}: swiglu_limit is {config.get('swiglu_limit')!r:.20}; Megatron clamps the GLU's "
+                          f"halves at a positive value")
     if not (config.get("rope_scaling") or config.get("rope_parameters")):
         scaling = DEFAULT_ROPE
+    rope = f"{where}: {'rope_scaling' if config.get('rope_scaling') else 'rope_parameters'}"
     return dict(add_bias_linear=True, add_qkv_bias=True, swiglu=False, quick_geglu=True, softmax_type="learnable",
-                activation_func_clamp_value=float(limit), glu_linear_offset=1.0, num_experts=experts,
-                moe_ffn_hidden_size=width, moe_router_topk=config.get("num_experts_per_tok", DEFAULT_TOPK),
-                **_windows(config, layers, where), **_yarn(scaling, where))
+                activation_func_clamp_value=limit, glu_linear_offset=1.0, num_experts=experts,
+                moe_ffn_hidden_size=width, moe_router_topk=count(config, "num_experts_per_tok", DEFAULT_TOPK, where),
+                **_windows(config, layers, where), **_yarn(scaling, rope))
 
 
 def _windows(config: dict[str, Any], layers: int, where: str) -> dict[str, Any]:
@@ -127,21 +128,22 @@ def _yarn(scaling: dict[str, Any] | None, where: str) -> dict[str, Any]:
     if scaling["rope_type"] != "yarn":
         raise ExportError(f"{where}: rotary embeddings scaled as {scaling['rope_type']!r:.40}; Megatron's GPT-OSS "
                           f"takes YaRN or none")
-    factor = float(scaling.get("factor", 1.0))
-    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    factor = number(scaling, "factor", 1.0, where)
+    mscale, mscale_all_dim = number(scaling, "mscale", 0.0, where), number(scaling, "mscale_all_dim", 0.0, where)
     if not (mscale and mscale_all_dim):  # transformers' default: the mscale of the factor alone
         mscale, mscale_all_dim = 1.0, 0.0
     factor_given = scaling.get("attention_factor")
     made = _mscale(factor, mscale) / _mscale(factor, mscale_all_dim)
-    if factor_given is not None and not math.isclose(float(factor_given), made, rel_tol=1e-12):
+    if factor_given is not None and not math.isclose(number(scaling, "attention_factor", made, where), made,
+                                                     rel_tol=1e-12):
         raise ExportError(f"{where}: YaRN's attention_factor is {factor_given!r:.20}; megatron-core computes it from "
                           f"mscale {mscale} and mscale_all_dim {mscale_all_dim}: {made}")
     return {"position_embedding_type": "yarn", "rotary_scaling_factor": factor,
-            "yarn_original_max_position_embeddings": scaling.get("original_max_position_embeddings", 4096),
-            "yarn_beta_fast": float(scaling.get("beta_fast", 32.0)),
-            "yarn_beta_slow": float(scaling.get("beta_slow", 1.0)),
-            "yarn_correction_range_round_to_int": bool(scaling.get("truncate", True)), "mscale": float(mscale),
-            "mscale_all_dim": float(mscale_all_dim)}
+            "yarn_original_max_position_embeddings": count(scaling, "original_max_position_embeddings", 4096, where),
+            "yarn_beta_fast": number(scaling, "beta_fast", 32.0, where),
+            "yarn_beta_slow": number(scaling, "beta_slow", 1.0, where),
+            "yarn_correction_range_round_to_int": bool(scaling.get("truncate", True)), "mscale": mscale,
+            "mscale_all_dim": mscale_all_dim}
 
 
 def _mscale(factor: float, m: float) -> float:

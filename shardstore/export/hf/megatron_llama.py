@@ -5,6 +5,7 @@ DeepseekV3 (`deepseek.py`) and GptOss (`gpt_oss.py`) extend. `megatron.py` puts 
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 from ...errors import ExportError
@@ -28,6 +29,27 @@ def need(config: dict[str, Any], key: str, where: str) -> int:
     value = config.get(key)
     if type(value) is not int or value <= 0:
         raise ExportError(f"{where}: {key} is {value!r:.40}; a Megatron checkpoint's mapping needs it")
+    return value
+
+
+def number(mapping: dict[str, Any], key: str, default: float, where: str) -> float:
+    """`mapping[key]` (`default` where it is absent or null), a finite number, or refused naming it: a
+    config.json is the user's, and its values go into Megatron-LM's arguments as they are."""
+    value = mapping.get(key)
+    if value is None:
+        return float(default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ExportError(f"{where}: {key} is {value!r:.40}; a number")
+    return float(value)
+
+
+def count(mapping: dict[str, Any], key: str, default: int, where: str) -> int:
+    """`mapping[key]` (`default` where it is absent or null), a positive int, or refused naming it."""
+    value = mapping.get(key)
+    if value is None:
+        return default
+    if type(value) is not int or value <= 0:
+        raise ExportError(f"{where}: {key} is {value!r:.40}; a count")
     return value
 
 
