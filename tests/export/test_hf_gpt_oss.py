@@ -108,7 +108,10 @@ def _args(**change: Any) -> dict[str, Any]:
     ("num_experts", None), ("add_bias_linear", False), ("quick_geglu", False), ("glu_linear_offset", 0.0),
     ("activation_func_clamp_value", None), ("window_size", (3, 3)), ("window_attn_skip_freq", [1, 0, 1]),
     ("rotary_interleaved", True), ("moe_router_pre_softmax", True), ("moe_router_score_function", "sigmoid"),
-    ("moe_shared_expert_intermediate_size", 32), ("qk_layernorm", True), ("normalization", "LayerNorm")])
+    ("moe_shared_expert_intermediate_size", 32), ("qk_layernorm", True), ("normalization", "LayerNorm"),
+    # and values a common state's args may hold that are no values at all: a line, never a traceback
+    ("rotary_scaling_factor", "32"), ("yarn_beta_fast", [1]), ("mscale", "x"), ("rotary_base", "x"),
+    ("yarn_original_max_position_embeddings", 4096.5)])
 def test_what_gpt_oss_cannot_express_is_refused_by_name(key: str, value: Any) -> None:
     """A model with learnable attention sinks is GPT-OSS's; what else it has that GptOss has not is refused
     naming Megatron's argument (the unchanged args make a GptOss config)."""

@@ -16,7 +16,7 @@ import math
 from typing import Any, Callable
 
 from ...errors import ExportError
-from .megatron_llama import glu, need
+from .megatron_llama import glu, need, number
 
 GLU = ("gate_proj", "up_proj", "down_proj")
 
@@ -131,19 +131,19 @@ def _routing(args: dict[str, Any], where: str) -> dict[str, Any]:
     for key, (ok, what) in refused.items():
         if not ok:
             raise ExportError(f"{where}: {key} is {args.get(key)!r:.40}: {what}, which DeepseekV3 cannot express")
-    scaling = args.get("moe_router_topk_scaling_factor")
     return {"n_routed_experts": args.get("num_experts"), "num_experts_per_tok": topk, "moe_intermediate_size": ffn,
             "n_shared_experts": shared // ffn, "n_group": groups if limited else 1,
             "topk_group": chosen if limited else 1,
-            "routed_scaling_factor": float(scaling) if scaling else 1.0, "norm_topk_prob": topk > 1,
+            "routed_scaling_factor": number(args, "moe_router_topk_scaling_factor", 1.0, where) or 1.0,
+            "norm_topk_prob": topk > 1,
             "scoring_func": "sigmoid", "topk_method": "noaux_tc"}
 
 
 def _rope(args: dict[str, Any], where: str) -> dict[str, Any]:
     """MLA's rotary embeddings: YaRN unless rope_type says rope (MLA's default is YaRN), with the
     concentration factor Megatron computes; its softmax scale takes mscale_all_dim in either case."""
-    factor = float(args.get("rotary_scaling_factor") or 1.0)
-    mscale, mscale_all_dim = args.get("mscale", 1.0), args.get("mscale_all_dim", 0.0)
+    factor = number(args, "rotary_scaling_factor", 1.0, where) or 1.0
+    mscale, mscale_all_dim = number(args, "mscale", 1.0, where), number(args, "mscale_all_dim", 0.0, where)
     if args.get("rope_type") == "rope":
         if factor > 1 and mscale_all_dim:
             raise ExportError(f"{where}: rotary_scaling_factor is {factor}: a softmax scaled by YaRN's mscale with "

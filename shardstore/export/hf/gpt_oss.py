@@ -186,7 +186,7 @@ def config_from_args(args: dict[str, Any], where: str) -> tuple[dict[str, Any], 
                   intermediate_size=args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size"),
                   swiglu_limit=float(args["activation_func_clamp_value"]), swiglu_alpha=QUICK_GELU_ALPHA,
                   sliding_window=window[0] + 1 if window else None,
-                  layer_types=[_layer_type(args, i) for i in range(layers)], rope_scaling=_rope(args))
+                  layer_types=[_layer_type(args, i) for i in range(layers)], rope_scaling=_rope(args, where))
     return config, notes
 
 
@@ -199,21 +199,21 @@ def _layer_type(args: dict[str, Any], i: int) -> str:
     return "sliding_attention" if windowed else "full_attention"
 
 
-def _rope(args: dict[str, Any]) -> dict[str, Any]:
+def _rope(args: dict[str, Any], where: str) -> dict[str, Any]:
     """GptOss's rope_scaling as the hub's config.json writes it (beside rope_theta; transformers 5 reads it into
     rope_parameters): Megatron's plain rotary embeddings said so (GptOss takes YaRN when it says nothing), or
     its YaRN as Megatron-LM's _apply_yarn_config_from_args fills it in, with the concentration factor
     megatron-core applies."""
     if args.get("position_embedding_type") != "yarn":
         return {"rope_type": "default"}
-    factor = float(args.get("rotary_scaling_factor") or 1.0)
-    mscale, mscale_all_dim = args.get("mscale"), args.get("mscale_all_dim")  # None: as Megatron-LM fills them in
-    mscale, mscale_all_dim = 1.0 if mscale is None else mscale, 0.0 if mscale_all_dim is None else mscale_all_dim
+    factor = number(args, "rotary_scaling_factor", 1.0, where) or 1.0
+    # (None: as Megatron-LM fills them in)
+    mscale, mscale_all_dim = number(args, "mscale", 1.0, where), number(args, "mscale_all_dim", 0.0, where)
 
     round_to_int = args.get("yarn_correction_range_round_to_int")
     return {"rope_type": "yarn", "factor": factor,
-            "original_max_position_embeddings": args.get("yarn_original_max_position_embeddings") or 4096,
-            "beta_fast": float(args.get("yarn_beta_fast") or 32.0),
-            "beta_slow": float(args.get("yarn_beta_slow") or 1.0),
+            "original_max_position_embeddings": count(args, "yarn_original_max_position_embeddings", 4096, where),
+            "beta_fast": number(args, "yarn_beta_fast", 32.0, where) or 32.0,
+            "beta_slow": number(args, "yarn_beta_slow", 1.0, where) or 1.0,
             "truncate": True if round_to_int is None else bool(round_to_int),
             "attention_factor": _mscale(factor, mscale) / _mscale(factor, mscale_all_dim)}

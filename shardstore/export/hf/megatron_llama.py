@@ -130,7 +130,7 @@ def llama_config(args: dict[str, Any], where: str) -> tuple[dict[str, Any], list
               "intermediate_size": args.get("ffn_hidden_size"), "num_attention_heads": heads,
               "num_key_value_heads": groups, "head_dim": args.get("kv_channels"),
               "num_hidden_layers": args.get("num_layers"), "vocab_size": vocab,
-              "rms_norm_eps": args.get("norm_epsilon", 1e-5), "rope_theta": float(args.get("rotary_base", 10000)),
+              "rms_norm_eps": args.get("norm_epsilon", 1e-5), "rope_theta": number(args, "rotary_base", 10000, where),
               "max_position_embeddings": args.get("max_position_embeddings"),
               "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
               "hidden_act": "silu", "torch_dtype": dtype}
