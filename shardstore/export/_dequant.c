@@ -125,9 +125,55 @@ done:
     return out;
 }
 
+/* mxfp4_columns(packed, exponents, bf16, rows, first, count) -> bytes: of an expert's rows x groups (packed:
+ * 16 bytes a group, exponents: a byte a group), the columns of groups [first, first + count), 32 a group,
+ * each column its `rows` values in order (the expert transposed, as transformers keeps GptOss's experts). */
+static PyObject *mxfp4_columns(PyObject *self, PyObject *args) {
+    Py_buffer packed, exponents;
+    int bf16;
+    Py_ssize_t rows, first, count;
+    if (!PyArg_ParseTuple(args, "y*y*pnnn", &packed, &exponents, &bf16, &rows, &first, &count))
+        return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t groups = rows > 0 ? exponents.len / rows : 0;
+    if (rows <= 0 || exponents.len != rows * groups || packed.len != exponents.len * 16 || first < 0 ||
+        count < 0 || first > groups || count > groups - first || rows > PY_SSIZE_T_MAX / 128 / (count ? count : 1)) {
+        PyErr_Format(PyExc_ValueError, "mxfp4_columns: %zd packed bytes, %zd exponents, %zd rows, groups %zd + %zd",
+                     packed.len, exponents.len, rows, first, count);
+        goto done;
+    }
+    out = PyBytes_FromStringAndSize(NULL, count * 32 * rows * (bf16 ? 2 : 4));
+    if (!out) goto done;
+    const uint8_t *src = packed.buf, *scale = exponents.buf;
+    char *dst = PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t g = 0; g < count; g++) {
+        for (Py_ssize_t r = 0; r < rows; r++) {  /* column g * 32 + k's value of row r at (g * 32 + k) * rows + r */
+            Py_ssize_t at = r * groups + first + g;
+            const uint8_t *b = src + at * 16;
+            Py_ssize_t column = g * 32 * rows + r;
+            if (bf16) {
+                const uint16_t *v = mxfp4_bf16[scale[at]];
+                uint16_t *o = (uint16_t *)dst + column;
+                for (int k = 0; k < 16; k++) { o[2 * k * rows] = v[b[k] & 15]; o[(2 * k + 1) * rows] = v[b[k] >> 4]; }
+            } else {
+                const float *v = mxfp4_value[scale[at]];
+                float *o = (float *)dst + column;
+                for (int k = 0; k < 16; k++) { o[2 * k * rows] = v[b[k] & 15]; o[(2 * k + 1) * rows] = v[b[k] >> 4]; }
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+done:
+    PyBuffer_Release(&packed);
+    PyBuffer_Release(&exponents);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"fp8_block", fp8_block, METH_VARARGS, "FP8 weight rows times their block scales, as bfloat16 or float32 bytes."},
     {"mxfp4", mxfp4, METH_VARARGS, "MXFP4 groups times their powers of two, as bfloat16 or float32 bytes."},
+    {"mxfp4_columns", mxfp4_columns, METH_VARARGS, "Columns of an MXFP4 expert, dequantized and transposed."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dequant", NULL, -1, methods};

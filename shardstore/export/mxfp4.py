@@ -26,8 +26,9 @@ from .resolve import ArrayRef
 try:
     # (absent where no compiler built it)
     from ._dequant import mxfp4 as _mxfp4_c  # type: ignore[import-not-found, unused-ignore]
+    from ._dequant import mxfp4_columns as _columns_c  # type: ignore[import-not-found, unused-ignore]
 except ImportError:  # not built (no compiler at install time): numpy's, the same bytes
-    _mxfp4_c = None
+    _mxfp4_c = _columns_c = None
 NATIVE = _mxfp4_c is not None
 
 BLOCKS, SCALES = "_blocks", "_scales"
@@ -80,7 +81,7 @@ class Dequantized(ArrayRef):
             for expert in range(first, stop):
                 packed, exponents = self._expert(store, expert)
                 for g in range(0, groups, step):
-                    yield values(packed[:, g:g + step], exponents[:, g:g + step], self.dtype, True)
+                    yield columns(packed, exponents, g, min(step, groups - g), self.dtype)
 
     def member_rows(self, store: Store, expert: int, interleave: int = 1) -> Iterator[Part]:
         """Expert `expert` as it was stored, rows × columns (Megatron's orientation, which the transposition
@@ -92,7 +93,7 @@ class Dequantized(ArrayRef):
         for way in range(interleave):
             for r in range(way, rows, step * interleave):
                 picked = slice(r, min(rows, r + step * interleave), interleave)
-                yield values(packed[picked], exponents[picked], self.dtype, False)
+                yield values(packed[picked], exponents[picked], self.dtype)
 
     @property
     def _sizes(self) -> tuple[int, int]:
@@ -116,20 +117,31 @@ class Dequantized(ArrayRef):
         return None
 
 
-def values(packed: np.ndarray, exponents: np.ndarray, dtype: str, transposed: bool) -> Part:
-    """Rows × groups of packed bytes and their exponents as rows × columns of `dtype` (or columns × rows,
-    `transposed`): the C extension's where it was built (bfloat16, float32), else numpy's, the same bytes."""
-    rows, groups = exponents.shape
-    columns = groups * 2 * GROUP_BYTES
+def values(packed: np.ndarray, exponents: np.ndarray, dtype: str) -> Part:
+    """Rows × groups of packed bytes and their exponents as rows × columns of `dtype`: the C extension's
+    where it was built (bfloat16, float32), else numpy's, the same bytes."""
     if _mxfp4_c is not None and dtype in ("bfloat16", "float32"):
-        raw = _mxfp4_c(np.ascontiguousarray(packed).data, np.ascontiguousarray(exponents).data, dtype == "bfloat16")
-        if not transposed:
-            return memoryview(raw)
-        out = np.frombuffer(raw, dtypes.info(dtype).raw).reshape(rows, columns)
-        return np.ascontiguousarray(out.T).reshape(-1).view(np.uint8).data
+        return memoryview(_mxfp4_c(np.ascontiguousarray(packed).data, np.ascontiguousarray(exponents).data,
+                                   dtype == "bfloat16"))
+    return _numpy(packed, exponents, dtype, False)
+
+
+def columns(packed: np.ndarray, exponents: np.ndarray, first: int, count: int, dtype: str) -> Part:
+    """Of an expert's rows × groups of packed bytes and exponents, the columns of groups [first, first +
+    count) as columns × rows of `dtype` (transposed, as transformers keeps them): the C extension's where
+    it was built, else numpy's, the same bytes."""
+    if _columns_c is not None and dtype in ("bfloat16", "float32"):
+        return memoryview(_columns_c(np.ascontiguousarray(packed).data, np.ascontiguousarray(exponents).data,
+                                     dtype == "bfloat16", exponents.shape[0], first, count))
+    return _numpy(packed[:, first:first + count], exponents[:, first:first + count], dtype, True)
+
+
+def _numpy(packed: np.ndarray, exponents: np.ndarray, dtype: str, transposed: bool) -> Part:
+    """`values` (or `columns`, `transposed`) by numpy."""
+    rows, groups = exponents.shape
     with np.errstate(over="ignore"):  # exactly, as torch's ldexp: past float32's range, infinity
         numbers = np.ldexp(PAIRS[packed].reshape(rows, groups, 2 * GROUP_BYTES),
-                           (exponents.astype(np.int32) - 127)[:, :, None]).reshape(rows, columns)
+                           (exponents.astype(np.int32) - 127)[:, :, None]).reshape(rows, groups * 2 * GROUP_BYTES)
     if transposed:
         numbers = np.ascontiguousarray(numbers.T)
     return numbers.reshape(-1).view(np.uint8).data if dtype == "float32" else dtypes.rounded(numbers, dtype)

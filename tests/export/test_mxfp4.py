@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 import shardstore
 from shardstore.export import mxfp4
-from shardstore.export.mxfp4 import values
+from shardstore.export.mxfp4 import columns, values
 from tests.conftest import assert_bitwise_equal
 from tests.fixtures.gpt_oss_hf import mxfp4_folder
 
@@ -53,16 +53,19 @@ def test_values_are_transformers_own_bit_for_bit(dtype: str, native: bool, monke
         pytest.skip("the C extension was not built (no compiler at install time)")
     if not native:
         monkeypatch.setattr(mxfp4, "_mxfp4_c", None)
+        monkeypatch.setattr(mxfp4, "_columns_c", None)
     draw = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 40, 4, 16), generator=draw, dtype=torch.uint8)
     scales = torch.randint(0, 256, (3, 40, 4), generator=draw, dtype=torch.uint8)
     scales[0, 0, :] = torch.tensor([0, 1, 254, 255])
     want = convert_moe_packed_tensors(blocks, scales, dtype=getattr(torch, dtype))
     for e in range(3):
-        got = bytes(values(blocks[e].numpy(), scales[e].numpy(), dtype, True))
-        assert got == want[e].contiguous().view(torch.uint8).numpy().tobytes(), e
-        rows = np.frombuffer(bytes(values(blocks[e].numpy(), scales[e].numpy(), dtype, False)), np.uint8)
-        assert rows.tobytes() == want[e].T.contiguous().view(torch.uint8).numpy().tobytes(), e
+        packed, exponents = blocks[e].numpy(), scales[e].numpy()
+        assert bytes(columns(packed, exponents, 0, 4, dtype)) == want[e].contiguous().view(torch.uint8).numpy().tobytes()
+        for first, count in ((1, 2), (3, 1), (2, 0)):  # a slab of groups: their columns, transposed
+            slab = want[e][first * 32:(first + count) * 32].contiguous().view(torch.uint8).numpy().tobytes()
+            assert bytes(columns(packed, exponents, first, count, dtype)) == slab, (e, first, count)
+        assert bytes(values(packed, exponents, dtype)) == want[e].T.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 class _Arrays:
@@ -138,11 +141,15 @@ def test_an_mxfp4_model_becomes_a_megatron_checkpoint_of_its_dequantized_experts
     assert verified.ok and verified.tensors == len(got), verified.summary()
 
 
-def test_the_c_extension_refuses_packed_bytes_that_are_not_its_groups() -> None:
+def test_the_c_extension_refuses_bytes_that_are_not_its_groups() -> None:
     if not mxfp4.NATIVE:
         pytest.skip("the C extension was not built (no compiler at install time)")
     with pytest.raises(ValueError, match="mxfp4: 31 packed bytes for 2 groups of 16"):
         mxfp4._mxfp4_c(bytes(31), bytes(2), True)
+    with pytest.raises(ValueError, match="mxfp4_columns: 64 packed bytes, 4 exponents, 2 rows, groups 1 \\+ 2"):
+        mxfp4._columns_c(bytes(64), bytes(4), True, 2, 1, 2)  # (2 groups a row: group 2 is none)
+    with pytest.raises(ValueError, match="mxfp4_columns: 60 packed bytes"):
+        mxfp4._columns_c(bytes(60), bytes(4), True, 2, 0, 2)
 
 
 def test_blocks_that_do_not_fit_their_scales_are_refused_by_name(tmp_path: Path) -> None:
