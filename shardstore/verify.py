@@ -139,7 +139,11 @@ def verify(src: str | os.PathLike[str], output: str | os.PathLike[str], format: 
         # the tensors, and their names, a safetensors (or hf) export writes: a state dict's too
         export = replace(export, output=fmt if fmt.subtree else registry.TENSORS)
         with base_folder.opened(export) as export:
-            return _compare(store, planned(store, export).tensors, _views(outputs), fmt.name)
+            tensors = planned(store, export).tensors
+            dtype = _dequantized_into(tensors, outputs) if export.dtype is None else None
+            if dtype is not None:  # a quantized model's export with --dtype: checked as the writer dequantized it
+                tensors = planned(store, replace(export, dtype=dtype)).tensors
+            return _compare(store, tensors, _views(outputs), fmt.name)
     finally:
         for f in files:
             f.close()
@@ -221,6 +225,17 @@ def _rows(store: Store, path: str | None, shape: tuple[int, ...], rows: tuple[in
     row = len(value.data) // shape[0] if shape and shape[0] else len(value.data)
     data = value.data if rows is None else value.data[rows[0] * row:rows[1] * row]
     return value.dtype, lambda: iter([data])
+
+
+def _dequantized_into(tensors: list[Item], outputs: dict[str, Any]) -> str | None:
+    """The dtype an export dequantized a quantized model's weights into, where the output holds none of its
+    scales (FP8's `X.weight_scale_inv`, MXFP4's `X_scales`) but the weights they scale, in that dtype."""
+    scaled = {it.key.removesuffix(fp8.SCALE): it.key for it in tensors if it.key.endswith(fp8.SCALE)}
+    scaled.update({it.key.removesuffix(mxfp4.SCALES): it.key for it in tensors if it.key.endswith(mxfp4.SCALES)})
+    if not scaled or any(scale in outputs for scale in scaled.values()):
+        return None
+    held = [outputs[key][1].dtype for key in scaled if key in outputs]
+    return held[0] if held else None
 
 
 def _views(outputs: dict[str, tuple[OutputFile, TensorRef]]) -> dict[str, Found]:

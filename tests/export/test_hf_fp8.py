@@ -66,6 +66,8 @@ def test_dtype_dequantizes_as_transformers_does(fp8_model: Path, tmp_path: Path)
     got = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").eval()
     with torch.no_grad():
         assert torch.equal(got(IDS).logits, want(IDS).logits)
+    verified = shardstore.verify(fp8_model, tmp_path / "bf16")  # as the export dequantized it, not as a cast
+    assert verified.ok and verified.tensors == len(want.state_dict()), verified.summary()
 
 
 def test_safetensors_dtype_dequantizes_too(fp8_model: Path, tmp_path: Path) -> None:
@@ -73,6 +75,7 @@ def test_safetensors_dtype_dequantizes_too(fp8_model: Path, tmp_path: Path) -> N
     dequantized weights, its config.json's blocks taken from beside the weights."""
     shardstore.unshard(fp8_model, tmp_path / "st", format="safetensors", dtype="bfloat16", jobs=1)
     assert_bitwise_equal(_weights(tmp_path / "st"), _dequantized_by_transformers(fp8_model).state_dict(), "safetensors")
+    assert shardstore.verify(fp8_model, tmp_path / "st").ok
 
 
 def test_without_dtype_the_fp8_model_is_kept_as_it_is(fp8_model: Path, tmp_path: Path) -> None:

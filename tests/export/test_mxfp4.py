@@ -120,6 +120,9 @@ def test_an_mxfp4_model_becomes_transformers_own_bfloat16_model(tmp_path: Path) 
     assert torch.equal(_transformers(tmp_path / "hf")[1], logits)
     shardstore.unshard(tmp_path / "src", tmp_path / "st", format="safetensors", dtype="bfloat16", jobs=1)
     assert_bitwise_equal(_safetensors(tmp_path / "st"), got, "mxfp4 safetensors")  # (the config kept beside it)
+    for out in ("hf", "st"):  # checked as the export dequantized them, not as their bytes cast
+        verified = shardstore.verify(tmp_path / "src", tmp_path / out)
+        assert verified.ok and verified.tensors == len(got), verified.summary()
     shardstore.unshard(tmp_path / "src", tmp_path / "kept", format="hf", jobs=1)
     assert_bitwise_equal(_safetensors(tmp_path / "kept"), _safetensors(tmp_path / "src"), "mxfp4 kept")
 
