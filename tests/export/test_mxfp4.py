@@ -127,12 +127,15 @@ def test_an_mxfp4_model_becomes_transformers_own_bfloat16_model(tmp_path: Path) 
     assert_bitwise_equal(_safetensors(tmp_path / "kept"), _safetensors(tmp_path / "src"), "mxfp4 kept")
 
 
-@pytest.mark.parametrize("via", ["one pass", "store"])
+@pytest.mark.parametrize("via", ["one pass", "store", "sharded"])
 def test_an_mxfp4_model_becomes_a_megatron_checkpoint_of_its_dequantized_experts(via: str, tmp_path: Path) -> None:
     """`--format megatron` of the MXFP4 model: each expert dequantized straight into Megatron's rows ×
     columns ([gate; up] gathered from the interleaved rows); read back as Hugging Face's, transformers' own
-    bfloat16 model bit for bit."""
+    bfloat16 model bit for bit. Also of the folder in two files with an index, each expert's blocks in one
+    and its scales in the other (each file a worker's unit)."""
     mxfp4_folder(tmp_path / "src")
+    if via == "sharded":
+        _split(tmp_path / "src")
     want, logits = _transformers(tmp_path / "src")
     store = {"store": tmp_path / "store"} if via == "store" else {}
     shardstore.unshard(tmp_path / "src", tmp_path / "megatron", format="megatron", jobs=2, **store)
@@ -142,6 +145,18 @@ def test_an_mxfp4_model_becomes_a_megatron_checkpoint_of_its_dequantized_experts
     assert torch.equal(_transformers(tmp_path / "back")[1], logits)
     verified = shardstore.verify(tmp_path / "src", tmp_path / "megatron")  # the experts as the writer dequantized them
     assert verified.ok and verified.tensors == len(got), verified.summary()
+
+
+def _split(folder: Path) -> None:
+    """`folder`'s model.safetensors as two files and their index, the scales apart from their blocks."""
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    files = {"model-00001-of-00002.safetensors": {k: v for k, v in tensors.items() if not k.endswith("_scales")},
+             "model-00002-of-00002.safetensors": {k: v for k, v in tensors.items() if k.endswith("_scales")}}
+    for name, part in files.items():
+        save_file(part, folder / name, metadata={"format": "pt"})
+    weight_map = {key: name for name, part in files.items() for key in part}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 def test_the_c_extension_refuses_bytes_that_are_not_its_groups() -> None:
