@@ -82,6 +82,8 @@ def plan_items(store: Store, subtree: str, request: ExportRequest
     model, sources, _ = chunks.model_arrays(store, subtree, request, request.dtype or "bfloat16")
     config: dict[str, Any] = model.config or {}
     where = "the model's config.json"
+    if architecture(config, where) == GPT_OSS:
+        config = gpt_oss.with_defaults(config)
     if architecture(config, where) == DEEPSEEK_V3:
         model, config = _without_absent_mtp(model, config, sources)
         copies = mtp_copies(config, list(sources))

@@ -58,6 +58,8 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
         raise ExportError(f"{where}: architecture {arch!r:.60}; a Megatron checkpoint is exported as one of "
                           f"{', '.join(ARCHITECTURES)} (or a config of model_type "
                           f"{', '.join(BY_MODEL_TYPE)})")
+    if arch == GPT_OSS:
+        config = gpt_oss.with_defaults(config)
     hidden, heads = need(config, "hidden_size", where), need(config, "num_attention_heads", where)
     groups = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads
