@@ -46,7 +46,8 @@ from .hf.spec import HFModel
 from .hf.megatron_inverse import (TRANSFORMER_ENGINE, Placed, architecture, layers_stacked, mtp_copies, padded_vocab,
                                   placements, stacked)
 from .hf.megatron import MOE_BLOCKS
-from .hf.megatron_llama import DEEPSEEK_V3, GPT_OSS, QWEN2_MOE, QWEN3, QWEN3_MOE, count, need, number
+from .hf.megatron_llama import (DEEPSEEK_V3, GPT_OSS, QWEN2_MOE, QWEN3, QWEN3_MOE, count, need, number,
+                                with_defaults)
 from .resolve import ArrayRef
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
@@ -82,8 +83,7 @@ def plan_items(store: Store, subtree: str, request: ExportRequest
     model, sources, _ = chunks.model_arrays(store, subtree, request, request.dtype or "bfloat16")
     config: dict[str, Any] = model.config or {}
     where = "the model's config.json"
-    if architecture(config, where) == GPT_OSS:
-        config = gpt_oss.with_defaults(config)
+    config = with_defaults(config, architecture(config, where))
     if architecture(config, where) == DEEPSEEK_V3:
         model, config = _without_absent_mtp(model, config, sources)
         copies = mtp_copies(config, list(sources))
@@ -179,6 +179,7 @@ def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int, impl: 
     """Megatron-LM's arguments for the model `config` describes, as its `check_checkpoint_args` compares
     them and `export/hf/megatron.config_from_args` reads them back."""
     arch = architecture(config, "the model's config.json")
+    config = with_defaults(config, arch)
     heads = config["num_attention_heads"]
     groups = config.get("num_key_value_heads") or heads
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")

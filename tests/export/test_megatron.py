@@ -187,25 +187,33 @@ def test_a_transformers_gpt_oss_becomes_a_megatron_checkpoint_and_back_bit_for_b
     assert torch.equal(got, want)
 
 
-def test_a_gpt_oss_config_without_its_sizes_takes_gpt_osss_defaults(tmp_path: Path) -> None:
-    """A GptOss config.json written by hand without head_dim and num_key_value_heads: transformers takes 64
-    and 8 (not hidden / heads and one group a head, the Llama family's rules), and so does the writer."""
-    from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
+@pytest.mark.parametrize("name, heads, sizes", [("GptOss", 8, (64, 8)), ("Qwen3", 32, (128, 32)),
+                                                ("Mistral", 16, (2, 8))])
+def test_a_config_without_its_sizes_takes_its_classs_defaults(name: str, heads: int, sizes: tuple[int, int],
+                                                               tmp_path: Path) -> None:
+    """A config.json written by hand without head_dim and num_key_value_heads: transformers takes its class's
+    defaults (GptOss 64 and 8, Qwen3 128 and 32, Mistral hidden / heads and 8 groups of 16 heads), not the
+    Llama family's rules (hidden / heads, one group a head), and so does the writer, both ways."""
+    import transformers
 
     torch.manual_seed(0)
-    config = GptOssConfig(vocab_size=100, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                          num_attention_heads=8, num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=32)
-    assert (config.head_dim, config.num_key_value_heads) == (64, 8)
-    GptOssForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    extra = {"num_local_experts": 2, "num_experts_per_tok": 1} if name == "GptOss" else {}
+    config = getattr(transformers, f"{name}Config")(vocab_size=100, hidden_size=32, intermediate_size=16,
+                                                   num_hidden_layers=2, num_attention_heads=heads,
+                                                   max_position_embeddings=32, **extra)
+    assert (config.head_dim, config.num_key_value_heads) == sizes
+    getattr(transformers, f"{name}ForCausalLM")(config).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({k: v for k, v in written.items()
                                                              if k not in ("head_dim", "num_key_value_heads")}))
     shardstore.unshard(tmp_path / "hf", tmp_path / "megatron", format="megatron", jobs=1)
-    tensors, items = _dcp(tmp_path / "megatron" / "release")
-    assert tensors["decoder.layers.self_attention.linear_qkv.weight"].shape == (2, (8 + 2 * 8) * 64, 32)
+    tensors, _ = _dcp(tmp_path / "megatron" / "release")
+    head_dim, groups = sizes
+    qkv = tensors["decoder.layers.self_attention.linear_qkv.weight"]
+    assert qkv.shape == (2, (heads + 2 * groups) * head_dim, 32)
     shardstore.unshard(tmp_path / "megatron", tmp_path / "back", format="hf", jobs=1)
-    assert_bitwise_equal(_safetensors(tmp_path / "back"), _safetensors(tmp_path / "hf"), "gpt-oss defaults")
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "back").config.head_dim == 64
+    assert_bitwise_equal(_safetensors(tmp_path / "back"), _safetensors(tmp_path / "hf"), name)
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").config.head_dim == head_dim
 
 
 def test_what_a_megatron_checkpoint_cannot_hold_is_refused_before_it_is_written(tmp_path: Path) -> None:

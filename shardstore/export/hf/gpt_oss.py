@@ -26,9 +26,6 @@ QUICK_GELU_ALPHA = 1.702  # megatron-core's quick_gelu: x * sigmoid(1.702 x)
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}
 DEFAULT_THETA, DEFAULT_TOPK, DEFAULT_WINDOW = 150000.0, 4, 128
-# ... and for the fields that size its tensors where config.json leaves them out (transformers' save_pretrained
-# writes every field; a config written by hand may not), which differ from the Llama family's rules
-SIZES = {"head_dim": 64, "num_key_value_heads": 8}
 
 
 def layer(take: Callable[..., None], shapes: dict[str, Any], config: dict[str, Any], source: str, hf: str,
@@ -60,12 +57,6 @@ def _stacks(width: int, hidden: int) -> tuple[tuple[str, str, tuple[int, ...], i
             ("gate_up_proj_bias", "linear_fc1.bias", (2 * width,), 2, False),
             ("down_proj", "linear_fc2.weight", (hidden, width), 1, True),
             ("down_proj_bias", "linear_fc2.bias", (hidden,), 1, False))
-
-
-def with_defaults(config: dict[str, Any]) -> dict[str, Any]:
-    """`config` with GptOssConfig's `SIZES` where it leaves them out (an explicit null keeps transformers'
-    rules: hidden / heads, one group a head)."""
-    return {**config, **{k: v for k, v in SIZES.items() if k not in config}}
 
 
 def megatron_shapes(config: dict[str, Any], layer: str, hidden: int, where: str) -> dict[str, tuple[int, ...]]:

@@ -21,7 +21,7 @@ from ...errors import ExportError
 from ...patterns import digits
 from . import deepseek, gpt_oss, megatron_lora
 from .megatron_llama import (DEEPSEEK_V3, EMBEDDING, FINAL_NORM, GPT_OSS, MOE, NORMS, OUTPUT, QWEN2_MOE, QWEN3,
-                             QWEN3_MOE, glu, llama_config, need)
+                             QWEN3_MOE, glu, llama_config, need, with_defaults)
 from .spec import HFModel, HFTensor
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", QWEN3, MOE, QWEN3_MOE, QWEN2_MOE,
@@ -58,8 +58,7 @@ def plan(config: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, 
         raise ExportError(f"{where}: architecture {arch!r:.60}; a Megatron checkpoint is exported as one of "
                           f"{', '.join(ARCHITECTURES)} (or a config of model_type "
                           f"{', '.join(BY_MODEL_TYPE)})")
-    if arch == GPT_OSS:
-        config = gpt_oss.with_defaults(config)
+    config = with_defaults(config, arch)
     hidden, heads = need(config, "hidden_size", where), need(config, "num_attention_heads", where)
     groups = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or hidden // heads

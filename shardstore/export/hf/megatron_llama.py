@@ -24,6 +24,21 @@ DEEPSEEK_V3 = "DeepseekV3ForCausalLM"  # Megatron's multi_latent_attention
 GPT_OSS = "GptOssForCausalLM"  # learnable attention sinks, biases, clamped quick-GeGLU experts (gpt_oss.py)
 
 
+# transformers' class defaults for the fields that size a model's attention, where config.json leaves them out
+# (save_pretrained writes every field; a config written by hand may not), which are not the Llama family's
+# rules (one key-value group a head, heads of hidden / heads); an explicit null keeps those rules
+SIZE_DEFAULTS: dict[str, dict[str, int]] = {
+    "MistralForCausalLM": {"num_key_value_heads": 8}, "Qwen2ForCausalLM": {"num_key_value_heads": 32},
+    QWEN3: {"num_key_value_heads": 32, "head_dim": 128}, MOE: {"num_key_value_heads": 8},
+    QWEN3_MOE: {"num_key_value_heads": 4}, QWEN2_MOE: {"num_key_value_heads": 16},
+    GPT_OSS: {"num_key_value_heads": 8, "head_dim": 64}}
+
+
+def with_defaults(config: dict[str, Any], arch: str) -> dict[str, Any]:
+    """`config` with its class's `SIZE_DEFAULTS` where it leaves them out."""
+    return {**config, **{k: v for k, v in SIZE_DEFAULTS.get(arch, {}).items() if k not in config}}
+
+
 def need(config: dict[str, Any], key: str, where: str) -> int:
     """`config[key]`, a positive int, or refused naming it."""
     value = config.get(key)
