@@ -47,10 +47,11 @@ from .hf.megatron_inverse import (TRANSFORMER_ENGINE, Placed, architecture, laye
                                   placements, stacked)
 from .hf.megatron import MOE_BLOCKS
 from .hf.megatron_llama import (DEEPSEEK_V3, GPT_OSS, QWEN2_MOE, QWEN3, QWEN3_MOE, count, need, number,
-                                with_defaults)
+                                rope_key, with_defaults)
 from .resolve import ArrayRef
 
 ITERATION_FILE = "latest_checkpointed_iteration.txt"
+WHERE = "the model's config.json"
 RELEASE = "release"
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 # the linear layers whose `_extra_state` megatron-core saves (an MoE's experts' and shared expert's too, MLA's,
@@ -81,10 +82,9 @@ def plan_items(store: Store, subtree: str, request: ExportRequest
     """The Hugging Face model the store is (export/hf), and it placed in Megatron's names: the tensor
     chunks and the other items of the checkpoint, and what `.metadata` describes each key as."""
     model, sources, _ = chunks.model_arrays(store, subtree, request, request.dtype or "bfloat16")
-    config: dict[str, Any] = model.config or {}
-    where = "the model's config.json"
-    config = with_defaults(config, architecture(config, where))
-    if architecture(config, where) == DEEPSEEK_V3:
+    arch = architecture(model.config or {}, WHERE)
+    config = with_defaults(model.config or {}, arch)
+    if arch == DEEPSEEK_V3:
         model, config = _without_absent_mtp(model, config, sources)
         copies = mtp_copies(config, list(sources))
         if copies:
@@ -92,9 +92,9 @@ def plan_items(store: Store, subtree: str, request: ExportRequest
             model.notes.append(f"{', '.join(copies)}: the hub's copies of the embedding and output layer, which "
                                f"Megatron's multi-token prediction takes from the model: not written")
     multiple = request.vocab_multiple or VOCAB_MULTIPLE
-    vocab_rows = padded_vocab(need(config, "vocab_size", where), multiple)
+    vocab_rows = padded_vocab(need(config, "vocab_size", WHERE), multiple)
     impl = request.transformer_impl or TRANSFORMER_ENGINE
-    placed = placements(config, {k: it.shape for k, it in sources.items()}, where, vocab_rows=vocab_rows, impl=impl)
+    placed = placements(config, {k: it.shape for k, it in sources.items()}, WHERE, vocab_rows=vocab_rows, impl=impl)
     keys = stacked(placed.shapes, layers_stacked(config))
     index_of = {member: (key, index) for key, (_, members) in keys.items() for member, index in members.items()}
     dtypes = {p.target: sources[p.hf].dtype for p in placed.placements}
@@ -178,7 +178,7 @@ def _with_extra_state(key: str, impl: str) -> list[str]:
 def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int, impl: str = TRANSFORMER_ENGINE) -> Namespace:
     """Megatron-LM's arguments for the model `config` describes, as its `check_checkpoint_args` compares
     them and `export/hf/megatron.config_from_args` reads them back."""
-    arch = architecture(config, "the model's config.json")
+    arch = architecture(config, WHERE)
     config = with_defaults(config, arch)
     heads = config["num_attention_heads"]
     groups = config.get("num_key_value_heads") or heads
@@ -204,20 +204,17 @@ def megatron_args(config: dict[str, Any], vocab_rows: int, multiple: int, impl: 
     if arch == DEEPSEEK_V3:
         args.update(_deepseek_args(config, scaling))
     elif arch == GPT_OSS:
-        args.update(gpt_oss.megatron_args(config, scaling, "the model's config.json"))
+        args.update(gpt_oss.megatron_args(config, scaling, WHERE))
     elif scaling is not None:
         args.update(llama_scaling(scaling, f"{WHERE}: {rope_key(config)}"))
     if arch in MOE_BLOCKS:  # every layer's MLP sparse, routed as the class routes (megatron_llama._moe_class)
-        _, count, width, _ = MOE_BLOCKS[arch]
-        args.update(num_experts=config[count], moe_ffn_hidden_size=config[width],
+        _, experts_key, width_key, _ = MOE_BLOCKS[arch]  # (not `count`: the function of that name)
+        args.update(num_experts=config[experts_key], moe_ffn_hidden_size=config[width_key],
                     moe_router_topk=topk(config, 2))
         if arch == QWEN2_MOE:
             args.update(moe_shared_expert_intermediate_size=config["shared_expert_intermediate_size"],
                         moe_shared_expert_gate=True, moe_router_pre_softmax=True)
     return Namespace(**args)
-
-
-WHERE = "the model's config.json"
 
 
 def topk(config: dict[str, Any], default: int) -> int:
@@ -239,11 +236,6 @@ def rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
     scaling = _rope_parameters(config, "rope_scaling") or _rope_parameters(config, "rope_parameters")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     return None if kind in (None, "default") else {**scaling, "rope_type": kind}
-
-
-def rope_key(config: dict[str, Any]) -> str:
-    """Which of its two spellings a config holds its rotary embeddings' scaling under."""
-    return "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
 
 
 def _rope_parameters(config: dict[str, Any], key: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import math
 from typing import Any, Callable
 
 from ...errors import ExportError
-from .megatron_llama import GPT_OSS, MOE_REFUSED, Check, count, llama_config, need, number
+from .megatron_llama import GPT_OSS, MOE_REFUSED, Check, count, llama_config, need, number, rope_key
 
 QUICK_GELU_ALPHA = 1.702  # megatron-core's quick_gelu: x * sigmoid(1.702 x)
 # what GptOssConfig takes where config.json says nothing: YaRN (the hub's), its rotary base, top k, window
@@ -90,7 +90,7 @@ def megatron_args(config: dict[str, Any], scaling: dict[str, Any] | None, where:
                           f"halves at a positive value")
     if not (config.get("rope_scaling") or config.get("rope_parameters")):
         scaling = DEFAULT_ROPE
-    rope = f"{where}: {'rope_scaling' if config.get('rope_scaling') else 'rope_parameters'}"
+    rope = f"{where}: {rope_key(config)}"
     return dict(add_bias_linear=True, add_qkv_bias=True, swiglu=False, quick_geglu=True, softmax_type="learnable",
                 activation_func_clamp_value=limit, glu_linear_offset=1.0, num_experts=experts,
                 moe_ffn_hidden_size=width, moe_router_topk=count(config, "num_experts_per_tok", DEFAULT_TOPK, where),
@@ -132,12 +132,10 @@ def _yarn(scaling: dict[str, Any] | None, where: str) -> dict[str, Any]:
     mscale, mscale_all_dim = number(scaling, "mscale", 0.0, where), number(scaling, "mscale_all_dim", 0.0, where)
     if not (mscale and mscale_all_dim):  # transformers' default: the mscale of the factor alone
         mscale, mscale_all_dim = 1.0, 0.0
-    factor_given = scaling.get("attention_factor")
     made = _mscale(factor, mscale) / _mscale(factor, mscale_all_dim)
-    if factor_given is not None and not math.isclose(number(scaling, "attention_factor", made, where), made,
-                                                     rel_tol=1e-12):
-        raise ExportError(f"{where}: YaRN's attention_factor is {factor_given!r:.20}; megatron-core computes it from "
-                          f"mscale {mscale} and mscale_all_dim {mscale_all_dim}: {made}")
+    if not math.isclose(number(scaling, "attention_factor", made, where), made, rel_tol=1e-12):  # (absent: made)
+        raise ExportError(f"{where}: YaRN's attention_factor is {scaling['attention_factor']!r:.20}; megatron-core "
+                          f"computes it from mscale {mscale} and mscale_all_dim {mscale_all_dim}: {made}")
     return {"position_embedding_type": "yarn", "rotary_scaling_factor": factor,
             "yarn_original_max_position_embeddings": count(scaling, "original_max_position_embeddings", 4096, where),
             "yarn_beta_fast": number(scaling, "beta_fast", 32.0, where),

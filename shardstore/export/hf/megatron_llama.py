@@ -58,6 +58,12 @@ def number(mapping: dict[str, Any], key: str, default: float, where: str) -> flo
     return float(value)
 
 
+def rope_key(config: dict[str, Any]) -> str:
+    """Which of its two spellings a config holds its rotary embeddings' scaling under (`rope_scaling`,
+    transformers < 5; `rope_parameters`, 5)."""
+    return "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+
+
 def count(mapping: dict[str, Any], key: str, default: int, where: str) -> int:
     """`mapping[key]` (`default` where it is absent or null), a positive int, or refused naming it."""
     value = mapping.get(key)
